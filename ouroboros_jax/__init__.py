@@ -1,0 +1,1 @@
+"""ouroboros_jax: Ouroboros delayed-gradient model parallelism for Transformer LMs."""
