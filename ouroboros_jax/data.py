@@ -1,0 +1,629 @@
+"""Byte-level language-model data: corpora, splits, windows and iterators.
+
+Tokens are raw bytes (vocabulary 256). A corpus is chosen with one spec string:
+
+* ``'default'`` / ``'shakespeare'``: the embedded Shakespeare corpus
+  (``ouroboros_jax/corpus/shakespeare.txt.gz``), served as a locally built TFDS
+  dataset (:class:`ShakespeareBytes`, ``array_record`` files, no TensorFlow).
+  It is prepared once into ``data_dir`` (default ``$OUROBOROS_DATA_DIR`` or
+  ``~/.cache/ouroboros_jax/tfds``) and read back with
+  ``builder.as_data_source()``.
+* ``'text:PATH[,PATH...]'``: local text files (plain or ``.gz``), concatenated
+  in the given order with ``b'\\n'`` between files.
+* ``'tfds:NAME[:FEATURE]'``: a TFDS text dataset read with
+  ``tfds.data_source`` (``array_record``); FEATURE defaults to ``'text'``.
+  Documents are UTF-8 encoded and joined with ``b'\\n'`` in the data source's
+  record order; the whole dataset is read into memory. With ``data_dir=None``
+  TFDS's own default applies (``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``).
+
+Every corpus becomes three uint8 arrays, ``'train'``, ``'validation'`` and
+``'test'``. A single stream is split 90/5/5 by bytes (see :func:`split_ranges`);
+for ``tfds:`` the dataset's own splits are used where present (see
+:func:`load_splits`).
+
+A split is cut into windows of ``seq_len + 1`` tokens with stride ``seq_len``
+(:class:`WindowSource`, a Grain random-access source); ``inputs`` is a window
+without its last token and ``targets`` the window without its first, so
+consecutive windows share one token and every token is predicted once.
+
+Typical use::
+
+  splits = data.load_splits('default')
+  train_it = data.make_train_iterator(
+      splits['train'], seq_len=256, batch_size=32, seed=0)
+  batch = next(train_it)  # {'inputs': int32[32, 256], 'targets': ...}
+  state = train_it.get_state()  # JSON-serialisable; train_it.set_state(state)
+  for batch in data.eval_batches(
+      splits['validation'], seq_len=256, batch_size=32, max_batches=10):
+    ...
+
+Training order: windows are shuffled with Grain (``shuffle`` then ``repeat``),
+which folds the epoch number into the shuffle seed, so every epoch is a fresh
+permutation of all windows and the stream is infinite. Batches are cut from
+that stream, so a batch may straddle an epoch boundary, but no window is
+dropped or duplicated within an epoch.
+
+All problems a user can fix raise :class:`DataError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import io
+import logging
+import os
+import pathlib
+import re
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from etils import epath
+import grain
+import numpy as np
+import tensorflow_datasets as tfds
+
+log = logging.getLogger(__name__)
+
+VOCAB_SIZE = 256
+SPLITS = ('train', 'validation', 'test')
+DEFAULT_CORPUS_PATH = (
+    pathlib.Path(__file__).resolve().parent / 'corpus' / 'shakespeare.txt.gz'
+)
+DEFAULT_DATA_DIR_ENV = 'OUROBOROS_DATA_DIR'
+# Bytes per TFDS record of the default corpus; small enough to keep records
+# cheap, large enough that there are only ~80 of them.
+CHUNK_BYTES = 64 * 1024
+# Grain defaults to 16 threads and 500 prefetched elements, which for large
+# batches is gigabytes of host memory; batches here are cheap array slices.
+_READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=16)
+_SPEC_HELP = (
+    "use 'default' (or 'shakespeare'), 'text:PATH[,PATH...]' or"
+    " 'tfds:NAME[:FEATURE]'"
+)
+
+
+class DataError(ValueError):
+  """A data problem the user can fix; the message is one line."""
+
+  def __init__(self, message: str):
+    super().__init__(_one_line(message))
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+  text = ' '.join(str(text).split())
+  return text if len(text) <= limit else text[: limit - 3] + '...'
+
+
+def _first_line(exc: BaseException) -> str:
+  lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+  return f'{type(exc).__name__}: {lines[0] if lines else ""}'.rstrip(': ')
+
+
+# ----------------------------------------------------------------------------
+# Splits.
+
+
+def split_ranges(n_bytes: int) -> dict[str, tuple[int, int]]:
+  """Returns the [start, stop) byte range of each split of an n-byte stream.
+
+  First 90% train, next 5% validation, the rest (about 5%) test; integer
+  arithmetic so the ranges are contiguous, disjoint and cover [0, n_bytes).
+  """
+  n_train = n_bytes * 90 // 100
+  n_valid = n_bytes * 5 // 100
+  return {
+      'train': (0, n_train),
+      'validation': (n_train, n_train + n_valid),
+      'test': (n_train + n_valid, n_bytes),
+  }
+
+
+def split_corpus(corpus_U8: np.ndarray | bytes) -> dict[str, np.ndarray]:
+  """Splits one byte stream 90/5/5 into uint8 views (see split_ranges)."""
+  if isinstance(corpus_U8, (bytes, bytearray, memoryview)):
+    corpus_U8 = np.frombuffer(corpus_U8, dtype=np.uint8)
+  corpus_U8 = np.asarray(corpus_U8, dtype=np.uint8)
+  return {
+      name: corpus_U8[start:stop]
+      for name, (start, stop) in split_ranges(len(corpus_U8)).items()
+  }
+
+
+def read_text_file(path: str | os.PathLike[str]) -> bytes:
+  """Returns a file's bytes, gunzipping ``*.gz``; DataError names the path."""
+  path = pathlib.Path(path).expanduser()
+  try:
+    if path.suffix == '.gz':
+      with gzip.open(path, 'rb') as f:
+        return f.read()
+    return path.read_bytes()
+  except FileNotFoundError:
+    raise DataError(
+        f'data file not found: {path}; check the path (text:PATH[,PATH...]).'
+    ) from None
+  except (OSError, EOFError, gzip.BadGzipFile) as e:
+    raise DataError(
+        f'cannot read data file {path} ({_first_line(e)}); check that it is a'
+        ' readable text or .gz file.'
+    ) from None
+
+
+# ----------------------------------------------------------------------------
+# The default corpus as a TFDS dataset built without TensorFlow.
+
+
+def default_data_dir() -> pathlib.Path:
+  """``$OUROBOROS_DATA_DIR`` or ``~/.cache/ouroboros_jax/tfds``."""
+  env = os.environ.get(DEFAULT_DATA_DIR_ENV)
+  if env:
+    return pathlib.Path(env).expanduser()
+  return pathlib.Path('~/.cache/ouroboros_jax/tfds').expanduser()
+
+
+class ShakespeareBytes(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+  """The embedded Shakespeare corpus as fixed-size byte chunks per split.
+
+  Each record is ``{'index': chunk number, 'bytes': uint8[<= CHUNK_BYTES]}``;
+  TFDS shuffles records on write, so readers sort by ``'index'``. Not added to
+  the TFDS registry (so re-importing this module is harmless); construct it
+  directly, e.g. ``ShakespeareBytes(data_dir=..., file_format='array_record')``.
+  """
+
+  VERSION = tfds.core.Version('1.0.0')
+  RELEASE_NOTES = {'1.0.0': 'Initial release: 90/5/5 byte split, 64 KiB chunks.'}
+  # TFDS 4.9.x derives code_path for builders in packages via a lazy import of
+  # the `importlib_resources` backport, which is not installed on Python >=
+  # 3.9; it only uses it to look for a checksums file, so give it directly.
+  code_path = epath.Path(__file__)
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    # dataset_info_from_configs() needs a TFDS package dir; build it directly.
+    return tfds.core.DatasetInfo(
+        builder=self,
+        description=(
+            'Complete works of Shakespeare as raw bytes, split 90/5/5 by'
+            ' bytes into train/validation/test, stored in'
+            f' {CHUNK_BYTES}-byte chunks.'
+        ),
+        features=tfds.features.FeaturesDict({
+            'index': tfds.features.Scalar(dtype=np.int64),
+            'bytes': tfds.features.Tensor(shape=(None,), dtype=np.uint8),
+        }),
+        homepage='https://www.gutenberg.org/ebooks/100',
+        citation='',
+    )
+
+  def _split_generators(self, dl_manager):
+    del dl_manager  # The corpus ships with the package; nothing to download.
+    corpus = read_text_file(DEFAULT_CORPUS_PATH)
+    return {
+        name: self._generate_examples(corpus[start:stop])
+        for name, (start, stop) in split_ranges(len(corpus)).items()
+    }
+
+  def _generate_examples(self, split_bytes: bytes):
+    for index, start in enumerate(range(0, len(split_bytes), CHUNK_BYTES)):
+      chunk_U8 = np.frombuffer(
+          split_bytes[start : start + CHUNK_BYTES], dtype=np.uint8
+      )
+      yield index, {'index': index, 'bytes': chunk_U8}
+
+
+@contextlib.contextmanager
+def _quiet_tfds() -> Iterator[None]:
+  """Hides TFDS progress bars, absl info/warnings and prints while active."""
+  from tensorflow_datasets.core.utils import tqdm_utils  # pylint: disable=g-import-not-at-top
+
+  bars_were_on = getattr(tqdm_utils, '_active', True)
+  absl_logger = logging.getLogger('absl')
+  old_level = absl_logger.level
+  stdout = io.StringIO()
+  tfds.display_progress_bar(False)
+  absl_logger.setLevel(logging.ERROR)
+  try:
+    # TFDS prints "Downloading and preparing ..." with termcolor.
+    with contextlib.redirect_stdout(stdout):
+      yield
+  finally:
+    absl_logger.setLevel(old_level)
+    tfds.display_progress_bar(bars_were_on)
+    if stdout.getvalue().strip():
+      log.debug('tfds: %s', _one_line(stdout.getvalue()))
+
+
+def prepare_default_corpus(
+    data_dir: str | os.PathLike[str] | None = None,
+) -> ShakespeareBytes:
+  """Builds the default corpus dataset once into data_dir; returns the builder.
+
+  A dataset that is already prepared (by this or another process) is reused.
+  TFDS writes into an ``incomplete.*`` directory and renames it at the end;
+  if another process wins that rename, we reuse its result.
+  """
+  data_dir = pathlib.Path(data_dir).expanduser() if data_dir else None
+  data_dir = data_dir or default_data_dir()
+  with _quiet_tfds():
+    try:
+      data_dir.mkdir(parents=True, exist_ok=True)
+      builder = ShakespeareBytes(
+          data_dir=os.fspath(data_dir), file_format='array_record'
+      )
+      if builder.is_prepared():
+        return builder
+      log.info('Preparing %s into %s', builder.name, builder.data_dir)
+      try:
+        builder.download_and_prepare(file_format='array_record')
+      except Exception:  # pylint: disable=broad-exception-caught
+        # Lost a race with a concurrent process: its rename landed first.
+        builder = ShakespeareBytes(
+            data_dir=os.fspath(data_dir), file_format='array_record'
+        )
+        if not builder.is_prepared():
+          raise
+        log.info('Reusing %s prepared concurrently by another process',
+                 builder.data_dir)
+      return builder
+    except DataError:
+      raise
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      raise DataError(
+          f'cannot prepare the default corpus in {data_dir}'
+          f' ({_first_line(e)}); pass a writable --data-dir or set'
+          f' ${DEFAULT_DATA_DIR_ENV}.'
+      ) from e
+
+
+def _read_chunked_split(
+    source: Sequence[dict[str, Any]], name: str, dataset_dir: str
+) -> np.ndarray:
+  """Reassembles one split's records in 'index' order into a uint8 array."""
+  records = sorted(
+      (source[i] for i in range(len(source))), key=lambda r: int(r['index'])
+  )
+  indices = [int(r['index']) for r in records]
+  if indices != list(range(len(records))):
+    raise DataError(
+        f'default corpus split {name!r} has missing or duplicate chunks;'
+        f' delete {dataset_dir} and run again to rebuild it.'
+    )
+  if not records:
+    return np.zeros((0,), np.uint8)
+  return np.concatenate([np.asarray(r['bytes'], np.uint8) for r in records])
+
+
+def _load_default(data_dir) -> dict[str, np.ndarray]:
+  builder = prepare_default_corpus(data_dir)
+  with _quiet_tfds():
+    sources = builder.as_data_source()
+  return {
+      name: _read_chunked_split(sources[name], name, builder.data_dir)
+      for name in SPLITS
+  }
+
+
+# ----------------------------------------------------------------------------
+# Other sources.
+
+
+def _load_text(paths_spec: str) -> dict[str, np.ndarray]:
+  paths = [p.strip() for p in paths_spec.split(',') if p.strip()]
+  if not paths:
+    raise DataError(
+        "empty file list in 'text:' spec; use 'text:PATH[,PATH...]'."
+    )
+  corpus = b'\n'.join(read_text_file(p) for p in paths)
+  return split_corpus(corpus)
+
+
+def _parse_tfds_spec(rest: str) -> tuple[str, str]:
+  """'NAME[:FEATURE]' -> (name, feature); 'name:1.0.0' keeps the version."""
+  name, feature = rest, 'text'
+  if ':' in rest:
+    head, tail = rest.rsplit(':', 1)
+    if not re.fullmatch(r'\d+\.\d+\.\d+', tail):
+      name, feature = head, tail
+  if not name or not feature:
+    raise DataError(
+        f"bad spec 'tfds:{rest}'; use 'tfds:NAME[:FEATURE]', e.g."
+        " 'tfds:lm1b:text'."
+    )
+  return name, feature
+
+
+def _join_documents(source: Sequence[dict[str, Any]], feature: str) -> bytes:
+  """One split's UTF-8 documents, in the source's record order, joined."""
+  docs: list[bytes] = []
+  for start in range(0, len(source), 1024):
+    keys = list(range(start, min(start + 1024, len(source))))
+    getitems = getattr(source, '__getitems__', None)
+    records = getitems(keys) if getitems else [source[k] for k in keys]
+    for record in records:
+      value = record[feature]
+      if isinstance(value, np.ndarray) and value.ndim == 0:
+        value = value.item()
+      if isinstance(value, str):
+        value = value.encode('utf-8')
+      if not isinstance(value, bytes):
+        raise DataError(
+            f'TFDS feature {feature!r} is not text (got'
+            f' {type(value).__name__}); use \'tfds:NAME:FEATURE\' with a text'
+            ' feature.'
+        )
+      docs.append(value)
+  return b'\n'.join(docs)
+
+
+def _load_tfds(rest: str, data_dir) -> dict[str, np.ndarray]:
+  """Reads a TFDS text dataset; see load_splits for how splits are chosen."""
+  name, feature = _parse_tfds_spec(rest)
+  where = f'in {data_dir}' if data_dir else 'in the TFDS data dir'
+  log.info('Loading TFDS dataset %s %s (prepared on first use)', name, where)
+  try:
+    with _quiet_tfds():
+      sources = tfds.data_source(
+          name, split=None, data_dir=os.fspath(data_dir) if data_dir else None
+      )
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    if isinstance(e, ModuleNotFoundError) and e.name:
+      # e.g. TFDS 4.9.x needs the `importlib_resources` backport to prepare
+      # catalog datasets.
+      fix = f'pip install {e.name.replace("_", "-")}'
+    else:
+      fix = (
+          'prepare it with array_record files (tfds build'
+          ' --file_format=array_record) or pass the right --data-dir'
+      )
+    raise DataError(
+        f'cannot load TFDS dataset {name!r} {where} ({_first_line(e)}); {fix}.'
+    ) from None
+  sources = {str(k): v for k, v in sources.items()}
+  if 'train' not in sources:
+    raise DataError(
+        f'TFDS dataset {name!r} has no train split (splits:'
+        f' {sorted(sources)}); use a dataset with a train split.'
+    )
+  features = sources['train'].dataset_info.features
+  if feature not in features:
+    raise DataError(
+        f'TFDS dataset {name!r} has no feature {feature!r} (features:'
+        f" {sorted(features.keys())}); use 'tfds:{name}:FEATURE'."
+    )
+  stream = {k: _join_documents(v, feature) for k, v in sources.items()
+            if k in SPLITS}
+  if 'validation' in stream and 'test' in stream:
+    pass
+  elif 'validation' in stream or 'test' in stream:
+    # Carve the missing split from the end of train (5% of train's bytes).
+    train = stream['train']
+    n_carve = len(train) * 5 // 100
+    missing = 'test' if 'validation' in stream else 'validation'
+    stream['train'], stream[missing] = (
+        train[: len(train) - n_carve], train[len(train) - n_carve :])
+  else:
+    return split_corpus(stream['train'])
+  return {k: np.frombuffer(stream[k], dtype=np.uint8) for k in SPLITS}
+
+
+def load_splits(
+    spec: str = 'default',
+    *,
+    data_dir: str | os.PathLike[str] | None = None,
+) -> dict[str, np.ndarray]:
+  """Returns {'train', 'validation', 'test'} -> uint8 token arrays for a spec.
+
+  Args:
+    spec: ``'default'``/``'shakespeare'``, ``'text:PATH[,PATH...]'`` or
+      ``'tfds:NAME[:FEATURE]'``. For ``tfds:`` the dataset's splits are used:
+      train/validation/test as they are; with only train and test (or train
+      and validation), the missing split is the last 5% of train's bytes; with
+      only train, train is split 90/5/5.
+    data_dir: where TFDS datasets live. For the default corpus it defaults to
+      ``$OUROBOROS_DATA_DIR`` or ``~/.cache/ouroboros_jax/tfds``; for ``tfds:``
+      to TFDS's own default. Unused for ``text:``.
+
+  Raises:
+    DataError: unknown spec, unreadable file, missing dataset/feature, or an
+      empty corpus.
+  """
+  spec = spec.strip()
+  if spec in ('default', 'shakespeare'):
+    splits = _load_default(data_dir)
+  elif spec.startswith('text:'):
+    splits = _load_text(spec[len('text:'):])
+  elif spec.startswith('tfds:'):
+    splits = _load_tfds(spec[len('tfds:'):], data_dir)
+  else:
+    raise DataError(f'unknown data spec {spec!r}; {_SPEC_HELP}.')
+  total = sum(len(v) for v in splits.values())
+  if total == 0:
+    raise DataError(f'data spec {spec!r} gives an empty corpus; use more data.')
+  return splits
+
+
+# ----------------------------------------------------------------------------
+# Windows and iterators.
+
+
+def _check_positive(**values: int) -> None:
+  for name, value in values.items():
+    if not isinstance(value, (int, np.integer)) or value <= 0:
+      raise DataError(
+          f'{name} must be a positive integer, got {value!r}; pass'
+          f" --{name.replace('_', '-')} >= 1."
+      )
+
+
+def num_windows(tokens: np.ndarray, seq_len: int) -> int:
+  """Number of (seq_len + 1)-token windows at stride seq_len in tokens."""
+  _check_positive(seq_len=seq_len)
+  return max(0, (len(tokens) - 1) // seq_len)
+
+
+class WindowSource:
+  """Grain random-access source of a split's windows.
+
+  Window i is ``tokens[i*seq_len : i*seq_len + seq_len + 1]``; element i is
+  ``{'inputs': window[:-1], 'targets': window[1:]}``, both int32[seq_len].
+  Trailing tokens that do not fill a window are not used.
+  """
+
+  def __init__(self, tokens: np.ndarray, seq_len: int, *, split: str = 'split'):
+    _check_positive(seq_len=seq_len)
+    self._tokens_U8 = np.asarray(tokens, dtype=np.uint8)
+    self._seq_len = int(seq_len)
+    self._len = num_windows(self._tokens_U8, seq_len)
+    if self._len == 0:
+      raise DataError(
+          f'{split} split has {len(self._tokens_U8)} tokens but one window'
+          f' needs seq_len + 1 = {seq_len + 1}; use a smaller --seq-len or'
+          ' more data.'
+      )
+
+  @property
+  def seq_len(self) -> int:
+    return self._seq_len
+
+  def __len__(self) -> int:
+    return self._len
+
+  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    index = int(index)
+    if index < 0:
+      index += self._len
+    if not 0 <= index < self._len:
+      raise IndexError(f'window {index} out of range [0, {self._len})')
+    start = index * self._seq_len
+    window_L1 = self._tokens_U8[start : start + self._seq_len + 1].astype(
+        np.int32
+    )
+    return {'inputs': window_L1[:-1], 'targets': window_L1[1:]}
+
+  def __repr__(self) -> str:
+    return (
+        f'WindowSource(num_windows={self._len}, seq_len={self._seq_len},'
+        f' num_tokens={len(self._tokens_U8)})'
+    )
+
+
+def _check_process(process_index: int, process_count: int, batch_size: int):
+  _check_positive(process_count=process_count)
+  if not 0 <= process_index < process_count:
+    raise DataError(
+        f'process_index must be in [0, {process_count}), got {process_index}.'
+    )
+  if batch_size % process_count:
+    raise DataError(
+        f'batch_size {batch_size} is not divisible by process_count'
+        f' {process_count}; use a global --batch-size that is a multiple of'
+        ' the number of processes.'
+    )
+
+
+def _grain_seed(seed: int) -> int:
+  """Mixes seed into a 32-bit Grain shuffle seed.
+
+  Grain shuffles epoch e with seed + e, so raw seeds s and s + 1 would give
+  shifted copies of the same epoch orders; mixing decorrelates nearby seeds.
+  """
+  if not isinstance(seed, (int, np.integer)) or seed < 0:
+    raise DataError(f'seed must be a non-negative integer, got {seed!r}.')
+  return int(np.random.SeedSequence(int(seed)).generate_state(1)[0])
+
+
+def make_train_iterator(
+    tokens: np.ndarray,
+    *,
+    seq_len: int,
+    batch_size: int,
+    seed: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    split: str = 'train',
+) -> grain.DatasetIterator:
+  """Infinite shuffled iterator of training batches (a Grain DatasetIterator).
+
+  Yields ``{'inputs': int32[B, L], 'targets': int32[B, L]}`` numpy arrays with
+  ``B = batch_size // process_count`` and ``L = seq_len``. The order depends
+  only on ``seed``; each epoch is a new permutation of all windows. The
+  iterator has ``get_state()``/``set_state()``; the state is a small
+  JSON-serialisable dict (``{'next_index': int}``).
+
+  Multi-host: ``batch_size`` is the global batch. Process p reads only rows
+  ``[p * B, (p + 1) * B)`` of every global batch, so concatenating the
+  processes' batches in process order gives exactly the single-process batch.
+
+  Raises:
+    DataError: non-positive seq_len/batch_size, a split shorter than one window
+      or with fewer windows than batch_size, or bad process arguments.
+  """
+  _check_positive(seq_len=seq_len, batch_size=batch_size)
+  _check_process(process_index, process_count, batch_size)
+  windows = WindowSource(tokens, seq_len, split=split)
+  if len(windows) < batch_size:
+    raise DataError(
+        f'{split} split has {len(windows)} windows of seq_len + 1 ='
+        f' {seq_len + 1} tokens, fewer than batch_size {batch_size}; use a'
+        ' smaller --batch-size (or --seq-len).'
+    )
+  local_batch = batch_size // process_count
+  # shuffle before repeat: Grain then reshuffles each epoch (seed + epoch)
+  # instead of shuffling one infinite index space.
+  ds = grain.MapDataset.source(windows).shuffle(seed=_grain_seed(seed)).repeat()
+  # Local batch j*P + p is rows [p*B, (p+1)*B) of global batch j; a strided
+  # slice picks this process's local batches and reads only their windows.
+  ds = ds.batch(local_batch, drop_remainder=True)
+  if process_count > 1:
+    ds = ds[process_index::process_count]
+  return iter(ds.to_iter_dataset(read_options=_READ_OPTIONS))
+
+
+def eval_batches(
+    tokens: np.ndarray,
+    *,
+    seq_len: int,
+    batch_size: int,
+    max_batches: int | None = None,
+    process_index: int = 0,
+    process_count: int = 1,
+    split: str = 'validation',
+) -> Iterator[dict[str, np.ndarray]]:
+  """Deterministic, unshuffled batches over a split's windows in order.
+
+  The last partial batch is dropped; at most ``max_batches`` batches. Same
+  dict format and multi-host slicing as make_train_iterator. Errors are raised
+  when called, not on first ``next``.
+
+  Raises:
+    DataError: non-positive seq_len/batch_size/max_batches, or a split with
+      fewer windows than one batch.
+  """
+  _check_positive(seq_len=seq_len, batch_size=batch_size)
+  if max_batches is not None:
+    _check_positive(max_batches=max_batches)
+  _check_process(process_index, process_count, batch_size)
+  windows = WindowSource(tokens, seq_len, split=split)
+  n_batches = len(windows) // batch_size
+  if n_batches == 0:
+    raise DataError(
+        f'{split} split has {len(windows)} windows of seq_len + 1 ='
+        f' {seq_len + 1} tokens, fewer than batch_size {batch_size}; use a'
+        ' smaller --batch-size (or --seq-len).'
+    )
+  if max_batches is not None:
+    n_batches = min(n_batches, max_batches)
+  local_batch = batch_size // process_count
+  tokens_U8 = np.asarray(tokens, dtype=np.uint8)
+
+  def generate() -> Iterator[dict[str, np.ndarray]]:
+    offsets_L1 = np.arange(seq_len + 1)
+    for b in range(n_batches):
+      first = b * batch_size + process_index * local_batch
+      starts_B = (first + np.arange(local_batch)) * seq_len
+      windows_BxL1 = tokens_U8[starts_B[:, None] + offsets_L1].astype(np.int32)
+      yield {
+          'inputs': np.ascontiguousarray(windows_BxL1[:, :-1]),
+          'targets': np.ascontiguousarray(windows_BxL1[:, 1:]),
+      }
+
+  return generate()

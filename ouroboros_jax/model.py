@@ -1,0 +1,226 @@
+"""A decoder-only Transformer language model, written in Flax NNX and used functionally.
+
+The model is defined with NNX modules (`Embedder`, `Block`, `Head`) but every training step sees
+only plain pytrees of arrays: `init_params` returns a dict
+
+    {'embed':  {...},            # token embedding V (tied with the output projection), positions
+     'layers': {...},            # every Block's parameters stacked on a leading layer axis [L, ...]
+     'head':   {...}}            # final LayerNorm (pre-LN only), untied output projection if any
+
+and the model is called as three pure pieces, the ones a pipeline or an Ouroboros ring needs:
+
+    x_BxLxD = embed(cfg, params['embed'], tokens_BxL, rng)
+    x_BxLxD = layers(cfg, layer_slice, x_BxLxD, rng)     # any contiguous slice of the layer stack
+    loss, stats = head_loss(cfg, params['head'], params['embed'], x_BxLxD, targets_BxL)
+
+`layers` scans over the leading axis, so a contiguous slice `params['layers'][a:b]` is exactly a
+pipeline stage of layers a..b-1. Attention uses `jax.nn.dot_product_attention` so that GPUs get a
+fused (cuDNN flash) kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Params = dict[str, Any]
+
+
+class ConfigError(ValueError):
+  """A model or training setting that cannot work; the message says which and how to fix it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shape of the Transformer LM. Byte-level by default (vocab 256)."""
+
+  vocab_size: int = 256
+  d_model: int = 128
+  num_heads: int = 4
+  num_layers: int = 4
+  d_ff: int = 512
+  seq_len: int = 128
+  dropout: float = 0.0
+  pre_ln: bool = True          # pre-LN (GPT-2) blocks; False gives the original post-LN blocks
+  tie_embeddings: bool = True  # the output projection is V^T, V the input embedding
+  init_std: float = 0.02
+
+  def validate(self) -> None:
+    for name in ('vocab_size', 'd_model', 'num_heads', 'num_layers', 'd_ff', 'seq_len'):
+      if getattr(self, name) <= 0:
+        raise ConfigError(f'{name} must be positive, got {getattr(self, name)}; '
+                          f'set --{name.replace("_", "-")} to a positive integer.')
+    if self.d_model % self.num_heads:
+      raise ConfigError(f'd_model={self.d_model} is not divisible by num_heads={self.num_heads}; '
+                        'choose --d-model as a multiple of --num-heads.')
+    if not 0.0 <= self.dropout < 1.0:
+      raise ConfigError(f'dropout must be in [0, 1), got {self.dropout}; fix --dropout.')
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+
+def _dropout(x, rate: float, rng):
+  """Inverted dropout; a no-op when rate is 0 or there is no rng (evaluation)."""
+  if rate == 0.0 or rng is None:
+    return x
+  keep = jax.random.bernoulli(rng, 1.0 - rate, x.shape)
+  return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x))
+
+
+class Embedder(nnx.Module):
+  """Token embedding V (shared with the output projection when tied) plus learned positions."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    init = nnx.initializers.normal(cfg.init_std)
+    self.token = nnx.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, rngs=rngs)
+    self.position = nnx.Embed(cfg.seq_len, cfg.d_model, embedding_init=init, rngs=rngs)
+
+  def __call__(self, tokens_BxL):
+    positions_L = jnp.arange(tokens_BxL.shape[1])
+    return self.token(tokens_BxL) + self.position(positions_L)[None]
+
+
+class Block(nnx.Module):
+  """One Transformer layer: causal self-attention and a GELU MLP, pre-LN or post-LN."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.cfg = cfg
+    init = nnx.initializers.normal(cfg.init_std)
+    # Residual-branch outputs start smaller, as in GPT-2, so deep stacks start near identity.
+    out_init = nnx.initializers.normal(cfg.init_std / (2 * cfg.num_layers) ** 0.5)
+    d, f = cfg.d_model, cfg.d_ff
+    self.ln_attn = nnx.LayerNorm(d, rngs=rngs)
+    self.qkv = nnx.Linear(d, 3 * d, kernel_init=init, rngs=rngs)
+    self.attn_out = nnx.Linear(d, d, kernel_init=out_init, rngs=rngs)
+    self.ln_mlp = nnx.LayerNorm(d, rngs=rngs)
+    self.mlp_in = nnx.Linear(d, f, kernel_init=init, rngs=rngs)
+    self.mlp_out = nnx.Linear(f, d, kernel_init=out_init, rngs=rngs)
+
+  def attention(self, x_BxLxD):
+    b, l, _ = x_BxLxD.shape
+    qkv_BxLx3xHxK = self.qkv(x_BxLxD).reshape(b, l, 3, self.cfg.num_heads, self.cfg.head_dim)
+    q, k, v = (qkv_BxLx3xHxK[:, :, i] for i in range(3))
+    y_BxLxHxK = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    return self.attn_out(y_BxLxHxK.reshape(b, l, -1))
+
+  def mlp(self, x_BxLxD):
+    return self.mlp_out(jax.nn.gelu(self.mlp_in(x_BxLxD)))
+
+  def __call__(self, x_BxLxD, rng=None, scale=1.0):
+    """`scale` multiplies both residual branches (progressive layer dropping uses 1/p)."""
+    rate = self.cfg.dropout
+    rng_attn, rng_mlp = (None, None) if rng is None else jax.random.split(rng)
+    if self.cfg.pre_ln:
+      x_BxLxD = x_BxLxD + scale * _dropout(self.attention(self.ln_attn(x_BxLxD)), rate, rng_attn)
+      return x_BxLxD + scale * _dropout(self.mlp(self.ln_mlp(x_BxLxD)), rate, rng_mlp)
+    x_BxLxD = self.ln_attn(x_BxLxD + scale * _dropout(self.attention(x_BxLxD), rate, rng_attn))
+    return self.ln_mlp(x_BxLxD + scale * _dropout(self.mlp(x_BxLxD), rate, rng_mlp))
+
+
+class Head(nnx.Module):
+  """Final LayerNorm (pre-LN models only) and, when untied, an output projection."""
+
+  def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    if cfg.pre_ln:
+      self.ln_final = nnx.LayerNorm(cfg.d_model, rngs=rngs)
+    if not cfg.tie_embeddings:
+      self.unembed = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False,
+                                kernel_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
+
+
+# The graph definitions depend only on the config; cached so tracing never rebuilds modules.
+@functools.lru_cache(maxsize=32)
+def _graphdefs(cfg: ModelConfig):
+  return tuple(nnx.graphdef(nnx.eval_shape(lambda: cls(cfg, nnx.Rngs(0))))
+               for cls in (Embedder, Block, Head))
+
+
+def _merge(graphdef, params: Params):
+  return nnx.merge(graphdef, nnx.State(params))
+
+
+def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
+  """Random initial parameters, layer parameters stacked on a leading axis of size num_layers."""
+  cfg.validate()
+  key_embed, key_layers, key_head = jax.random.split(key, 3)
+
+  @nnx.vmap(in_axes=0, out_axes=0)
+  def stacked_blocks(k):
+    return Block(cfg, nnx.Rngs(k))
+
+  def pure(module):
+    return nnx.state(module, nnx.Param).to_pure_dict()
+
+  return {
+      'embed': pure(Embedder(cfg, nnx.Rngs(key_embed))),
+      'layers': pure(stacked_blocks(jax.random.split(key_layers, cfg.num_layers))),
+      'head': pure(Head(cfg, nnx.Rngs(key_head))),
+  }
+
+
+def embed(cfg: ModelConfig, embed_params: Params, tokens_BxL, rng=None):
+  """Token ids -> residual stream x_BxLxD (module 1's first piece)."""
+  x_BxLxD = _merge(_graphdefs(cfg)[0], embed_params)(tokens_BxL)
+  return _dropout(x_BxLxD, cfg.dropout, rng)
+
+
+def layers(cfg: ModelConfig, layer_params: Params, x_BxLxD, rng=None, *, active_N=None,
+           scale_N=None):
+  """Runs a stack of N layers (params with a leading axis N) over x by `lax.scan`.
+
+  active_N: optional bool per layer; an inactive layer is skipped by `lax.cond` (no FLOPs), which
+    is how uneven pipeline stages are padded and how dropped layers cost nothing.
+  scale_N: optional per-layer multiplier of the residual branches (1/keep-probability for PLD).
+  """
+  block_def = _graphdefs(cfg)[1]
+  num = jax.tree.leaves(layer_params)[0].shape[0]
+  rngs_N = None if rng is None else jax.random.split(rng, num)
+  scale_N = jnp.ones((num,), x_BxLxD.dtype) if scale_N is None else scale_N
+
+  def body(x, per_layer):
+    params, layer_rng, active, scale = per_layer
+    run = lambda x: _merge(block_def, params)(x, layer_rng, scale).astype(x.dtype)
+    if active is None:
+      return run(x), None
+    return jax.lax.cond(active, run, lambda x: x, x), None
+
+  x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, (layer_params, rngs_N, active_N, scale_N))
+  return x_BxLxD
+
+
+def logits(cfg: ModelConfig, head_params: Params, embed_params: Params, x_BxLxD):
+  """Residual stream -> next-token logits, through V^T when the embedding is tied."""
+  head = _merge(_graphdefs(cfg)[2], head_params)
+  if cfg.pre_ln:
+    x_BxLxD = head.ln_final(x_BxLxD)
+  if cfg.tie_embeddings:
+    return x_BxLxD @ embed_params['token']['embedding'].T
+  return head.unembed(x_BxLxD)
+
+
+def head_loss(cfg: ModelConfig, head_params: Params, embed_params: Params, x_BxLxD, targets_BxL):
+  """Module K: final norm, output projection and mean next-token cross-entropy (nats)."""
+  logits_BxLxV = logits(cfg, head_params, embed_params, x_BxLxD).astype(jnp.float32)
+  logp_BxLxV = jax.nn.log_softmax(logits_BxLxV)
+  nll_BxL = -jnp.take_along_axis(logp_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
+  loss = nll_BxL.mean()
+  return loss, {'loss': loss}
+
+
+def loss_fn(cfg: ModelConfig, params: Params, batch: dict, rng=None):
+  """Plain (single-device) composition embed -> all layers -> head, for backprop and eval."""
+  rng_embed, rng_layers = (None, None) if rng is None else jax.random.split(rng)
+  x_BxLxD = embed(cfg, params['embed'], batch['inputs'], rng_embed)
+  x_BxLxD = layers(cfg, params['layers'], x_BxLxD, rng_layers)
+  return head_loss(cfg, params['head'], params['embed'], x_BxLxD, batch['targets'])
+
+
+def count_params(params: Params) -> int:
+  return sum(x.size for x in jax.tree.leaves(params))

@@ -1,0 +1,232 @@
+"""Ouroboros: delayed-gradient model parallelism on a ring of devices.
+
+Yang, Huo, Wang, Huang, Carin. "Ouroboros: On Accelerating Training of Transformer-Based Language
+Models", NeurIPS 2019. The paper published no code; this is its schedule written out exactly.
+
+Placement (the paper's Figure 2). The model is cut into K = G + 1 modules on G devices of the
+mesh axis `stage`. Module 1 (embedding V and layer group 0) and module K (final norm, output
+projection V^T, softmax loss) share device 0, because V is tied; modules 2..K-1 (layer groups
+1..G-1) sit on devices 1..G-1. Activations go 0 -> 1 -> ... -> G-1 -> 0, error gradients go the
+other way: the ring is the snake that eats its tail. Layer group s is module k = s + 1.
+
+At every step t (batch x_t is drawn at step t):
+
+  1. Forward, locked (as in the paper and in DDG): batch t runs through groups 0..G-1 in order
+     with the current weights; device s stashes what its delayed backward will need.
+  2. Head (module K, device 0): loss_t, the head's gradient and delta_{G-1}^t, all fresh.
+  3. Backward, every device at once: group s back-propagates batch t - (G - s) with the error
+     gradient it received during step t - 1 and its stash of that batch. Module k's staleness is
+     K - k = G - s: the head is fresh, group G-1 is 1 step stale, module 1 is G steps stale. The
+     only thing that crosses devices in the backward is one ring hop: device s sends its input
+     gradient to s - 1, and device 0 sends the head's fresh delta to G - 1, for the next step.
+  4. Update: every module applies its own gradient with its own optimizer state. Group s has no
+     gradient during its first G - s steps and does not update then. The tied V gets the head's
+     fresh gradient of batch t plus module 1's stale input-embedding gradient of batch t - G,
+     summed (`tied_grad='mean'` halves the sum once both exist).
+
+Stash modes (what a device keeps between the forward of a batch and its delayed backward):
+  graph   the forward's VJP residuals (as DDG): the gradient is taken at forward-time weights.
+  replay  only the group's input (as Features Replay): the backward re-runs the forward at the
+          current weights and takes the VJP there; one extra forward, far less memory.
+
+Device s needs G - s + 1 stash slots (batches t - (G - s) .. t); SPMD gives every device the same
+buffer shape, so each holds G + 1 slots and device s uses G - s + 1 of them. The embedding's
+backward needs only the batch's tokens (its gradient does not depend on its weights), which are
+stashed too. Stashes and the in-flight error gradient are part of `TrainState.ring`: they are
+checkpointed, so a resumed run continues the same trajectory.
+
+G = 1 puts every module on one device; there is no hop to wait for, so the step is plain backprop.
+With `sync_warmup_steps = N` the first N steps are plain synchronous backprop over the same
+placement, and the delayed schedule starts at step N with empty pipes.
+
+Everything runs inside one `jax.shard_map` over (stage, data): with data parallelism each data
+replica runs its own ring on its share of the batch, and gradients are averaged over `data`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from ouroboros_jax import staged
+from ouroboros_jax.model import ConfigError
+from ouroboros_jax.staged import DATA, EMBED_PIECE, STAGE, Schedule, StagedModel, TrainState
+
+STASH_MODES = ('graph', 'replay')
+
+
+def staleness(num_stages: int) -> list[int]:
+  """Steps between the forward and the backward of each layer group: G - s (0 when G = 1)."""
+  return [0] if num_stages == 1 else [num_stages - s for s in range(num_stages)]
+
+
+def idle_fraction(num_stages: int, backward_over_forward: float = 2.0) -> float:
+  """Idle device-time of the locked forward: G forward rounds, each device busy in one, then
+  one backward everywhere at once (B = 2F by default)."""
+  f, b = 1.0, backward_over_forward
+  return (num_stages - 1) * f / (num_stages * f + b)
+
+
+def _on_stage(stage_index, which: int, fn):
+  """Run fn() on device `which` of the ring only; the others get zeros of the same shapes."""
+  zeros = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(fn))
+  return jax.lax.cond(stage_index == which, fn, zeros)
+
+
+def _mask(valid, tree):
+  return jax.tree.map(lambda a: jnp.where(valid, a, jnp.zeros_like(a)), tree)
+
+
+def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
+          devices=None) -> Schedule:
+  """The Ouroboros schedule: `init(params, example_batch)` and a jitted `step(state, batch)`."""
+  num_stages, replicas = config.num_stages, config.data_parallel
+  if config.stash not in STASH_MODES:
+    raise ConfigError(f'unknown stash mode {config.stash!r}; choose graph or replay.')
+  if config.tied_grad not in ('sum', 'mean'):
+    raise ConfigError(f'unknown tied_grad {config.tied_grad!r}; choose sum or mean.')
+  mesh = staged.make_mesh(num_stages, replicas, devices)
+  depth = num_stages + 1                      # stash slots per device
+  delay_G = jnp.asarray(staleness(num_stages))
+  module1_delay = staleness(num_stages)[0]
+  graph_mode = config.stash == 'graph'
+  residuals = {}                              # the VJP's tree structure, fixed at trace time
+
+  def run_stage(params_s, x, stage_index, key):
+    return model.stage(params_s, x, stage_index, staged.piece_rng(key, stage_index))
+
+  # -- what a device keeps between the forward of a batch and its delayed backward --------------
+  def forward_and_stash(params_s, x, stage_index, key):
+    if not graph_mode:
+      return run_stage(params_s, x, stage_index, key), x
+    y, vjp_fn = jax.vjp(lambda p, h: run_stage(p, h, stage_index, key), params_s, x)
+    leaves, residuals['treedef'] = jax.tree.flatten(vjp_fn)
+    return y, leaves
+
+  def backward_from_stash(params_s, stash, delta, stage_index, key):
+    if graph_mode:  # at forward-time weights, from the kept residuals
+      vjp_fn = jax.tree.unflatten(residuals['treedef'], stash)
+    else:           # replay: re-run the forward at the current weights
+      _, vjp_fn = jax.vjp(lambda p, h: run_stage(p, h, stage_index, key), params_s, stash)
+    return vjp_fn(delta)
+
+  # -- one step on one device of the ring ---------------------------------------------------------
+  def ring_step(params, ring, batch, t, t_async):
+    s = jax.lax.axis_index(STAGE)
+    params_s = jax.tree.map(lambda a: a[0], params['stages'])
+    stash_D = jax.tree.map(lambda a: a[0, 0], ring['stash'])
+    tokens_D = ring['tokens'][0, 0]
+    key_t = staged.batch_key(config.seed, t)
+
+    # 1. Forward, locked: in round r only device r computes; then every device passes on.
+    x = model.embed(params['embed'], batch['inputs'], staged.piece_rng(key_t, EMBED_PIECE))
+    empty = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), stash_D)
+
+    def forward_round(r, carry):
+      x, kept = carry
+      y, kept = jax.lax.cond(r == s, lambda: forward_and_stash(params_s, x, s, key_t),
+                             lambda: (x, kept))
+      return staged.ring_forward(y, num_stages), kept
+
+    x, kept = jax.lax.fori_loop(0, num_stages, forward_round, (x, empty))
+    stash_D = jax.tree.map(lambda buf, k: buf.at[t % depth].set(k), stash_D, kept)
+    tokens_D = tokens_D.at[t % depth].set(batch['inputs'])
+
+    # 2. Head (module K, on device 0): fresh loss, head gradient and delta_{G-1}^t.
+    def head():
+      loss_of = lambda head_p, embed_p, h: model.loss(head_p, embed_p, h, batch['targets'])[0]
+      loss, vjp_fn = jax.vjp(loss_of, params['head'], params['embed'], x)
+      return (loss, *vjp_fn(jnp.ones_like(loss)))
+
+    loss, g_head, g_embed_fresh, delta_fresh = _on_stage(s, 0, head)
+
+    # 3. Backward, all devices at once: group s finishes batch t - (G - s).
+    delay = delay_G[s]
+    valid = t_async >= delay                 # no gradient before the pipe has filled
+    batch_index = t - delay
+    slot = batch_index % depth
+    delta = delta_fresh if num_stages == 1 else ring['delta'][0, 0]
+    key_b = staged.batch_key(config.seed, batch_index)
+    stash_b = jax.tree.map(lambda buf: buf[slot], stash_D)
+    g_stage, dx = _mask(valid, backward_from_stash(params_s, stash_b, delta, s, key_b))
+
+    # Module 1 ends at the embedding: device 0 turns dx into V's stale input-side gradient.
+    def embed_backward():
+      embed_of = lambda e: model.embed(e, tokens_D[slot], staged.piece_rng(key_b, EMBED_PIECE))
+      return jax.vjp(embed_of, params['embed'])[1](dx)[0]
+
+    g_embed_stale = _on_stage(s, 0, embed_backward)
+    # The one hop of the backward: s hands dx to s - 1; device 0 hands the head's delta to G - 1.
+    delta_next = staged.ring_backward(jnp.where(s == 0, delta_fresh, dx), num_stages)
+
+    # 4. Gradients, each on the device that owns it (embed and head live on device 0).
+    g_embed = jax.tree.map(jnp.add, g_embed_fresh, g_embed_stale)
+    if config.tied_grad == 'mean' and model.tied_embedding:
+      both = t_async >= module1_delay
+      g_embed = jax.tree.map(lambda g: jnp.where(both, 0.5 * g, g), g_embed)
+    from_device0 = lambda tree: jax.lax.psum(tree, STAGE)
+    grads = {'embed': from_device0(g_embed), 'head': from_device0(g_head),
+             'stages': jax.tree.map(lambda g: g[None], g_stage)}
+    grads, loss = jax.lax.pmean((grads, from_device0(loss)), DATA)
+    new_ring = {'stash': jax.tree.map(lambda a: a[None, None], stash_D),
+                'tokens': tokens_D[None, None], 'delta': delta_next[None, None]}
+    return grads, new_ring, loss
+
+  def ring_specs(ring):
+    return jax.tree.map(lambda _: P(STAGE, DATA), ring)
+
+  def init(params, example_batch):
+    staged.check_batch(example_batch, replicas, 'the data-parallel degree')
+    local = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // replicas, *a.shape[1:]),
+                                                        a.dtype), example_batch)
+    params_s = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
+                            params['stages'])
+    x = jax.eval_shape(model.embed, params['embed'], local['inputs'], None)
+    _, kept = jax.eval_shape(lambda p, h: forward_and_stash(p, h, 0, jax.random.key(0)),
+                             params_s, x)
+    buffer = lambda a, *lead: jnp.zeros((num_stages, replicas, *lead, *a.shape), a.dtype)
+    ring = {'stash': jax.tree.map(lambda a: buffer(a, depth), kept),
+            'tokens': buffer(local['inputs'], depth), 'delta': buffer(x)}
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                       opt_state=staged.init_opt_state(tx, params), ring=ring)
+    specs = TrainState(step=P(), params=staged.param_specs(params),
+                       opt_state=staged.opt_state_specs(state.opt_state), ring=ring_specs(ring))
+    return staged.shard(state, specs, mesh)
+
+  @jax.jit
+  def step(state: TrainState, batch: dict):
+    staged.check_batch(batch, replicas, 'the data-parallel degree')
+    t = state.step
+    t_async = t - config.sync_warmup_steps
+    specs = (staged.param_specs(state.params), ring_specs(state.ring), staged.batch_spec(batch),
+             P(), P())
+    out_specs = (staged.param_specs(state.params), ring_specs(state.ring), P())
+    delayed = jax.shard_map(ring_step, mesh=mesh, in_specs=specs, out_specs=out_specs,
+                            check_vma=False)
+
+    def ouroboros_grads():
+      return delayed(state.params, state.ring, batch, t, t_async)
+
+    def warmup_grads():  # plain synchronous backprop over the same placement; pipes stay empty
+      (loss, _), grads = jax.value_and_grad(model.forward_loss, has_aux=True)(
+          state.params, batch, staged.batch_key(config.seed, t))
+      return grads, state.ring, loss
+
+    if config.sync_warmup_steps:
+      grads, ring, loss = jax.lax.cond(t_async < 0, warmup_grads, ouroboros_grads)
+    else:
+      grads, ring, loss = ouroboros_grads()
+
+    # Module k starts updating once its first gradient exists (t_async >= its delay).
+    warm = t_async < 0
+    params, opt_state, grad_norm = staged.apply_gradients(
+        tx, state.params, state.opt_state, grads, clip_norm=config.clip_norm,
+        embed_ready=warm | model.tied_embedding | (t_async >= module1_delay),
+        stages_ready_G=warm | (t_async >= delay_G))
+    new_state = state.replace(step=t + 1, params=params, opt_state=opt_state, ring=ring)
+    return new_state, {'loss': loss, 'loss_batch': t, 'grad_norm': grad_norm}
+
+  return Schedule(init=init, step=step, evaluate=jax.jit(lambda p, b: model.forward_loss(p, b)[0]),
+                  mesh=mesh, idle_fraction=idle_fraction(num_stages), name='ouroboros')

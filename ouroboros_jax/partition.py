@@ -1,0 +1,122 @@
+"""Cutting the Transformer into pipeline stages: the cost model and the stage layout.
+
+Device 0 of the ring holds module 1 (embedding + first layer group) *and* module K (final norm,
+output projection, softmax loss), so it should get fewer layers than the others. `balance_layers`
+picks per-stage layer counts minimising the largest per-device cost, counting the embedding, the
+head and the loss on device 0. Uneven splits are stored padded: stage parameters have shape
+[G, N, ...] with N = max layers per stage, and the padding layers are skipped by `lax.cond`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ouroboros_jax import model as transformer
+from ouroboros_jax.model import ConfigError, ModelConfig
+from ouroboros_jax.staged import StagedModel
+
+
+def layer_flops(cfg: ModelConfig) -> float:
+  """Forward FLOPs of one Transformer layer per token (matmuls and attention scores)."""
+  d, f, l = cfg.d_model, cfg.d_ff, cfg.seq_len
+  return 2 * (3 * d * d + d * d + 2 * d * f) + 2 * 2 * l * d / 2  # causal: half the scores
+
+
+def head_flops(cfg: ModelConfig) -> float:
+  """Forward FLOPs per token of embedding lookup, output projection and softmax loss."""
+  return 2 * cfg.d_model * cfg.vocab_size + 5 * cfg.vocab_size + 2 * cfg.d_model
+
+
+def balance_layers(cfg: ModelConfig, num_stages: int) -> tuple[int, ...]:
+  """Layers per stage, contiguous, minimising the most loaded device (device 0 pays the head)."""
+  check_stages(cfg.num_layers, num_stages)
+  per_layer, extra = layer_flops(cfg), head_flops(cfg)
+  best = None
+  for first in range(1, cfg.num_layers - num_stages + 2):
+    rest, others = cfg.num_layers - first, num_stages - 1
+    counts = [first] + ([rest // others + (i < rest % others) for i in range(others)]
+                        if others else [])
+    if others == 0 and rest:
+      continue
+    cost = max([first * per_layer + extra] + [c * per_layer for c in counts[1:]])
+    if best is None or cost < best[0]:
+      best = (cost, tuple(counts))
+  return best[1]
+
+
+def check_stages(num_layers: int, num_stages: int) -> None:
+  if num_stages < 1:
+    raise ConfigError(f'--stages must be >= 1, got {num_stages}.')
+  if num_stages > num_layers:
+    raise ConfigError(f'{num_stages} stages need at least {num_stages} layers but the model has '
+                      f'{num_layers}; use --stages <= {num_layers} or more --num-layers.')
+
+
+def parse_layers_per_stage(text: str | Sequence[int], num_layers: int,
+                           num_stages: int | None = None) -> tuple[int, ...]:
+  """'2,4,4,4' -> (2, 4, 4, 4), checked against the model depth and the stage count."""
+  try:
+    counts = tuple(int(c) for c in (text.split(',') if isinstance(text, str) else text))
+  except ValueError:
+    raise ConfigError(f'--layers-per-stage must be comma-separated integers, got {text!r}.')
+  if any(c < 1 for c in counts):
+    raise ConfigError(f'--layers-per-stage {text} has a stage with no layers; every stage needs '
+                      'at least one.')
+  if sum(counts) != num_layers:
+    raise ConfigError(f'--layers-per-stage {text} sums to {sum(counts)} but the model has '
+                      f'{num_layers} layers; make them add up.')
+  if num_stages is not None and len(counts) != num_stages:
+    raise ConfigError(f'--layers-per-stage {text} gives {len(counts)} stages but --stages is '
+                      f'{num_stages}; make them agree.')
+  return counts
+
+
+def stage_mask(layers_per_stage: Sequence[int]) -> np.ndarray:
+  """[G, N] bool: which of the N padded layer slots of each stage hold a real layer."""
+  width = max(layers_per_stage)
+  return np.arange(width)[None, :] < np.asarray(layers_per_stage)[:, None]
+
+
+def to_staged(params: dict, layers_per_stage: Sequence[int]) -> dict:
+  """{'embed','layers' [L,...],'head'} -> {'embed','stages' [G,N,...],'head'} (zero padding)."""
+  mask_GxN = stage_mask(layers_per_stage)
+  starts = np.cumsum([0, *layers_per_stage])[:-1]
+  # Slot (g, n) takes layer starts[g] + n; padded slots read layer 0 and are then zeroed.
+  index_GxN = np.where(mask_GxN, starts[:, None] + np.arange(mask_GxN.shape[1])[None], 0)
+
+  def gather(a):
+    picked = a[index_GxN]
+    return jnp.where(mask_GxN.reshape(mask_GxN.shape + (1,) * (a.ndim - 1)), picked, 0)
+
+  return {'embed': params['embed'], 'stages': jax.tree.map(gather, params['layers']),
+          'head': params['head']}
+
+
+def from_staged(staged: dict, layers_per_stage: Sequence[int]) -> dict:
+  """Inverse of `to_staged`: drop the padding, stack the layers back on one axis."""
+  mask_GxN = stage_mask(layers_per_stage)
+  rows, cols = np.nonzero(mask_GxN)  # row-major: stage by stage, layer by layer
+  return {'embed': staged['embed'],
+          'layers': jax.tree.map(lambda a: a[rows, cols], staged['stages']),
+          'head': staged['head']}
+
+
+def transformer_stages(cfg: ModelConfig, layers_per_stage: Sequence[int]) -> StagedModel:
+  """The Transformer LM as embed -> stages -> tied head, for any schedule."""
+  mask_GxN = jnp.asarray(stage_mask(layers_per_stage))
+  uneven = len(set(layers_per_stage)) > 1
+
+  def stage(stage_params, x_BxLxD, stage_index, rng):
+    # Even splits need no masking; uneven ones skip their padding slots (no FLOPs spent).
+    active_N = mask_GxN[stage_index] if uneven else None
+    return transformer.layers(cfg, stage_params, x_BxLxD, rng, active_N=active_N)
+
+  return StagedModel(
+      embed=lambda p, tokens_BxL, rng: transformer.embed(cfg, p, tokens_BxL, rng),
+      stage=stage,
+      loss=lambda head, emb, x, targets: transformer.head_loss(cfg, head, emb, x, targets),
+      tied_embedding=cfg.tie_embeddings)

@@ -1,0 +1,101 @@
+"""A slow, single-device Ouroboros written straight from the equations (DESIGN.md, section 3).
+
+A Python loop over steps and over modules, with explicit deques: `stashes[s]` holds what group s
+kept of every batch still in flight, `inbox[s]` the error gradient for group s's output that
+arrived during the previous step. Nothing is sharded, nothing is jitted: it exists so the tests
+can check the real schedule (`ouroboros.py`) number for number.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import jax.numpy as jnp
+
+from ouroboros_jax import staged
+from ouroboros_jax.ouroboros import staleness
+from ouroboros_jax.staged import EMBED_PIECE
+
+
+def run(model: staged.StagedModel, tx, params, batches, *, stash: str = 'graph',
+        clip_norm: float | None = 1.0, seed: int = 0, tied_grad: str = 'sum',
+        sync_warmup_steps: int = 0):
+  """Trains on `batches` in order; returns (params, losses, updated) where updated[t] lists the
+  groups ('embed', 0..G-1, 'head') that changed their weights at step t."""
+  num_stages = staged.stage_count(params)
+  delays = staleness(num_stages)
+  opt_state = staged.init_opt_state(tx, params)
+  stashes = [collections.deque() for _ in range(num_stages)]
+  inbox = [None] * num_stages
+  losses, updated = [], []
+  zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
+  stage_params = lambda p, s: jax.tree.map(lambda a: a[s], p['stages'])
+
+  for t, batch in enumerate(batches):
+    key_t = staged.batch_key(seed, t)
+    if t < sync_warmup_steps:
+      (loss, _), grads = jax.value_and_grad(model.forward_loss, has_aux=True)(params, batch, key_t)
+      params, opt_state, _ = staged.apply_gradients(tx, params, opt_state, grads,
+                                                    clip_norm=clip_norm)
+      losses.append(float(loss))
+      updated.append(['embed', *range(num_stages), 'head'])
+      continue
+
+    # Forward with the current weights; every group keeps its VJP (graph) or its input (replay).
+    x = model.embed(params['embed'], batch['inputs'], staged.piece_rng(key_t, EMBED_PIECE))
+    for s in range(num_stages):
+      run_s = lambda p, h, s=s: model.stage(p, h, s, staged.piece_rng(key_t, s))
+      if stash == 'graph':
+        y, vjp_fn = jax.vjp(run_s, stage_params(params, s), x)
+        stashes[s].append((t, vjp_fn))
+      else:
+        y = run_s(stage_params(params, s), x)
+        stashes[s].append((t, x))
+      x = y
+
+    # Module K: fresh loss and gradients of batch t.
+    loss, head_vjp = jax.vjp(lambda hp, ep, h: model.loss(hp, ep, h, batch['targets'])[0],
+                             params['head'], params['embed'], x)
+    g_head, g_embed, delta_head = head_vjp(jnp.ones_like(loss))
+    losses.append(float(loss))
+
+    # Every group back-propagates the batch its delayed error gradient belongs to.
+    new_inbox = [None] * num_stages
+    g_stages = [zeros(stage_params(params, s)) for s in range(num_stages)]
+    ready = [False] * num_stages
+    for s in range(num_stages):
+      delta = delta_head if num_stages == 1 else inbox[s]
+      if delta is None:
+        continue
+      b, kept = stashes[s].popleft()
+      assert b == t - delays[s], (s, b, t)
+      key_b = staged.batch_key(seed, b)
+      if stash == 'graph':
+        g_stages[s], dx = kept(delta)
+      else:
+        run_s = lambda p, h, s=s: model.stage(p, h, s, staged.piece_rng(key_b, s))
+        g_stages[s], dx = jax.vjp(run_s, stage_params(params, s), kept)[1](delta)
+      ready[s] = True
+      if s > 0:
+        new_inbox[s - 1] = dx
+      else:  # module 1 ends at the embedding of batch b
+        embed_b = lambda e: model.embed(e, batches[b]['inputs'],
+                                        staged.piece_rng(key_b, EMBED_PIECE))
+        g_stale = jax.vjp(embed_b, params['embed'])[1](dx)[0]
+        g_embed = jax.tree.map(jnp.add, g_embed, g_stale)
+        if tied_grad == 'mean' and model.tied_embedding:
+          g_embed = jax.tree.map(lambda g: 0.5 * g, g_embed)
+    if num_stages > 1:
+      new_inbox[num_stages - 1] = delta_head
+    inbox = new_inbox
+
+    grads = {'embed': g_embed, 'head': g_head,
+             'stages': jax.tree.map(lambda *g: jnp.stack(g), *g_stages)}
+    embed_ready = model.tied_embedding or ready[0]
+    params, opt_state, _ = staged.apply_gradients(
+        tx, params, opt_state, grads, clip_norm=clip_norm, embed_ready=embed_ready,
+        stages_ready_G=jnp.asarray(ready))
+    updated.append((['embed'] if embed_ready else []) +
+                   [s for s in range(num_stages) if ready[s]] + ['head'])
+  return params, losses, updated

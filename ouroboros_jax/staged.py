@@ -1,0 +1,222 @@
+"""The one step interface every schedule shares, and the pieces they all use.
+
+A model is given to a schedule as a `StagedModel`: three pure functions
+
+    embed(embed_params, inputs, rng)                 -> x          (module 1, first part)
+    stage(stage_params, x, stage_index, rng)         -> x          (one layer group)
+    loss(head_params, embed_params, x, targets)      -> (loss, metrics)   (module K)
+
+with parameters laid out as
+
+    params = {'embed': ..., 'stages': <every leaf stacked on a leading axis of size G>, 'head': ...}
+
+The head gets the embedding parameters too, so a tied output projection (V^T) works. Any schedule
+builder returns a `Schedule` whose `step(state, batch) -> (state, metrics)` is a pure jitted
+function of a `TrainState` pytree, so schedules are interchangeable and their parameters are
+directly comparable.
+
+The optimizer is an Optax transformation applied *per module group* ('embed', each stage, 'head'),
+after one global-norm clip over the whole gradient. Each stage has its own optimizer state (the
+state is vmapped over the stage axis), as each device of a ring has its own optimizer; a group
+that has no gradient yet (Ouroboros' first K-k steps) is left exactly as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from ouroboros_jax.model import ConfigError
+
+PyTree = Any
+STAGE, DATA = 'stage', 'data'
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedModel:
+  """A model cut into embed -> G stages -> loss; see the module docstring for the signatures."""
+
+  embed: Callable[..., jax.Array]
+  stage: Callable[..., jax.Array]
+  loss: Callable[..., tuple[jax.Array, dict]]
+  tied_embedding: bool = True  # the loss reads embed params (they get a fresh head gradient)
+
+  def forward_loss(self, params: PyTree, batch: dict, key: jax.Array | None = None):
+    """Plain composition on one device: embed, every stage in order, loss.
+
+    `key` is the batch's dropout key (None: no dropout); the pieces draw from it exactly as they
+    do inside the parallel schedules (`piece_rng`).
+    """
+    x = self.embed(params['embed'], batch['inputs'], piece_rng(key, EMBED_PIECE))
+    for s in range(stage_count(params)):
+      stage_params = jax.tree.map(lambda a: a[s], params['stages'])
+      x = self.stage(stage_params, x, s, piece_rng(key, s))
+    return self.loss(params['head'], params['embed'], x, batch['targets'])
+
+
+def stage_count(params: PyTree) -> int:
+  return jax.tree.leaves(params['stages'])[0].shape[0]
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Everything a run carries from step to step; all of it is checkpointed.
+
+  step: number of steps taken so far (batch t is consumed by step t).
+  params: {'embed', 'stages' [G, ...], 'head'}.
+  opt_state: {'embed', 'stages' (vmapped over G), 'head'}: one Optax state per module group.
+  ring: a schedule's in-flight buffers (Ouroboros stashes and error gradients); {} for the
+    synchronous schedules.
+  """
+
+  step: jax.Array
+  params: PyTree
+  opt_state: PyTree
+  ring: PyTree
+
+
+class Schedule(NamedTuple):
+  """What every schedule builder returns.
+
+  init(params, example_batch) -> TrainState
+  step(state, batch) -> (state, metrics)   pure and jitted; metrics['loss'] is the loss of the
+    batch whose index is metrics['loss_batch'] (schedules with a delayed head report an older one).
+  evaluate(params, batch) -> loss          exact loss with every stage, no dropout.
+  idle_fraction: the fraction of device-steps doing no work, from the schedule itself.
+  """
+
+  init: Callable[..., TrainState]
+  step: Callable[..., tuple[TrainState, dict]]
+  evaluate: Callable[..., jax.Array]
+  mesh: Mesh
+  idle_fraction: float
+  name: str
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+def init_opt_state(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
+  return {'embed': tx.init(params['embed']),
+          'stages': jax.vmap(tx.init)(params['stages']),
+          'head': tx.init(params['head'])}
+
+
+def apply_gradients(tx, params, opt_state, grads, *, clip_norm: float | None,
+                    embed_ready=True, stages_ready_G=None, head_ready=True):
+  """One optimizer step per module group; a group that is not ready stays exactly as it was.
+
+  Returns (params, opt_state, grad_norm). `clip_norm` clips the global norm of the whole gradient
+  (the norm is taken over every group at once, so all schedules clip identically).
+  """
+  grad_norm = optax.global_norm(grads)
+  if clip_norm:
+    scale = jnp.minimum(1.0, clip_norm / (grad_norm + 1e-6))
+    grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+
+  def update(p, s, g, ready):
+    updates, new_s = tx.update(g, s, p)
+    new_p = optax.apply_updates(p, updates)
+    keep = lambda new, old: jnp.where(ready, new, old)
+    return jax.tree.map(keep, new_p, p), jax.tree.map(keep, new_s, s)
+
+  num_stages = stage_count(params)
+  stages_ready_G = jnp.ones((num_stages,), bool) if stages_ready_G is None else stages_ready_G
+  embed_p, embed_s = update(params['embed'], opt_state['embed'], grads['embed'], embed_ready)
+  head_p, head_s = update(params['head'], opt_state['head'], grads['head'], head_ready)
+  stages_p, stages_s = jax.vmap(update)(params['stages'], opt_state['stages'], grads['stages'],
+                                        stages_ready_G)
+  return ({'embed': embed_p, 'stages': stages_p, 'head': head_p},
+          {'embed': embed_s, 'stages': stages_s, 'head': head_s}, grad_norm)
+
+
+def adamw(learning_rate: float | optax.Schedule, *, weight_decay: float = 0.0,
+          b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8):
+  """AdamW as the paper uses it; decay only on matrices named 'kernel' (not embeddings, norms or
+  biases), so a parameter with a zero gradient does not move at all."""
+  decay_mask = lambda tree: jax.tree_util.tree_map_with_path(
+      lambda path, _: getattr(path[-1], 'key', None) == 'kernel', tree)
+  return optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
+                     mask=decay_mask)
+
+
+# ----------------------------------------------------------------------------- mesh & placement
+
+
+def make_mesh(num_stages: int, data_parallel: int = 1, devices=None) -> Mesh:
+  """A (stage, data) mesh over the first num_stages * data_parallel devices."""
+  devices = jax.devices() if devices is None else devices
+  needed = num_stages * data_parallel
+  if num_stages < 1 or data_parallel < 1:
+    raise ConfigError(f'stages ({num_stages}) and data parallel degree ({data_parallel}) must be '
+                      '>= 1; fix --stages / --data-parallel.')
+  if needed > len(devices):
+    raise ConfigError(
+        f'{num_stages} stages x {data_parallel} data replicas need {needed} devices but only '
+        f'{len(devices)} are visible; use fewer --stages/--data-parallel, or on a CPU machine '
+        f'simulate more with --cpu-devices {needed}.')
+  grid = np.asarray(devices[:needed]).reshape(num_stages, data_parallel)
+  return Mesh(grid, (STAGE, DATA))
+
+
+def param_specs(params: PyTree) -> PyTree:
+  """Stage parameters sharded over `stage` on their leading axis; embed and head replicated."""
+  return {'embed': jax.tree.map(lambda _: P(), params['embed']),
+          'stages': jax.tree.map(lambda _: P(STAGE), params['stages']),
+          'head': jax.tree.map(lambda _: P(), params['head'])}
+
+
+def opt_state_specs(opt_state: PyTree) -> PyTree:
+  return {'embed': jax.tree.map(lambda _: P(), opt_state['embed']),
+          'stages': jax.tree.map(lambda _: P(STAGE), opt_state['stages']),
+          'head': jax.tree.map(lambda _: P(), opt_state['head'])}
+
+
+def batch_spec(batch: PyTree) -> PyTree:
+  """Batches are split over `data` on their leading axis and replicated over `stage`."""
+  return jax.tree.map(lambda _: P(DATA), batch)
+
+
+def shard(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
+  return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
+
+
+def check_batch(batch: dict, divisor: int, what: str) -> None:
+  size = batch['inputs'].shape[0]
+  if size % divisor:
+    raise ConfigError(f'batch size {size} is not divisible by {what} = {divisor}; '
+                      f'choose --batch-size as a multiple of {divisor}.')
+
+
+# ----------------------------------------------------------------------------- ring helpers
+
+
+def ring_forward(x, num_stages: int):
+  """Send x from every stage s to s + 1 (G-1 wraps to 0): activations travel forward."""
+  return jax.lax.ppermute(x, STAGE, [(s, (s + 1) % num_stages) for s in range(num_stages)])
+
+
+def ring_backward(x, num_stages: int):
+  """Send x from every stage s to s - 1 (0 wraps to G-1): error gradients travel back."""
+  return jax.lax.ppermute(x, STAGE, [(s, (s - 1) % num_stages) for s in range(num_stages)])
+
+
+EMBED_PIECE = -1
+
+
+def batch_key(seed: int, batch_index):
+  """The dropout key of batch t: the same wherever and whenever batch t is computed, so a
+  replayed forward draws the same dropout mask as the original one."""
+  return jax.random.fold_in(jax.random.key(seed), batch_index)
+
+
+def piece_rng(key, piece):
+  """The key of one piece of the model (a stage index, or EMBED_PIECE) for one batch."""
+  return None if key is None else jax.random.fold_in(key, piece + 1)

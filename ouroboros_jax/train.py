@@ -1,0 +1,335 @@
+"""The training loop: `train(cfg)` runs one `TrainConfig` end to end and returns a summary.
+
+    params --to_staged--> {'embed', 'stages' [G, N, ...], 'head'}
+    schedule = build_schedule(ScheduleConfig(...), transformer_stages(...), adamw(...))
+    state = schedule.init(params, example_batch)
+    for every step:   state, metrics = schedule.step(state, next(train_iterator))
+
+Any schedule in `schedules.SCHEDULES` runs under the same loop, on the same batches, with the same
+optimizer, so their curves and final parameters are directly comparable.
+
+What a run writes into OUT (`cfg.out_dir`):
+
+    config.json      the resolved TrainConfig, written at the start
+    metrics.jsonl    one JSON object per line: step, split ('train' | 'validation' | 'test'),
+                     loss (nats/byte), bpb (= loss / ln 2), tokens_per_s, wall_s; train rows also
+                     loss_batch (the batch the loss belongs to; delayed schedules report an older
+                     one), grad_norm and data_crc32 (a fingerprint of every batch consumed so far)
+    tb/              the same scalars for TensorBoard
+    checkpoints/     Orbax checkpoints (see checkpoint.py); `resume=True` continues bit-exactly
+    summary.json     the returned summary; the last line printed is
+                     `done: val bpb X, test bpb Y, Z tokens/s, W s`
+
+Timing: the first step (which compiles) is timed on its own as compile_s; tokens/s counts only
+the steps after it, and excludes evaluation and checkpointing.
+
+Losses are checked for NaN/Inf at every host sync (every `log_every` steps, and always before a
+checkpoint is written), so a non-finite state is never saved; the run then stops with
+`NonFiniteLossError` and the last good checkpoint stays the latest one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+import time
+import zlib
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ouroboros_jax import checkpoint, data, partition, presets, schedules, staged
+from ouroboros_jax import model as transformer
+from ouroboros_jax.presets import TrainConfig
+
+LN2 = math.log(2.0)
+# Fields that fix the shape of the TrainState or the data stream: resuming needs them unchanged.
+RESUME_FIELDS = ('schedule', 'stages', 'data_parallel', 'stash', 'layers_per_stage', 'batch_size',
+                 'seed', 'data')
+
+
+class NonFiniteLossError(RuntimeError):
+  """The loss became NaN/Inf; the message names the step and the last good checkpoint."""
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+
+def schedule_config(cfg: TrainConfig) -> schedules.ScheduleConfig:
+  return schedules.ScheduleConfig(
+      name=cfg.schedule, num_stages=cfg.stages, data_parallel=cfg.data_parallel,
+      clip_norm=cfg.clip_norm or None, seed=cfg.seed, stash=cfg.stash,
+      sync_warmup_steps=cfg.sync_warmup_steps, tied_grad=cfg.tied_grad)
+
+
+def build(cfg: TrainConfig):
+  """(schedule, staged initial params, layers_per_stage) for a config; nothing is trained."""
+  layers_per_stage = cfg.resolved_layers_per_stage()
+  params = transformer.init_params(cfg.model, jax.random.key(cfg.seed))
+  params = partition.to_staged(params, layers_per_stage)
+  model = partition.transformer_stages(cfg.model, layers_per_stage)
+  schedule = schedules.build_schedule(schedule_config(cfg), model, presets.make_optimizer(cfg))
+  return schedule, params, layers_per_stage
+
+
+def example_batch(cfg: TrainConfig) -> dict:
+  shape_BxL = (cfg.batch_size, cfg.model.seq_len)
+  return {'inputs': np.zeros(shape_BxL, np.int32), 'targets': np.zeros(shape_BxL, np.int32)}
+
+
+def place_batch(batch: dict, mesh) -> dict:
+  """Numpy batch -> device arrays split over the mesh's `data` axis (replicated over `stage`)."""
+  return staged.shard(batch, staged.batch_spec(batch), mesh)
+
+
+def batch_crc32(batch: dict, crc: int) -> int:
+  """Chains a batch into a running CRC: equal values mean the same batches in the same order."""
+  crc = zlib.crc32(np.ascontiguousarray(batch['inputs']).tobytes(), crc)
+  return zlib.crc32(np.ascontiguousarray(batch['targets']).tobytes(), crc)
+
+
+def evaluate(schedule, params, tokens, cfg: TrainConfig, max_batches: int | None) -> float:
+  """Mean loss (nats per byte) over the first max_batches batches of a split, in order."""
+  losses = [schedule.evaluate(params, place_batch(b, schedule.mesh))
+            for b in data.eval_batches(tokens, seq_len=cfg.model.seq_len,
+                                       batch_size=cfg.batch_size, max_batches=max_batches)]
+  return float(np.mean(jax.device_get(losses)))
+
+
+def all_finite(tree) -> bool:
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return bool(jnp.all(jnp.stack(leaves))) if leaves else True
+
+
+def run_meta(cfg: TrainConfig, layers_per_stage) -> dict:
+  return {'schedule': cfg.schedule, 'stages': cfg.stages,
+          'layers_per_stage': list(layers_per_stage), 'config': cfg.to_dict()}
+
+
+def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str) -> None:
+  """One-line CheckpointError naming the flags to use when the checkpoint does not fit cfg."""
+  saved_cfg = presets.TrainConfig.from_dict(saved['config'])
+  want, have = presets.flat(saved_cfg), presets.flat(cfg)
+  names = [f.name for f in dataclasses.fields(transformer.ModelConfig)] + list(RESUME_FIELDS)
+  wrong = [n for n in names if want[n] != have[n]]
+  if tuple(saved.get('layers_per_stage', ())) != tuple(layers_per_stage) and not wrong:
+    wrong = ['layers_per_stage']
+    want['layers_per_stage'] = ','.join(map(str, saved['layers_per_stage']))
+
+  def flags(values):
+    return ' '.join(f'{presets.flag(n)} {values[n]}' for n in wrong)
+
+  if wrong:
+    raise checkpoint.CheckpointError(
+        f'the checkpoint in {where} was made with {flags(want)} but the flags give {flags(have)}; '
+        'resume with the checkpoint\'s flags or choose another --out.')
+
+
+class MetricsLog:
+  """metrics.jsonl + TensorBoard; on resume, rows past the resumed step are dropped first."""
+
+  def __init__(self, out_dir: str, resume_step: int | None):
+    from tensorboardX import SummaryWriter
+
+    self.path = os.path.join(out_dir, 'metrics.jsonl')
+    rows = []
+    if resume_step is not None and os.path.exists(self.path):
+      with open(self.path) as f:
+        rows = [r for r in map(json.loads, filter(str.strip, f)) if r['step'] <= resume_step]
+    with open(self.path, 'w') as f:
+      f.writelines(json.dumps(r) + '\n' for r in rows)
+    # purge_step hides TensorBoard events a previous (interrupted) run wrote past the resume step.
+    self.tb = SummaryWriter(os.path.join(out_dir, 'tb'), purge_step=resume_step)
+
+  def write(self, row: dict) -> None:
+    with open(self.path, 'a') as f:
+      f.write(json.dumps(row) + '\n')
+    for key in ('loss', 'bpb', 'tokens_per_s', 'grad_norm'):
+      if key in row:
+        self.tb.add_scalar(f'{row["split"]}/{key}', row[key], row['step'])
+
+  def close(self) -> None:
+    self.tb.close()
+
+
+def _progress(total: int, initial: int, quiet: bool):
+  from tqdm.auto import tqdm
+
+  return tqdm(total=total, initial=initial, unit='step', dynamic_ncols=True,
+              disable=quiet or not sys.stderr.isatty())
+
+
+def _say(bar, quiet: bool, text: str) -> None:
+  if not quiet:
+    bar.write(text) if not bar.disable else print(text, flush=True)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False,
+          on_step: Callable[[int, Any], None] | None = None) -> dict:
+  """Trains cfg, writing into cfg.out_dir; returns the summary (see the module docstring).
+
+  resume: continue from OUT's latest checkpoint (same step, params, optimizer state, ring buffers
+    and data position); without it OUT must not hold checkpoints yet.
+  on_step: optional callback(step, state) after every step (tests use it).
+  Raises ConfigError / DataError / CheckpointError for user errors, NonFiniteLossError on NaN/Inf.
+  """
+  t_start = time.perf_counter()
+  cfg.validate()
+  out_dir = cfg.out_dir
+  found = checkpoint.latest_step(out_dir)
+  ckpt_dir = checkpoint.checkpoint_dir(out_dir)
+  if resume and found is None:
+    raise checkpoint.CheckpointError(f'--resume: no checkpoint in {ckpt_dir}; run without '
+                                     '--resume to start, or point --out at an earlier run.')
+  if not resume and found is not None:
+    raise checkpoint.CheckpointError(f'{out_dir} already holds checkpoints (latest step {found}); '
+                                     'pass --resume to continue it, or choose another --out.')
+  splits = data.load_splits(cfg.data, data_dir=cfg.data_dir)
+  train_it = data.make_train_iterator(splits['train'], seq_len=cfg.model.seq_len,
+                                      batch_size=cfg.batch_size, seed=cfg.seed)
+  for split in ('validation', 'test'):  # fail now, not after training, if a split is too short
+    data.eval_batches(splits[split], seq_len=cfg.model.seq_len, batch_size=cfg.batch_size,
+                      max_batches=1, split=split)
+
+  schedule, params, layers_per_stage = build(cfg)
+  meta = run_meta(cfg, layers_per_stage)
+  state = schedule.init(params, example_batch(cfg))
+  del params
+  os.makedirs(out_dir, exist_ok=True)
+  manager = checkpoint.make_manager(out_dir, keep=cfg.keep_checkpoints)
+  crc = 0
+  try:
+    if resume:
+      check_resumable(checkpoint.read_meta(manager), cfg, layers_per_stage, ckpt_dir)
+      target = checkpoint.abstract_like(state)
+      del state  # free the fresh state before the restored one arrives
+      state, data_state, _ = checkpoint.restore(manager, target)
+      train_it.set_state(data_state['iterator'])
+      crc = data_state['crc32']
+    with open(os.path.join(out_dir, 'config.json'), 'w') as f:
+      json.dump(cfg.to_dict(), f, indent=2)
+    start_step = int(jax.device_get(state.step))
+    log = MetricsLog(out_dir, start_step if resume else None)
+    try:
+      state, summary = _loop(cfg, schedule, state, train_it, splits, manager, meta, log, crc,
+                             start_step, quiet, on_step, t_start)
+    finally:
+      log.close()
+  finally:
+    manager.wait_until_finished()  # an async save in flight must land, also on errors
+    manager.close()
+  with open(os.path.join(out_dir, 'summary.json'), 'w') as f:
+    json.dump(summary, f, indent=2)
+  return summary
+
+
+def _loop(cfg, schedule, state, train_it, splits, manager, meta, log, crc, start_step, quiet,
+          on_step, t_start):
+  tokens_per_step = cfg.tokens_per_step
+  bar = _progress(cfg.steps, start_step, quiet)
+  pending = []                # device metrics of the steps since the last host sync
+  last_saved = manager.latest_step()
+  ckpt_where = os.path.join(cfg.out_dir, checkpoint.SUBDIR)
+  train_s, train_tokens, compile_s = 0.0, 0, None
+  window_s, window_tokens = 0.0, 0
+  val_bpb = None
+  step = start_step
+
+  def wall():
+    return time.perf_counter() - t_start
+
+  def throughput():
+    return train_tokens / train_s if train_s else 0.0
+
+  def sync():
+    """Host sync: fetch pending metrics and stop on the first non-finite loss."""
+    fetched = jax.device_get(pending)
+    pending.clear()
+    for done_step, m in fetched:
+      for key in ('loss', 'grad_norm'):
+        value = float(m[key])
+        if not math.isfinite(value):
+          where = (f'the last good checkpoint is step {last_saved} in {ckpt_where}'
+                   if last_saved is not None else f'no checkpoint was saved in {ckpt_where}')
+          raise NonFiniteLossError(f'{key.replace("_", " ")} became {value} at step {done_step}; '
+                                   f'{where}.')
+    return fetched
+
+  def evaluate_split(split, max_batches):
+    loss = evaluate(schedule, state.params, splits[split], cfg, max_batches)
+    row = {'step': step, 'split': split, 'loss': loss, 'bpb': loss / LN2,
+           'tokens_per_s': throughput(), 'wall_s': wall()}
+    log.write(row)
+    _say(bar, quiet, f'step {step}: {split} loss {loss:.4f}, bpb {loss / LN2:.4f}')
+    return row
+
+  try:
+    t_mark = time.perf_counter()
+    while step < cfg.steps:
+      batch = next(train_it)
+      crc = batch_crc32(batch, crc)
+      state, metrics = schedule.step(state, place_batch(batch, schedule.mesh))
+      step += 1
+      pending.append((step, {k: metrics[k] for k in ('loss', 'loss_batch', 'grad_norm')}))
+      if on_step is not None:
+        on_step(step, state)
+      if compile_s is None:  # the first step compiles; time it on its own
+        jax.block_until_ready(state)
+        sync()
+        compile_s = time.perf_counter() - t_mark
+        t_mark = time.perf_counter()
+        bar.update(1)
+        continue
+
+      is_last = step == cfg.steps
+      do_eval = step % cfg.eval_every == 0 or is_last
+      do_save = step % cfg.checkpoint_every == 0 or is_last
+      if step % cfg.log_every == 0 or do_eval or do_save:
+        fetched = sync()
+        now = time.perf_counter()
+        window_s += now - t_mark
+        window_tokens += len(fetched) * tokens_per_step
+        train_s += now - t_mark
+        train_tokens += len(fetched) * tokens_per_step
+        _, m = fetched[-1]
+        loss = float(m['loss'])
+        rate = window_tokens / window_s if window_s else 0.0
+        log.write({'step': step, 'split': 'train', 'loss': loss, 'bpb': loss / LN2,
+                   'tokens_per_s': rate, 'wall_s': wall(), 'loss_batch': int(m['loss_batch']),
+                   'grad_norm': float(m['grad_norm']), 'data_crc32': crc})
+        bar.set_postfix(loss=f'{loss:.3f}', tok_s=f'{rate:,.0f}', refresh=False)
+        bar.update(step - bar.n)
+        window_s, window_tokens = 0.0, 0
+        if do_eval:
+          row = evaluate_split('validation', cfg.eval_batches)
+          val_bpb = row['bpb']
+        if do_save:
+          if not all_finite(state.params):  # loss finite but the update overflowed
+            raise NonFiniteLossError(
+                f'parameters became non-finite at step {step}; the last good checkpoint is step '
+                f'{last_saved} in {ckpt_where}.')
+          checkpoint.save(manager, state, {'iterator': train_it.get_state(), 'crc32': crc}, meta)
+          last_saved = step
+        t_mark = time.perf_counter()
+    if compile_s is None:  # resumed a finished run: nothing left to train
+      compile_s = 0.0
+      val_bpb = evaluate_split('validation', cfg.eval_batches)['bpb']
+    test_bpb = evaluate_split('test', None)['bpb']
+  finally:
+    bar.close()
+
+  summary = {'step': step, 'val_bpb': val_bpb, 'test_bpb': test_bpb,
+             'tokens_per_s': throughput(), 'train_s': train_s, 'compile_s': compile_s,
+             'wall_s': wall(), 'data_crc32': crc, 'out': cfg.out_dir}
+  _say(bar, False, f'done: val bpb {val_bpb:.4f}, test bpb {test_bpb:.4f}, '
+       f'{summary["tokens_per_s"]:,.0f} tokens/s, {summary["wall_s"]:.1f} s')
+  return state, summary

@@ -1,0 +1,536 @@
+"""Tests for ouroboros_jax.data: corpora, splits, windows and iterators."""
+
+import gzip
+import json
+import os
+import pathlib
+import sys
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+from etils import epath
+
+from ouroboros_jax import data
+
+SEQ_LEN = 16
+
+
+# ----------------------------------------------------------------------------
+# Helpers and fixtures.
+
+
+def _raw_default_corpus() -> bytes:
+  with gzip.open(data.DEFAULT_CORPUS_PATH, 'rb') as f:
+    return f.read()
+
+
+def _random_bytes(n: int, seed: int = 0) -> bytes:
+  return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+@pytest.fixture
+def small_corpus(tmp_path) -> tuple[str, bytes]:
+  """A 'text:' spec for a random-byte file and the file's bytes."""
+  raw = _random_bytes(40_000, seed=1)
+  path = tmp_path / 'small.txt'
+  path.write_bytes(raw)
+  return f'text:{path}', raw
+
+
+@pytest.fixture
+def train_tokens(small_corpus) -> np.ndarray:
+  spec, _ = small_corpus
+  return data.load_splits(spec)['train']
+
+
+def _window_ids(tokens: np.ndarray, seq_len: int) -> dict[bytes, int]:
+  """Maps each window's input bytes to its index (random bytes: unique)."""
+  source = data.WindowSource(tokens, seq_len)
+  ids = {source[i]['inputs'].tobytes(): i for i in range(len(source))}
+  assert len(ids) == len(source)  # The test corpus really has unique windows.
+  return ids
+
+
+def _ids_of(batches, ids: dict[bytes, int]) -> list[int]:
+  return [ids[row.tobytes()] for b in batches for row in b['inputs']]
+
+
+def _take(it, n: int) -> list[dict[str, np.ndarray]]:
+  return [next(it) for _ in range(n)]
+
+
+def _assert_same_batches(a, b) -> None:
+  assert len(a) == len(b)
+  for x, y in zip(a, b):
+    assert x.keys() == y.keys() == {'inputs', 'targets'}
+    np.testing.assert_array_equal(x['inputs'], y['inputs'])
+    np.testing.assert_array_equal(x['targets'], y['targets'])
+
+
+# ----------------------------------------------------------------------------
+# Default corpus through the TFDS builder.
+
+
+def test_default_corpus_splits_through_tfds_array_record(tmp_path, monkeypatch):
+  raw = _raw_default_corpus()
+  n = len(raw)
+  assert n == 5_057_321
+
+  splits = data.load_splits('default', data_dir=tmp_path)
+
+  assert set(splits) == {'train', 'validation', 'test'}
+  assert len(splits['train']) == n * 90 // 100
+  assert len(splits['validation']) == n * 5 // 100
+  assert len(splits['test']) == n - n * 90 // 100 - n * 5 // 100
+  for split in splits.values():
+    assert split.dtype == np.uint8
+  joined = np.concatenate([splits[k] for k in data.SPLITS]).tobytes()
+  assert joined == raw
+
+  # The data really went through array_record files in the data_dir.
+  dataset_dir = tmp_path / 'shakespeare_bytes' / '1.0.0'
+  files = sorted(p.name for p in dataset_dir.iterdir())
+  record_files = [f for f in files if '.array_record' in f]
+  assert {f.split('.array_record')[0] for f in record_files} == {
+      f'shakespeare_bytes-{s}' for s in data.SPLITS
+  }
+  assert 'dataset_info.json' in files
+  mtimes = {p: p.stat().st_mtime_ns for p in dataset_dir.iterdir()}
+
+  # Preparing again reuses the data: generation would now fail, files stay.
+  def _no_generation(self, split_bytes):
+    raise AssertionError('dataset was regenerated instead of reused')
+
+  monkeypatch.setattr(data.ShakespeareBytes, '_generate_examples', _no_generation)
+  again = data.load_splits('shakespeare', data_dir=tmp_path)
+  for k in data.SPLITS:
+    np.testing.assert_array_equal(again[k], splits[k])
+  assert {p: p.stat().st_mtime_ns for p in dataset_dir.iterdir()} == mtimes
+
+
+def test_prepare_reuses_dataset_from_concurrent_process(tmp_path, monkeypatch):
+  original = data.ShakespeareBytes.download_and_prepare
+
+  def lose_race(self, **kwargs):
+    # Another process prepares the same dataset and renames first; ours fails.
+    other = data.ShakespeareBytes(
+        data_dir=os.fspath(tmp_path), file_format='array_record'
+    )
+    original(other, **kwargs)
+    raise OSError(f'[Errno 39] Directory not empty: {self.data_dir}')
+
+  monkeypatch.setattr(data.ShakespeareBytes, 'download_and_prepare', lose_race)
+  splits = data.load_splits('default', data_dir=tmp_path)
+  joined = np.concatenate([splits[k] for k in data.SPLITS]).tobytes()
+  assert joined == _raw_default_corpus()
+
+
+def test_prepare_failure_is_one_line_data_error(tmp_path, monkeypatch):
+  def fail(self, **kwargs):
+    raise OSError('disk full\nsecond line')
+
+  monkeypatch.setattr(data.ShakespeareBytes, 'download_and_prepare', fail)
+  with pytest.raises(data.DataError) as e:
+    data.load_splits('default', data_dir=tmp_path / 'cache')
+  assert str(tmp_path / 'cache') in str(e.value)
+  assert 'disk full' in str(e.value)
+  assert '\n' not in str(e.value)
+
+
+def test_default_data_dir_honours_environment(tmp_path, monkeypatch):
+  monkeypatch.setenv(data.DEFAULT_DATA_DIR_ENV, os.fspath(tmp_path / 'x'))
+  assert data.default_data_dir() == tmp_path / 'x'
+  monkeypatch.delenv(data.DEFAULT_DATA_DIR_ENV)
+  assert data.default_data_dir() == (
+      pathlib.Path.home() / '.cache' / 'ouroboros_jax' / 'tfds'
+  )
+
+
+# ----------------------------------------------------------------------------
+# Splits.
+
+
+def test_split_ranges_are_disjoint_and_cover_the_corpus():
+  for n in [0, 1, 19, 20, 21, 999, 5_057_321]:
+    ranges = data.split_ranges(n)
+    assert list(ranges) == ['train', 'validation', 'test']
+    assert ranges['train'] == (0, n * 90 // 100)
+    assert ranges['validation'] == (n * 90 // 100, n * 90 // 100 + n * 5 // 100)
+    assert ranges['train'][1] == ranges['validation'][0]
+    assert ranges['validation'][1] == ranges['test'][0]
+    assert ranges['test'][1] == n
+    assert all(start <= stop for start, stop in ranges.values())
+
+
+def test_splits_are_disjoint_byte_ranges_and_windows_stay_inside(small_corpus):
+  spec, raw = small_corpus
+  splits = data.load_splits(spec)
+  corpus_U8 = np.frombuffer(raw, np.uint8)
+  for name, (start, stop) in data.split_ranges(len(raw)).items():
+    np.testing.assert_array_equal(splits[name], corpus_U8[start:stop])
+  assert np.concatenate([splits[k] for k in data.SPLITS]).tobytes() == raw
+  for a in data.SPLITS:
+    for b in data.SPLITS:
+      if a != b:
+        assert not np.shares_memory(splits[a], splits[b])
+
+  # A split's windows only ever read that split's bytes.
+  for name, tokens in splits.items():
+    source = data.WindowSource(tokens, SEQ_LEN, split=name)
+    stream = [source[i]['inputs'] for i in range(len(source))]
+    stream.append(source[len(source) - 1]['targets'][-1:])
+    covered = np.concatenate(stream)
+    assert len(covered) == len(source) * SEQ_LEN + 1 <= len(tokens)
+    np.testing.assert_array_equal(covered, tokens[: len(covered)])
+
+
+# ----------------------------------------------------------------------------
+# Windows and eval batches.
+
+
+def test_windows_are_shifted_by_one_and_equal_raw_bytes():
+  tokens = np.frombuffer(_random_bytes(1000, seed=2), np.uint8)
+  source = data.WindowSource(tokens, SEQ_LEN)
+  assert len(source) == (1000 - 1) // SEQ_LEN == data.num_windows(tokens, SEQ_LEN)
+  for i in [0, 1, 30, len(source) - 1]:
+    w = source[i]
+    assert w['inputs'].shape == w['targets'].shape == (SEQ_LEN,)
+    assert w['inputs'].dtype == w['targets'].dtype == np.int32
+    start = i * SEQ_LEN
+    np.testing.assert_array_equal(w['inputs'], tokens[start : start + SEQ_LEN])
+    np.testing.assert_array_equal(
+        w['targets'], tokens[start + 1 : start + SEQ_LEN + 1]
+    )
+    np.testing.assert_array_equal(w['inputs'][1:], w['targets'][:-1])
+  # Consecutive windows share exactly one token.
+  assert source[1]['inputs'][0] == source[0]['targets'][-1]
+  with pytest.raises(IndexError):
+    source[len(source)]  # pylint: disable=pointless-statement
+
+
+def test_num_windows_edges():
+  assert data.num_windows(np.zeros(SEQ_LEN + 1, np.uint8), SEQ_LEN) == 1
+  assert data.num_windows(np.zeros(SEQ_LEN, np.uint8), SEQ_LEN) == 0
+  assert data.num_windows(np.zeros(0, np.uint8), SEQ_LEN) == 0
+  assert data.num_windows(np.zeros(2 * SEQ_LEN + 1, np.uint8), SEQ_LEN) == 2
+  assert data.num_windows(np.zeros(2 * SEQ_LEN, np.uint8), SEQ_LEN) == 1
+
+
+def test_eval_batches_are_windows_in_order():
+  tokens = np.frombuffer(_random_bytes(2000, seed=3), np.uint8)
+  source = data.WindowSource(tokens, SEQ_LEN)
+  batch_size = 8
+  batches = list(
+      data.eval_batches(tokens, seq_len=SEQ_LEN, batch_size=batch_size)
+  )
+  assert len(batches) == len(source) // batch_size  # Partial batch dropped.
+  assert len(source) % batch_size != 0  # ... and there was one to drop.
+  for b, batch in enumerate(batches):
+    assert batch['inputs'].shape == batch['targets'].shape == (batch_size, SEQ_LEN)
+    assert batch['inputs'].dtype == batch['targets'].dtype == np.int32
+    for r in range(batch_size):
+      w = source[b * batch_size + r]
+      np.testing.assert_array_equal(batch['inputs'][r], w['inputs'])
+      np.testing.assert_array_equal(batch['targets'][r], w['targets'])
+  limited = list(
+      data.eval_batches(tokens, seq_len=SEQ_LEN, batch_size=batch_size,
+                        max_batches=3)
+  )
+  _assert_same_batches(limited, batches[:3])
+  # Deterministic: a second pass gives the same batches.
+  _assert_same_batches(
+      list(data.eval_batches(tokens, seq_len=SEQ_LEN, batch_size=batch_size)),
+      batches,
+  )
+  # Process slices of eval batches concatenate to the global batch.
+  halves = [
+      list(data.eval_batches(tokens, seq_len=SEQ_LEN, batch_size=batch_size,
+                             process_index=p, process_count=2))
+      for p in range(2)
+  ]
+  for b, batch in enumerate(batches):
+    np.testing.assert_array_equal(
+        np.concatenate([halves[0][b]['inputs'], halves[1][b]['inputs']]),
+        batch['inputs'],
+    )
+
+
+# ----------------------------------------------------------------------------
+# Training iterator.
+
+
+def test_train_batches_have_the_right_format(train_tokens):
+  it = data.make_train_iterator(train_tokens, seq_len=SEQ_LEN, batch_size=4,
+                                seed=0)
+  ids = _window_ids(train_tokens, SEQ_LEN)
+  source = data.WindowSource(train_tokens, SEQ_LEN)
+  batch = next(it)
+  assert set(batch) == {'inputs', 'targets'}
+  for v in batch.values():
+    assert isinstance(v, np.ndarray)
+    assert v.shape == (4, SEQ_LEN)
+    assert v.dtype == np.int32
+  for row_in, row_tg in zip(batch['inputs'], batch['targets']):
+    # Each row is a real window, with its own targets.
+    np.testing.assert_array_equal(row_tg, source[ids[row_in.tobytes()]]['targets'])
+
+
+def test_train_iterator_is_deterministic_per_seed(train_tokens):
+  kwargs = dict(seq_len=SEQ_LEN, batch_size=8)
+  a = _take(data.make_train_iterator(train_tokens, seed=7, **kwargs), 20)
+  b = _take(data.make_train_iterator(train_tokens, seed=7, **kwargs), 20)
+  c = _take(data.make_train_iterator(train_tokens, seed=8, **kwargs), 20)
+  _assert_same_batches(a, b)
+  ids = _window_ids(train_tokens, SEQ_LEN)
+  assert _ids_of(a, ids) != _ids_of(c, ids)
+
+
+def test_each_epoch_is_a_new_permutation_of_all_windows(train_tokens):
+  ids = _window_ids(train_tokens, SEQ_LEN)
+  n = len(ids)
+  batch_size = 7
+  assert n % batch_size != 0  # Batches straddle epoch boundaries.
+  it = data.make_train_iterator(train_tokens, seq_len=SEQ_LEN,
+                                batch_size=batch_size, seed=0)
+  stream = _ids_of(_take(it, -(-3 * n // batch_size)), ids)
+  epochs = [stream[e * n : (e + 1) * n] for e in range(3)]
+  for epoch in epochs:
+    assert sorted(epoch) == list(range(n))  # Every window exactly once.
+  assert epochs[0] != list(range(n))  # Shuffled ...
+  assert epochs[1] != epochs[0]  # ... and reshuffled every epoch.
+  assert epochs[2] != epochs[1]
+  assert epochs[2] != epochs[0]
+
+
+def test_iterator_state_round_trips_through_json(train_tokens):
+  kwargs = dict(seq_len=SEQ_LEN, batch_size=8, seed=3)
+  it = data.make_train_iterator(train_tokens, **kwargs)
+  _take(it, 5)
+  state = json.loads(json.dumps(it.get_state()))
+  expected = _take(it, 6)
+  fresh = data.make_train_iterator(train_tokens, **kwargs)
+  first = next(fresh)
+  fresh.set_state(state)
+  _assert_same_batches(_take(fresh, 6), expected)
+  # The state really moved: the restored batches are not the first ones.
+  assert not np.array_equal(expected[0]['inputs'], first['inputs'])
+
+
+@pytest.mark.parametrize('process_count', [2, 4])
+def test_process_slices_concatenate_to_the_global_batch(train_tokens,
+                                                        process_count):
+  kwargs = dict(seq_len=SEQ_LEN, batch_size=8, seed=5)
+  global_batches = _take(data.make_train_iterator(train_tokens, **kwargs), 30)
+  per_process = [
+      _take(data.make_train_iterator(train_tokens, process_index=p,
+                                     process_count=process_count, **kwargs), 30)
+      for p in range(process_count)
+  ]
+  for step, global_batch in enumerate(global_batches):
+    for key in ('inputs', 'targets'):
+      parts = [per_process[p][step][key] for p in range(process_count)]
+      assert parts[0].shape == (8 // process_count, SEQ_LEN)
+      np.testing.assert_array_equal(np.concatenate(parts), global_batch[key])
+
+  # A process's state restores its own stream.
+  it = data.make_train_iterator(train_tokens, process_index=1,
+                                process_count=process_count, **kwargs)
+  _take(it, 4)
+  state = json.loads(json.dumps(it.get_state()))
+  fresh = data.make_train_iterator(train_tokens, process_index=1,
+                                   process_count=process_count, **kwargs)
+  fresh.set_state(state)
+  _assert_same_batches(_take(fresh, 3), per_process[1][4:7])
+
+
+# ----------------------------------------------------------------------------
+# Other sources.
+
+
+def test_text_spec_concatenates_plain_and_gz_files(tmp_path):
+  a = b'First file.\nWith two lines.'
+  b = _random_bytes(3000, seed=4)
+  c = 'Third, gzipped: caf\u00e9.\n'.encode('utf-8')
+  (tmp_path / 'a.txt').write_bytes(a)
+  (tmp_path / 'b.bin').write_bytes(b)
+  with gzip.open(tmp_path / 'c.txt.gz', 'wb') as f:
+    f.write(c)
+  spec = f'text:{tmp_path / "a.txt"},{tmp_path / "b.bin"},{tmp_path / "c.txt.gz"}'
+  splits = data.load_splits(spec)
+  expected = a + b'\n' + b + b'\n' + c
+  assert np.concatenate([splits[k] for k in data.SPLITS]).tobytes() == expected
+  assert len(splits['train']) == len(expected) * 90 // 100
+  assert len(splits['validation']) == len(expected) * 5 // 100
+  # Order matters: the files are concatenated in the order given.
+  swapped = data.load_splits(f'text:{tmp_path / "c.txt.gz"},{tmp_path / "a.txt"}')
+  assert np.concatenate([swapped[k] for k in data.SPLITS]).tobytes() == (
+      c + b'\n' + a
+  )
+
+
+class OuroborosTestDocs(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+  """Tiny text dataset with train and test splits and two text features."""
+
+  VERSION = tfds.core.Version('1.0.0')
+  code_path = epath.Path(__file__)  # See data.ShakespeareBytes.
+  SPLIT_SIZES = {'train': 60, 'test': 10}
+
+  def _info(self):
+    return tfds.core.DatasetInfo(
+        builder=self,
+        description='test documents',
+        features=tfds.features.FeaturesDict({
+            'text': tfds.features.Text(),
+            'title': tfds.features.Text(),
+            'id': tfds.features.Scalar(dtype=np.int64),
+        }),
+    )
+
+  def _split_generators(self, dl_manager):
+    return {name: self._generate_examples(name, n)
+            for name, n in self.SPLIT_SIZES.items()}
+
+  def _generate_examples(self, split, n):
+    for i in range(n):
+      yield f'{split}{i}', {'text': f'{split} document {i} \u00e9t\u00e9',
+                            'title': f'{split.upper()}-{i}', 'id': i}
+
+
+class OuroborosTestTrainOnly(OuroborosTestDocs, skip_registration=True):
+  SPLIT_SIZES = {'train': 80}
+
+
+def _prepare(builder_cls, data_dir) -> None:
+  builder_cls(data_dir=os.fspath(data_dir)).download_and_prepare(
+      file_format='array_record')
+
+
+def test_tfds_spec_reads_prepared_dataset_and_feature(tmp_path):
+  _prepare(OuroborosTestDocs, tmp_path)
+
+  splits = data.load_splits('tfds:ouroboros_test_docs:title', data_dir=tmp_path)
+  train_docs = [f'TRAIN-{i}'.encode() for i in range(60)]
+  test_docs = [f'TEST-{i}'.encode() for i in range(10)]
+  # No validation split in the dataset: it is the last 5% of train's bytes.
+  train_stream = splits['train'].tobytes() + splits['validation'].tobytes()
+  assert len(splits['validation']) == len(train_stream) * 5 // 100 > 0
+  assert sorted(train_stream.split(b'\n')) == sorted(train_docs)
+  assert sorted(splits['test'].tobytes().split(b'\n')) == sorted(test_docs)
+
+  # FEATURE defaults to 'text'; documents are UTF-8.
+  text = data.load_splits('tfds:ouroboros_test_docs', data_dir=tmp_path)
+  test_text = sorted(text['test'].tobytes().split(b'\n'))
+  assert test_text == sorted(
+      f'test document {i} \u00e9t\u00e9'.encode('utf-8') for i in range(10))
+
+
+def test_tfds_spec_with_only_train_splits_90_5_5(tmp_path):
+  _prepare(OuroborosTestTrainOnly, tmp_path)
+  splits = data.load_splits('tfds:ouroboros_test_train_only:title',
+                            data_dir=tmp_path)
+  stream = b''.join(splits[k].tobytes() for k in data.SPLITS)
+  assert sorted(stream.split(b'\n')) == sorted(
+      f'TRAIN-{i}'.encode() for i in range(80))
+  assert len(splits['train']) == len(stream) * 90 // 100
+  assert len(splits['validation']) == len(stream) * 5 // 100
+
+
+# ----------------------------------------------------------------------------
+# Errors.
+
+
+def _error(fn, *args, **kwargs) -> str:
+  with pytest.raises(data.DataError) as e:
+    fn(*args, **kwargs)
+  message = str(e.value)
+  assert '\n' not in message and message.strip() == message and message
+  assert isinstance(e.value, ValueError)
+  return message
+
+
+def test_missing_and_unreadable_files_name_the_path(tmp_path):
+  missing = tmp_path / 'nope.txt'
+  assert str(missing) in _error(data.load_splits, f'text:{missing}')
+  message = _error(data.load_splits, f'text:{tmp_path}')  # A directory.
+  assert str(tmp_path) in message
+  bad_gz = tmp_path / 'bad.txt.gz'
+  bad_gz.write_bytes(b'not gzip at all')
+  assert str(bad_gz) in _error(data.load_splits, f'text:{bad_gz}')
+  # The good file before a missing one does not hide the error.
+  good = tmp_path / 'good.txt'
+  good.write_bytes(b'x' * 100)
+  assert str(missing) in _error(data.load_splits, f'text:{good},{missing}')
+  empty = tmp_path / 'empty.txt'
+  empty.write_bytes(b'')
+  assert 'empty' in _error(data.load_splits, f'text:{empty}')
+
+
+def test_unknown_spec_names_accepted_forms():
+  for spec in ['bogus', 'txt:/x', '', 'tfds']:
+    message = _error(data.load_splits, spec)
+    assert 'default' in message and 'text:' in message and 'tfds:' in message
+
+
+def test_tfds_errors(tmp_path):
+  message = _error(data.load_splits, 'tfds:no_such_dataset_ouroboros',
+                   data_dir=tmp_path)
+  assert 'no_such_dataset_ouroboros' in message
+  _prepare(OuroborosTestDocs, tmp_path)
+  message = _error(data.load_splits, 'tfds:ouroboros_test_docs:body',
+                   data_dir=tmp_path)
+  assert "'body'" in message and 'text' in message and 'title' in message
+  message = _error(data.load_splits, 'tfds:ouroboros_test_docs:id',
+                   data_dir=tmp_path)
+  assert "'id'" in message and 'not text' in message
+  assert 'tfds:' in _error(data.load_splits, 'tfds:', data_dir=tmp_path)
+
+
+def test_split_shorter_than_one_window(tmp_path):
+  tokens = np.zeros(10, np.uint8)
+  message = _error(data.make_train_iterator, tokens, seq_len=SEQ_LEN,
+                   batch_size=1, seed=0)
+  assert 'seq_len' in message and '10' in message and str(SEQ_LEN + 1) in message
+  assert '--seq-len' in message
+  message = _error(data.eval_batches, tokens, seq_len=SEQ_LEN, batch_size=1)
+  assert 'validation' in message and 'seq_len' in message
+  # A tiny corpus: the validation split is too short for a window.
+  path = tmp_path / 'tiny.txt'
+  path.write_bytes(b'a' * 200)
+  splits = data.load_splits(f'text:{path}')
+  assert len(splits['validation']) == 10
+  message = _error(data.eval_batches, splits['validation'], seq_len=SEQ_LEN,
+                   batch_size=1, split='validation')
+  assert 'validation split has 10 tokens' in message
+
+
+def test_fewer_windows_than_batch_size(train_tokens):
+  n = data.num_windows(train_tokens, SEQ_LEN)
+  message = _error(data.make_train_iterator, train_tokens, seq_len=SEQ_LEN,
+                   batch_size=n + 1, seed=0)
+  assert 'batch' in message and str(n) in message
+  # Exactly n windows is enough.
+  it = data.make_train_iterator(train_tokens, seq_len=SEQ_LEN, batch_size=n,
+                                seed=0)
+  assert next(it)['inputs'].shape == (n, SEQ_LEN)
+
+
+def test_non_positive_sizes(train_tokens):
+  for bad in [0, -3]:
+    assert 'seq_len' in _error(data.make_train_iterator, train_tokens,
+                               seq_len=bad, batch_size=2, seed=0)
+    assert 'batch_size' in _error(data.make_train_iterator, train_tokens,
+                                  seq_len=SEQ_LEN, batch_size=bad, seed=0)
+    assert 'seq_len' in _error(data.eval_batches, train_tokens, seq_len=bad,
+                               batch_size=2)
+    assert 'batch_size' in _error(data.eval_batches, train_tokens,
+                                  seq_len=SEQ_LEN, batch_size=bad)
+    assert 'seq_len' in _error(data.num_windows, train_tokens, bad)
+  assert 'process_count' in _error(
+      data.make_train_iterator, train_tokens, seq_len=SEQ_LEN, batch_size=6,
+      seed=0, process_count=4)
+  assert 'process_index' in _error(
+      data.make_train_iterator, train_tokens, seq_len=SEQ_LEN, batch_size=8,
+      seed=0, process_index=2, process_count=2)
+  assert 'seed' in _error(data.make_train_iterator, train_tokens,
+                          seq_len=SEQ_LEN, batch_size=2, seed=-1)
