@@ -143,12 +143,17 @@ def _graphdefs(cfg: ModelConfig):
 
 
 def _merge(graphdef, params: Params):
-  return nnx.merge(graphdef, nnx.State(params))
+  return nnx.merge(graphdef, params)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
   """Random initial parameters, layer parameters stacked on a leading axis of size num_layers."""
   cfg.validate()
+  return _init_params(cfg, key)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _init_params(cfg: ModelConfig, key: jax.Array) -> Params:
   key_embed, key_layers, key_head = jax.random.split(key, 3)
 
   @nnx.vmap(in_axes=0, out_axes=0)

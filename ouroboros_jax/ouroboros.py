@@ -37,7 +37,11 @@ checkpointed, so a resumed run continues the same trajectory.
 
 G = 1 puts every module on one device; there is no hop to wait for, so the step is plain backprop.
 With `sync_warmup_steps = N` the first N steps are plain synchronous backprop over the same
-placement, and the delayed schedule starts at step N with empty pipes.
+placement (the `model_parallel` step: locked forward, locked backward, `ring.locked_grads`), and
+the delayed schedule starts at step N with empty pipes.
+
+The pieces it shares with `model_parallel` (stash, locked forward, head, embedding backward,
+gathering the gradients) live in `ring.py`.
 
 Everything runs inside one `jax.shard_map` over (stage, data): with data parallelism each data
 replica runs its own ring on its share of the batch, and gradients are averaged over `data`.
@@ -50,11 +54,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from ouroboros_jax import ring as ring_lib
 from ouroboros_jax import staged
 from ouroboros_jax.model import ConfigError
-from ouroboros_jax.staged import DATA, EMBED_PIECE, STAGE, Schedule, StagedModel, TrainState
-
-STASH_MODES = ('graph', 'replay')
+from ouroboros_jax.ring import STASH_MODES
+from ouroboros_jax.staged import DATA, STAGE, Schedule, StagedModel, TrainState
 
 
 def staleness(num_stages: int) -> list[int]:
@@ -69,78 +73,34 @@ def idle_fraction(num_stages: int, backward_over_forward: float = 2.0) -> float:
   return (num_stages - 1) * f / (num_stages * f + b)
 
 
-def _on_stage(stage_index, which: int, fn):
-  """Run fn() on device `which` of the ring only; the others get zeros of the same shapes."""
-  zeros = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(fn))
-  return jax.lax.cond(stage_index == which, fn, zeros)
-
-
-def _mask(valid, tree):
-  return jax.tree.map(lambda a: jnp.where(valid, a, jnp.zeros_like(a)), tree)
-
-
 def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
           devices=None) -> Schedule:
   """The Ouroboros schedule: `init(params, example_batch)` and a jitted `step(state, batch)`."""
   num_stages, replicas = config.num_stages, config.data_parallel
-  if config.stash not in STASH_MODES:
-    raise ConfigError(f'unknown stash mode {config.stash!r}; choose graph or replay.')
   if config.tied_grad not in ('sum', 'mean'):
     raise ConfigError(f'unknown tied_grad {config.tied_grad!r}; choose sum or mean.')
   mesh = staged.make_mesh(num_stages, replicas, devices)
   depth = num_stages + 1                      # stash slots per device
   delay_G = jnp.asarray(staleness(num_stages))
   module1_delay = staleness(num_stages)[0]
-  graph_mode = config.stash == 'graph'
-  residuals = {}                              # the VJP's tree structure, fixed at trace time
-
-  def run_stage(params_s, x, stage_index, key):
-    return model.stage(params_s, x, stage_index, staged.piece_rng(key, stage_index))
-
-  # -- what a device keeps between the forward of a batch and its delayed backward --------------
-  def forward_and_stash(params_s, x, stage_index, key):
-    if not graph_mode:
-      return run_stage(params_s, x, stage_index, key), x
-    y, vjp_fn = jax.vjp(lambda p, h: run_stage(p, h, stage_index, key), params_s, x)
-    leaves, residuals['treedef'] = jax.tree.flatten(vjp_fn)
-    return y, leaves
-
-  def backward_from_stash(params_s, stash, delta, stage_index, key):
-    if graph_mode:  # at forward-time weights, from the kept residuals
-      vjp_fn = jax.tree.unflatten(residuals['treedef'], stash)
-    else:           # replay: re-run the forward at the current weights
-      _, vjp_fn = jax.vjp(lambda p, h: run_stage(p, h, stage_index, key), params_s, stash)
-    return vjp_fn(delta)
+  stash = ring_lib.Stash(model, config.stash)  # what a device keeps until its delayed backward
 
   # -- one step on one device of the ring ---------------------------------------------------------
   def ring_step(params, ring, batch, t, t_async):
     s = jax.lax.axis_index(STAGE)
-    params_s = jax.tree.map(lambda a: a[0], params['stages'])
+    params_s = ring_lib.local_stage_params(params)
     stash_D = jax.tree.map(lambda a: a[0, 0], ring['stash'])
     tokens_D = ring['tokens'][0, 0]
     key_t = staged.batch_key(config.seed, t)
 
     # 1. Forward, locked: in round r only device r computes; then every device passes on.
-    x = model.embed(params['embed'], batch['inputs'], staged.piece_rng(key_t, EMBED_PIECE))
-    empty = jax.tree.map(lambda a: jnp.zeros(a.shape[1:], a.dtype), stash_D)
-
-    def forward_round(r, carry):
-      x, kept = carry
-      y, kept = jax.lax.cond(r == s, lambda: forward_and_stash(params_s, x, s, key_t),
-                             lambda: (x, kept))
-      return staged.ring_forward(y, num_stages), kept
-
-    x, kept = jax.lax.fori_loop(0, num_stages, forward_round, (x, empty))
+    x = ring_lib.embed(model, params['embed'], batch['inputs'], key_t)
+    x, kept = ring_lib.locked_forward(stash, params_s, x, key_t, num_stages)
     stash_D = jax.tree.map(lambda buf, k: buf.at[t % depth].set(k), stash_D, kept)
     tokens_D = tokens_D.at[t % depth].set(batch['inputs'])
 
     # 2. Head (module K, on device 0): fresh loss, head gradient and delta_{G-1}^t.
-    def head():
-      loss_of = lambda head_p, embed_p, h: model.loss(head_p, embed_p, h, batch['targets'])[0]
-      loss, vjp_fn = jax.vjp(loss_of, params['head'], params['embed'], x)
-      return (loss, *vjp_fn(jnp.ones_like(loss)))
-
-    loss, g_head, g_embed_fresh, delta_fresh = _on_stage(s, 0, head)
+    loss, g_head, g_embed_fresh, delta_fresh = ring_lib.head(model, params, x, batch['targets'])
 
     # 3. Backward, all devices at once: group s finishes batch t - (G - s).
     delay = delay_G[s]
@@ -150,14 +110,10 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
     delta = delta_fresh if num_stages == 1 else ring['delta'][0, 0]
     key_b = staged.batch_key(config.seed, batch_index)
     stash_b = jax.tree.map(lambda buf: buf[slot], stash_D)
-    g_stage, dx = _mask(valid, backward_from_stash(params_s, stash_b, delta, s, key_b))
+    g_stage, dx = ring_lib.mask(valid, stash.backward(params_s, stash_b, delta, s, key_b))
 
     # Module 1 ends at the embedding: device 0 turns dx into V's stale input-side gradient.
-    def embed_backward():
-      embed_of = lambda e: model.embed(e, tokens_D[slot], staged.piece_rng(key_b, EMBED_PIECE))
-      return jax.vjp(embed_of, params['embed'])[1](dx)[0]
-
-    g_embed_stale = _on_stage(s, 0, embed_backward)
+    g_embed_stale = ring_lib.embed_backward(model, params['embed'], tokens_D[slot], key_b, dx)
     # The one hop of the backward: s hands dx to s - 1; device 0 hands the head's delta to G - 1.
     delta_next = staged.ring_backward(jnp.where(s == 0, delta_fresh, dx), num_stages)
 
@@ -166,10 +122,7 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
     if config.tied_grad == 'mean' and model.tied_embedding:
       both = t_async >= module1_delay
       g_embed = jax.tree.map(lambda g: jnp.where(both, 0.5 * g, g), g_embed)
-    from_device0 = lambda tree: jax.lax.psum(tree, STAGE)
-    grads = {'embed': from_device0(g_embed), 'head': from_device0(g_head),
-             'stages': jax.tree.map(lambda g: g[None], g_stage)}
-    grads, loss = jax.lax.pmean((grads, from_device0(loss)), DATA)
+    grads, loss = ring_lib.gather_grads(g_embed, g_head, g_stage, loss)
     new_ring = {'stash': jax.tree.map(lambda a: a[None, None], stash_D),
                 'tokens': tokens_D[None, None], 'delta': delta_next[None, None]}
     return grads, new_ring, loss
@@ -184,16 +137,21 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
     params_s = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
                             params['stages'])
     x = jax.eval_shape(model.embed, params['embed'], local['inputs'], None)
-    _, kept = jax.eval_shape(lambda p, h: forward_and_stash(p, h, 0, jax.random.key(0)),
+    _, kept = jax.eval_shape(lambda p, h: stash.forward(p, h, 0, jax.random.key(0)),
                              params_s, x)
     buffer = lambda a, *lead: jnp.zeros((num_stages, replicas, *lead, *a.shape), a.dtype)
-    ring = {'stash': jax.tree.map(lambda a: buffer(a, depth), kept),
-            'tokens': buffer(local['inputs'], depth), 'delta': buffer(x)}
-    state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                       opt_state=staged.init_opt_state(tx, params), ring=ring)
+
+    def fresh_state(params):
+      ring = {'stash': jax.tree.map(lambda a: buffer(a, depth), kept),
+              'tokens': buffer(local['inputs'], depth), 'delta': buffer(x)}
+      return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                        opt_state=staged.init_opt_state(tx, params), ring=ring)
+
+    abstract = jax.eval_shape(fresh_state, params)
     specs = TrainState(step=P(), params=staged.param_specs(params),
-                       opt_state=staged.opt_state_specs(state.opt_state), ring=ring_specs(ring))
-    return staged.shard(state, specs, mesh)
+                       opt_state=staged.opt_state_specs(abstract.opt_state),
+                       ring=ring_specs(abstract.ring))
+    return jax.jit(fresh_state, out_shardings=staged.named(specs, mesh))(params)
 
   @jax.jit
   def step(state: TrainState, batch: dict):
@@ -209,9 +167,13 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
     def ouroboros_grads():
       return delayed(state.params, state.ring, batch, t, t_async)
 
-    def warmup_grads():  # plain synchronous backprop over the same placement; pipes stay empty
-      (loss, _), grads = jax.value_and_grad(model.forward_loss, has_aux=True)(
-          state.params, batch, staged.batch_key(config.seed, t))
+    def warmup_grads():  # model_parallel's exact gradient over the same ring; pipes stay empty
+      synchronous = jax.shard_map(
+          lambda params, batch, t: ring_lib.locked_grads(
+              model, params, batch, staged.batch_key(config.seed, t), num_stages),
+          mesh=mesh, in_specs=(staged.param_specs(state.params), staged.batch_spec(batch), P()),
+          out_specs=(staged.param_specs(state.params), P()), check_vma=False)
+      grads, loss = synchronous(state.params, batch, t)
       return grads, state.ring, loss
 
     if config.sync_warmup_steps:

@@ -3,7 +3,8 @@
 A Python loop over steps and over modules, with explicit deques: `stashes[s]` holds what group s
 kept of every batch still in flight, `inbox[s]` the error gradient for group s's output that
 arrived during the previous step. Nothing is sharded, nothing is jitted: it exists so the tests
-can check the real schedule (`ouroboros.py`) number for number.
+can check the real schedule (`ouroboros.py`) number for number. (The model's pieces and the
+optimizer update are each jitted on their own, only so that the loop runs in seconds.)
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ def run(model: staged.StagedModel, tx, params, batches, *, stash: str = 'graph',
   groups ('embed', 0..G-1, 'head') that changed their weights at step t."""
   num_stages = staged.stage_count(params)
   delays = staleness(num_stages)
+  model = staged.StagedModel(embed=jax.jit(model.embed), stage=jax.jit(model.stage),
+                             loss=jax.jit(model.loss), tied_embedding=model.tied_embedding)
+  apply_gradients = jax.jit(
+      lambda *args, **kw: staged.apply_gradients(tx, *args, clip_norm=clip_norm, **kw))
   opt_state = staged.init_opt_state(tx, params)
   stashes = [collections.deque() for _ in range(num_stages)]
   inbox = [None] * num_stages
@@ -36,8 +41,7 @@ def run(model: staged.StagedModel, tx, params, batches, *, stash: str = 'graph',
     key_t = staged.batch_key(seed, t)
     if t < sync_warmup_steps:
       (loss, _), grads = jax.value_and_grad(model.forward_loss, has_aux=True)(params, batch, key_t)
-      params, opt_state, _ = staged.apply_gradients(tx, params, opt_state, grads,
-                                                    clip_norm=clip_norm)
+      params, opt_state, _ = apply_gradients(params, opt_state, grads)
       losses.append(float(loss))
       updated.append(['embed', *range(num_stages), 'head'])
       continue
@@ -93,9 +97,8 @@ def run(model: staged.StagedModel, tx, params, batches, *, stash: str = 'graph',
     grads = {'embed': g_embed, 'head': g_head,
              'stages': jax.tree.map(lambda *g: jnp.stack(g), *g_stages)}
     embed_ready = model.tied_embedding or ready[0]
-    params, opt_state, _ = staged.apply_gradients(
-        tx, params, opt_state, grads, clip_norm=clip_norm, embed_ready=embed_ready,
-        stages_ready_G=jnp.asarray(ready))
+    params, opt_state, _ = apply_gradients(params, opt_state, grads, embed_ready=embed_ready,
+                                           stages_ready_G=jnp.asarray(ready))
     updated.append((['embed'] if embed_ready else []) +
                    [s for s in range(num_stages) if ready[s]] + ['head'])
   return params, losses, updated

@@ -116,7 +116,7 @@ def apply_gradients(tx, params, opt_state, grads, *, clip_norm: float | None,
   Returns (params, opt_state, grad_norm). `clip_norm` clips the global norm of the whole gradient
   (the norm is taken over every group at once, so all schedules clip identically).
   """
-  grad_norm = optax.global_norm(grads)
+  grad_norm = optax.tree.norm(grads)
   if clip_norm:
     scale = jnp.minimum(1.0, clip_norm / (grad_norm + 1e-6))
     grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
@@ -184,8 +184,14 @@ def batch_spec(batch: PyTree) -> PyTree:
   return jax.tree.map(lambda _: P(DATA), batch)
 
 
+def named(specs: PyTree, mesh: Mesh) -> PyTree:
+  """PartitionSpecs -> NamedShardings on `mesh` (PartitionSpecs are leaves here)."""
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                      is_leaf=lambda s: isinstance(s, P))
+
+
 def shard(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
-  return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, specs)
+  return jax.device_put(tree, named(specs, mesh))
 
 
 def check_batch(batch: dict, divisor: int, what: str) -> None:

@@ -1,0 +1,205 @@
+"""The Ouroboros schedule against its slow reference, against backprop, and against hand math."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from ouroboros_jax import checkpoint, partition, reference, staged
+from ouroboros_jax import model as transformer
+from ouroboros_jax.model import ConfigError
+from ouroboros_jax.ouroboros import staleness
+from ouroboros_jax.schedules import ScheduleConfig, build_schedule
+from ouroboros_jax.staged import StagedModel
+
+BATCH, SEQ = 4, 8
+
+
+def random_batches(num, seed=0, batch=BATCH):
+  rng = np.random.default_rng(seed)
+  return [{'inputs': jnp.asarray(rng.integers(0, 256, (batch, SEQ)), jnp.int32),
+           'targets': jnp.asarray(rng.integers(0, 256, (batch, SEQ)), jnp.int32)}
+          for _ in range(num)]
+
+
+def tiny_transformer(num_stages, *, pre_ln=True, num_layers=None, dropout=0.0,
+                     layers_per_stage=None):
+  cfg = transformer.ModelConfig(d_model=16, num_heads=2, num_layers=num_layers or
+                                max(num_stages, 3), d_ff=32, seq_len=SEQ, pre_ln=pre_ln,
+                                dropout=dropout)
+  layers_per_stage = layers_per_stage or partition.balance_layers(cfg, num_stages)
+  params = partition.to_staged(transformer.init_params(cfg, jax.random.key(0)), layers_per_stage)
+  return partition.transformer_stages(cfg, layers_per_stage), params
+
+
+def run_schedule(config, model, tx, params, batches):
+  schedule = build_schedule(config, model, tx)
+  state = schedule.init(params, batches[0])
+  losses = []
+  for batch in batches:
+    state, metrics = schedule.step(state, batch)
+    losses.append(float(metrics['loss']))
+  return state, losses
+
+
+def max_abs_diff(a, b):
+  a, b = jax.device_get((a, b))  # the two may live on different meshes
+  return max(jax.tree.leaves(jax.tree.map(lambda x, y: float(np.max(np.abs(x - y))), a, b)))
+
+
+@pytest.mark.parametrize('pre_ln', [True, False], ids=['preLN', 'postLN'])
+@pytest.mark.parametrize('stash', ['graph', 'replay'])
+@pytest.mark.parametrize('num_stages', [2, 3, 4, 8])
+def test_matches_slow_reference(num_stages, stash, pre_ln):
+  model, params = tiny_transformer(num_stages, pre_ln=pre_ln)
+  tx = staged.adamw(1e-2, weight_decay=0.01)
+  batches = random_batches(7)
+  config = ScheduleConfig(name='ouroboros', num_stages=num_stages, stash=stash)
+  state, losses = run_schedule(config, model, tx, params, batches)
+  want, want_losses, _ = reference.run(model, tx, params, batches, stash=stash)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  assert max_abs_diff(params, want) > 1e-2          # training really moved the weights
+  assert max_abs_diff(state.params, want) < 2e-5    # ... and to the reference's values
+
+
+@pytest.mark.parametrize('stash', ['graph', 'replay'])
+def test_uneven_split_dropout_warmup_and_mean_tie_match_reference(stash):
+  """The less common paths together: uneven stages, dropout keys, sync warm-up, averaged tie."""
+  model, params = tiny_transformer(3, num_layers=5, dropout=0.1, layers_per_stage=(1, 3, 1))
+  tx = staged.adamw(1e-2)
+  batches = random_batches(7, seed=1)
+  config = ScheduleConfig(name='ouroboros', num_stages=3, stash=stash, sync_warmup_steps=2,
+                          tied_grad='mean', seed=5)
+  state, losses = run_schedule(config, model, tx, params, batches)
+  want, want_losses, _ = reference.run(model, tx, params, batches, stash=stash,
+                                       sync_warmup_steps=2, tied_grad='mean', seed=5)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  assert max_abs_diff(state.params, want) < 2e-5
+
+
+def test_one_stage_is_plain_backprop():
+  model, params = tiny_transformer(1)
+  tx = staged.adamw(1e-2)
+  batches = random_batches(6)
+  ouro, _ = run_schedule(ScheduleConfig(name='ouroboros', num_stages=1), model, tx, params, batches)
+  plain, _ = run_schedule(ScheduleConfig(name='backprop'), model, tx, params, batches)
+  print('G=1 vs backprop', max_abs_diff(ouro.params, plain.params))
+  assert max_abs_diff(ouro.params, plain.params) < 2e-5
+
+
+# A model whose gradients name their batch: stage s adds a bias b_s, the loss is sum(x * c_t)
+# with c_t drawn per batch, so d loss / d b_s = sum(c_t) of the batch it was computed on. With
+# SGD at learning rate 1, b_s after step t is b_s(0) - sum of c over the batches it back-propagated.
+WIDTH = 3
+
+
+def probe_model():
+  embed = lambda p, inputs, rng: p['scale'] * jnp.ones(inputs.shape + (WIDTH,))
+  stage = lambda p, x, stage_index, rng: x + p['bias']
+  loss = lambda head, embed_p, x, targets: (
+      jnp.sum(x * (targets[..., None].astype(jnp.float32) - 127.5)) * head['w'][0], {})
+  return StagedModel(embed=embed, stage=stage, loss=loss, tied_embedding=False)
+
+
+def test_delays_are_exactly_K_minus_k_and_no_early_updates():
+  num_stages, steps = 3, 7
+  params = {'embed': {'scale': jnp.ones(())},
+            'stages': {'bias': jnp.zeros((num_stages, WIDTH))}, 'head': {'w': jnp.ones((1,))}}
+  batches = random_batches(steps, seed=3)
+  per_batch_c = [float(jnp.sum(b['targets'].astype(jnp.float32) - 127.5)) for b in batches]
+  # The head's weight moves (fresh gradient), which must not leak into the stages' gradient:
+  # the stages see delta = c_t * w_head(t), so use w fixed by a zero learning rate on the head.
+  tx = optax.multi_transform({'sgd': optax.sgd(1.0), 'frozen': optax.set_to_zero()},
+                             lambda tree: jax.tree.map(
+                                 lambda _: 'frozen' if 'w' in tree else 'sgd', tree))
+  schedule = build_schedule(ScheduleConfig(name='ouroboros', num_stages=num_stages,
+                                           clip_norm=None), probe_model(), tx)
+  state = schedule.init(params, batches[0])
+  for t, batch in enumerate(batches):
+    state, _ = schedule.step(state, batch)
+    bias_G = np.asarray(state.params['stages']['bias'][:, 0])
+    for s, delay in enumerate(staleness(num_stages)):
+      seen = range(0, t - delay + 1)                  # batches stage s has back-propagated
+      expected = -sum(per_batch_c[b] for b in seen)
+      np.testing.assert_allclose(bias_G[s], expected, rtol=1e-5)
+      if t < delay:
+        assert bias_G[s] == 0.0                       # no update before its first gradient
+      for wrong in (delay - 1, delay + 1):            # a delay off by one gives other numbers
+        other = -sum(per_batch_c[b] for b in range(0, t - wrong + 1))
+        if t >= min(delay, wrong):
+          assert abs(other - expected) > 1.0
+  assert staleness(num_stages) == [3, 2, 1]           # K - k for modules k = 1, 2, 3 (K = 4)
+
+
+def test_update_pattern_of_reference_starts_each_module_at_its_delay():
+  model, params = tiny_transformer(4)
+  _, _, updated = reference.run(model, staged.adamw(1e-3), params, random_batches(6))
+  for t, groups in enumerate(updated):
+    assert groups == ['embed'] + [s for s in range(4) if t >= 4 - s] + ['head']
+
+
+def test_data_parallel_ring_equals_whole_batch_ring():
+  model, params = tiny_transformer(2)
+  tx = staged.adamw(1e-2)
+  batches = random_batches(5, batch=8)
+  one, _ = run_schedule(ScheduleConfig(name='ouroboros', num_stages=2), model, tx, params,
+                        batches)
+  two, _ = run_schedule(ScheduleConfig(name='ouroboros', num_stages=2, data_parallel=2), model,
+                        tx, params, batches)
+  assert max_abs_diff(one.params, two.params) < 2e-5
+
+
+@pytest.mark.parametrize('stash', ['graph', 'replay'])
+def test_checkpoint_resume_is_bitwise_identical(tmp_path, stash):
+  model, params = tiny_transformer(3)
+  tx = staged.adamw(1e-2)
+  batches = random_batches(8)
+  config = ScheduleConfig(name='ouroboros', num_stages=3, stash=stash)
+  straight, _ = run_schedule(config, model, tx, params, batches)
+
+  schedule = build_schedule(config, model, tx)
+  state = schedule.init(params, batches[0])
+  for batch in batches[:4]:
+    state, _ = schedule.step(state, batch)
+  manager = checkpoint.make_manager(str(tmp_path))
+  checkpoint.save(manager, state, {'position': 4}, {'schedule': 'ouroboros'})
+  manager.wait_until_finished()
+  abstract = checkpoint.abstract_like(schedule.init(params, batches[0]))
+  del state
+  restored, data_state, _ = checkpoint.restore(manager, abstract)
+  manager.close()
+  assert int(restored.step) == 4 and data_state == {'position': 4}
+  assert jax.tree.leaves(restored.ring)                # the in-flight buffers were saved
+  for batch in batches[4:]:
+    restored, _ = schedule.step(restored, batch)
+  for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(restored)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_impossible_layouts_are_clear_errors():
+  cfg = transformer.ModelConfig(d_model=16, num_heads=2, num_layers=2, d_ff=32, seq_len=SEQ)
+  with pytest.raises(ConfigError, match='at least 3 layers'):
+    partition.balance_layers(cfg, 3)
+  with pytest.raises(ConfigError, match='devices'):
+    build_schedule(ScheduleConfig(name='ouroboros', num_stages=16), *tiny_transformer(2)[:1],
+                   staged.adamw(1e-3))
+  model, params = tiny_transformer(2)
+  schedule = build_schedule(ScheduleConfig(name='ouroboros', num_stages=2, data_parallel=2),
+                            model, staged.adamw(1e-3))
+  with pytest.raises(ConfigError, match='divisible'):
+    schedule.init(params, random_batches(1, batch=3)[0])
+  with pytest.raises(ConfigError, match='sums to'):
+    partition.parse_layers_per_stage('1,2', num_layers=4)
+  with pytest.raises(ConfigError, match='stash'):
+    build_schedule(ScheduleConfig(name='ouroboros', num_stages=2, stash='nope'), model,
+                   staged.adamw(1e-3))
+
+
+def test_cost_model_gives_device_zero_fewer_layers():
+  cfg = transformer.ModelConfig(d_model=64, num_heads=2, num_layers=13, d_ff=128, seq_len=64,
+                                vocab_size=50000)
+  counts = partition.balance_layers(cfg, 4)
+  assert sum(counts) == 13 and counts[0] < max(counts[1:])
