@@ -1,0 +1,120 @@
+"""Convergence of Ouroboros against backprop on the embedded corpus, same steps and tokens.
+
+Trains the same model from the same initialisation on the same batches with
+
+    backprop                     (exact gradients, one device)
+    ouroboros G=2 graph/replay   (delayed gradients on a ring of 2 devices)
+    ouroboros G=4 graph/replay   (ring of 4 devices)
+
+and writes, under --out (default experiments/results/convergence):
+
+    convergence.csv   run, step, split, loss, bpb, wall_s  (every evaluation of every run)
+    convergence.png   validation bits per byte against step
+    summary.md        the final validation / test bpb of each run, as a table
+
+On a CPU machine the stage devices are simulated (--cpu-devices, default 4): this measures how
+delayed gradients change *what is learned per step*, not speed (see `ouroboros bench` for that).
+
+    python experiments/convergence.py                      # tiny preset, ~25 min on 2 CPU cores
+    python experiments/convergence.py --steps 300 --runs backprop,ouroboros-g2-graph
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+
+RUNS = {
+    'backprop': dict(schedule='backprop', stages=1),
+    'ouroboros-g2-graph': dict(schedule='ouroboros', stages=2, stash='graph'),
+    'ouroboros-g2-replay': dict(schedule='ouroboros', stages=2, stash='replay'),
+    'ouroboros-g4-graph': dict(schedule='ouroboros', stages=4, stash='graph'),
+    'ouroboros-g4-replay': dict(schedule='ouroboros', stages=4, stash='replay'),
+}
+
+
+def parse_args(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--preset', default='tiny')
+  parser.add_argument('--steps', type=int, default=None, help='override the preset\'s steps')
+  parser.add_argument('--eval-every', type=int, default=100)
+  parser.add_argument('--runs', default=','.join(RUNS), help='comma-separated subset of: '
+                      + ', '.join(RUNS))
+  parser.add_argument('--out', default='experiments/results/convergence')
+  parser.add_argument('--cpu-devices', type=int, default=4)
+  parser.add_argument('--set', action='append', default=[], metavar='FIELD=VALUE',
+                      help='any other TrainConfig/ModelConfig override, e.g. --set d_model=64')
+  return parser.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  import jax
+  jax.config.update('jax_num_cpu_devices', args.cpu_devices)  # before any device is touched
+  from ouroboros_jax import presets, train
+
+  names = [n for n in args.runs.split(',') if n]
+  unknown = [n for n in names if n not in RUNS]
+  if unknown:
+    sys.exit(f'error: unknown run(s) {unknown}; choose from {", ".join(RUNS)}.')
+  base = presets.get_preset(args.preset)
+  extra = dict(kv.split('=', 1) for kv in args.set)
+  typed = {k: presets.fields()[k][0](v) if k in presets.fields() else v for k, v in extra.items()}
+  rows, finals = [], []
+  for name in names:
+    out = os.path.join(args.out, name)
+    if os.path.isdir(out):  # always a fresh run: an earlier one would be resumed otherwise
+      import shutil
+      shutil.rmtree(out)
+    values = dict(out=out, eval_every=args.eval_every, **RUNS[name], **typed)
+    if args.steps:
+      values['steps'] = args.steps
+    cfg = presets.override(base, values)
+    print(f'== {name}', flush=True)
+    summary = train.train(cfg, quiet=True)
+    with open(os.path.join(out, 'metrics.jsonl')) as f:
+      for line in f:
+        row = json.loads(line)
+        if row['split'] in ('validation', 'test'):
+          rows.append({'run': name, 'step': row['step'], 'split': row['split'],
+                       'loss': row['loss'], 'bpb': row['bpb'], 'wall_s': row['wall_s']})
+    finals.append((name, summary))
+
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, 'convergence.csv'), 'w', newline='') as f:
+    writer = csv.DictWriter(f, fieldnames=['run', 'step', 'split', 'loss', 'bpb', 'wall_s'])
+    writer.writeheader()
+    writer.writerows(rows)
+
+  table = ['| run | final val bpb | test bpb | steps | tokens/s (simulated devices) |',
+           '|---|---|---|---|---|']
+  for name, s in finals:
+    table.append(f"| {name} | {s['val_bpb']:.4f} | {s['test_bpb']:.4f} | {s['step']} | "
+                 f"{s['tokens_per_s']:.0f} |")
+  text = '\n'.join(table)
+  with open(os.path.join(args.out, 'summary.md'), 'w') as f:
+    f.write(text + '\n')
+  print(text)
+
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for name in names:
+    pts = [(r['step'], r['bpb']) for r in rows if r['run'] == name and r['split'] == 'validation']
+    ax.plot(*zip(*sorted(pts)), marker='o', markersize=3, label=name)
+  ax.set_xlabel('step (same batches for every run)')
+  ax.set_ylabel('validation bits per byte')
+  ax.set_title(f'Ouroboros vs backprop, preset {args.preset}')
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(os.path.join(args.out, 'convergence.png'), dpi=120)
+  print(f'wrote {args.out}/convergence.csv, convergence.png, summary.md')
+
+
+if __name__ == '__main__':
+  main()

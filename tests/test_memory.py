@@ -1,0 +1,28 @@
+"""Per-device memory of the stash modes, from the compiled step."""
+
+from __future__ import annotations
+
+from ouroboros_jax import memory
+from ouroboros_jax import model as transformer
+from ouroboros_jax.schedules import ScheduleConfig
+
+
+def test_replay_ring_is_inputs_only_and_graph_ring_is_larger():
+  cfg = transformer.ModelConfig(d_model=32, num_heads=2, num_layers=4, d_ff=64, seq_len=16)
+  batch, stages = 4, 2
+  replay = memory.memory_report(cfg, ScheduleConfig(name='ouroboros', num_stages=stages,
+                                                    stash='replay'), batch, (2, 2))
+  graph = memory.memory_report(cfg, ScheduleConfig(name='ouroboros', num_stages=stages,
+                                                   stash='graph'), batch, (2, 2))
+  depth = stages + 1
+  activation = batch * cfg.seq_len * cfg.d_model * 4
+  tokens = batch * cfg.seq_len * 4
+  # replay keeps G+1 inputs and tokens per device, plus the one in-flight error gradient
+  assert replay['ring_bytes'] == depth * (activation + tokens) + activation
+  # graph keeps every residual of two layers per slot: many activations' worth
+  assert graph['ring_bytes'] > 5 * replay['ring_bytes']
+  assert replay['params_bytes'] == graph['params_bytes']
+  if 'temp_bytes' in graph:
+    assert graph['argument_bytes'] > replay['argument_bytes']
+  text = memory.format_table([replay, graph])
+  assert 'replay' in text and 'graph' in text
