@@ -1,0 +1,313 @@
+"""Predicted step time and speedup of every schedule, from the performance simulator.
+
+Runs `ouroboros_jax.simulate` (a discrete-event model of each schedule's task graph; read its
+docstring for what is and is not modelled) for G in {1, 2, 4, 8, 16, 32, 64} devices, capped at
+the model's layer count, for two model shapes on two interconnects:
+
+    models     gpt2-small (12 layers, d 768, d_ff 3072, seq 1024, vocab 50257, batch 32)
+               1b         (24 layers, d 2048, d_ff 8192, seq 2048, vocab 50257, batch 32)
+    hardware   300 TFLOP/s at 40% utilisation with 300 GB/s NVLink-class links, or a 25 GB/s
+               network; 5 us per message
+
+and writes, under --out (default experiments/results/simulate):
+
+    simulate.csv   model, hardware, label, schedule, devices, microbatches, stash, forward,
+                   step_time_s, speedup, idle_fraction, backprop_step_s
+    simulate.png   predicted speedup over backprop on one device against G (log2 axis), one
+                   line per schedule, one panel per model and interconnect
+    gantt.png      one steady-state stretch of four schedules at G = 4 (gpt2-small, NVLink)
+
+and prints one table per model and interconnect. Speedup is throughput relative to backprop on
+one device at the same batch per step; data_parallel uses D = G replicas.
+
+    python experiments/simulate.py
+    python experiments/simulate.py --stages 1,2,4 --models 1b --hardware nvlink-300GBps
+    python experiments/simulate.py --measured bench.csv     # predicted vs measured
+
+Measured CSV (`--measured`), written by a benchmark, one row per measured setting:
+
+    schedule          backprop | data_parallel | model_parallel | gpipe | ouroboros
+    stages            devices: G for the stage schedules, D for data_parallel, 1 for backprop
+    microbatches      gpipe's M (ignored elsewhere; may be empty)
+    stash             graph | replay for ouroboros (ignored elsewhere; may be empty or '-')
+    forward           locked | pipelined for ouroboros (ignored elsewhere; may be empty or '-')
+    step_time_s       the measured step: median seconds over steady-state steps, compile excluded
+    fwd_s_per_stage   forward seconds of each layer group on the step's whole batch, measured
+                      alone: G values joined by ';', or one value meaning every stage. For
+                      backprop / data_parallel, the groups of any split of the model (only their
+                      sum is used; data_parallel divides it by D, gpipe each stage by M)
+    bwd_s_per_stage   the same for the backward of each group from its kept graph (graph
+                      mode: without replay's recomputed forward, which the simulator adds)
+    head_s            device 0's extra work on the whole batch: head forward + backward, plus
+                      the embedding lookup and gradient
+    link_s            one hop of a whole batch's activation between neighbouring devices
+                      (latency included); 0 or empty where nothing travels
+  optional columns:
+    link_latency_s    the fixed part of link_s (gpipe's micro-batch hops cost
+                      latency + (link_s - latency) / M); default 0
+    allreduce_s       data_parallel: one all-reduce of every gradient; default 0
+    microbatch_overhead_s   gpipe: fixed seconds added to every micro-batch task; default 0
+
+It prints and writes (measured_vs_predicted.csv) the predicted step time next to the measured
+one with the relative error (predicted - measured) / measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+
+from ouroboros_jax import simulate as sim
+
+STAGES = (1, 2, 4, 8, 16, 32, 64)
+# label -> (schedule, simulate() keywords); data_parallel gets D = G at run time.
+VARIANTS = {
+    'data_parallel': ('data_parallel', {}),
+    'model_parallel': ('model_parallel', {}),
+    'gpipe M=4': ('gpipe', {'microbatches': 4}),
+    'gpipe M=8': ('gpipe', {'microbatches': 8}),
+    'ouroboros locked': ('ouroboros', {'forward': 'locked'}),
+    'ouroboros locked replay': ('ouroboros', {'forward': 'locked', 'stash': 'replay'}),
+    'ouroboros pipelined': ('ouroboros', {'forward': 'pipelined'}),
+    'ouroboros pipelined replay': ('ouroboros', {'forward': 'pipelined', 'stash': 'replay'}),
+}
+COLUMNS = ['model', 'hardware', 'label', 'schedule', 'devices', 'microbatches', 'stash', 'forward',
+           'step_time_s', 'speedup', 'idle_fraction', 'backprop_step_s']
+
+
+def parse_args(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--out', default='experiments/results/simulate')
+  parser.add_argument('--stages', default=','.join(map(str, STAGES)))
+  parser.add_argument('--models', default=','.join(sim.MODELS), help=', '.join(sim.MODELS))
+  parser.add_argument('--hardware', default=','.join(sim.HARDWARE), help=', '.join(sim.HARDWARE))
+  parser.add_argument('--measured', metavar='CSV', help='compare with a benchmark CSV instead')
+  parser.add_argument('--no-plot', action='store_true', help='CSV and table only')
+  return parser.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------- predictions
+
+
+def predict(model: sim.ModelShape, hardware: sim.Hardware, stages) -> tuple[list[dict], list]:
+  """One row per (G, variant) that fits the model; and the G values that do not (G > layers)."""
+  rows, skipped = [], [g for g in stages if g > model.num_layers]
+  for num_stages in [g for g in stages if g <= model.num_layers]:
+    costs = sim.preset_costs(model, hardware, num_stages)
+    for label, (schedule, kwargs) in VARIANTS.items():
+      kwargs = dict(kwargs, data_parallel=num_stages) if schedule == 'data_parallel' else kwargs
+      result = sim.simulate(schedule, costs, **kwargs)
+      rows.append({'model': model.name, 'hardware': hardware.name, 'label': label,
+                   'schedule': schedule, 'devices': result.num_devices,
+                   'microbatches': kwargs.get('microbatches', ''),
+                   'stash': kwargs.get('stash', 'graph') if schedule == 'ouroboros' else '',
+                   'forward': kwargs.get('forward', '') if schedule == 'ouroboros' else '',
+                   'step_time_s': result.step_time, 'speedup': result.speedup,
+                   'idle_fraction': result.idle_fraction,
+                   'backprop_step_s': result.backprop_time})
+  return rows, skipped
+
+
+def format_table(rows: list[dict]) -> str:
+  """Variants down, G across: predicted speedup (and backprop's step time on top)."""
+  stages = sorted({r['devices'] for r in rows})
+  speedup = {(r['label'], r['devices']): r['speedup'] for r in rows}
+  backprop_ms = rows[0]['backprop_step_s'] * 1e3
+  lines = [' | '.join(['speedup', *(f'G={g}' for g in stages)]),
+           ' | '.join(['---'] * (len(stages) + 1)),
+           ' | '.join([f'(backprop {backprop_ms:.1f} ms/step)', *('1.00' for _ in stages)])]
+  for label in VARIANTS:
+    lines.append(' | '.join([label, *(f'{speedup[label, g]:.2f}' for g in stages)]))
+  return '\n'.join(lines)
+
+
+def write_csv(path: str, rows: list[dict], columns: list[str]) -> None:
+  with open(path, 'w', newline='') as f:
+    writer = csv.DictWriter(f, fieldnames=columns)
+    writer.writeheader()
+    writer.writerows(rows)
+
+
+def plot_speedup(rows: list[dict], path: str) -> None:
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  panels = sorted({(r['hardware'], r['model']) for r in rows}, key=lambda p: (
+      list(sim.HARDWARE).index(p[0]), list(sim.MODELS).index(p[1])))
+  hardware = sorted({p[0] for p in panels}, key=list(sim.HARDWARE).index)
+  models = sorted({p[1] for p in panels}, key=list(sim.MODELS).index)
+  fig, axes = plt.subplots(len(hardware), len(models), squeeze=False,
+                           figsize=(5.5 * len(models), 4.2 * len(hardware)))
+  for (hw, model) in panels:
+    ax = axes[hardware.index(hw)][models.index(model)]
+    mine = [r for r in rows if r['hardware'] == hw and r['model'] == model]
+    stages = sorted({r['devices'] for r in mine})
+    ax.plot(stages, stages, 'k:', label='ideal (G x)')
+    for label in VARIANTS:
+      points = sorted((r['devices'], r['speedup']) for r in mine if r['label'] == label)
+      style = '-' if label.startswith('ouroboros') else '--'
+      ax.plot(*zip(*points), style, marker='o', markersize=3, label=label)
+    ax.set_xscale('log', base=2)
+    ax.set_xticks(stages, [str(g) for g in stages])
+    ax.set_xlabel('devices G')
+    ax.set_ylabel('predicted speedup over backprop')
+    ax.set_title(f'{model}, {hw}')
+    ax.grid(alpha=0.3)
+  axes[0][0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def plot_gantt(path: str, num_stages: int = 4, steps_shown: int = 3) -> None:
+  """A steady-state stretch of model_parallel, gpipe, and both Ouroboros forwards."""
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  costs = sim.preset_costs(sim.GPT2_SMALL, sim.NVLINK, num_stages)
+  runs = [('model_parallel', 'model_parallel', {}), ('gpipe M=4', 'gpipe', {'microbatches': 4}),
+          ('ouroboros locked', 'ouroboros', {}),
+          ('ouroboros pipelined', 'ouroboros', {'forward': 'pipelined'})]
+  colors = {'fwd': 'tab:blue', 'bwd': 'tab:orange', 'head': 'tab:green', 'embed_fwd': 'tab:gray',
+            'embed_bwd': 'tab:gray', 'act': 'tab:cyan', 'grad': 'tab:red'}
+  fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.2 * len(runs)))
+  for ax, (title, schedule, kwargs) in zip(axes, runs):
+    result = sim.simulate(schedule, costs, **kwargs)
+    t1 = result.step_ends[-1]
+    t0 = result.step_ends[-1 - steps_shown]
+    lanes = list(range(num_stages)) + sorted(
+        {s.device for s in result.timeline if isinstance(s.device, str)})
+    for span in result.timeline:
+      if span.end <= t0 or span.start >= t1 or span.end == span.start:
+        continue
+      row = lanes.index(span.device)
+      ax.barh(row, (span.end - span.start) * 1e3, left=(span.start - t0) * 1e3, height=0.8,
+              color=colors.get(span.kind, 'k'), edgecolor='white', linewidth=0.3)
+    ax.set_yticks(range(len(lanes)), [f'dev {l}' if isinstance(l, int) else l for l in lanes])
+    ax.invert_yaxis()
+    ax.set_xlim(0, (t1 - t0) * 1e3)
+    ax.set_title(f'{title}: {result.step_time * 1e3:.1f} ms/step, '
+                 f'speedup {result.speedup:.2f}', fontsize=9)
+  axes[-1].set_xlabel(f'ms ({steps_shown} steady-state steps, gpt2-small, G={num_stages}, NVLink);'
+                      ' blue fwd, orange bwd, green head, cyan/red activation/gradient hops')
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- measured
+
+
+def _number(text, default: float = 0.0) -> float:
+  text = (text or '').strip()
+  return default if text in ('', '-') else float(text)
+
+
+def _mode(text, default: str) -> str:
+  text = (text or '').strip()
+  return default if text in ('', '-') else text
+
+
+def _per_stage(text: str, num_stages: int, schedule: str) -> list[float]:
+  values = [float(v) for v in text.replace(',', ';').split(';') if v.strip()]
+  if schedule in ('backprop', 'data_parallel'):
+    return [sum(values)]  # only the whole model's time matters
+  if len(values) == 1:
+    return values * num_stages
+  if len(values) != num_stages:
+    raise ValueError(f'{schedule} with {num_stages} stages needs {num_stages} per-stage times '
+                     f'(or one), got {len(values)}: {text!r}.')
+  return values
+
+
+def measured_setting(row: dict) -> tuple[str, sim.StageCosts, dict]:
+  """(schedule, StageCosts, simulate() keywords) of one measured-CSV row."""
+  schedule = row['schedule'].strip()
+  devices = int(row['stages'])
+  num_stages = 1 if schedule in ('backprop', 'data_parallel') else devices
+  micro = int(_number(row.get('microbatches'), 1)) if schedule == 'gpipe' else 1
+  link, latency = _number(row.get('link_s')), _number(row.get('link_latency_s'))
+  costs = sim.StageCosts(
+      forward_s=_per_stage(row['fwd_s_per_stage'], num_stages, schedule),
+      backward_s=_per_stage(row['bwd_s_per_stage'], num_stages, schedule),
+      head_s=_number(row.get('head_s')),
+      # One whole-batch hop costs link_s: a 1-"byte" activation at 1 / (link_s - latency) B/s.
+      activation_bytes=1.0, latency=latency,
+      bandwidth=1.0 / (link - latency) if link > latency else math.inf,
+      allreduce_s=_number(row.get('allreduce_s')),
+      microbatch_overhead_s=_number(row.get('microbatch_overhead_s')))
+  kwargs = {'microbatches': micro, 'data_parallel': devices if schedule == 'data_parallel' else 1,
+            'stash': _mode(row.get('stash'), 'graph'), 'forward': _mode(row.get('forward'),
+                                                                        'locked')}
+  return schedule, costs, kwargs
+
+
+def compare_measured(path: str) -> list[dict]:
+  """Simulate every row of a measured CSV from its own per-stage times."""
+  with open(path, newline='') as f:
+    rows = list(csv.DictReader(f))
+  out = []
+  for row in rows:
+    schedule, costs, kwargs = measured_setting(row)
+    result = sim.simulate(schedule, costs, **kwargs)
+    measured = float(row['step_time_s'])
+    out.append({'schedule': schedule, 'stages': int(row['stages']),
+                'microbatches': kwargs['microbatches'] if schedule == 'gpipe' else '',
+                'stash': kwargs['stash'] if schedule == 'ouroboros' else '',
+                'forward': kwargs['forward'] if schedule == 'ouroboros' else '',
+                'measured_s': measured, 'predicted_s': result.step_time,
+                'rel_error': (result.step_time - measured) / measured,
+                'predicted_speedup': result.speedup})
+  return out
+
+
+def format_comparison(rows: list[dict]) -> str:
+  lines = ['schedule | G | M | stash | forward | measured ms | predicted ms | error',
+           '--- | --- | --- | --- | --- | --- | --- | ---']
+  for r in rows:
+    lines.append(f"{r['schedule']} | {r['stages']} | {r['microbatches']} | {r['stash']} | "
+                 f"{r['forward']} | {r['measured_s'] * 1e3:.3f} | {r['predicted_s'] * 1e3:.3f} | "
+                 f"{r['rel_error']:+.1%}")
+  return '\n'.join(lines)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  os.makedirs(args.out, exist_ok=True)
+  if args.measured:
+    rows = compare_measured(args.measured)
+    write_csv(os.path.join(args.out, 'measured_vs_predicted.csv'), rows, list(rows[0]))
+    print(format_comparison(rows))
+    return rows
+
+  stages = [int(g) for g in args.stages.split(',') if g]
+  rows = []
+  for model_name in [m for m in args.models.split(',') if m]:
+    model = sim.MODELS[model_name]
+    for hw_name in [h for h in args.hardware.split(',') if h]:
+      hardware = sim.HARDWARE[hw_name]
+      mine, skipped = predict(model, hardware, stages)
+      rows += mine
+      print(f'\n## {model.name} ({model.params / 1e6:.0f}M parameters), {hardware.name}\n')
+      print(format_table(mine))
+      if skipped:
+        print(f'\nG = {", ".join(map(str, skipped))} not predicted: {model.name} has '
+              f'{model.num_layers} layers, at most one stage per layer (prediction stops at '
+              f'G = {model.num_layers}).')
+  write_csv(os.path.join(args.out, 'simulate.csv'), rows, COLUMNS)
+  if not args.no_plot:
+    plot_speedup(rows, os.path.join(args.out, 'simulate.png'))
+    plot_gantt(os.path.join(args.out, 'gantt.png'))
+  print(f'\nwrote {args.out}/simulate.csv' + ('' if args.no_plot else ', simulate.png, gantt.png'))
+  return rows
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,549 @@
+"""A discrete-event performance model of every schedule: predicted step time, idle time, speedup.
+
+What is modelled. A schedule is written out as a task graph, step after step: compute tasks
+(stage forward, stage backward, head, embedding) on devices and transfers (activations, error
+gradients, the data-parallel all-reduce) on links. Each task has a duration and the tasks it must
+wait for. A device runs one compute task at a time, in its program order; a link carries one
+transfer at a time per direction, in the order they were sent; a transfer takes
+`latency + bytes / bandwidth`. The graph is run over enough steps for the pipes to fill
+(3G + 10 by default) and the steady-state step time is the median difference between the
+completion times of consecutive steps (the benchmark reports medians too).
+
+    costs = transformer_costs(**GPT2_SMALL.shape(), num_stages=4, **NVLINK.rates())
+    result = simulate('ouroboros', costs, forward='pipelined')
+    result.step_time, result.speedup, result.idle_fraction, result.timeline  # a Gantt chart's rows
+
+Placement (as in `ring.py`): stage s on device s; device 0 also holds the embedding and the head
+(final norm, tied output projection, loss). Activations go 0 -> 1 -> ... -> G-1 -> 0, error
+gradients the other way. Schedules (G stages, F_s / B_s the forward / backward of stage s on the
+whole batch, H the head's forward + backward, E_f / E_b the embedding's):
+
+  backprop        one device: E_f + sum F + H + sum B + E_b. The speedup reference.
+  data_parallel   D replicas, each the whole model on batch / D, then a ring all-reduce of every
+                  gradient: 2 (D-1)/D bytes / bandwidth + 2 (D-1) latency.
+  model_parallel  locked forward (device s waits for s-1, one hop each, the last stage's output
+                  goes back to device 0 for the head), then locked backward from G-1 to 0.
+  gpipe           M micro-batches (stage time / M each, plus `microbatch_overhead_s`) pipelined
+                  forward; the head once on all M outputs (as `schedules.build_gpipe` does); the
+                  backward pipelined in reverse. Bubble (G-1)/(M+G-1) with equal stages.
+  ouroboros       forward='locked' (the paper): batch t goes round the ring, the head runs, and
+                  every device back-propagates an older batch with the error gradient it received
+                  during the previous step. Equal stages, free links: E_f + G F + H + B + E_b;
+                  in general E_f + sum_s F_s + G hops + max(H + B_0 + E_b, max_{s>0} B_s)
+                  (devices s > 0 start their backward when the batch is back on device 0;
+                  they do not wait for the head).
+                  forward='pipelined' (DESIGN section 4): device s forwards, at step t, what s-1
+                  sent at step t-1, so every device runs one forward and one backward per step:
+                  max(E_f + F_0 + H + B_0 + E_b, max_{s>0} F_s + B_s) while each hop fits in a
+                  step. stash='replay' adds the stage's forward to its backward (B_s -> B_s + F_s).
+
+Step boundaries. Every jitted step here ends with a global-norm gradient clip (an all-reduce) and
+the optimizer update, so no device starts step t+1 before every device finished step t's compute:
+each step ends with a barrier over its compute tasks (and the data-parallel all-reduce).
+Transfers are not in the barrier: an error gradient sent at the end of step t overlaps with step
+t+1 and only delays the task that reads it. In the locked forward every device takes part in
+every round's hand-off (a `ppermute` per round), so no device starts its backward before the
+batch has come back round the ring to device 0.
+
+What is not modelled: memory limits; kernel-launch and dispatch overheads (unless given as
+`microbatch_overhead_s`); the optimizer update and the per-step scalar reductions; the all-reduce
+of the embedding and head gradients over the stage axis (`ring.gather_grads`); lower efficiency of
+small per-device batches (data parallelism and micro-batches are assumed to scale linearly);
+compute/communication contention on one device; hybrid stage x data meshes.
+
+Cost model. `transformer_costs` turns a Transformer shape and an accelerator into `StageCosts`:
+forward FLOPs per token of a layer 2 (4 d^2 + 2 d d_ff) + 2 L d (matmuls + causal attention, as
+`partition.layer_flops`), of the head 2 d V + 5 V + 2 d (as `partition.head_flops`), backward =
+2 x forward; activation bytes = batch x seq x d x bytes_per_value. `GPT2_SMALL`, `ONE_B`,
+`NVLINK` and `NETWORK` are presets; `experiments/simulate.py` tabulates and plots them and
+compares the simulator with measured step times. This module needs only the standard library.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from typing import NamedTuple, Sequence
+
+SCHEDULES = ('backprop', 'data_parallel', 'model_parallel', 'gpipe', 'ouroboros')
+STASH_MODES = ('graph', 'replay')
+FORWARD_MODES = ('locked', 'pipelined')
+
+
+# ----------------------------------------------------------------------------- costs
+
+
+@dataclasses.dataclass(frozen=True)
+class StageCosts:
+  """Seconds and bytes of one training step's pieces; every time is for the whole batch."""
+
+  forward_s: Sequence[float]             # per stage s: its layer group's forward
+  backward_s: Sequence[float]            # per stage s: backward from a kept graph, no recompute
+  head_s: float = 0.0                    # device 0: final norm, output projection, loss; f + b
+  embed_forward_s: float = 0.0           # device 0: embedding lookup
+  embed_backward_s: float = 0.0          # device 0: embedding gradient
+  activation_bytes: float = 0.0          # one batch's activation (= error gradient) between stages
+  grad_bytes: float = 0.0                # every parameter's gradient (the data-parallel all-reduce)
+  bandwidth: float = math.inf            # bytes / s, per link and direction
+  latency: float = 0.0                   # seconds per transfer
+  microbatch_overhead_s: float = 0.0     # gpipe: fixed cost added to every micro-batch task
+  allreduce_s: float | None = None       # a measured all-reduce time; overrides the ring formula
+  batch_size: int | None = None          # when known, checked against D and M
+
+  def __post_init__(self):
+    object.__setattr__(self, 'forward_s', tuple(float(f) for f in self.forward_s))
+    object.__setattr__(self, 'backward_s', tuple(float(b) for b in self.backward_s))
+    if not self.forward_s or len(self.forward_s) != len(self.backward_s):
+      raise ValueError(f'forward_s and backward_s need one entry per stage; got '
+                       f'{len(self.forward_s)} and {len(self.backward_s)}.')
+    scalars = (self.head_s, self.embed_forward_s, self.embed_backward_s, self.activation_bytes,
+               self.grad_bytes, self.latency, self.microbatch_overhead_s)
+    if min(*self.forward_s, *self.backward_s, *scalars) < 0 or self.bandwidth <= 0:
+      raise ValueError('costs must be >= 0 and the bandwidth > 0.')
+
+  @property
+  def num_stages(self) -> int:
+    return len(self.forward_s)
+
+  def transfer_s(self, nbytes: float) -> float:
+    """One message over one link."""
+    return self.latency + nbytes / self.bandwidth
+
+  def allreduce_time(self, replicas: int) -> float:
+    """Ring all-reduce of every gradient over `replicas` devices (0 for one)."""
+    if replicas == 1:
+      return 0.0
+    if self.allreduce_s is not None:
+      return self.allreduce_s
+    return (2 * (replicas - 1) / replicas * self.grad_bytes / self.bandwidth
+            + 2 * (replicas - 1) * self.latency)
+
+  def total_compute_s(self) -> float:
+    """One device doing everything: the backprop step."""
+    return (self.embed_forward_s + sum(self.forward_s) + self.head_s + sum(self.backward_s)
+            + self.embed_backward_s)
+
+
+def backprop_time(costs: StageCosts) -> float:
+  """Step time of plain backprop on one device, the reference of every speedup."""
+  return costs.total_compute_s()
+
+
+# ----------------------------------------------------------------------------- task graph
+
+
+@dataclasses.dataclass
+class Task:
+  resource: tuple | None    # ('device', s), ('link', src, dst), ('net', d); None: a barrier
+  kind: str                 # fwd, bwd, head, embed_fwd, embed_bwd, act, grad, allreduce, barrier
+  step: int                 # the training step whose program runs it
+  batch: int                # the batch (or micro-batch index, for gpipe) it works on
+  duration: float
+  deps: tuple[int, ...]     # tasks that must have ended first (indices into the graph)
+  sync: bool                # the end-of-step barrier waits for it (compute and all-reduce)
+
+
+class Span(NamedTuple):
+  """One row of a Gantt chart. `device` is an int for compute, 'src->dst' for a link."""
+  device: int | str
+  kind: str
+  batch: int
+  start: float
+  end: float
+
+
+class Graph:
+  """The tasks of a schedule in emission order, which is each resource's program order."""
+
+  def __init__(self, costs: StageCosts):
+    self.costs, self.tasks = costs, []
+    self.barrier: int | None = None   # the previous step's barrier, a dep of every compute task
+    self.step_tasks: list[int] = []   # sync tasks of the step being emitted
+    self.step_end: dict[int, int] = {}
+
+  def _add(self, task: Task) -> int:
+    self.tasks.append(task)
+    return len(self.tasks) - 1
+
+  def compute(self, device: int, kind: str, step: int, batch: int, duration: float,
+              deps: Sequence[int | None] = ()) -> int:
+    deps = tuple(d for d in (*deps, self.barrier) if d is not None)
+    index = self._add(Task(('device', device), kind, step, batch, duration, deps, sync=True))
+    self.step_tasks.append(index)
+    return index
+
+  def send(self, src: int, dst: int, kind: str, step: int, batch: int, nbytes: float,
+           after: int) -> int:
+    """A transfer of `after`'s output; a device sending to itself costs nothing."""
+    if src == dst:
+      return after
+    return self._add(Task(('link', src, dst), kind, step, batch, self.costs.transfer_s(nbytes),
+                          (after,), sync=False))
+
+  def collective(self, device: int, kind: str, step: int, duration: float,
+                 deps: Sequence[int]) -> int:
+    index = self._add(Task(('net', device), kind, step, step, duration, tuple(deps), sync=True))
+    self.step_tasks.append(index)
+    return index
+
+  def end_step(self, step: int) -> None:
+    """Nobody starts step + 1 before every sync task of `step` has ended."""
+    self.barrier = self._add(Task(None, 'barrier', step, step, 0.0, tuple(self.step_tasks),
+                                  sync=False))
+    self.step_end[step], self.step_tasks = self.barrier, []
+
+
+def execute(tasks: Sequence[Task]) -> list[tuple[float, float]]:
+  """(start, end) of every task: as early as its dependencies and its resource allow.
+
+  This is the whole event loop. Every resource runs its tasks in a fixed order (a device's
+  compiled program, a link's send order) and never pre-empts, so a task starts when both its
+  dependencies and its resource's previous task have ended. Dependencies always point to tasks
+  emitted earlier, so one pass in emission order settles every start time: the same answer as a
+  time-ordered event queue, without the queue.
+  """
+  times: list[tuple[float, float]] = []
+  free_at: dict[tuple, float] = {}
+  for task in tasks:
+    start = max((times[d][1] for d in task.deps), default=0.0)
+    if task.resource is not None:
+      start = max(start, free_at.get(task.resource, 0.0))
+      free_at[task.resource] = start + task.duration
+    times.append((start, start + task.duration))
+  return times
+
+
+# ----------------------------------------------------------------------------- schedules
+# Each emitter appends the tasks of one training step `t` to the graph, in every resource's
+# program order, and returns nothing; `state` carries what a later step needs (in-flight hops).
+
+
+def _backward_s(costs: StageCosts, s: int, stash: str) -> float:
+  # Replay keeps only the stage's input, so its backward first re-runs the forward.
+  return costs.backward_s[s] + (costs.forward_s[s] if stash == 'replay' else 0.0)
+
+
+def _whole_model(g: Graph, t: int, device: int, scale: float) -> int:
+  """Backprop of the whole model on one device, every time times `scale`; returns the last task."""
+  c = g.costs
+  x = g.compute(device, 'embed_fwd', t, t, c.embed_forward_s * scale)
+  for s in range(c.num_stages):
+    x = g.compute(device, 'fwd', t, t, c.forward_s[s] * scale, [x])
+  x = g.compute(device, 'head', t, t, c.head_s * scale, [x])
+  for s in reversed(range(c.num_stages)):
+    x = g.compute(device, 'bwd', t, t, c.backward_s[s] * scale, [x])
+  return g.compute(device, 'embed_bwd', t, t, c.embed_backward_s * scale, [x])
+
+
+def emit_backprop(g: Graph, t: int, state: dict, **_) -> None:
+  _whole_model(g, t, device=0, scale=1.0)
+  g.end_step(t)
+
+
+def emit_data_parallel(g: Graph, t: int, state: dict, *, replicas: int, **_) -> None:
+  last = [_whole_model(g, t, device=d, scale=1.0 / replicas) for d in range(replicas)]
+  if replicas > 1:  # every replica needs every replica's gradient before its update
+    for d in range(replicas):
+      g.collective(d, 'allreduce', t, g.costs.allreduce_time(replicas), last)
+  g.end_step(t)
+
+
+def emit_model_parallel(g: Graph, t: int, state: dict, **_) -> None:
+  c, G = g.costs, g.costs.num_stages
+  nbytes = c.activation_bytes
+  # Locked forward: device s waits for s-1; the last output goes back to device 0.
+  x = g.compute(0, 'embed_fwd', t, t, c.embed_forward_s)
+  for s in range(G):
+    x = g.compute(s, 'fwd', t, t, c.forward_s[s], [x])
+    x = g.send(s, (s + 1) % G, 'act', t, t, nbytes, x)
+  x = g.compute(0, 'head', t, t, c.head_s, [x])
+  # Locked backward: the head's delta goes to G-1, then each device hands dx to s-1.
+  delta = g.send(0, G - 1, 'grad', t, t, nbytes, x)
+  for s in reversed(range(G)):
+    y = g.compute(s, 'bwd', t, t, c.backward_s[s], [delta])
+    delta = g.send(s, s - 1, 'grad', t, t, nbytes, y) if s > 0 else y
+  g.compute(0, 'embed_bwd', t, t, c.embed_backward_s, [delta])
+  g.end_step(t)
+
+
+def emit_gpipe(g: Graph, t: int, state: dict, *, microbatches: int, **_) -> None:
+  c, G, M = g.costs, g.costs.num_stages, microbatches
+  nbytes, extra = c.activation_bytes / M, c.microbatch_overhead_s
+  fwd = lambda s: c.forward_s[s] / M + extra
+  bwd = lambda s: c.backward_s[s] / M + extra
+  # Forward: micro-batch m enters device 0 at iteration m and moves one stage per iteration.
+  outputs = []
+  for m in range(M):
+    x = g.compute(0, 'embed_fwd', t, m, c.embed_forward_s / M)
+    for s in range(G):
+      x = g.compute(s, 'fwd', t, m, fwd(s), [x])
+      x = g.send(s, (s + 1) % G, 'act', t, m, nbytes, x)
+    outputs.append(x)
+  # The head runs once on all M outputs (vmapped), then the mirrored backward, last m first.
+  head = g.compute(0, 'head', t, 0, c.head_s, outputs)
+  deltas = {m: g.send(0, G - 1, 'grad', t, m, nbytes, head) for m in reversed(range(M))}
+  for m in reversed(range(M)):
+    delta = deltas[m]
+    for s in reversed(range(G)):
+      y = g.compute(s, 'bwd', t, m, bwd(s), [delta])
+      delta = g.send(s, s - 1, 'grad', t, m, nbytes, y) if s > 0 else y
+    g.compute(0, 'embed_bwd', t, m, c.embed_backward_s / M, [delta])
+  g.end_step(t)
+
+
+def emit_ouroboros_locked(g: Graph, t: int, state: dict, *, stash: str, **_) -> None:
+  c, G = g.costs, g.costs.num_stages
+  nbytes = c.activation_bytes
+  # 1. Forward, locked: batch t goes round the ring, one device computing per round.
+  x = g.compute(0, 'embed_fwd', t, t, c.embed_forward_s)
+  for s in range(G):
+    x = g.compute(s, 'fwd', t, t, c.forward_s[s], [x])
+    x = g.send(s, (s + 1) % G, 'act', t, t, nbytes, x)
+  forward_done = x
+  # 2. Head on device 0: fresh loss and delta_{G-1}^t, which reaches G-1 for step t+1.
+  head = g.compute(0, 'head', t, t, c.head_s, [forward_done])
+  state[('delta', t, G - 1)] = g.send(0, G - 1, 'grad', t, t, nbytes, head)
+  # 3. Backward on every device at once: stage s finishes batch t - (G - s) with the error
+  #    gradient received during step t-1 (one hop per step, overlapping with this step).
+  for s in range(G):
+    batch = t - (G - s)
+    if batch < 0:  # the pipe has not filled yet
+      continue
+    y = g.compute(s, 'bwd', t, batch, _backward_s(c, s, stash),
+                  [forward_done, state.pop(('delta', t - 1, s))])
+    if s > 0:
+      state[('delta', t, s - 1)] = g.send(s, s - 1, 'grad', t, batch, nbytes, y)
+    else:
+      g.compute(0, 'embed_bwd', t, batch, c.embed_backward_s, [y])
+  g.end_step(t)
+
+
+def emit_ouroboros_pipelined(g: Graph, t: int, state: dict, *, stash: str, **_) -> None:
+  """Device s forwards batch t - s (its input arrived during step t-1) and back-propagates batch
+  t - 2G + s (its error gradient arrived during step t-1); the head sees batch t - G."""
+  c, G = g.costs, g.costs.num_stages
+  nbytes = c.activation_bytes
+  for s in range(G):
+    # Forward of batch t - s on what s-1 sent during step t-1 (device 0 embeds a fresh batch).
+    batch = t - s
+    if batch >= 0:
+      x = (g.compute(0, 'embed_fwd', t, batch, c.embed_forward_s) if s == 0
+           else state.pop(('act', t - 1, s - 1)))
+      y = g.compute(s, 'fwd', t, batch, c.forward_s[s], [x])
+      state[('act', t, s)] = g.send(s, (s + 1) % G, 'act', t, batch, nbytes, y)
+    if s == 0 and t - G >= 0:
+      # Head of batch t - G, whose last-stage output arrived during step t-1.
+      head = g.compute(0, 'head', t, t - G, c.head_s, [state.pop(('act', t - 1, G - 1))])
+      state[('delta', t, G - 1)] = g.send(0, G - 1, 'grad', t, t - G, nbytes, head)
+    # Backward of batch t - 2G + s with the error gradient s+1 (or the head) sent at step t-1.
+    batch = t - 2 * G + s
+    if batch >= 0:
+      y = g.compute(s, 'bwd', t, batch, _backward_s(c, s, stash),
+                    [state.pop(('delta', t - 1, s))])
+      if s > 0:
+        state[('delta', t, s - 1)] = g.send(s, s - 1, 'grad', t, batch, nbytes, y)
+      else:
+        g.compute(0, 'embed_bwd', t, batch, c.embed_backward_s, [y])
+  g.end_step(t)
+
+
+# ----------------------------------------------------------------------------- simulate
+
+
+@dataclasses.dataclass
+class SimResult:
+  schedule: str
+  num_devices: int
+  step_time: float               # steady-state seconds per training step (one batch per step)
+  idle_fraction: float           # mean over devices of 1 - busy / step_time
+  per_device_busy: list[float]   # compute seconds per step, per device
+  timeline: list[Span]           # every task of every simulated step, for a Gantt chart
+  backprop_time: float           # the one-device reference step
+  step_ends: list[float]         # when each simulated step's barrier fell
+
+  @property
+  def speedup(self) -> float:
+    """Throughput relative to backprop on one device (same batch per step)."""
+    return self.backprop_time / self.step_time
+
+  @property
+  def per_device_idle(self) -> list[float]:
+    return [1.0 - busy / self.step_time for busy in self.per_device_busy]
+
+
+def simulate(schedule: str, costs: StageCosts, *, microbatches: int = 4, data_parallel: int = 1,
+             stash: str = 'graph', forward: str = 'locked', steps: int | None = None) -> SimResult:
+  """Run `schedule` on `costs` for `steps` steps (default 3G + 10) and measure its steady state.
+
+  `microbatches` is gpipe's M; `data_parallel` is data_parallel's replica count D (the stage
+  schedules run on G = costs.num_stages devices); `stash` and `forward` are Ouroboros' modes
+  (the other schedules keep no stash and ignore them).
+  """
+  G = costs.num_stages
+  _check(schedule, costs, microbatches, data_parallel, stash, forward)
+  devices = {'backprop': 1, 'data_parallel': data_parallel}.get(schedule, G)
+  emit = {'backprop': emit_backprop, 'data_parallel': emit_data_parallel,
+          'model_parallel': emit_model_parallel, 'gpipe': emit_gpipe}.get(schedule)
+  if schedule == 'ouroboros':  # G = 1 has no delay: Ouroboros is backprop there
+    emit = (emit_backprop if G == 1 else
+            emit_ouroboros_locked if forward == 'locked' else emit_ouroboros_pipelined)
+  warmup = 2 * max(G, devices) + 2          # the pipelined forward fills in 2G steps
+  steps = steps if steps is not None else 3 * max(G, devices) + 10
+  if steps < warmup + 3:
+    raise ValueError(f'steps={steps} leaves no steady state; use at least {warmup + 3}.')
+
+  graph, state = Graph(costs), {}
+  for t in range(steps):
+    emit(graph, t, state, microbatches=microbatches, replicas=data_parallel, stash=stash)
+  times = execute(graph.tasks)
+
+  step_ends = [times[graph.step_end[t]][1] for t in range(steps)]
+  window = range(warmup, steps)
+  step_time = statistics.median(step_ends[t] - step_ends[t - 1] for t in window)
+  busy = [0.0] * devices
+  timeline = []
+  for task, (start, end) in zip(graph.tasks, times):
+    if task.resource is None:
+      continue
+    kind, *where = task.resource
+    if kind == 'device' and task.step in window:
+      busy[where[0]] += task.duration / len(window)
+    lane = where[0] if kind == 'device' else f'{where[0]}->{where[-1]}' if kind == 'link' else (
+        f'net{where[0]}')
+    timeline.append(Span(lane, task.kind, task.batch, start, end))
+  idle = [1.0 - b / step_time for b in busy] if step_time > 0 else [0.0] * devices
+  return SimResult(schedule, devices, step_time, sum(idle) / devices, busy, timeline,
+                   backprop_time(costs), step_ends)
+
+
+def _check(schedule, costs, microbatches, data_parallel, stash, forward) -> None:
+  if schedule not in SCHEDULES:
+    raise ValueError(f'unknown schedule {schedule!r}; choose one of {", ".join(SCHEDULES)}.')
+  if stash not in STASH_MODES:
+    raise ValueError(f'unknown stash {stash!r}; choose graph or replay.')
+  if forward not in FORWARD_MODES:
+    raise ValueError(f'unknown forward {forward!r}; choose locked or pipelined.')
+  if microbatches < 1 or data_parallel < 1:
+    raise ValueError('microbatches and data_parallel must be >= 1.')
+  if data_parallel > 1 and schedule != 'data_parallel':
+    raise ValueError('hybrid stage x data meshes are not modelled; use data_parallel alone.')
+  batch = costs.batch_size
+  for name, parts, applies in (('data_parallel', data_parallel, schedule == 'data_parallel'),
+                               ('microbatches', microbatches, schedule == 'gpipe')):
+    if applies and batch is not None and batch % parts:
+      raise ValueError(f'batch {batch} cannot be cut into {name}={parts} equal parts.')
+
+
+# ----------------------------------------------------------------------------- cost model
+
+
+def layer_flops(d_model: int, d_ff: int, seq_len: int) -> float:
+  """Forward FLOPs per token of one layer: QKV + output projections, the MLP, causal attention."""
+  d = d_model
+  return 2 * (4 * d * d + 2 * d * d_ff) + 2 * seq_len * d
+
+
+def head_flops(d_model: int, vocab: int) -> float:
+  """Forward FLOPs per token of the tied output projection and the softmax loss."""
+  return 2 * d_model * vocab + 5 * vocab + 2 * d_model
+
+
+def balance_layers(num_layers: int, num_stages: int, layer_cost: float,
+                   device0_extra: float) -> tuple[int, ...]:
+  """Contiguous layers per stage minimising the busiest device (device 0 also pays
+  `device0_extra`, the head); the same rule as `partition.balance_layers`."""
+  check_stages(num_layers, num_stages)
+  best = None
+  for first in range(1, num_layers - num_stages + 2):
+    rest, others = num_layers - first, num_stages - 1
+    if others == 0 and rest:
+      continue
+    counts = [first] + [rest // others + (i < rest % others) for i in range(others)]
+    cost = max([first * layer_cost + device0_extra] + [n * layer_cost for n in counts[1:]])
+    if best is None or cost < best[0]:
+      best = (cost, tuple(counts))
+  return best[1]
+
+
+def check_stages(num_layers: int, num_stages: int) -> None:
+  if not 1 <= num_stages <= num_layers:
+    raise ValueError(f'{num_stages} stages need between 1 and {num_layers} layers per model '
+                     f'(one layer per stage at least): the prediction stops at G = {num_layers}.')
+
+
+def transformer_costs(num_layers: int, d_model: int, d_ff: int, seq_len: int, vocab: int,
+                      batch: int, num_stages: int, flops_per_s: float, bandwidth: float,
+                      latency: float, layers_per_stage: Sequence[int] | None = None,
+                      bytes_per_value: int = 2) -> StageCosts:
+  """StageCosts of a decoder-only Transformer with tied embeddings cut into `num_stages` groups.
+
+  `flops_per_s` is the *effective* rate (peak x utilisation). Backward = 2 x forward. The
+  embedding's lookup and scatter-add gradient are memory-bound and tiny; they are counted as
+  2 d_model FLOPs per token each, a placeholder that keeps them on device 0's timeline.
+  """
+  check_stages(num_layers, num_stages)
+  tokens = batch * seq_len
+  per_layer = layer_flops(d_model, d_ff, seq_len) * tokens / flops_per_s
+  head = head_flops(d_model, vocab) * tokens / flops_per_s
+  if layers_per_stage is None:
+    # Forward costs on both sides: the backward is 2x either way, so the balance is the same.
+    layers_per_stage = balance_layers(num_layers, num_stages, per_layer, head)
+  if len(layers_per_stage) != num_stages or sum(layers_per_stage) != num_layers:
+    raise ValueError(f'layers_per_stage {tuple(layers_per_stage)} must give {num_stages} stages '
+                     f'summing to {num_layers} layers.')
+  params = num_layers * (4 * d_model ** 2 + 2 * d_model * d_ff) + vocab * d_model
+  embed = 2 * d_model * tokens / flops_per_s
+  return StageCosts(
+      forward_s=[n * per_layer for n in layers_per_stage],
+      backward_s=[2 * n * per_layer for n in layers_per_stage],
+      head_s=3 * head, embed_forward_s=embed, embed_backward_s=embed,
+      activation_bytes=tokens * d_model * bytes_per_value,
+      grad_bytes=params * bytes_per_value, bandwidth=bandwidth, latency=latency,
+      batch_size=batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+  name: str
+  num_layers: int
+  d_model: int
+  d_ff: int
+  seq_len: int
+  vocab: int
+  batch: int
+
+  def shape(self) -> dict:
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != 'name'}
+
+  @property
+  def params(self) -> int:
+    return self.num_layers * (4 * self.d_model ** 2 + 2 * self.d_model * self.d_ff) + (
+        self.vocab * self.d_model)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+  name: str
+  flops_per_s: float   # effective: peak x utilisation
+  bandwidth: float     # bytes / s per link direction
+  latency: float       # seconds per message
+
+  def rates(self) -> dict:
+    return {'flops_per_s': self.flops_per_s, 'bandwidth': self.bandwidth,
+            'latency': self.latency}
+
+
+GPT2_SMALL = ModelShape('gpt2-small', num_layers=12, d_model=768, d_ff=3072, seq_len=1024,
+                        vocab=50257, batch=32)
+ONE_B = ModelShape('1b', num_layers=24, d_model=2048, d_ff=8192, seq_len=2048, vocab=50257,
+                   batch=32)
+# A 300 TFLOP/s (bf16) accelerator at 40% utilisation, NVLink-class links or a 25 GB/s network.
+NVLINK = Hardware('nvlink-300GBps', flops_per_s=0.4 * 300e12, bandwidth=300e9, latency=5e-6)
+NETWORK = Hardware('network-25GBps', flops_per_s=0.4 * 300e12, bandwidth=25e9, latency=5e-6)
+MODELS = {m.name: m for m in (GPT2_SMALL, ONE_B)}
+HARDWARE = {h.name: h for h in (NVLINK, NETWORK)}
+
+
+def preset_costs(model: ModelShape, hardware: Hardware, num_stages: int) -> StageCosts:
+  return transformer_costs(**model.shape(), num_stages=num_stages, **hardware.rates())

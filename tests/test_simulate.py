@@ -1,0 +1,344 @@
+"""The performance simulator against the closed forms it must reproduce (no jax needed).
+
+`ouroboros_jax/simulate.py` and `experiments/simulate.py` use only the standard library (and
+matplotlib for plots), so they are loaded from their files: importing the `ouroboros_jax` package
+would import jax for nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib.util
+import math
+import pathlib
+import random
+import sys
+import types
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _load(name: str, path: pathlib.Path):
+  if name not in sys.modules:
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+  return sys.modules[name]
+
+
+sim = _load('ouroboros_jax.simulate', ROOT / 'ouroboros_jax' / 'simulate.py')
+
+TOL = 1e-9
+
+
+def costs(forward, backward, **kwargs):
+  return sim.StageCosts(forward_s=forward, backward_s=backward, **kwargs)
+
+
+def random_costs(rng: random.Random, num_stages: int, **kwargs):
+  return costs([rng.uniform(0.5, 2.0) for _ in range(num_stages)],
+               [rng.uniform(1.0, 4.0) for _ in range(num_stages)],
+               head_s=rng.uniform(0.0, 1.5), embed_forward_s=rng.uniform(0.0, 0.2),
+               embed_backward_s=rng.uniform(0.0, 0.2), **kwargs)
+
+
+# ----------------------------------------------------------------------------- closed forms
+
+
+@pytest.mark.parametrize('num_stages', [2, 4, 8])
+@pytest.mark.parametrize('microbatches', [1, 4, 8])
+def test_gpipe_reproduces_the_analytic_bubble(num_stages, microbatches):
+  G, M, F, B = num_stages, microbatches, 1.0, 2.0
+  result = sim.simulate('gpipe', costs([F] * G, [B] * G), microbatches=M)
+  bubble = (G - 1) / (M + G - 1)
+  assert result.idle_fraction == pytest.approx(bubble, abs=TOL)
+  assert all(i == pytest.approx(bubble, abs=TOL) for i in result.per_device_idle)
+  assert result.step_time == pytest.approx((M + G - 1) * (F + B) / M, abs=TOL)
+
+
+@pytest.mark.parametrize('num_stages', [2, 3, 4, 8])
+def test_locked_ouroboros_equal_stages(num_stages):
+  G, F, B, H, Ef, Eb = num_stages, 1.0, 2.0, 0.5, 0.1, 0.25
+  c = costs([F] * G, [B] * G, head_s=H, embed_forward_s=Ef, embed_backward_s=Eb)
+  result = sim.simulate('ouroboros', c)
+  assert result.step_time == pytest.approx(Ef + G * F + H + B + Eb, abs=TOL)
+  # every device is busy for F + B of the step (device 0 also for the head and embedding)
+  assert result.per_device_busy[1] == pytest.approx(F + B, abs=TOL)
+
+
+@pytest.mark.parametrize('slow', [0, 1, 2])
+def test_locked_ouroboros_with_one_slow_stage(slow):
+  """Step = E_f + sum F + max(H + B_0 + E_b, max_{s>0} B_s): devices s > 0 start their backward
+  as soon as the batch is back on device 0, without waiting for the head."""
+  G, H, Eb = 4, 0.5, 0.25
+  forward, backward = [1.0] * G, [2.0] * G
+  forward[slow], backward[slow] = 3.0, 5.0
+  result = sim.simulate('ouroboros', costs(forward, backward, head_s=H, embed_backward_s=Eb))
+  expected = sum(forward) + max(H + backward[0] + Eb, max(backward[1:]))
+  assert result.step_time == pytest.approx(expected, abs=TOL)
+  if slow == 0:  # the paper's formula with the slow stage: G F + H + B_slow (+ E_b)
+    assert result.step_time == pytest.approx(3.0 + 3 * 1.0 + H + 5.0 + Eb, abs=TOL)
+
+
+@pytest.mark.parametrize('num_stages', [1, 2, 5])
+def test_model_parallel_is_the_sum_of_everything(num_stages):
+  c = random_costs(random.Random(num_stages), num_stages)
+  result = sim.simulate('model_parallel', c)
+  assert result.step_time == pytest.approx(c.total_compute_s(), abs=TOL)
+  assert result.speedup == pytest.approx(1.0, abs=TOL)
+
+
+@pytest.mark.parametrize('num_stages', [2, 3, 6])
+def test_pipelined_ouroboros_is_the_busiest_device(num_stages):
+  c = random_costs(random.Random(10 + num_stages), num_stages)
+  result = sim.simulate('ouroboros', c, forward='pipelined')
+  device0 = (c.embed_forward_s + c.forward_s[0] + c.head_s + c.backward_s[0]
+             + c.embed_backward_s)
+  others = [f + b for f, b in zip(c.forward_s[1:], c.backward_s[1:])]
+  assert result.step_time == pytest.approx(max(device0, *others), abs=TOL)
+  # Hops that fit inside a step are hidden: only what reads them waits, a step later.
+  hops = dataclasses.replace(c, latency=0.1, activation_bytes=1e6, bandwidth=1e8)
+  linked = sim.simulate('ouroboros', hops, forward='pipelined')
+  assert linked.step_time == pytest.approx(result.step_time, abs=TOL)
+
+
+def test_pipelined_equal_stages_reach_the_g_fold_speedup():
+  G = 8
+  result = sim.simulate('ouroboros', costs([1.0] * G, [2.0] * G), forward='pipelined')
+  assert result.step_time == pytest.approx(3.0, abs=TOL)
+  assert result.speedup == pytest.approx(G, abs=TOL)
+  assert result.idle_fraction == pytest.approx(0.0, abs=TOL)
+
+
+@pytest.mark.parametrize('forward', ['locked', 'pipelined'])
+def test_replay_adds_the_forward_to_every_backward(forward):
+  c = random_costs(random.Random(3), 4)
+  replay = sim.simulate('ouroboros', c, forward=forward, stash='replay')
+  recompute = dataclasses.replace(
+      c, backward_s=[f + b for f, b in zip(c.forward_s, c.backward_s)])
+  graph = sim.simulate('ouroboros', recompute, forward=forward, stash='graph')
+  assert replay.step_time == pytest.approx(graph.step_time, abs=TOL)
+  assert replay.step_time > sim.simulate('ouroboros', c, forward=forward).step_time
+
+
+def test_link_latency_adds_g_hops_to_the_locked_forward():
+  G, hop = 4, 0.05
+  c = costs([1.0] * G, [2.0] * G, head_s=0.5)
+  free = sim.simulate('ouroboros', c).step_time
+  linked = dataclasses.replace(c, latency=0.03, activation_bytes=2e6, bandwidth=1e8)
+  assert linked.transfer_s(linked.activation_bytes) == pytest.approx(hop)
+  assert sim.simulate('ouroboros', linked).step_time == pytest.approx(free + G * hop, abs=TOL)
+  # model_parallel pays G hops forward and G back (the head's delta to G-1 included)
+  assert sim.simulate('model_parallel', linked).step_time == pytest.approx(
+      c.total_compute_s() + 2 * G * hop, abs=TOL)
+
+
+@pytest.mark.parametrize('replicas', [1, 2, 4, 8])
+def test_data_parallel_all_reduce(replicas):
+  D, grad_bytes, bandwidth, latency = replicas, 4e9, 1e11, 1e-5
+  c = random_costs(random.Random(replicas), 3, grad_bytes=grad_bytes, bandwidth=bandwidth,
+                   latency=latency)
+  result = sim.simulate('data_parallel', c, data_parallel=D)
+  all_reduce = 2 * (D - 1) / D * grad_bytes / bandwidth + 2 * (D - 1) * latency
+  assert result.step_time == pytest.approx(c.total_compute_s() / D + all_reduce, abs=TOL)
+  assert result.num_devices == D
+  measured = dataclasses.replace(c, allreduce_s=0.5)
+  expected = c.total_compute_s() / D + (0.5 if D > 1 else 0.0)
+  assert sim.simulate('data_parallel', measured, data_parallel=D).step_time == pytest.approx(
+      expected, abs=TOL)
+
+
+def test_one_device_is_backprop_for_every_schedule():
+  c = random_costs(random.Random(0), 1, latency=0.01, activation_bytes=1.0, bandwidth=10.0)
+  expected = c.total_compute_s()
+  for schedule, kwargs in [('backprop', {}), ('model_parallel', {}), ('gpipe', {'microbatches': 4}),
+                           ('ouroboros', {}), ('ouroboros', {'forward': 'pipelined'}),
+                           ('data_parallel', {})]:
+    assert sim.simulate(schedule, c, **kwargs).step_time == pytest.approx(expected, abs=TOL), (
+        schedule, kwargs)
+
+
+def test_the_idle_fractions_the_schedules_advertise():
+  """schedules.py / ouroboros.py state these for equal stages, B = 2F, no head or links."""
+  for G in (2, 4, 8):
+    c = costs([1.0] * G, [2.0] * G)
+    assert sim.simulate('model_parallel', c).idle_fraction == pytest.approx((G - 1) / G)
+    assert sim.simulate('ouroboros', c).idle_fraction == pytest.approx((G - 1) / (G + 2))
+    assert sim.simulate('data_parallel', c, data_parallel=G).idle_fraction == pytest.approx(0)
+
+
+def test_the_simulator_needs_only_the_standard_library():
+  tree = ast.parse((ROOT / 'ouroboros_jax' / 'simulate.py').read_text())
+  imported = {alias.name.split('.')[0] for node in ast.walk(tree)
+              if isinstance(node, ast.Import) for alias in node.names}
+  imported |= {node.module.split('.')[0] for node in ast.walk(tree)
+               if isinstance(node, ast.ImportFrom) and node.module}
+  assert imported <= set(sys.stdlib_module_names) | {'__future__'}, imported
+
+
+# ----------------------------------------------------------------------------- invariants
+
+
+ALL_SETTINGS = [('backprop', {}), ('model_parallel', {}), ('gpipe', {'microbatches': 1}),
+                ('gpipe', {'microbatches': 4}), ('ouroboros', {}),
+                ('ouroboros', {'stash': 'replay'}), ('ouroboros', {'forward': 'pipelined'}),
+                ('ouroboros', {'forward': 'pipelined', 'stash': 'replay'})]
+
+
+@pytest.mark.parametrize('num_stages', [1, 2, 4, 7])
+def test_no_schedule_beats_the_physical_limit(num_stages):
+  rng = random.Random(100 + num_stages)
+  for trial in range(3):
+    c = random_costs(rng, num_stages, latency=rng.choice([0.0, 1e-3]), activation_bytes=1e6,
+                     bandwidth=rng.choice([math.inf, 1e9]), grad_bytes=1e8,
+                     microbatch_overhead_s=rng.choice([0.0, 0.01]))
+    for schedule, kwargs in ALL_SETTINGS + [('data_parallel', {'data_parallel': num_stages})]:
+      result = sim.simulate(schedule, c, **kwargs)
+      assert result.speedup <= result.num_devices + TOL, (schedule, kwargs, result.speedup)
+      assert all(-TOL <= i <= 1 + TOL for i in result.per_device_idle)
+
+
+@pytest.mark.parametrize('schedule,kwargs', ALL_SETTINGS + [('data_parallel',
+                                                             {'data_parallel': 3})])
+def test_timeline_never_overlaps_on_a_device_or_a_link(schedule, kwargs):
+  c = random_costs(random.Random(7), 3, latency=0.05, activation_bytes=1e6, bandwidth=1e7,
+                   grad_bytes=1e6)
+  result = sim.simulate(schedule, c, **kwargs)
+  lanes = {}
+  for span in result.timeline:
+    assert span.end >= span.start >= 0
+    lanes.setdefault(span.device, []).append((span.start, span.end))
+  assert set(range(result.num_devices)) <= set(lanes)
+  for spans in lanes.values():
+    spans.sort()
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+      assert start >= end - TOL
+
+
+def test_timeline_kinds_and_batches():
+  G = 3
+  result = sim.simulate('ouroboros', costs([1.0] * G, [2.0] * G), steps=20)
+  kinds = {s.kind for s in result.timeline}
+  assert {'fwd', 'bwd', 'head', 'embed_fwd', 'embed_bwd', 'act', 'grad'} <= kinds
+  # locked: stage s back-propagates batch t - (G - s), so device 2 never sees batch 19 backward
+  backward = {(s.device, s.batch) for s in result.timeline if s.kind == 'bwd'}
+  assert (2, 18) in backward and (2, 19) not in backward
+  assert (0, 16) in backward and (0, 17) not in backward
+  assert len(result.step_ends) == 20
+
+
+def test_bad_settings_are_refused():
+  c = costs([1.0, 1.0], [2.0, 2.0], batch_size=6)
+  with pytest.raises(ValueError, match='unknown schedule'):
+    sim.simulate('pipedream', c)
+  with pytest.raises(ValueError, match='stash'):
+    sim.simulate('ouroboros', c, stash='none')
+  with pytest.raises(ValueError, match='forward'):
+    sim.simulate('ouroboros', c, forward='eager')
+  with pytest.raises(ValueError, match='microbatches=4'):
+    sim.simulate('gpipe', c, microbatches=4)
+  with pytest.raises(ValueError, match='hybrid'):
+    sim.simulate('gpipe', c, data_parallel=2)
+  with pytest.raises(ValueError, match='one entry per stage'):
+    costs([1.0], [1.0, 2.0])
+
+
+# ----------------------------------------------------------------------------- cost model
+
+
+def test_transformer_costs_from_flops():
+  L, d, f, seq, V, batch, G = 4, 64, 256, 32, 100, 2, 2
+  c = sim.transformer_costs(L, d, f, seq, V, batch, G, flops_per_s=1e9, bandwidth=1e9,
+                            latency=0.0, layers_per_stage=(1, 3), bytes_per_value=4)
+  tokens = batch * seq
+  layer = (2 * (4 * d * d + 2 * d * f) + 2 * seq * d) * tokens / 1e9
+  assert c.forward_s == pytest.approx((layer, 3 * layer))
+  assert c.backward_s == pytest.approx((2 * layer, 6 * layer))
+  assert c.head_s == pytest.approx(3 * (2 * d * V + 5 * V + 2 * d) * tokens / 1e9)
+  assert c.activation_bytes == tokens * d * 4
+  assert c.grad_bytes == (L * (4 * d * d + 2 * d * f) + V * d) * 4
+
+
+def test_balanced_split_gives_device_0_fewer_layers_and_stops_at_the_layer_count():
+  c = sim.preset_costs(sim.GPT2_SMALL, sim.NVLINK, 4)
+  per_layer = sim.layer_flops(768, 3072, 1024) * 32 * 1024 / sim.NVLINK.flops_per_s
+  layers = [f / per_layer for f in c.forward_s]
+  assert all(n == pytest.approx(round(n)) for n in layers) and sum(layers) == pytest.approx(12)
+  assert layers[0] < min(layers[1:])  # device 0 also carries the head
+  with pytest.raises(ValueError, match='prediction stops at G = 12'):
+    sim.preset_costs(sim.GPT2_SMALL, sim.NVLINK, 16)
+  assert sim.GPT2_SMALL.params == pytest.approx(124e6, rel=0.05)
+  assert 1e9 < sim.ONE_B.params < 1.5e9
+
+
+# ----------------------------------------------------------------------------- the experiment
+
+
+@pytest.fixture
+def experiment(monkeypatch):
+  """experiments/simulate.py, whose `from ouroboros_jax import simulate` gets the module above
+  without running the package's __init__ (which imports jax)."""
+  if 'ouroboros_jax' not in sys.modules:
+    package = types.ModuleType('ouroboros_jax')
+    package.__path__ = [str(ROOT / 'ouroboros_jax')]
+    package.simulate = sim
+    monkeypatch.setitem(sys.modules, 'ouroboros_jax', package)
+  monkeypatch.delitem(sys.modules, 'simulate_experiment', raising=False)
+  return _load('simulate_experiment', ROOT / 'experiments' / 'simulate.py')
+
+
+MEASURED = """\
+schedule,stages,microbatches,stash,forward,step_time_s,fwd_s_per_stage,bwd_s_per_stage,head_s,link_s
+backprop,1,,-,-,0.0125,0.001;0.002;0.003;0.004,0.002;0.004;0.006;0.008,0.0025,
+model_parallel,4,,-,-,0.0129,0.001;0.002;0.003;0.004,0.002;0.004;0.006;0.008,0.0025,0.00005
+gpipe,4,4,-,-,0.0080,0.0025,0.005,0.0025,0.0002
+ouroboros,4,,graph,locked,0.0200,0.0025,0.005,0.0025,0
+ouroboros,2,,replay,pipelined,0.0060,0.002;0.003,0.004;0.006,0.001,0.0001
+data_parallel,2,,,,0.0070,0.004;0.006,0.008;0.012,0.0,
+"""
+
+
+def test_measured_option_compares_with_the_simulator(experiment, tmp_path, capsys):
+  path = tmp_path / 'bench.csv'
+  path.write_text(MEASURED)
+  rows = experiment.main(['--measured', str(path), '--out', str(tmp_path / 'out')])
+  assert [r['schedule'] for r in rows] == ['backprop', 'model_parallel', 'gpipe', 'ouroboros',
+                                           'ouroboros', 'data_parallel']
+  backprop, model_parallel, gpipe, locked, pipelined, data_parallel = rows
+  assert backprop['predicted_s'] == pytest.approx(0.0325)
+  assert model_parallel['predicted_s'] == pytest.approx(0.0325 + 8 * 0.00005)
+  # gpipe: (M + G - 1) micro-batch rounds of (F + B) / M, the head, and 2 (M + G - 1) hops of
+  # link_s / M, except that the micro-batches' hops overlap with the compute
+  assert gpipe['predicted_s'] > 7 * 0.0075 / 4 + 0.0025
+  assert locked['predicted_s'] == pytest.approx(4 * 0.0025 + 0.0025 + 0.005)
+  assert locked['rel_error'] == pytest.approx(0.0175 / 0.0200 - 1)
+  assert pipelined['predicted_s'] == pytest.approx(max(0.002 + 0.001 + 0.004 + 0.002,
+                                                       0.003 + 0.006 + 0.003))
+  assert pipelined['stash'] == 'replay' and pipelined['forward'] == 'pipelined'
+  assert data_parallel['predicted_s'] == pytest.approx(0.015)
+  printed = capsys.readouterr().out
+  assert 'measured ms' in printed and '-12.5%' in printed
+  assert (tmp_path / 'out' / 'measured_vs_predicted.csv').read_text().count('\n') == 7
+
+
+def test_measured_rows_need_one_time_per_stage(experiment, tmp_path):
+  path = tmp_path / 'bad.csv'
+  path.write_text(MEASURED.splitlines()[0] + '\nouroboros,4,,graph,locked,1,1;2,1,0,0\n')
+  with pytest.raises(ValueError, match='needs 4 per-stage times'):
+    experiment.main(['--measured', str(path), '--out', str(tmp_path)])
+
+
+def test_prediction_table_and_csv(experiment, tmp_path, capsys):
+  rows = experiment.main(['--stages', '1,2,4,16', '--models', 'gpt2-small',
+                          '--hardware', 'nvlink-300GBps', '--no-plot', '--out', str(tmp_path)])
+  printed = capsys.readouterr().out
+  assert 'G = 16 not predicted' in printed and 'ouroboros pipelined' in printed
+  assert {r['devices'] for r in rows} == {1, 2, 4}
+  assert all(r['speedup'] <= r['devices'] + TOL for r in rows)
+  by = {(r['label'], r['devices']): r['speedup'] for r in rows}
+  assert by['ouroboros pipelined', 4] > by['ouroboros locked', 4] > by['model_parallel', 4]
+  assert (tmp_path / 'simulate.csv').read_text().startswith('model,hardware,label')
