@@ -1,0 +1,80 @@
+"""Multi-process / multi-host start-up: `jax.distributed.initialize` from flags or environment.
+
+One process per host (or, on a CPU box, per core) joins a coordinator; afterwards `jax.devices()`
+lists every device of every process and a schedule's mesh spans them all, exactly as on a GPU or
+TPU cluster. Settings, first found wins:
+
+  flags        --coordinator HOST:PORT --num-processes N --process-id I
+  environment  OUROBOROS_COORDINATOR, OUROBOROS_NUM_PROCESSES, OUROBOROS_PROCESS_ID
+               (set by `ouroboros launch` for its children)
+  auto         --coordinator auto: JAX's own cluster detection (SLURM, Open MPI, Cloud TPU, ...)
+
+Nothing is initialised when none is given: a plain `ouroboros train` stays single-process.
+On CPU the collectives go through gloo. A process that dies makes the others fail within
+`heartbeat_timeout_s` instead of hanging: the coordinator notices the missing heartbeat.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from ouroboros_jax.model import ConfigError
+
+ENV_COORDINATOR = 'OUROBOROS_COORDINATOR'
+ENV_NUM_PROCESSES = 'OUROBOROS_NUM_PROCESSES'
+ENV_PROCESS_ID = 'OUROBOROS_PROCESS_ID'
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessConfig:
+  coordinator: str | None = None      # 'host:port', 'auto', or None (single process)
+  num_processes: int | None = None
+  process_id: int | None = None
+  init_timeout_s: int = 120
+  heartbeat_timeout_s: int = 30
+
+
+def from_env(config: ProcessConfig) -> ProcessConfig:
+  """Fills what the flags left empty from the OUROBOROS_* environment variables."""
+  env = os.environ
+  pick = lambda value, name, kind: value if value is not None else (
+      kind(env[name]) if env.get(name) else None)
+  try:
+    return dataclasses.replace(
+        config, coordinator=pick(config.coordinator, ENV_COORDINATOR, str),
+        num_processes=pick(config.num_processes, ENV_NUM_PROCESSES, int),
+        process_id=pick(config.process_id, ENV_PROCESS_ID, int))
+  except ValueError as e:
+    raise ConfigError(f'bad {ENV_NUM_PROCESSES}/{ENV_PROCESS_ID} in the environment ({e}); '
+                      'they must be integers.') from None
+
+
+def initialize(config: ProcessConfig) -> bool:
+  """Joins the process group if one is configured; returns whether it did."""
+  config = from_env(config)
+  if config.coordinator is None:
+    if config.num_processes not in (None, 1) or config.process_id not in (None, 0):
+      raise ConfigError('--num-processes/--process-id need --coordinator HOST:PORT (or '
+                        '--coordinator auto on a cluster JAX can detect).')
+    return False
+  import jax
+  if config.coordinator != 'auto':
+    if config.num_processes is None or config.process_id is None:
+      raise ConfigError(f'--coordinator {config.coordinator} also needs --num-processes and '
+                        '--process-id (or their OUROBOROS_* environment variables).')
+    if not 0 <= config.process_id < config.num_processes:
+      raise ConfigError(f'--process-id {config.process_id} is outside 0..'
+                        f'{config.num_processes - 1}; give each process its own id.')
+  if (jax.config.jax_platforms or 'cpu').startswith('cpu') or os.environ.get(
+      'JAX_PLATFORMS', '').startswith('cpu'):
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  kwargs = dict(initialization_timeout=config.init_timeout_s,
+                heartbeat_timeout_seconds=config.heartbeat_timeout_s)
+  if config.coordinator == 'auto':
+    jax.distributed.initialize(**kwargs)
+  else:
+    jax.distributed.initialize(coordinator_address=config.coordinator,
+                               num_processes=config.num_processes,
+                               process_id=config.process_id, **kwargs)
+  return True

@@ -1,0 +1,122 @@
+"""`ouroboros launch`: N local processes on 127.0.0.1, as a multi-host run on one machine.
+
+    ouroboros launch --processes 2 --pin-cpus -- train --schedule ouroboros --stages 2
+
+starts `python -m ouroboros_jax <args>` N times with OUROBOROS_COORDINATOR /
+OUROBOROS_NUM_PROCESSES / OUROBOROS_PROCESS_ID set (see `distributed.py`), each process on the CPU
+backend with one device, single-threaded (so one process is one core's worth of work) and, with
+--pin-cpus, pinned to its own core with `taskset`. Their output is forwarded line by line with a
+`[pI]` prefix. The launcher returns the first non-zero exit code; when one process fails, the
+others are given `grace_s` seconds to notice (their collectives time out) and are then killed, so
+a launch never hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from ouroboros_jax import distributed
+from ouroboros_jax.model import ConfigError
+
+SINGLE_THREADED_XLA = ('--xla_cpu_multi_thread_eigen=false '
+                       'intra_op_parallelism_threads=1 --xla_force_host_platform_device_count=1')
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def child_env(process_id: int, num_processes: int, port: int) -> dict:
+  env = dict(os.environ)
+  env.update({
+      distributed.ENV_COORDINATOR: f'127.0.0.1:{port}',
+      distributed.ENV_NUM_PROCESSES: str(num_processes),
+      distributed.ENV_PROCESS_ID: str(process_id),
+      'JAX_PLATFORMS': 'cpu',
+      'XLA_FLAGS': SINGLE_THREADED_XLA,
+      'OMP_NUM_THREADS': '1', 'OPENBLAS_NUM_THREADS': '1', 'MKL_NUM_THREADS': '1',
+      'PYTHONUNBUFFERED': '1',
+  })
+  return env
+
+
+def _forward(stream, prefix: str, out) -> None:
+  for line in iter(stream.readline, ''):
+    out.write(f'{prefix} {line}')
+    out.flush()
+
+
+def _exit_status(code: int) -> int:
+  """A child killed by signal N reports -N; a shell would say 128 + N."""
+  return code if code > 0 else 128 - code
+
+
+def launch(num_processes: int, args: list[str], *, pin_cpus: bool = False, grace_s: float = 45.0,
+           timeout_s: float | None = None, out=None, program: list[str] | None = None) -> int:
+  """Runs the N children to completion; returns 0 or the first non-zero exit code.
+
+  program: what each child runs before `args` (default `python -m ouroboros_jax`; tests and
+  experiments pass their own script).
+  """
+  out = out or sys.stdout
+  if num_processes < 1:
+    raise ConfigError(f'--processes must be >= 1, got {num_processes}.')
+  if not args and program is None:
+    raise ConfigError('nothing to launch: give the command after --, e.g. '
+                      '`ouroboros launch --processes 2 -- train --schedule ouroboros --stages 2`.')
+  cores = os.cpu_count() or 1
+  if pin_cpus and shutil.which('taskset') is None:
+    raise ConfigError('--pin-cpus needs `taskset` (util-linux); install it or drop --pin-cpus.')
+  port = free_port()
+  procs, threads = [], []
+  for i in range(num_processes):
+    cmd = [*(program or [sys.executable, '-m', 'ouroboros_jax']), *args]
+    if pin_cpus:
+      cmd = ['taskset', '-c', str(i % cores), *cmd]
+    p = subprocess.Popen(cmd, env=child_env(i, num_processes, port), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    procs.append(p)
+    th = threading.Thread(target=_forward, args=(p.stdout, f'[p{i}]', out), daemon=True)
+    th.start()
+    threads.append(th)
+
+  first_failure, failed_at, started = 0, None, time.monotonic()
+  try:
+    while any(p.poll() is None for p in procs):
+      now = time.monotonic()
+      for p in procs:
+        code = p.poll()
+        if code not in (None, 0) and not first_failure:
+          first_failure, failed_at = _exit_status(code), now
+      if failed_at is not None and now - failed_at > grace_s:
+        break
+      if timeout_s is not None and now - started > timeout_s:
+        first_failure = first_failure or 124
+        out.write(f'[launch] timed out after {timeout_s:.0f} s; stopping all processes\n')
+        break
+      time.sleep(0.1)
+  except KeyboardInterrupt:
+    first_failure = first_failure or 130
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        os.killpg(p.pid, signal.SIGKILL)
+    for p in procs:
+      p.wait()
+    for th in threads:
+      th.join(timeout=5)
+  codes = [p.returncode for p in procs]
+  if not first_failure:
+    first_failure = next((_exit_status(c) for c in codes if c), 0)
+  if first_failure:
+    out.write(f'[launch] exit codes {codes}; returning {first_failure}\n')
+  return first_failure

@@ -1,0 +1,106 @@
+"""Real multi-process runs on 127.0.0.1: the multi-host code path, on one machine."""
+
+from __future__ import annotations
+
+import io
+import pathlib
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from ouroboros_jax import distributed, launch
+from ouroboros_jax.model import ConfigError
+
+# The same 5 Ouroboros steps, run either as 2 processes (1 CPU device each) or as 1 process with
+# 2 simulated devices; the script writes the final parameters of process 0 to argv[2].
+SCRIPT = textwrap.dedent('''
+    import sys
+    import jax
+    from ouroboros_jax import distributed
+    if not distributed.initialize(distributed.ProcessConfig()):
+      jax.config.update('jax_num_cpu_devices', 2)
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from ouroboros_jax import model as M, partition, staged
+    from ouroboros_jax.schedules import ScheduleConfig, build_schedule
+    cfg = M.ModelConfig(d_model=16, num_heads=2, num_layers=4, d_ff=32, seq_len=8)
+    params = jax.device_get(partition.to_staged(M.init_params(cfg, jax.random.key(0)), (2, 2)))
+    schedule = build_schedule(ScheduleConfig(name='ouroboros', num_stages=2, stash=sys.argv[1]),
+                              partition.transformer_stages(cfg, (2, 2)), staged.adamw(1e-2))
+    rng = np.random.default_rng(0)
+    batches = [{k: rng.integers(0, 256, (4, 8)).astype(np.int32) for k in ('inputs', 'targets')}
+               for _ in range(5)]
+    place = lambda b: jax.tree.map(lambda a: jax.make_array_from_process_local_data(
+        NamedSharding(schedule.mesh, P('data')), a), b)
+    state = schedule.init(params, batches[0])
+    for batch in batches:
+      state, metrics = schedule.step(state, place(batch))
+    gathered = multihost_utils.process_allgather(state.params, tiled=True)
+    if jax.process_index() == 0:
+      np.save(sys.argv[2], np.concatenate([np.ravel(x) for x in jax.tree.leaves(gathered)]))
+    print('processes', jax.process_count(), 'loss', float(metrics['loss']))
+''')
+
+
+@pytest.mark.parametrize('stash', ['graph', 'replay'])
+def test_two_processes_equal_two_simulated_devices(tmp_path, stash):
+  script = tmp_path / 'run.py'
+  script.write_text(SCRIPT)
+  out = io.StringIO()
+  code = launch.launch(2, [stash, str(tmp_path / 'multi.npy')], timeout_s=240, out=out,
+                       program=[sys.executable, str(script)])
+  assert code == 0, out.getvalue()[-3000:]
+  assert out.getvalue().count('processes 2 loss') == 2
+  single = subprocess.run([sys.executable, str(script), stash, str(tmp_path / 'single.npy')],
+                          capture_output=True, text=True, timeout=240,
+                          env={**launch.child_env(0, 1, 0), 'OUROBOROS_COORDINATOR': '',
+                               'XLA_FLAGS': ''})
+  assert single.returncode == 0, single.stderr[-3000:]
+  assert 'processes 1 loss' in single.stdout
+  multi, one = np.load(tmp_path / 'multi.npy'), np.load(tmp_path / 'single.npy')
+  # float32 sums differ in order between the programs (one vs two partitions): ~1e-5
+  np.testing.assert_allclose(multi, one, rtol=0, atol=2e-5)
+
+
+def test_a_killed_process_makes_launch_fail_fast(tmp_path):
+  # Process 1 dies at once; process 0 would wait forever in a collective without the timeouts.
+  script = tmp_path / 'die.py'
+  script.write_text(textwrap.dedent('''
+      import os, sys
+      from ouroboros_jax import distributed
+      distributed.initialize(distributed.ProcessConfig(heartbeat_timeout_s=10))
+      import jax, jax.numpy as jnp
+      from jax.experimental import multihost_utils
+      if jax.process_index() == 1:
+        os._exit(17)
+      multihost_utils.sync_global_devices('never reached by process 1')
+  '''))
+  out = io.StringIO()
+  start = time.monotonic()
+  code = launch.launch(2, [], grace_s=60, timeout_s=180, out=out,
+                       program=[sys.executable, str(script)])
+  assert code == 17, out.getvalue()[-2000:]
+  assert time.monotonic() - start < 120
+
+
+def test_launch_and_process_config_errors(monkeypatch):
+  with pytest.raises(ConfigError, match='nothing to launch'):
+    launch.launch(2, [])
+  with pytest.raises(ConfigError, match='--processes'):
+    launch.launch(0, ['train'])
+  for name in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES,
+               distributed.ENV_PROCESS_ID):
+    monkeypatch.delenv(name, raising=False)
+  assert distributed.initialize(distributed.ProcessConfig()) is False  # plain single process
+  with pytest.raises(ConfigError, match='--num-processes'):
+    distributed.initialize(distributed.ProcessConfig(coordinator='127.0.0.1:1'))
+  with pytest.raises(ConfigError, match='outside'):
+    distributed.initialize(distributed.ProcessConfig(coordinator='127.0.0.1:1',
+                                                     num_processes=2, process_id=5))
+  with pytest.raises(ConfigError, match='--coordinator'):
+    distributed.initialize(distributed.ProcessConfig(num_processes=2, process_id=1))
