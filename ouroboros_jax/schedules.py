@@ -1,30 +1,53 @@
-"""Every training schedule behind one builder: `build_schedule(name, model, tx, ...)`.
+"""Every training schedule behind one builder: `build_schedule(config, model, tx)`.
 
-    schedule = build_schedule('ouroboros', model, tx, num_stages=4)
+    config = ScheduleConfig(name='gpipe', num_stages=4, microbatches=8, data_parallel=2)
+    schedule = build_schedule(config, model, tx)
     state = schedule.init(params, example_batch)
     state, metrics = schedule.step(state, batch)        # pure, jitted, same for every schedule
 
-Schedules:
-  backprop       one device, exact gradients (the reference everything is compared with).
-  ouroboros      delayed-gradient model parallelism on a ring of stages (see `ouroboros.py`).
+Schedules (G = num_stages, D = data_parallel, M = microbatches; idle = the fraction of
+device-time doing no work, with a backward costing twice a forward):
+  backprop        one device, exact gradients (the reference everything is compared with). Idle 0.
+  data_parallel   D replicas of the whole model on the `data` axis, each on B/D examples;
+                  gradients and loss averaged with `pmean`. Idle 0.
+  model_parallel  the Ouroboros ring placement (embed, group 0 and head on device 0, group s on
+                  device s), locked forward and locked backward: exact gradients, but in every
+                  round all devices but one wait. Idle (G-1)/G.
+  gpipe           M micro-batches pipelined through the same placement; exact gradient of the
+                  mean micro-batch loss. Idle (G-1)/(M+G-1), the bubble.
+  ouroboros       delayed-gradient model parallelism on the ring (see `ouroboros.py`).
+                  Idle (G-1)/(G+2).
+
+The stage schedules (model_parallel, gpipe, ouroboros) combine with data parallelism on the 2-D
+mesh (stage x data): every data replica runs its own ring on its share of the batch and the
+gradients are averaged over `data`. backprop and data_parallel run every stage group in order on
+one device (any `num_stages` of the parameters works; the mesh has one stage row).
 
 All of them take the same `StagedModel`, the same Optax transformation (applied per module group
 after one global-norm clip, see `staged.apply_gradients`) and the same batches, so their
-parameters can be compared number for number.
+parameters can be compared number for number. Every synchronous schedule computes its gradient
+in one `jax.shard_map` (the communication is written out) and hands it to `synchronous_update`.
+
+Dropout: batch t's key is `staged.batch_key(seed, t)`; data replicas fold in their replica index
+and gpipe folds in the micro-batch index (M > 1), so with dropout those differ from backprop by
+their masks only. (Ouroboros keeps one key for all its replicas.)
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh, PartitionSpec as P
 
-from ouroboros_jax import staged
+from ouroboros_jax import ring, staged
 from ouroboros_jax.model import ConfigError
-from ouroboros_jax.staged import Schedule, StagedModel, TrainState
+from ouroboros_jax.staged import DATA, STAGE, Schedule, StagedModel, TrainState
 
-SCHEDULES = ('backprop', 'ouroboros')
+SCHEDULES = ('backprop', 'data_parallel', 'model_parallel', 'gpipe', 'ouroboros')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +59,7 @@ class ScheduleConfig:
   data_parallel: int = 1
   clip_norm: float | None = 1.0
   seed: int = 0                  # dropout keys are derived from (seed, batch index)
+  microbatches: int = 4          # gpipe: micro-batches per (data replica's) batch
   stash: str = 'graph'           # ouroboros: 'graph' (DDG) or 'replay' (Features Replay)
   sync_warmup_steps: int = 0     # ouroboros: plain backprop over the ring first
   tied_grad: str = 'sum'         # ouroboros: 'sum' or 'mean' of the tied embedding's two grads
@@ -44,8 +68,10 @@ class ScheduleConfig:
 def build_schedule(config: ScheduleConfig, model: StagedModel,
                    tx: optax.GradientTransformation, *, devices=None) -> Schedule:
   """The builder every caller uses; dispatches on `config.name`."""
-  if config.name == 'backprop':
-    return build_backprop(config, model, tx, devices=devices)
+  builders = {'backprop': build_backprop, 'data_parallel': build_data_parallel,
+              'model_parallel': build_model_parallel, 'gpipe': build_gpipe}
+  if config.name in builders:
+    return builders[config.name](config, model, tx, devices=devices)
   if config.name == 'ouroboros':
     from ouroboros_jax import ouroboros
     return ouroboros.build(config, model, tx, devices=devices)
@@ -64,8 +90,34 @@ def make_evaluate(model: StagedModel):
   return jax.jit(lambda params, batch: model.forward_loss(params, batch)[0])
 
 
+def check_batch(batch: dict, replicas: int, microbatches: int = 1) -> None:
+  """Every data replica gets B/D examples and cuts them into M micro-batches."""
+  size, divisor = batch['inputs'].shape[0], replicas * microbatches
+  if size % divisor == 0:
+    return
+  if microbatches > 1:
+    raise ConfigError(
+        f'batch size {size} is not divisible by --data-parallel x --microbatches = {replicas} x '
+        f'{microbatches} = {divisor}; choose --batch-size as a multiple of {divisor} or change '
+        '--data-parallel / --microbatches.')
+  raise ConfigError(f'batch size {size} is not divisible by --data-parallel = {replicas}; '
+                    f'choose --batch-size as a multiple of {replicas} or change --data-parallel.')
+
+
+def replica_key(seed: int, t, replicas: int):
+  """Batch t's dropout key on this data replica: replicas draw different masks."""
+  key = staged.batch_key(seed, t)
+  return key if replicas == 1 else jax.random.fold_in(key, jax.lax.axis_index(DATA))
+
+
+# ----------------------------------------------------------------------------- backprop
+
+
 def build_backprop(config: ScheduleConfig, model: StagedModel, tx, *, devices=None) -> Schedule:
-  """Plain backprop of the whole composition on one device (with any number of stage groups)."""
+  """Plain backprop of the whole composition on one device (with any number of stage groups).
+
+  Idle fraction 0: one device, always busy.
+  """
   mesh = staged.make_mesh(1, config.data_parallel, devices)
 
   def init(params, example_batch=None):
@@ -82,3 +134,195 @@ def build_backprop(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
 
   return Schedule(init=init, step=step, evaluate=make_evaluate(model), mesh=mesh,
                   idle_fraction=0.0, name='backprop')
+
+
+# ----------------------------------------------------------------------------- shared plumbing
+
+
+def _synchronous_schedule(config: ScheduleConfig, model: StagedModel, tx, mesh: Mesh,
+                          device_grads: Callable, *, microbatches: int, idle_fraction: float,
+                          name: str) -> Schedule:
+  """A synchronous schedule from its per-device gradient.
+
+  device_grads(params, batch, t) -> (grads, loss) runs inside one `jax.shard_map` over the
+  (stage, data) mesh: it sees its stage's parameters (leading axis 1), its replica's share of the
+  batch and the step index t, and returns gradients laid out as the parameters (stage gradients
+  on their own device, embed and head gradients replicated) and the batch's loss, both already
+  averaged over `data`. The optimizer step is `synchronous_update`, as for every schedule.
+  """
+  num_stages, replicas = mesh.shape[STAGE], mesh.shape[DATA]
+
+  def init(params, example_batch=None):
+    if example_batch is not None:
+      check_batch(example_batch, replicas, microbatches)
+    if num_stages > 1 and staged.stage_count(params) != num_stages:
+      raise ConfigError(f'the parameters have {staged.stage_count(params)} stage groups but '
+                        f'{name} has --stages {num_stages}; cut them with '
+                        f'partition.to_staged(params, layers_per_stage) for {num_stages} stages.')
+
+    def fresh_state(params):
+      return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                        opt_state=staged.init_opt_state(tx, params), ring={})
+
+    abstract = jax.eval_shape(fresh_state, params)
+    specs = TrainState(step=P(), params=staged.param_specs(params),
+                       opt_state=staged.opt_state_specs(abstract.opt_state), ring={})
+    return jax.jit(fresh_state, out_shardings=staged.named(specs, mesh))(params)
+
+  @jax.jit
+  def step(state: TrainState, batch: dict):
+    check_batch(batch, replicas, microbatches)
+    param_specs = staged.param_specs(state.params)
+    grads_of = jax.shard_map(device_grads, mesh=mesh,
+                             in_specs=(param_specs, staged.batch_spec(batch), P()),
+                             out_specs=(param_specs, P()), check_vma=False)
+    grads, loss = grads_of(state.params, batch, state.step)
+    return synchronous_update(config, tx, state, grads, loss)
+
+  return Schedule(init=init, step=step, evaluate=make_evaluate(model), mesh=mesh,
+                  idle_fraction=idle_fraction, name=name)
+
+
+# ----------------------------------------------------------------------------- data parallel
+
+
+def build_data_parallel(config: ScheduleConfig, model: StagedModel, tx, *,
+                        devices=None) -> Schedule:
+  """D replicas of the whole model on the `data` axis of a (1, D) mesh.
+
+  Parameters are replicated, the batch is split over `data`; each replica back-propagates its
+  B/D examples through every stage group in order, then `lax.pmean` averages the gradients (and
+  the loss) over `data`: the mean over replicas of per-replica mean losses is the batch's mean
+  loss, so the gradient is backprop's. Idle fraction 0: every device works all the time
+  (communication is not counted).
+  """
+  replicas = config.data_parallel
+  mesh = staged.make_mesh(1, replicas, devices)
+
+  def device_grads(params, batch, t):
+    key = replica_key(config.seed, t, replicas)
+    (loss, _), grads = jax.value_and_grad(model.forward_loss, has_aux=True)(params, batch, key)
+    return jax.lax.pmean((grads, loss), DATA)
+
+  return _synchronous_schedule(config, model, tx, mesh, device_grads, microbatches=1,
+                               idle_fraction=0.0, name='data_parallel')
+
+
+# ----------------------------------------------------------------------------- model parallel
+
+
+def model_parallel_idle_fraction(num_stages: int) -> float:
+  """G forward rounds of time F and G backward rounds of time B = 2F, one device busy in each:
+  idle = (G-1)(F+B) / (G(F+B)) = (G-1)/G."""
+  return (num_stages - 1) / num_stages
+
+
+def build_model_parallel(config: ScheduleConfig, model: StagedModel, tx, *,
+                         devices=None) -> Schedule:
+  """Naive model parallelism on the Ouroboros ring: what Ouroboros removes.
+
+  Placement as Ouroboros: embedding, group 0 and the head on device 0, group s on device s
+  (`ring.py`). Locked forward: rounds r = 0..G-1, only device r runs its group, keeping its VJP,
+  and passes the activation on; the head on device 0 gives the loss and delta_{G-1}. Locked
+  backward: the delta goes to device G-1, then rounds r = G-1..0 in which only device r
+  back-propagates and hands its input gradient to r-1; device 0 ends at the embedding. The
+  gradient is exact (backprop's). With D > 1 every data replica runs its own ring on B/D
+  examples and the gradients are averaged over `data`.
+
+  Idle fraction (G-1)/G (`model_parallel_idle_fraction`): in each of the G forward rounds (F)
+  and G backward rounds (B = 2F) one device works and G-1 wait.
+  """
+  num_stages, replicas = config.num_stages, config.data_parallel
+  mesh = staged.make_mesh(num_stages, replicas, devices)
+
+  def device_grads(params, batch, t):
+    key = replica_key(config.seed, t, replicas)
+    return ring.locked_grads(model, params, batch, key, num_stages)
+
+  return _synchronous_schedule(config, model, tx, mesh, device_grads, microbatches=1,
+                               idle_fraction=model_parallel_idle_fraction(num_stages),
+                               name='model_parallel')
+
+
+# ----------------------------------------------------------------------------- gpipe
+
+
+def gpipe_idle_fraction(num_stages: int, microbatches: int) -> float:
+  """Forward: M + G - 1 iterations, device s busy in M of them (micro-batch i - s at iteration
+  i); the backward mirrors it at twice the cost, so idle = (G-1)/(M+G-1) either way."""
+  return (num_stages - 1) / (microbatches + num_stages - 1)
+
+
+def build_gpipe(config: ScheduleConfig, model: StagedModel, tx, *, devices=None,
+                bubble_fill: float = 0.0) -> Schedule:
+  """GPipe: M micro-batches through the ring placement, one synchronous (exact) gradient.
+
+  Each data replica cuts its B/D examples into M micro-batches. The forward is one `lax.scan`
+  over M + G - 1 iterations inside the shard_map: at iteration i device s runs its group on
+  micro-batch m = i - s (device 0 first embeds micro-batch i) and passes the result on with one
+  `ppermute`; device G-1's output travels back around the ring to device 0. The head sits on
+  device 0 with the tied embedding, as in the ring placement, and runs once after the loop on all
+  M micro-batch outputs (vmapped): this keeps the loop body to one group per device, and its cost
+  lies outside the bubble formula. Loss = mean over micro-batches of the micro-batch losses.
+
+  The gradient is autodiff of this pipelined forward, taken per device inside the shard_map:
+  the transpose of the scan is the mirrored backward pipeline (the transpose of each ppermute
+  sends the cotangent back one hop), and each group's gradient sums over its micro-batches.
+
+  Bubbles (iterations where m is not a micro-batch) cannot pollute the gradient: their input is
+  set to `bubble_fill` (garbage; the tests pass NaN) and the group is *skipped* by `lax.cond`, so
+  neither the forward nor the VJP of a group ever sees a bubble, and bubble outputs are never read
+  (their cotangent is a select's zero, not a product with zero).
+
+  Idle fraction (G-1)/(M+G-1) (`gpipe_idle_fraction`). Memory: every group keeps the residuals of
+  its M micro-batches until the backward (no re-materialisation).
+  """
+  num_stages, replicas, num_micro = config.num_stages, config.data_parallel, config.microbatches
+  if num_micro < 1:
+    raise ConfigError(f'--microbatches must be >= 1, got {num_micro}.')
+  mesh = staged.make_mesh(num_stages, replicas, devices)
+  iterations = num_micro + num_stages - 1
+
+  def device_grads(params, batch, t):
+    s = jax.lax.axis_index(STAGE)
+    key = replica_key(config.seed, t, replicas)
+    micro_key = lambda m: key if num_micro == 1 else jax.random.fold_in(key, m)
+    split = lambda a: a.reshape(num_micro, a.shape[0] // num_micro, *a.shape[1:])
+    inputs_M, targets_M = split(batch['inputs']), split(batch['targets'])
+
+    def pipeline_loss(embed_p, params_s, head_p):
+      embed_micro = lambda m: ring.embed(model, embed_p, inputs_M[m], micro_key(m))
+      x_shape = jax.eval_shape(embed_micro, 0)
+
+      def iteration(received, i):
+        m = i - s
+        valid = (m >= 0) & (m < num_micro)
+        key_m = micro_key(jnp.clip(m, 0, num_micro - 1))
+        fresh = jax.lax.cond((s == 0) & (i < num_micro),
+                             lambda: embed_micro(jnp.minimum(i, num_micro - 1)),
+                             lambda: jnp.zeros(x_shape.shape, x_shape.dtype))
+        x = jnp.where(s == 0, fresh, received)
+        x = jnp.where(valid, x, bubble_fill)     # a bubble holds garbage ...
+        y = jax.lax.cond(valid,                  # ... and never enters the group
+                         lambda h: model.stage(params_s, h, s, staged.piece_rng(key_m, s)),
+                         lambda h: h, x)
+        received = staged.ring_forward(y, num_stages)
+        return received, received
+
+      start = jnp.full(x_shape.shape, bubble_fill, x_shape.dtype)
+      _, arrived = jax.lax.scan(iteration, start, jnp.arange(iterations))
+      outputs_M = arrived[num_stages - 1:]  # on device 0: the last group's output of m = 0..M-1
+
+      def head():
+        loss_of = lambda x, targets: model.loss(head_p, embed_p, x, targets)[0]
+        return jax.vmap(loss_of)(outputs_M, targets_M).mean()
+
+      return ring.on_stage(s, 0, head)
+
+    loss, (g_embed, g_stage, g_head) = jax.value_and_grad(pipeline_loss, argnums=(0, 1, 2))(
+        params['embed'], ring.local_stage_params(params), params['head'])
+    return ring.gather_grads(g_embed, g_head, g_stage, loss)
+
+  return _synchronous_schedule(config, model, tx, mesh, device_grads, microbatches=num_micro,
+                               idle_fraction=gpipe_idle_fraction(num_stages, num_micro),
+                               name='gpipe')

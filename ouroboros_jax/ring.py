@@ -1,0 +1,168 @@
+"""The ring placement shared by the stage-parallel schedules (`model_parallel`, `ouroboros`).
+
+Device 0 of the mesh axis `stage` holds the embedding, layer group 0 and the head (final norm,
+output projection V^T, loss), because V is tied; device s holds layer group s. Activations go
+0 -> 1 -> ... -> G-1 -> 0 and error gradients go the other way.
+
+Every function here runs inside a `jax.shard_map` over (stage, data) and sees one device's share:
+stage parameters with a leading axis of size 1, embed and head parameters replicated, and its data
+replica's part of the batch. The pieces are small on purpose, so that a schedule written with them
+reads like its algorithm:
+
+  locked_forward    G rounds; in round r only device r runs its group (the others wait)
+  head              the loss, its gradient and the error gradient of the last group, on device 0
+  locked_backward   G rounds in reverse; in round r only device r back-propagates
+  embed_backward    the input-side gradient of the embedding, on device 0
+  gather_grads      the gradients from the devices that own them, averaged over data replicas
+  locked_grads      all of the above: the exact gradient of `model_parallel` (and of Ouroboros'
+                    synchronous warm-up)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ouroboros_jax import staged
+from ouroboros_jax.model import ConfigError
+from ouroboros_jax.staged import DATA, EMBED_PIECE, STAGE, StagedModel
+
+STASH_MODES = ('graph', 'replay')
+
+
+def on_stage(stage_index, which, fn):
+  """Run fn() on device `which` of the ring only; the others get zeros of the same shapes."""
+  zeros = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(fn))
+  return jax.lax.cond(stage_index == which, fn, zeros)
+
+
+def mask(valid, tree):
+  """tree where valid, zeros elsewhere (a select: garbage in `tree` cannot leak through)."""
+  return jax.tree.map(lambda a: jnp.where(valid, a, jnp.zeros_like(a)), tree)
+
+
+def local_stage_params(params):
+  """This device's layer group: the stage parameters without their leading axis of size 1."""
+  return jax.tree.map(lambda a: a[0], params['stages'])
+
+
+class Stash:
+  """What a device keeps of a batch between its group's forward and its group's backward.
+
+  graph   the forward's VJP residuals (as DDG): the gradient is taken at forward-time weights.
+  replay  only the group's input (as Features Replay): the backward re-runs the forward at the
+          weights it is given and takes the VJP there; one extra forward, far less memory.
+
+  In graph mode the VJP's tree structure is fixed when the forward is traced; the backward of the
+  same trace (or of a later step's trace, for Ouroboros) rebuilds the VJP from the kept leaves.
+  """
+
+  def __init__(self, model: StagedModel, mode: str = 'graph'):
+    if mode not in STASH_MODES:
+      raise ConfigError(f'unknown stash mode {mode!r}; choose graph or replay.')
+    self.model, self.graph_mode, self.treedef = model, mode == 'graph', None
+
+  def run(self, params_s, x, stage_index, key):
+    return self.model.stage(params_s, x, stage_index, staged.piece_rng(key, stage_index))
+
+  def forward(self, params_s, x, stage_index, key):
+    """-> (the group's output, what to keep for its backward)."""
+    if not self.graph_mode:
+      return self.run(params_s, x, stage_index, key), x
+    y, vjp_fn = jax.vjp(lambda p, h: self.run(p, h, stage_index, key), params_s, x)
+    leaves, self.treedef = jax.tree.flatten(vjp_fn)
+    return y, leaves
+
+  def backward(self, params_s, kept, delta, stage_index, key):
+    """-> (gradient of the group's weights, gradient of its input) for output gradient delta."""
+    if self.graph_mode:  # at forward-time weights, from the kept residuals
+      vjp_fn = jax.tree.unflatten(self.treedef, kept)
+    else:                # replay: re-run the forward at the given weights
+      _, vjp_fn = jax.vjp(lambda p, h: self.run(p, h, stage_index, key), params_s, kept)
+    return vjp_fn(delta)
+
+
+def embed(model: StagedModel, embed_params, tokens, key):
+  """Module 1's first piece (computed on every device; only device 0's result travels)."""
+  return model.embed(embed_params, tokens, staged.piece_rng(key, EMBED_PIECE))
+
+
+def locked_forward(stash: Stash, params_s, x, key, num_stages: int):
+  """G rounds: in round r only device r runs its group on x (and keeps its stash); then every
+  device passes x on to the next. Returns (the last group's output, now on device 0, kept)."""
+  s = jax.lax.axis_index(STAGE)
+  _, kept_shape = jax.eval_shape(lambda: stash.forward(params_s, x, s, key))
+  empty = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), kept_shape)
+
+  def forward_round(r, carry):
+    x, kept = carry
+    y, kept = jax.lax.cond(r == s, lambda: stash.forward(params_s, x, s, key),
+                           lambda: (x, kept))
+    return staged.ring_forward(y, num_stages), kept
+
+  return jax.lax.fori_loop(0, num_stages, forward_round, (x, empty))
+
+
+def head(model: StagedModel, params, x, targets):
+  """Module K on device 0: (loss, head gradient, the head's embed gradient, delta_{G-1}); zeros
+  on the other devices."""
+  def loss_and_grads():
+    loss_of = lambda head_p, embed_p, h: model.loss(head_p, embed_p, h, targets)[0]
+    loss, vjp_fn = jax.vjp(loss_of, params['head'], params['embed'], x)
+    return (loss, *vjp_fn(jnp.ones_like(loss)))
+
+  return on_stage(jax.lax.axis_index(STAGE), 0, loss_and_grads)
+
+
+def locked_backward(stash: Stash, params_s, kept, delta, key, num_stages: int):
+  """The head's delta (on device 0) goes to device G-1; then rounds r = G-1 .. 0 in which only
+  device r back-propagates and hands its input gradient to r - 1. Returns (this device's group
+  gradient, and on device 0 the input gradient of group 0)."""
+  s = jax.lax.axis_index(STAGE)
+  g_shape, _ = jax.eval_shape(lambda: stash.backward(params_s, kept, delta, s, key))
+  no_grad = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), g_shape)
+
+  def backward_round(i, carry):
+    send, g_stage = carry
+    received = staged.ring_backward(send, num_stages)  # device r hears from r + 1 (G-1 from 0)
+    g_stage, send = jax.lax.cond(
+        s == num_stages - 1 - i, lambda: stash.backward(params_s, kept, received, s, key),
+        lambda: (g_stage, send))
+    return send, g_stage
+
+  dx, g_stage = jax.lax.fori_loop(0, num_stages, backward_round, (delta, no_grad))
+  return g_stage, dx
+
+
+def embed_backward(model: StagedModel, embed_params, tokens, key, dx):
+  """Module 1 ends at the embedding: device 0 turns dx into V's input-side gradient."""
+  def backward():
+    embed_of = lambda e: model.embed(e, tokens, staged.piece_rng(key, EMBED_PIECE))
+    return jax.vjp(embed_of, embed_params)[1](dx)[0]
+
+  return on_stage(jax.lax.axis_index(STAGE), 0, backward)
+
+
+def gather_grads(g_embed, g_head, g_stage, loss):
+  """Each gradient from the device that owns it (embed and head live on device 0, group s on
+  device s), then averaged over the data replicas; so is the loss. Returns (grads, loss)."""
+  from_device0 = lambda tree: jax.lax.psum(tree, STAGE)
+  grads = {'embed': from_device0(g_embed), 'head': from_device0(g_head),
+           'stages': jax.tree.map(lambda g: g[None], g_stage)}
+  return jax.lax.pmean((grads, from_device0(loss)), DATA)
+
+
+def locked_grads(model: StagedModel, params, batch, key, num_stages: int):
+  """Plain synchronous backprop over the ring: the exact gradient of `batch`, as (grads, loss).
+
+  Locked forward, head on device 0, locked backward, embedding backward; in every round all
+  devices but one wait. This is `model_parallel`'s step and Ouroboros' synchronous warm-up.
+  """
+  stash = Stash(model, 'graph')
+  params_s = local_stage_params(params)
+  x = embed(model, params['embed'], batch['inputs'], key)
+  x, kept = locked_forward(stash, params_s, x, key, num_stages)
+  loss, g_head, g_embed_out, delta = head(model, params, x, batch['targets'])
+  g_stage, dx = locked_backward(stash, params_s, kept, delta, key, num_stages)
+  g_embed_in = embed_backward(model, params['embed'], batch['inputs'], key, dx)
+  return gather_grads(jax.tree.map(jnp.add, g_embed_out, g_embed_in), g_head, g_stage, loss)
