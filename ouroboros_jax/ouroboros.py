@@ -35,7 +35,26 @@ backward needs only the batch's tokens (its gradient does not depend on its weig
 stashed too. Stashes and the in-flight error gradient are part of `TrainState.ring`: they are
 checkpointed, so a resumed run continues the same trajectory.
 
-G = 1 puts every module on one device; there is no hop to wait for, so the step is plain backprop.
+The pipelined forward (`forward='pipelined'`, beyond the paper; DESIGN.md section 4). In the
+locked forward every device waits G - 1 rounds per step for its input. Pipelined, device s instead
+forwards at step t what its predecessor produced at step t - 1, so every device runs one forward
+and one backward per step at the same time and the step time approaches (F + B) / G. Counting one
+ring hop per step, at step t:
+
+  group s forwards batch t - s        (group 0 embeds batch t itself)
+  the head sees batch t - G           (group G-1's output needs one more hop, back to device 0)
+  group s back-propagates batch t - 2G + s   (the head's delta reaches G-1 one step later, then
+                                              one more step per group on the way down)
+
+so group s's gradient is 2G - s steps stale (the head G steps), group s keeps 2(G - s) + 1
+batches in flight (every device holds 2G + 1 slots), and the forward of one batch itself uses
+weights of different steps in different groups (as in PipeDream). A group starts updating at step
+2G - s, the head at step G; the tied V gets the head's gradient of batch t - G plus module 1's of
+batch t - 2G. `metrics['loss_batch']` says which batch a reported loss belongs to (t - G).
+`reference.py` runs the same schedule with Python deques; the tests compare the two.
+
+G = 1 puts every module on one device; there is no hop to wait for, so the step is plain backprop
+(with either forward).
 With `sync_warmup_steps = N` the first N steps are plain synchronous backprop over the same
 placement (the `model_parallel` step: locked forward, locked backward, `ring.locked_grads`), and
 the delayed schedule starts at step N with empty pipes.
@@ -57,7 +76,7 @@ from jax.sharding import PartitionSpec as P
 from ouroboros_jax import ring as ring_lib
 from ouroboros_jax import staged
 from ouroboros_jax.model import ConfigError
-from ouroboros_jax.ring import STASH_MODES
+from ouroboros_jax.ring import STASH_MODES  # noqa: F401  (re-exported: it used to live here)
 from ouroboros_jax.staged import DATA, STAGE, Schedule, StagedModel, TrainState
 
 
@@ -66,11 +85,26 @@ def staleness(num_stages: int) -> list[int]:
   return [0] if num_stages == 1 else [num_stages - s for s in range(num_stages)]
 
 
-def idle_fraction(num_stages: int, backward_over_forward: float = 2.0) -> float:
-  """Idle device-time of the locked forward: G forward rounds, each device busy in one, then
-  one backward everywhere at once (B = 2F by default)."""
+FORWARD_MODES = ('locked', 'pipelined')
+
+
+def idle_fraction(num_stages: int, backward_over_forward: float = 2.0,
+                  forward: str = 'locked') -> float:
+  """Idle device-time per step with equal stages (B = 2F by default). Locked: G forward rounds,
+  each device busy in one, then one backward everywhere at once. Pipelined: every device runs
+  one forward and one backward every step, so none idles once the pipe is full."""
+  if forward == 'pipelined':
+    return 0.0
   f, b = 1.0, backward_over_forward
   return (num_stages - 1) * f / (num_stages * f + b)
+
+
+def lags(num_stages: int, forward: str = 'locked') -> tuple[int, list[int]]:
+  """(head lag, per-group backward lag): at step t the head computes the loss of batch
+  t - head_lag and group s back-propagates batch t - lag[s]; neither updates before its lag."""
+  if num_stages > 1 and forward == 'pipelined':
+    return num_stages, [2 * num_stages - s for s in range(num_stages)]
+  return 0, staleness(num_stages)
 
 
 def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
@@ -79,33 +113,47 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
   num_stages, replicas = config.num_stages, config.data_parallel
   if config.tied_grad not in ('sum', 'mean'):
     raise ConfigError(f'unknown tied_grad {config.tied_grad!r}; choose sum or mean.')
+  if config.forward not in FORWARD_MODES:
+    raise ConfigError(f'unknown forward {config.forward!r}; choose locked or pipelined.')
   mesh = staged.make_mesh(num_stages, replicas, devices)
-  depth = num_stages + 1                      # stash slots per device
-  delay_G = jnp.asarray(staleness(num_stages))
-  module1_delay = staleness(num_stages)[0]
+  pipelined = config.forward == 'pipelined' and num_stages > 1
+  head_lag, backward_lags = lags(num_stages, config.forward)
+  depth = max(backward_lags) + 1              # stash slots per device (G + 1, or 2G + 1)
+  lag_G = jnp.asarray(backward_lags)
   stash = ring_lib.Stash(model, config.stash)  # what a device keeps until its delayed backward
 
   # -- one step on one device of the ring ---------------------------------------------------------
   def ring_step(params, ring, batch, t, t_async):
     s = jax.lax.axis_index(STAGE)
     params_s = ring_lib.local_stage_params(params)
-    stash_D = jax.tree.map(lambda a: a[0, 0], ring['stash'])
-    tokens_D = ring['tokens'][0, 0]
+    stash_D, batches_D = jax.tree.map(lambda a: a[0, 0], (ring['stash'], ring['batches']))
+    batches_D = jax.tree.map(lambda buf, new: buf.at[t % depth].set(new), batches_D, batch)
     key_t = staged.batch_key(config.seed, t)
 
-    # 1. Forward, locked: in round r only device r computes; then every device passes on.
+    # 1. Forward. Locked: batch t through every group, in G rounds where only device r computes.
+    #    Pipelined: every group at once, each on what its predecessor sent during step t - 1.
     x = ring_lib.embed(model, params['embed'], batch['inputs'], key_t)
-    x, kept = ring_lib.locked_forward(stash, params_s, x, key_t, num_stages)
-    stash_D = jax.tree.map(lambda buf, k: buf.at[t % depth].set(k), stash_D, kept)
-    tokens_D = tokens_D.at[t % depth].set(batch['inputs'])
+    if pipelined:
+      forward_batch = t - s
+      x = jnp.where(s == 0, x, ring['act'][0, 0])
+      y, kept = stash.forward(params_s, x, s, staged.batch_key(config.seed, forward_batch))
+      x_head = ring['act'][0, 0]              # device 0: group G-1's output of batch t - G
+      act_next = staged.ring_forward(y, num_stages)
+    else:
+      forward_batch = t
+      x_head, kept = ring_lib.locked_forward(stash, params_s, x, key_t, num_stages)
+    stash_D = jax.tree.map(lambda buf, k: buf.at[forward_batch % depth].set(k), stash_D, kept)
 
-    # 2. Head (module K, on device 0): fresh loss, head gradient and delta_{G-1}^t.
-    loss, g_head, g_embed_fresh, delta_fresh = ring_lib.head(model, params, x, batch['targets'])
+    # 2. Head (module K, on device 0): fresh loss, head gradient and delta_{G-1} of its batch.
+    head_batch = t - head_lag
+    targets = batches_D['targets'][head_batch % depth]
+    loss, g_head, g_embed_fresh, delta_fresh = ring_lib.mask(
+        t_async >= head_lag, ring_lib.head(model, params, x_head, targets))
 
-    # 3. Backward, all devices at once: group s finishes batch t - (G - s).
-    delay = delay_G[s]
-    valid = t_async >= delay                 # no gradient before the pipe has filled
-    batch_index = t - delay
+    # 3. Backward, all devices at once: group s finishes batch t - (G - s) (pipelined: 2G - s).
+    lag = lag_G[s]
+    valid = t_async >= lag                   # no gradient before the pipe has filled
+    batch_index = t - lag
     slot = batch_index % depth
     delta = delta_fresh if num_stages == 1 else ring['delta'][0, 0]
     key_b = staged.batch_key(config.seed, batch_index)
@@ -113,19 +161,21 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
     g_stage, dx = ring_lib.mask(valid, stash.backward(params_s, stash_b, delta, s, key_b))
 
     # Module 1 ends at the embedding: device 0 turns dx into V's stale input-side gradient.
-    g_embed_stale = ring_lib.embed_backward(model, params['embed'], tokens_D[slot], key_b, dx)
+    g_embed_stale = ring_lib.embed_backward(model, params['embed'], batches_D['inputs'][slot],
+                                            key_b, dx)
     # The one hop of the backward: s hands dx to s - 1; device 0 hands the head's delta to G - 1.
     delta_next = staged.ring_backward(jnp.where(s == 0, delta_fresh, dx), num_stages)
 
     # 4. Gradients, each on the device that owns it (embed and head live on device 0).
     g_embed = jax.tree.map(jnp.add, g_embed_fresh, g_embed_stale)
     if config.tied_grad == 'mean' and model.tied_embedding:
-      both = t_async >= module1_delay
+      both = t_async >= backward_lags[0]
       g_embed = jax.tree.map(lambda g: jnp.where(both, 0.5 * g, g), g_embed)
     grads, loss = ring_lib.gather_grads(g_embed, g_head, g_stage, loss)
-    new_ring = {'stash': jax.tree.map(lambda a: a[None, None], stash_D),
-                'tokens': tokens_D[None, None], 'delta': delta_next[None, None]}
-    return grads, new_ring, loss
+    new_ring = {'stash': stash_D, 'batches': batches_D, 'delta': delta_next}
+    if pipelined:
+      new_ring['act'] = act_next
+    return grads, jax.tree.map(lambda a: a[None, None], new_ring), loss
 
   def ring_specs(ring):
     return jax.tree.map(lambda _: P(STAGE, DATA), ring)
@@ -143,7 +193,9 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
 
     def fresh_state(params):
       ring = {'stash': jax.tree.map(lambda a: buffer(a, depth), kept),
-              'tokens': buffer(local['inputs'], depth), 'delta': buffer(x)}
+              'batches': jax.tree.map(lambda a: buffer(a, depth), local), 'delta': buffer(x)}
+      if pipelined:                     # the activation in flight to each device
+        ring['act'] = buffer(x)
       return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                         opt_state=staged.init_opt_state(tx, params), ring=ring)
 
@@ -181,14 +233,17 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
     else:
       grads, ring, loss = ouroboros_grads()
 
-    # Module k starts updating once its first gradient exists (t_async >= its delay).
+    # A module starts updating once its first gradient exists (t_async >= its lag).
     warm = t_async < 0
+    head_ready = warm | (t_async >= head_lag)
     params, opt_state, grad_norm = staged.apply_gradients(
         tx, state.params, state.opt_state, grads, clip_norm=config.clip_norm,
-        embed_ready=warm | model.tied_embedding | (t_async >= module1_delay),
-        stages_ready_G=warm | (t_async >= delay_G))
+        embed_ready=(head_ready & model.tied_embedding) | warm | (t_async >= backward_lags[0]),
+        stages_ready_G=warm | (t_async >= lag_G), head_ready=head_ready)
     new_state = state.replace(step=t + 1, params=params, opt_state=opt_state, ring=ring)
-    return new_state, {'loss': loss, 'loss_batch': t, 'grad_norm': grad_norm}
+    loss_batch = jnp.where(warm, t, t - head_lag)
+    return new_state, {'loss': loss, 'loss_batch': loss_batch, 'grad_norm': grad_norm}
 
   return Schedule(init=init, step=step, evaluate=jax.jit(lambda p, b: model.forward_loss(p, b)[0]),
-                  mesh=mesh, idle_fraction=idle_fraction(num_stages), name='ouroboros')
+                  mesh=mesh, idle_fraction=idle_fraction(num_stages, forward=config.forward),
+                  name='ouroboros')
