@@ -1,0 +1,281 @@
+"""`ouroboros bench`: steady-state speed of every schedule, next to its ideal.
+
+For each setting (backprop on one device; data_parallel; model_parallel; gpipe with M in
+{2, 4, 8}; ouroboros locked and pipelined, graph and replay stashes) it compiles the step (timed
+separately, not counted), runs `warmup` steps, then times `steps` more one by one and reports the
+**median** step time and tokens/s. It also measures, on one device, each layer group's forward and
+backward, the head, and one activation hop and one gradient all-reduce between devices; from those
+the discrete-event simulator (`simulate.py`) gives each schedule's **ideal** step time (free links,
+no overheads) and its **predicted** one (measured links). Outputs, in --out:
+
+  bench.csv       one row per setting (the columns `experiments/simulate.py --measured` reads,
+                  plus tokens_per_s, compile_s, ideal_s, predicted_s)
+  bench.png       tokens/s of each setting, with its ideal marked
+  bench.md        the table printed at the end
+
+Real concurrency needs one process per device: on a CPU machine run it through the launcher,
+
+    ouroboros launch --processes 2 --pin-cpus -- bench --stages 2
+
+and on a GPU/TPU host (or cluster) run it as is (`--coordinator` for several hosts). With
+simulated CPU devices (`--cpu-devices`) the numbers are correct but show no speedup: the devices
+share the same cores.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from ouroboros_jax import model as transformer
+from ouroboros_jax import partition, ring, simulate, staged
+from ouroboros_jax.model import ConfigError
+from ouroboros_jax.schedules import ScheduleConfig, build_schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+  schedule: str
+  devices: int              # G for stage schedules, D for data_parallel, 1 for backprop
+  microbatches: int = 1
+  stash: str = '-'
+  forward: str = '-'
+
+  @property
+  def label(self) -> str:
+    extra = {'gpipe': f' M={self.microbatches}',
+             'ouroboros': f' {self.forward}/{self.stash}'}.get(self.schedule, '')
+    return f'{self.schedule}{extra}'
+
+  def schedule_config(self, seed=0) -> ScheduleConfig:
+    if self.schedule == 'data_parallel':
+      return ScheduleConfig(name=self.schedule, data_parallel=self.devices, seed=seed)
+    return ScheduleConfig(name=self.schedule, num_stages=self.devices, seed=seed,
+                          microbatches=self.microbatches,
+                          stash=self.stash if self.stash != '-' else 'graph',
+                          forward=self.forward if self.forward != '-' else 'locked')
+
+
+def default_settings(devices: int) -> list[Setting]:
+  g = devices
+  out = [Setting('backprop', 1), Setting('data_parallel', g), Setting('model_parallel', g)]
+  out += [Setting('gpipe', g, microbatches=m) for m in (2, 4, 8)]
+  out += [Setting('ouroboros', g, stash=s, forward=f)
+          for f in ('locked', 'pipelined') for s in ('graph', 'replay')]
+  return out
+
+
+def _median_time(fn, *args, repeats: int) -> float:
+  jax.block_until_ready(fn(*args))  # compile / warm
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def measure_pieces(cfg, model, params, batch, layers_per_stage, repeats: int = 10) -> dict:
+  """Seconds of each piece alone on this process's first device: per-group forward and backward
+  (from a kept graph), and device 0's extra work (embedding and head, forward + backward)."""
+  device = jax.local_devices()[0]
+  params, batch = jax.device_put((params, batch), device)
+  stash = ring.Stash(model, 'graph')
+  key = jax.random.key(0)
+  x = jax.jit(model.embed)(params['embed'], batch['inputs'], None)
+  fwd, bwd = [], []
+  for s in range(len(layers_per_stage)):
+    params_s = jax.tree.map(lambda a: a[s], params['stages'])
+    forward = jax.jit(lambda p, h: stash.forward(p, h, s, key))
+    fwd.append(_median_time(lambda p, h: forward(p, h)[0], params_s, x, repeats=repeats))
+    y, kept = forward(params_s, x)
+    backward = jax.jit(lambda p, k, d: stash.backward(p, k, d, s, key))
+    bwd.append(_median_time(backward, params_s, kept, jnp.ones_like(y), repeats=repeats))
+
+  def device0_extra(embed_p, head_p):
+    h = model.embed(embed_p, batch['inputs'], None)
+    loss_of = lambda hp, ep, h: model.loss(hp, ep, h, batch['targets'])[0]
+    return jax.grad(loss_of, argnums=(0, 1, 2))(head_p, embed_p, h)
+
+  head_s = _median_time(jax.jit(device0_extra), params['embed'], params['head'], repeats=repeats)
+  return {'fwd': fwd, 'bwd': bwd, 'head': head_s, 'activation_bytes': x.nbytes,
+          'grad_bytes': sum(a.nbytes for a in jax.tree.leaves(params))}
+
+
+def measure_links(activation_shape, grad_elems: int, repeats: int = 10) -> tuple[float, float]:
+  """(one activation hop between two devices, one all-reduce of every gradient), in seconds."""
+  if jax.device_count() < 2:
+    return 0.0, 0.0
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]), ('x',))
+  hop = jax.jit(jax.shard_map(lambda a: jax.lax.ppermute(a, 'x', [(0, 1), (1, 0)]), mesh=mesh,
+                              in_specs=P('x'), out_specs=P('x')))
+  allreduce = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, 'x'), mesh=mesh, in_specs=P('x'),
+                                    out_specs=P('x')))
+  put = lambda shape: jax.make_array_from_callback(
+      shape, NamedSharding(mesh, P('x')), lambda idx: np.ones(shape, np.float32)[idx])
+  link = _median_time(hop, put((2, *activation_shape)), repeats=repeats)
+  reduce = _median_time(allreduce, put((2, grad_elems)), repeats=repeats)
+  return link, reduce
+
+
+def place(batch: dict, mesh) -> dict:
+  """The global batch on the mesh: every process supplies the rows of its own devices."""
+  sharding = NamedSharding(mesh, P('data'))
+  return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
+          for k, v in batch.items()}
+
+
+def time_setting(setting: Setting, cfg, params, batch, layers_per_stage, *, steps: int,
+                 warmup: int) -> dict | None:
+  """Compile and time one setting; None on processes whose devices it does not use."""
+  needed = setting.devices
+  if needed > jax.device_count():
+    raise ConfigError(f'{setting.label} needs {needed} devices but {jax.device_count()} exist; '
+                      'use fewer --stages or launch more processes.')
+  devices = jax.devices()[:needed]
+  if not any(d.process_index == jax.process_index() for d in devices):
+    return None
+  split = layers_per_stage if setting.schedule not in ('backprop', 'data_parallel') else (
+      (cfg.num_layers,))
+  model = partition.transformer_stages(cfg, split)
+  schedule = build_schedule(setting.schedule_config(), model, staged.adamw(1e-4),
+                            devices=devices)
+  state = schedule.init(partition.to_staged(params, split), batch)
+  placed = place(batch, schedule.mesh)
+  start = time.perf_counter()
+  compiled = schedule.step.lower(state, placed).compile()
+  compile_s = time.perf_counter() - start
+  for _ in range(warmup):
+    state, metrics = compiled(state, placed)
+  jax.block_until_ready(state)
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    state, metrics = compiled(state, placed)
+    jax.block_until_ready((state, metrics))
+    times.append(time.perf_counter() - start)
+  step_s = statistics.median(times)
+  return {'step_time_s': step_s, 'compile_s': compile_s,
+          'tokens_per_s': batch['inputs'].size / step_s, 'idle_fraction': schedule.idle_fraction}
+
+
+def simulated(setting: Setting, pieces: dict, link_s: float, allreduce_s: float) -> float:
+  stages = setting.devices if setting.schedule not in ('backprop', 'data_parallel') else 1
+  fwd, bwd = pieces['fwd'], pieces['bwd']
+  if len(fwd) != stages:  # pieces were measured on the G-stage split: merge for one device
+    fwd, bwd = [sum(fwd)], [sum(bwd)]
+  costs = simulate.StageCosts(
+      forward_s=fwd, backward_s=bwd, head_s=pieces['head'],
+      activation_bytes=1.0 if link_s else 0.0, bandwidth=1.0 / link_s if link_s else np.inf,
+      allreduce_s=allreduce_s)
+  return simulate.simulate(
+      setting.schedule, costs, microbatches=setting.microbatches,
+      data_parallel=setting.devices if setting.schedule == 'data_parallel' else 1,
+      stash=setting.stash if setting.stash != '-' else 'graph',
+      forward=setting.forward if setting.forward != '-' else 'locked').step_time
+
+
+def run(cfg: transformer.ModelConfig, *, batch_size: int, stages: int, out_dir: str,
+        steps: int = 20, warmup: int = 3, settings: list[Setting] | None = None,
+        layers_per_stage=None, log=print) -> list[dict]:
+  """Benchmarks every setting; process 0 writes the outputs and returns the rows."""
+  cfg.validate()
+  if steps < 1 or warmup < 0:
+    raise ConfigError('--steps must be >= 1 and --warmup >= 0.')
+  settings = settings or default_settings(stages)
+  layers_per_stage = tuple(layers_per_stage or partition.balance_layers(cfg, stages))
+  rng = np.random.default_rng(0)
+  batch = {k: rng.integers(0, cfg.vocab_size, (batch_size, cfg.seq_len)).astype(np.int32)
+           for k in ('inputs', 'targets')}
+  params = jax.device_get(transformer.init_params(cfg, jax.random.key(0)))
+  staged_params = partition.to_staged(params, layers_per_stage)
+  pieces = measure_pieces(cfg, partition.transformer_stages(cfg, layers_per_stage),
+                          staged_params, batch, layers_per_stage)
+  activation_shape = (batch_size, cfg.seq_len, cfg.d_model)
+  link_s, allreduce_s = measure_links(activation_shape, pieces['grad_bytes'] // 4)
+  log(f'pieces: forward {np.round(pieces["fwd"], 4)} s, backward {np.round(pieces["bwd"], 4)} s, '
+      f'head+embed {pieces["head"]:.4f} s, hop {link_s:.4f} s, all-reduce {allreduce_s:.4f} s')
+  rows = []
+  for setting in settings:
+    measured = time_setting(setting, cfg, params, batch, layers_per_stage, steps=steps,
+                            warmup=warmup)
+    multihost_utils.sync_global_devices(f'bench {setting.label}')
+    if measured is None:
+      continue
+    row = {'schedule': setting.schedule, 'label': setting.label, 'stages': setting.devices,
+           'microbatches': setting.microbatches if setting.schedule == 'gpipe' else '',
+           'stash': setting.stash, 'forward': setting.forward, **measured,
+           'fwd_s_per_stage': ';'.join(f'{f:.6g}' for f in pieces['fwd']),
+           'bwd_s_per_stage': ';'.join(f'{b:.6g}' for b in pieces['bwd']),
+           'head_s': pieces['head'], 'link_s': link_s, 'allreduce_s': allreduce_s,
+           'ideal_s': simulated(setting, pieces, 0.0, 0.0),
+           'predicted_s': simulated(setting, pieces, link_s, allreduce_s)}
+    rows.append(row)
+    log(f"{setting.label:28s} {row['step_time_s'] * 1e3:9.1f} ms/step  "
+        f"{row['tokens_per_s']:9.0f} tok/s  ideal {row['ideal_s'] * 1e3:8.1f} ms  "
+        f"compile {row['compile_s']:.1f} s")
+  if jax.process_index() == 0:
+    write_outputs(rows, out_dir, {'model': dataclasses.asdict(cfg), 'batch_size': batch_size,
+                                  'stages': stages, 'layers_per_stage': layers_per_stage,
+                                  'processes': jax.process_count(),
+                                  'devices': [str(d) for d in jax.devices()],
+                                  'steps': steps, 'warmup': warmup}, log)
+  return rows
+
+
+def table(rows: list[dict]) -> str:
+  base = next((r['step_time_s'] for r in rows if r['schedule'] == 'backprop'), None)
+  mp = next((r['step_time_s'] for r in rows if r['schedule'] == 'model_parallel'), None)
+  lines = ['| setting | devices | step ms | tokens/s | vs backprop | vs model_parallel | '
+           'ideal ms | measured / ideal | simulator error |', '|---|---|---|---|---|---|---|---|---|']
+  for r in rows:
+    ratio = lambda ref: f"{ref / r['step_time_s']:.2f}x" if ref else '-'
+    error = (r['predicted_s'] - r['step_time_s']) / r['step_time_s']
+    lines.append(f"| {r['label']} | {r['stages']} | {r['step_time_s'] * 1e3:.1f} | "
+                 f"{r['tokens_per_s']:.0f} | {ratio(base)} | {ratio(mp)} | "
+                 f"{r['ideal_s'] * 1e3:.1f} | {r['step_time_s'] / r['ideal_s']:.2f} | "
+                 f"{error:+.1%} |")
+  return '\n'.join(lines)
+
+
+def write_outputs(rows: list[dict], out_dir: str, meta: dict, log=print) -> None:
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, 'bench.csv'), 'w', newline='') as f:
+    writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+    writer.writeheader()
+    writer.writerows(rows)
+  with open(os.path.join(out_dir, 'bench.json'), 'w') as f:
+    json.dump({'meta': meta, 'rows': rows}, f, indent=2, default=str)
+  text = table(rows)
+  with open(os.path.join(out_dir, 'bench.md'), 'w') as f:
+    f.write(text + '\n')
+  log(text)
+
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(9, 4.5))
+  labels = [r['label'] for r in rows]
+  xs = np.arange(len(rows))
+  ax.bar(xs, [r['tokens_per_s'] for r in rows], color='tab:blue', label='measured')
+  ax.scatter(xs, [r['tokens_per_s'] * r['step_time_s'] / r['ideal_s'] for r in rows],
+             color='tab:red', marker='_', s=400, label='ideal (simulator, free links)')
+  ax.set_xticks(xs, labels, rotation=30, ha='right')
+  ax.set_ylabel('tokens / s')
+  ax.set_title(f"{meta['processes']} process(es), {meta['stages']} stages, "
+               f"batch {meta['batch_size']} x {meta['model']['seq_len']}")
+  ax.legend()
+  ax.grid(axis='y', alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(os.path.join(out_dir, 'bench.png'), dpi=120)
+  log(f'wrote {out_dir}/bench.csv, bench.md, bench.png')

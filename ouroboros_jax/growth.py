@@ -1,0 +1,355 @@
+"""Growing the depth while training: multi-stage layerwise training (MSLT) and progressive stacking.
+
+MSLT ("Progressively Stacking 2.0", arXiv 2011.13635): training starts from a shallow model and
+the depth grows stage by stage by adding layers on top. In every stage after the first only the
+newly added top layers (and the head) are trained; the earlier layers are frozen and run
+*forward only*: no backward pass, no gradient, no optimizer update for them.
+Progressive stacking (Gong et al., ICML 2019), its ancestor: train L layers, copy the whole stack
+on top of itself (layers 1..L become L+1..2L) and keep training *all* layers.
+
+Both are a `GrowthPlan` run by `train_growth(plan, cfg, batches, tx_factory)`. What the papers
+leave open is an option here, with these defaults:
+
+  init         'copy_top' (default): the k new layers copy the current top k layers, in order
+               (k = L copies the whole stack: stacking); 'random': fresh layers, initialised as
+               `model.init_params` would for the new depth.
+  final_steps  0 (default): no final stage; > 0: a last stage at full depth training everything.
+  opt_state    'reset' (default): every stage starts with a fresh optimizer state (the new
+               stage's `tx_factory(stage)`); 'carry': layers that already existed keep their
+               optimizer state (Adam moments and step count) from the last stage that trained
+               them, new layers start fresh. The optimizer state is kept *per layer* (vmapped
+               over the layer axis, as `staged` does per pipeline stage), which is what makes
+               'carry' a slice-and-concatenate; for Adam it is the same update as one state.
+  train_embedding  False (default): in MSLT stages after the first the embedding V is frozen
+               with the bottom layers. With a tied embedding the output projection V^T is then
+               frozen too, and only the new layers and the head's own parameters (final
+               LayerNorm, untied unembedding) train. True: V also trains, through the head only
+               (its input side stays forward-only).
+
+How a layer is frozen (`mslt_grads`, `make_step`): the embedding and the bottom layers run
+*outside* the function that `jax.value_and_grad` differentiates, and their output enters it
+through `lax.stop_gradient`. So autodiff never sees them and the step has no backward for them:
+`tests/test_growth.py` counts the step's matmul FLOPs from its jaxpr (`matmul_flops`; XLA's
+`cost_analysis()` counts a scan's body once whatever its length, so it cannot show this) and
+finds each frozen layer costing exactly its forward. Frozen parameters are not inputs of the
+optimizer update either, so they do not change (not even by weight decay). They run in training
+mode (dropout on, if the model has dropout).
+
+FLOPs in the log are the usual estimate per token: a frozen layer costs its forward F, a trained
+layer F + 2F (forward and backward), the head 3 H (`partition.layer_flops`, `head_flops`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Iterable, Iterator
+
+import jax
+import jax.extend.core as jex_core
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ouroboros_jax import model as transformer
+from ouroboros_jax import staged
+from ouroboros_jax.model import ConfigError, ModelConfig
+from ouroboros_jax.partition import head_flops, layer_flops
+
+METHODS = ('mslt', 'stacking')
+INITS = ('copy_top', 'random')
+OPT_STATES = ('reset', 'carry')
+
+
+@dataclasses.dataclass(frozen=True)
+class GrowthPlan:
+  """Depth and length of every stage; see the module docstring for the options.
+
+  depths: the model depth in each stage, strictly increasing; the last one is the full depth.
+  steps: training steps of each stage (same length as depths).
+  method: 'mslt' (train the new top layers only) or 'stacking' (train all layers).
+  """
+
+  depths: tuple[int, ...]
+  steps: tuple[int, ...]
+  method: str = 'mslt'
+  init: str = 'copy_top'
+  final_steps: int = 0
+  opt_state: str = 'reset'
+  train_embedding: bool = False
+
+  def validate(self, cfg: ModelConfig | None = None) -> None:
+    if self.method not in METHODS:
+      raise ConfigError(f'unknown growth method {self.method!r}; choose mslt or stacking.')
+    if self.init not in INITS:
+      raise ConfigError(f'unknown growth init {self.init!r}; choose copy_top or random.')
+    if self.opt_state not in OPT_STATES:
+      raise ConfigError(f'unknown growth opt_state {self.opt_state!r}; choose reset or carry.')
+    if not self.depths or len(self.depths) != len(self.steps):
+      raise ConfigError(f'a growth plan needs one step count per stage: depths {self.depths}, '
+                        f'steps {self.steps}.')
+    if any(d < 1 for d in self.depths) or any(b <= a for a, b in zip(self.depths,
+                                                                       self.depths[1:])):
+      raise ConfigError(f'growth depths must be positive and strictly increasing, got '
+                        f'{self.depths}.')
+    if any(s < 0 for s in self.steps) or self.final_steps < 0:
+      raise ConfigError('growth step counts must be >= 0.')
+    if cfg is not None and self.depths[-1] != cfg.num_layers:
+      raise ConfigError(f'the growth plan ends at depth {self.depths[-1]} but the model has '
+                        f'{cfg.num_layers} layers; make the last depth --num-layers.')
+
+  def stages(self) -> list[tuple[int, int, int]]:
+    """[(depth, steps, number of frozen bottom layers)] including the final stage, if any."""
+    out = []
+    for i, (depth, steps) in enumerate(zip(self.depths, self.steps)):
+      frozen = self.depths[i - 1] if (self.method == 'mslt' and i > 0) else 0
+      out.append((depth, steps, frozen))
+    if self.final_steps:
+      out.append((self.depths[-1], self.final_steps, 0))
+    return out
+
+
+def stacking_plan(start_depth: int, num_doublings: int, steps: tuple[int, ...],
+                  opt_state: str = 'reset') -> GrowthPlan:
+  """Progressive stacking: depth start, 2 start, 4 start, ... (e.g. 3 -> 6 -> 12)."""
+  depths = tuple(start_depth * 2 ** i for i in range(num_doublings + 1))
+  return GrowthPlan(depths=depths, steps=steps, method='stacking', init='copy_top',
+                    opt_state=opt_state)
+
+
+# ----------------------------------------------------------------------------- growing
+
+
+def grow(params: dict, new_depth: int, init: str = 'copy_top', *, cfg: ModelConfig | None = None,
+         key: jax.Array | None = None) -> dict:
+  """{'embed','layers' [L,...],'head'} -> the same with layers [new_depth, ...].
+
+  'copy_top': new layer L + j (j = 0..k-1, k = new_depth - L) copies old layer (L - k + j) mod L,
+    i.e. the top k layers in order; k = L is progressive stacking (layer i -> L + i), k > L
+    repeats the stack.
+  'random': fresh layers as `model.init_params(cfg with num_layers=new_depth, key)` makes its
+    top k layers (needs cfg and key).
+  """
+  old = jax.tree.leaves(params['layers'])[0].shape[0]
+  k = new_depth - old
+  if k < 0:
+    raise ConfigError(f'cannot grow {old} layers to {new_depth}.')
+  if init == 'copy_top':
+    return {**params, 'layers': _copy_top(params['layers'], k)}
+  if init == 'random':
+    if cfg is None or key is None:
+      raise ConfigError("grow(init='random') needs cfg and key.")
+    fresh = transformer.init_params(dataclasses.replace(cfg, num_layers=new_depth), key)
+    return {**params, 'layers': _concat(params['layers'], _slice(fresh['layers'], old))}
+  raise ConfigError(f'unknown growth init {init!r}; choose copy_top or random.')
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _copy_top(layers, k: int):
+  """layers [L, ...] -> [L + k, ...], new layer L + j copying layer (L - k + j) mod L."""
+  old = jax.tree.leaves(layers)[0].shape[0]
+  source = np.asarray([(old - k + j) % old for j in range(k)], np.int32)
+  return jax.tree.map(lambda a: jnp.concatenate([a, a[source]]), layers)
+
+
+def stack(params: dict) -> dict:
+  """Progressive stacking's step: layers 1..L copied to L+1..2L."""
+  depth = jax.tree.leaves(params['layers'])[0].shape[0]
+  return grow(params, 2 * depth, 'copy_top')
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def init_opt_state(tx: optax.GradientTransformation, params: dict) -> dict:
+  """One optimizer state per group, the layers' vmapped over the layer axis (one per layer)."""
+  return {'embed': tx.init(params['embed']), 'layers': jax.vmap(tx.init)(params['layers']),
+          'head': tx.init(params['head'])}
+
+
+def _slice(tree, start, stop=None):
+  return jax.tree.map(lambda a: a[start:stop], tree)
+
+
+def _concat(bottom, top):
+  return jax.tree.map(lambda a, b: jnp.concatenate([a, b]), bottom, top)
+
+
+def frozen_forward(cfg: ModelConfig, params: dict, num_frozen: int, inputs, rng):
+  """Embedding and the bottom `num_frozen` layers, forward only: their output under
+  `stop_gradient`. Call it outside any differentiated function."""
+  rng_embed, rng_bottom = (None, None) if rng is None else jax.random.split(rng)
+  x_BxLxD = transformer.embed(cfg, params['embed'], inputs, rng_embed)
+  x_BxLxD = transformer.layers(cfg, _slice(params['layers'], 0, num_frozen), x_BxLxD, rng_bottom)
+  return jax.lax.stop_gradient(x_BxLxD)
+
+
+def top_loss(cfg: ModelConfig, trainable: dict, embed_params: dict, x_BxLxD, targets, rng):
+  """The differentiated part of an MSLT step: the trained top layers and the head.
+
+  trainable: {'layers': top layers, 'head': ..., optionally 'embed'} (the tied projection uses
+  trainable['embed'] when present, else the frozen `embed_params`).
+  """
+  x_BxLxD = transformer.layers(cfg, trainable['layers'], x_BxLxD, rng)
+  embed_params = trainable.get('embed', embed_params)
+  return transformer.head_loss(cfg, trainable['head'], embed_params, x_BxLxD, targets)[0]
+
+
+def mslt_grads(cfg: ModelConfig, params: dict, batch: dict, rng, num_frozen: int,
+               train_embedding: bool = False):
+  """(loss, grads of the trainable groups, the trainable groups) of one batch.
+
+  num_frozen = 0: plain backprop of `model.loss_fn` (same keys), every group trainable.
+  num_frozen > 0: the embedding and layers [0, num_frozen) run forward only (`frozen_forward`,
+  outside `value_and_grad`); layers [num_frozen, L), the head and (train_embedding) V are
+  differentiated.
+  """
+  if num_frozen == 0:
+    loss_of = lambda p: transformer.loss_fn(cfg, p, batch, rng)[0]
+    loss, grads = jax.value_and_grad(loss_of)(params)
+    return loss, grads, params
+  rng_frozen, rng_top = (None, None) if rng is None else jax.random.split(rng)
+  x_BxLxD = frozen_forward(cfg, params, num_frozen, batch['inputs'], rng_frozen)
+  trainable = {'layers': _slice(params['layers'], num_frozen), 'head': params['head']}
+  if train_embedding:
+    trainable['embed'] = params['embed']
+  loss, grads = jax.value_and_grad(top_loss, argnums=1)(
+      cfg, trainable, params['embed'], x_BxLxD, batch['targets'], rng_top)
+  return loss, grads, trainable
+
+
+def make_step(cfg: ModelConfig, tx: optax.GradientTransformation, num_frozen: int, *,
+              train_embedding: bool = False, clip_norm: float | None = 1.0, seed: int = 0):
+  """A jitted `step(params, opt_state, batch, t) -> (params, opt_state, loss)`.
+
+  The gradient is `mslt_grads` of batch t (dropout key `staged.batch_key(seed, t)`); the global
+  norm of the trainable gradient is clipped, then each trainable group (embedding, head, each
+  trained layer) takes an optimizer step with its own state. Frozen parameters and their
+  optimizer states are passed through untouched.
+  """
+  @jax.jit
+  def step(params, opt_state, batch, t):
+    loss, grads, trainable = mslt_grads(cfg, params, batch, staged.batch_key(seed, t),
+                                        num_frozen, train_embedding)
+    if clip_norm:
+      norm = optax.tree.norm(grads)
+      factor = jnp.minimum(1.0, clip_norm / (norm + 1e-6))
+      grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
+
+    def update(p, s, g):
+      updates, s = tx.update(g, s, p)
+      return optax.apply_updates(p, updates), s
+
+    new_params, new_opt = dict(params), dict(opt_state)
+    for group in ('embed', 'head'):
+      if group in trainable:
+        new_params[group], new_opt[group] = update(params[group], opt_state[group],
+                                                   grads[group])
+    top_p, top_s = jax.vmap(update)(trainable['layers'], _slice(opt_state['layers'], num_frozen),
+                                    grads['layers'])
+    new_params['layers'] = _concat(_slice(params['layers'], 0, num_frozen), top_p)
+    new_opt['layers'] = _concat(_slice(opt_state['layers'], 0, num_frozen), top_s)
+    return new_params, new_opt, loss
+
+  return step
+
+
+def step_flops(cfg: ModelConfig, tokens: int, depth: int, num_frozen: int) -> float:
+  """Estimated FLOPs of one step on `tokens` tokens: frozen layers F, trained 3F, head 3H."""
+  per_token = (num_frozen * layer_flops(cfg) + 3 * (depth - num_frozen) * layer_flops(cfg)
+               + 3 * head_flops(cfg))
+  return float(per_token * tokens)
+
+
+def matmul_flops(fn: Callable, *args) -> int:
+  """Matmul FLOPs (2 * multiply-adds of every `dot_general`) of fn(*args), read off its jaxpr.
+
+  Unlike XLA's `cost_analysis()`, which counts the body of a `while` loop (every `lax.scan`,
+  hence `model.layers`) once whatever its trip count, this multiplies a scan body by its length.
+  A `cond` counts its most expensive branch. Used to prove what a step differentiates.
+  """
+  return _jaxpr_flops(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def _jaxpr_flops(jaxpr) -> int:
+  total = 0
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == 'dot_general':
+      (contract, _), _ = eqn.params['dimension_numbers']
+      lhs = eqn.invars[0].aval.shape
+      depth = int(np.prod([lhs[i] for i in contract])) if contract else 1
+      total += 2 * int(np.prod(eqn.outvars[0].aval.shape)) * depth
+    elif name == 'scan':
+      total += eqn.params['length'] * _jaxpr_flops(eqn.params['jaxpr'].jaxpr)
+    elif name == 'cond':
+      total += max(_jaxpr_flops(branch.jaxpr) for branch in eqn.params['branches'])
+    else:
+      for sub in jex_core.jaxprs_in_params(eqn.params):
+        total += _jaxpr_flops(sub)
+  return total
+
+
+# ----------------------------------------------------------------------------- the driver
+
+
+def train_growth(plan: GrowthPlan, cfg: ModelConfig, batches: Iterable[dict],
+                 tx_factory: Callable[[int], optax.GradientTransformation], *,
+                 key: jax.Array | None = None, params: dict | None = None,
+                 clip_norm: float | None = 1.0, seed: int = 0,
+                 on_stage_end: Callable[[int, dict], None] | None = None):
+  """Runs a whole plan with plain backprop (one device). Returns (params, log).
+
+  cfg: the full-size model (num_layers = plan.depths[-1]); the stages run the same config with
+    fewer layers. params: optional starting parameters of depth plan.depths[0] (else
+    `init_params` with `key`, default key(seed)). tx_factory(stage_index) -> the stage's
+    optimizer. log: one dict per step {'stage', 'step' (global, from 0), 'depth', 'frozen',
+    'loss' (of that step's batch), 'flops' (cumulative estimate, `step_flops`)}.
+  on_stage_end: optional callback(stage_index, params) after every stage (evaluation,
+    checkpoints, tests).
+  """
+  plan.validate(cfg)
+  cfg.validate()
+  batches: Iterator[dict] = iter(batches)
+  key = jax.random.key(seed) if key is None else key
+  key_init, key_grow = jax.random.split(key)
+  if params is None:
+    params = transformer.init_params(dataclasses.replace(cfg, num_layers=plan.depths[0]),
+                                     key_init)
+  log, t, flops, opt_state = [], 0, 0.0, None
+  for stage_index, (depth, steps, num_frozen) in enumerate(plan.stages()):
+    current = jax.tree.leaves(params['layers'])[0].shape[0]
+    if depth > current:
+      params = grow(params, depth, plan.init, cfg=cfg,
+                    key=jax.random.fold_in(key_grow, stage_index))
+    tx = tx_factory(stage_index)
+    opt_state = jax.jit(functools.partial(_stage_opt_state, plan.opt_state, tx,
+                                          previous_depth=current))(params, opt_state)
+    step = make_step(dataclasses.replace(cfg, num_layers=depth), tx, num_frozen,
+                     train_embedding=plan.train_embedding, clip_norm=clip_norm, seed=seed)
+    for _ in range(steps):
+      batch = next(batches)
+      params, opt_state, loss = step(params, opt_state, batch, t)
+      tokens = batch['inputs'].shape[0] * batch['inputs'].shape[1]
+      flops += step_flops(cfg, tokens, depth, num_frozen)
+      log.append({'stage': stage_index, 'step': t, 'depth': depth, 'frozen': num_frozen,
+                  'loss': float(loss), 'flops': flops})
+      t += 1
+    if on_stage_end is not None:
+      on_stage_end(stage_index, params)
+  return params, log
+
+
+def _stage_opt_state(mode: str, tx, params: dict, previous: dict | None,
+                     previous_depth: int) -> dict:
+  """'reset': a fresh state; 'carry': the previous state for the groups and the layers it has
+  (the first `previous_depth`)."""
+  fresh = init_opt_state(tx, params)
+  if mode == 'reset' or previous is None:
+    return fresh
+  if jax.tree.structure(fresh) != jax.tree.structure(previous):
+    raise ConfigError("growth opt_state='carry' needs the same optimizer in every stage (its "
+                      "state changed structure); use opt_state='reset' or one tx_factory "
+                      'result.')
+  layers = _concat(previous['layers'], _slice(fresh['layers'], previous_depth))
+  return {'embed': previous['embed'], 'layers': layers, 'head': previous['head']}

@@ -1,0 +1,223 @@
+"""Progressive layer dropping (PLD; Zhang & He, NeurIPS 2020, arXiv 2010.13369).
+
+Every pre-LN layer l = 1..L (its *global* index, also when the layers are cut into pipeline
+stages) carries a gate G_l ~ Bernoulli(p_l(t)) drawn afresh for every batch:
+
+    h   = x + G_l * attn(LN(x)) / p_l
+    out = h + G_l * ffn(LN(h)) / p_l
+
+with the time schedule and the depth schedule
+
+    theta(t) = (1 - theta_bar) * exp(-gamma * t) + theta_bar          (theta(0) = 1)
+    p_l(t)   = 1 - (l / L) * (1 - theta(t))                          (lower layers kept more)
+
+A dropped layer is skipped by `lax.cond` inside `model.layers` (no FLOPs, forward or backward);
+a kept layer multiplies both residual branches by 1/p_l, so the expected output is unchanged.
+At evaluation (rng None) every layer runs, unscaled: the plain model. Defaults theta_bar = 0.5,
+gamma = 0.001 are DeepSpeed's; the paper's heuristic is gamma ~ 100 / total steps. PLD needs
+pre-LN blocks: with post-LN blocks a skipped layer would also skip its LayerNorms (ConfigError).
+
+Where the step t comes from. A `StagedModel` stage is called as `stage(params, x, s, rng)` and
+the schedules give it no step; its rng is `fold_in(batch_key(seed, t), s + 1)`, from which t
+cannot be recovered. So the step travels *with the data*, which every schedule already routes to
+every stage exactly as the model needs it:
+
+    batch = pld.with_step(batch, t)     # inputs [B, L] -> [B, L, 2]: (token, step) pairs
+    embed(inputs [B, L, 2])  -> x [B, L, D+1]: the residual stream plus one channel holding t
+    stage(x [B, L, D+1])     -> strips the channel, draws its gates at t, runs its layers with
+                                `active_N` / `scale_N`, and puts the channel back
+    loss(x [B, L, D+1])      -> strips the channel
+
+This works unchanged under backprop, data parallelism, model parallelism, GPipe and Ouroboros:
+the stash of a delayed backward keeps x with its step, so a `replay` re-run draws the same gates
+at the same t from the same key as the forward did (the gradient is of the network that ran).
+The step is stored in float32, exact for t < 2^24; the channel is `stop_gradient`-ed. Plain
+[B, L] inputs are accepted for evaluation; training on them raises a ConfigError unless the
+caller passes `step=` to the stage itself (see `pld_stages`).
+
+The cost of the channel: one slice and one concatenate of the activation per stage (memory
+traffic, no FLOPs), and D+1 floats per token on the wire between stages.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ouroboros_jax import model as transformer
+from ouroboros_jax.model import ConfigError, ModelConfig
+from ouroboros_jax.partition import stage_mask
+from ouroboros_jax.staged import StagedModel
+
+DEFAULT_THETA_BAR = 0.5
+DEFAULT_GAMMA = 0.001
+_GATE_SALT = 0x504C44  # 'PLD': the gate key is fold_in(rng, salt), dropout keeps rng itself
+
+
+# ----------------------------------------------------------------------------- schedules
+
+
+def theta(t, theta_bar: float = DEFAULT_THETA_BAR, gamma: float = DEFAULT_GAMMA):
+  """Global keep ratio at step t: (1 - theta_bar) exp(-gamma t) + theta_bar."""
+  t = jnp.asarray(t, jnp.float32)
+  return (1.0 - theta_bar) * jnp.exp(-gamma * t) + theta_bar
+
+
+def keep_probs(t, num_layers: int, theta_bar: float = DEFAULT_THETA_BAR,
+               gamma: float = DEFAULT_GAMMA, layer_ids=None):
+  """p_l(t) = 1 - (l / L)(1 - theta(t)) for the 1-based global layer indices `layer_ids`
+  (default 1..L)."""
+  layer_ids = (jnp.arange(1, num_layers + 1) if layer_ids is None else jnp.asarray(layer_ids))
+  return 1.0 - layer_ids.astype(jnp.float32) / num_layers * (1.0 - theta(t, theta_bar, gamma))
+
+
+def gate_key(rng):
+  """The key the gates of a layer stack are drawn from, given the stack's rng (the layers'
+  dropout keys come from rng itself, as in the plain model)."""
+  return jax.random.fold_in(rng, _GATE_SALT)
+
+
+def draw_gates(key, p_N):
+  """G_l ~ Bernoulli(p_l) -> (active_N bool, scale_N = 1 / p_N). p = 1 always keeps."""
+  u_N = jax.random.uniform(key, jnp.shape(p_N))
+  return u_N < p_N, 1.0 / p_N
+
+
+def sample_gates(key, t, num_layers: int, theta_bar: float = DEFAULT_THETA_BAR,
+                 gamma: float = DEFAULT_GAMMA, layer_ids=None):
+  """The gates of layers `layer_ids` (1-based, default 1..L) at step t -> (active, 1 / p)."""
+  return draw_gates(key, keep_probs(t, num_layers, theta_bar, gamma, layer_ids))
+
+
+def check_config(cfg: ModelConfig, theta_bar: float, gamma: float) -> None:
+  if not cfg.pre_ln:
+    raise ConfigError('progressive layer dropping needs pre-LN blocks (a skipped post-LN layer '
+                      'would skip its LayerNorms too); set pre_ln=True (drop --post-ln) or turn '
+                      'PLD off.')
+  if not 0.0 < theta_bar <= 1.0:
+    raise ConfigError(f'PLD theta_bar must be in (0, 1], got {theta_bar}; 0.5 is the default.')
+  if gamma < 0.0:
+    raise ConfigError(f'PLD gamma must be >= 0, got {gamma}; 0.001 is the default '
+                      '(or about 100 / total steps).')
+
+
+# ----------------------------------------------------------------------------- single device
+
+
+def pld_layers(cfg: ModelConfig, layer_params, x_BxLxD, rng, step, *,
+               theta_bar: float = DEFAULT_THETA_BAR, gamma: float = DEFAULT_GAMMA,
+               first_layer: int = 0, active_N=None):
+  """`model.layers` with PLD gates for layers first_layer+1 .. first_layer+N (global, 1-based).
+
+  rng None (evaluation): every layer (of `active_N`, when given) runs, unscaled. Otherwise the
+  gates are drawn from `gate_key(rng)` and the layers' dropout keys come from rng, as in the
+  plain model (so theta = 1 gives the plain model, dropout masks included).
+  """
+  if rng is None:
+    return transformer.layers(cfg, layer_params, x_BxLxD, None, active_N=active_N)
+  num = jax.tree.leaves(layer_params)[0].shape[0]
+  p_N = keep_probs(jax.lax.stop_gradient(step), cfg.num_layers, theta_bar, gamma,
+                   first_layer + 1 + jnp.arange(num))
+  gate_N, scale_N = draw_gates(gate_key(rng), p_N)
+  if active_N is not None:
+    gate_N = gate_N & active_N
+  return transformer.layers(cfg, layer_params, x_BxLxD, rng, active_N=gate_N,
+                            scale_N=scale_N.astype(x_BxLxD.dtype))
+
+
+def pld_loss_fn(cfg: ModelConfig, params, batch: dict, rng, step, *,
+                theta_bar: float = DEFAULT_THETA_BAR, gamma: float = DEFAULT_GAMMA):
+  """`model.loss_fn` with PLD on {'embed', 'layers', 'head'} params (plain [B, L] inputs; the
+  step is an argument). Same key use as `model.loss_fn`, so theta = 1 gives its value."""
+  check_config(cfg, theta_bar, gamma)
+  rng_embed, rng_layers = (None, None) if rng is None else jax.random.split(rng)
+  x_BxLxD = transformer.embed(cfg, params['embed'], batch['inputs'], rng_embed)
+  x_BxLxD = pld_layers(cfg, params['layers'], x_BxLxD, rng_layers, step, theta_bar=theta_bar,
+                       gamma=gamma)
+  return transformer.head_loss(cfg, params['head'], params['embed'], x_BxLxD, batch['targets'])
+
+
+# ----------------------------------------------------------------------------- the step channel
+
+
+def with_step(batch: dict, step) -> dict:
+  """Batch t for a `pld_stages` model: inputs [B, L] -> [B, L, 2] holding (token, t).
+
+  Works on numpy and JAX arrays; `step` is the index of the training step that consumes the
+  batch (`TrainState.step` before the step), the t of theta(t).
+  """
+  tokens = batch['inputs']
+  xp = np if isinstance(tokens, np.ndarray) else jnp
+  steps = xp.full(tokens.shape, step, dtype=tokens.dtype)
+  return {**batch, 'inputs': xp.stack([tokens, steps], axis=-1)}
+
+
+def _split_channel(cfg: ModelConfig, x):
+  """x [B, L, D+1] -> (x [B, L, D], step); x [B, L, D] -> (x, None)."""
+  if x.shape[-1] == cfg.d_model + 1:
+    return x[..., :cfg.d_model], jax.lax.stop_gradient(x[0, 0, cfg.d_model])
+  return x, None
+
+
+def _join_channel(x_BxLxD, step):
+  if step is None:
+    return x_BxLxD
+  if x_BxLxD.dtype != jnp.float32:
+    raise ConfigError(f'the PLD step channel is stored in the activations, which are '
+                      f'{x_BxLxD.dtype}; it needs float32 (exact steps up to 2^24).')
+  channel = jnp.full(x_BxLxD.shape[:-1] + (1,), step, x_BxLxD.dtype)
+  return jnp.concatenate([x_BxLxD, jax.lax.stop_gradient(channel)], axis=-1)
+
+
+def pld_stages(cfg: ModelConfig, layers_per_stage: Sequence[int],
+               theta_bar: float = DEFAULT_THETA_BAR, gamma: float = DEFAULT_GAMMA
+               ) -> StagedModel:
+  """`partition.transformer_stages` with progressive layer dropping in every stage.
+
+  Feed training batches through `with_step(batch, t)` (and build a schedule's state from a
+  `with_step` example batch, so its buffers have the step channel). The stage function is
+  `stage(params, x, stage_index, rng, step=None)`: an explicit `step` (if a schedule ever passes
+  one) wins over the channel. Each stage draws the gates of its own global layers from its own
+  rng, so the draw is the same wherever the stage runs (one device, a ring, a pipeline).
+  """
+  check_config(cfg, theta_bar, gamma)
+  mask_GxN = jnp.asarray(stage_mask(layers_per_stage))
+  first_G = np.cumsum([0, *layers_per_stage])[:-1]
+  uneven = len(set(layers_per_stage)) > 1
+
+  def embed(embed_params, inputs, rng):
+    if inputs.ndim == 3:  # (token, step) pairs from `with_step`
+      x_BxLxD = transformer.embed(cfg, embed_params, inputs[..., 0], rng)
+      return _join_channel(x_BxLxD, inputs[0, 0, 1].astype(jnp.float32))
+    return transformer.embed(cfg, embed_params, inputs, rng)
+
+  def stage(stage_params, x, stage_index, rng, step=None):
+    x_BxLxD, carried = _split_channel(cfg, x)
+    step = carried if step is None else step
+    active_N = mask_GxN[stage_index] if uneven else None
+    if rng is None:
+      y = transformer.layers(cfg, stage_params, x_BxLxD, None, active_N=active_N)
+    else:
+      if step is None:
+        raise ConfigError('a PLD stage is training (it has an rng) but does not know the step: '
+                          'feed batches through pld.with_step(batch, step) (and build the '
+                          'schedule state from a with_step example batch).')
+      first = jnp.asarray(first_G)[stage_index]
+      y = pld_layers(cfg, stage_params, x_BxLxD, rng, step, theta_bar=theta_bar, gamma=gamma,
+                     first_layer=first, active_N=active_N)
+    return _join_channel(y, carried)
+
+  def loss(head_params, embed_params, x, targets):
+    x_BxLxD, _ = _split_channel(cfg, x)
+    return transformer.head_loss(cfg, head_params, embed_params, x_BxLxD, targets)
+
+  return StagedModel(embed=embed, stage=stage, loss=loss, tied_embedding=cfg.tie_embeddings)
+
+
+def expected_layer_fraction(t, num_layers: int, theta_bar: float = DEFAULT_THETA_BAR,
+                            gamma: float = DEFAULT_GAMMA) -> float:
+  """Expected fraction of layers run at step t: mean_l p_l(t) (the FLOP saving is 1 - this)."""
+  return float(jnp.mean(keep_probs(t, num_layers, theta_bar, gamma)))

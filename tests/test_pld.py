@@ -1,0 +1,201 @@
+"""Progressive layer dropping: schedules, gate statistics, skipped compute, evaluation, and the
+step channel through a ring schedule."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ouroboros_jax import partition, pld, staged
+from ouroboros_jax import model as transformer
+from ouroboros_jax.model import ConfigError
+from ouroboros_jax.schedules import ScheduleConfig, build_schedule
+
+SEQ, VOCAB = 8, 32
+CFG = transformer.ModelConfig(vocab_size=VOCAB, d_model=16, num_heads=2, num_layers=4, d_ff=32,
+                              seq_len=SEQ)
+LAYERS_PER_STAGE = (1, 3)  # uneven on purpose: padding slots and global layer indices
+
+
+def batch_of(seed=0, size=2):
+  rng = np.random.default_rng(seed)
+  return {'inputs': jnp.asarray(rng.integers(0, VOCAB, (size, SEQ)), jnp.int32),
+          'targets': jnp.asarray(rng.integers(0, VOCAB, (size, SEQ)), jnp.int32)}
+
+
+@pytest.fixture(scope='module')
+def params():
+  return transformer.init_params(CFG, jax.random.key(0))
+
+
+def test_schedules_follow_the_formulas():
+  assert float(pld.theta(0, 0.5, 0.01)) == 1.0
+  np.testing.assert_allclose(pld.theta(100, 0.5, 0.01), 0.5 * np.exp(-1.0) + 0.5, rtol=1e-6)
+  np.testing.assert_allclose(pld.theta(1e6, 0.3, 0.01), 0.3, rtol=1e-6)
+  p = pld.keep_probs(100, 4, 0.5, 0.01)
+  theta = 0.5 * np.exp(-1.0) + 0.5
+  np.testing.assert_allclose(p, 1 - np.arange(1, 5) / 4 * (1 - theta), rtol=1e-6)
+  np.testing.assert_allclose(pld.keep_probs(0, 4, 0.5, 0.01), np.ones(4))
+  np.testing.assert_allclose(pld.expected_layer_fraction(1e6, 4, 0.5, 0.01),
+                             np.mean(1 - np.arange(1, 5) / 4 * 0.5), rtol=1e-6)
+
+
+@pytest.mark.parametrize('t', [50, 400])
+def test_empirical_keep_rate_matches_p(t):
+  n = 4000
+  p_L = pld.keep_probs(t, 4, 0.5, 0.005)
+  keys = jax.random.split(jax.random.key(t), n)
+  active_nL, scale_nL = jax.jit(jax.vmap(lambda k: pld.draw_gates(k, p_L)))(keys)
+  rate_L = np.asarray(active_nL).mean(0)
+  sigma_L = np.sqrt(np.asarray(p_L) * (1 - np.asarray(p_L)) / n)
+  assert np.all(np.abs(rate_L - np.asarray(p_L)) <= 3 * sigma_L), (rate_L, p_L)
+  assert np.all(np.diff(np.asarray(p_L)) < 0)  # lower layers are kept more often
+  np.testing.assert_allclose(scale_nL[0], 1 / np.asarray(p_L), rtol=1e-6)
+
+
+def test_stage_draws_the_gates_of_its_global_layers(params):
+  """Stage 1 of (1, 3) holds global layers 2..4: its output is `model.layers` with the gates
+  drawn for p_2..p_4 at the step carried by the activation, and 1/p scaling."""
+  t, theta_bar, gamma = 300, 0.5, 0.01
+  model = pld.pld_stages(CFG, LAYERS_PER_STAGE, theta_bar, gamma)
+  staged_params = partition.to_staged(params, LAYERS_PER_STAGE)
+  stage1 = jax.tree.map(lambda a: a[1], staged_params['stages'])
+  x_BxLxD = jax.random.normal(jax.random.key(1), (2, SEQ, CFG.d_model))
+  x = jnp.concatenate([x_BxLxD, jnp.full((2, SEQ, 1), float(t))], -1)
+
+  @jax.jit
+  def both(rng):
+    got = model.stage(stage1, x, 1, rng)
+    p_N = pld.keep_probs(t, 4, theta_bar, gamma, jnp.arange(2, 5))
+    active_N, scale_N = pld.draw_gates(pld.gate_key(rng), p_N)
+    want = transformer.layers(CFG, stage1, x_BxLxD, rng, active_N=active_N, scale_N=scale_N)
+    return got, want, active_N
+
+  dropped_any = False
+  for seed in range(6):
+    got, want, active_N = both(jax.random.key(seed))
+    np.testing.assert_array_equal(got[..., :CFG.d_model], want)
+    np.testing.assert_array_equal(got[..., CFG.d_model], float(t))  # the step travels on
+    dropped_any |= not bool(np.all(active_N))
+  assert dropped_any
+
+
+def _computations(hlo: str) -> dict[str, str]:
+  """HLO module text -> {computation name: body}."""
+  out, name = {}, None
+  for line in hlo.splitlines():
+    header = re.match(r'^(?:ENTRY )?%?([\w.\-]+) \(.*\) -> .* \{$', line)
+    if header:
+      name = header.group(1)
+      out[name] = ''
+    elif name is not None:
+      out[name] += line + '\n'
+  return out
+
+
+def test_a_dropped_layer_costs_no_compute(params):
+  """Every matmul of the compiled PLD stage sits in a computation reachable only through a
+  `conditional` branch: a layer whose gate is off runs none of them."""
+  model = pld.pld_stages(CFG, LAYERS_PER_STAGE, 0.5, 0.01)
+  stage1 = jax.tree.map(lambda a: a[1], partition.to_staged(params, LAYERS_PER_STAGE)['stages'])
+  x = jnp.zeros((2, SEQ, CFG.d_model + 1))
+  hlo = jax.jit(lambda p, x, k: model.stage(p, x, 1, k)).lower(
+      stage1, x, jax.random.key(0)).compile().as_text()
+  comps = _computations(hlo)
+  entry = next(n for n in comps if re.search(rf'^ENTRY %?{re.escape(n)} ', hlo, re.M))
+  # Walk the call graph from ENTRY without entering conditional branches.
+  reach, todo = set(), [entry]
+  while todo:
+    name = todo.pop()
+    if name in reach:
+      continue
+    reach.add(name)
+    for line in comps[name].splitlines():
+      if ' conditional(' in line:
+        continue
+      todo += [c for c in re.findall(r'(?:calls|to_apply|body|condition)=%?([\w.\-]+)', line)
+               if c in comps]
+  dots_outside = [n for n in reach if re.search(r' (dot|convolution)\(', comps[n])]
+  dots_anywhere = [n for n in comps if re.search(r' (dot|convolution)\(', comps[n])]
+  assert ' conditional(' in hlo and dots_anywhere
+  assert not dots_outside, dots_outside
+
+
+def test_dropped_layer_is_skipped_exactly(params):
+  """With layer 4's gate off, its parameters do not matter at all: set to NaN they give the same
+  loss, bit for bit, and exactly zero gradient for layer 4 (finite everywhere): the layer never
+  entered the computation, forward or backward."""
+  t, theta_bar, gamma = 10_000, 0.5, 0.01
+  p_L = pld.keep_probs(t, 4, theta_bar, gamma)
+  # A batch key whose draw keeps layers 1-3 and drops layer 4 (the loss draws from rng_layers).
+  keys = jax.random.split(jax.random.key(7), 200)
+  gates = jax.jit(jax.vmap(lambda k: pld.draw_gates(
+      pld.gate_key(jax.random.split(k)[1]), p_L)[0]))(keys)
+  wanted = np.flatnonzero(np.all(np.asarray(gates) == [True, True, True, False], axis=1))
+  assert wanted.size, 'no key drops exactly layer 4'
+  key, batch = keys[wanted[0]], batch_of()
+  loss_and_grads = jax.jit(jax.value_and_grad(
+      lambda p: pld.pld_loss_fn(CFG, p, batch, key, t, theta_bar=theta_bar, gamma=gamma)[0]))
+  nan_params = {**params, 'layers': jax.tree.map(lambda a: a.at[3].set(jnp.nan),
+                                                 params['layers'])}
+  value, grads = loss_and_grads(nan_params)
+  clean_value, clean_grads = loss_and_grads(params)
+  assert float(value) == float(clean_value) and np.isfinite(float(value))
+  for g in jax.tree.leaves(jax.tree.map(lambda a: a[3], grads['layers'])):
+    np.testing.assert_array_equal(g, 0.0)
+  jax.tree.map(np.testing.assert_array_equal, grads, clean_grads)
+
+
+def test_evaluation_is_the_plain_model(params):
+  model = pld.pld_stages(CFG, LAYERS_PER_STAGE, 0.5, 0.01)
+  staged_params = partition.to_staged(params, LAYERS_PER_STAGE)
+  batch = batch_of()
+
+  @jax.jit
+  def losses(staged_params, params):
+    late = pld.with_step(batch, 10_000)
+    return (model.forward_loss(staged_params, batch)[0],       # evaluation, plain batch
+            model.forward_loss(staged_params, late)[0],        # evaluation, step carried
+            model.forward_loss(staged_params, late, jax.random.key(3))[0],  # training
+            transformer.loss_fn(CFG, params, batch)[0])        # the plain model
+
+  plain, with_step, train, want = map(float, losses(staged_params, params))
+  assert plain == with_step
+  np.testing.assert_allclose(plain, want, rtol=1e-6)
+  assert train != plain  # training at a late step draws gates and scales
+
+
+def test_training_without_the_step_and_post_ln_are_errors(params):
+  model = pld.pld_stages(CFG, LAYERS_PER_STAGE)
+  with pytest.raises(ConfigError, match='with_step'):
+    model.forward_loss(partition.to_staged(params, LAYERS_PER_STAGE), batch_of(),
+                       jax.random.key(0))
+  with pytest.raises(ConfigError, match='pre-LN'):
+    pld.pld_stages(transformer.ModelConfig(pre_ln=False), (4,))
+
+
+def test_runs_inside_a_ring_schedule(params):
+  """The step rides in the batch through a 2-device ring (`model_parallel`): the loss of its
+  first step is the single-device PLD loss of that batch with the same draws, and those draws
+  do drop layers."""
+  model = pld.pld_stages(CFG, LAYERS_PER_STAGE, 0.5, 0.05)
+  staged_params = partition.to_staged(params, LAYERS_PER_STAGE)
+  batch = pld.with_step(batch_of(0, 4), 1000)
+  schedule = build_schedule(ScheduleConfig(name='model_parallel', num_stages=2), model,
+                            staged.adamw(1e-2))
+  state, metrics = schedule.step(schedule.init(staged_params, batch), batch)
+  key = staged.batch_key(0, 0)  # the schedule's dropout key of batch 0
+  want = jax.jit(lambda p: model.forward_loss(p, batch, key)[0])(staged_params)
+  np.testing.assert_allclose(float(metrics['loss']), float(want), rtol=1e-6)
+  assert all(np.all(np.isfinite(a)) for a in jax.tree.leaves(jax.device_get(state.params)))
+  dropped = 0
+  for s, first in enumerate((0, 1)):
+    ids = jnp.arange(LAYERS_PER_STAGE[s]) + first + 1
+    active, _ = pld.draw_gates(pld.gate_key(staged.piece_rng(key, s)),
+                               pld.keep_probs(1000, 4, 0.5, 0.05, ids))
+    dropped += int(np.sum(~np.asarray(active)))
+  assert dropped > 0
