@@ -68,6 +68,8 @@ replica runs its own ring on its share of the batch, and gradients are averaged 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -205,7 +207,7 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
                        ring=ring_specs(abstract.ring))
     return jax.jit(fresh_state, out_shardings=staged.named(specs, mesh))(params)
 
-  @jax.jit
+  @functools.partial(jax.jit, donate_argnums=0)  # stashes are updated in place
   def step(state: TrainState, batch: dict):
     staged.check_batch(batch, replicas, 'the data-parallel degree')
     t = state.step

@@ -36,6 +36,7 @@ their masks only. (Ouroboros keeps one key for all its replicas.)
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable
 
 import jax
@@ -123,10 +124,12 @@ def build_backprop(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
 
   def init(params, example_batch=None):
     del example_batch
-    return TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params,
-                      opt_state=staged.init_opt_state(tx, params), ring={})
+    # Under jit the state gets buffers of its own: the step donates them, the caller's stay.
+    return jax.jit(lambda params: TrainState(
+        step=jax.numpy.zeros((), jax.numpy.int32), params=params,
+        opt_state=staged.init_opt_state(tx, params), ring={}))(params)
 
-  @jax.jit
+  @functools.partial(jax.jit, donate_argnums=0)  # the old state's buffers are reused
   def step(state: TrainState, batch: dict):
     key = staged.batch_key(config.seed, state.step)
     (loss, _), grads = jax.value_and_grad(model.forward_loss, has_aux=True)(
@@ -170,7 +173,7 @@ def _synchronous_schedule(config: ScheduleConfig, model: StagedModel, tx, mesh: 
                        opt_state=staged.opt_state_specs(abstract.opt_state), ring={})
     return jax.jit(fresh_state, out_shardings=staged.named(specs, mesh))(params)
 
-  @jax.jit
+  @functools.partial(jax.jit, donate_argnums=0)  # the old state's buffers are reused
   def step(state: TrainState, batch: dict):
     check_batch(batch, replicas, microbatches)
     param_specs = staged.param_specs(state.params)
