@@ -48,10 +48,15 @@ def _handlers():
 
 
 def make_manager(out_dir: str, *, keep: int = 3, read_only: bool = False) -> ocp.CheckpointManager:
-  """The run's CheckpointManager: asynchronous saves, the newest `keep` checkpoints kept."""
+  """The run's CheckpointManager: asynchronous saves, the newest `keep` checkpoints kept.
+
+  read_only: for readers (sampling, inspection): creates and deletes nothing. (Orbax's own
+  `read_only` option logs warnings on every use, so a reader is simply a manager that never saves.)
+  """
   options = ocp.CheckpointManagerOptions(
       max_to_keep=keep, enable_async_checkpointing=not read_only, create=not read_only,
-      read_only=read_only)
+      # A writer removes what an interrupted save left behind (it never counted as a checkpoint).
+      cleanup_tmp_directories=not read_only)
   return ocp.CheckpointManager(checkpoint_dir(out_dir), options=options,
                                item_handlers=_handlers())
 
@@ -104,12 +109,16 @@ def restore_params_single_device(manager: ocp.CheckpointManager, step: int | Non
   Used by sampling: the target tree is rebuilt from the checkpoint's own metadata, so the schedule
   (and the device count it needed) does not have to be rebuilt.
   """
+  return restore_single_device(manager, step, device)['params']
+
+
+def restore_single_device(manager: ocp.CheckpointManager, step: int | None = None,
+                          device=None) -> dict:
+  """The whole saved TrainState as a dict tree on one device (for inspection and tests)."""
   step = manager.latest_step() if step is None else step
-  device = device or jax.devices()[0]
-  sharding = jax.sharding.SingleDeviceSharding(device)
+  sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
   tree = manager.item_metadata(step)['state'].tree
   target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding),
                         tree, is_leaf=lambda m: hasattr(m, 'shape'))
-  restored = manager.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(target)))
-  return restored['state']['params']
+  return manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(target)))['state']

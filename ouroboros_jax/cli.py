@@ -18,7 +18,7 @@ import argparse
 import difflib
 import sys
 
-from ouroboros_jax import presets
+from ouroboros_jax import presets, schedules
 
 EXIT_USAGE, EXIT_NONFINITE = 2, 3
 
@@ -27,14 +27,17 @@ class _Parser(argparse.ArgumentParser):
   """argparse whose errors are one line, `error: ...`, with a close-match hint."""
 
   def error(self, message):
-    if message.startswith('unrecognized arguments:'):
-      unknown = message.split(':', 1)[1].split()
-      flags = [a for a in unknown if a.startswith('--')] or unknown
-      known = [o for a in self._actions for o in a.option_strings]
-      close = difflib.get_close_matches(flags[0].split('=')[0], known, n=1)
-      hint = f'; did you mean {close[0]}?' if close else ''
-      message = f'unknown flag {flags[0]} (ouroboros {self.prog.split()[-1]}){hint}'
-    _fail(f'{message}; see --help.' if not message.endswith('?') else message, EXIT_USAGE)
+    _fail(f'{message}; see --help.', EXIT_USAGE)
+
+
+def _unknown_flag(parser: argparse.ArgumentParser, extra: list[str]):
+  """One line for arguments no flag takes, with the closest known flag of that subcommand."""
+  flags = [a for a in extra if a.startswith('-')] or extra
+  known = [o for a in parser._actions for o in a.option_strings]  # pylint: disable=protected-access
+  close = difflib.get_close_matches(flags[0].split('=')[0], known, n=1, cutoff=0.75)
+  hint = f'; did you mean {close[0]}?' if close else '; see --help for the flags.'
+  what = 'flag (no such field)' if flags[0].startswith('-') else 'argument'
+  _fail(f'unknown {what} {flags[0]} for `{parser.prog}`{hint}', EXIT_USAGE)
 
 
 def _fail(message: str, code: int):
@@ -61,15 +64,19 @@ def _add_field_flags(parser: argparse.ArgumentParser) -> None:
   """One flag per config field, default SUPPRESS so only flags given show up in the namespace."""
   model_group = parser.add_argument_group('model (ModelConfig)')
   train_group = parser.add_argument_group('training (TrainConfig)')
+  tiny = presets.flat(presets.get_preset('tiny'))
+  special = {
+      'preset': f'starting point: {", ".join(presets.PRESETS)} (default tiny)',
+      'out': 'output directory (default runs/<preset>-<schedule>)',
+      'data': "'default' (embedded Shakespeare), 'text:PATH[,PATH]' or 'tfds:NAME[:FEATURE]'",
+      'data_dir': 'TFDS data dir (default $OUROBOROS_DATA_DIR or ~/.cache/ouroboros_jax/tfds)',
+      'schedule': f'one of {", ".join(schedules.SCHEDULES)} (tiny: backprop)',
+      'stash': 'ouroboros: graph or replay (tiny: graph)',
+      'layers_per_stage': "e.g. '2,4,4,4' (default: balanced by FLOPs)",
+  }
   for name, (kind, optional, owner) in presets.fields().items():
     group = model_group if owner is presets.ModelConfig else train_group
-    default = getattr(presets.ModelConfig() if owner is presets.ModelConfig
-                      else presets.TrainConfig(), name)
-    help_text = f'(tiny: {default})'
-    if name == 'out':
-      help_text = 'output directory (default runs/<preset>-<schedule>)'
-    if name == 'preset':
-      help_text = f'starting point: {", ".join(presets.PRESETS)} (default tiny)'
+    help_text = special.get(name, f'(tiny: {tiny[name]})')
     if kind is bool:
       group.add_argument(presets.flag(name), dest=name, action=argparse.BooleanOptionalAction,
                          default=argparse.SUPPRESS, help=help_text)
@@ -85,6 +92,7 @@ def _cpu_devices_flag(parser):
 
 
 def make_parser() -> argparse.ArgumentParser:
+  """The root parser; `parser.commands` maps each subcommand to its own parser."""
   parser = _Parser(prog='ouroboros', allow_abbrev=False,
                    description='Ouroboros delayed-gradient model parallelism for Transformer LMs.')
   sub = parser.add_subparsers(dest='command', metavar='{train,sample}', parser_class=_Parser)
@@ -107,6 +115,7 @@ def make_parser() -> argparse.ArgumentParser:
   sample.add_argument('--seed', type=int, default=0)
   sample.add_argument('--step', type=int, default=None, help='checkpoint step (default latest)')
   _cpu_devices_flag(sample)
+  parser.commands = {'train': train, 'sample': sample}
   return parser
 
 
@@ -117,10 +126,22 @@ def config_from_args(args: argparse.Namespace) -> presets.TrainConfig:
   return presets.override(cfg, given)
 
 
+def to_flags(cfg: presets.TrainConfig) -> list[str]:
+  """Command-line flags that give back cfg exactly (every field spelled out)."""
+  argv = []
+  for name, value in presets.flat(cfg).items():
+    if isinstance(value, bool):
+      argv.append(presets.flag(name) if value else '--no-' + presets.flag(name)[2:])
+    else:
+      argv.append(f'{presets.flag(name)}={"none" if value is None else value}')
+  return argv
+
+
 def _run_train(args) -> None:
+  cfg = config_from_args(args)
+  cfg.validate()  # settings errors come before the slow imports, data loading and compiling
   from ouroboros_jax import train
 
-  cfg = config_from_args(args)
   train.train(cfg, resume=args.resume, quiet=args.quiet)
 
 
@@ -132,27 +153,39 @@ def _run_sample(args) -> None:
   sys.stdout.write(text + '\n')
 
 
+def exit_code(exc: BaseException) -> int | None:
+  """The exit status of a user error (2; 3 for a NaN/Inf loss), or None for a bug."""
+  from ouroboros_jax.model import ConfigError
+
+  data, train = sys.modules.get('ouroboros_jax.data'), sys.modules.get('ouroboros_jax.train')
+  if train is not None and isinstance(exc, train.NonFiniteLossError):
+    return EXIT_NONFINITE
+  if isinstance(exc, ConfigError) or (data is not None and isinstance(exc, data.DataError)):
+    return EXIT_USAGE
+  return None
+
+
 def main(argv=None) -> int:
-  args = make_parser().parse_args(argv)
+  parser = make_parser()
+  args, extra = parser.parse_known_args(argv)
+  if extra:
+    _unknown_flag(parser.commands[args.command], extra)
   if args.cpu_devices is not None:
-    # Must happen before anything initialises a JAX backend (parsing above does not).
-    import jax
     if args.cpu_devices < 1:
       _fail(f'--cpu-devices must be >= 1, got {args.cpu_devices}.', EXIT_USAGE)
+    # Must happen before anything initialises a JAX backend (nothing above does).
+    import jax
     jax.config.update('jax_num_cpu_devices', args.cpu_devices)
-
-  from ouroboros_jax.data import DataError
-  from ouroboros_jax.model import ConfigError
-  from ouroboros_jax.train import NonFiniteLossError
 
   try:
     {'train': _run_train, 'sample': _run_sample}[args.command](args)
-  except (ConfigError, DataError) as e:
-    _fail(_one_line(e), EXIT_USAGE)
-  except NonFiniteLossError as e:
-    _fail(_one_line(e), EXIT_NONFINITE)
   except KeyboardInterrupt:
-    _fail('interrupted; resume with --resume (the latest checkpoint is complete).', 130)
+    _fail('interrupted; the latest checkpoint is complete, continue with --resume.', 130)
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    code = exit_code(e)
+    if code is None:
+      raise
+    _fail(_one_line(e), code)
   return 0
 
 

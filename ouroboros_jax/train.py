@@ -42,6 +42,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ouroboros_jax import checkpoint, data, partition, presets, schedules, staged
 from ouroboros_jax import model as transformer
@@ -49,8 +50,7 @@ from ouroboros_jax.presets import TrainConfig
 
 LN2 = math.log(2.0)
 # Fields that fix the shape of the TrainState or the data stream: resuming needs them unchanged.
-RESUME_FIELDS = ('schedule', 'stages', 'data_parallel', 'stash', 'layers_per_stage', 'batch_size',
-                 'seed', 'data')
+RESUME_FIELDS = ('schedule', 'stages', 'data_parallel', 'stash', 'batch_size', 'seed', 'data')
 
 
 class NonFiniteLossError(RuntimeError):
@@ -70,11 +70,29 @@ def schedule_config(cfg: TrainConfig) -> schedules.ScheduleConfig:
 def build(cfg: TrainConfig):
   """(schedule, staged initial params, layers_per_stage) for a config; nothing is trained."""
   layers_per_stage = cfg.resolved_layers_per_stage()
-  params = transformer.init_params(cfg.model, jax.random.key(cfg.seed))
-  params = partition.to_staged(params, layers_per_stage)
+  cfg.model.validate()  # before tracing, so a bad shape is a one-line ConfigError
+  # One compiled init instead of hundreds of eager ops (seconds on CPU).
+  init = jax.jit(lambda key: partition.to_staged(transformer.init_params(cfg.model, key),
+                                                 layers_per_stage))
+  params = init(jax.random.key(cfg.seed))
   model = partition.transformer_stages(cfg.model, layers_per_stage)
   schedule = schedules.build_schedule(schedule_config(cfg), model, presets.make_optimizer(cfg))
   return schedule, params, layers_per_stage
+
+
+def commit_to_mesh(state, mesh):
+  """Replicates over the mesh every leaf a schedule's init left off it.
+
+  A jitted step returns its state on the mesh; feeding it a state that is not there yet would
+  compile the step a second time (seconds on CPU) at step 2.
+  """
+  replicated = NamedSharding(mesh, P())
+
+  def place(x):
+    on_mesh = isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
+    return x if on_mesh else jax.device_put(x, replicated)
+
+  return jax.tree.map(place, state)
 
 
 def example_batch(cfg: TrainConfig) -> dict:
@@ -101,10 +119,15 @@ def evaluate(schedule, params, tokens, cfg: TrainConfig, max_batches: int | None
   return float(np.mean(jax.device_get(losses)))
 
 
-def all_finite(tree) -> bool:
+@jax.jit
+def _all_finite(tree):
   leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
             if jnp.issubdtype(x.dtype, jnp.inexact)]
-  return bool(jnp.all(jnp.stack(leaves))) if leaves else True
+  return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+
+
+def all_finite(tree) -> bool:
+  return bool(_all_finite(tree))
 
 
 def run_meta(cfg: TrainConfig, layers_per_stage) -> dict:
@@ -118,9 +141,10 @@ def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str)
   want, have = presets.flat(saved_cfg), presets.flat(cfg)
   names = [f.name for f in dataclasses.fields(transformer.ModelConfig)] + list(RESUME_FIELDS)
   wrong = [n for n in names if want[n] != have[n]]
-  if tuple(saved.get('layers_per_stage', ())) != tuple(layers_per_stage) and not wrong:
+  if tuple(saved['layers_per_stage']) != tuple(layers_per_stage) and not wrong:
     wrong = ['layers_per_stage']
     want['layers_per_stage'] = ','.join(map(str, saved['layers_per_stage']))
+    have['layers_per_stage'] = ','.join(map(str, layers_per_stage))
 
   def flags(values):
     return ' '.join(f'{presets.flag(n)} {values[n]}' for n in wrong)
@@ -138,14 +162,19 @@ class MetricsLog:
     from tensorboardX import SummaryWriter
 
     self.path = os.path.join(out_dir, 'metrics.jsonl')
+    tb_dir = os.path.join(out_dir, 'tb')
     rows = []
     if resume_step is not None and os.path.exists(self.path):
       with open(self.path) as f:
         rows = [r for r in map(json.loads, filter(str.strip, f)) if r['step'] <= resume_step]
+    elif resume_step is None and os.path.isdir(tb_dir):  # a fresh run: drop a failed run's curves
+      for name in os.listdir(tb_dir):
+        if name.startswith('events.out.tfevents'):
+          os.remove(os.path.join(tb_dir, name))
     with open(self.path, 'w') as f:
       f.writelines(json.dumps(r) + '\n' for r in rows)
     # purge_step hides TensorBoard events a previous (interrupted) run wrote past the resume step.
-    self.tb = SummaryWriter(os.path.join(out_dir, 'tb'), purge_step=resume_step)
+    self.tb = SummaryWriter(tb_dir, purge_step=resume_step)
 
   def write(self, row: dict) -> None:
     with open(self.path, 'a') as f:
@@ -166,8 +195,13 @@ def _progress(total: int, initial: int, quiet: bool):
 
 
 def _say(bar, quiet: bool, text: str) -> None:
-  if not quiet:
-    bar.write(text) if not bar.disable else print(text, flush=True)
+  """A line on stdout that does not break the progress bar."""
+  if quiet:
+    return
+  if bar.disable:
+    print(text, flush=True)
+  else:
+    bar.write(text)
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -184,6 +218,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False,
   """
   t_start = time.perf_counter()
   cfg.validate()
+  # The resolved config (what config.json and the checkpoints record): no implicit defaults left.
+  cfg = dataclasses.replace(cfg, out=cfg.out_dir, layers_per_stage=','.join(
+      map(str, cfg.resolved_layers_per_stage())))
   out_dir = cfg.out_dir
   found = checkpoint.latest_step(out_dir)
   ckpt_dir = checkpoint.checkpoint_dir(out_dir)
@@ -202,7 +239,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False,
 
   schedule, params, layers_per_stage = build(cfg)
   meta = run_meta(cfg, layers_per_stage)
-  state = schedule.init(params, example_batch(cfg))
+  state = commit_to_mesh(schedule.init(params, example_batch(cfg)), schedule.mesh)
   del params
   os.makedirs(out_dir, exist_ok=True)
   manager = checkpoint.make_manager(out_dir, keep=cfg.keep_checkpoints)
@@ -240,7 +277,6 @@ def _loop(cfg, schedule, state, train_it, splits, manager, meta, log, crc, start
   last_saved = manager.latest_step()
   ckpt_where = os.path.join(cfg.out_dir, checkpoint.SUBDIR)
   train_s, train_tokens, compile_s = 0.0, 0, None
-  window_s, window_tokens = 0.0, 0
   val_bpb = None
   step = start_step
 
@@ -250,18 +286,19 @@ def _loop(cfg, schedule, state, train_it, splits, manager, meta, log, crc, start
   def throughput():
     return train_tokens / train_s if train_s else 0.0
 
+  def stop(what: str):
+    where = (f'the last good checkpoint is step {last_saved} in {ckpt_where}'
+             if last_saved is not None else f'no checkpoint was saved in {ckpt_where}')
+    raise NonFiniteLossError(f'{what}; {where}.')
+
   def sync():
     """Host sync: fetch pending metrics and stop on the first non-finite loss."""
     fetched = jax.device_get(pending)
     pending.clear()
     for done_step, m in fetched:
       for key in ('loss', 'grad_norm'):
-        value = float(m[key])
-        if not math.isfinite(value):
-          where = (f'the last good checkpoint is step {last_saved} in {ckpt_where}'
-                   if last_saved is not None else f'no checkpoint was saved in {ckpt_where}')
-          raise NonFiniteLossError(f'{key.replace("_", " ")} became {value} at step {done_step}; '
-                                   f'{where}.')
+        if not math.isfinite(float(m[key])):
+          stop(f'{key.replace("_", " ")} became {float(m[key])} at step {done_step}')
     return fetched
 
   def evaluate_split(split, max_batches):
@@ -282,44 +319,40 @@ def _loop(cfg, schedule, state, train_it, splits, manager, meta, log, crc, start
       pending.append((step, {k: metrics[k] for k in ('loss', 'loss_batch', 'grad_norm')}))
       if on_step is not None:
         on_step(step, state)
-      if compile_s is None:  # the first step compiles; time it on its own
-        jax.block_until_ready(state)
-        sync()
-        compile_s = time.perf_counter() - t_mark
-        t_mark = time.perf_counter()
-        bar.update(1)
-        continue
-
       is_last = step == cfg.steps
       do_eval = step % cfg.eval_every == 0 or is_last
       do_save = step % cfg.checkpoint_every == 0 or is_last
-      if step % cfg.log_every == 0 or do_eval or do_save:
-        fetched = sync()
-        now = time.perf_counter()
-        window_s += now - t_mark
-        window_tokens += len(fetched) * tokens_per_step
-        train_s += now - t_mark
+      first = compile_s is None
+      if not (first or step % cfg.log_every == 0 or do_eval or do_save):
+        continue
+
+      fetched = sync()
+      elapsed = time.perf_counter() - t_mark
+      if first:  # the first step compiles; it is timed on its own and not counted in tokens/s
+        compile_s = elapsed
+        rate = tokens_per_step / elapsed
+      else:
+        train_s += elapsed
         train_tokens += len(fetched) * tokens_per_step
-        _, m = fetched[-1]
-        loss = float(m['loss'])
-        rate = window_tokens / window_s if window_s else 0.0
-        log.write({'step': step, 'split': 'train', 'loss': loss, 'bpb': loss / LN2,
-                   'tokens_per_s': rate, 'wall_s': wall(), 'loss_batch': int(m['loss_batch']),
-                   'grad_norm': float(m['grad_norm']), 'data_crc32': crc})
-        bar.set_postfix(loss=f'{loss:.3f}', tok_s=f'{rate:,.0f}', refresh=False)
-        bar.update(step - bar.n)
-        window_s, window_tokens = 0.0, 0
-        if do_eval:
-          row = evaluate_split('validation', cfg.eval_batches)
-          val_bpb = row['bpb']
-        if do_save:
-          if not all_finite(state.params):  # loss finite but the update overflowed
-            raise NonFiniteLossError(
-                f'parameters became non-finite at step {step}; the last good checkpoint is step '
-                f'{last_saved} in {ckpt_where}.')
-          checkpoint.save(manager, state, {'iterator': train_it.get_state(), 'crc32': crc}, meta)
-          last_saved = step
+        rate = len(fetched) * tokens_per_step / elapsed
+      bar.update(step - bar.n)
+      if first and not (step % cfg.log_every == 0 or do_eval or do_save):
         t_mark = time.perf_counter()
+        continue
+      _, m = fetched[-1]
+      loss = float(m['loss'])
+      log.write({'step': step, 'split': 'train', 'loss': loss, 'bpb': loss / LN2,
+                 'tokens_per_s': rate, 'wall_s': wall(), 'loss_batch': int(m['loss_batch']),
+                 'grad_norm': float(m['grad_norm']), 'data_crc32': crc})
+      bar.set_postfix(loss=f'{loss:.3f}', tok_s=f'{rate:,.0f}')
+      if do_eval:
+        val_bpb = evaluate_split('validation', cfg.eval_batches)['bpb']
+      if do_save:
+        if not all_finite(state.params):  # a finite loss, but the update overflowed
+          stop(f'parameters became non-finite at step {step}')
+        checkpoint.save(manager, state, {'iterator': train_it.get_state(), 'crc32': crc}, meta)
+        last_saved = step
+      t_mark = time.perf_counter()  # evaluation and saving are not training time
     if compile_s is None:  # resumed a finished run: nothing left to train
       compile_s = 0.0
       val_bpb = evaluate_split('validation', cfg.eval_batches)['bpb']

@@ -1,0 +1,48 @@
+"""Test setup shared by every test file.
+
+* 8 simulated CPU devices, so multi-stage / data-parallel schedules run on a CPU-only machine.
+  This must happen before JAX initialises its backend, hence at import time, here.
+* A session-wide data directory: the default corpus is prepared once into a temporary directory
+  (never ~/.cache), and $OUROBOROS_DATA_DIR points there so subprocesses use it too.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+NUM_CPU_DEVICES = 8
+os.environ.setdefault('XLA_FLAGS', f'--xla_force_host_platform_device_count={NUM_CPU_DEVICES}')
+
+import jax  # noqa: E402  (after XLA_FLAGS on purpose)
+import pytest  # noqa: E402
+
+jax.config.update('jax_num_cpu_devices', NUM_CPU_DEVICES)
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope='session')
+def prepared_data_dir(tmp_path_factory) -> str:
+  """A prepared copy of the default corpus; also exported as $OUROBOROS_DATA_DIR."""
+  from ouroboros_jax import data
+
+  path = tmp_path_factory.mktemp('tfds')
+  data.prepare_default_corpus(path)
+  old = os.environ.get(data.DEFAULT_DATA_DIR_ENV)
+  os.environ[data.DEFAULT_DATA_DIR_ENV] = os.fspath(path)
+  yield os.fspath(path)
+  if old is None:
+    os.environ.pop(data.DEFAULT_DATA_DIR_ENV, None)
+  else:
+    os.environ[data.DEFAULT_DATA_DIR_ENV] = old
+
+
+@pytest.fixture(scope='session')
+def text_corpus(tmp_path_factory) -> str:
+  """A 300 KB slice of the embedded Shakespeare as a plain text file (fast to load)."""
+  from ouroboros_jax import data
+
+  path = tmp_path_factory.mktemp('text') / 'shakespeare-300k.txt'
+  path.write_bytes(data.read_text_file(data.DEFAULT_CORPUS_PATH)[:300_000])
+  return os.fspath(path)

@@ -1,0 +1,160 @@
+"""The `ouroboros` command: flags, presets, one-line user errors and exit codes, sampling.
+
+Everything here runs `python -m ouroboros_jax` in a subprocess, as a user would.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from ouroboros_jax import cli, presets
+from ouroboros_jax.model import ConfigError
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+SMALL = ['--d-model', '32', '--num-heads', '2', '--num-layers', '2', '--d-ff', '64',
+         '--seq-len', '32', '--batch-size', '8', '--eval-batches', '2', '--quiet']
+
+
+def run_cli(*args, timeout=90, **kwargs):
+  return subprocess.run([sys.executable, '-m', 'ouroboros_jax', *map(str, args)], cwd=REPO_ROOT,
+                        capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def assert_one_line_error(result, code: int, *words: str):
+  assert result.returncode == code, (result.returncode, result.stderr)
+  assert 'Traceback' not in result.stderr
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1, result.stderr
+  assert lines[0].startswith('error: ')
+  for word in words:
+    assert word in lines[0], (word, lines[0])
+
+
+# ----------------------------------------------------------------------------- flags & presets
+
+
+def test_every_config_field_has_a_flag():
+  parser = cli.make_parser().commands['train']
+  flags = {o for a in parser._actions for o in a.option_strings}
+  for name in presets.fields():
+    assert presets.flag(name) in flags, name
+  assert {'--resume', '--quiet', '--cpu-devices'} <= flags
+
+
+def test_flags_override_the_preset_and_nothing_else():
+  args = cli.make_parser().parse_args(
+      ['train', '--preset', 'small', '--d-model', '64', '--num-layers', '3', '--steps', '10',
+       '--no-pre-ln', '--layers-per-stage', '1,2', '--stages', '2', '--schedule', 'ouroboros'])
+  cfg = cli.config_from_args(args)
+  small = presets.get_preset('small')
+  assert (cfg.model.d_model, cfg.model.num_layers, cfg.model.pre_ln) == (64, 3, False)
+  assert (cfg.steps, cfg.layers_per_stage, cfg.stages) == (10, '1,2', 2)
+  assert cfg.model.seq_len == small.model.seq_len and cfg.batch_size == small.batch_size
+  assert cfg.out_dir == 'runs/small-ouroboros'
+  cfg.validate()
+
+
+def test_presets_are_valid_and_have_the_documented_shapes():
+  for name, cfg in presets.PRESETS.items():
+    assert cfg.preset == name
+    cfg.validate()
+  base = presets.get_preset('enwik8-base').model
+  assert (base.num_layers, base.d_model, base.num_heads, base.d_ff, base.seq_len,
+          base.dropout) == (12, 512, 8, 2048, 512, 0.1)
+  gpt2 = presets.get_preset('gpt2-small').model
+  assert (gpt2.num_layers, gpt2.d_model, gpt2.num_heads, gpt2.d_ff, gpt2.seq_len,
+          gpt2.vocab_size) == (12, 768, 12, 3072, 1024, 256)
+  assert presets.get_preset('enwik8-base').batch_size == 22
+  with pytest.raises(ConfigError, match='unknown field --nonsense'):
+    presets.override(presets.get_preset('tiny'), {'nonsense': 1})
+
+
+# ----------------------------------------------------------------------------- user errors
+
+
+@pytest.mark.parametrize('args, words', [
+    (['--preset', 'huge'], ['unknown preset', 'huge', 'tiny']),
+    (['--nonsense', '1'], ['unknown flag', '--nonsense']),
+    (['--d-model', '30', '--num-heads', '4'], ['d_model=30', 'num_heads=4', 'divisible']),
+    (['--num-layers', '0'], ['num_layers must be positive', '--num-layers']),
+    (['--batch-size', '-1'], ['batch_size must be positive']),
+    (['--d-model', 'x'], ['--d-model', "invalid int value: 'x'"]),
+    (['--stages', '3', '--num-layers', '2'], ['3 stages', '--stages']),
+    (['--schedule', 'nope'], ['unknown schedule', 'backprop']),
+])
+def test_bad_settings_fail_in_one_line(args, words):
+  # Settings are checked before any data is read or anything is compiled.
+  assert_one_line_error(run_cli('train', *args, '--out', os.devnull + '/x'), 2, *words)
+
+
+def test_missing_data_file(tmp_path):
+  result = run_cli('train', *SMALL, '--data', 'text:/nonexistent/corpus.txt',
+                   '--out', tmp_path / 'run')
+  assert_one_line_error(result, 2, 'data file not found', '/nonexistent/corpus.txt')
+
+
+def test_corpus_shorter_than_one_window(tmp_path):
+  path = tmp_path / 'short.txt'
+  path.write_text('To be, or not to be.\n')
+  result = run_cli('train', *SMALL, '--data', f'text:{path}', '--out', tmp_path / 'run')
+  assert_one_line_error(result, 2, 'train split', 'one window', '--seq-len')
+
+
+def test_resume_without_a_checkpoint(tmp_path, text_corpus):
+  result = run_cli('train', *SMALL, '--data', f'text:{text_corpus}', '--resume',
+                   '--out', tmp_path / 'empty')
+  assert_one_line_error(result, 2, '--resume', 'no checkpoint', str(tmp_path / 'empty'))
+
+
+def test_cpu_devices_sets_the_device_count(tmp_path, text_corpus):
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  result = run_cli('train', *SMALL, '--data', f'text:{text_corpus}', '--schedule', 'ouroboros',
+                   '--stages', '2', '--cpu-devices', '1', '--out', tmp_path / 'run', env=env)
+  assert_one_line_error(result, 2, 'need 2 devices', 'only 1', '--cpu-devices 2')
+
+
+def test_sample_without_a_checkpoint(tmp_path):
+  assert_one_line_error(run_cli('sample', '--ckpt', tmp_path), 2, 'no checkpoint')
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, text_corpus):
+  # A learning rate of 1e30 and no warmup: the first update sends the weights to ~1e30, so the
+  # second step's logits overflow and its loss is NaN. The state after step 1 is still finite.
+  out = tmp_path / 'nan'
+  result = run_cli('train', *SMALL, '--data', f'text:{text_corpus}', '--learning-rate', '1e30',
+                   '--warmup-steps', '0', '--steps', '10', '--checkpoint-every', '1',
+                   '--out', out)
+  assert_one_line_error(result, 3, 'loss became nan at step 2',
+                        f'the last good checkpoint is step 1 in {out}/checkpoints')
+  assert sorted(os.listdir(out / 'checkpoints')) == ['1']
+
+
+# ----------------------------------------------------------------------------- train + sample
+
+
+def test_train_then_sample(tmp_path, text_corpus):
+  out = tmp_path / 'run'
+  result = run_cli('train', *SMALL, '--data', f'text:{text_corpus}', '--steps', '30',
+                   '--eval-every', '15', '--out', out, '--cpu-devices', '2')
+  assert result.returncode == 0, result.stderr
+  assert 'Traceback' not in result.stderr
+  done = result.stdout.strip().splitlines()[-1]
+  assert done.startswith('done: val bpb ') and 'test bpb' in done and 'tokens/s' in done
+  assert {'config.json', 'metrics.jsonl', 'summary.json', 'tb', 'checkpoints'} <= set(
+      os.listdir(out))
+
+  result = run_cli('sample', '--ckpt', out, '--prompt', 'ROMEO:', '--length', '64',
+                   '--temperature', '0')
+  assert result.returncode == 0, result.stderr
+  text = result.stdout[:-1]  # print's newline
+  assert text.startswith('ROMEO:')
+  # 64 bytes decoded with errors='replace': at most 64 characters, and ASCII after training.
+  assert 0 < len(text) - len('ROMEO:') <= 64
+  again = run_cli('sample', '--ckpt', out, '--prompt', 'ROMEO:', '--length', '64',
+                  '--temperature', '0')
+  assert again.stdout == result.stdout  # greedy is deterministic

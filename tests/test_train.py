@@ -1,0 +1,277 @@
+"""The training loop, its metrics, checkpoints and exact resume (tiny models, CPU)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from ouroboros_jax import checkpoint, cli, data, presets, sample, train
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+TINY = dict(d_model=32, num_heads=2, num_layers=2, d_ff=128, seq_len=64, batch_size=16,
+            learning_rate=1e-2, warmup_steps=5, eval_batches=4, log_every=1)
+METRIC_KEYS = {'step', 'split', 'loss', 'bpb', 'tokens_per_s', 'wall_s'}
+
+
+def tiny_config(out, prepared_data_dir, **overrides) -> presets.TrainConfig:
+  values = dict(TINY, data_dir=prepared_data_dir, out=os.fspath(out))
+  values.update(overrides)
+  return presets.override(presets.get_preset('tiny'), values)
+
+
+def read_rows(out) -> list[dict]:
+  with open(os.path.join(out, 'metrics.jsonl')) as f:
+    return [json.loads(line) for line in f]
+
+
+def host_tree(tree):
+  """A TrainState or restored dict as a dict of numpy arrays (dataclass -> dict like Orbax)."""
+  if isinstance(tree, train.staged.TrainState):
+    tree = {'step': tree.step, 'params': tree.params, 'opt_state': tree.opt_state,
+            'ring': tree.ring}
+  return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+def assert_trees_equal(a, b):
+  leaves_a, tree_a = jax.tree.flatten(a)
+  leaves_b, tree_b = jax.tree.flatten(b)
+  assert len(leaves_a) == len(leaves_b) > 0
+  for x, y in zip(leaves_a, leaves_b):
+    assert x.shape == y.shape and x.dtype == y.dtype
+    assert np.array_equal(x, y)
+
+
+@pytest.fixture(scope='module')
+def short_run(tmp_path_factory, prepared_data_dir):
+  """100 steps of a tiny model; the state after the last step is kept for comparisons."""
+  out = tmp_path_factory.mktemp('short_run')
+  cfg = tiny_config(out, prepared_data_dir, steps=100, eval_every=25, checkpoint_every=50)
+  final = {}
+
+  def keep_last(step, state):
+    if step == cfg.steps:
+      final['state'] = host_tree(state)
+
+  summary = train.train(cfg, quiet=True, on_step=keep_last)
+  return cfg, summary, final['state']
+
+
+def test_short_run_lowers_validation_loss(short_run):
+  cfg, summary, _ = short_run
+  rows = read_rows(cfg.out_dir)
+  val = [r for r in rows if r['split'] == 'validation']
+  assert [r['step'] for r in val] == [25, 50, 75, 100]
+  initial = rows[0]['loss']  # step 1's loss: the initial parameters, ~ln 256
+  assert rows[0]['step'] == 1 and initial > 0.95 * math.log(256)
+  assert val[-1]['loss'] < initial - 2.0
+  assert val[-1]['loss'] < val[0]['loss']
+  assert summary['val_bpb'] == pytest.approx(val[-1]['bpb'])
+  assert summary['step'] == 100 and summary['tokens_per_s'] > 0 and summary['compile_s'] > 0
+
+
+def test_metrics_rows_and_files(short_run):
+  cfg, summary, _ = short_run
+  rows = read_rows(cfg.out_dir)
+  assert {r['split'] for r in rows} == {'train', 'validation', 'test'}
+  for r in rows:
+    assert METRIC_KEYS <= set(r), r
+    assert r['bpb'] == pytest.approx(r['loss'] / math.log(2), rel=1e-12)
+    assert math.isfinite(r['loss']) and r['wall_s'] >= 0
+  train_rows = [r for r in rows if r['split'] == 'train']
+  assert [r['step'] for r in train_rows] == list(range(1, 101))
+  # backprop reports the loss of the batch it just consumed: batch t is consumed by step t + 1.
+  assert all(r['loss_batch'] == r['step'] - 1 for r in train_rows)
+  test_rows = [r for r in rows if r['split'] == 'test']
+  assert len(test_rows) == 1 and summary['test_bpb'] == pytest.approx(test_rows[0]['bpb'])
+  events = [f for f in os.listdir(os.path.join(cfg.out_dir, 'tb')) if 'tfevents' in f]
+  assert events and os.path.getsize(os.path.join(cfg.out_dir, 'tb', events[0])) > 0
+  with open(os.path.join(cfg.out_dir, 'config.json')) as f:
+    # The resolved config: the balanced layer split is written out.
+    assert presets.TrainConfig.from_dict(json.load(f)) == presets.override(
+        cfg, {'layers_per_stage': '2'})
+  with open(os.path.join(cfg.out_dir, 'summary.json')) as f:
+    assert json.load(f)['val_bpb'] == summary['val_bpb']
+
+
+def test_checkpoint_round_trip(short_run):
+  cfg, summary, final_state = short_run
+  assert checkpoint.latest_step(cfg.out_dir) == 100
+  schedule, params, layers_per_stage = train.build(cfg)
+  fresh = train.commit_to_mesh(schedule.init(params, train.example_batch(cfg)), schedule.mesh)
+  manager = checkpoint.make_manager(cfg.out_dir, read_only=True)
+  try:
+    assert manager.all_steps() == [50, 100]
+    state, data_state, meta = checkpoint.restore(manager, checkpoint.abstract_like(fresh))
+  finally:
+    manager.close()
+  assert isinstance(state, train.staged.TrainState)
+  assert int(state.step) == 100
+  assert_trees_equal(host_tree(state), final_state)
+  # The restored leaves sit where a fresh state of the schedule would.
+  for restored, new in zip(jax.tree.leaves(state), jax.tree.leaves(fresh)):
+    assert restored.sharding.is_equivalent_to(new.sharding, restored.ndim)
+  # The data position: a fresh iterator advanced by 100 batches is where the saved one is.
+  splits = data.load_splits(cfg.data, data_dir=cfg.data_dir)
+  it = data.make_train_iterator(splits['train'], seq_len=cfg.model.seq_len,
+                                batch_size=cfg.batch_size, seed=cfg.seed)
+  crc = 0
+  for _ in range(100):
+    crc = train.batch_crc32(next(it), crc)
+  assert data_state == {'iterator': it.get_state(), 'crc32': crc}
+  assert crc == summary['data_crc32']
+  assert meta['layers_per_stage'] == list(layers_per_stage)
+  assert meta['schedule'] == 'backprop' and meta['stages'] == 1
+  assert presets.TrainConfig.from_dict(meta['config']) == presets.override(
+      cfg, {'layers_per_stage': '2'})
+
+
+def test_interrupted_save_is_never_the_latest(short_run, tmp_path):
+  cfg, _, _ = short_run
+  out = tmp_path / 'run'
+  shutil.copytree(cfg.out_dir, out)
+  ckpts = out / 'checkpoints'
+  # What an interrupted save leaves: Orbax writes '<step>.orbax-checkpoint-tmp*' and renames it
+  # to '<step>' only once it is complete.
+  partial = ckpts / '150.orbax-checkpoint-tmp'
+  shutil.copytree(ckpts / '100', partial)
+  shutil.rmtree(partial / 'state')
+  assert checkpoint.latest_step(out) == 100
+  resumed = presets.override(cfg, {'out': os.fspath(out), 'steps': 104})
+  summary = train.train(resumed, resume=True, quiet=True)
+  assert summary['step'] == 104
+  assert checkpoint.latest_step(out) == 104
+  assert not partial.exists()  # the writer cleaned it up
+
+
+def _run_cli(*args, timeout=120):
+  return subprocess.run([sys.executable, '-m', 'ouroboros_jax', *args], cwd=REPO_ROOT,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path, prepared_data_dir):
+  steps = 20
+  straight = tiny_config(tmp_path / 'a', prepared_data_dir, steps=steps, checkpoint_every=10,
+                         eval_every=10, dropout=0.1)
+  summary_a = train.train(straight, quiet=True)
+
+  # Run B stops (like a crash) two steps after its step-10 checkpoint...
+  cfg_b = presets.override(straight, {'out': os.fspath(tmp_path / 'b')})
+
+  def crash(step, state):
+    if step == 12:
+      raise KeyboardInterrupt
+
+  with pytest.raises(KeyboardInterrupt):
+    train.train(cfg_b, quiet=True, on_step=crash)
+  assert checkpoint.latest_step(cfg_b.out_dir) == 10
+  # ... and a new process resumes it from the command line.
+  assert cli.config_from_args(cli.make_parser().parse_args(['train', *cli.to_flags(cfg_b)])) \
+      == cfg_b
+  result = _run_cli('train', '--resume', '--quiet', *cli.to_flags(cfg_b))
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.strip().splitlines()[-1].startswith('done: val bpb')
+
+  def final_state(out):
+    manager = checkpoint.make_manager(out, read_only=True)
+    try:
+      assert manager.latest_step() == steps
+      return checkpoint.restore_single_device(manager)
+    finally:
+      manager.close()
+
+  assert_trees_equal(final_state(straight.out_dir), final_state(cfg_b.out_dir))
+  # Same batches in the same order, and the same loss at every step.
+  rows_a = [(r['step'], r['data_crc32'], r['loss']) for r in read_rows(straight.out_dir)
+            if r['split'] == 'train']
+  rows_b = [(r['step'], r['data_crc32'], r['loss']) for r in read_rows(cfg_b.out_dir)
+            if r['split'] == 'train']
+  # Every step logged once (the resume dropped the rows of the crashed steps 11-12), with the
+  # same loss and the same data fingerprint as the uninterrupted run.
+  assert rows_b == rows_a
+  assert [r[0] for r in rows_a] == list(range(1, steps + 1))
+  with open(os.path.join(cfg_b.out_dir, 'summary.json')) as f:
+    summary_b = json.load(f)
+  assert summary_b['data_crc32'] == summary_a['data_crc32']
+  assert summary_b['val_bpb'] == summary_a['val_bpb']
+  assert summary_b['test_bpb'] == summary_a['test_bpb']
+
+
+def test_resume_with_different_flags_names_them(short_run, tmp_path):
+  cfg, _, _ = short_run
+  other = presets.override(cfg, {'d_model': 64, 'steps': 120})
+  with pytest.raises(checkpoint.CheckpointError, match='--d-model 32.*--d-model 64'):
+    train.train(other, resume=True, quiet=True)
+
+
+def test_fresh_run_refuses_an_out_dir_with_checkpoints(short_run):
+  cfg, _, _ = short_run
+  with pytest.raises(checkpoint.CheckpointError, match='--resume'):
+    train.train(cfg, quiet=True)
+
+
+def test_sample_generates_the_requested_bytes(short_run):
+  cfg, _, _ = short_run
+  model_cfg, params, step = sample.load(cfg.out_dir)
+  assert model_cfg == cfg.model and step == 100
+  # A prompt longer than the window makes the window slide.
+  prompt = b'ROMEO:\n' * 12
+  a = sample.generate(model_cfg, params, prompt, length=40, temperature=0.8, seed=1)
+  b = sample.generate(model_cfg, params, prompt, length=40, temperature=0.8, seed=1)
+  c = sample.generate(model_cfg, params, prompt, length=40, temperature=0.8, seed=2)
+  assert len(a) == 40 and a == b and a != c
+  greedy = sample.generate(model_cfg, params, b'', length=10, temperature=0.0)
+  assert greedy == sample.generate(model_cfg, params, b'', length=10, temperature=0.0, seed=5)
+
+
+def test_sampling_matches_the_models_own_next_byte(short_run):
+  """Greedy generation equals argmax of the full model's logits, byte by byte."""
+  cfg, _, _ = short_run
+  model_cfg, params, _ = sample.load(cfg.out_dir)
+  prompt = b'KING HENRY:\n'
+  out = sample.generate(model_cfg, params, prompt, length=5, temperature=0.0)
+  from ouroboros_jax import model as transformer
+
+  @jax.jit
+  def logits_L(tokens_L):  # causal: zeros after the last real token change nothing before it
+    x = transformer.embed(model_cfg, params['embed'], tokens_L[None])
+    x = transformer.layers(model_cfg, params['layers'], x)
+    return transformer.logits(model_cfg, params['head'], params['embed'], x)[0]
+
+  tokens = list(prompt)
+  for _ in range(5):
+    padded = np.zeros(model_cfg.seq_len, np.int32)
+    padded[:len(tokens)] = tokens
+    tokens.append(int(np.argmax(np.asarray(logits_L(padded)[len(tokens) - 1]))))
+  assert out == bytes(tokens[len(prompt):])
+
+
+def test_ouroboros_state_round_trips_sharded(tmp_path, prepared_data_dir):
+  """A 2-stage Ouroboros run: its sharded TrainState (ring buffers included) checkpoints and
+  restores onto the same devices, and the run resumes."""
+  cfg = tiny_config(tmp_path / 'ring', prepared_data_dir, steps=6, schedule='ouroboros',
+                    stages=2, checkpoint_every=3, eval_every=3, log_every=3)
+  final = {}
+  train.train(cfg, quiet=True, on_step=lambda s, st: final.update(state=host_tree(st)))
+  schedule, params, _ = train.build(cfg)
+  fresh = train.commit_to_mesh(schedule.init(params, train.example_batch(cfg)), schedule.mesh)
+  manager = checkpoint.make_manager(cfg.out_dir, read_only=True)
+  try:
+    state, _, _ = checkpoint.restore(manager, checkpoint.abstract_like(fresh))
+  finally:
+    manager.close()
+  assert jax.tree.leaves(state.ring)
+  assert_trees_equal(host_tree(state), final['state'])
+  for restored, new in zip(jax.tree.leaves(state), jax.tree.leaves(fresh)):
+    assert restored.sharding == new.sharding
+  summary = train.train(presets.override(cfg, {'steps': 8}), resume=True, quiet=True)
+  assert summary['step'] == 8 and math.isfinite(summary['val_bpb'])
