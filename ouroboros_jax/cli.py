@@ -3,6 +3,12 @@
     ouroboros train [--preset tiny] [--FIELD VALUE ...] [--out DIR] [--resume] [--quiet]
                     [--cpu-devices N]
     ouroboros sample --ckpt OUT [--prompt TEXT] [--length N] [--temperature T] [--seed S]
+    ouroboros bench [--preset tiny] [--FIELD VALUE ...] [--bench-steps 20] [--warmup 3]
+    ouroboros launch --processes N [--pin-cpus] -- <train|bench args>
+
+`train` and `bench` join a multi-process run with --coordinator HOST:PORT --num-processes N
+--process-id I (or the OUROBOROS_* variables `launch` sets; --coordinator auto on a cluster JAX
+can detect), see `distributed.py`.
 
 `train` takes one flag per field of `TrainConfig` and `ModelConfig` (`--d-model 64`,
 `--num-layers 2`, `--schedule ouroboros`, `--stages 4`, `--layers-per-stage 1,2,1`, ...; booleans
@@ -91,11 +97,20 @@ def _cpu_devices_flag(parser):
                       help='simulate N CPU devices (for multi-stage schedules on a CPU machine)')
 
 
+def _process_flags(parser):
+  group = parser.add_argument_group('multi-process / multi-host (see distributed.py)')
+  group.add_argument('--coordinator', default=None, metavar='HOST:PORT',
+                     help="process 0's address, or 'auto' for JAX's cluster detection")
+  group.add_argument('--num-processes', type=int, default=None, metavar='N')
+  group.add_argument('--process-id', type=int, default=None, metavar='I')
+
+
 def make_parser() -> argparse.ArgumentParser:
   """The root parser; `parser.commands` maps each subcommand to its own parser."""
   parser = _Parser(prog='ouroboros', allow_abbrev=False,
                    description='Ouroboros delayed-gradient model parallelism for Transformer LMs.')
-  sub = parser.add_subparsers(dest='command', metavar='{train,sample}', parser_class=_Parser)
+  sub = parser.add_subparsers(dest='command', metavar='{train,sample,bench,launch}',
+                              parser_class=_Parser)
   sub.required = True
 
   train = sub.add_parser('train', help='train a byte-level Transformer LM', allow_abbrev=False,
@@ -104,6 +119,7 @@ def make_parser() -> argparse.ArgumentParser:
                      help="continue from OUT's latest checkpoint, exactly where it stopped")
   train.add_argument('--quiet', action='store_true', help='no progress bar or eval lines')
   _cpu_devices_flag(train)
+  _process_flags(train)
   _add_field_flags(train)
 
   sample = sub.add_parser('sample', help='generate text from a checkpoint', allow_abbrev=False)
@@ -115,7 +131,24 @@ def make_parser() -> argparse.ArgumentParser:
   sample.add_argument('--seed', type=int, default=0)
   sample.add_argument('--step', type=int, default=None, help='checkpoint step (default latest)')
   _cpu_devices_flag(sample)
-  parser.commands = {'train': train, 'sample': sample}
+  bench = sub.add_parser('bench', help='steady-state speed of every schedule vs its ideal',
+                         allow_abbrev=False, description='See ouroboros_jax/bench.py. Model and '
+                         'batch come from --preset and the field flags; --stages sets G.')
+  bench.add_argument('--bench-steps', type=int, default=20, help='timed steps per setting')
+  bench.add_argument('--warmup', type=int, default=3, help='untimed steps before timing')
+  _cpu_devices_flag(bench)
+  _process_flags(bench)
+  _add_field_flags(bench)
+
+  launch = sub.add_parser('launch', help='run N local processes as one multi-host job',
+                          allow_abbrev=False)
+  launch.add_argument('--processes', type=int, required=True, metavar='N')
+  launch.add_argument('--pin-cpus', action='store_true', help='pin process i to core i')
+  launch.add_argument('--timeout', type=float, default=None, metavar='S',
+                      help='stop every process after S seconds')
+  launch.add_argument('rest', nargs=argparse.REMAINDER,
+                      help='-- then the command for each process, e.g. -- train --stages 2')
+  parser.commands = {'train': train, 'sample': sample, 'bench': bench, 'launch': launch}
   return parser
 
 
@@ -137,9 +170,17 @@ def to_flags(cfg: presets.TrainConfig) -> list[str]:
   return argv
 
 
+def _join_process_group(args) -> None:
+  from ouroboros_jax import distributed
+  distributed.initialize(distributed.ProcessConfig(
+      coordinator=args.coordinator, num_processes=args.num_processes,
+      process_id=args.process_id))
+
+
 def _run_train(args) -> None:
   cfg = config_from_args(args)
   cfg.validate()  # settings errors come before the slow imports, data loading and compiling
+  _join_process_group(args)
   from ouroboros_jax import train
 
   train.train(cfg, resume=args.resume, quiet=args.quiet)
@@ -151,6 +192,27 @@ def _run_sample(args) -> None:
   text = sample.sample(args.ckpt, prompt=args.prompt, length=args.length,
                        temperature=args.temperature, seed=args.seed, step=args.step)
   sys.stdout.write(text + '\n')
+
+
+def _run_bench(args) -> None:
+  cfg = config_from_args(args)
+  cfg.validate()
+  _join_process_group(args)
+  from ouroboros_jax import bench
+
+  bench.run(cfg.model, batch_size=cfg.batch_size, stages=max(cfg.stages, 2),
+            out_dir=cfg.out or 'runs/bench', steps=args.bench_steps, warmup=args.warmup,
+            layers_per_stage=cfg.layers_per_stage and [int(c) for c in
+                                                        cfg.layers_per_stage.split(',')])
+
+
+def _run_launch(args) -> None:
+  from ouroboros_jax import launch
+
+  rest = args.rest[1:] if args.rest[:1] == ['--'] else args.rest
+  code = launch.launch(args.processes, rest, pin_cpus=args.pin_cpus, timeout_s=args.timeout)
+  if code:
+    sys.exit(code)
 
 
 def exit_code(exc: BaseException) -> int | None:
@@ -170,7 +232,7 @@ def main(argv=None) -> int:
   args, extra = parser.parse_known_args(argv)
   if extra:
     _unknown_flag(parser.commands[args.command], extra)
-  if args.cpu_devices is not None:
+  if getattr(args, 'cpu_devices', None) is not None:
     if args.cpu_devices < 1:
       _fail(f'--cpu-devices must be >= 1, got {args.cpu_devices}.', EXIT_USAGE)
     # Must happen before anything initialises a JAX backend (nothing above does).
@@ -178,7 +240,8 @@ def main(argv=None) -> int:
     jax.config.update('jax_num_cpu_devices', args.cpu_devices)
 
   try:
-    {'train': _run_train, 'sample': _run_sample}[args.command](args)
+    {'train': _run_train, 'sample': _run_sample, 'bench': _run_bench,
+     'launch': _run_launch}[args.command](args)
   except KeyboardInterrupt:
     _fail('interrupted; the latest checkpoint is complete, continue with --resume.', 130)
   except Exception as e:  # pylint: disable=broad-exception-caught

@@ -71,6 +71,8 @@ class TrainConfig:
   layers_per_stage: str | None = None  # '2,4,4,4'; None: balanced by partition.balance_layers
   sync_warmup_steps: int = 0
   tied_grad: str = 'sum'
+  forward: str = 'locked'       # ouroboros: 'locked' (the paper) or 'pipelined'
+  microbatches: int = 4         # gpipe: micro-batches per batch
 
   @property
   def out_dir(self) -> str:
@@ -107,6 +109,10 @@ class TrainConfig:
                         f'{", ".join(schedules.SCHEDULES)}.')
     if self.stash not in STASH_MODES:
       raise ConfigError(f'unknown stash mode {self.stash!r}; use --stash graph or --stash replay.')
+    if self.forward not in ('locked', 'pipelined'):
+      raise ConfigError(f'unknown forward {self.forward!r}; use --forward locked or pipelined.')
+    if self.microbatches < 1:
+      raise ConfigError(f'--microbatches must be >= 1, got {self.microbatches}.')
     if self.tied_grad not in TIED_GRAD_MODES:
       raise ConfigError(f'unknown tied_grad {self.tied_grad!r}; use --tied-grad sum or mean.')
     if self.batch_size % self.data_parallel:
@@ -148,7 +154,7 @@ PRESETS: dict[str, TrainConfig] = {
     # Tuned to learn real words in < 5 minutes (compile included) on 2 CPU cores.
     'tiny': TrainConfig(
         model=ModelConfig(d_model=128, num_heads=4, num_layers=2, d_ff=512, seq_len=64),
-        preset='tiny', batch_size=32, steps=2000, learning_rate=1e-2, warmup_steps=50,
+        preset='tiny', batch_size=32, steps=2000, learning_rate=5e-3, warmup_steps=50,
         log_every=20, eval_every=500, eval_batches=60, checkpoint_every=1000),
     'small': TrainConfig(
         model=ModelConfig(d_model=256, num_heads=8, num_layers=6, d_ff=1024, seq_len=256),

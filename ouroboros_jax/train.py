@@ -50,7 +50,8 @@ from ouroboros_jax.presets import TrainConfig
 
 LN2 = math.log(2.0)
 # Fields that fix the shape of the TrainState or the data stream: resuming needs them unchanged.
-RESUME_FIELDS = ('schedule', 'stages', 'data_parallel', 'stash', 'batch_size', 'seed', 'data')
+RESUME_FIELDS = ('schedule', 'stages', 'data_parallel', 'stash', 'forward', 'microbatches',
+                 'batch_size', 'seed', 'data')
 
 
 class NonFiniteLossError(RuntimeError):
@@ -64,7 +65,8 @@ def schedule_config(cfg: TrainConfig) -> schedules.ScheduleConfig:
   return schedules.ScheduleConfig(
       name=cfg.schedule, num_stages=cfg.stages, data_parallel=cfg.data_parallel,
       clip_norm=cfg.clip_norm or None, seed=cfg.seed, stash=cfg.stash,
-      sync_warmup_steps=cfg.sync_warmup_steps, tied_grad=cfg.tied_grad)
+      sync_warmup_steps=cfg.sync_warmup_steps, tied_grad=cfg.tied_grad, forward=cfg.forward,
+      microbatches=cfg.microbatches)
 
 
 def build(cfg: TrainConfig):
@@ -161,6 +163,10 @@ class MetricsLog:
   def __init__(self, out_dir: str, resume_step: int | None):
     from tensorboardX import SummaryWriter
 
+    # In a multi-process run every process computes the same metrics; process 0 writes them.
+    self.writer = jax.process_index() == 0
+    if not self.writer:
+      return
     self.path = os.path.join(out_dir, 'metrics.jsonl')
     tb_dir = os.path.join(out_dir, 'tb')
     rows = []
@@ -177,6 +183,8 @@ class MetricsLog:
     self.tb = SummaryWriter(tb_dir, purge_step=resume_step)
 
   def write(self, row: dict) -> None:
+    if not self.writer:
+      return
     with open(self.path, 'a') as f:
       f.write(json.dumps(row) + '\n')
     for key in ('loss', 'bpb', 'tokens_per_s', 'grad_norm'):
@@ -184,7 +192,8 @@ class MetricsLog:
         self.tb.add_scalar(f'{row["split"]}/{key}', row[key], row['step'])
 
   def close(self) -> None:
-    self.tb.close()
+    if self.writer:
+      self.tb.close()
 
 
 def _progress(total: int, initial: int, quiet: bool):
