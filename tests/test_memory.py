@@ -17,8 +17,8 @@ def test_replay_ring_is_inputs_only_and_graph_ring_is_larger():
   depth = stages + 1
   activation = batch * cfg.seq_len * cfg.d_model * 4
   tokens = batch * cfg.seq_len * 4
-  # replay keeps G+1 inputs and tokens per device, plus the one in-flight error gradient
-  assert replay['ring_bytes'] == depth * (activation + tokens) + activation
+  # replay keeps G+1 inputs, token ids and targets per device, plus the in-flight error gradient
+  assert replay['ring_bytes'] == depth * (activation + 2 * tokens) + activation
   # graph keeps every residual of two layers per slot: many activations' worth
   assert graph['ring_bytes'] > 5 * replay['ring_bytes']
   assert replay['params_bytes'] == graph['params_bytes']

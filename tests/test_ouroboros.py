@@ -168,13 +168,6 @@ def test_delays_are_exactly_K_minus_k_and_no_early_updates():
   assert staleness(num_stages) == [3, 2, 1]           # K - k for modules k = 1, 2, 3 (K = 4)
 
 
-def test_update_pattern_of_reference_starts_each_module_at_its_delay():
-  model, params = tiny_transformer(4)
-  _, _, updated = reference.run(model, staged.adamw(1e-3), params, random_batches(6))
-  for t, groups in enumerate(updated):
-    assert groups == ['embed'] + [s for s in range(4) if t >= 4 - s] + ['head']
-
-
 def test_data_parallel_ring_equals_whole_batch_ring():
   model, params = tiny_transformer(2)
   tx = adam()
