@@ -48,11 +48,11 @@ def test_every_config_field_has_a_flag():
 
 def test_flags_override_the_preset_and_nothing_else():
   args = cli.make_parser().parse_args(
-      ['train', '--preset', 'small', '--d-model', '64', '--num-layers', '3', '--steps', '10',
+      ['train', '--preset', 'small', '--d-model', '96', '--num-layers', '3', '--steps', '10',
        '--no-pre-ln', '--layers-per-stage', '1,2', '--stages', '2', '--schedule', 'ouroboros'])
   cfg = cli.config_from_args(args)
   small = presets.get_preset('small')
-  assert (cfg.model.d_model, cfg.model.num_layers, cfg.model.pre_ln) == (64, 3, False)
+  assert (cfg.model.d_model, cfg.model.num_layers, cfg.model.pre_ln) == (96, 3, False)
   assert (cfg.steps, cfg.layers_per_stage, cfg.stages) == (10, '1,2', 2)
   assert cfg.model.seq_len == small.model.seq_len and cfg.batch_size == small.batch_size
   assert cfg.out_dir == 'runs/small-ouroboros'
