@@ -120,7 +120,10 @@ def build_backprop(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
 
   Idle fraction 0: one device, always busy.
   """
-  mesh = staged.make_mesh(1, config.data_parallel, devices)
+  if config.data_parallel != 1:
+    raise ConfigError(f'backprop runs on one device; for {config.data_parallel} replicas use '
+                      '--schedule data_parallel.')
+  mesh = staged.make_mesh(1, 1, devices)
 
   def init(params, example_batch=None):
     del example_batch
