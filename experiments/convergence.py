@@ -5,6 +5,7 @@ Trains the same model from the same initialisation on the same batches with
     backprop                     (exact gradients, one device)
     ouroboros G=2 graph/replay   (delayed gradients on a ring of 2 devices)
     ouroboros G=4 graph/replay   (ring of 4 devices)
+    pipelined G=2/4 graph/replay (the pipelined forward, DESIGN.md section 4)
 
 and writes, under --out (default experiments/results/convergence):
 
@@ -17,6 +18,7 @@ delayed gradients change *what is learned per step*, not speed (see `ouroboros b
 
     python experiments/convergence.py                      # tiny preset, ~25 min on 2 CPU cores
     python experiments/convergence.py --steps 300 --runs backprop,ouroboros-g2-graph
+    python experiments/convergence.py --reuse     # finish an interrupted experiment
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ RUNS = {
     'ouroboros-g2-replay': dict(schedule='ouroboros', stages=2, stash='replay'),
     'ouroboros-g4-graph': dict(schedule='ouroboros', stages=4, stash='graph'),
     'ouroboros-g4-replay': dict(schedule='ouroboros', stages=4, stash='replay'),
+    'pipelined-g2-graph': dict(schedule='ouroboros', stages=2, stash='graph', forward='pipelined'),
+    'pipelined-g2-replay': dict(schedule='ouroboros', stages=2, stash='replay', forward='pipelined'),
+    'pipelined-g4-graph': dict(schedule='ouroboros', stages=4, stash='graph', forward='pipelined'),
+    'pipelined-g4-replay': dict(schedule='ouroboros', stages=4, stash='replay', forward='pipelined'),
 }
 
 
@@ -45,6 +51,9 @@ def parse_args(argv=None):
                       + ', '.join(RUNS))
   parser.add_argument('--out', default='experiments/results/convergence')
   parser.add_argument('--cpu-devices', type=int, default=4)
+  parser.add_argument('--reuse', action='store_true',
+                      help='keep a run whose summary.json exists under --out instead of training '
+                           'it again (to finish an interrupted experiment)')
   parser.add_argument('--set', action='append', default=[], metavar='FIELD=VALUE',
                       help='any other TrainConfig/ModelConfig override, e.g. --set d_model=64')
   return parser.parse_args(argv)
@@ -66,15 +75,21 @@ def main(argv=None):
   rows, finals = [], []
   for name in names:
     out = os.path.join(args.out, name)
-    if os.path.isdir(out):  # always a fresh run: an earlier one would be resumed otherwise
-      import shutil
-      shutil.rmtree(out)
-    values = dict(out=out, eval_every=args.eval_every, **RUNS[name], **typed)
-    if args.steps:
-      values['steps'] = args.steps
-    cfg = presets.override(base, values)
-    print(f'== {name}', flush=True)
-    summary = train.train(cfg, quiet=True)
+    done = os.path.join(out, 'summary.json')
+    if args.reuse and os.path.exists(done):
+      print(f'== {name} (reused)', flush=True)
+      with open(done) as f:
+        summary = json.load(f)
+    else:
+      if os.path.isdir(out):  # a fresh run: an earlier one would be resumed otherwise
+        import shutil
+        shutil.rmtree(out)
+      values = dict(out=out, eval_every=args.eval_every, **RUNS[name], **typed)
+      if args.steps:
+        values['steps'] = args.steps
+      cfg = presets.override(base, values)
+      print(f'== {name}', flush=True)
+      summary = train.train(cfg, quiet=True)
     with open(os.path.join(out, 'metrics.jsonl')) as f:
       for line in f:
         row = json.loads(line)

@@ -75,6 +75,19 @@ def default_settings(devices: int) -> list[Setting]:
   return out
 
 
+def select_settings(devices: int, only: str | None) -> list[Setting]:
+  """The default settings whose label starts with one of the comma-separated prefixes in `only`."""
+  settings = default_settings(devices)
+  if not only:
+    return settings
+  prefixes = [p.strip() for p in only.split(',') if p.strip()]
+  chosen = [s for s in settings if any(s.label.startswith(p) for p in prefixes)]
+  if not chosen:
+    raise ConfigError(f'--only {only!r} matches no setting; labels are: '
+                      + ', '.join(s.label for s in settings) + '.')
+  return chosen
+
+
 def _median_time(fn, *args, repeats: int) -> float:
   jax.block_until_ready(fn(*args))  # compile / warm
   times = []
@@ -158,14 +171,20 @@ def time_setting(setting: Setting, cfg, params, batch, layers_per_stage, *, step
   for _ in range(warmup):
     state, metrics = compiled(state, placed)
   jax.block_until_ready(state)
-  times = []
+  times, busy = [], []
   for _ in range(steps):
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     state, metrics = compiled(state, placed)
     jax.block_until_ready((state, metrics))
     times.append(time.perf_counter() - start)
+    busy.append(time.process_time() - start_cpu)
   step_s = statistics.median(times)
-  return {'step_time_s': step_s, 'compile_s': compile_s,
+  # CPU seconds this process spent per step: on a loaded machine wall time stretches, this does
+  # not (much); the busiest process bounds the step from below.
+  busy_s = statistics.median(busy)
+  if jax.process_count() > 1 and len({d.process_index for d in devices}) == jax.process_count():
+    busy_s = float(np.max(multihost_utils.process_allgather(np.float64(busy_s))))
+  return {'step_time_s': step_s, 'busy_s': busy_s, 'compile_s': compile_s,
           'tokens_per_s': batch['inputs'].size / step_s, 'idle_fraction': schedule.idle_fraction}
 
 

@@ -136,6 +136,9 @@ def make_parser() -> argparse.ArgumentParser:
                          'batch come from --preset and the field flags; --stages sets G.')
   bench.add_argument('--bench-steps', type=int, default=20, help='timed steps per setting')
   bench.add_argument('--warmup', type=int, default=3, help='untimed steps before timing')
+  bench.add_argument('--only', default=None, metavar='LABELS',
+                     help='comma-separated settings to run, by label prefix (e.g. '
+                          '"backprop,model_parallel,ouroboros pipelined/graph"); default all')
   _cpu_devices_flag(bench)
   _process_flags(bench)
   _add_field_flags(bench)
@@ -202,6 +205,7 @@ def _run_bench(args) -> None:
 
   bench.run(cfg.model, batch_size=cfg.batch_size, stages=max(cfg.stages, 2),
             out_dir=cfg.out or 'runs/bench', steps=args.bench_steps, warmup=args.warmup,
+            settings=bench.select_settings(max(cfg.stages, 2), args.only),
             layers_per_stage=cfg.layers_per_stage and [int(c) for c in
                                                         cfg.layers_per_stage.split(',')])
 

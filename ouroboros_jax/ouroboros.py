@@ -129,8 +129,21 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
     s = jax.lax.axis_index(STAGE)
     params_s = ring_lib.local_stage_params(params)
     stash_D, batches_D = jax.tree.map(lambda a: a[0, 0], (ring['stash'], ring['batches']))
-    batches_D = jax.tree.map(lambda buf, new: buf.at[t % depth].set(new), batches_D, batch)
     key_t = staged.batch_key(config.seed, t)
+    lag = lag_G[s]
+    valid = t_async >= lag                   # no gradient before the pipe has filled
+    batch_index = t - lag                    # the batch group s back-propagates now
+    head_batch = t - head_lag
+
+    # 0. Read what the delayed backward and the head need *before* this step writes its own
+    #    slots. With G > 1 every lag is >= 1, so the slots differ, and reading first lets XLA
+    #    update the buffers in place: otherwise it copies every stash buffer, every step.
+    if num_stages > 1:
+      stash_b, inputs_b = ring_lib.read_slot((stash_D, batches_D['inputs']), batch_index, depth)
+      stash_D, batches_D = jax.lax.optimization_barrier((stash_D, batches_D))
+    targets_h = (batch['targets'] if head_lag == 0 else
+                 ring_lib.read_slot(batches_D['targets'], head_batch, depth))
+    batches_D = ring_lib.write_slot(batches_D, batch, t, depth)
 
     # 1. Forward. Locked: batch t through every group, in G rounds where only device r computes.
     #    Pipelined: every group at once, each on what its predecessor sent during step t - 1.
@@ -144,27 +157,21 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
     else:
       forward_batch = t
       x_head, kept = ring_lib.locked_forward(stash, params_s, x, key_t, num_stages)
-    stash_D = jax.tree.map(lambda buf, k: buf.at[forward_batch % depth].set(k), stash_D, kept)
+    stash_D = ring_lib.write_slot(stash_D, kept, forward_batch, depth)
+    if num_stages == 1:                      # lag 0: the backward needs what was just kept
+      stash_b, inputs_b = kept, batch['inputs']
 
     # 2. Head (module K, on device 0): fresh loss, head gradient and delta_{G-1} of its batch.
-    head_batch = t - head_lag
-    targets = batches_D['targets'][head_batch % depth]
     loss, g_head, g_embed_fresh, delta_fresh = ring_lib.mask(
-        t_async >= head_lag, ring_lib.head(model, params, x_head, targets))
+        t_async >= head_lag, ring_lib.head(model, params, x_head, targets_h))
 
     # 3. Backward, all devices at once: group s finishes batch t - (G - s) (pipelined: 2G - s).
-    lag = lag_G[s]
-    valid = t_async >= lag                   # no gradient before the pipe has filled
-    batch_index = t - lag
-    slot = batch_index % depth
     delta = delta_fresh if num_stages == 1 else ring['delta'][0, 0]
     key_b = staged.batch_key(config.seed, batch_index)
-    stash_b = jax.tree.map(lambda buf: buf[slot], stash_D)
     g_stage, dx = ring_lib.mask(valid, stash.backward(params_s, stash_b, delta, s, key_b))
 
     # Module 1 ends at the embedding: device 0 turns dx into V's stale input-side gradient.
-    g_embed_stale = ring_lib.embed_backward(model, params['embed'], batches_D['inputs'][slot],
-                                            key_b, dx)
+    g_embed_stale = ring_lib.embed_backward(model, params['embed'], inputs_b, key_b, dx)
     # The one hop of the backward: s hands dx to s - 1; device 0 hands the head's delta to G - 1.
     delta_next = staged.ring_backward(jnp.where(s == 0, delta_fresh, dx), num_stages)
 
@@ -207,7 +214,6 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
                        ring=ring_specs(abstract.ring))
     return jax.jit(fresh_state, out_shardings=staged.named(specs, mesh))(params)
 
-  @functools.partial(jax.jit, donate_argnums=0)  # stashes are updated in place
   def step(state: TrainState, batch: dict):
     staged.check_batch(batch, replicas, 'the data-parallel degree')
     t = state.step
@@ -246,6 +252,6 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
     loss_batch = jnp.where(warm, t, t - head_lag)
     return new_state, {'loss': loss, 'loss_batch': loss_batch, 'grad_norm': grad_norm}
 
-  return Schedule(init=init, step=step, evaluate=jax.jit(lambda p, b: model.forward_loss(p, b)[0]),
+  return Schedule(init=init, step=staged.jit_step(step, mesh), evaluate=jax.jit(lambda p, b: model.forward_loss(p, b)[0]),
                   mesh=mesh, idle_fraction=idle_fraction(num_stages, forward=config.forward),
                   name='ouroboros')

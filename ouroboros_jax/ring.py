@@ -41,6 +41,17 @@ def mask(valid, tree):
   return jax.tree.map(lambda a: jnp.where(valid, a, jnp.zeros_like(a)), tree)
 
 
+def read_slot(buffers, batch_index, depth: int):
+  """The entries of batch `batch_index` in ring buffers of `depth` slots (slot = index % depth)."""
+  return jax.tree.map(lambda buf: buf[batch_index % depth], buffers)
+
+
+def write_slot(buffers, values, batch_index, depth: int):
+  """Ring buffers with batch `batch_index`'s slot overwritten by `values` (in place under jit
+  when nothing reads the old buffer afterwards)."""
+  return jax.tree.map(lambda buf, v: buf.at[batch_index % depth].set(v), buffers, values)
+
+
 def local_stage_params(params):
   """This device's layer group: the stage parameters without their leading axis of size 1."""
   return jax.tree.map(lambda a: a[0], params['stages'])

@@ -132,15 +132,14 @@ def build_backprop(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
         step=jax.numpy.zeros((), jax.numpy.int32), params=params,
         opt_state=staged.init_opt_state(tx, params), ring={}))(params)
 
-  @functools.partial(jax.jit, donate_argnums=0)  # the old state's buffers are reused
   def step(state: TrainState, batch: dict):
     key = staged.batch_key(config.seed, state.step)
     (loss, _), grads = jax.value_and_grad(model.forward_loss, has_aux=True)(
         state.params, batch, key)
     return synchronous_update(config, tx, state, grads, loss)
 
-  return Schedule(init=init, step=step, evaluate=make_evaluate(model), mesh=mesh,
-                  idle_fraction=0.0, name='backprop')
+  return Schedule(init=init, step=staged.jit_step(step, mesh), evaluate=make_evaluate(model),
+                  mesh=mesh, idle_fraction=0.0, name='backprop')
 
 
 # ----------------------------------------------------------------------------- shared plumbing
@@ -176,7 +175,6 @@ def _synchronous_schedule(config: ScheduleConfig, model: StagedModel, tx, mesh: 
                        opt_state=staged.opt_state_specs(abstract.opt_state), ring={})
     return jax.jit(fresh_state, out_shardings=staged.named(specs, mesh))(params)
 
-  @functools.partial(jax.jit, donate_argnums=0)  # the old state's buffers are reused
   def step(state: TrainState, batch: dict):
     check_batch(batch, replicas, microbatches)
     param_specs = staged.param_specs(state.params)
@@ -186,8 +184,8 @@ def _synchronous_schedule(config: ScheduleConfig, model: StagedModel, tx, mesh: 
     grads, loss = grads_of(state.params, batch, state.step)
     return synchronous_update(config, tx, state, grads, loss)
 
-  return Schedule(init=init, step=step, evaluate=make_evaluate(model), mesh=mesh,
-                  idle_fraction=idle_fraction, name=name)
+  return Schedule(init=init, step=staged.jit_step(step, mesh), evaluate=make_evaluate(model),
+                  mesh=mesh, idle_fraction=idle_fraction, name=name)
 
 
 # ----------------------------------------------------------------------------- data parallel
