@@ -46,6 +46,8 @@ Measured CSV (`--measured`), written by a benchmark, one row per measured settin
     link_latency_s    the fixed part of link_s (gpipe's micro-batch hops cost
                       latency + (link_s - latency) / M); default 0
     allreduce_s       data_parallel: one all-reduce of every gradient; default 0
+    update_s_per_stage   the optimizer update (clip + AdamW) of each stage's parameters (device
+                      0's with the embedding and head), G values joined by ';'; default free
     microbatch_overhead_s   gpipe: fixed seconds added to every micro-batch task; default 0
 
 It prints and writes (measured_vs_predicted.csv) the predicted step time next to the measured
@@ -239,7 +241,9 @@ def measured_setting(row: dict) -> tuple[str, sim.StageCosts, dict]:
       activation_bytes=1.0, latency=latency,
       bandwidth=1.0 / (link - latency) if link > latency else math.inf,
       allreduce_s=_number(row.get('allreduce_s')),
-      microbatch_overhead_s=_number(row.get('microbatch_overhead_s')))
+      microbatch_overhead_s=_number(row.get('microbatch_overhead_s')),
+      update_s=(_per_stage(row['update_s_per_stage'], num_stages, schedule)
+                if (row.get('update_s_per_stage') or '').strip() else ()))
   kwargs = {'microbatches': micro, 'data_parallel': devices if schedule == 'data_parallel' else 1,
             'stash': _mode(row.get('stash'), 'graph'), 'forward': _mode(row.get('forward'),
                                                                         'locked')}

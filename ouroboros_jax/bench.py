@@ -57,12 +57,13 @@ class Setting:
              'ouroboros': f' {self.forward}/{self.stash}'}.get(self.schedule, '')
     return f'{self.schedule}{extra}'
 
-  def schedule_config(self, seed=0) -> ScheduleConfig:
+  def schedule_config(self, seed=0, stash_policy='all') -> ScheduleConfig:
     if self.schedule == 'data_parallel':
       return ScheduleConfig(name=self.schedule, data_parallel=self.devices, seed=seed)
     return ScheduleConfig(name=self.schedule, num_stages=self.devices, seed=seed,
                           microbatches=self.microbatches,
                           stash=self.stash if self.stash != '-' else 'graph',
+                          stash_policy=stash_policy,
                           forward=self.forward if self.forward != '-' else 'locked')
 
 
@@ -98,12 +99,13 @@ def _median_time(fn, *args, repeats: int) -> float:
   return statistics.median(times)
 
 
-def measure_pieces(cfg, model, params, batch, layers_per_stage, repeats: int = 10) -> dict:
+def measure_pieces(cfg, model, params, batch, layers_per_stage, repeats: int = 10,
+                   stash_policy: str = 'all') -> dict:
   """Seconds of each piece alone on this process's first device: per-group forward and backward
   (from a kept graph), and device 0's extra work (embedding and head, forward + backward)."""
   device = jax.local_devices()[0]
   params, batch = jax.device_put((params, batch), device)
-  stash = ring.Stash(model, 'graph')
+  stash = ring.Stash(model, 'graph', stash_policy)
   key = jax.random.key(0)
   x = jax.jit(model.embed)(params['embed'], batch['inputs'], None)
   fwd, bwd = [], []
@@ -121,7 +123,20 @@ def measure_pieces(cfg, model, params, batch, layers_per_stage, repeats: int = 1
     return jax.grad(loss_of, argnums=(0, 1, 2))(head_p, embed_p, h)
 
   head_s = _median_time(jax.jit(device0_extra), params['embed'], params['head'], repeats=repeats)
-  return {'fwd': fwd, 'bwd': bwd, 'head': head_s, 'activation_bytes': x.nbytes,
+
+  # The optimizer update (clip + AdamW) of each device's own parameters: stage s, and on
+  # device 0 also the embedding and the head.
+  tx = staged.adamw(1e-4, weight_decay=0.1)
+  apply = jax.jit(lambda p, o, g: staged.apply_gradients(tx, p, o, g, clip_norm=1.0))
+  update = []
+  for s in range(len(layers_per_stage)):
+    own = {'embed': params['embed'] if s == 0 else {}, 'head': params['head'] if s == 0 else {},
+           'stages': jax.tree.map(lambda a: a[s:s + 1], params['stages'])}
+    grads = jax.tree.map(jnp.ones_like, own)
+    update.append(_median_time(apply, own, staged.init_opt_state(tx, own), grads,
+                               repeats=repeats))
+  return {'fwd': fwd, 'bwd': bwd, 'head': head_s, 'update': update,
+          'activation_bytes': x.nbytes,
           'grad_bytes': sum(a.nbytes for a in jax.tree.leaves(params))}
 
 
@@ -149,7 +164,7 @@ def place(batch: dict, mesh) -> dict:
 
 
 def time_setting(setting: Setting, cfg, params, batch, layers_per_stage, *, steps: int,
-                 warmup: int) -> dict | None:
+                 warmup: int, stash_policy: str = 'all') -> dict | None:
   """Compile and time one setting; None on processes whose devices it does not use."""
   needed = setting.devices
   if needed > jax.device_count():
@@ -161,8 +176,8 @@ def time_setting(setting: Setting, cfg, params, batch, layers_per_stage, *, step
   split = layers_per_stage if setting.schedule not in ('backprop', 'data_parallel') else (
       (cfg.num_layers,))
   model = partition.transformer_stages(cfg, split)
-  schedule = build_schedule(setting.schedule_config(), model, staged.adamw(1e-4),
-                            devices=devices)
+  schedule = build_schedule(setting.schedule_config(stash_policy=stash_policy), model,
+                            staged.adamw(1e-4), devices=devices)
   state = schedule.init(partition.to_staged(params, split), batch)
   placed = place(batch, schedule.mesh)
   start = time.perf_counter()
@@ -190,11 +205,11 @@ def time_setting(setting: Setting, cfg, params, batch, layers_per_stage, *, step
 
 def simulated(setting: Setting, pieces: dict, link_s: float, allreduce_s: float) -> float:
   stages = setting.devices if setting.schedule not in ('backprop', 'data_parallel') else 1
-  fwd, bwd = pieces['fwd'], pieces['bwd']
+  fwd, bwd, update = pieces['fwd'], pieces['bwd'], pieces['update']
   if len(fwd) != stages:  # pieces were measured on the G-stage split: merge for one device
-    fwd, bwd = [sum(fwd)], [sum(bwd)]
+    fwd, bwd, update = [sum(fwd)], [sum(bwd)], [sum(update)]
   costs = simulate.StageCosts(
-      forward_s=fwd, backward_s=bwd, head_s=pieces['head'],
+      forward_s=fwd, backward_s=bwd, head_s=pieces['head'], update_s=update,
       activation_bytes=1.0 if link_s else 0.0, bandwidth=1.0 / link_s if link_s else np.inf,
       allreduce_s=allreduce_s)
   return simulate.simulate(
@@ -206,7 +221,7 @@ def simulated(setting: Setting, pieces: dict, link_s: float, allreduce_s: float)
 
 def run(cfg: transformer.ModelConfig, *, batch_size: int, stages: int, out_dir: str,
         steps: int = 20, warmup: int = 3, settings: list[Setting] | None = None,
-        layers_per_stage=None, log=print) -> list[dict]:
+        layers_per_stage=None, stash_policy: str = 'all', log=print) -> list[dict]:
   """Benchmarks every setting; process 0 writes the outputs and returns the rows."""
   cfg.validate()
   if steps < 1 or warmup < 0:
@@ -219,15 +234,16 @@ def run(cfg: transformer.ModelConfig, *, batch_size: int, stages: int, out_dir: 
   params = jax.device_get(transformer.init_params(cfg, jax.random.key(0)))
   staged_params = partition.to_staged(params, layers_per_stage)
   pieces = measure_pieces(cfg, partition.transformer_stages(cfg, layers_per_stage),
-                          staged_params, batch, layers_per_stage)
+                          staged_params, batch, layers_per_stage, stash_policy=stash_policy)
   activation_shape = (batch_size, cfg.seq_len, cfg.d_model)
   link_s, allreduce_s = measure_links(activation_shape, pieces['grad_bytes'] // 4)
   log(f'pieces: forward {np.round(pieces["fwd"], 4)} s, backward {np.round(pieces["bwd"], 4)} s, '
-      f'head+embed {pieces["head"]:.4f} s, hop {link_s:.4f} s, all-reduce {allreduce_s:.4f} s')
+      f'update {np.round(pieces["update"], 4)} s, head+embed {pieces["head"]:.4f} s, '
+      f'hop {link_s:.4f} s, all-reduce {allreduce_s:.4f} s')
   rows = []
   for setting in settings:
     measured = time_setting(setting, cfg, params, batch, layers_per_stage, steps=steps,
-                            warmup=warmup)
+                            warmup=warmup, stash_policy=stash_policy)
     multihost_utils.sync_global_devices(f'bench {setting.label}')
     if measured is None:
       continue
@@ -236,7 +252,9 @@ def run(cfg: transformer.ModelConfig, *, batch_size: int, stages: int, out_dir: 
            'stash': setting.stash, 'forward': setting.forward, **measured,
            'fwd_s_per_stage': ';'.join(f'{f:.6g}' for f in pieces['fwd']),
            'bwd_s_per_stage': ';'.join(f'{b:.6g}' for b in pieces['bwd']),
-           'head_s': pieces['head'], 'link_s': link_s, 'allreduce_s': allreduce_s,
+           'head_s': pieces['head'],
+           'update_s_per_stage': ';'.join(f'{u:.6g}' for u in pieces['update']),
+           'link_s': link_s, 'allreduce_s': allreduce_s,
            'ideal_s': simulated(setting, pieces, 0.0, 0.0),
            'predicted_s': simulated(setting, pieces, link_s, allreduce_s)}
     rows.append(row)
@@ -248,7 +266,8 @@ def run(cfg: transformer.ModelConfig, *, batch_size: int, stages: int, out_dir: 
                                   'stages': stages, 'layers_per_stage': layers_per_stage,
                                   'processes': jax.process_count(),
                                   'devices': [str(d) for d in jax.devices()],
-                                  'steps': steps, 'warmup': warmup}, log)
+                                  'steps': steps, 'warmup': warmup,
+                                  'stash_policy': stash_policy}, log)
   return rows
 
 
@@ -256,7 +275,8 @@ def table(rows: list[dict]) -> str:
   base = next((r['step_time_s'] for r in rows if r['schedule'] == 'backprop'), None)
   mp = next((r['step_time_s'] for r in rows if r['schedule'] == 'model_parallel'), None)
   lines = ['| setting | devices | step ms | tokens/s | vs backprop | vs model_parallel | '
-           'ideal ms | measured / ideal | simulator error |', '|---|---|---|---|---|---|---|---|---|']
+           'ideal ms | measured / ideal | simulator error |',
+           '|---|---|---|---|---|---|---|---|---|']
   for r in rows:
     ratio = lambda ref: f"{ref / r['step_time_s']:.2f}x" if ref else '-'
     error = (r['predicted_s'] - r['step_time_s']) / r['step_time_s']

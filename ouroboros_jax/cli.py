@@ -78,6 +78,9 @@ def _add_field_flags(parser: argparse.ArgumentParser) -> None:
       'data_dir': 'TFDS data dir (default $OUROBOROS_DATA_DIR or ~/.cache/ouroboros_jax/tfds)',
       'schedule': f'one of {", ".join(schedules.SCHEDULES)} (tiny: backprop)',
       'stash': 'ouroboros: graph or replay (tiny: graph)',
+      'stash_policy': 'ouroboros graph stash: all (every VJP residual), dots (matmul outputs), '
+                      'dots_no_batch, nothing (inputs and weights only); less kept = less memory '
+                      'traffic, more recompute, same gradient',
       'layers_per_stage': "e.g. '2,4,4,4' (default: balanced by FLOPs)",
   }
   for name, (kind, optional, owner) in presets.fields().items():
@@ -206,6 +209,7 @@ def _run_bench(args) -> None:
   bench.run(cfg.model, batch_size=cfg.batch_size, stages=max(cfg.stages, 2),
             out_dir=cfg.out or 'runs/bench', steps=args.bench_steps, warmup=args.warmup,
             settings=bench.select_settings(max(cfg.stages, 2), args.only),
+            stash_policy=cfg.stash_policy,
             layers_per_stage=cfg.layers_per_stage and [int(c) for c in
                                                         cfg.layers_per_stage.split(',')])
 

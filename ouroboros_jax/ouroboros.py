@@ -122,7 +122,8 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
   head_lag, backward_lags = lags(num_stages, config.forward)
   depth = max(backward_lags) + 1              # stash slots per device (G + 1, or 2G + 1)
   lag_G = jnp.asarray(backward_lags)
-  stash = ring_lib.Stash(model, config.stash)  # what a device keeps until its delayed backward
+  # What a device keeps of each batch until its delayed backward.
+  stash = ring_lib.Stash(model, config.stash, config.stash_policy)
 
   # -- one step on one device of the ring ---------------------------------------------------------
   def ring_step(params, ring, batch, t, t_async):
@@ -196,8 +197,8 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
     params_s = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
                             params['stages'])
     x = jax.eval_shape(model.embed, params['embed'], local['inputs'], None)
-    _, kept = jax.eval_shape(lambda p, h: stash.forward(p, h, 0, jax.random.key(0)),
-                             params_s, x)
+    # Stage index and key traced, as in the step: what a graph stash keeps can depend on it.
+    _, kept = jax.eval_shape(stash.forward, params_s, x, jnp.int32(0), jax.random.key(0))
     buffer = lambda a, *lead: jnp.zeros((num_stages, replicas, *lead, *a.shape), a.dtype)
 
     def fresh_state(params):
@@ -252,6 +253,7 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
     loss_batch = jnp.where(warm, t, t - head_lag)
     return new_state, {'loss': loss, 'loss_batch': loss_batch, 'grad_norm': grad_norm}
 
-  return Schedule(init=init, step=staged.jit_step(step, mesh), evaluate=jax.jit(lambda p, b: model.forward_loss(p, b)[0]),
-                  mesh=mesh, idle_fraction=idle_fraction(num_stages, forward=config.forward),
+  return Schedule(init=init, step=staged.jit_step(step, mesh),
+                  evaluate=jax.jit(lambda p, b: model.forward_loss(p, b)[0]), mesh=mesh,
+                  idle_fraction=idle_fraction(num_stages, forward=config.forward),
                   name='ouroboros')

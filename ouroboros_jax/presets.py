@@ -74,6 +74,7 @@ class TrainConfig:
   stages: int = 1
   data_parallel: int = 1
   stash: str = 'graph'          # ouroboros: 'graph' (keep VJP residuals) or 'replay'
+  stash_policy: str = 'all'     # graph stash: which residuals to keep (all, dots, nothing, ...)
   layers_per_stage: str | None = None  # '2,4,4,4'; None: balanced by partition.balance_layers
   sync_warmup_steps: int = 0
   tied_grad: str = 'sum'
@@ -115,6 +116,10 @@ class TrainConfig:
                         f'{", ".join(schedules.SCHEDULES)}.')
     if self.stash not in STASH_MODES:
       raise ConfigError(f'unknown stash mode {self.stash!r}; use --stash graph or --stash replay.')
+    from ouroboros_jax.ring import STASH_POLICIES
+    if self.stash_policy not in STASH_POLICIES:
+      raise ConfigError(f'unknown stash policy {self.stash_policy!r}; use --stash-policy '
+                        + ' or '.join(STASH_POLICIES) + '.')
     if self.forward not in ('locked', 'pipelined'):
       raise ConfigError(f'unknown forward {self.forward!r}; use --forward locked or pipelined.')
     if self.microbatches < 1:

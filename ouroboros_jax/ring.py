@@ -57,10 +57,25 @@ def local_stage_params(params):
   return jax.tree.map(lambda a: a[0], params['stages'])
 
 
+# What graph mode keeps of a group's forward, as `jax.checkpoint` policies. 'all' keeps every
+# residual JAX's VJP saves. The others keep less and recompute the rest in the backward, from
+# the kept values: the gradient is still exactly the one at forward-time weights (DDG), only
+# bytes move from memory traffic to recomputation. 'dots' keeps matmul outputs (elementwise ops,
+# norms and softmax are recomputed); 'nothing' keeps only the group's inputs and weights (the
+# whole forward is recomputed, as in replay, but at the forward-time weights).
+STASH_POLICIES = {
+    'all': None,
+    'dots': jax.checkpoint_policies.dots_saveable,
+    'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    'nothing': jax.checkpoint_policies.nothing_saveable,
+}
+
+
 class Stash:
   """What a device keeps of a batch between its group's forward and its group's backward.
 
   graph   the forward's VJP residuals (as DDG): the gradient is taken at forward-time weights.
+          `policy` (a key of STASH_POLICIES) chooses which residuals are kept.
   replay  only the group's input (as Features Replay): the backward re-runs the forward at the
           weights it is given and takes the VJP there; one extra forward, far less memory.
 
@@ -68,10 +83,14 @@ class Stash:
   same trace (or of a later step's trace, for Ouroboros) rebuilds the VJP from the kept leaves.
   """
 
-  def __init__(self, model: StagedModel, mode: str = 'graph'):
+  def __init__(self, model: StagedModel, mode: str = 'graph', policy: str = 'all'):
     if mode not in STASH_MODES:
       raise ConfigError(f'unknown stash mode {mode!r}; choose graph or replay.')
+    if policy not in STASH_POLICIES:
+      raise ConfigError(f'unknown stash policy {policy!r}; choose one of '
+                        f'{", ".join(STASH_POLICIES)}.')
     self.model, self.graph_mode, self.treedef = model, mode == 'graph', None
+    self.policy = STASH_POLICIES[policy]
 
   def run(self, params_s, x, stage_index, key):
     return self.model.stage(params_s, x, stage_index, staged.piece_rng(key, stage_index))
@@ -80,7 +99,10 @@ class Stash:
     """-> (the group's output, what to keep for its backward)."""
     if not self.graph_mode:
       return self.run(params_s, x, stage_index, key), x
-    y, vjp_fn = jax.vjp(lambda p, h: self.run(p, h, stage_index, key), params_s, x)
+    run = lambda p, h: self.run(p, h, stage_index, key)
+    if self.policy is not None:
+      run = jax.checkpoint(run, policy=self.policy)
+    y, vjp_fn = jax.vjp(run, params_s, x)
     leaves, self.treedef = jax.tree.flatten(vjp_fn)
     return y, leaves
 

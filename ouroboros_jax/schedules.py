@@ -62,6 +62,7 @@ class ScheduleConfig:
   seed: int = 0                  # dropout keys are derived from (seed, batch index)
   microbatches: int = 4          # gpipe: micro-batches per (data replica's) batch
   stash: str = 'graph'           # ouroboros: 'graph' (DDG) or 'replay' (Features Replay)
+  stash_policy: str = 'all'      # ouroboros graph stash: which residuals (ring.STASH_POLICIES)
   forward: str = 'locked'        # ouroboros: 'locked' (the paper) or 'pipelined'
   sync_warmup_steps: int = 0     # ouroboros: plain backprop over the ring first
   tied_grad: str = 'sum'         # ouroboros: 'sum' or 'mean' of the tied embedding's two grads

@@ -45,8 +45,12 @@ t+1 and only delays the task that reads it. In the locked forward every device t
 every round's hand-off (a `ppermute` per round), so no device starts its backward before the
 batch has come back round the ring to device 0.
 
+The optimizer update (`update_s`, when given) ends every step on every device, after the
+gradient clip's global norm, i.e. after all of the step's other work: a ring device updates its
+own stage, a backprop or data-parallel device the whole model.
+
 What is not modelled: memory limits; kernel-launch and dispatch overheads (unless given as
-`microbatch_overhead_s`); the optimizer update and the per-step scalar reductions; the all-reduce
+`microbatch_overhead_s`); the per-step scalar reductions; the all-reduce
 of the embedding and head gradients over the stage axis (`ring.gather_grads`); lower efficiency of
 small per-device batches (data parallelism and micro-batches are assumed to scale linearly);
 compute/communication contention on one device; hybrid stage x data meshes.
@@ -89,17 +93,22 @@ class StageCosts:
   latency: float = 0.0                   # seconds per transfer
   microbatch_overhead_s: float = 0.0     # gpipe: fixed cost added to every micro-batch task
   allreduce_s: float | None = None       # a measured all-reduce time; overrides the ring formula
+  update_s: Sequence[float] = ()         # per stage s: the optimizer update of its parameters
+                                         # (device 0's includes embedding and head); () = free
   batch_size: int | None = None          # when known, checked against D and M
 
   def __post_init__(self):
     object.__setattr__(self, 'forward_s', tuple(float(f) for f in self.forward_s))
     object.__setattr__(self, 'backward_s', tuple(float(b) for b in self.backward_s))
+    object.__setattr__(self, 'update_s', tuple(float(u) for u in self.update_s))
+    if self.update_s and len(self.update_s) != len(self.forward_s):
+      raise ValueError(f'update_s needs one entry per stage; got {len(self.update_s)}.')
     if not self.forward_s or len(self.forward_s) != len(self.backward_s):
       raise ValueError(f'forward_s and backward_s need one entry per stage; got '
                        f'{len(self.forward_s)} and {len(self.backward_s)}.')
     scalars = (self.head_s, self.embed_forward_s, self.embed_backward_s, self.activation_bytes,
                self.grad_bytes, self.latency, self.microbatch_overhead_s)
-    if min(*self.forward_s, *self.backward_s, *scalars) < 0 or self.bandwidth <= 0:
+    if min(*self.forward_s, *self.backward_s, *self.update_s, *scalars) < 0 or self.bandwidth <= 0:
       raise ValueError('costs must be >= 0 and the bandwidth > 0.')
 
   @property
@@ -122,7 +131,7 @@ class StageCosts:
   def total_compute_s(self) -> float:
     """One device doing everything: the backprop step."""
     return (self.embed_forward_s + sum(self.forward_s) + self.head_s + sum(self.backward_s)
-            + self.embed_backward_s)
+            + self.embed_backward_s + sum(self.update_s))
 
 
 def backprop_time(costs: StageCosts) -> float:
@@ -161,6 +170,7 @@ class Graph:
     self.barrier: int | None = None   # the previous step's barrier, a dep of every compute task
     self.step_tasks: list[int] = []   # sync tasks of the step being emitted
     self.step_end: dict[int, int] = {}
+    self.update_s: Sequence[float] = ()  # per device: its optimizer update, ending every step
 
   def _add(self, task: Task) -> int:
     self.tasks.append(task)
@@ -188,7 +198,12 @@ class Graph:
     return index
 
   def end_step(self, step: int) -> None:
-    """Nobody starts step + 1 before every sync task of `step` has ended."""
+    """Each device's optimizer update (after the step's global-norm clip, i.e. after every sync
+    task of the step), then: nobody starts step + 1 before every sync task has ended."""
+    clipped = tuple(self.step_tasks)
+    for device, seconds in enumerate(self.update_s):
+      if seconds:
+        self.compute(device, 'update', step, step, seconds, clipped)
     self.barrier = self._add(Task(None, 'barrier', step, step, 0.0, tuple(self.step_tasks),
                                   sync=False))
     self.step_end[step], self.step_tasks = self.barrier, []
@@ -394,6 +409,10 @@ def simulate(schedule: str, costs: StageCosts, *, microbatches: int = 4, data_pa
     raise ValueError(f'steps={steps} leaves no steady state; use at least {warmup + 3}.')
 
   graph, state = Graph(costs), {}
+  if costs.update_s:  # one device updates every parameter; a ring device, its own stage's
+    whole = sum(costs.update_s)
+    graph.update_s = ([whole] * devices if schedule in ('backprop', 'data_parallel') or G == 1
+                      else list(costs.update_s))
   for t in range(steps):
     emit(graph, t, state, microbatches=microbatches, replicas=data_parallel, stash=stash)
   times = execute(graph.tasks)

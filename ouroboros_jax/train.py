@@ -65,6 +65,7 @@ def schedule_config(cfg: TrainConfig) -> schedules.ScheduleConfig:
   return schedules.ScheduleConfig(
       name=cfg.schedule, num_stages=cfg.stages, data_parallel=cfg.data_parallel,
       clip_norm=cfg.clip_norm or None, seed=cfg.seed, stash=cfg.stash,
+      stash_policy=cfg.stash_policy,
       sync_warmup_steps=cfg.sync_warmup_steps, tied_grad=cfg.tied_grad, forward=cfg.forward,
       microbatches=cfg.microbatches)
 

@@ -230,3 +230,25 @@ def test_cost_model_gives_device_zero_fewer_layers():
                                 vocab_size=50000)
   counts = partition.balance_layers(cfg, 4)
   assert sum(counts) == 13 and counts[0] < max(counts[1:])
+
+
+@pytest.mark.parametrize('forward', ['locked', 'pipelined'])
+def test_graph_stash_policies_keep_the_forward_time_gradient(forward):
+  """Keeping fewer residuals (a jax.checkpoint policy) recomputes the rest from what was kept at
+  forward time, so every policy gives the reference's graph-mode (DDG) parameters."""
+  model, params = tiny_transformer(2, dropout=0.1)
+  tx = adam()
+  batches = random_batches(6, seed=2)
+  want, _, _ = reference.run(model, tx, params, batches, stash='graph', forward=forward)
+  for policy in ('dots', 'nothing'):
+    config = ScheduleConfig(name='ouroboros', num_stages=2, stash='graph', forward=forward,
+                            stash_policy=policy)
+    state, _ = run_schedule(config, model, tx, params, batches)
+    assert max_abs_diff(state.params, want) < 2e-5, policy
+
+
+def test_unknown_stash_policy_is_a_clear_error():
+  model, params = tiny_transformer(2)
+  with pytest.raises(ConfigError, match='stash policy'):
+    build_schedule(ScheduleConfig(name='ouroboros', num_stages=2, stash_policy='most'), model,
+                   adam())
