@@ -252,3 +252,45 @@ def test_unknown_stash_policy_is_a_clear_error():
   with pytest.raises(ConfigError, match='stash policy'):
     build_schedule(ScheduleConfig(name='ouroboros', num_stages=2, stash_policy='most'), model,
                    adam())
+
+
+def delayed_exact_gradients(model, tx, params, batches, num_stages):
+  """Graph-mode Ouroboros restated without a ring, stash or deque: every batch's exact gradient
+  at the weights of the step that drew it, and module k applies the one of batch t - (K - k)
+  (the head: batch t; stage s: t - (G - s); the input side of the tied embedding: t - G)."""
+  def split_loss(p, batch):  # the embedding's input side and head side as separate arguments
+    x = model.embed(p['embed'], batch['inputs'], None)
+    for s in range(num_stages):
+      x = model.stage(jax.tree.map(lambda a: a[s], p['stages']), x, s, None)
+    return model.loss(p['head'], p['embed_out'], x, batch['targets'])[0]
+
+  grad_of = jax.jit(jax.grad(split_loss))
+  opt_state, history = staged.init_opt_state(tx, params), []
+  for t, batch in enumerate(batches):
+    history.append(grad_of({**params, 'embed_out': params['embed']}, batch))
+    at = lambda lag: history[t - lag] if t >= lag else None
+    zeros = jax.tree.map(jnp.zeros_like, history[-1])
+    stage_grads = [jax.tree.map(lambda a: a[s], (at(num_stages - s) or zeros)['stages'])
+                   for s in range(num_stages)]
+    grads = {'embed': jax.tree.map(jnp.add, history[t]['embed_out'],
+                                   (at(num_stages) or zeros)['embed']),
+             'stages': jax.tree.map(lambda *g: jnp.stack(g), *stage_grads),
+             'head': history[t]['head']}
+    ready = jnp.asarray([t >= num_stages - s for s in range(num_stages)])
+    params, opt_state, _ = staged.apply_gradients(tx, params, opt_state, grads, clip_norm=None,
+                                                  stages_ready_G=ready)
+  return params
+
+
+@pytest.mark.parametrize('num_stages', [2, 3])
+def test_graph_mode_is_backprop_with_per_module_delays(num_stages):
+  """An independent check of the ring and the slow reference alike: graph-mode Ouroboros is
+  exactly 'module k applies the exact gradient of batch t - (K - k)'."""
+  model, params = tiny_transformer(num_stages)
+  tx = adam()
+  batches = random_batches(7, seed=3)
+  config = ScheduleConfig(name='ouroboros', num_stages=num_stages, stash='graph', clip_norm=None)
+  state, _ = run_schedule(config, model, tx, params, batches)
+  want = delayed_exact_gradients(model, tx, params, batches, num_stages)
+  assert max_abs_diff(params, want) > 1e-2
+  assert max_abs_diff(state.params, want) < 2e-5
