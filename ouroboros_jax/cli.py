@@ -79,6 +79,20 @@ def _add_field_flags(parser: argparse.ArgumentParser) -> None:
       'schedule': f'one of {", ".join(schedules.SCHEDULES)} (tiny: backprop)',
       'stash': 'ouroboros: graph or replay (tiny: graph)',
       'layers_per_stage': "e.g. '2,4,4,4' (default: balanced by FLOPs)",
+      'pld': 'progressive layer dropping: THETA_BAR,GAMMA (e.g. 0.5,0.001, or default); keep '
+             'prob. of layer l: 1-(l/L)(1-theta(t)), theta(t)=(1-theta_bar)exp(-gamma t)'
+             '+theta_bar; pre-LN only; any schedule (default: off)',
+      'growth': 'MSLT / progressive stacking plan: METHOD:DEPTHxSTEPS,...[,all:STEPS]'
+                '[,init=copy_top|random][,embed=train], METHOD mslt (train only the new top '
+                'layers, the rest forward only) or stacking (train all); one STEPS may be * '
+                '(the rest); steps add up to --steps; e.g. mslt:1x300,2x300,4x*; backprop only '
+                '(default: off)',
+      'vcycle': 'multi-level V-cycle plan: down=N[/N..],coarse=N[,up=N[/N..]][,levels=K]'
+                '[,alpha=0.5][,width=1][,depth=1][,lr_scale=1][,opt=carry|reset]; up[0] '
+                'defaults to the rest of --steps; e.g. down=200,coarse=400 (default: off)',
+      'std_loss': 'weight of the standardization loss on the GELU pre-activations (e.g. '
+                  '1e-3; default 0: off)',
+      'std_loss_layers': "layers the standardization loss regularises: 'all' or e.g. '0,2'",
   }
   for name, (kind, optional, owner) in presets.fields().items():
     group = model_group if owner is presets.ModelConfig else train_group
