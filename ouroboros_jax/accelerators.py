@@ -42,8 +42,8 @@ import os
 
 from ouroboros_jax import presets
 
-FIELDS = ('method', 'flag', 'wall_s', 'compile_s', 'cpu_s', 'flops', 'val_bpb', 'test_bpb', 'wall_saving',
-          'cpu_saving', 'flop_saving')
+FIELDS = ('method', 'flag', 'wall_s', 'compile_s', 'cpu_s', 'flops', 'val_bpb', 'test_bpb',
+          'wall_saving', 'cpu_saving', 'flop_saving', 'plain_bpb_same_flops', 'plain_bpb_same_cpu')
 
 
 def methods(steps: int, num_layers: int) -> dict[str, dict]:
@@ -112,12 +112,33 @@ def compare(base: presets.TrainConfig, out_dir: str, names=None, *, quiet: bool 
         'curve': curves(run_dir)})
     log(f'[{name}] val bpb {summary["val_bpb"]:.4f}, {results[-1]["wall_s"]:.1f} s wall, '
         f'{results[-1]["cpu_s"]:.1f} s CPU, {summary["flops"]:.3g} FLOPs')
+  return add_savings(results)
+
+
+def _plain_bpb_at(plain: dict, key: str, value: float) -> float | None:
+  """Plain training's validation bpb after spending `value` of `key` (linear in between its
+  evaluations; None before its first one)."""
+  xs = [row.get(key) for row in plain['curve']]
+  ys = [row['bpb'] for row in plain['curve']]
+  if not xs or any(x is None for x in xs) or value < xs[0]:
+    return None
+  for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+    if x0 <= value <= x1:
+      return y0 + (y1 - y0) * (value - x0) / max(x1 - x0, 1e-12)
+  return ys[-1]
+
+
+def add_savings(results: list[dict]) -> list[dict]:
+  """Adds to every result, against the 'plain' one: wall_saving, cpu_saving, flop_saving
+  (1 - method / plain: positive = the method spent less) and plain_bpb_same_flops /
+  plain_bpb_same_cpu (plain training's validation bpb after the FLOPs / CPU time the method
+  spent in all: if it is higher than the method's, the method paid off)."""
   plain = next((r for r in results if r['method'] == 'plain'), None)
   for r in results:
-    for key in ('wall', 'cpu', 'flop'):
-      value = r[key + 's' if key == 'flop' else key + '_s']
-      base_value = plain and plain[key + 's' if key == 'flop' else key + '_s']
-      r[key + '_saving'] = (1.0 - value / base_value) if base_value else None
+    for key, field in (('wall', 'wall_s'), ('cpu', 'cpu_s'), ('flop', 'flops')):
+      r[key + '_saving'] = (1.0 - r[field] / plain[field]) if plain and plain[field] else None
+    r['plain_bpb_same_flops'] = plain and _plain_bpb_at(plain, 'flops', r['flops'])
+    r['plain_bpb_same_cpu'] = plain and _plain_bpb_at(plain, 'cpu_s', r['cpu_s'])
   return results
 
 
@@ -136,40 +157,46 @@ def markdown_table(results: list[dict]) -> str:
   def pct(x):
     return '-' if x is None else f'{100 * x:+.0f}%'
 
+  def bpb(x):
+    return '-' if x is None else f'{x:.3f}'
+
   lines = ['| method | flag | wall-clock s (compile) | CPU s | TFLOPs | val bpb | test bpb | '
-           'wall saved | CPU saved | FLOPs saved |', '|---|---|---|---|---|---|---|---|---|---|']
+           'wall saved | CPU saved | FLOPs saved | plain at same FLOPs | plain at same CPU |',
+           '|---|---|---|---|---|---|---|---|---|---|---|---|']
   for r in results:
     lines.append(f'| {r["method"]} | `{r["flag"]}` | {r["wall_s"]:.0f} ({r["compile_s"]:.0f}) | '
                  f'{r["cpu_s"]:.0f} | '
                  f'{r["flops"] / 1e12:.2f} | {r["val_bpb"]:.3f} | {r["test_bpb"]:.3f} | '
-                 f'{pct(r["wall_saving"])} | {pct(r["cpu_saving"])} | {pct(r["flop_saving"])} |')
+                 f'{pct(r["wall_saving"])} | {pct(r["cpu_saving"])} | {pct(r["flop_saving"])} | '
+                 f'{bpb(r.get("plain_bpb_same_flops"))} | {bpb(r.get("plain_bpb_same_cpu"))} |')
   return '\n'.join(lines)
 
 
 def plot(results: list[dict], path: str, title: str = '') -> None:
-  """Two panels: validation bpb against training wall-clock and against FLOPs spent."""
+  """Validation bpb against training wall-clock, against process CPU time (robust to other jobs
+  on a shared machine) and against FLOPs spent."""
   import matplotlib
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
-  fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+  panels = [('train_s', 1.0, 'training wall-clock (s, compilation included)'),
+            ('cpu_s', 1.0, 'training CPU time (s, all threads)'),
+            ('flops', 1e-12, 'model FLOPs spent (10^12)')]
+  fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.2), sharey=True)
   for r in results:
-    xs_wall = [row['train_s'] for row in r['curve']]
-    xs_flops = [row['flops'] / 1e12 for row in r['curve']]
     ys = [row['bpb'] for row in r['curve']]
     style = dict(marker='o', markersize=3, label=r['method'],
                  linewidth=2.2 if r['method'] == 'plain' else 1.4,
                  color='black' if r['method'] == 'plain' else None)
-    left.plot(xs_wall, ys, **style)
-    right.plot(xs_flops, ys, **style)
-  left.set_xlabel('training wall-clock (s, compilation included)')
-  right.set_xlabel('model FLOPs spent (10^12)')
-  left.set_ylabel('validation bits per byte')
-  for ax in (left, right):
+    for ax, (key, scale, _) in zip(axes, panels):
+      ax.plot([row.get(key, float('nan')) * scale for row in r['curve']], ys, **style)
+  for ax, (_, _, label) in zip(axes, panels):
+    ax.set_xlabel(label)
     ax.grid(alpha=0.3)
-  right.legend()
+  axes[0].set_ylabel('validation bits per byte')
+  axes[-1].legend()
   if title:
     fig.suptitle(title)
   fig.tight_layout()
-  fig.savefig(path, dpi=120)
+  fig.savefig(path, dpi=110)
   plt.close(fig)

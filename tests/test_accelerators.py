@@ -99,51 +99,49 @@ def test_bad_accelerator_flags_fail_in_one_line(args, words):
 
 
 SMALL = dict(d_model=16, num_heads=2, num_layers=2, d_ff=32, seq_len=16, batch_size=4,
-             steps=6, eval_every=3, eval_batches=1, log_every=1, checkpoint_every=10 ** 6,
+             steps=4, eval_every=2, eval_batches=1, log_every=1, checkpoint_every=10 ** 6,
              warmup_steps=1)
 
 
-def test_every_method_trains_and_counts_its_flops(tmp_path, text_corpus):
-  """Six steps of each method through `train.train` (the CLI's path): each logs validation
-  rows with FLOPs and times; PLD, MSLT, stacking and the V-cycle spend fewer FLOPs than plain
-  training, and plain training's count is the analytic 3 (L F + H) per token."""
-  from ouroboros_jax import partition
+def test_methods_train_and_count_their_flops(tmp_path, text_corpus):
+  """Four steps of plain training, PLD and MSLT through `train.train` (the CLI's path): each
+  logs validation rows with FLOPs and times; the accelerators spend fewer FLOPs than plain
+  training, whose count is the analytic 3 (L F + H) per token, and PLD's is that of the layers
+  its gates kept. (Stacking runs MSLT's driver, the standardization loss plain training's loop,
+  the V-cycle is run below; the drivers' own tests check their FLOP logs.)"""
+  from ouroboros_jax import partition, train
 
   base = presets.override(presets.get_preset('tiny'), {**SMALL, 'data': f'text:{text_corpus}'})
-  results = {r['method']: r for r in accelerators.compare(base, str(tmp_path), log=lambda _: 0)}
-  assert set(results) == {'plain', 'pld', 'mslt', 'stacking', 'vcycle', 'stdloss'}
+  names = ['plain', 'pld', 'mslt']
+  results = {r['method']: r for r in accelerators.compare(base, str(tmp_path), names,
+                                                          log=lambda _: 0)}
   per_token = 3 * (2 * partition.layer_flops(base.model) + partition.head_flops(base.model))
-  np.testing.assert_allclose(results['plain']['flops'], 6 * base.tokens_per_step * per_token)
-  for name in ('pld', 'mslt', 'stacking', 'vcycle'):
+  np.testing.assert_allclose(results['plain']['flops'], 4 * base.tokens_per_step * per_token)
+  pld_cfg = presets.override(base, accelerators.methods(4, 2)['pld'])
+  np.testing.assert_allclose(results['pld']['flops'], train.step_flops(pld_cfg, range(4)).sum())
+  for name in names[1:]:
     assert results[name]['flops'] < results['plain']['flops'], name
     assert results[name]['flop_saving'] > 0
-  assert results['stdloss']['flops'] == results['plain']['flops']
   for r in results.values():
     assert np.isfinite(r['val_bpb']) and r['val_bpb'] < 8.5
-    assert [row['step'] for row in r['curve']] == [3, 6]
+    assert [row['step'] for row in r['curve']] == [2, 4]
     assert r['curve'][-1]['cpu_s'] > 0 and r['wall_s'] > 0
   table = accelerators.markdown_table(list(results.values()))
-  assert table.count('\n') == 7 and '| mslt |' in table
+  assert table.count('\n') == 4 and '| mslt |' in table
   accelerators.plot(list(results.values()), str(tmp_path / 'plot.png'))
   assert (tmp_path / 'plot.png').stat().st_size > 10_000
 
 
-def test_pld_and_vcycle_inside_ouroboros(tmp_path, text_corpus):
-  """--pld and a width-only --vcycle under a 2-device Ouroboros ring, through `train.train`;
-  the PLD run's FLOPs are those of the layers its gates really kept."""
+def test_vcycle_inside_ouroboros(tmp_path, text_corpus):
+  """A width-only --vcycle under a 2-device Ouroboros ring, through `train.train`: every level
+  keeps the two layers the ring needs, the dip trains the half-width model."""
   from ouroboros_jax import train
 
-  base = presets.override(presets.get_preset('tiny'), {
-      **SMALL, 'data': f'text:{text_corpus}', 'schedule': 'ouroboros', 'stages': 2})
-  cfg = dataclasses.replace(presets.override(base, {'pld': '0.5,0.5'}), out=str(tmp_path / 'p'))
-  summary = train.train(cfg, quiet=True)
-  kept = np.asarray(pld.kept_layers(cfg.seed, np.arange(6), (1, 1), 2, 0.5, 0.5))
-  assert kept.min() < 2  # some layer was dropped
-  np.testing.assert_allclose(summary['flops'], train.step_flops(cfg, np.arange(6)).sum())
-  cfg = dataclasses.replace(presets.override(base, {'vcycle': 'down=2,coarse=2,depth=0'}),
-                            out=str(tmp_path / 'v'))
-  summary = train.train(cfg, quiet=True)
+  cfg = presets.override(presets.get_preset('tiny'), {
+      **SMALL, 'data': f'text:{text_corpus}', 'schedule': 'ouroboros', 'stages': 2,
+      'vcycle': 'down=1,coarse=2,depth=0'})
+  summary = train.train(dataclasses.replace(cfg, out=str(tmp_path / 'v')), quiet=True)
   assert np.isfinite(summary['val_bpb'])
   with open(tmp_path / 'v' / 'metrics.jsonl') as f:
     rows = [json.loads(line) for line in f]
-  assert [r['level'] for r in rows if r['split'] == 'train'] == [0, 0, 1, 1, 0, 0]
+  assert [r['level'] for r in rows if r['split'] == 'train'] == [0, 1, 1, 0]
