@@ -37,6 +37,10 @@ mode (dropout on, if the model has dropout).
 
 FLOPs in the log are the usual estimate per token: a frozen layer costs its forward F, a trained
 layer F + 2F (forward and backward), the head 3 H (`partition.layer_flops`, `head_flops`).
+
+From the command line: `ouroboros train --growth mslt:1x300,2x300,4x*,all:300` or
+`--growth stacking:2x300,4x*` (`parse_plan` has the syntax; `train.train_phased` runs it, on
+--schedule backprop only: a stage-parallel schedule would change its stages' layers mid-run).
 """
 
 from __future__ import annotations

@@ -44,6 +44,9 @@ V-cycle (`train_vcycle`): train M1 for n1 steps, coalesce, train M2 (larger lr, 
 `tx_factory(level)`) for n2 steps, de-coalesce, interpolate with M1's weights from before
 coalescing, continue M1; with more levels M2 itself runs a V-cycle before returning. Training
 at every level uses the library's schedules (`build_schedule`, backprop by default).
+From the command line: `ouroboros train --vcycle down=200,coarse=400[,levels=3,...]`
+(`parse_plan` has the syntax; `train.train_phased` runs it under the run's --schedule, every level
+cut into --stages by the balanced split).
 """
 
 from __future__ import annotations
