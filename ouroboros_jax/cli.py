@@ -211,6 +211,11 @@ def _run_sample(args) -> None:
 def _run_bench(args) -> None:
   cfg = config_from_args(args)
   cfg.validate()
+  given = [presets.flag(n) for n in ('pld', 'growth', 'vcycle', 'std_loss') if getattr(cfg, n)]
+  if given:
+    from ouroboros_jax.model import ConfigError
+    raise ConfigError(f'`bench` times the schedules alone; {", ".join(given)} apply to `train` '
+                      '(experiments/accelerators.py compares the accelerators).')
   _join_process_group(args)
   from ouroboros_jax import bench
 

@@ -98,6 +98,10 @@ def test_bad_accelerator_flags_fail_in_one_line(args, words):
                         2, *words)
 
 
+def test_bench_refuses_accelerator_flags():
+  assert_one_line_error(run_cli('bench', '--pld', 'default'), 2, '--pld', '`bench`')
+
+
 SMALL = dict(d_model=16, num_heads=2, num_layers=2, d_ff=32, seq_len=16, batch_size=4,
              steps=4, eval_every=2, eval_batches=1, log_every=1, checkpoint_every=10 ** 6,
              warmup_steps=1)
