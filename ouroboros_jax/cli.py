@@ -82,6 +82,20 @@ def _add_field_flags(parser: argparse.ArgumentParser) -> None:
                       'dots_no_batch, nothing (inputs and weights only); less kept = less memory '
                       'traffic, more recompute, same gradient',
       'layers_per_stage': "e.g. '2,4,4,4' (default: balanced by FLOPs)",
+      'pld': 'progressive layer dropping: THETA_BAR,GAMMA (e.g. 0.5,0.001, or default); keep '
+             'prob. of layer l: 1-(l/L)(1-theta(t)), theta(t)=(1-theta_bar)exp(-gamma t)'
+             '+theta_bar; pre-LN only; any schedule (default: off)',
+      'growth': 'MSLT / progressive stacking plan: METHOD:DEPTHxSTEPS,...[,all:STEPS]'
+                '[,init=copy_top|random][,embed=train], METHOD mslt (train only the new top '
+                'layers, the rest forward only) or stacking (train all); one STEPS may be * '
+                '(the rest); steps add up to --steps; e.g. mslt:1x300,2x300,4x*; backprop only '
+                '(default: off)',
+      'vcycle': 'multi-level V-cycle plan: down=N[/N..],coarse=N[,up=N[/N..]][,levels=K]'
+                '[,alpha=0.5][,width=1][,depth=1][,lr_scale=1][,opt=carry|reset]; up[0] '
+                'defaults to the rest of --steps; e.g. down=200,coarse=400 (default: off)',
+      'std_loss': 'weight of the standardization loss on the GELU pre-activations (e.g. '
+                  '1e-3; default 0: off)',
+      'std_loss_layers': "layers the standardization loss regularises: 'all' or e.g. '0,2'",
   }
   for name, (kind, optional, owner) in presets.fields().items():
     group = model_group if owner is presets.ModelConfig else train_group
@@ -203,6 +217,11 @@ def _run_sample(args) -> None:
 def _run_bench(args) -> None:
   cfg = config_from_args(args)
   cfg.validate()
+  given = [presets.flag(n) for n in ('pld', 'growth', 'vcycle', 'std_loss') if getattr(cfg, n)]
+  if given:
+    from ouroboros_jax.model import ConfigError
+    raise ConfigError(f'`bench` times the schedules alone; {", ".join(given)} apply to `train` '
+                      '(experiments/accelerators.py compares the accelerators).')
   _join_process_group(args)
   from ouroboros_jax import bench
 

@@ -37,6 +37,10 @@ mode (dropout on, if the model has dropout).
 
 FLOPs in the log are the usual estimate per token: a frozen layer costs its forward F, a trained
 layer F + 2F (forward and backward), the head 3 H (`partition.layer_flops`, `head_flops`).
+
+From the command line: `ouroboros train --growth mslt:1x300,2x300,4x*,all:300` or
+`--growth stacking:2x300,4x*` (`parse_plan` has the syntax; `train.train_phased` runs it, on
+--schedule backprop only: a stage-parallel schedule would change its stages' layers mid-run).
 """
 
 from __future__ import annotations
@@ -297,7 +301,8 @@ def train_growth(plan: GrowthPlan, cfg: ModelConfig, batches: Iterable[dict],
                  tx_factory: Callable[[int], optax.GradientTransformation], *,
                  key: jax.Array | None = None, params: dict | None = None,
                  clip_norm: float | None = 1.0, seed: int = 0,
-                 on_stage_end: Callable[[int, dict], None] | None = None):
+                 on_stage_end: Callable[[int, dict], None] | None = None,
+                 on_step: Callable[[dict, dict], None] | None = None):
   """Runs a whole plan with plain backprop (one device). Returns (params, log).
 
   cfg: the full-size model (num_layers = plan.depths[-1]); the stages run the same config with
@@ -307,6 +312,8 @@ def train_growth(plan: GrowthPlan, cfg: ModelConfig, batches: Iterable[dict],
     'loss' (of that step's batch), 'flops' (cumulative estimate, `step_flops`)}.
   on_stage_end: optional callback(stage_index, params) after every stage (evaluation,
     checkpoints, tests).
+  on_step: optional callback(log row, params) after every step (the loss is then still on the
+    device: row['loss'] is a jax scalar; the log keeps floats).
   """
   plan.validate(cfg)
   cfg.validate()
@@ -332,8 +339,11 @@ def train_growth(plan: GrowthPlan, cfg: ModelConfig, batches: Iterable[dict],
       params, opt_state, loss = step(params, opt_state, batch, t)
       tokens = batch['inputs'].shape[0] * batch['inputs'].shape[1]
       flops += step_flops(cfg, tokens, depth, num_frozen)
-      log.append({'stage': stage_index, 'step': t, 'depth': depth, 'frozen': num_frozen,
-                  'loss': float(loss), 'flops': flops})
+      row = {'stage': stage_index, 'step': t, 'depth': depth, 'frozen': num_frozen,
+             'loss': loss, 'flops': flops}
+      if on_step is not None:
+        on_step(row, params)
+      log.append({**row, 'loss': float(loss)})
       t += 1
     if on_stage_end is not None:
       on_stage_end(stage_index, params)
@@ -353,3 +363,76 @@ def _stage_opt_state(mode: str, tx, params: dict, previous: dict | None,
                       'result.')
   layers = _concat(previous['layers'], _slice(fresh['layers'], previous_depth))
   return {'embed': previous['embed'], 'layers': layers, 'head': previous['head']}
+
+
+# ----------------------------------------------------------------------------- the flag
+
+
+def parse_plan(text: str, num_layers: int, total_steps: int) -> GrowthPlan:
+  """The `--growth` flag -> a GrowthPlan for a model of `num_layers` trained `total_steps`.
+
+      METHOD:DEPTHxSTEPS,DEPTHxSTEPS,...[,all:STEPS][,init=copy_top|random][,embed=train]
+
+  METHOD is mslt (train only the new top layers; the lower ones run forward only) or stacking
+  (grow and train everything). One STEPS may be `*`: the rest of `total_steps`. The step counts
+  (with the final all-layer stage `all:STEPS`, MSLT only) must add up to `total_steps`, and the
+  last depth must be `num_layers`. Examples for a 4-layer model and --steps 1000:
+
+      mslt:1x250,2x250,4x250,all:250     stacking:2x400,4x*     mslt:2x300,4x*,init=random
+  """
+  def bad(why: str):
+    return ConfigError(f'--growth {text!r}: {why}; the syntax is METHOD:DEPTHxSTEPS,...'
+                       '[,all:STEPS][,init=copy_top|random] with METHOD mslt or stacking, e.g. '
+                       f'--growth mslt:{max(num_layers // 2, 1)}x300,{num_layers}x*.')
+
+  method, sep, rest = text.partition(':')
+  method = method.strip().lower()
+  if not sep or method not in METHODS:
+    raise bad('it must start with mslt: or stacking:')
+  depths, steps, options, final = [], [], {}, None
+  for item in filter(None, (i.strip() for i in rest.split(','))):
+    if item.startswith('all:'):
+      final = item[4:]
+    elif '=' in item:
+      key, _, value = item.partition('=')
+      options[key.strip()] = value.strip()
+    elif 'x' in item:
+      depth, _, count = item.partition('x')
+      if not depth.strip().isdigit():
+        raise bad(f'{item!r} is not DEPTHxSTEPS')
+      depths.append(int(depth))
+      steps.append(count.strip())
+    else:
+      raise bad(f'{item!r} is not DEPTHxSTEPS, all:STEPS or an option')
+  if not depths:
+    raise bad('it has no DEPTHxSTEPS stage')
+  if final is not None and method != 'mslt':
+    raise bad('a final all:STEPS stage belongs to mslt (stacking trains every layer anyway)')
+  counts = steps + ([final] if final is not None else [])
+  if sum(c == '*' for c in counts) > 1:
+    raise bad('only one stage may take the rest of the steps (*)')
+  if any(c != '*' and not c.isdigit() for c in counts):
+    raise bad('every STEPS must be a non-negative integer or *')
+  known = sum(int(c) for c in counts if c != '*')
+  if '*' in counts:
+    if known > total_steps:
+      raise bad(f'its stages take {known} steps but --steps is {total_steps}')
+    counts = [str(total_steps - known) if c == '*' else c for c in counts]
+  elif known != total_steps:
+    raise bad(f'its stages take {known} steps but --steps is {total_steps}; make them add up '
+              'or end with DEPTHx*')
+  unknown = set(options) - {'init', 'embed'}
+  if unknown:
+    raise bad(f'unknown option {sorted(unknown)[0]!r} (options: init, embed)')
+  if options.get('embed', 'frozen') not in ('frozen', 'train'):
+    raise bad('embed= takes frozen or train')
+  counts = [int(c) for c in counts]
+  plan = GrowthPlan(depths=tuple(depths), steps=tuple(counts[:len(depths)]), method=method,
+                    init=options.get('init', 'copy_top'),
+                    final_steps=counts[-1] if final is not None else 0,
+                    train_embedding=options.get('embed') == 'train')
+  try:
+    plan.validate(dataclasses.replace(ModelConfig(), num_layers=num_layers))
+  except ConfigError as e:
+    raise bad(str(e).rstrip('.')) from None
+  return plan

@@ -49,6 +49,9 @@ class ModelConfig:
   pre_ln: bool = True          # pre-LN (GPT-2) blocks; False gives the original post-LN blocks
   tie_embeddings: bool = True  # the output projection is V^T, V the input embedding
   init_std: float = 0.02
+  layer_unroll: int = 1        # layers per iteration of the layer scan; 0 unrolls the stack
+                               # (faster on CPU, above all with PLD's skipped layers; longer
+                               # compiles for deep models)
 
   def validate(self) -> None:
     for name in ('vocab_size', 'd_model', 'num_heads', 'num_layers', 'd_ff', 'seq_len'):
@@ -58,6 +61,9 @@ class ModelConfig:
     if self.d_model % self.num_heads:
       raise ConfigError(f'd_model={self.d_model} is not divisible by num_heads={self.num_heads}; '
                         'choose --d-model as a multiple of --num-heads.')
+    if self.layer_unroll < 0:
+      raise ConfigError(f'layer_unroll must be >= 0 (0: unroll every layer), got '
+                        f'{self.layer_unroll}; fix --layer-unroll.')
     if not 0.0 <= self.dropout < 1.0:
       raise ConfigError(f'dropout must be in [0, 1), got {self.dropout}; fix --dropout.')
 
@@ -183,6 +189,7 @@ def layers(cfg: ModelConfig, layer_params: Params, x_BxLxD, rng=None, *, active_
   active_N: optional bool per layer; an inactive layer is skipped by `lax.cond` (no FLOPs), which
     is how uneven pipeline stages are padded and how dropped layers cost nothing.
   scale_N: optional per-layer multiplier of the residual branches (1/keep-probability for PLD).
+  cfg.layer_unroll layers run per scan iteration (0: all of them, no loop).
   """
   block_def = _graphdefs(cfg)[1]
   num = jax.tree.leaves(layer_params)[0].shape[0]
@@ -196,7 +203,8 @@ def layers(cfg: ModelConfig, layer_params: Params, x_BxLxD, rng=None, *, active_
       return run(x), None
     return jax.lax.cond(active, run, lambda x: x, x), None
 
-  x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, (layer_params, rngs_N, active_N, scale_N))
+  x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, (layer_params, rngs_N, active_N, scale_N),
+                            unroll=cfg.layer_unroll or True)
   return x_BxLxD
 
 

@@ -36,11 +36,20 @@ The step is stored in float32, exact for t < 2^24; the channel is `stop_gradient
 caller passes `step=` to the stage itself (see `pld_stages`).
 
 The cost of the channel: one slice and one concatenate of the activation per stage (memory
-traffic, no FLOPs), and D+1 floats per token on the wire between stages.
+traffic, no FLOPs), and D+1 floats per token on the wire between stages. It is kept on purpose
+over a `step` argument of the stage function: the channel needs no change to the `StagedModel`
+interface or to any schedule, and under Ouroboros it is the *batch's* step that travels with the
+stashed activation, which is exactly what a delayed or replayed backward must see (a schedule
+passing its current step would hand a replay the wrong t). `tests/test_pld.py` checks the sharded
+Ouroboros step with PLD against the slow reference, in both stash modes.
+
+`train.py` wires it up (`--pld THETA_BAR,GAMMA`); `kept_layers` re-draws the gates on the host,
+so the FLOPs a run reports are those of the layers it really ran.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import jax
@@ -48,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ouroboros_jax import model as transformer
+from ouroboros_jax import staged
 from ouroboros_jax.model import ConfigError, ModelConfig
 from ouroboros_jax.partition import stage_mask
 from ouroboros_jax.staged import StagedModel
@@ -221,3 +231,55 @@ def expected_layer_fraction(t, num_layers: int, theta_bar: float = DEFAULT_THETA
                             gamma: float = DEFAULT_GAMMA) -> float:
   """Expected fraction of layers run at step t: mean_l p_l(t) (the FLOP saving is 1 - this)."""
   return float(jnp.mean(keep_probs(t, num_layers, theta_bar, gamma)))
+
+
+# ----------------------------------------------------------------------------- options & FLOPs
+
+
+def parse(text: str) -> tuple[float, float]:
+  """'theta_bar,gamma' (the `--pld` flag) -> (theta_bar, gamma); 'default' gives DeepSpeed's
+  (0.5, 0.001). Raises a one-line ConfigError for anything else."""
+  if text.strip().lower() in ('default', 'on'):
+    return DEFAULT_THETA_BAR, DEFAULT_GAMMA
+  parts = text.split(',')
+  try:
+    if len(parts) != 2:
+      raise ValueError
+    theta_bar, gamma = float(parts[0]), float(parts[1])
+  except ValueError:
+    raise ConfigError(f'--pld takes THETA_BAR,GAMMA (e.g. --pld 0.5,0.001, or --pld default), '
+                      f'got {text!r}.') from None
+  if not 0.0 < theta_bar <= 1.0:
+    raise ConfigError(f'--pld theta_bar must be in (0, 1], got {theta_bar}; 0.5 is the default.')
+  if not gamma >= 0.0:
+    raise ConfigError(f'--pld gamma must be >= 0, got {gamma}; 0.001 is the default '
+                      '(or about 100 / --steps).')
+  return theta_bar, gamma
+
+
+@functools.partial(jax.jit, static_argnames=('layers_per_stage', 'num_layers'))
+def kept_layers(seed: int, steps, layers_per_stage: tuple[int, ...], num_layers: int,
+                theta_bar: float, gamma: float):
+  """[T] number of layers a `pld_stages` model really ran at each training step in `steps`.
+
+  Re-draws the gates on the host exactly as the stages draw them when stage s of batch t gets
+  the key `staged.piece_rng(staged.batch_key(seed, t), s)`, i.e. under backprop,
+  model_parallel, ouroboros (both forwards and stash modes), data_parallel with one replica and
+  gpipe with one micro-batch. (With several data replicas or micro-batches each draws its own
+  gates; `expected_layer_fraction` is then the right count on average.)
+  """
+  firsts = np.cumsum([0, *layers_per_stage])[:-1]
+
+  def one(t):
+    key = staged.batch_key(seed, t)
+    total = jnp.zeros((), jnp.int32)
+    for s, (first, count) in enumerate(zip(firsts, layers_per_stage)):
+      # pld_layers draws one gate per padded slot; only the stage's real layers count.
+      width = max(layers_per_stage)
+      ids = first + 1 + jnp.arange(width)
+      active, _ = sample_gates(gate_key(staged.piece_rng(key, s)), t, num_layers, theta_bar,
+                               gamma, ids)
+      total += jnp.sum(active[:count])
+    return total
+
+  return jax.vmap(one)(jnp.asarray(steps))

@@ -80,6 +80,12 @@ class TrainConfig:
   tied_grad: str = 'sum'
   forward: str = 'locked'       # ouroboros: 'locked' (the paper) or 'pipelined'
   microbatches: int = 4         # gpipe: micro-batches per batch
+  # Other training accelerators (README "Training accelerators"; None / 0 = off).
+  pld: str | None = None        # progressive layer dropping: 'THETA_BAR,GAMMA' or 'default'
+  growth: str | None = None     # MSLT / progressive stacking plan, see growth.parse_plan
+  vcycle: str | None = None     # multi-level V-cycle plan, see vcycle.parse_plan
+  std_loss: float = 0.0         # weight of the standardization loss (0: off)
+  std_loss_layers: str = 'all'  # the layers it regularises: 'all' or '0,2' (0-based)
 
   @property
   def out_dir(self) -> str:
@@ -130,6 +136,60 @@ class TrainConfig:
       raise ConfigError(f'batch_size {self.batch_size} is not divisible by data_parallel '
                         f'{self.data_parallel}; choose --batch-size as a multiple of it.')
     self.resolved_layers_per_stage()  # checks --stages / --layers-per-stage against the depth
+    self.check_accelerators()
+
+  def check_accelerators(self) -> None:
+    """The accelerator flags parse, fit the model, and combine with the schedule (one-line
+    ConfigErrors naming the flag). Which combinations work is the README's table."""
+    from ouroboros_jax import growth, pld, vcycle
+
+    on = [name for name, value in (('--pld', self.pld), ('--growth', self.growth),
+                                   ('--vcycle', self.vcycle), ('--std-loss', self.std_loss))
+          if value]
+    if len(on) > 1:
+      raise ConfigError(f'{" and ".join(on)} cannot be combined yet (each one changes the step '
+                        'in its own way); use one of them per run.')
+    if self.pld:
+      theta_bar, gamma = pld.parse(self.pld)
+      pld.check_config(self.model, theta_bar, gamma)
+    if self.std_loss:
+      if not self.std_loss > 0:
+        raise ConfigError(f'--std-loss is a weight >= 0, got {self.std_loss}.')
+      self.std_loss_layer_ids()
+    if self.growth:
+      if self.schedule != 'backprop':
+        raise ConfigError(f'--growth runs on --schedule backprop only: MSLT and stacking change '
+                          f'the depth mid-run, which would change the layers of every stage of '
+                          f'{self.schedule!r} (and MSLT freezes whole stages); drop --schedule '
+                          f'or --growth.')
+      growth.parse_plan(self.growth, self.model.num_layers, self.steps)
+    if self.vcycle:
+      plan, _ = vcycle.parse_plan(self.vcycle, self.steps)
+      from ouroboros_jax import partition
+      for level_cfg in vcycle.level_configs(self.model, plan.levels, width=plan.width,
+                                            depth=plan.depth):
+        level_cfg.validate()
+        partition.check_stages(level_cfg.num_layers, self.stages)
+      if self.layers_per_stage:
+        raise ConfigError('--vcycle cuts every level with the balanced split; drop '
+                          '--layers-per-stage.')
+    if (self.growth or self.vcycle) and self.sync_warmup_steps:
+      raise ConfigError('--sync-warmup-steps does not apply to --growth / --vcycle runs; drop it.')
+
+  def std_loss_layer_ids(self) -> tuple[int, ...]:
+    """--std-loss-layers -> 0-based layer indices ('all': every layer)."""
+    if self.std_loss_layers.strip().lower() == 'all':
+      return tuple(range(self.model.num_layers))
+    try:
+      ids = tuple(int(v) for v in self.std_loss_layers.split(','))
+    except ValueError:
+      raise ConfigError(f"--std-loss-layers takes 'all' or 0-based layer indices like 0,2; got "
+                        f'{self.std_loss_layers!r}.') from None
+    if not ids or any(not 0 <= i < self.model.num_layers for i in ids):
+      raise ConfigError(f'--std-loss-layers {self.std_loss_layers} is outside the model\'s '
+                        f'{self.model.num_layers} layers; choose from 0 .. '
+                        f'{self.model.num_layers - 1}.')
+    return ids
 
   def resolved_layers_per_stage(self) -> tuple[int, ...]:
     """Layers per stage: the explicit --layers-per-stage, else a FLOP-balanced split."""
@@ -150,13 +210,19 @@ class TrainConfig:
     return cls(model=model, **d)
 
 
+def lr_schedule(cfg: TrainConfig, steps: int | None = None, peak: float | None = None):
+  """Linear warmup then cosine decay over `steps` (default cfg.steps) to `peak` (default
+  cfg.learning_rate) times min_lr_ratio."""
+  steps = cfg.steps if steps is None else steps
+  peak = cfg.learning_rate if peak is None else peak
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=peak, warmup_steps=max(min(cfg.warmup_steps, steps - 1), 0),
+      decay_steps=max(steps, 1), end_value=peak * cfg.min_lr_ratio)
+
+
 def make_optimizer(cfg: TrainConfig):
   """AdamW with linear warmup and cosine decay (clipping is done by the schedule)."""
-  lr_schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=cfg.learning_rate,
-      warmup_steps=min(cfg.warmup_steps, cfg.steps - 1),
-      decay_steps=max(cfg.steps, 1), end_value=cfg.learning_rate * cfg.min_lr_ratio)
-  return staged.adamw(lr_schedule, weight_decay=cfg.weight_decay)
+  return staged.adamw(lr_schedule(cfg), weight_decay=cfg.weight_decay)
 
 
 # ----------------------------------------------------------------------------- presets

@@ -106,7 +106,8 @@ def layers_with_stdloss(cfg: ModelConfig, layer_params, x_BxLxD, rng, weight_N, 
     return (y, aux + weight * l_std), None
 
   (x_BxLxD, aux), _ = jax.lax.scan(body, (x_BxLxD, jnp.zeros((), jnp.float32)),
-                                   (layer_params, rngs_N, active_N, weight_N))
+                                   (layer_params, rngs_N, active_N, weight_N),
+                                   unroll=cfg.layer_unroll or True)
   return x_BxLxD, aux
 
 

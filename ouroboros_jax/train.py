@@ -21,7 +21,14 @@ What a run writes into OUT (`cfg.out_dir`):
                      `done: val bpb X, test bpb Y, Z tokens/s, W s`
 
 Timing: the first step (which compiles) is timed on its own as compile_s; tokens/s counts only
-the steps after it, and excludes evaluation and checkpointing.
+the steps after it, and excludes evaluation and checkpointing. Rows also carry `train_s` (training
+wall-clock so far, compilation included), `cpu_s` (the same in process CPU seconds) and `flops`
+(model FLOPs spent so far, counted from the layers actually computed, see `step_flops`).
+
+Accelerators (README "Training accelerators"): `--pld` and `--std-loss` swap the staged model
+(`staged_model`) and run in this loop under any schedule (PLD batches carry their step,
+`training_batch`); `--growth` and `--vcycle` change the model's shape mid-run and are run by
+`train_phased` with the library drivers (`growth.train_growth`, `vcycle.train_vcycle`).
 
 Losses are checked for NaN/Inf at every host sync (every `log_every` steps, and always before a
 checkpoint is written), so a non-finite state is never saved; the run then stops with
@@ -31,6 +38,7 @@ checkpoint is written), so a non-finite state is never saved; the run then stops
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -44,14 +52,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ouroboros_jax import checkpoint, data, partition, presets, schedules, staged
+from ouroboros_jax import checkpoint, data, growth, partition, pld, presets, schedules, staged
+from ouroboros_jax import stdloss, vcycle
 from ouroboros_jax import model as transformer
 from ouroboros_jax.presets import TrainConfig
 
 LN2 = math.log(2.0)
 # Fields that fix the shape of the TrainState or the data stream: resuming needs them unchanged.
 RESUME_FIELDS = ('schedule', 'stages', 'data_parallel', 'stash', 'forward', 'microbatches',
-                 'batch_size', 'seed', 'data')
+                 'batch_size', 'seed', 'data', 'pld', 'std_loss', 'std_loss_layers')
 
 
 class NonFiniteLossError(RuntimeError):
@@ -78,9 +87,47 @@ def build(cfg: TrainConfig):
   init = jax.jit(lambda key: partition.to_staged(transformer.init_params(cfg.model, key),
                                                  layers_per_stage))
   params = init(jax.random.key(cfg.seed))
-  model = partition.transformer_stages(cfg.model, layers_per_stage)
+  model = staged_model(cfg, layers_per_stage)
   schedule = schedules.build_schedule(schedule_config(cfg), model, presets.make_optimizer(cfg))
   return schedule, params, layers_per_stage
+
+
+def staged_model(cfg: TrainConfig, layers_per_stage) -> staged.StagedModel:
+  """The Transformer cut into stages, with PLD or the standardization loss when asked for."""
+  if cfg.pld:
+    return pld.pld_stages(cfg.model, layers_per_stage, *pld.parse(cfg.pld))
+  if cfg.std_loss:
+    return stdloss.stdloss_stages(cfg.model, layers_per_stage, cfg.std_loss,
+                                  cfg.std_loss_layer_ids())
+  return partition.transformer_stages(cfg.model, layers_per_stage)
+
+
+def training_batch(cfg: TrainConfig, batch: dict, step) -> dict:
+  """Batch `step` as the step function takes it: PLD stages need the step with the tokens
+  (`pld.with_step`); everything else takes the batch as it is."""
+  return pld.with_step(batch, step) if cfg.pld else batch
+
+
+def step_flops(cfg: TrainConfig, steps) -> np.ndarray:
+  """Model FLOPs of each step in `steps` (an analytic count of the layers actually computed):
+  per token 3 (forward + backward) x (F per layer run + H for embedding, head and loss),
+  `partition.layer_flops` / `head_flops`. With PLD the layers run are counted from the gates
+  each step really drew (`pld.kept_layers`; with several data replicas or micro-batches, where
+  each draws its own, the expected number `sum_l p_l(t)`)."""
+  steps = np.asarray(steps)
+  tokens = cfg.tokens_per_step
+  per_layer, head = partition.layer_flops(cfg.model), partition.head_flops(cfg.model)
+  layers = np.full(steps.shape, float(cfg.model.num_layers))
+  if cfg.pld and steps.size:
+    theta_bar, gamma = pld.parse(cfg.pld)
+    exact = cfg.data_parallel == 1 and (cfg.schedule != 'gpipe' or cfg.microbatches == 1)
+    if exact:
+      layers = np.asarray(pld.kept_layers(cfg.seed, steps, cfg.resolved_layers_per_stage(),
+                                          cfg.model.num_layers, theta_bar, gamma), float)
+    else:
+      layers = np.asarray(jax.vmap(lambda t: jnp.sum(pld.keep_probs(
+          t, cfg.model.num_layers, theta_bar, gamma)))(steps), float)
+  return 3.0 * (layers * per_layer + head) * tokens
 
 
 def commit_to_mesh(state, mesh):
@@ -100,7 +147,8 @@ def commit_to_mesh(state, mesh):
 
 def example_batch(cfg: TrainConfig) -> dict:
   shape_BxL = (cfg.batch_size, cfg.model.seq_len)
-  return {'inputs': np.zeros(shape_BxL, np.int32), 'targets': np.zeros(shape_BxL, np.int32)}
+  batch = {'inputs': np.zeros(shape_BxL, np.int32), 'targets': np.zeros(shape_BxL, np.int32)}
+  return training_batch(cfg, batch, 0)
 
 
 def place_batch(batch: dict, mesh) -> dict:
@@ -234,6 +282,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False,
   out_dir = cfg.out_dir
   found = checkpoint.latest_step(out_dir)
   ckpt_dir = checkpoint.checkpoint_dir(out_dir)
+  if resume and (cfg.growth or cfg.vcycle):
+    raise checkpoint.CheckpointError('--resume does not apply to --growth / --vcycle runs (they '
+                                     'write no checkpoints mid-plan); start a new run.')
   if resume and found is None:
     raise checkpoint.CheckpointError(f'--resume: no checkpoint in {ckpt_dir}; run without '
                                      '--resume to start, or point --out at an earlier run.')
@@ -246,6 +297,8 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False,
   for split in ('validation', 'test'):  # fail now, not after training, if a split is too short
     data.eval_batches(splits[split], seq_len=cfg.model.seq_len, batch_size=cfg.batch_size,
                       max_batches=1, split=split)
+  if cfg.growth or cfg.vcycle:
+    return train_phased(cfg, splits, train_it, quiet=quiet, t_start=t_start)
 
   schedule, params, layers_per_stage = build(cfg)
   meta = run_meta(cfg, layers_per_stage)
@@ -287,8 +340,10 @@ def _loop(cfg, schedule, state, train_it, splits, manager, meta, log, crc, start
   last_saved = manager.latest_step()
   ckpt_where = os.path.join(cfg.out_dir, checkpoint.SUBDIR)
   train_s, train_tokens, compile_s = 0.0, 0, None
+  cpu = {'compile': 0.0, 'train': 0.0}  # process CPU seconds (all threads): robust to load
   val_bpb = None
   step = start_step
+  flops = float(step_flops(cfg, np.arange(start_step)).sum())  # counted, see `step_flops`
 
   def wall():
     return time.perf_counter() - t_start
@@ -314,17 +369,19 @@ def _loop(cfg, schedule, state, train_it, splits, manager, meta, log, crc, start
   def evaluate_split(split, max_batches):
     loss = evaluate(schedule, state.params, splits[split], cfg, max_batches)
     row = {'step': step, 'split': split, 'loss': loss, 'bpb': loss / LN2,
-           'tokens_per_s': throughput(), 'wall_s': wall()}
+           'tokens_per_s': throughput(), 'wall_s': wall(), 'flops': flops,
+           'train_s': (compile_s or 0.0) + train_s, 'cpu_s': cpu['compile'] + cpu['train']}
     log.write(row)
     _say(bar, quiet, f'step {step}: {split} loss {loss:.4f}, bpb {loss / LN2:.4f}')
     return row
 
   try:
-    t_mark = time.perf_counter()
+    t_mark, c_mark = time.perf_counter(), time.process_time()
     while step < cfg.steps:
       batch = next(train_it)
       crc = batch_crc32(batch, crc)
-      state, metrics = schedule.step(state, place_batch(batch, schedule.mesh))
+      state, metrics = schedule.step(
+          state, place_batch(training_batch(cfg, batch, step), schedule.mesh))
       step += 1
       pending.append((step, {k: metrics[k] for k in ('loss', 'loss_batch', 'grad_norm')}))
       if on_step is not None:
@@ -337,7 +394,9 @@ def _loop(cfg, schedule, state, train_it, splits, manager, meta, log, crc, start
         continue
 
       fetched = sync()
+      flops += float(step_flops(cfg, [s - 1 for s, _ in fetched]).sum())
       elapsed = time.perf_counter() - t_mark
+      cpu['compile' if first else 'train'] += time.process_time() - c_mark
       if first:  # the first step compiles; it is timed on its own and not counted in tokens/s
         compile_s = elapsed
         rate = tokens_per_step / elapsed
@@ -347,13 +406,15 @@ def _loop(cfg, schedule, state, train_it, splits, manager, meta, log, crc, start
         rate = len(fetched) * tokens_per_step / elapsed
       bar.update(step - bar.n)
       if first and not (step % cfg.log_every == 0 or do_eval or do_save):
-        t_mark = time.perf_counter()
+        t_mark, c_mark = time.perf_counter(), time.process_time()
         continue
       _, m = fetched[-1]
       loss = float(m['loss'])
       log.write({'step': step, 'split': 'train', 'loss': loss, 'bpb': loss / LN2,
                  'tokens_per_s': rate, 'wall_s': wall(), 'loss_batch': int(m['loss_batch']),
-                 'grad_norm': float(m['grad_norm']), 'data_crc32': crc})
+                 'grad_norm': float(m['grad_norm']), 'data_crc32': crc, 'flops': flops,
+                 'train_s': (compile_s or 0.0) + train_s,
+                 'cpu_s': cpu['compile'] + cpu['train']})
       bar.set_postfix(loss=f'{loss:.3f}', tok_s=f'{rate:,.0f}')
       if do_eval:
         val_bpb = evaluate_split('validation', cfg.eval_batches)['bpb']
@@ -362,7 +423,8 @@ def _loop(cfg, schedule, state, train_it, splits, manager, meta, log, crc, start
           stop(f'parameters became non-finite at step {step}')
         checkpoint.save(manager, state, {'iterator': train_it.get_state(), 'crc32': crc}, meta)
         last_saved = step
-      t_mark = time.perf_counter()  # evaluation and saving are not training time
+      # evaluation and saving are not training time
+      t_mark, c_mark = time.perf_counter(), time.process_time()
     if compile_s is None:  # resumed a finished run: nothing left to train
       compile_s = 0.0
       val_bpb = evaluate_split('validation', cfg.eval_batches)['bpb']
@@ -372,7 +434,158 @@ def _loop(cfg, schedule, state, train_it, splits, manager, meta, log, crc, start
 
   summary = {'step': step, 'val_bpb': val_bpb, 'test_bpb': test_bpb,
              'tokens_per_s': throughput(), 'train_s': train_s, 'compile_s': compile_s,
-             'wall_s': wall(), 'data_crc32': crc, 'out': cfg.out_dir}
+             'wall_s': wall(), 'data_crc32': crc, 'out': cfg.out_dir, 'flops': flops,
+             'compile_cpu_s': cpu['compile'], 'train_cpu_s': cpu['train']}
   _say(bar, False, f'done: val bpb {val_bpb:.4f}, test bpb {test_bpb:.4f}, '
        f'{summary["tokens_per_s"]:,.0f} tokens/s, {summary["wall_s"]:.1f} s')
   return state, summary
+
+
+# ----------------------------------------------------------------------------- growth & V-cycle
+
+
+@functools.lru_cache(maxsize=16)
+def _plain_loss(model_cfg: transformer.ModelConfig):
+  return jax.jit(lambda params, batch: transformer.loss_fn(model_cfg, params, batch)[0])
+
+
+def evaluate_plain(model_cfg, params, tokens, cfg: TrainConfig, max_batches) -> float:
+  """Mean loss of unstaged params {'embed', 'layers', 'head'} over a split (one device)."""
+  loss_of = _plain_loss(model_cfg)
+  losses = [loss_of(params, b) for b in data.eval_batches(
+      tokens, seq_len=model_cfg.seq_len, batch_size=cfg.batch_size, max_batches=max_batches)]
+  return float(np.mean(jax.device_get(losses)))
+
+
+def train_phased(cfg: TrainConfig, splits, train_it, *, quiet: bool = False,
+                 t_start: float | None = None) -> dict:
+  """A --growth (MSLT / stacking, `growth.train_growth`) or --vcycle (`vcycle.train_vcycle`)
+  run: the library driver trains, this loop feeds it batches and logs and evaluates like
+  `train` (metrics.jsonl, TensorBoard, config.json, summary.json; no checkpoints).
+
+  Evaluation runs the model of the moment, all its layers, no dropout: a shallower one during
+  the early growth stages, the coalesced one during a V-cycle's dip. The rows' train_s is the
+  wall-clock of the training steps *including* every phase's compilation (a new depth or width
+  compiles a new step), excluding evaluation; the summary splits it, as `train` does, into
+  compile_s (the first step of every phase: compilation, growing, coalescing, re-initialising)
+  and train_s (the rest). flops is the driver's count of the layers it actually ran
+  (`growth.step_flops`: a frozen layer its forward, a trained one forward + backward;
+  `vcycle.step_flops` at each level's size).
+  """
+  t_start = time.perf_counter() if t_start is None else t_start
+  out_dir = cfg.out_dir
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, 'config.json'), 'w') as f:
+    json.dump(cfg.to_dict(), f, indent=2)
+  log = MetricsLog(out_dir, None)
+  bar = _progress(cfg.steps, 0, quiet)
+  state = {'crc': 0, 'eval_s': 0.0, 'val_bpb': None, 'flops': 0.0, 'phase': None,
+           'switch_s': 0.0, 'eval_cpu': 0.0, 'switch_cpu': 0.0}
+  t_train, c_train = time.perf_counter(), time.process_time()
+  state['c_prev'] = c_train
+  state['t_prev'] = t_train
+
+  def batches():
+    while True:
+      batch = next(train_it)
+      state['crc'] = batch_crc32(batch, state['crc'])
+      yield batch
+
+  def train_s():
+    return time.perf_counter() - t_train - state['eval_s']
+
+  def cpu_s():
+    return time.process_time() - c_train - state['eval_cpu']
+
+  def on_step(row, model_cfg, params_fn):
+    step = row['step'] + 1
+    state['flops'] = row['flops']
+    now = time.perf_counter()
+    phase = tuple(row.get(k) for k in ('stage', 'level', 'phase'))
+    if phase != state['phase']:  # the first step of a phase: its compile (and re-init) time
+      float(row['loss'])
+      now = time.perf_counter()
+      state['switch_s'] += now - state['t_prev']
+      state['switch_cpu'] += time.process_time() - state['c_prev']
+      state['phase'] = phase
+    state['t_prev'], state['c_prev'] = now, time.process_time()
+    is_last = step == cfg.steps
+    do_eval = step % cfg.eval_every == 0 or is_last
+    if not (step % cfg.log_every == 0 or do_eval or step == 1):
+      return
+    loss = float(row['loss'])
+    if not math.isfinite(loss):
+      raise NonFiniteLossError(f'loss became {loss} at step {step}; no checkpoint is written by '
+                               '--growth / --vcycle runs.')
+    extra = {k: row[k] for k in ('stage', 'depth', 'frozen', 'level', 'phase') if k in row}
+    log.write({'step': step, 'split': 'train', 'loss': loss, 'bpb': loss / LN2,
+               'tokens_per_s': step * cfg.tokens_per_step / max(train_s(), 1e-9),
+               'wall_s': time.perf_counter() - t_start, 'data_crc32': state['crc'],
+               'flops': row['flops'], 'train_s': train_s(), 'cpu_s': cpu_s(), **extra})
+    bar.update(step - bar.n)
+    bar.set_postfix(loss=f'{loss:.3f}')
+    if do_eval:
+      t0, c0 = time.perf_counter(), time.process_time()
+      params = params_fn()
+      loss = evaluate_plain(model_cfg, params, splits['validation'], cfg, cfg.eval_batches)
+      state['eval_s'] += time.perf_counter() - t0
+      state['eval_cpu'] += time.process_time() - c0
+      state['val_bpb'] = loss / LN2
+      log.write({'step': step, 'split': 'validation', 'loss': loss, 'bpb': loss / LN2,
+                 'tokens_per_s': step * cfg.tokens_per_step / max(train_s(), 1e-9),
+                 'wall_s': time.perf_counter() - t_start, 'flops': row['flops'],
+                 'train_s': train_s(), 'cpu_s': cpu_s(), **extra})
+      _say(bar, quiet, f'step {step}: validation loss {loss:.4f}, bpb {loss / LN2:.4f}')
+      state['t_prev'], state['c_prev'] = time.perf_counter(), time.process_time()
+
+  try:
+    if cfg.growth:
+      plan = growth.parse_plan(cfg.growth, cfg.model.num_layers, cfg.steps)
+      starts = np.cumsum([0, *(steps for _, steps, _ in plan.stages())])
+
+      def tx_factory(stage):  # the run's warmup-cosine, continued across the stages
+        base, offset = presets.lr_schedule(cfg), int(starts[stage])
+        return staged.adamw(lambda count: base(count + offset), weight_decay=cfg.weight_decay)
+
+      params, _ = growth.train_growth(
+          plan, cfg.model, batches(), tx_factory, key=jax.random.key(cfg.seed),
+          clip_norm=cfg.clip_norm or None, seed=cfg.seed,
+          on_step=lambda row, p: on_step(row, dataclasses.replace(
+              cfg.model, num_layers=row['depth']), lambda: p))
+      final_cfg = cfg.model
+    else:
+      plan, lr_scale = vcycle.parse_plan(cfg.vcycle, cfg.steps)
+      configs = vcycle.level_configs(cfg.model, plan.levels, width=plan.width, depth=plan.depth)
+      level_steps = vcycle.level_steps(plan)
+
+      def tx_factory(level):  # warmup-cosine over the steps this level trains, lr x scale^level
+        return staged.adamw(presets.lr_schedule(cfg, level_steps[level],
+                                                cfg.learning_rate * lr_scale ** level),
+                            weight_decay=cfg.weight_decay)
+
+      params, _, _ = vcycle.train_vcycle(
+          plan, cfg.model, batches(), tx_factory, schedule_config=schedule_config(cfg),
+          key=jax.random.key(cfg.seed),
+          on_step=lambda row, params_fn: on_step(row, configs[row['level']], params_fn))
+      final_cfg = cfg.model
+    total_train_s, total_cpu_s = train_s(), cpu_s()
+    test_loss = evaluate_plain(final_cfg, params, splits['test'], cfg, None)
+    log.write({'step': cfg.steps, 'split': 'test', 'loss': test_loss, 'bpb': test_loss / LN2,
+               'tokens_per_s': cfg.steps * cfg.tokens_per_step / total_train_s,
+               'wall_s': time.perf_counter() - t_start, 'flops': state['flops'],
+               'train_s': total_train_s, 'cpu_s': total_cpu_s})
+  finally:
+    bar.close()
+    log.close()
+  steady_s = max(total_train_s - state['switch_s'], 1e-9)
+  summary = {'step': cfg.steps, 'val_bpb': state['val_bpb'], 'test_bpb': test_loss / LN2,
+             'tokens_per_s': cfg.steps * cfg.tokens_per_step / steady_s,
+             'train_s': steady_s, 'compile_s': state['switch_s'],
+             'wall_s': time.perf_counter() - t_start, 'data_crc32': state['crc'],
+             'out': out_dir, 'flops': state['flops'], 'compile_cpu_s': state['switch_cpu'],
+             'train_cpu_s': total_cpu_s - state['switch_cpu']}
+  with open(os.path.join(out_dir, 'summary.json'), 'w') as f:
+    json.dump(summary, f, indent=2)
+  _say(bar, False, f'done: val bpb {summary["val_bpb"]:.4f}, test bpb {summary["test_bpb"]:.4f}, '
+       f'{summary["tokens_per_s"]:,.0f} tokens/s, {summary["wall_s"]:.1f} s')
+  return summary

@@ -44,6 +44,9 @@ V-cycle (`train_vcycle`): train M1 for n1 steps, coalesce, train M2 (larger lr, 
 `tx_factory(level)`) for n2 steps, de-coalesce, interpolate with M1's weights from before
 coalescing, continue M1; with more levels M2 itself runs a V-cycle before returning. Training
 at every level uses the library's schedules (`build_schedule`, backprop by default).
+From the command line: `ouroboros train --vcycle down=200,coarse=400[,levels=3,...]`
+(`parse_plan` has the syntax; `train.train_phased` runs it under the run's --schedule, every level
+cut into --stages by the balanced split).
 """
 
 from __future__ import annotations
@@ -299,7 +302,8 @@ def train_vcycle(plan: VCyclePlan, cfg: ModelConfig, batches: Iterable[dict],
                  tx_factory: Callable[[int], optax.GradientTransformation], *,
                  schedule_config: schedules.ScheduleConfig | None = None,
                  key: jax.Array | None = None, params: dict | None = None,
-                 on_phase_end: Callable[[int, str, dict], None] | None = None):
+                 on_phase_end: Callable[[int, str, dict], None] | None = None,
+                 on_step: Callable[[dict, Callable[[], dict]], None] | None = None):
   """Runs one (multi-level) V-cycle. Returns (params of M1, log, the level configs).
 
   tx_factory(level) -> that level's optimizer (give smaller levels a larger lr).
@@ -308,6 +312,8 @@ def train_vcycle(plan: VCyclePlan, cfg: ModelConfig, batches: Iterable[dict],
     'coarse' | 'up'), 'step' (global), 'loss', 'flops' (cumulative, `step_flops`)}.
   on_phase_end: optional callback(level, phase, params) with the level's {'embed', 'layers',
     'head'} params after its 'down' / 'coarse' / 'up' training and after 'interpolate'.
+  on_step: optional callback(log row, params_fn) after every step; params_fn() returns the
+    level's current {'embed', 'layers', 'head'} params (the row's loss is still a jax scalar).
   """
   report = on_phase_end or (lambda level, phase, params: None)
   plan.validate()
@@ -324,6 +330,7 @@ def train_vcycle(plan: VCyclePlan, cfg: ModelConfig, batches: Iterable[dict],
     params = transformer.init_params(cfg, jax.random.key(schedule_config.seed)
                                      if key is None else key)
   log, counter = [], {'t': 0, 'flops': 0.0}
+  layers_per_stage = [partition.balance_layers(c, schedule_config.num_stages) for c in configs]
 
   def train(level, state, schedule, steps, phase):
     for _ in range(steps):
@@ -332,17 +339,19 @@ def train_vcycle(plan: VCyclePlan, cfg: ModelConfig, batches: Iterable[dict],
                                                          schedule.mesh))
       tokens = batch['inputs'].shape[0] * batch['inputs'].shape[1]
       counter['flops'] += step_flops(configs[level], tokens)
-      log.append({'level': level, 'phase': phase, 'step': counter['t'],
-                  'loss': float(metrics['loss']), 'flops': counter['flops']})
+      row = {'level': level, 'phase': phase, 'step': counter['t'], 'loss': metrics['loss'],
+             'flops': counter['flops']}
+      if on_step is not None:
+        on_step(row, lambda: _layout(tuple(layers_per_stage[level]))[1](state.params))
+      log.append({**row, 'loss': float(metrics['loss'])})
       counter['t'] += 1
     return state
 
   def run_level(level: int, params: dict) -> dict:
     level_cfg = configs[level]
-    layers_per_stage = partition.balance_layers(level_cfg, schedule_config.num_stages)
-    model = partition.transformer_stages(level_cfg, layers_per_stage)
+    model = partition.transformer_stages(level_cfg, layers_per_stage[level])
     schedule = schedules.build_schedule(schedule_config, model, tx_factory(level))
-    to_staged, from_staged = _layout(tuple(layers_per_stage))
+    to_staged, from_staged = _layout(tuple(layers_per_stage[level]))
     # One program, not an eager op per optimizer-state leaf; the state is then put on the
     # schedule's mesh, where its step returns it (else the second step compiles again).
     init = lambda p, b: _on_mesh(jax.jit(schedule.init)(p, b), schedule.mesh)
@@ -390,3 +399,87 @@ def _on_mesh(tree, mesh):
     return x if on_mesh else jax.device_put(x, replicated)
 
   return jax.tree.map(place, tree)
+
+
+# ----------------------------------------------------------------------------- the flag
+
+
+def parse_plan(text: str, total_steps: int) -> tuple[VCyclePlan, float]:
+  """The `--vcycle` flag -> (VCyclePlan, lr_scale) for a run of `total_steps` steps.
+
+      --vcycle down=N[/N..],coarse=N[,up=N[/N..]][,levels=K][,alpha=A][,width=0|1][,depth=0|1]
+               [,lr_scale=S][,opt=carry|reset]
+
+  levels (default 2) model sizes; down[k] steps of level k before coalescing (k = 0..K-2, '/'
+  between levels), coarse the steps of the smallest model, up[k] after de-coalescing (default:
+  up[0] = the rest of `total_steps`, up[k] = down[k] for k >= 1). alpha 0.5, width and depth
+  coalescing both on, opt carry (defaults of `VCyclePlan`). Level k trains with the learning
+  rate times lr_scale^k (default 1; the paper gives the small model a larger one). The steps
+  must add up to `total_steps`. E.g. --vcycle down=200,coarse=400 for --steps 1000.
+  """
+  def bad(why: str):
+    return ConfigError(f'--vcycle {text!r}: {why}; the syntax is down=N[/N..],coarse=N'
+                       '[,up=N[/N..]][,levels=K][,alpha=A][,width=0|1][,depth=0|1]'
+                       '[,lr_scale=S][,opt=carry|reset], e.g. --vcycle down=200,coarse=400.')
+
+  options = {}
+  for item in filter(None, (i.strip() for i in text.split(','))):
+    key, sep, value = item.partition('=')
+    if not sep:
+      raise bad(f'{item!r} is not KEY=VALUE')
+    options[key.strip()] = value.strip()
+  unknown = set(options) - {'levels', 'down', 'coarse', 'up', 'alpha', 'width', 'depth',
+                            'lr_scale', 'opt'}
+  if unknown:
+    raise bad(f'unknown option {sorted(unknown)[0]!r}')
+  try:
+    levels = int(options.get('levels', 2))
+    down = tuple(int(v) for v in options['down'].split('/')) if 'down' in options else ()
+    coarse = int(options['coarse']) if 'coarse' in options else None
+    alpha = float(options.get('alpha', 0.5))
+    lr_scale = float(options.get('lr_scale', 1.0))
+    flags = {k: options.get(k, '1') for k in ('width', 'depth')}
+    if any(v not in ('0', '1', 'true', 'false') for v in flags.values()):
+      raise ValueError
+    width, depth = (flags[k] in ('1', 'true') for k in ('width', 'depth'))
+  except ValueError:
+    raise bad('a value is not a number (width/depth take 0 or 1)') from None
+  if levels < 2:
+    raise bad(f'levels must be >= 2, got {levels}')
+  if coarse is None or len(down) != levels - 1:
+    raise bad(f'a {levels}-level cycle needs coarse=N and {levels - 1} down steps')
+  if 'up' in options:
+    try:
+      up = tuple(-1 if v == '*' else int(v) for v in options['up'].split('/'))
+    except ValueError:
+      raise bad('up steps must be integers or *') from None
+    if len(up) != levels - 1:
+      raise bad(f'a {levels}-level cycle needs {levels - 1} up steps')
+  else:
+    up = (-1,) + down[1:]
+  known = sum(down) + coarse + sum(u for u in up if u >= 0)
+  if sum(u < 0 for u in up) > 1:
+    raise bad('only one up step may be *')
+  if any(u < 0 for u in up):
+    if known > total_steps:
+      raise bad(f'its phases take {known} steps but --steps is {total_steps}')
+    up = tuple(total_steps - known if u < 0 else u for u in up)
+  elif known != total_steps:
+    raise bad(f'its phases take {known} steps but --steps is {total_steps}; make them add up')
+  if min((*down, coarse, *up)) < 0:
+    raise bad('step counts must be >= 0')
+  if not lr_scale > 0:
+    raise bad(f'lr_scale must be positive, got {lr_scale}')
+  plan = VCyclePlan(levels=levels, down_steps=down, coarse_steps=coarse, up_steps=up,
+                    alpha=alpha, width=width, depth=depth, opt_state=options.get('opt', 'carry'))
+  try:
+    plan.validate()
+  except ConfigError as e:
+    raise bad(str(e).rstrip('.')) from None
+  return plan, lr_scale
+
+
+def level_steps(plan: VCyclePlan) -> list[int]:
+  """Steps each level trains in the whole cycle (down + up; the coarsest: coarse)."""
+  return [plan.down_steps[k] + plan.up_steps[k] for k in range(plan.levels - 1)] + [
+      plan.coarse_steps]

@@ -199,3 +199,72 @@ def test_runs_inside_a_ring_schedule(params):
                                pld.keep_probs(1000, 4, 0.5, 0.05, ids))
     dropped += int(np.sum(~np.asarray(active)))
   assert dropped > 0
+
+
+def _gate_reading_params(cfg, layers_per_stage):
+  """Staged params whose layer l (global, 0-based) adds exactly e_l to the residual stream:
+  every weight zero except the MLP's output bias, one-hot in channel l. A kept layer then adds
+  e_l / p_l (PLD's scaling), a dropped one nothing: the output minus the input reads the gates
+  off the real stage code."""
+  params = transformer.init_params(cfg, jax.random.key(0))
+  params = jax.tree.map(jnp.zeros_like, params)
+  bias = jnp.eye(cfg.num_layers, cfg.d_model)
+  params['layers']['mlp_out']['bias'] = bias
+  return partition.to_staged(params, layers_per_stage)
+
+
+def test_stage_keep_rate_and_scale_match_p_l():
+  """Through `pld_stages` itself (uneven stages, global layer indices): over 3000 batch keys
+  the rate at which layer l ran matches p_l(t) within 3 sigma, a kept layer is scaled by exactly
+  1/p_l, and `kept_layers` (the FLOP counter) agrees with the gates the stages drew."""
+  t, theta_bar, gamma, n = 60, 0.3, 0.02, 3000
+  model = pld.pld_stages(CFG, LAYERS_PER_STAGE, theta_bar, gamma)
+  staged_params = _gate_reading_params(CFG, LAYERS_PER_STAGE)
+
+  @jax.jit
+  def read(batch_index):
+    key = staged.batch_key(0, batch_index)
+    h = jnp.zeros((1, 1, CFG.d_model + 1)).at[..., -1].set(float(t))
+    for s in range(2):
+      stage_params = jax.tree.map(lambda a: a[s], staged_params['stages'])
+      h = model.stage(stage_params, h, s, staged.piece_rng(key, s))
+    return h[0, 0, :CFG.num_layers]
+
+  added_nL = np.asarray(jax.vmap(read)(jnp.arange(n)))
+  p_L = np.asarray(pld.keep_probs(t, 4, theta_bar, gamma))
+  kept_nL = added_nL > 0
+  np.testing.assert_allclose(added_nL[kept_nL], np.broadcast_to(1 / p_L, added_nL.shape)[kept_nL],
+                             rtol=1e-5)
+  assert np.all(added_nL[~kept_nL] == 0)
+  rate_L = kept_nL.mean(0)
+  assert np.all(np.abs(rate_L - p_L) <= 3 * np.sqrt(p_L * (1 - p_L) / n)), (rate_L, p_L)
+  assert np.all(np.diff(p_L) < 0) and p_L[-1] < 0.8
+  # The counter re-draws the gates of batch t at step t: the layers that batch ran.
+  counted = pld.kept_layers(0, jnp.asarray([t]), LAYERS_PER_STAGE, 4, theta_bar, gamma)
+  assert int(counted[0]) == int(np.sum(np.asarray(read(t)) > 0))
+
+
+def test_ouroboros_with_pld_matches_the_slow_reference(params, stash='replay'):
+  """PLD inside the stages of a 2-device Ouroboros ring (the step rides in the batch): after 6
+  steps the parameters equal the slow reference's (`reference.py`), which runs the same
+  `pld_stages` model with Python deques; and layers were really dropped on the way. Replay mode:
+  the delayed backward re-runs each stage, so it must draw the gates of the batch's own step
+  (graph mode keeps the forward's VJP and cannot get them wrong)."""
+  from ouroboros_jax import reference
+
+  theta_bar, gamma = 0.5, 0.5
+  model = pld.pld_stages(CFG, LAYERS_PER_STAGE, theta_bar, gamma)
+  staged_params = partition.to_staged(params, LAYERS_PER_STAGE)
+  batches = [pld.with_step(batch_of(seed, 4), t) for t, seed in enumerate(range(6))]
+  tx = staged.adamw(1e-2, eps=1e-6)
+  schedule = build_schedule(ScheduleConfig(name='ouroboros', num_stages=2, stash=stash), model,
+                            tx)
+  state = schedule.init(staged_params, batches[0])
+  for batch in batches:
+    state, metrics = schedule.step(state, batch)
+  want, _, _ = reference.run(model, tx, staged_params, batches, stash=stash)
+  diff = max(jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))),
+                                          jax.device_get(state.params), jax.device_get(want))))
+  assert diff < 2e-5
+  kept = np.asarray(pld.kept_layers(0, np.arange(6), LAYERS_PER_STAGE, 4, theta_bar, gamma))
+  assert kept.min() < 4
