@@ -164,7 +164,10 @@ def batch_crc32(batch: dict, crc: int) -> int:
 
 def evaluate(schedule, params, tokens, cfg: TrainConfig, max_batches: int | None) -> float:
   """Mean loss (nats per byte) over the first max_batches batches of a split, in order."""
-  losses = [schedule.evaluate(params, place_batch(b, schedule.mesh))
+  # One batch at a time: evaluations are independent programs with collectives (stage-sharded
+  # params), and on CPU many of them in flight at once can deadlock XLA's in-process rendezvous
+  # (seen with 4 simulated devices: "Expected 4 threads to join the rendezvous").
+  losses = [jax.block_until_ready(schedule.evaluate(params, place_batch(b, schedule.mesh)))
             for b in data.eval_batches(tokens, seq_len=cfg.model.seq_len,
                                        batch_size=cfg.batch_size, max_batches=max_batches)]
   return float(np.mean(jax.device_get(losses)))
