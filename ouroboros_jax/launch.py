@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-from ouroboros_jax import distributed
+from ouroboros_jax import distributed, staged
 from ouroboros_jax.model import ConfigError
 
 SINGLE_THREADED_XLA = ('--xla_cpu_multi_thread_eigen=false '
@@ -42,7 +42,7 @@ def child_env(process_id: int, num_processes: int, port: int) -> dict:
       distributed.ENV_NUM_PROCESSES: str(num_processes),
       distributed.ENV_PROCESS_ID: str(process_id),
       'JAX_PLATFORMS': 'cpu',
-      'XLA_FLAGS': SINGLE_THREADED_XLA,
+      'XLA_FLAGS': ' '.join((SINGLE_THREADED_XLA, *staged.CPU_XLA_FLAGS)),
       'OMP_NUM_THREADS': '1', 'OPENBLAS_NUM_THREADS': '1', 'MKL_NUM_THREADS': '1',
       'PYTHONUNBUFFERED': '1',
   })

@@ -253,7 +253,7 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
     loss_batch = jnp.where(warm, t, t - head_lag)
     return new_state, {'loss': loss, 'loss_batch': loss_batch, 'grad_norm': grad_norm}
 
-  return Schedule(init=init, step=staged.jit_step(step, mesh),
-                  evaluate=jax.jit(lambda p, b: model.forward_loss(p, b)[0]), mesh=mesh,
+  return Schedule(init=init, step=staged.jit_step(step),
+                  evaluate=staged.jit_evaluate(model), mesh=mesh,
                   idle_fraction=idle_fraction(num_stages, forward=config.forward),
                   name='ouroboros')

@@ -89,10 +89,6 @@ def synchronous_update(config: ScheduleConfig, tx, state: TrainState, grads, los
   return new_state, {'loss': loss, 'loss_batch': state.step, 'grad_norm': grad_norm}
 
 
-def make_evaluate(model: StagedModel):
-  return jax.jit(lambda params, batch: model.forward_loss(params, batch)[0])
-
-
 def check_batch(batch: dict, replicas: int, microbatches: int = 1) -> None:
   """Every data replica gets B/D examples and cuts them into M micro-batches."""
   size, divisor = batch['inputs'].shape[0], replicas * microbatches
@@ -139,8 +135,9 @@ def build_backprop(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
         state.params, batch, key)
     return synchronous_update(config, tx, state, grads, loss)
 
-  return Schedule(init=init, step=staged.jit_step(step, mesh), evaluate=make_evaluate(model),
-                  mesh=mesh, idle_fraction=0.0, name='backprop')
+  return Schedule(init=init, step=staged.jit_step(step),
+                  evaluate=staged.jit_evaluate(model), mesh=mesh, idle_fraction=0.0,
+                  name='backprop')
 
 
 # ----------------------------------------------------------------------------- shared plumbing
@@ -185,8 +182,9 @@ def _synchronous_schedule(config: ScheduleConfig, model: StagedModel, tx, mesh: 
     grads, loss = grads_of(state.params, batch, state.step)
     return synchronous_update(config, tx, state, grads, loss)
 
-  return Schedule(init=init, step=staged.jit_step(step, mesh), evaluate=make_evaluate(model),
-                  mesh=mesh, idle_fraction=idle_fraction, name=name)
+  return Schedule(init=init, step=staged.jit_step(step),
+                  evaluate=staged.jit_evaluate(model), mesh=mesh,
+                  idle_fraction=idle_fraction, name=name)
 
 
 # ----------------------------------------------------------------------------- data parallel

@@ -24,6 +24,7 @@ that has no gradient yet (Ouroboros' first K-k steps) is left exactly as it is.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable, NamedTuple
 
 import flax.struct
@@ -147,17 +148,33 @@ def adamw(learning_rate: float | optax.Schedule, *, weight_decay: float = 0.0,
                      mask=decay_mask)
 
 
-def jit_step(step_fn: Callable, mesh: Mesh) -> Callable:
-  """`step_fn(state, batch)` jitted with the old state donated, so its buffers are reused.
+# XLA:CPU flags for the schedules here (they change nothing on GPU or TPU): region-based copy
+# insertion. By default XLA:CPU copies a donated buffer that one step both reads and updates in
+# place (Ouroboros' stash ring: read one slot, write another), i.e. every stash buffer twice per
+# step; the region analysis proves the in-place update safe (GPU and TPU analyse it that way).
+CPU_XLA_FLAGS = ('--xla_cpu_copy_insertion_use_region_analysis=true',)
 
-  On CPU, XLA's default copy insertion copies a donated buffer that one step both reads and
-  updates in place (Ouroboros' stash ring: read one slot, write another), i.e. every stash buffer
-  twice per step; region-based analysis proves the in-place update safe. GPU and TPU already
-  analyse it that way.
+
+def use_cpu_xla_flags() -> None:
+  """Adds CPU_XLA_FLAGS to $XLA_FLAGS; takes effect only before JAX initialises its backend.
+
+  The `ouroboros` command, the launcher and the tests call it; on a CPU machine call it first
+  thing in your own script too (a speed setting, not a correctness one).
   """
-  on_cpu = mesh.devices.flat[0].platform == 'cpu'
-  options = {'xla_cpu_copy_insertion_use_region_analysis': True} if on_cpu else None
-  return jax.jit(step_fn, donate_argnums=0, compiler_options=options)
+  flags = os.environ.get('XLA_FLAGS', '').split()
+  names = {f.split('=')[0] for f in flags}
+  flags += [f for f in CPU_XLA_FLAGS if f.split('=')[0] not in names]
+  os.environ['XLA_FLAGS'] = ' '.join(flags)
+
+
+def jit_step(step_fn: Callable) -> Callable:
+  """`step_fn(state, batch)` jitted with the old state donated, so its buffers are reused."""
+  return jax.jit(step_fn, donate_argnums=0)
+
+
+def jit_evaluate(model: StagedModel) -> Callable:
+  """The exact loss of a batch with every stage and no dropout."""
+  return jax.jit(lambda params, batch: model.forward_loss(params, batch)[0])
 
 
 # ----------------------------------------------------------------------------- mesh & placement
