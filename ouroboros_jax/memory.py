@@ -45,7 +45,9 @@ def memory_report(cfg: transformer.ModelConfig, schedule_config: ScheduleConfig,
   state = schedule.init(params, batch)
   stats = schedule.step.lower(state, batch).compile().memory_analysis()
   report = {'schedule': schedule_config.name, 'stages': schedule_config.num_stages,
-            'stash': schedule_config.stash if schedule_config.name == 'ouroboros' else '-',
+            'stash': (('graph/' + schedule_config.stash_policy
+                       if schedule_config.stash == 'graph' else schedule_config.stash)
+                      if schedule_config.name == 'ouroboros' else '-'),
             'params_bytes': per_device_bytes(state.params),
             'ring_bytes': per_device_bytes(state.ring)}
   if stats is not None:  # some backends do not report
@@ -69,10 +71,13 @@ def format_table(rows: list[dict]) -> str:
   return '\n'.join(lines)
 
 
-def stash_comparison(cfg: transformer.ModelConfig, num_stages: int, batch_size: int) -> list[dict]:
-  """Backprop and Ouroboros with each stash mode, for the same model and batch."""
+def stash_comparison(cfg: transformer.ModelConfig, num_stages: int, batch_size: int,
+                     policies=('all',)) -> list[dict]:
+  """Backprop and Ouroboros with each stash mode (and each graph stash policy), for the same
+  model and batch."""
   rows = [memory_report(cfg, ScheduleConfig(name='backprop'), batch_size)]
-  for stash in ('graph', 'replay'):
-    rows.append(memory_report(cfg, dataclasses.replace(
-        ScheduleConfig(name='ouroboros', num_stages=num_stages), stash=stash), batch_size))
+  modes = [('graph', policy) for policy in policies] + [('replay', 'all')]
+  for stash, policy in modes:
+    rows.append(memory_report(cfg, ScheduleConfig(name='ouroboros', num_stages=num_stages,
+                                                  stash=stash, stash_policy=policy), batch_size))
   return rows
