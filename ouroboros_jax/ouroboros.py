@@ -68,7 +68,6 @@ replica runs its own ring on its share of the batch, and gradients are averaged 
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -138,10 +137,9 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
 
     # 0. Read what the delayed backward and the head need *before* this step writes its own
     #    slots. With G > 1 every lag is >= 1, so the slots differ, and reading first lets XLA
-    #    update the buffers in place: otherwise it copies every stash buffer, every step.
+    #    (on CPU with staged.CPU_XLA_FLAGS) update the buffers in place instead of copying them.
     if num_stages > 1:
       stash_b, inputs_b = ring_lib.read_slot((stash_D, batches_D['inputs']), batch_index, depth)
-      stash_D, batches_D = jax.lax.optimization_barrier((stash_D, batches_D))
     targets_h = (batch['targets'] if head_lag == 0 else
                  ring_lib.read_slot(batches_D['targets'], head_batch, depth))
     batches_D = ring_lib.write_slot(batches_D, batch, t, depth)
