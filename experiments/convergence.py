@@ -62,8 +62,8 @@ def parse_args(argv=None):
 def main(argv=None):
   args = parse_args(argv)
   import jax
-  from ouroboros_jax import presets, staged, train
-  staged.use_cpu_xla_flags()  # before any device is touched
+  from ouroboros_jax import host, presets, train
+  host.configure_cpu_runtime()  # before any device is touched
   jax.config.update('jax_num_cpu_devices', args.cpu_devices)
 
   names = [n for n in args.runs.split(',') if n]

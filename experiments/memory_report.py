@@ -30,8 +30,8 @@ def main(argv=None):
   args = parser.parse_args(argv)
   stages = [int(g) for g in args.stages.split(',')]
   import jax
-  from ouroboros_jax import memory, model, staged
-  staged.use_cpu_xla_flags()  # before any device is touched
+  from ouroboros_jax import host, memory, model
+  host.configure_cpu_runtime()  # before any device is touched
   jax.config.update('jax_num_cpu_devices', max(stages))
 
   cfg = model.ModelConfig(d_model=args.d_model, num_heads=args.num_heads,

@@ -30,6 +30,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -140,6 +141,26 @@ def measure_pieces(cfg, model, params, batch, layers_per_stage, repeats: int = 1
           'grad_bytes': sum(a.nbytes for a in jax.tree.leaves(params))}
 
 
+def on_process0_alone(measure: Callable[[], dict], max_bytes: int = 1 << 16) -> dict:
+  """measure() run by process 0 while the others wait, its (JSON-able) result on every process.
+
+  The ideal step time is built from pieces timed alone: a process computing beside another
+  competes with it for memory bandwidth, and that contention is part of what the schedules'
+  measured times show against their ideal, not part of the ideal.
+  """
+  if jax.process_count() == 1:
+    return measure()
+  # The first collective sets up the CPU collectives' context and gives up after 30 s: enter it
+  # together, so that the wait below happens in a collective that is already set up.
+  multihost_utils.sync_global_devices('bench: before measuring alone')
+  encoded = np.zeros(max_bytes, np.uint8)
+  if jax.process_index() == 0:
+    text = json.dumps(measure()).encode()
+    encoded[:len(text)] = np.frombuffer(text, np.uint8)
+  encoded = np.asarray(multihost_utils.broadcast_one_to_all(encoded))
+  return json.loads(encoded[encoded != 0].tobytes())
+
+
 def measure_links(activation_shape, grad_elems: int, repeats: int = 10) -> tuple[float, float]:
   """(one activation hop between two devices, one all-reduce of every gradient), in seconds."""
   if jax.device_count() < 2:
@@ -234,11 +255,12 @@ def run(cfg: transformer.ModelConfig, *, batch_size: int, stages: int, out_dir: 
   params = jax.device_get(transformer.init_params(cfg, jax.random.key(0)))
   staged_params = partition.to_staged(params, layers_per_stage)
   staged_model = partition.transformer_stages(cfg, layers_per_stage)
-  pieces = measure_pieces(cfg, staged_model, staged_params, batch, layers_per_stage)
+  pieces = on_process0_alone(lambda: measure_pieces(
+      cfg, staged_model, staged_params, batch, layers_per_stage))
   # A graph stash that keeps less (--stash-policy) has its own, slower, backward: measured apart,
   # for the Ouroboros graph settings only; everything else is measured with plain backward.
-  policy_pieces = pieces if stash_policy == 'all' else measure_pieces(
-      cfg, staged_model, staged_params, batch, layers_per_stage, stash_policy=stash_policy)
+  policy_pieces = pieces if stash_policy == 'all' else on_process0_alone(lambda: measure_pieces(
+      cfg, staged_model, staged_params, batch, layers_per_stage, stash_policy=stash_policy))
   activation_shape = (batch_size, cfg.seq_len, cfg.d_model)
   link_s, allreduce_s = measure_links(activation_shape, pieces['grad_bytes'] // 4)
   log(f'pieces: forward {np.round(pieces["fwd"], 4)} s, backward {np.round(pieces["bwd"], 4)} s, '

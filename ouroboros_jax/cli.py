@@ -24,7 +24,7 @@ import argparse
 import difflib
 import sys
 
-from ouroboros_jax import presets, schedules, staged
+from ouroboros_jax import host, presets, schedules
 
 EXIT_USAGE, EXIT_NONFINITE = 2, 3
 
@@ -259,7 +259,7 @@ def main(argv=None) -> int:
   args, extra = parser.parse_known_args(argv)
   if extra:
     _unknown_flag(parser.commands[args.command], extra)
-  staged.use_cpu_xla_flags()  # before anything initialises a JAX backend (nothing above does)
+  host.configure_cpu_runtime()  # before anything initialises a JAX backend (nothing above does)
   if getattr(args, 'cpu_devices', None) is not None:
     if args.cpu_devices < 1:
       _fail(f'--cpu-devices must be >= 1, got {args.cpu_devices}.', EXIT_USAGE)

@@ -22,11 +22,10 @@ import sys
 import threading
 import time
 
-from ouroboros_jax import distributed, staged
+from ouroboros_jax import distributed, host
 from ouroboros_jax.model import ConfigError
 
-SINGLE_THREADED_XLA = ('--xla_cpu_multi_thread_eigen=false '
-                       'intra_op_parallelism_threads=1 --xla_force_host_platform_device_count=1')
+SINGLE_THREADED_XLA = '--xla_cpu_multi_thread_eigen=false --xla_force_host_platform_device_count=1'
 
 
 def free_port() -> int:
@@ -42,7 +41,7 @@ def child_env(process_id: int, num_processes: int, port: int) -> dict:
       distributed.ENV_NUM_PROCESSES: str(num_processes),
       distributed.ENV_PROCESS_ID: str(process_id),
       'JAX_PLATFORMS': 'cpu',
-      'XLA_FLAGS': ' '.join((SINGLE_THREADED_XLA, *staged.CPU_XLA_FLAGS)),
+      'XLA_FLAGS': ' '.join((SINGLE_THREADED_XLA, *host.CPU_XLA_FLAGS)),
       'OMP_NUM_THREADS': '1', 'OPENBLAS_NUM_THREADS': '1', 'MKL_NUM_THREADS': '1',
       'PYTHONUNBUFFERED': '1',
   })

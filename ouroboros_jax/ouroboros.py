@@ -137,7 +137,7 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
 
     # 0. Read what the delayed backward and the head need *before* this step writes its own
     #    slots. With G > 1 every lag is >= 1, so the slots differ, and reading first lets XLA
-    #    (on CPU with staged.CPU_XLA_FLAGS) update the buffers in place instead of copying them.
+    #    (on CPU with host.CPU_XLA_FLAGS) update the buffers in place instead of copying them.
     if num_stages > 1:
       stash_b, inputs_b = ring_lib.read_slot((stash_D, batches_D['inputs']), batch_index, depth)
     targets_h = (batch['targets'] if head_lag == 0 else

@@ -24,7 +24,7 @@ that has no gradient yet (Ouroboros' first K-k steps) is left exactly as it is.
 from __future__ import annotations
 
 import dataclasses
-import os
+
 from typing import Any, Callable, NamedTuple
 
 import flax.struct
@@ -146,25 +146,6 @@ def adamw(learning_rate: float | optax.Schedule, *, weight_decay: float = 0.0,
       lambda path, _: getattr(path[-1], 'key', None) == 'kernel', tree)
   return optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
                      mask=decay_mask)
-
-
-# XLA:CPU flags for the schedules here (they change nothing on GPU or TPU): region-based copy
-# insertion. By default XLA:CPU copies a donated buffer that one step both reads and updates in
-# place (Ouroboros' stash ring: read one slot, write another), i.e. every stash buffer twice per
-# step; the region analysis proves the in-place update safe (GPU and TPU analyse it that way).
-CPU_XLA_FLAGS = ('--xla_cpu_copy_insertion_use_region_analysis=true',)
-
-
-def use_cpu_xla_flags() -> None:
-  """Adds CPU_XLA_FLAGS to $XLA_FLAGS; takes effect only before JAX initialises its backend.
-
-  The `ouroboros` command, the launcher and the tests call it; on a CPU machine call it first
-  thing in your own script too (a speed setting, not a correctness one).
-  """
-  flags = os.environ.get('XLA_FLAGS', '').split()
-  names = {f.split('=')[0] for f in flags}
-  flags += [f for f in CPU_XLA_FLAGS if f.split('=')[0] not in names]
-  os.environ['XLA_FLAGS'] = ' '.join(flags)
 
 
 def jit_step(step_fn: Callable) -> Callable:

@@ -13,8 +13,8 @@ import pathlib
 
 NUM_CPU_DEVICES = 8
 os.environ.setdefault('XLA_FLAGS', f'--xla_force_host_platform_device_count={NUM_CPU_DEVICES}')
-from ouroboros_jax import staged  # noqa: E402  (imports jax, initialises no backend)
-staged.use_cpu_xla_flags()
+from ouroboros_jax import host  # noqa: E402  (initialises no JAX backend)
+host.configure_cpu_runtime()
 
 import jax  # noqa: E402  (after XLA_FLAGS on purpose)
 import pytest  # noqa: E402
