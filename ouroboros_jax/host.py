@@ -44,8 +44,8 @@ def keep_freed_memory() -> bool:
   """Tells glibc's malloc to keep freed memory for reuse instead of returning it to the kernel.
 
   One arena (a worker thread's arena hands any block over 64 MiB to mmap, whatever the limits
-  say), no mmap for large blocks, and no trimming of the heap's free top below 2 GiB. The
-  process's resident memory then stays at its peak. Returns False, and does nothing, where the C
+  say), no mmap for large blocks, and no trimming of the heap's free top (mallopt takes an int;
+  glibc reads -1 as the largest size_t). The process's resident memory then stays at its peak. Returns False, and does nothing, where the C
   library is not glibc (macOS, musl), which have their own allocators.
   """
   if not sys.platform.startswith('linux'):
@@ -56,7 +56,7 @@ def keep_freed_memory() -> bool:
   except (OSError, AttributeError):
     return False
   return all(libc.mallopt(param, value) == 1 for param, value in (
-      (_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1)))
+      (_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1)))
 
 
 def configure_cpu_runtime() -> None:
