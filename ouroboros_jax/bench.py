@@ -3,8 +3,9 @@
 For each setting (backprop on one device; data_parallel; model_parallel; gpipe with M in
 {2, 4, 8}; ouroboros locked and pipelined, graph and replay stashes) it compiles the step (timed
 separately, not counted), runs `warmup` steps, then times `steps` more one by one and reports the
-**median** step time and tokens/s. It also measures, on one device, each layer group's forward and
-backward, the head, and one activation hop and one gradient all-reduce between devices; from those
+**median** step time and tokens/s. It also measures, on process 0's device while every other
+process waits, each layer group's forward and backward, the head and each device's optimizer
+update, and then one activation hop and one gradient all-reduce between devices; from those
 the discrete-event simulator (`simulate.py`) gives each schedule's **ideal** step time (free links,
 no overheads) and its **predicted** one (measured links). Outputs, in --out:
 

@@ -19,8 +19,9 @@ def test_two_process_bench_writes_every_row_with_its_ideal(tmp_path):
                            '--only', only, '--out', str(tmp_path)], timeout_s=300, out=out)
   log = out.getvalue()
   assert code == 0, log[-3000:]
-  # The pieces are timed by process 0 alone and broadcast: both processes print the same line.
-  pieces = re.findall(r'\[p(\d)\] (pieces: .*)', log)
+  # The pieces are timed by process 0 alone and broadcast: both processes print the same ones
+  # (the link times that follow them each process measures for itself).
+  pieces = re.findall(r'\[p(\d)\] (pieces: .*), hop', log)
   assert sorted(p for p, _ in pieces) == ['0', '1'], log[-3000:]
   assert pieces[0][1] == pieces[1][1]
   with open(tmp_path / 'bench.csv') as f:
