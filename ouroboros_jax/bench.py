@@ -157,6 +157,8 @@ def on_process0_alone(measure: Callable[[], dict], max_bytes: int = 1 << 16) -> 
   encoded = np.zeros(max_bytes, np.uint8)
   if jax.process_index() == 0:
     text = json.dumps(measure()).encode()
+    if len(text) > max_bytes:
+      raise ValueError(f'measured result of {len(text)} bytes does not fit max_bytes={max_bytes}')
     encoded[:len(text)] = np.frombuffer(text, np.uint8)
   encoded = np.asarray(multihost_utils.broadcast_one_to_all(encoded))
   return json.loads(encoded[encoded != 0].tobytes())

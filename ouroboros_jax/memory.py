@@ -14,8 +14,6 @@ are exact for the backend they were compiled on (CPU here; run it on a GPU for G
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -68,7 +68,6 @@ replica runs its own ring on its share of the batch, and gradients are averaged 
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import optax

@@ -36,7 +36,6 @@ their masks only. (Ouroboros keeps one key for all its replicas.)
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable
 
 import jax
