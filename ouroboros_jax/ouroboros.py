@@ -73,6 +73,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from ouroboros_jax import compensation
 from ouroboros_jax import ring as ring_lib
 from ouroboros_jax import staged
 from ouroboros_jax.model import ConfigError
@@ -107,10 +108,25 @@ def lags(num_stages: int, forward: str = 'locked') -> tuple[int, list[int]]:
   return 0, staleness(num_stages)
 
 
+def version_gaps(num_stages: int, forward: str = 'locked') -> tuple[int, list[int]]:
+  """(embedding gap, per-group gaps): how many updates lie between the weights a module's forward
+  of a batch uses and the weights that batch's gradient is applied to. Locked: group s forwards
+  batch t at step t and applies its gradient at step t + (G - s). Pipelined: it forwards batch b
+  at step b + s and back-propagates it at step b + 2G - s, a gap of 2(G - s); the embedding
+  (module 1's first piece) embeds batch t at step t, a gap of 2G. The head is always fresh (0)."""
+  head_lag, backward_lags = lags(num_stages, forward)
+  offset = (lambda s: s) if head_lag else (lambda s: 0)   # the step group s forwards batch 0
+  return backward_lags[0], [lag - offset(s) for s, lag in enumerate(backward_lags)]
+
+
 def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
           devices=None) -> Schedule:
-  """The Ouroboros schedule: `init(params, example_batch)` and a jitted `step(state, batch)`."""
+  """The Ouroboros schedule: `init(params, example_batch)` and a jitted `step(state, batch)`.
+
+  `config.compensation` (compensation.py) wraps `tx` with the update-side compensations and,
+  with `predict`, runs each module's forward at its predicted weights."""
   num_stages, replicas = config.num_stages, config.data_parallel
+  comp = config.compensation
   if config.tied_grad not in ('sum', 'mean'):
     raise ConfigError(f'unknown tied_grad {config.tied_grad!r}; choose sum or mean.')
   if config.forward not in FORWARD_MODES:
@@ -120,13 +136,24 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
   head_lag, backward_lags = lags(num_stages, config.forward)
   depth = max(backward_lags) + 1              # stash slots per device (G + 1, or 2G + 1)
   lag_G = jnp.asarray(backward_lags)
+  if comp.dc_lambda and config.stash != 'graph':
+    raise ConfigError('--compensation dc needs the gradient at the forward\'s weights, which '
+                      'only --stash graph keeps (replay takes it at the current weights); use '
+                      '--stash graph or drop dc.')
+  embed_gap, stage_gaps = version_gaps(num_stages, config.forward)
+  gap_G = jnp.asarray(stage_gaps)
+  if num_stages == 1:        # no delay, nothing to compensate: exactly the paper's G = 1 step
+    comp = compensation.Compensation()
+  tx = compensation.wrap(comp, tx, max([embed_gap, *stage_gaps]))
+  predict = comp.predict
   # What a device keeps of each batch until its delayed backward.
   stash = ring_lib.Stash(model, config.stash, config.stash_policy)
 
   # -- one step on one device of the ring ---------------------------------------------------------
-  def ring_step(params, ring, batch, t, t_async):
+  def ring_step(params, forward_params, ring, batch, t, t_async):
     s = jax.lax.axis_index(STAGE)
     params_s = ring_lib.local_stage_params(params)
+    forward_s = ring_lib.local_stage_params(forward_params)  # = params_s unless predicted
     stash_D, batches_D = jax.tree.map(lambda a: a[0, 0], (ring['stash'], ring['batches']))
     key_t = staged.batch_key(config.seed, t)
     lag = lag_G[s]
@@ -145,16 +172,16 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
 
     # 1. Forward. Locked: batch t through every group, in G rounds where only device r computes.
     #    Pipelined: every group at once, each on what its predecessor sent during step t - 1.
-    x = ring_lib.embed(model, params['embed'], batch['inputs'], key_t)
+    x = ring_lib.embed(model, forward_params['embed'], batch['inputs'], key_t)
     if pipelined:
       forward_batch = t - s
       x = jnp.where(s == 0, x, ring['act'][0, 0])
-      y, kept = stash.forward(params_s, x, s, staged.batch_key(config.seed, forward_batch))
+      y, kept = stash.forward(forward_s, x, s, staged.batch_key(config.seed, forward_batch))
       x_head = ring['act'][0, 0]              # device 0: group G-1's output of batch t - G
       act_next = staged.ring_forward(y, num_stages)
     else:
       forward_batch = t
-      x_head, kept = ring_lib.locked_forward(stash, params_s, x, key_t, num_stages)
+      x_head, kept = ring_lib.locked_forward(stash, forward_s, x, key_t, num_stages)
     stash_D = ring_lib.write_slot(stash_D, kept, forward_batch, depth)
     if num_stages == 1:                      # lag 0: the backward needs what was just kept
       stash_b, inputs_b = kept, batch['inputs']
@@ -216,14 +243,26 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
     staged.check_batch(batch, replicas, 'the data-parallel degree')
     t = state.step
     t_async = t - config.sync_warmup_steps
-    specs = (staged.param_specs(state.params), ring_specs(state.ring), staged.batch_spec(batch),
-             P(), P())
-    out_specs = (staged.param_specs(state.params), ring_specs(state.ring), P())
+    warm = t_async < 0
+    # Each group's version gap, 0 during the synchronous warm-up. The tied embedding counts as
+    # fresh for the update (it gets the head's fresh gradient every step); its forward in module 1
+    # is predicted with module 1's gap.
+    no_gap = lambda gap: jnp.where(warm, 0, gap)
+    delays = {'embed': no_gap(0 if model.tied_embedding else embed_gap),
+              'stages': no_gap(gap_G), 'head': jnp.int32(0)}
+    forward_params = state.params
+    if predict:
+      forward_params = compensation.predict_weights(
+          state.params, state.opt_state,
+          {'embed': no_gap(embed_gap), 'stages': no_gap(gap_G), 'head': 0})
+    param_specs = staged.param_specs(state.params)
+    specs = (param_specs, param_specs, ring_specs(state.ring), staged.batch_spec(batch), P(), P())
+    out_specs = (param_specs, ring_specs(state.ring), P())
     delayed = jax.shard_map(ring_step, mesh=mesh, in_specs=specs, out_specs=out_specs,
                             check_vma=False)
 
     def ouroboros_grads():
-      return delayed(state.params, state.ring, batch, t, t_async)
+      return delayed(state.params, forward_params, state.ring, batch, t, t_async)
 
     def warmup_grads():  # model_parallel's exact gradient over the same ring; pipes stay empty
       synchronous = jax.shard_map(
@@ -240,12 +279,12 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
       grads, ring, loss = ouroboros_grads()
 
     # A module starts updating once its first gradient exists (t_async >= its lag).
-    warm = t_async < 0
     head_ready = warm | (t_async >= head_lag)
     params, opt_state, grad_norm = staged.apply_gradients(
         tx, state.params, state.opt_state, grads, clip_norm=config.clip_norm,
         embed_ready=(head_ready & model.tied_embedding) | warm | (t_async >= backward_lags[0]),
-        stages_ready_G=warm | (t_async >= lag_G), head_ready=head_ready)
+        stages_ready_G=warm | (t_async >= lag_G), head_ready=head_ready,
+        delays=delays if comp.active else None)
     new_state = state.replace(step=t + 1, params=params, opt_state=opt_state, ring=ring)
     loss_batch = jnp.where(warm, t, t - head_lag)
     return new_state, {'loss': loss, 'loss_batch': loss_batch, 'grad_norm': grad_norm}

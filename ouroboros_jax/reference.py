@@ -28,10 +28,94 @@ def expected_backward_batch(t: int, stage: int, num_stages: int, forward: str) -
   return t - staleness(num_stages)[stage]
 
 
+def backward_step(b: int, stage: int, num_stages: int, forward: str) -> int:
+  """The step at which group `stage` back-propagates batch b (inverting the rule above)."""
+  t = b
+  while expected_backward_batch(t, stage, num_stages, forward) != b:
+    t += 1
+  return t
+
+
+class SlowCompensation:
+  """The staleness compensations written straight from their formulas (compensation.py cites
+  them), one module group at a time, with Python lists for what they remember:
+
+    shrink      g <- shrink * g                                       if the gradient is delayed
+    DC-ASGD-a   g <- g + lambda0 / sqrt(MS(g)) * g * g * (w_now - w_then),
+                MS(g) <- 0.95 MS(g) + 0.05 g * g,  w_then = the weights `delay` updates ago
+    base        u <- tx(g)
+    PipeMare    u <- u / max(delay, 1)^(1 - min(n / T, 1)),  n = the group's updates so far
+    prediction  the forward runs at w + gap * (w(t) - w(t-1)), the group's latest step
+
+  A group that is not ready keeps its weights and everything it remembers.
+  """
+
+  def __init__(self, compensation, tx, params, clip_norm):
+    self.comp, self.clip_norm = compensation, clip_norm
+    self.tx_update = jax.jit(tx.update)
+    groups = self.split(params)
+    self.opt = {k: tx.init(p) for k, p in groups.items()}
+    self.history = {k: [p] for k, p in groups.items()}     # history[k][n]: after n updates
+    self.mean_square = {k: jax.tree.map(jnp.zeros_like, p) for k, p in groups.items()}
+    self.latest = {k: jax.tree.map(jnp.zeros_like, p) for k, p in groups.items()}
+
+  @staticmethod
+  def split(params):
+    groups = {'embed': params['embed'], 'head': params['head']}
+    for s in range(staged.stage_count(params)):
+      groups[s] = jax.tree.map(lambda a, s=s: a[s], params['stages'])
+    return groups
+
+  @staticmethod
+  def join(groups, num_stages):
+    return {'embed': groups['embed'], 'head': groups['head'],
+            'stages': jax.tree.map(lambda *a: jnp.stack(a), *[groups[s] for s in
+                                                               range(num_stages)])}
+
+  def predicted(self, params, gaps):
+    """params with group k moved by gaps[k] times its latest step (gaps: group -> int)."""
+    groups = self.split(params)
+    for k, gap in gaps.items():
+      if self.comp.predict and gap:
+        groups[k] = jax.tree.map(lambda w, u, gap=gap: w + gap * u, groups[k], self.latest[k])
+    return self.join(groups, staged.stage_count(params))
+
+  def apply(self, params, grads, ready, delays):
+    num_stages = staged.stage_count(params)
+    norm = float(jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads))))
+    scale = min(1.0, self.clip_norm / (norm + 1e-6)) if self.clip_norm else 1.0
+    groups, grad_groups = self.split(params), self.split(grads)
+    for k, w in groups.items():
+      if not ready[k]:
+        continue
+      g, delay = jax.tree.map(lambda x: x * scale, grad_groups[k]), delays[k]
+      n = len(self.history[k]) - 1
+      if delay > 0 and self.comp.shrink != 1.0:
+        g = jax.tree.map(lambda x: self.comp.shrink * x, g)
+      if self.comp.dc_lambda:
+        self.mean_square[k] = jax.tree.map(lambda m, x: 0.95 * m + 0.05 * x * x,
+                                           self.mean_square[k], g)
+        w_then = self.history[k][max(n - delay, 0)]
+        g = jax.tree.map(lambda x, m, a, b: x + self.comp.dc_lambda / jnp.sqrt(m + 1e-7) * x * x
+                         * (a - b), g, self.mean_square[k], w, w_then)
+      u, self.opt[k] = self.tx_update(g, self.opt[k], w)
+      if self.comp.pipemare_steps:
+        u = jax.tree.map(lambda x: x * max(delay, 1) ** -(1 - min(n / self.comp.pipemare_steps,
+                                                                   1.0)), u)
+      new_w = jax.tree.map(jnp.add, w, u)
+      self.latest[k] = jax.tree.map(jnp.subtract, new_w, w)
+      self.history[k].append(new_w)
+      groups[k] = new_w
+    return self.join(groups, num_stages)
+
+
 def run(model: staged.StagedModel, tx, params, batches, *, stash: str = 'graph',
         forward: str = 'locked', clip_norm: float | None = 1.0, seed: int = 0,
-        tied_grad: str = 'sum', sync_warmup_steps: int = 0):
+        tied_grad: str = 'sum', sync_warmup_steps: int = 0, compensation=None):
   """Trains on `batches` in order; returns (params, losses, updated).
+
+  `compensation` (a compensation.Compensation, default none) applies the staleness compensations
+  as `SlowCompensation` writes them, with `tx` as the base optimizer.
 
   losses[t] is the loss the head computed at step t (None while the pipe fills), updated[t] lists
   the groups ('embed', 0..G-1, 'head') that changed their weights at step t.
@@ -47,6 +131,9 @@ def run(model: staged.StagedModel, tx, params, batches, *, stash: str = 'graph',
   apply_gradients = jax.jit(
       lambda *args, **kw: staged.apply_gradients(tx, *args, clip_norm=clip_norm, **kw))
   opt_state = staged.init_opt_state(tx, params)
+  slow = (SlowCompensation(compensation, tx, params, clip_norm)
+          if compensation is not None and compensation.active else None)
+  all_groups = ['embed', *range(num_stages), 'head']
   stashes = [collections.deque() for _ in range(num_stages)]  # (batch, VJP or input) in flight
   delta_inbox = [None] * num_stages   # error gradient for group s's output, sent last step
   act_inbox = [None] * num_stages     # pipelined: (batch, activation) for group s, sent last step
@@ -59,14 +146,25 @@ def run(model: staged.StagedModel, tx, params, batches, *, stash: str = 'graph',
     key_t = staged.batch_key(seed, t)
     if t < sync_warmup_steps:
       (loss, _), grads = jax.value_and_grad(model.forward_loss, has_aux=True)(params, batch, key_t)
-      params, opt_state, _ = apply_gradients(params, opt_state, grads)
+      if slow:
+        params = slow.apply(params, grads, {k: True for k in all_groups},
+                            {k: 0 for k in all_groups})
+      else:
+        params, opt_state, _ = apply_gradients(params, opt_state, grads)
       losses.append(float(loss))
       updated.append(['embed', *range(num_stages), 'head'])
       continue
 
-    # Forward with the current weights; every group keeps its VJP (graph) or its input (replay).
+    # Forward with the current weights (or, predicting, the weights each group's gradient of this
+    # forward will be applied to); every group keeps its VJP (graph) or its input (replay).
+    forward_params = params
+    if slow and num_stages > 1:
+      gaps = {s: backward_step(t - (s if pipelined else 0), s, num_stages, forward) - t
+              for s in range(num_stages)}
+      gaps['embed'] = backward_step(t, 0, num_stages, forward) - t
+      forward_params = slow.predicted(params, gaps)
     new_act = [None] * num_stages
-    carried = (t, model.embed(params['embed'], batch['inputs'],
+    carried = (t, model.embed(forward_params['embed'], batch['inputs'],
                               staged.piece_rng(key_t, EMBED_PIECE)))
     for s in range(num_stages):
       if pipelined and s > 0:
@@ -77,11 +175,11 @@ def run(model: staged.StagedModel, tx, params, batches, *, stash: str = 'graph',
       key_b = staged.batch_key(seed, b)
       run_s = lambda p, h, s=s, key_b=key_b: model.stage(p, h, s, staged.piece_rng(key_b, s))
       if stash == 'graph':
-        y, vjp_fn = jax.vjp(run_s, stage_params(params, s), x)
-        stashes[s].append((b, vjp_fn))
+        y, vjp_fn = jax.vjp(run_s, stage_params(forward_params, s), x)
+        stashes[s].append((b, t, vjp_fn))
       else:
-        y = run_s(stage_params(params, s), x)
-        stashes[s].append((b, x))
+        y = run_s(stage_params(forward_params, s), x)
+        stashes[s].append((b, t, x))
       carried = (b, y)
       if pipelined:
         new_act[(s + 1) % num_stages] = carried
@@ -106,12 +204,14 @@ def run(model: staged.StagedModel, tx, params, batches, *, stash: str = 'graph',
     new_inbox = [None] * num_stages
     g_stages = [zeros(stage_params(params, s)) for s in range(num_stages)]
     ready = [False] * num_stages
+    gap = [0] * num_stages                # steps since the forward of the batch applied now
     for s in range(num_stages):
       delta = delta_head if num_stages == 1 else delta_inbox[s]
       if delta is None:
         continue
-      b, kept = stashes[s].popleft()
+      b, forward_step, kept = stashes[s].popleft()
       assert b == expected_backward_batch(t, s, num_stages, forward), (s, b, t)
+      gap[s] = t - forward_step
       key_b = staged.batch_key(seed, b)
       if stash == 'graph':
         g_stages[s], dx = kept(delta)
@@ -136,9 +236,15 @@ def run(model: staged.StagedModel, tx, params, batches, *, stash: str = 'graph',
              'stages': jax.tree.map(lambda *g: jnp.stack(g), *g_stages)}
     head_ready = delta_head is not None
     embed_ready = (model.tied_embedding and head_ready) or ready[0]
-    params, opt_state, _ = apply_gradients(params, opt_state, grads, embed_ready=embed_ready,
-                                           stages_ready_G=jnp.asarray(ready),
-                                           head_ready=head_ready)
+    if slow:   # the tied embedding counts as fresh (it gets the head's gradient every step)
+      delays = {'embed': 0 if model.tied_embedding else gap[0], 'head': 0,
+                **dict(enumerate(gap))}
+      params = slow.apply(params, grads, {'embed': embed_ready, 'head': head_ready,
+                                          **dict(enumerate(ready))}, delays)
+    else:
+      params, opt_state, _ = apply_gradients(params, opt_state, grads, embed_ready=embed_ready,
+                                             stages_ready_G=jnp.asarray(ready),
+                                             head_ready=head_ready)
     updated.append((['embed'] if embed_ready else []) +
                    [s for s in range(num_stages) if ready[s]] + (['head'] if head_ready else []))
   return params, losses, updated

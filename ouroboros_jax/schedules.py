@@ -44,6 +44,7 @@ import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from ouroboros_jax import ring, staged
+from ouroboros_jax.compensation import Compensation
 from ouroboros_jax.model import ConfigError
 from ouroboros_jax.staged import DATA, STAGE, Schedule, StagedModel, TrainState
 
@@ -65,6 +66,7 @@ class ScheduleConfig:
   forward: str = 'locked'        # ouroboros: 'locked' (the paper) or 'pipelined'
   sync_warmup_steps: int = 0     # ouroboros: plain backprop over the ring first
   tied_grad: str = 'sum'         # ouroboros: 'sum' or 'mean' of the tied embedding's two grads
+  compensation: Compensation = Compensation()  # ouroboros: staleness compensation (none: paper)
 
 
 def build_schedule(config: ScheduleConfig, model: StagedModel,

@@ -111,29 +111,35 @@ def init_opt_state(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
 
 
 def apply_gradients(tx, params, opt_state, grads, *, clip_norm: float | None,
-                    embed_ready=True, stages_ready_G=None, head_ready=True):
+                    embed_ready=True, stages_ready_G=None, head_ready=True, delays=None):
   """One optimizer step per module group; a group that is not ready stays exactly as it was.
 
   Returns (params, opt_state, grad_norm). `clip_norm` clips the global norm of the whole gradient
-  (the norm is taken over every group at once, so all schedules clip identically).
+  (the norm is taken over every group at once, so all schedules clip identically). `delays`
+  ({'embed': d, 'stages': [G], 'head': d}, or None) is each group's version gap, passed to tx as
+  the Optax extra argument `delay` (the staleness compensations of compensation.py read it;
+  plain transformations ignore it).
   """
   grad_norm = optax.tree.norm(grads)
   if clip_norm:
     scale = jnp.minimum(1.0, clip_norm / (grad_norm + 1e-6))
     grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
 
-  def update(p, s, g, ready):
-    updates, new_s = tx.update(g, s, p)
+  def update(p, s, g, ready, delay):
+    updates, new_s = optax.with_extra_args_support(tx).update(g, s, p, delay=delay)
     new_p = optax.apply_updates(p, updates)
     keep = lambda new, old: jnp.where(ready, new, old)
     return jax.tree.map(keep, new_p, p), jax.tree.map(keep, new_s, s)
 
   num_stages = stage_count(params)
   stages_ready_G = jnp.ones((num_stages,), bool) if stages_ready_G is None else stages_ready_G
-  embed_p, embed_s = update(params['embed'], opt_state['embed'], grads['embed'], embed_ready)
-  head_p, head_s = update(params['head'], opt_state['head'], grads['head'], head_ready)
+  delays = delays or {'embed': None, 'stages': None, 'head': None}  # None: no delay anywhere
+  embed_p, embed_s = update(params['embed'], opt_state['embed'], grads['embed'], embed_ready,
+                            delays['embed'])
+  head_p, head_s = update(params['head'], opt_state['head'], grads['head'], head_ready,
+                          delays['head'])
   stages_p, stages_s = jax.vmap(update)(params['stages'], opt_state['stages'], grads['stages'],
-                                        stages_ready_G)
+                                        stages_ready_G, delays['stages'])
   return ({'embed': embed_p, 'stages': stages_p, 'head': head_p},
           {'embed': embed_s, 'stages': stages_s, 'head': head_s}, grad_norm)
 

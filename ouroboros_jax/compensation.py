@@ -1,0 +1,306 @@
+"""Staleness compensation: what makes delayed gradients train (nearly) as well as exact ones.
+
+In Ouroboros, module k computes the gradient of a batch at the weights w_k(t) of its forward and
+applies it tau_k steps later, to w_k(t + tau_k) (tau_k is the *version gap*, `version_gaps` in
+ouroboros.py: G - s for group s with the locked forward, 2(G - s) with the pipelined one; 0 for the
+head). The pieces here attack that gap from three sides, each where the fix lives:
+
+  the optimizer      `make_optimizer(name, ...)`: AdamW (the paper's), NAdamW with a high beta1
+                     (Ajanthan et al., ICML 2025), or Muon (Jordan et al. 2024; Zmushko et al. 2026
+                     find it far less sensitive to delay than AdamW);
+  the gradient       Optax transformations that read the extra argument `delay` (the module's
+                     version gap, passed by `staged.apply_gradients`): `shrink_delayed` (FDG),
+                     `delay_compensation` (DC-ASGD-a);
+  the update         `scale_by_delay` (PipeMare's learning-rate rescheduling);
+  the forward        weight prediction (SpecTrain / PipeOptim): `remember_update` keeps each
+                     group's latest update u in its optimizer state and `predict_weights` runs
+                     module k's forward at w_k + tau_k * u_k, the weights its gradient will be
+                     applied to.
+
+A `Compensation` record says which of them a run uses (`--compensation predict,dc ...`); the
+schedule wraps the optimizer with `wrap(compensation, tx, max_gap)`. Every piece is the identity
+when the gap is 0, so a schedule without delay (G = 1, the synchronous warm-up) is unchanged bit
+for bit, and `Compensation()` (none) leaves the optimizer exactly as it was given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from ouroboros_jax.model import ConfigError
+
+PyTree = Any
+OPTIMIZERS = ('adamw', 'nadamw', 'muon')
+COMPENSATIONS = ('predict', 'pipemare', 'dc', 'shrink')
+
+
+# ----------------------------------------------------------------------------- what a run uses
+
+
+@dataclasses.dataclass(frozen=True)
+class Compensation:
+  """Which staleness compensations a delayed schedule applies, with their strengths.
+
+  predict          forward at w + tau * (latest update) (SpecTrain, Chen et al. 2018; PipeOptim,
+                   arXiv 2312.00839)
+  pipemare_steps   > 0: PipeMare's rate rescheduling, lr / tau^(1 - min(t / T, 1)) with
+                   T = pipemare_steps (Yang et al., MLSys 2021)
+  dc_lambda        > 0: DC-ASGD-a's delay compensation of the gradient with strength lambda_0
+                   (Zheng et al., ICML 2017); needs the graph stash (the gradient at w_then)
+  shrink           < 1: delayed gradients scaled by this factor (FDG, Huo et al.)
+  """
+
+  predict: bool = False
+  pipemare_steps: int = 0
+  dc_lambda: float = 0.0
+  shrink: float = 1.0
+
+  @property
+  def active(self) -> bool:
+    return self != Compensation()
+
+  def names(self) -> tuple[str, ...]:
+    on = {'predict': self.predict, 'pipemare': self.pipemare_steps > 0,
+          'dc': self.dc_lambda > 0, 'shrink': self.shrink != 1.0}
+    return tuple(name for name in COMPENSATIONS if on[name])
+
+
+def parse(spec: str, *, steps: int, dc_lambda: float = 1.0, shrink: float = 0.5,
+          pipemare_steps: int = 0) -> Compensation:
+  """'none' or a comma list of COMPENSATIONS ('predict,dc') -> Compensation.
+
+  The strengths apply to the names that are listed; pipemare_steps 0 means a quarter of `steps`.
+  """
+  names = [n.strip() for n in spec.split(',') if n.strip()]
+  if names == ['none'] or not names:
+    return Compensation()
+  unknown = [n for n in names if n not in COMPENSATIONS]
+  if unknown:
+    raise ConfigError(f'unknown --compensation {",".join(unknown)}; use none or a comma list of '
+                      f'{", ".join(COMPENSATIONS)} (e.g. --compensation predict,dc).')
+  if not dc_lambda > 0:
+    raise ConfigError(f'--dc-lambda must be > 0, got {dc_lambda}.')
+  if not 0 < shrink <= 1:
+    raise ConfigError(f'--shrink must be in (0, 1], got {shrink}.')
+  if pipemare_steps < 0:
+    raise ConfigError(f'--pipemare-steps must be >= 0 (0: a quarter of --steps), got '
+                      f'{pipemare_steps}.')
+  return Compensation(
+      predict='predict' in names,
+      pipemare_steps=(pipemare_steps or max(steps // 4, 1)) if 'pipemare' in names else 0,
+      dc_lambda=dc_lambda if 'dc' in names else 0.0,
+      shrink=shrink if 'shrink' in names else 1.0)
+
+
+# ----------------------------------------------------------------------------- optimizers
+
+
+def kernel_mask(tree):
+  """True on matrices named 'kernel' (the layers' weights), False on embeddings, norms, biases."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: getattr(path[-1], 'key', None) == 'kernel', tree)
+
+
+def muon_dimensions(tree):
+  """Muon's view of each parameter: a layer kernel [..., in, out] is a batch of in x out matrices
+  (the stacked layer axis is a batch axis of the orthogonalisation); everything else is None,
+  which optax.contrib.muon gives to Adam."""
+  def dims(path, leaf):
+    if getattr(path[-1], 'key', None) != 'kernel' or leaf.ndim < 2:
+      return None
+    return optax.contrib.MuonDimensionNumbers(reduction_axis=leaf.ndim - 2,
+                                              output_axis=leaf.ndim - 1)
+  return jax.tree_util.tree_map_with_path(dims, tree)
+
+
+def make_optimizer(name: str, learning_rate, *, weight_decay: float = 0.0,
+                   muon_learning_rate=None, b1: float | None = None, b2: float = 0.999,
+                   eps: float = 1e-8) -> optax.GradientTransformation:
+  """The base optimizer by name; weight decay on layer kernels only, in every case.
+
+  adamw   optax.adamw (b1 0.9): the paper's optimizer.
+  nadamw  optax.nadamw with b1 0.99 by default: Nesterov momentum with a long memory, the recipe
+          of Ajanthan et al. (ICML 2025, arXiv 2505.01099) for asynchronous pipelines.
+  muon    optax.contrib.muon (beta 0.95 by default, Nesterov) on the layer kernels at
+          `muon_learning_rate`, Adam at `learning_rate` on embeddings, norms and biases
+          (Jordan et al. 2024, github.com/KellerJordan/Muon).
+  """
+  if name == 'adamw':
+    return optax.adamw(learning_rate, b1=0.9 if b1 is None else b1, b2=b2, eps=eps,
+                       weight_decay=weight_decay, mask=kernel_mask)
+  if name == 'nadamw':
+    return optax.nadamw(learning_rate, b1=0.99 if b1 is None else b1, b2=b2, eps=eps,
+                        weight_decay=weight_decay, mask=kernel_mask)
+  if name == 'muon':
+    return optax.contrib.muon(
+        learning_rate if muon_learning_rate is None else muon_learning_rate,
+        beta=0.95 if b1 is None else b1, weight_decay=weight_decay, weight_decay_mask=kernel_mask,
+        adam_learning_rate=learning_rate, adam_b1=0.9, adam_b2=b2, eps=eps,
+        muon_weight_dimension_numbers=muon_dimensions)
+  raise ConfigError(f'unknown optimizer {name!r}; use --optimizer {" or ".join(OPTIMIZERS)}.')
+
+
+# ----------------------------------------------------------------------------- on the gradient
+
+
+def _gap(delay):
+  return jnp.asarray(0 if delay is None else delay, jnp.int32)
+
+
+def shrink_delayed(factor: float) -> optax.GradientTransformationExtraArgs:
+  """g -> factor * g for a delayed gradient (delay > 0); fresh gradients pass unchanged.
+
+  Huo, Gu, Huang. "Training Neural Networks Using Features Replay", NeurIPS 2018, and the
+  delayed-gradient shrinking of FDG (github.com/ZHUANGHP/FDG).
+  """
+  def update(updates, state, params=None, *, delay=None, **extra):
+    del params, extra
+    stale = _gap(delay) > 0
+    return jax.tree.map(lambda g: jnp.where(stale, factor * g, g), updates), state
+
+  return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
+class DelayCompensationState(NamedTuple):
+  count: jax.Array          # updates applied so far (n)
+  history: PyTree           # weights after update i, in slot i % depth (all = w_0 at first)
+  mean_square: PyTree       # running mean of g * g, for the adaptive strength
+
+
+def delay_compensation(strength: float, max_delay: int,
+                       decay: float = 0.95, eps: float = 1e-7
+                       ) -> optax.GradientTransformationExtraArgs:
+  """DC-ASGD-a: g + lambda_t * g * g * (w_now - w_then), lambda_t = strength / sqrt(MS(g)).
+
+  Zheng, Meng, Wang, Chen, Yu, Ma, Liu. "Asynchronous Stochastic Gradient Descent with Delay
+  Compensation", ICML 2017 (arXiv 1609.08326), eq. 10 and the adaptive lambda of section 5
+  (MS(g) a running mean of g * g with `decay`). g * g is the diagonal approximation of the Hessian;
+  w_then is the weights the gradient was computed at, `delay` updates ago: the transformation keeps
+  the last max_delay + 1 weights of its group. Needs gradients taken at w_then (the graph stash).
+  """
+  depth = max_delay + 1
+
+  def init(params):
+    return DelayCompensationState(
+        count=jnp.zeros((), jnp.int32),
+        history=jax.tree.map(lambda p: jnp.broadcast_to(p, (depth, *p.shape)), params),
+        mean_square=jax.tree.map(jnp.zeros_like, params))
+
+  def update(updates, state, params=None, *, delay=None, **extra):
+    del extra
+    if params is None:
+      raise ValueError('delay_compensation needs the parameters (w_now).')
+    n, tau = state.count, _gap(delay)
+    history = jax.tree.map(lambda h, w: h.at[n % depth].set(w), state.history, params)
+    # Slot (n - tau) % depth holds the weights after update n - tau; when n < tau it was never
+    # written and holds w_0, which is what the weights were before this group's first update.
+    w_then = jax.tree.map(lambda h: h[(n - tau) % depth], history)
+    mean_square = jax.tree.map(lambda m, g: decay * m + (1 - decay) * g * g,
+                               state.mean_square, updates)
+    compensated = jax.tree.map(
+        lambda g, w, w0, m: g + strength / jnp.sqrt(m + eps) * g * g * (w - w0),
+        updates, params, w_then, mean_square)
+    return compensated, DelayCompensationState(n + 1, history, mean_square)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+# ----------------------------------------------------------------------------- on the update
+
+
+class DelayScaleState(NamedTuple):
+  count: jax.Array
+
+
+def scale_by_delay(anneal_steps: int) -> optax.GradientTransformationExtraArgs:
+  """PipeMare's learning-rate rescheduling: the update of a module with delay tau is divided by
+  tau^(1 - min(t / T, 1)), T = anneal_steps (t counts this group's updates): a delayed module
+  starts at lr / tau and reaches the full rate at T.
+
+  Yang, Zhang, Sa et al. "PipeMare: Asynchronous Pipeline Parallel DNN Training", MLSys 2021
+  (arXiv 1910.05124), section 3.1; as PluralisResearch/AsyncPP's `adjust_learning_rate`.
+  """
+  def update(updates, state, params=None, *, delay=None, **extra):
+    del params, extra
+    tau = jnp.maximum(_gap(delay), 1).astype(jnp.float32)
+    exponent = 1.0 - jnp.minimum(state.count / anneal_steps, 1.0)
+    scale = tau ** -exponent                      # exactly 1 when tau is 1 (and so when fresh)
+    return (jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates),
+            DelayScaleState(state.count + 1))
+
+  return optax.GradientTransformationExtraArgs(
+      lambda params: DelayScaleState(jnp.zeros((), jnp.int32)), update)
+
+
+# ----------------------------------------------------------------------------- on the forward
+
+
+class LastUpdateState(NamedTuple):
+  inner: optax.OptState
+  last_update: PyTree      # u(t-1) = w(t) - w(t-1): the group's latest update (0 before any)
+
+
+def remember_update(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+  """tx whose state also keeps the update it returned last, for `predict_weights`."""
+  tx = optax.with_extra_args_support(tx)
+
+  def init(params):
+    return LastUpdateState(tx.init(params), jax.tree.map(jnp.zeros_like, params))
+
+  def update(updates, state, params=None, **extra):
+    updates, inner = tx.update(updates, state.inner, params, **extra)
+    return updates, LastUpdateState(inner, updates)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def predict_weights(params: PyTree, opt_state: PyTree, gaps: PyTree) -> PyTree:
+  """w + tau * u per group: the weights each group is predicted to have when the gradient of the
+  forward it is about to run gets applied (SpecTrain; PipeOptim with the update as direction).
+
+  params and opt_state are a schedule's {'embed', 'stages', 'head'} trees (opt_state made with a
+  `remember_update` optimizer); gaps has one version gap per group: a scalar for 'embed' and
+  'head', one per stage ([G]) for 'stages'. A gap of 0 returns the weights unchanged.
+  """
+  def group(p, state, gap):
+    gap = jnp.asarray(gap, jnp.float32)
+    def shift(w, u):
+      g = gap.reshape(gap.shape + (1,) * (w.ndim - gap.ndim)).astype(w.dtype)
+      return jnp.where(g == 0, w, w + g * u)
+    return jax.tree.map(shift, p, last_update(state))
+  return {name: group(params[name], opt_state[name], gaps[name]) for name in params}
+
+
+def last_update(state) -> PyTree:
+  if not isinstance(state, LastUpdateState):
+    raise ConfigError('weight prediction needs the optimizer wrapped by compensation.wrap '
+                      '(remember_update); build the schedule with Compensation(predict=True).')
+  return state.last_update
+
+
+# ----------------------------------------------------------------------------- the whole recipe
+
+
+def wrap(compensation: Compensation, tx: optax.GradientTransformation,
+         max_gap: int) -> optax.GradientTransformation:
+  """tx with the compensations a run asked for, in their order: shrink and DC-ASGD on the gradient
+  before tx, PipeMare on tx's update, the latest update remembered for weight prediction.
+
+  With Compensation() tx is returned as it is (the paper-exact method)."""
+  if not compensation.active:
+    return tx
+  parts = []
+  if compensation.shrink != 1.0:
+    parts.append(shrink_delayed(compensation.shrink))
+  if compensation.dc_lambda > 0:
+    parts.append(delay_compensation(compensation.dc_lambda, max_gap))
+  parts.append(optax.with_extra_args_support(tx))
+  if compensation.pipemare_steps > 0:
+    parts.append(scale_by_delay(compensation.pipemare_steps))
+  chained = optax.chain(*parts)
+  return remember_update(chained) if compensation.predict else chained

@@ -1,0 +1,169 @@
+"""Staleness compensation (compensation.py) against slow restatements of its formulas."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from ouroboros_jax import compensation, reference, staged
+from ouroboros_jax.compensation import Compensation
+from ouroboros_jax.model import ConfigError
+from ouroboros_jax.schedules import ScheduleConfig, build_schedule
+from test_ouroboros import adam, max_abs_diff, random_batches, run_schedule, tiny_transformer
+
+EVERY = Compensation(predict=True, pipemare_steps=4, dc_lambda=0.5, shrink=0.7)
+CASES = {
+    'predict': Compensation(predict=True),
+    'pipemare': Compensation(pipemare_steps=4),
+    'dc': Compensation(dc_lambda=0.5),
+    'shrink': Compensation(shrink=0.7),
+    'all': EVERY,
+}
+
+
+@pytest.mark.parametrize('forward', ['locked', 'pipelined'])
+@pytest.mark.parametrize('num_stages', [2, 3])
+@pytest.mark.parametrize('name', list(CASES))
+def test_matches_slow_restatement(name, num_stages, forward):
+  """Module k applies the compensated gradient of batch t - tau_k, as the formulas say."""
+  comp = CASES[name]
+  model, params = tiny_transformer(num_stages)
+  tx = adam()
+  steps = 2 * num_stages + 4 if forward == 'pipelined' else 7
+  batches = random_batches(steps, seed=3)
+  config = ScheduleConfig(name='ouroboros', num_stages=num_stages, forward=forward,
+                          compensation=comp)
+  state, losses = run_schedule(config, model, tx, params, batches)
+  want, want_losses, _ = reference.run(model, tx, params, batches, forward=forward,
+                                       compensation=comp)
+  plain, _, _ = reference.run(model, tx, params, batches, forward=forward)
+  skip = num_stages if forward == 'pipelined' else 0
+  np.testing.assert_allclose(losses[skip:], want_losses[skip:], rtol=1e-5)
+  assert max_abs_diff(want, plain) > 1e-4        # the compensation changed the trajectory
+  assert max_abs_diff(state.params, want) < 2e-5  # ... exactly as the formulas say
+
+
+@pytest.mark.parametrize('stash', ['graph', 'replay'])
+def test_with_data_parallel_warmup_and_replay(stash):
+  comp = Compensation(predict=True, pipemare_steps=5, shrink=0.8,
+                      dc_lambda=0.5 if stash == 'graph' else 0.0)
+  model, params = tiny_transformer(2)
+  tx = adam()
+  batches = random_batches(7, seed=4)
+  config = ScheduleConfig(name='ouroboros', num_stages=2, data_parallel=2, stash=stash,
+                          sync_warmup_steps=2, compensation=comp)
+  state, _ = run_schedule(config, model, tx, params, batches)
+  want, _, _ = reference.run(model, tx, params, batches, stash=stash, sync_warmup_steps=2,
+                             compensation=comp)
+  assert max_abs_diff(state.params, want) < 2e-5
+
+
+def test_none_is_the_paper_exact_method_bit_for_bit():
+  model, params = tiny_transformer(2)
+  batches = random_batches(6, seed=5)
+  config = ScheduleConfig(name='ouroboros', num_stages=2)
+  a, _ = run_schedule(config, model, adam(), params, batches)
+  b, _ = run_schedule(ScheduleConfig(name='ouroboros', num_stages=2, compensation=Compensation()),
+                      model, adam(), params, batches)
+  want, _, _ = reference.run(model, adam(), params, batches)
+  assert max_abs_diff(a.params, b.params) == 0.0
+  assert max_abs_diff(a.params, want) < 2e-5
+
+
+def test_one_stage_with_every_compensation_is_uncompensated_bit_for_bit():
+  """G = 1 has no delay: every compensation is the identity, so the default Ouroboros with one
+  stage is the paper's, which equals backprop (test_ouroboros.test_one_stage_is_plain_backprop)."""
+  model, params = tiny_transformer(1)
+  batches = random_batches(5, seed=6)
+  ours, _ = run_schedule(ScheduleConfig(name='ouroboros', num_stages=1, compensation=EVERY),
+                         model, adam(), params, batches)
+  plain, _ = run_schedule(ScheduleConfig(name='ouroboros', num_stages=1), model, adam(), params,
+                          batches)
+  assert max_abs_diff(ours.params, plain.params) == 0.0
+
+
+def test_prediction_with_zero_update_is_the_identity():
+  model, params = tiny_transformer(2)
+  tx = compensation.remember_update(adam())
+  opt_state = staged.init_opt_state(tx, params)
+  gaps = {'embed': 2, 'stages': jnp.asarray([2, 1]), 'head': 0}
+  predicted = compensation.predict_weights(params, opt_state, gaps)
+  assert max_abs_diff(predicted, params) == 0.0
+
+
+def test_prediction_moves_each_group_by_its_gap():
+  model, params = tiny_transformer(2)
+  tx = compensation.remember_update(adam())
+  opt_state = staged.init_opt_state(tx, params)
+  ones = jax.tree.map(jnp.ones_like, params)
+  opt_state = {k: v._replace(last_update=ones[k]) for k, v in opt_state.items()}
+  gaps = {'embed': 3, 'stages': jnp.asarray([2, 1]), 'head': 0}
+  out = compensation.predict_weights(params, opt_state, gaps)
+  np.testing.assert_allclose(out['embed']['token']['embedding'],
+                             params['embed']['token']['embedding'] + 3)
+  kernel = out['stages']['qkv']['kernel']
+  np.testing.assert_allclose(kernel[0], params['stages']['qkv']['kernel'][0] + 2)
+  np.testing.assert_allclose(kernel[1], params['stages']['qkv']['kernel'][1] + 1)
+  assert max_abs_diff(out['head'], params['head']) == 0.0
+
+
+def test_update_side_pieces_are_the_identity_without_delay():
+  params = {'kernel': jnp.arange(6.0).reshape(2, 3)}
+  grads = {'kernel': jnp.linspace(-1, 1, 6).reshape(2, 3)}
+  for piece in (compensation.shrink_delayed(0.3), compensation.delay_compensation(2.0, 3),
+                compensation.scale_by_delay(10)):
+    state = piece.init(params)
+    for _ in range(3):   # w_then == w_now at delay 0, however much the weights have moved
+      out, state = piece.update(grads, state, params, delay=0)
+      assert max_abs_diff(out, grads) == 0.0
+      params = jax.tree.map(lambda w: w + 0.1, params)
+
+
+def test_pipemare_scale_follows_its_formula():
+  piece = compensation.scale_by_delay(4)
+  state = piece.init({'w': jnp.zeros(())})
+  got = []
+  for _ in range(6):
+    out, state = piece.update({'w': jnp.ones(())}, state, delay=3)
+    got.append(float(out['w']))
+  want = [3.0 ** -(1 - min(n / 4, 1)) for n in range(6)]
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_muon_treats_the_layer_axis_as_a_batch_axis():
+  """Muon on a [layers, in, out] kernel equals Muon on each layer's matrix on its own."""
+  rng = np.random.default_rng(0)
+  kernels = jnp.asarray(rng.normal(size=(3, 8, 16)), jnp.float32)
+  grads = jnp.asarray(rng.normal(size=(3, 8, 16)), jnp.float32)
+  tx = compensation.make_optimizer('muon', 1e-3, muon_learning_rate=0.02)
+  stacked, _ = tx.update({'kernel': grads}, tx.init({'kernel': kernels}), {'kernel': kernels})
+  for layer in range(3):
+    p, g = {'kernel': kernels[layer]}, {'kernel': grads[layer]}
+    alone, _ = tx.update(g, tx.init(p), p)
+    np.testing.assert_allclose(stacked['kernel'][layer], alone['kernel'], rtol=1e-4, atol=1e-6)
+  # Orthogonalised: Newton-Schulz pulls the singular values close together (5 steps leave them
+  # within a factor of ~1.6), where the gradient's own spread far more.
+  spread = lambda m: (lambda sv: sv.max() / sv.min())(np.linalg.svd(np.asarray(m),
+                                                                    compute_uv=False))
+  assert spread(stacked['kernel'][0]) < 2.0 < 4.0 < spread(grads[0])
+
+
+def test_bad_settings_are_one_line_errors():
+  with pytest.raises(ConfigError, match='unknown --compensation'):
+    compensation.parse('predict,magic', steps=100)
+  with pytest.raises(ConfigError, match='--shrink'):
+    compensation.parse('shrink', steps=100, shrink=1.5)
+  with pytest.raises(ConfigError, match='--dc-lambda'):
+    compensation.parse('dc', steps=100, dc_lambda=-1)
+  with pytest.raises(ConfigError, match='unknown optimizer'):
+    compensation.make_optimizer('sgd', 1e-3)
+  model, _ = tiny_transformer(2)
+  with pytest.raises(ConfigError, match='--stash graph'):
+    build_schedule(ScheduleConfig(name='ouroboros', num_stages=2, stash='replay',
+                                  compensation=Compensation(dc_lambda=1.0)), model, adam())
+  assert compensation.parse('none', steps=100) == Compensation()
+  assert compensation.parse('predict,pipemare', steps=100) == Compensation(
+      predict=True, pipemare_steps=25)
