@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import optax
 
 from ouroboros_jax.model import ConfigError
+from ouroboros_jax.staged import adamw, kernel_mask
 
 PyTree = Any
 OPTIMIZERS = ('adamw', 'nadamw', 'muon')
@@ -100,12 +101,6 @@ def parse(spec: str, *, steps: int, dc_lambda: float = 1.0, shrink: float = 0.5,
 # ----------------------------------------------------------------------------- optimizers
 
 
-def kernel_mask(tree):
-  """True on matrices named 'kernel' (the layers' weights), False on embeddings, norms, biases."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, _: getattr(path[-1], 'key', None) == 'kernel', tree)
-
-
 def muon_dimensions(tree):
   """Muon's view of each parameter: a layer kernel [..., in, out] is a batch of in x out matrices
   (the stacked layer axis is a batch axis of the orthogonalisation); everything else is None,
@@ -131,8 +126,8 @@ def make_optimizer(name: str, learning_rate, *, weight_decay: float = 0.0,
           (Jordan et al. 2024, github.com/KellerJordan/Muon).
   """
   if name == 'adamw':
-    return optax.adamw(learning_rate, b1=0.9 if b1 is None else b1, b2=b2, eps=eps,
-                       weight_decay=weight_decay, mask=kernel_mask)
+    return adamw(learning_rate, b1=0.9 if b1 is None else b1, b2=b2, eps=eps,
+                 weight_decay=weight_decay)
   if name == 'nadamw':
     return optax.nadamw(learning_rate, b1=0.99 if b1 is None else b1, b2=b2, eps=eps,
                         weight_decay=weight_decay, mask=kernel_mask)

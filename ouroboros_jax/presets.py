@@ -37,7 +37,6 @@ from typing import Any, Mapping
 
 import optax
 
-from ouroboros_jax import staged
 from ouroboros_jax.model import ConfigError, ModelConfig
 
 STASH_MODES = ('graph', 'replay')
@@ -79,6 +78,13 @@ class TrainConfig:
   sync_warmup_steps: int = 0
   tied_grad: str = 'sum'
   forward: str = 'locked'       # ouroboros: 'locked' (the paper) or 'pipelined'
+  # Optimizer and staleness compensation (compensation.py).
+  optimizer: str = 'adamw'      # adamw, nadamw (b1 0.99) or muon (layer kernels; Adam elsewhere)
+  muon_learning_rate: float = 0.02  # muon: the kernels' peak rate (--learning-rate: the rest)
+  compensation: str = 'none'    # ouroboros: none or a comma list of predict, pipemare, dc, shrink
+  dc_lambda: float = 1.0        # dc: DC-ASGD-a's strength lambda_0
+  shrink: float = 0.5           # shrink: factor on delayed gradients
+  pipemare_steps: int = 0       # pipemare: steps T to the full rate (0: a quarter of --steps)
   microbatches: int = 4         # gpipe: micro-batches per batch
   # Other training accelerators (README "Training accelerators"; None / 0 = off).
   pld: str | None = None        # progressive layer dropping: 'THETA_BAR,GAMMA' or 'default'
@@ -136,6 +142,7 @@ class TrainConfig:
       raise ConfigError(f'batch_size {self.batch_size} is not divisible by data_parallel '
                         f'{self.data_parallel}; choose --batch-size as a multiple of it.')
     self.resolved_layers_per_stage()  # checks --stages / --layers-per-stage against the depth
+    self.check_compensation()
     self.check_accelerators()
 
   def check_accelerators(self) -> None:
@@ -175,6 +182,32 @@ class TrainConfig:
                           '--layers-per-stage.')
     if (self.growth or self.vcycle) and self.sync_warmup_steps:
       raise ConfigError('--sync-warmup-steps does not apply to --growth / --vcycle runs; drop it.')
+
+  def check_compensation(self) -> None:
+    """--optimizer and --compensation name known pieces that fit the schedule (one line)."""
+    from ouroboros_jax import compensation
+    if self.optimizer not in compensation.OPTIMIZERS:
+      raise ConfigError(f'unknown optimizer {self.optimizer!r}; use --optimizer '
+                        f'{" or ".join(compensation.OPTIMIZERS)}.')
+    if not self.muon_learning_rate > 0:
+      raise ConfigError(f'muon_learning_rate must be positive, got {self.muon_learning_rate}; '
+                        'fix --muon-learning-rate.')
+    if (self.growth or self.vcycle) and self.optimizer != 'adamw':
+      raise ConfigError('--growth and --vcycle runs use AdamW; drop --optimizer.')
+    comp = self.resolved_compensation()
+    if comp.active and self.schedule != 'ouroboros':
+      raise ConfigError(f'--compensation {self.compensation} compensates delayed gradients, and '
+                        f'--schedule {self.schedule} has none; use --schedule ouroboros or '
+                        '--compensation none.')
+    if comp.dc_lambda and self.stash != 'graph':
+      raise ConfigError('--compensation dc needs the gradient at the forward\'s weights, which '
+                        'only --stash graph keeps; use --stash graph or drop dc.')
+
+  def resolved_compensation(self):
+    """--compensation and its strengths as a compensation.Compensation."""
+    from ouroboros_jax import compensation
+    return compensation.parse(self.compensation, steps=self.steps, dc_lambda=self.dc_lambda,
+                              shrink=self.shrink, pipemare_steps=self.pipemare_steps)
 
   def std_loss_layer_ids(self) -> tuple[int, ...]:
     """--std-loss-layers -> 0-based layer indices ('all': every layer)."""
@@ -221,8 +254,12 @@ def lr_schedule(cfg: TrainConfig, steps: int | None = None, peak: float | None =
 
 
 def make_optimizer(cfg: TrainConfig):
-  """AdamW with linear warmup and cosine decay (clipping is done by the schedule)."""
-  return staged.adamw(lr_schedule(cfg), weight_decay=cfg.weight_decay)
+  """--optimizer (AdamW by default) with linear warmup and cosine decay; Muon's kernels follow
+  the same schedule to their own peak (clipping is done by the schedule)."""
+  from ouroboros_jax import compensation
+  return compensation.make_optimizer(
+      cfg.optimizer, lr_schedule(cfg), weight_decay=cfg.weight_decay,
+      muon_learning_rate=lr_schedule(cfg, peak=cfg.muon_learning_rate))
 
 
 # ----------------------------------------------------------------------------- presets

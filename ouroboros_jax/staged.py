@@ -144,14 +144,18 @@ def apply_gradients(tx, params, opt_state, grads, *, clip_norm: float | None,
           {'embed': embed_s, 'stages': stages_s, 'head': head_s}, grad_norm)
 
 
+def kernel_mask(tree):
+  """True on matrices named 'kernel' (the layers' weights), False on embeddings, norms, biases."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, _: getattr(path[-1], 'key', None) == 'kernel', tree)
+
+
 def adamw(learning_rate: float | optax.Schedule, *, weight_decay: float = 0.0,
           b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8):
   """AdamW as the paper uses it; decay only on matrices named 'kernel' (not embeddings, norms or
   biases), so a parameter with a zero gradient does not move at all."""
-  decay_mask = lambda tree: jax.tree_util.tree_map_with_path(
-      lambda path, _: getattr(path[-1], 'key', None) == 'kernel', tree)
   return optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
-                     mask=decay_mask)
+                     mask=kernel_mask)
 
 
 def jit_step(step_fn: Callable) -> Callable:

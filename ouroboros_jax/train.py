@@ -60,7 +60,8 @@ from ouroboros_jax.presets import TrainConfig
 LN2 = math.log(2.0)
 # Fields that fix the shape of the TrainState or the data stream: resuming needs them unchanged.
 RESUME_FIELDS = ('schedule', 'stages', 'data_parallel', 'stash', 'forward', 'microbatches',
-                 'batch_size', 'seed', 'data', 'pld', 'std_loss', 'std_loss_layers')
+                 'batch_size', 'seed', 'data', 'pld', 'std_loss', 'std_loss_layers',
+                 'optimizer', 'compensation')
 
 
 class NonFiniteLossError(RuntimeError):
@@ -76,7 +77,7 @@ def schedule_config(cfg: TrainConfig) -> schedules.ScheduleConfig:
       clip_norm=cfg.clip_norm or None, seed=cfg.seed, stash=cfg.stash,
       stash_policy=cfg.stash_policy,
       sync_warmup_steps=cfg.sync_warmup_steps, tied_grad=cfg.tied_grad, forward=cfg.forward,
-      microbatches=cfg.microbatches)
+      microbatches=cfg.microbatches, compensation=cfg.resolved_compensation())
 
 
 def build(cfg: TrainConfig):

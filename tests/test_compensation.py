@@ -167,3 +167,41 @@ def test_bad_settings_are_one_line_errors():
   assert compensation.parse('none', steps=100) == Compensation()
   assert compensation.parse('predict,pipemare', steps=100) == Compensation(
       predict=True, pipemare_steps=25)
+
+
+def test_checkpoints_carry_the_compensation_state_and_resume_bitwise(tmp_path, prepared_data_dir):
+  """Muon with every compensation on a ring of 2: a run cut after its step-6 checkpoint and
+  resumed ends bit for bit where the uninterrupted run ends (last updates, weight history,
+  PipeMare's count and the optimizer state are all in the checkpoint)."""
+  from ouroboros_jax import checkpoint, presets, train
+  from test_train import assert_trees_equal, host_tree, tiny_config
+
+  recipe = dict(schedule='ouroboros', stages=2, optimizer='muon',
+                compensation='predict,pipemare,dc,shrink', steps=12, checkpoint_every=6,
+                eval_every=6)
+  straight = tiny_config(tmp_path / 'a', prepared_data_dir, **recipe)
+  train.train(straight, quiet=True)
+  cut = presets.override(straight, {'out': str(tmp_path / 'b')})
+
+  def crash(step, state):
+    if step == 8:
+      raise KeyboardInterrupt
+
+  with pytest.raises(KeyboardInterrupt):
+    train.train(cut, quiet=True, on_step=crash)
+  train.train(cut, resume=True, quiet=True)
+
+  def final(out):
+    manager = checkpoint.make_manager(out, read_only=True)
+    try:
+      return checkpoint.restore_single_device(manager)
+    finally:
+      manager.close()
+
+  a, b = final(straight.out_dir), final(cut.out_dir)
+  assert_trees_equal(host_tree(a), host_tree(b))
+  # The compensation state is really in the checkpoint (a plain run has no last_update).
+  assert 'last_update' in str(jax.tree_util.tree_structure(a['opt_state']))
+  with pytest.raises(checkpoint.CheckpointError, match='--compensation'):
+    train.train(presets.override(cut, {'compensation': 'predict', 'steps': 14}), resume=True,
+                quiet=True)

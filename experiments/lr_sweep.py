@@ -1,0 +1,267 @@
+"""Best versus best: each schedule and recipe at its own best learning rate, on the same batches.
+
+Two phases, both on the tiny preset made 4 layers deep (so G = 4 has a layer per stage):
+
+    grid    every recipe over a coarse grid of peak rates around its optimizer's known best, in
+            short runs (--grid-steps, default 200; the cosine schedule spans the short run);
+    final   every recipe at the rate that won its grid, for --final-steps (default 1000),
+            evaluated every --eval-every steps.
+
+A recipe is a schedule (backprop; Ouroboros G=2 / G=4 locked; G=2 pipelined) with an optimizer
+(AdamW, NAdamW b1 0.99, Muon) and a staleness compensation (compensation.py). The rate swept is
+--learning-rate for AdamW/NAdamW and --muon-learning-rate for Muon (whose Adam part, on
+embeddings, norms and biases, stays at the preset's 5e-3). Every run starts from the same
+initialisation and reads the same batches (seed 0); stage devices are simulated on the CPU: this
+measures what is learned per step, not speed (`ouroboros bench` measures that).
+
+Writes, under --out (default experiments/results/lr_sweep):
+
+    grid.csv, final.csv   recipe, rate, step, split, bpb for every evaluation
+    summary.md            the best rate of each recipe and its final validation bpb, the gap to
+                          the best synchronous run, and the steps each needs to reach backprop's
+                          final bpb (time to quality: see --bench)
+    lr_sweep.png          final bpb against rate (grid) and bpb against step (final)
+
+    python experiments/lr_sweep.py                     # ~1 CPU-hour on 2 cores
+    python experiments/lr_sweep.py --recipes backprop-adamw,g2-muon-predict --phases grid
+    python experiments/lr_sweep.py --reuse             # finish an interrupted sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import shutil
+import sys
+
+OUROBOROS = dict(schedule='ouroboros', stages=2)
+G4 = dict(schedule='ouroboros', stages=4)
+PIPELINED = dict(schedule='ouroboros', stages=2, forward='pipelined')
+ADAMW_RATES = (2.5e-3, 5e-3, 1e-2)
+MUON_RATES = (0.01, 0.02, 0.04)
+
+# name -> (config overrides, grid of rates). One rate: the grid is skipped, that rate is final.
+RECIPES = {
+    'backprop-adamw': (dict(schedule='backprop'), ADAMW_RATES),
+    'backprop-muon': (dict(schedule='backprop', optimizer='muon'), MUON_RATES),
+    'g2-adamw': (dict(OUROBOROS), (1e-3, 2.5e-3, 5e-3)),
+    'g2-adamw-predict': (dict(OUROBOROS, compensation='predict'), (2.5e-3,)),
+    'g2-nadamw': (dict(OUROBOROS, optimizer='nadamw'), (2.5e-3,)),
+    'g2-adamw-warmup100': (dict(OUROBOROS, sync_warmup_steps=100), (5e-3,)),
+    'g2-muon': (dict(OUROBOROS, optimizer='muon'), MUON_RATES),
+    'g2-muon-predict': (dict(OUROBOROS, optimizer='muon', compensation='predict'), MUON_RATES),
+    'g2-muon-pipemare': (dict(OUROBOROS, optimizer='muon', compensation='pipemare'), (0.02,)),
+    'g2-muon-dc': (dict(OUROBOROS, optimizer='muon', compensation='dc'), (0.02,)),
+    'g2-muon-shrink': (dict(OUROBOROS, optimizer='muon', compensation='shrink'), (0.02,)),
+    'g2-muon-predict-pipemare': (dict(OUROBOROS, optimizer='muon',
+                                      compensation='predict,pipemare'), (0.02,)),
+    'g4-muon-predict': (dict(G4, optimizer='muon', compensation='predict'), (0.02,)),
+    'pipelined-g2-muon-predict': (dict(PIPELINED, optimizer='muon', compensation='predict'),
+                                  (0.02,)),
+}
+SYNCHRONOUS = ('backprop-adamw', 'backprop-muon')
+# Recipes trained for --final-steps at their best rate; the others are ablations at grid length.
+# A finalist with one rate skips the grid (G=4 and pipelined take the G=2 recipe's best rate).
+FINALISTS = ('backprop-adamw', 'backprop-muon', 'g2-adamw', 'g2-muon', 'g2-muon-predict',
+             'g4-muon-predict', 'pipelined-g2-muon-predict')
+
+
+def rate_field(overrides: dict) -> str:
+  return 'muon_learning_rate' if overrides.get('optimizer') == 'muon' else 'learning_rate'
+
+
+def parse_args(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--recipes', default=','.join(RECIPES),
+                      help='comma-separated subset of: ' + ', '.join(RECIPES))
+  parser.add_argument('--phases', default='grid,final', help='grid, final, or both')
+  parser.add_argument('--grid-steps', type=int, default=200)
+  parser.add_argument('--final-steps', type=int, default=1000)
+  parser.add_argument('--eval-every', type=int, default=100, help='final runs')
+  parser.add_argument('--eval-batches', type=int, default=40)
+  parser.add_argument('--out', default='experiments/results/lr_sweep')
+  parser.add_argument('--reuse', action='store_true',
+                      help='keep runs whose summary.json exists under --out')
+  parser.add_argument('--bench', default='docs/bench_2proc_cpu.csv',
+                      help='measured step times (ouroboros bench CSV) for time to quality')
+  return parser.parse_args(argv)
+
+
+def train_one(base, overrides, rate, steps, eval_every, eval_batches, out, reuse):
+  from ouroboros_jax import presets, train
+  done = os.path.join(out, 'summary.json')
+  if not (reuse and os.path.exists(done)):
+    if os.path.isdir(out):
+      shutil.rmtree(out)
+    values = dict(overrides, out=out, steps=steps, eval_every=eval_every,
+                  eval_batches=eval_batches, checkpoint_every=10 * steps, num_layers=4)
+    values[rate_field(overrides)] = rate
+    train.train(presets.override(base, values), quiet=True)
+  rows = []
+  with open(os.path.join(out, 'metrics.jsonl')) as f:
+    for line in f:
+      row = json.loads(line)
+      if row['split'] == 'validation':
+        rows.append((row['step'], row['bpb']))
+  return rows
+
+
+def run_phase(phase, names, args, base, best=None):
+  rows = []
+  for name in names:
+    overrides, grid = RECIPES[name]
+    rates = grid if phase == 'grid' else (best[name],)
+    if (phase == 'grid' and len(grid) == 1 and name in FINALISTS) or (
+        phase == 'final' and name not in FINALISTS):
+      continue
+    for rate in rates:
+      steps = args.grid_steps if phase == 'grid' else args.final_steps
+      every = steps if phase == 'grid' else args.eval_every
+      out = os.path.join(args.out, phase, f'{name}@{rate:g}')
+      print(f'== {phase} {name} rate {rate:g}', flush=True)
+      for step, bpb in train_one(base, overrides, rate, steps, every, args.eval_batches, out,
+                                 args.reuse):
+        rows.append({'recipe': name, 'rate': rate, 'step': step, 'bpb': bpb})
+  with open(os.path.join(args.out, f'{phase}.csv'), 'w', newline='') as f:
+    writer = csv.DictWriter(f, fieldnames=['recipe', 'rate', 'step', 'bpb'])
+    writer.writeheader()
+    writer.writerows(rows)
+  return rows
+
+
+def read_csv(path):
+  with open(path) as f:
+    return [dict(r, rate=float(r['rate']), step=int(r['step']), bpb=float(r['bpb']))
+            for r in csv.DictReader(f)]
+
+
+def best_rates(grid_rows, names):
+  """Each recipe's rate with the lowest final validation bpb in the grid (its only rate if the
+  grid has one)."""
+  best = {}
+  for name in names:
+    grid = RECIPES[name][1]
+    finals = {}
+    for r in grid_rows:
+      if r['recipe'] == name:
+        finals[r['rate']] = (r['step'], r['bpb'])  # rows are in step order: the last one wins
+    best[name] = min(finals, key=lambda rate: finals[rate][1]) if finals else grid[0]
+  return best
+
+
+def steps_to_reach(curve, target):
+  """First step at which the validation curve reaches target, linearly interpolated between
+  evaluations (None if it never does)."""
+  prev = None
+  for step, bpb in curve:
+    if bpb <= target:
+      if prev is None:
+        return step
+      (s0, b0) = prev
+      return s0 + (step - s0) * (b0 - target) / (b0 - bpb)
+    prev = (step, bpb)
+  return None
+
+
+def step_times(bench_csv):
+  """Measured seconds per step by (schedule, stages, forward) from an `ouroboros bench` CSV."""
+  if not os.path.exists(bench_csv):
+    return {}
+  times = {}
+  with open(bench_csv) as f:
+    for r in csv.DictReader(f):
+      if r['schedule'] == 'backprop':
+        times['backprop'] = float(r['step_time_s'])
+      elif r['schedule'] == 'ouroboros' and r['stash'] == 'graph':
+        times[(int(r['stages']), r['forward'])] = float(r['step_time_s'])
+  return times
+
+
+def report(args, names, grid_rows, final_rows, best):
+  curves = {n: [(r['step'], r['bpb']) for r in final_rows if r['recipe'] == n] for n in names}
+  finals = {n: c[-1][1] for n, c in curves.items() if c}
+  sync = [n for n in SYNCHRONOUS if n in finals]
+  best_sync = min(sync, key=finals.get) if sync else None
+  target = finals.get('backprop-adamw')
+  times = step_times(args.bench)
+  lines = [f'Final validation bpb after {args.final_steps} steps at each recipe\'s best rate '
+           f'(grid: {args.grid_steps}-step runs; recipes not in the final phase show their grid bpb). "vs best sync" compares with {best_sync} '
+           f'({finals.get(best_sync, float("nan")):.4f}). Steps to backprop-adamw\'s final bpb '
+           f'({target if target is None else round(target, 4)}), and that times the step-time '
+           f'ratio measured by `ouroboros bench` on 2 pinned processes ({args.bench}), is the '
+           'wall-clock to that quality relative to backprop.', '',
+           '| recipe | best rate | final val bpb | vs best sync | steps to backprop\'s bpb | '
+           'step time vs backprop | time to quality vs backprop |', '|---|---|---|---|---|---|---|']
+  for name in names:
+    if name not in finals:
+      continue
+    overrides = RECIPES[name][0]
+    gap = finals[name] / finals[best_sync] - 1 if best_sync else float('nan')
+    steps = steps_to_reach(curves[name], target) if target else None
+    key = ('backprop' if overrides['schedule'] == 'backprop' else
+           (overrides['stages'], overrides.get('forward', 'locked')))
+    ratio = times.get(key, math.nan) / times['backprop'] if 'backprop' in times else math.nan
+    reach = 'not reached' if steps is None else f'{steps:.0f}'
+    ttq = ('-' if steps is None or math.isnan(ratio) else
+           f'{steps * ratio / steps_to_reach(curves["backprop-adamw"], target):.2f}x')
+    lines.append(f'| {name} | {best[name]:g} | {finals[name]:.4f} | {gap:+.1%} | {reach} | '
+                 f'{"-" if math.isnan(ratio) else f"{ratio:.2f}x"} | {ttq} |')
+  text = '\n'.join(lines)
+  with open(os.path.join(args.out, 'summary.md'), 'w') as f:
+    f.write(text + '\n')
+  print(text)
+
+  import matplotlib
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+  fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+  for name in names:
+    pts = sorted((r['rate'], r['bpb']) for r in grid_rows if r['recipe'] == name)
+    if len(pts) > 1:
+      left.plot(*zip(*pts), marker='o', label=name)
+    if curves.get(name):
+      right.plot(*zip(*curves[name]), marker='.', label=name)
+  left.set_xscale('log')
+  left.set_xlabel('peak rate (AdamW/NAdamW: --learning-rate; Muon: --muon-learning-rate)')
+  left.set_ylabel(f'validation bpb after {args.grid_steps} steps')
+  right.set_xlabel('step (same batches for every run)')
+  right.set_ylabel('validation bits per byte')
+  right.set_ylim(top=min(5.0, right.get_ylim()[1]))
+  for ax in (left, right):
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  left.set_title('grid: final bpb against rate')
+  right.set_title('each recipe at its best rate')
+  fig.tight_layout()
+  fig.savefig(os.path.join(args.out, 'lr_sweep.png'), dpi=120)
+  print(f'wrote {args.out}/grid.csv, final.csv, summary.md, lr_sweep.png')
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  import jax
+  from ouroboros_jax import host, presets
+  host.configure_cpu_runtime()
+  jax.config.update('jax_num_cpu_devices', 4)
+  names = [n for n in args.recipes.split(',') if n]
+  unknown = [n for n in names if n not in RECIPES]
+  if unknown:
+    sys.exit(f'error: unknown recipe(s) {unknown}; choose from {", ".join(RECIPES)}.')
+  os.makedirs(args.out, exist_ok=True)
+  base = presets.get_preset('tiny')
+  phases = args.phases.split(',')
+  grid_path = os.path.join(args.out, 'grid.csv')
+  grid_rows = (run_phase('grid', names, args, base) if 'grid' in phases else
+               read_csv(grid_path) if os.path.exists(grid_path) else [])
+  best = best_rates(grid_rows, names)
+  final_path = os.path.join(args.out, 'final.csv')
+  final_rows = (run_phase('final', names, args, base, best) if 'final' in phases else
+                read_csv(final_path) if os.path.exists(final_path) else [])
+  report(args, names, grid_rows, final_rows, best)
+
+
+if __name__ == '__main__':
+  main()
