@@ -96,12 +96,15 @@ def _add_field_flags(parser: argparse.ArgumentParser) -> None:
       'std_loss': 'weight of the standardization loss on the GELU pre-activations (e.g. '
                   '1e-3; default 0: off)',
       'std_loss_layers': "layers the standardization loss regularises: 'all' or e.g. '0,2'",
-      'optimizer': 'adamw (the paper), nadamw (Nesterov, b1 0.99) or muon (orthogonalised '
-                   'momentum on the layer kernels, Adam at --learning-rate elsewhere)',
+      'optimizer': 'auto (Ouroboros with --compensation auto: muon; otherwise adamw), adamw '
+                   '(the paper), nadamw (Nesterov, b1 0.99) or muon (orthogonalised momentum on '
+                   'the layer kernels, Adam at --learning-rate elsewhere)',
       'muon_learning_rate': 'muon: peak rate of the layer kernels (tiny: 0.02)',
-      'compensation': 'ouroboros staleness compensation: none (the paper) or a comma list of '
-                      'predict (forward at w + gap * last update), pipemare (rate / gap^(1-t/T)), '
-                      'dc (DC-ASGD-a, graph stash), shrink (delayed gradients x --shrink)',
+      'compensation': 'ouroboros staleness compensation: auto (default: the measured recipe, '
+                      'Muon + predict, for G > 1; see README "Training quality"), none (the '
+                      'paper: AdamW, no compensation) or a comma list of predict (forward at w + '
+                      'gap * last update), pipemare (rate / gap^(1-t/T)), dc (DC-ASGD-a, graph '
+                      'stash), shrink (delayed gradients x --shrink)',
       'dc_lambda': 'dc: strength lambda_0 of DC-ASGD-a (tiny: 1.0)',
       'shrink': 'shrink: factor on delayed gradients, in (0, 1] (tiny: 0.5)',
       'pipemare_steps': 'pipemare: steps to reach the full rate (0: a quarter of --steps)',

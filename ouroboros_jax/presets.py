@@ -79,9 +79,12 @@ class TrainConfig:
   tied_grad: str = 'sum'
   forward: str = 'locked'       # ouroboros: 'locked' (the paper) or 'pipelined'
   # Optimizer and staleness compensation (compensation.py).
-  optimizer: str = 'adamw'      # adamw, nadamw (b1 0.99) or muon (layer kernels; Adam elsewhere)
+  # 'auto' (both): Ouroboros with G > 1 trains with the measured recipe (RECIPE_OPTIMIZER and
+  # RECIPE_COMPENSATION); every other schedule, and --compensation none, with plain AdamW.
+  optimizer: str = 'auto'       # auto, adamw, nadamw (b1 0.99), muon (kernels; Adam elsewhere)
   muon_learning_rate: float = 0.02  # muon: the kernels' peak rate (--learning-rate: the rest)
-  compensation: str = 'none'    # ouroboros: none or a comma list of predict, pipemare, dc, shrink
+  compensation: str = 'auto'    # auto, none (the paper) or a comma list of predict, pipemare,
+                                # dc, shrink (ouroboros only)
   dc_lambda: float = 1.0        # dc: DC-ASGD-a's strength lambda_0
   shrink: float = 0.5           # shrink: factor on delayed gradients
   pipemare_steps: int = 0       # pipemare: steps T to the full rate (0: a quarter of --steps)
@@ -186,13 +189,13 @@ class TrainConfig:
   def check_compensation(self) -> None:
     """--optimizer and --compensation name known pieces that fit the schedule (one line)."""
     from ouroboros_jax import compensation
-    if self.optimizer not in compensation.OPTIMIZERS:
-      raise ConfigError(f'unknown optimizer {self.optimizer!r}; use --optimizer '
-                        f'{" or ".join(compensation.OPTIMIZERS)}.')
+    if self.optimizer not in ('auto', *compensation.OPTIMIZERS):
+      raise ConfigError(f'unknown optimizer {self.optimizer!r}; use --optimizer auto, '
+                        f'{", ".join(compensation.OPTIMIZERS)}.')
     if not self.muon_learning_rate > 0:
       raise ConfigError(f'muon_learning_rate must be positive, got {self.muon_learning_rate}; '
                         'fix --muon-learning-rate.')
-    if (self.growth or self.vcycle) and self.optimizer != 'adamw':
+    if (self.growth or self.vcycle) and self.resolved_optimizer() != 'adamw':
       raise ConfigError('--growth and --vcycle runs use AdamW; drop --optimizer.')
     comp = self.resolved_compensation()
     if comp.active and self.schedule != 'ouroboros':
@@ -203,10 +206,24 @@ class TrainConfig:
       raise ConfigError('--compensation dc needs the gradient at the forward\'s weights, which '
                         'only --stash graph keeps; use --stash graph or drop dc.')
 
+  @property
+  def uses_recipe(self) -> bool:
+    """--compensation auto on a delayed schedule: the measured recipe applies (see RECIPE_*)."""
+    return (self.compensation == 'auto' and self.schedule == 'ouroboros' and self.stages > 1
+            and not (self.growth or self.vcycle))
+
+  def resolved_optimizer(self) -> str:
+    if self.optimizer != 'auto':
+      return self.optimizer
+    return RECIPE_OPTIMIZER if self.uses_recipe else 'adamw'
+
   def resolved_compensation(self):
     """--compensation and its strengths as a compensation.Compensation."""
     from ouroboros_jax import compensation
-    return compensation.parse(self.compensation, steps=self.steps, dc_lambda=self.dc_lambda,
+    spec = self.compensation
+    if spec == 'auto':
+      spec = RECIPE_COMPENSATION if self.uses_recipe else 'none'
+    return compensation.parse(spec, steps=self.steps, dc_lambda=self.dc_lambda,
                               shrink=self.shrink, pipemare_steps=self.pipemare_steps)
 
   def std_loss_layer_ids(self) -> tuple[int, ...]:
@@ -253,12 +270,18 @@ def lr_schedule(cfg: TrainConfig, steps: int | None = None, peak: float | None =
       decay_steps=max(steps, 1), end_value=peak * cfg.min_lr_ratio)
 
 
+# The recipe `--compensation auto` gives Ouroboros (experiments/lr_sweep.py, README "Training
+# quality"): Muon on the layer kernels and weight prediction for the forward.
+RECIPE_OPTIMIZER = 'muon'
+RECIPE_COMPENSATION = 'predict'
+
+
 def make_optimizer(cfg: TrainConfig):
   """--optimizer (AdamW by default) with linear warmup and cosine decay; Muon's kernels follow
   the same schedule to their own peak (clipping is done by the schedule)."""
   from ouroboros_jax import compensation
   return compensation.make_optimizer(
-      cfg.optimizer, lr_schedule(cfg), weight_decay=cfg.weight_decay,
+      cfg.resolved_optimizer(), lr_schedule(cfg), weight_decay=cfg.weight_decay,
       muon_learning_rate=lr_schedule(cfg, peak=cfg.muon_learning_rate))
 
 
