@@ -3,13 +3,17 @@
 The pieces a researcher imports into their own code:
 
     from ouroboros_jax import StagedModel, ScheduleConfig, build_schedule, adamw
+    from ouroboros_jax import Compensation, make_optimizer
 
 `StagedModel` describes any model as embed -> stages -> loss; `build_schedule` turns it into a
 pure, jitted `step(state, batch) -> (state, metrics)` for backprop, Ouroboros or a baseline.
+`ScheduleConfig(compensation=Compensation(predict=True))` with `make_optimizer('muon', ...)` is
+the staleness-robust Ouroboros (compensation.py); `Compensation()` is the paper's method.
 """
 
 from ouroboros_jax.staged import Schedule, StagedModel, TrainState, adamw
+from ouroboros_jax.compensation import Compensation, make_optimizer
 from ouroboros_jax.schedules import SCHEDULES, ScheduleConfig, build_schedule
 
-__all__ = ['SCHEDULES', 'Schedule', 'ScheduleConfig', 'StagedModel', 'TrainState', 'adamw',
-           'build_schedule']
+__all__ = ['SCHEDULES', 'Compensation', 'Schedule', 'ScheduleConfig', 'StagedModel',
+           'TrainState', 'adamw', 'build_schedule', 'make_optimizer']

@@ -100,6 +100,8 @@ def _add_field_flags(parser: argparse.ArgumentParser) -> None:
                    '(the paper), nadamw (Nesterov, b1 0.99) or muon (orthogonalised momentum on '
                    'the layer kernels, Adam at --learning-rate elsewhere)',
       'muon_learning_rate': 'muon: peak rate of the layer kernels (tiny: 0.02)',
+      'momentum': "the optimizer's first-moment decay (AdamW/NAdamW b1, Muon's beta); default "
+                  'none: its own (0.9, 0.99, 0.95)',
       'compensation': 'ouroboros staleness compensation: auto (default: the measured recipe, '
                       'Muon + predict, for G > 1; see README "Training quality"), none (the '
                       'paper: AdamW, no compensation) or a comma list of predict (forward at w + '

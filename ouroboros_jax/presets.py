@@ -83,6 +83,7 @@ class TrainConfig:
   # RECIPE_COMPENSATION); every other schedule, and --compensation none, with plain AdamW.
   optimizer: str = 'auto'       # auto, adamw, nadamw (b1 0.99), muon (kernels; Adam elsewhere)
   muon_learning_rate: float = 0.02  # muon: the kernels' peak rate (--learning-rate: the rest)
+  momentum: float | None = None  # b1 / Muon's beta; None: the optimizer's own (0.9, 0.99, 0.95)
   compensation: str = 'auto'    # auto, none (the paper) or a comma list of predict, pipemare,
                                 # dc, shrink (ouroboros only)
   dc_lambda: float = 1.0        # dc: DC-ASGD-a's strength lambda_0
@@ -192,6 +193,8 @@ class TrainConfig:
     if self.optimizer not in ('auto', *compensation.OPTIMIZERS):
       raise ConfigError(f'unknown optimizer {self.optimizer!r}; use --optimizer auto, '
                         f'{", ".join(compensation.OPTIMIZERS)}.')
+    if self.momentum is not None and not 0 <= self.momentum < 1:
+      raise ConfigError(f'momentum must be in [0, 1), got {self.momentum}; fix --momentum.')
     if not self.muon_learning_rate > 0:
       raise ConfigError(f'muon_learning_rate must be positive, got {self.muon_learning_rate}; '
                         'fix --muon-learning-rate.')
@@ -282,7 +285,7 @@ def make_optimizer(cfg: TrainConfig):
   from ouroboros_jax import compensation
   return compensation.make_optimizer(
       cfg.resolved_optimizer(), lr_schedule(cfg), weight_decay=cfg.weight_decay,
-      muon_learning_rate=lr_schedule(cfg, peak=cfg.muon_learning_rate))
+      muon_learning_rate=lr_schedule(cfg, peak=cfg.muon_learning_rate), b1=cfg.momentum)
 
 
 # ----------------------------------------------------------------------------- presets
