@@ -42,6 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ouroboros_jax import model as transformer
 from ouroboros_jax import partition, ring, simulate, staged
 from ouroboros_jax.model import ConfigError
+from ouroboros_jax.compensation import Compensation, make_optimizer
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule
 
 
@@ -59,14 +60,17 @@ class Setting:
              'ouroboros': f' {self.forward}/{self.stash}'}.get(self.schedule, '')
     return f'{self.schedule}{extra}'
 
-  def schedule_config(self, seed=0, stash_policy='all') -> ScheduleConfig:
+  def schedule_config(self, seed=0, stash_policy='all',
+                      compensation: Compensation = Compensation()) -> ScheduleConfig:
     if self.schedule == 'data_parallel':
       return ScheduleConfig(name=self.schedule, data_parallel=self.devices, seed=seed)
     return ScheduleConfig(name=self.schedule, num_stages=self.devices, seed=seed,
                           microbatches=self.microbatches,
                           stash=self.stash if self.stash != '-' else 'graph',
                           stash_policy=stash_policy,
-                          forward=self.forward if self.forward != '-' else 'locked')
+                          forward=self.forward if self.forward != '-' else 'locked',
+                          compensation=(compensation if self.schedule == 'ouroboros'
+                                        else Compensation()))
 
 
 def default_settings(devices: int) -> list[Setting]:
@@ -101,8 +105,13 @@ def _median_time(fn, *args, repeats: int) -> float:
   return statistics.median(times)
 
 
+def bench_optimizer(name: str = 'adamw'):
+  """The optimizer every setting is timed with (its rate does not change the time)."""
+  return make_optimizer(name, 1e-4, weight_decay=0.1, muon_learning_rate=1e-3)
+
+
 def measure_pieces(cfg, model, params, batch, layers_per_stage, repeats: int = 10,
-                   stash_policy: str = 'all') -> dict:
+                   stash_policy: str = 'all', optimizer: str = 'adamw') -> dict:
   """Seconds of each piece alone on this process's first device: per-group forward and backward
   (from a kept graph), and device 0's extra work (embedding and head, forward + backward)."""
   device = jax.local_devices()[0]
@@ -126,9 +135,9 @@ def measure_pieces(cfg, model, params, batch, layers_per_stage, repeats: int = 1
 
   head_s = _median_time(jax.jit(device0_extra), params['embed'], params['head'], repeats=repeats)
 
-  # The optimizer update (clip + AdamW) of each device's own parameters: stage s, and on
+  # The optimizer update (clip + the optimizer) of each device's own parameters: stage s, and on
   # device 0 also the embedding and the head.
-  tx = staged.adamw(1e-4, weight_decay=0.1)
+  tx = bench_optimizer(optimizer)
   apply = jax.jit(lambda p, o, g: staged.apply_gradients(tx, p, o, g, clip_norm=1.0))
   update = []
   for s in range(len(layers_per_stage)):
@@ -188,7 +197,8 @@ def place(batch: dict, mesh) -> dict:
 
 
 def time_setting(setting: Setting, cfg, params, batch, layers_per_stage, *, steps: int,
-                 warmup: int, stash_policy: str = 'all') -> dict | None:
+                 warmup: int, stash_policy: str = 'all', optimizer: str = 'adamw',
+                 compensation: Compensation = Compensation()) -> dict | None:
   """Compile and time one setting; None on processes whose devices it does not use."""
   needed = setting.devices
   if needed > jax.device_count():
@@ -200,8 +210,9 @@ def time_setting(setting: Setting, cfg, params, batch, layers_per_stage, *, step
   split = layers_per_stage if setting.schedule not in ('backprop', 'data_parallel') else (
       (cfg.num_layers,))
   model = partition.transformer_stages(cfg, split)
-  schedule = build_schedule(setting.schedule_config(stash_policy=stash_policy), model,
-                            staged.adamw(1e-4), devices=devices)
+  schedule = build_schedule(
+      setting.schedule_config(stash_policy=stash_policy, compensation=compensation), model,
+      bench_optimizer(optimizer), devices=devices)
   state = schedule.init(partition.to_staged(params, split), batch)
   placed = place(batch, schedule.mesh)
   start = time.perf_counter()
@@ -245,8 +256,12 @@ def simulated(setting: Setting, pieces: dict, link_s: float, allreduce_s: float)
 
 def run(cfg: transformer.ModelConfig, *, batch_size: int, stages: int, out_dir: str,
         steps: int = 20, warmup: int = 3, settings: list[Setting] | None = None,
-        layers_per_stage=None, stash_policy: str = 'all', log=print) -> list[dict]:
-  """Benchmarks every setting; process 0 writes the outputs and returns the rows."""
+        layers_per_stage=None, stash_policy: str = 'all', optimizer: str = 'adamw',
+        compensation: Compensation = Compensation(), log=print) -> list[dict]:
+  """Benchmarks every setting; process 0 writes the outputs and returns the rows.
+
+  `optimizer` and `compensation` (Ouroboros settings only) time a training recipe's own costs:
+  Muon's orthogonalisation, weight prediction's extra pass over the weights."""
   cfg.validate()
   if steps < 1 or warmup < 0:
     raise ConfigError('--steps must be >= 1 and --warmup >= 0.')
@@ -259,11 +274,12 @@ def run(cfg: transformer.ModelConfig, *, batch_size: int, stages: int, out_dir: 
   staged_params = partition.to_staged(params, layers_per_stage)
   staged_model = partition.transformer_stages(cfg, layers_per_stage)
   pieces = on_process0_alone(lambda: measure_pieces(
-      cfg, staged_model, staged_params, batch, layers_per_stage))
+      cfg, staged_model, staged_params, batch, layers_per_stage, optimizer=optimizer))
   # A graph stash that keeps less (--stash-policy) has its own, slower, backward: measured apart,
   # for the Ouroboros graph settings only; everything else is measured with plain backward.
   policy_pieces = pieces if stash_policy == 'all' else on_process0_alone(lambda: measure_pieces(
-      cfg, staged_model, staged_params, batch, layers_per_stage, stash_policy=stash_policy))
+      cfg, staged_model, staged_params, batch, layers_per_stage, stash_policy=stash_policy,
+      optimizer=optimizer))
   activation_shape = (batch_size, cfg.seq_len, cfg.d_model)
   link_s, allreduce_s = measure_links(activation_shape, pieces['grad_bytes'] // 4)
   log(f'pieces: forward {np.round(pieces["fwd"], 4)} s, backward {np.round(pieces["bwd"], 4)} s, '
@@ -272,7 +288,8 @@ def run(cfg: transformer.ModelConfig, *, batch_size: int, stages: int, out_dir: 
   rows = []
   for setting in settings:
     measured = time_setting(setting, cfg, params, batch, layers_per_stage, steps=steps,
-                            warmup=warmup, stash_policy=stash_policy)
+                            warmup=warmup, stash_policy=stash_policy, optimizer=optimizer,
+                            compensation=compensation)
     multihost_utils.sync_global_devices(f'bench {setting.label}')
     if measured is None:
       continue
@@ -297,7 +314,9 @@ def run(cfg: transformer.ModelConfig, *, batch_size: int, stages: int, out_dir: 
                                   'processes': jax.process_count(),
                                   'devices': [str(d) for d in jax.devices()],
                                   'steps': steps, 'warmup': warmup,
-                                  'stash_policy': stash_policy}, log)
+                                  'stash_policy': stash_policy, 'optimizer': optimizer,
+                                  'compensation': ','.join(compensation.names()) or 'none'},
+                  log)
   return rows
 
 

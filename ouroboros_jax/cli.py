@@ -230,7 +230,12 @@ def _run_sample(args) -> None:
 
 def _run_bench(args) -> None:
   cfg = config_from_args(args)
-  cfg.validate()
+  # Every schedule is timed; the compensation flags apply to its Ouroboros settings ('auto':
+  # the paper's AdamW without compensation, as the benchmark has always timed).
+  optimizer = 'adamw' if cfg.optimizer == 'auto' else cfg.optimizer
+  spec = 'none' if cfg.compensation == 'auto' else cfg.compensation
+  cfg = presets.override(cfg, {'optimizer': optimizer, 'compensation': spec})
+  presets.override(cfg, {'schedule': 'ouroboros', 'stages': max(cfg.stages, 2)}).validate()
   given = [presets.flag(n) for n in ('pld', 'growth', 'vcycle', 'std_loss') if getattr(cfg, n)]
   if given:
     from ouroboros_jax.model import ConfigError
@@ -242,7 +247,8 @@ def _run_bench(args) -> None:
   bench.run(cfg.model, batch_size=cfg.batch_size, stages=max(cfg.stages, 2),
             out_dir=cfg.out or 'runs/bench', steps=args.bench_steps, warmup=args.warmup,
             settings=bench.select_settings(max(cfg.stages, 2), args.only),
-            stash_policy=cfg.stash_policy,
+            stash_policy=cfg.stash_policy, optimizer=optimizer,
+            compensation=cfg.resolved_compensation(),
             layers_per_stage=cfg.layers_per_stage and [int(c) for c in
                                                         cfg.layers_per_stage.split(',')])
 
