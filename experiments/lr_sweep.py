@@ -98,7 +98,9 @@ def parse_args(argv=None):
   parser.add_argument('--reuse', action='store_true',
                       help='keep runs whose summary.json exists under --out')
   parser.add_argument('--bench', default='docs/bench_2proc_cpu.csv',
-                      help='measured step times (ouroboros bench CSV) for time to quality')
+                      help='measured step times (ouroboros bench CSV, AdamW) for time to quality')
+  parser.add_argument('--bench-muon', default='docs/bench_2proc_cpu_muon.csv',
+                      help='the same with --optimizer muon --compensation predict')
   return parser.parse_args(argv)
 
 
@@ -183,7 +185,7 @@ def steps_to_reach(curve, target):
 
 def step_times(bench_csv):
   """Measured seconds per step by (schedule, stages, forward) from an `ouroboros bench` CSV."""
-  if not os.path.exists(bench_csv):
+  if not bench_csv or not os.path.exists(bench_csv):
     return {}
   times = {}
   with open(bench_csv) as f:
@@ -200,30 +202,45 @@ def report(args, names, grid_rows, final_rows, best):
   finals = {n: c[-1][1] for n, c in curves.items() if c}
   sync = [n for n in SYNCHRONOUS if n in finals]
   best_sync = min(sync, key=finals.get) if sync else None
-  target = finals.get('backprop-adamw')
-  times = step_times(args.bench)
+  # Step times by optimizer: AdamW's bench for AdamW/NAdamW recipes, the Muon recipe's for Muon.
+  bench = {'adamw': step_times(args.bench), 'muon': step_times(args.bench_muon)}
+
+  def seconds(name):
+    overrides = RECIPES[name][0]
+    times = bench['muon' if overrides['optimizer'] == 'muon' else 'adamw']
+    key = ('backprop' if overrides['schedule'] == 'backprop' else
+           (overrides['stages'], overrides.get('forward', 'locked')))
+    return times.get(key, math.nan)
+
+  def time_to(name, reference):
+    """(steps for `name` to reach `reference`'s final bpb, its wall-clock relative to
+    `reference`'s own steps to it; '-' where unknown)."""
+    steps = steps_to_reach(curves[name], finals[reference])
+    own = steps_to_reach(curves[reference], finals[reference])
+    ratio = seconds(name) / seconds(reference)
+    if steps is None:
+      return 'not reached', '-'
+    return f'{steps:.0f}', '-' if math.isnan(ratio) else f'{steps * ratio / own:.2f}x'
+
   lines = [f'Final validation bpb after {args.final_steps} steps at each recipe\'s best rate '
-           f'(grid: {args.grid_steps}-step runs; recipes not in the final phase show their grid bpb). "vs best sync" compares with {best_sync} '
-           f'({finals.get(best_sync, float("nan")):.4f}). Steps to backprop-adamw\'s final bpb '
-           f'({target if target is None else round(target, 4)}), and that times the step-time '
-           f'ratio measured by `ouroboros bench` on 2 pinned processes ({args.bench}), is the '
-           'wall-clock to that quality relative to backprop.', '',
-           '| recipe | best rate | final val bpb | vs best sync | steps to backprop\'s bpb | '
-           'step time vs backprop | time to quality vs backprop |', '|---|---|---|---|---|---|---|']
+           f'(grid: {args.grid_steps}-step runs). Best synchronous run: {best_sync} '
+           f'({finals.get(best_sync, math.nan):.4f}). Time to quality = the steps a recipe needs '
+           'to reach a reference\'s final bpb (interpolated between evaluations) x its step time, '
+           'over the reference\'s; step times measured by `ouroboros bench` on 2 pinned '
+           f'processes ({args.bench}; Muon recipes: {args.bench_muon}).', '',
+           '| recipe | best rate | final val bpb | vs best sync | step time vs backprop-adamw | '
+           'steps to backprop-adamw\'s bpb | time vs backprop-adamw | steps to best sync\'s bpb '
+           '| time vs best sync |', '|---|---|---|---|---|---|---|---|---|']
   for name in names:
     if name not in finals:
       continue
-    overrides = RECIPES[name][0]
-    gap = finals[name] / finals[best_sync] - 1 if best_sync else float('nan')
-    steps = steps_to_reach(curves[name], target) if target else None
-    key = ('backprop' if overrides['schedule'] == 'backprop' else
-           (overrides['stages'], overrides.get('forward', 'locked')))
-    ratio = times.get(key, math.nan) / times['backprop'] if 'backprop' in times else math.nan
-    reach = 'not reached' if steps is None else f'{steps:.0f}'
-    ttq = ('-' if steps is None or math.isnan(ratio) else
-           f'{steps * ratio / steps_to_reach(curves["backprop-adamw"], target):.2f}x')
-    lines.append(f'| {name} | {best[name]:g} | {finals[name]:.4f} | {gap:+.1%} | {reach} | '
-                 f'{"-" if math.isnan(ratio) else f"{ratio:.2f}x"} | {ttq} |')
+    gap = finals[name] / finals[best_sync] - 1 if best_sync else math.nan
+    ratio = seconds(name) / seconds('backprop-adamw') if 'backprop-adamw' in finals else math.nan
+    to_adamw = time_to(name, 'backprop-adamw') if 'backprop-adamw' in finals else ('-', '-')
+    to_best = time_to(name, best_sync) if best_sync else ('-', '-')
+    lines.append(f'| {name} | {best[name]:g} | {finals[name]:.4f} | {gap:+.1%} | '
+                 f'{"-" if math.isnan(ratio) else f"{ratio:.2f}x"} | {to_adamw[0]} | '
+                 f'{to_adamw[1]} | {to_best[0]} | {to_best[1]} |')
   # Every recipe at grid length, at its best rate: the ablation of each compensation.
   at_grid = {}
   for r in grid_rows:

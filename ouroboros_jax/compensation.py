@@ -98,6 +98,14 @@ def parse(spec: str, *, steps: int, dc_lambda: float = 1.0, shrink: float = 0.5,
       shrink=shrink if 'shrink' in names else 1.0)
 
 
+def check_fits(compensation: Compensation, stash: str) -> None:
+  """One-line ConfigError for a compensation that cannot work with the stash mode."""
+  if compensation.dc_lambda and stash != 'graph':
+    raise ConfigError('--compensation dc needs the gradient at the forward\'s weights, which '
+                      'only --stash graph keeps (replay takes it at the current weights); use '
+                      '--stash graph or drop dc.')
+
+
 # ----------------------------------------------------------------------------- optimizers
 
 

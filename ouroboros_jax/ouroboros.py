@@ -136,10 +136,7 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
   head_lag, backward_lags = lags(num_stages, config.forward)
   depth = max(backward_lags) + 1              # stash slots per device (G + 1, or 2G + 1)
   lag_G = jnp.asarray(backward_lags)
-  if comp.dc_lambda and config.stash != 'graph':
-    raise ConfigError('--compensation dc needs the gradient at the forward\'s weights, which '
-                      'only --stash graph keeps (replay takes it at the current weights); use '
-                      '--stash graph or drop dc.')
+  compensation.check_fits(comp, config.stash)
   embed_gap, stage_gaps = version_gaps(num_stages, config.forward)
   gap_G = jnp.asarray(stage_gaps)
   if num_stages == 1:        # no delay, nothing to compensate: exactly the paper's G = 1 step

@@ -205,9 +205,7 @@ class TrainConfig:
       raise ConfigError(f'--compensation {self.compensation} compensates delayed gradients, and '
                         f'--schedule {self.schedule} has none; use --schedule ouroboros or '
                         '--compensation none.')
-    if comp.dc_lambda and self.stash != 'graph':
-      raise ConfigError('--compensation dc needs the gradient at the forward\'s weights, which '
-                        'only --stash graph keeps; use --stash graph or drop dc.')
+    compensation.check_fits(comp, self.stash)
 
   @property
   def uses_recipe(self) -> bool:
