@@ -46,18 +46,19 @@ def test_matches_slow_restatement(name, num_stages, forward):
   assert max_abs_diff(state.params, want) < 2e-5  # ... exactly as the formulas say
 
 
+@pytest.mark.parametrize('forward', ['locked', 'pipelined'])
 @pytest.mark.parametrize('stash', ['graph', 'replay'])
-def test_with_data_parallel_warmup_and_replay(stash):
+def test_with_data_parallel_warmup_and_replay(stash, forward):
   comp = Compensation(predict=True, pipemare_steps=5, shrink=0.8,
                       dc_lambda=0.5 if stash == 'graph' else 0.0)
   model, params = tiny_transformer(2)
   tx = adam()
-  batches = random_batches(7, seed=4)
+  batches = random_batches(9, seed=4)
   config = ScheduleConfig(name='ouroboros', num_stages=2, data_parallel=2, stash=stash,
-                          sync_warmup_steps=2, compensation=comp)
+                          forward=forward, sync_warmup_steps=2, compensation=comp)
   state, _ = run_schedule(config, model, tx, params, batches)
-  want, _, _ = reference.run(model, tx, params, batches, stash=stash, sync_warmup_steps=2,
-                             compensation=comp)
+  want, _, _ = reference.run(model, tx, params, batches, stash=stash, forward=forward,
+                             sync_warmup_steps=2, compensation=comp)
   assert max_abs_diff(state.params, want) < 2e-5
 
 
