@@ -102,8 +102,10 @@ def _add_field_flags(parser: argparse.ArgumentParser) -> None:
       'muon_learning_rate': 'muon: peak rate of the layer kernels (tiny: 0.02)',
       'momentum': "the optimizer's first-moment decay (AdamW/NAdamW b1, Muon's beta); default "
                   'none: its own (0.9, 0.99, 0.95)',
-      'compensation': 'ouroboros staleness compensation: auto (default: the measured recipe, '
-                      'Muon + predict, for G > 1; see README "Training quality"), none (the '
+      'compensation': 'ouroboros staleness compensation: auto (default, G > 1: the measured '
+                      'recipe, Muon + predict + dc (replay: Muon + predict); G=2, 1000 steps: '
+                      '2.44 val bpb against 3.48 for the paper\'s AdamW at its best rate and '
+                      '2.40 for backprop; README "Training quality"), none (the '
                       'paper: AdamW, no compensation) or a comma list of predict (forward at w + '
                       'gap * last update), pipemare (rate / gap^(1-t/T)), dc (DC-ASGD-a, graph '
                       'stash), shrink (delayed gradients x --shrink)',

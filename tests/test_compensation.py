@@ -206,3 +206,17 @@ def test_checkpoints_carry_the_compensation_state_and_resume_bitwise(tmp_path, p
   with pytest.raises(checkpoint.CheckpointError, match='--compensation'):
     train.train(presets.override(cut, {'compensation': 'predict', 'steps': 14}), resume=True,
                 quiet=True)
+
+
+def test_auto_gives_ouroboros_the_recipe_and_everything_else_the_paper():
+  from ouroboros_jax import presets
+  tiny = presets.get_preset('tiny')
+  ring = presets.override(tiny, {'schedule': 'ouroboros', 'stages': 2})
+  assert ring.resolved_optimizer() == presets.RECIPE_OPTIMIZER == 'muon'
+  assert ring.resolved_compensation() == compensation.parse(presets.RECIPE_COMPENSATION,
+                                                            steps=ring.steps)
+  assert presets.override(ring, {'stash': 'replay'}).resolved_compensation().dc_lambda == 0
+  for paper in (tiny, presets.override(ring, {'compensation': 'none'}),
+                presets.override(ring, {'stages': 1})):
+    assert paper.resolved_optimizer() == 'adamw'
+    assert paper.resolved_compensation() == Compensation()
