@@ -22,7 +22,7 @@ Writes, under --out (default experiments/results/lr_sweep):
                           final bpb (time to quality: see --bench)
     lr_sweep.png          final bpb against rate (grid) and bpb against step (final)
 
-    python experiments/lr_sweep.py                     # ~1 CPU-hour on 2 cores
+    python experiments/lr_sweep.py                     # ~1.5 hours on 2 cores
     python experiments/lr_sweep.py --recipes backprop-adamw,g2-muon-predict --phases grid
     python experiments/lr_sweep.py --reuse             # finish an interrupted sweep
 """
