@@ -68,7 +68,7 @@ RECIPES = {
 }
 SYNCHRONOUS = ('backprop-adamw', 'backprop-muon')
 # Recipes without a grid of their own take the best rate of another's (G = 4 and pipelined: the
-# G = 2 locked recipe's), to keep the sweep within a CPU-hour; their own best may differ.
+# G = 2 locked recipe's), to keep the sweep short; their own best may differ.
 INHERIT = {'g4-muon-predict': 'g2-muon-predict', 'pipelined-g2-muon-predict': 'g2-muon-predict'}
 # Recipes trained for --final-steps at their best rate; the others are ablations at grid length.
 # A finalist with one rate skips the grid (G=4 and pipelined take the G=2 recipe's best rate).
