@@ -65,6 +65,28 @@ RECIPES = {
     'g4-muon-predict': (dict(G4, optimizer='muon', compensation='predict'), (0.02,)),
     'pipelined-g2-muon-predict': (dict(PIPELINED, optimizer='muon', compensation='predict'),
                                   (0.02,)),
+    # The deeper delays (G = 4: module 1 four steps behind; pipelined: twice the locked gaps)
+    # with the default recipe and its own grid, and the levers that could matter more there:
+    # less momentum (asynchrony acts as momentum: Mitliagkas et al. 2016), PipeMare's rate
+    # rescheduling, a synchronous warm-up through the early steps where staleness hurts most.
+    'g4-muon-predict-dc': (dict(G4, optimizer='muon', compensation='predict,dc'),
+                           (0.005, 0.01, 0.02)),
+    'g4-muon-predict-dc-beta0.9': (dict(G4, optimizer='muon', compensation='predict,dc',
+                                        momentum=0.9), (0.01,)),
+    'g4-muon-predict-dc-pipemare': (dict(G4, optimizer='muon',
+                                         compensation='predict,dc,pipemare'), (0.01,)),
+    'g4-muon-predict-dc-warmup50': (dict(G4, optimizer='muon', compensation='predict,dc',
+                                         sync_warmup_steps=50), (0.01,)),
+    'pipelined-g2-muon-predict-dc': (dict(PIPELINED, optimizer='muon', compensation='predict,dc'),
+                                     (0.005, 0.01, 0.02)),
+    'pipelined-g2-muon-predict-dc-beta0.9': (dict(PIPELINED, optimizer='muon',
+                                                  compensation='predict,dc', momentum=0.9),
+                                             (0.01,)),
+    'pipelined-g2-muon-predict-dc-pipemare': (dict(PIPELINED, optimizer='muon',
+                                                   compensation='predict,dc,pipemare'), (0.01,)),
+    'pipelined-g2-muon-predict-dc-warmup50': (dict(PIPELINED, optimizer='muon',
+                                                   compensation='predict,dc',
+                                                   sync_warmup_steps=50), (0.01,)),
 }
 SYNCHRONOUS = ('backprop-adamw', 'backprop-muon')
 # Recipes without a grid of their own take the best rate of another's (G = 4 and pipelined: the
@@ -97,19 +119,23 @@ def parse_args(argv=None):
   parser.add_argument('--out', default='experiments/results/lr_sweep')
   parser.add_argument('--reuse', action='store_true',
                       help='keep runs whose summary.json exists under --out')
+  parser.add_argument('--seed', type=int, default=0,
+                      help='initialisation and batch order of every run (a second seed checks a '
+                           'small margin)')
   parser.add_argument('--bench', default='docs/bench_2proc_cpu.csv',
                       help='measured step times (ouroboros bench CSV, AdamW) for time to quality')
   return parser.parse_args(argv)
 
 
-def train_one(base, overrides, rate, steps, eval_every, eval_batches, out, reuse):
+def train_one(base, overrides, rate, steps, eval_every, eval_batches, out, reuse, seed=0):
   from ouroboros_jax import presets, train
   done = os.path.join(out, 'summary.json')
   if not (reuse and os.path.exists(done)):
     if os.path.isdir(out):
       shutil.rmtree(out)
     values = dict(overrides, out=out, steps=steps, eval_every=eval_every,
-                  eval_batches=eval_batches, checkpoint_every=10 * steps, num_layers=4)
+                  eval_batches=eval_batches, checkpoint_every=10 * steps, num_layers=4,
+                  seed=seed)
     values[rate_field(overrides)] = rate
     train.train(presets.override(base, values), quiet=True)
   rows = []
@@ -135,7 +161,7 @@ def run_phase(phase, names, args, base, best=None):
       out = os.path.join(args.out, phase, f'{name}@{rate:g}')
       print(f'== {phase} {name} rate {rate:g}', flush=True)
       for step, bpb in train_one(base, overrides, rate, steps, every, args.eval_batches, out,
-                                 args.reuse):
+                                 args.reuse, args.seed):
         rows.append({'recipe': name, 'rate': rate, 'step': step, 'bpb': bpb})
   with open(os.path.join(args.out, f'{phase}.csv'), 'w', newline='') as f:
     writer = csv.DictWriter(f, fieldnames=['recipe', 'rate', 'step', 'bpb'])
