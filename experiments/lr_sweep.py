@@ -95,7 +95,8 @@ INHERIT = {'g4-muon-predict': 'g2-muon-predict', 'pipelined-g2-muon-predict': 'g
 # Recipes trained for --final-steps at their best rate; the others are ablations at grid length.
 # A finalist with one rate skips the grid (G=4 and pipelined take the G=2 recipe's best rate).
 FINALISTS = ('backprop-adamw', 'backprop-muon', 'g2-adamw', 'g2-muon-predict',
-             'g2-muon-predict-dc', 'g4-muon-predict', 'pipelined-g2-muon-predict')
+             'g2-muon-predict-dc', 'g4-muon-predict', 'pipelined-g2-muon-predict',
+             'g4-muon-predict-dc', 'pipelined-g2-muon-predict-dc')
 
 
 for _overrides, _ in RECIPES.values():   # explicit, so the library's 'auto' default does not leak in
