@@ -12,6 +12,15 @@ writes them in the background. Orbax writes into `<step>.orbax-checkpoint-tmp*` 
 `<step>` only when everything is on disk, so a save that was interrupted never looks like a
 checkpoint and `latest_step` is always a complete one (tests/test_train.py checks this).
 
+Every save also records a checksum of the state's bits (`fingerprint`), checked on restore:
+Orbax reads back some damaged files without complaint (a flipped byte in an array's data is
+restored as a different number), and a resumed run must not continue from those.
+
+A checkpoint that cannot be read back whole (unreadable files, missing manifests, an empty
+`_METADATA`, a checksum that does not match) raises `CorruptCheckpointError`; `restore_newest`
+then falls back to the newest readable one, and `set_aside` moves the newer ones out of the
+manager's way into OUT/checkpoints-set-aside/ (nothing is ever deleted).
+
 Restoring needs the abstract TrainState (shapes, dtypes and shardings) of the run being resumed;
 `train.py` gets it from the schedule's own `init`, so sharded multi-device states come back onto
 the same devices with the same layout.
@@ -20,18 +29,32 @@ the same devices with the same layout.
 from __future__ import annotations
 
 import os
-from typing import Any
+import shutil
+from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from ouroboros_jax.model import ConfigError
 
 SUBDIR = 'checkpoints'
+SET_ASIDE = 'checkpoints-set-aside'
 
 
 class CheckpointError(ConfigError):
   """No checkpoint where one is needed, or one that does not fit the flags (a user error)."""
+
+
+class CorruptCheckpointError(CheckpointError):
+  """A checkpoint that cannot be read back whole; the message names its step and why."""
+
+
+def _first_line(exc: BaseException) -> str:
+  lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+  text = next((line for line in lines if not line.startswith('Traceback')), type(exc).__name__)
+  return ' '.join(text.split())[:300]
 
 
 def checkpoint_dir(out_dir: str) -> str:
@@ -72,28 +95,128 @@ def latest_step(out_dir: str) -> int | None:
     manager.close()
 
 
+def _words(x: jax.Array) -> jax.Array:
+  """The bits of an array as uint32 words (one per element), whatever its dtype."""
+  if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32)
+  unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+  return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+@jax.jit
+def _fingerprint(tree):
+  sums = []
+  for x in jax.tree.leaves(tree):
+    words = _words(x).ravel()
+    index = jnp.arange(1, words.size + 1, dtype=jnp.uint32)
+    # Fletcher-style: the plain sum catches any changed bit, the weighted one moved values.
+    sums.append(jnp.stack([jnp.sum(words), jnp.sum(words * index)]))
+  return jnp.stack(sums) if sums else jnp.zeros((0, 2), jnp.uint32)
+
+
+def fingerprint(tree) -> list[int]:
+  """A checksum of every bit of a tree of arrays (two uint32 sums per leaf, wrapping)."""
+  sums = _fingerprint(tree)
+  return [int(v) for v in np.asarray(sums.addressable_data(0)).ravel()]
+
+
 def save(manager: ocp.CheckpointManager, state, data_state: dict, meta: dict) -> None:
-  """Starts an asynchronous save of step int(state.step); `manager.wait_until_finished()` joins."""
+  """Starts an asynchronous save of step int(state.step); `manager.wait_until_finished()` joins.
+  The state's `fingerprint` is saved with the data state and checked by `restore`."""
   step = int(jax.device_get(state.step))
+  data_state = dict(data_state, fingerprint=fingerprint(state))
   manager.save(step, args=ocp.args.Composite(
       state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
       meta=ocp.args.JsonSave(meta)), force=True)
 
 
 def restore(manager: ocp.CheckpointManager, abstract_state, step: int | None = None):
-  """(state, data_state, meta) of `step` (default: the latest), placed as abstract_state says."""
+  """(state, data_state, meta) of `step` (default: the latest), placed as abstract_state says.
+
+  Raises CorruptCheckpointError when Orbax cannot read it or its bits do not match the
+  fingerprint saved with it.
+  """
   step = manager.latest_step() if step is None else step
   if step is None:
     raise CheckpointError(f'no checkpoint in {manager.directory}.')
-  restored = manager.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
-      meta=ocp.args.JsonRestore()))
-  return restored['state'], restored['data'], restored['meta']
+  try:
+    restored = manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
+        meta=ocp.args.JsonRestore()))
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    raise CorruptCheckpointError(f'checkpoint step {step} in {manager.directory} is unreadable '
+                                 f'({_first_line(e)})') from e
+  data_state = dict(restored['data'])
+  saved = data_state.pop('fingerprint', None)  # checkpoints from before checksums have none
+  if saved is not None and fingerprint(restored['state']) != saved:
+    raise CorruptCheckpointError(f'checkpoint step {step} in {manager.directory} is damaged (its '
+                                 'arrays do not match the checksum saved with them)')
+  return restored['state'], data_state, restored['meta']
 
 
 def read_meta(manager: ocp.CheckpointManager, step: int | None = None) -> dict:
   step = manager.latest_step() if step is None else step
-  return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+  try:
+    return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    raise CorruptCheckpointError(f'checkpoint step {step} in {manager.directory} is unreadable '
+                                 f'({_first_line(e)})') from e
+
+
+def restore_newest(manager: ocp.CheckpointManager, abstract_state,
+                   check_meta: Callable[[dict], None], *, step: int | None = None,
+                   say: Callable[[str], None] = print):
+  """(state, data_state, step) of the newest checkpoint that reads back whole, or of `step`.
+
+  check_meta(meta) raises for a checkpoint that does not fit the run (a user error: no
+  fallback). Each unreadable checkpoint is reported with `say` and the one before it is tried.
+  """
+  steps = sorted(manager.all_steps(), reverse=True)
+  if step is not None:
+    if step not in steps:
+      raise CheckpointError(f'--resume-from {step}: no checkpoint for that step in '
+                            f'{manager.directory} (it has {sorted(steps)}).')
+    steps = [step]
+  unreadable = []
+  for candidate in steps:
+    try:
+      check_meta(read_meta(manager, candidate))
+      state, data_state, _ = restore(manager, abstract_state, candidate)
+    except CorruptCheckpointError as e:
+      unreadable.append(candidate)
+      say(f'warning: {e}.')
+      continue
+    if unreadable:
+      say(f'resuming from step {candidate}, the newest readable checkpoint.')
+    return state, data_state, candidate
+  others = ('; pick another with --resume-from STEP' if step is not None else
+            '; start a new run with another --out')
+  raise CorruptCheckpointError(f'no readable checkpoint in {manager.directory} (unreadable: '
+                               f'steps {sorted(unreadable)}){others}.')
+
+
+def set_aside(out_dir: str, steps) -> str | None:
+  """Moves the checkpoints of `steps` from OUT/checkpoints to OUT/checkpoints-set-aside (a
+  resumed run must be free to write those steps again); returns where, None if nothing moved.
+  Only process 0 moves; every process then waits for it."""
+  steps = sorted(steps)
+  if not steps:
+    return None
+  where = os.path.join(os.path.dirname(checkpoint_dir(out_dir)), SET_ASIDE)
+  if jax.process_index() == 0:
+    os.makedirs(where, exist_ok=True)
+    for step in steps:
+      target = os.path.join(where, str(step))
+      suffix = 1
+      while os.path.exists(target):  # set aside before: keep both
+        target, suffix = os.path.join(where, f'{step}.{suffix}'), suffix + 1
+      shutil.move(os.path.join(checkpoint_dir(out_dir), str(step)), target)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices('ouroboros_jax.checkpoint.set_aside')
+  return where
 
 
 def abstract_like(tree) -> Any:

@@ -12,7 +12,8 @@ can detect), see `distributed.py`.
 
 `train` takes one flag per field of `TrainConfig` and `ModelConfig` (`--d-model 64`,
 `--num-layers 2`, `--schedule ouroboros`, `--stages 4`, `--layers-per-stage 1,2,1`, ...; booleans
-as `--pre-ln` / `--no-pre-ln`); flags given override the preset, the rest keep its values.
+as `--pre-ln`, `--pre-ln false` or `--no-pre-ln`); flags given override the preset, the rest keep
+its values.
 
 User errors (bad settings, missing data, nothing to resume, ...) print one line
 `error: <message>` on stderr and exit with status 2; a NaN/Inf loss exits with status 3.
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import signal
 import sys
 
 from ouroboros_jax import host, presets, schedules
@@ -75,6 +77,8 @@ def _add_field_flags(parser: argparse.ArgumentParser) -> None:
       'preset': f'starting point: {", ".join(presets.PRESETS)} (default tiny)',
       'out': 'output directory (default runs/<preset>-<schedule>)',
       'data': "'default' (embedded Shakespeare), 'text:PATH[,PATH]' or 'tfds:NAME[:FEATURE]'",
+      'download': 'tfds: let TFDS download and prepare a dataset that is not prepared yet '
+                  '(default: never touch the network, fail in seconds)',
       'data_dir': 'TFDS data dir (default $OUROBOROS_DATA_DIR or ~/.cache/ouroboros_jax/tfds)',
       'schedule': f'one of {", ".join(schedules.SCHEDULES)} (tiny: backprop)',
       'stash': 'ouroboros: graph or replay (tiny: graph)',
@@ -116,9 +120,11 @@ def _add_field_flags(parser: argparse.ArgumentParser) -> None:
   for name, (kind, optional, owner) in presets.fields().items():
     group = model_group if owner is presets.ModelConfig else train_group
     help_text = special.get(name, f'(tiny: {tiny[name]})')
-    if kind is bool:
-      group.add_argument(presets.flag(name), dest=name, action=argparse.BooleanOptionalAction,
-                         default=argparse.SUPPRESS, help=help_text)
+    if kind is bool:  # --pre-ln, --pre-ln false, --no-pre-ln
+      group.add_argument(presets.flag(name), dest=name, nargs='?', const=True, type=_bool,
+                         default=argparse.SUPPRESS, metavar='true|false', help=help_text)
+      group.add_argument('--no-' + presets.flag(name)[2:], dest=name, action='store_false',
+                         default=argparse.SUPPRESS, help=f'same as {presets.flag(name)} false')
     else:
       parse = _optional(kind) if optional else kind
       group.add_argument(presets.flag(name), dest=name, type=parse, default=argparse.SUPPRESS,
@@ -149,7 +155,11 @@ def make_parser() -> argparse.ArgumentParser:
   train = sub.add_parser('train', help='train a byte-level Transformer LM', allow_abbrev=False,
                          description='Train a preset; any field can be overridden by its flag.')
   train.add_argument('--resume', action='store_true',
-                     help="continue from OUT's latest checkpoint, exactly where it stopped")
+                     help="continue from OUT's newest readable checkpoint, exactly where it "
+                          'stopped (an unreadable newer one is reported and set aside)')
+  train.add_argument('--resume-from', type=int, default=None, metavar='STEP',
+                     help='resume from the checkpoint of this step (implies --resume; newer '
+                          'checkpoints are moved to OUT/checkpoints-set-aside)')
   train.add_argument('--quiet', action='store_true', help='no progress bar or eval lines')
   _cpu_devices_flag(train)
   _process_flags(train)
@@ -214,20 +224,26 @@ def _join_process_group(args) -> None:
 
 
 def _run_train(args) -> None:
+  from ouroboros_jax import rundir
+
   cfg = config_from_args(args)
   cfg.validate()  # settings errors come before the slow imports, data loading and compiling
+  rundir.check_writable(cfg.out_dir)
   _join_process_group(args)
   from ouroboros_jax import train
 
-  train.train(cfg, resume=args.resume, quiet=args.quiet)
+  train.train(cfg, resume=args.resume, resume_from=args.resume_from, quiet=args.quiet)
 
 
 def _run_sample(args) -> None:
   from ouroboros_jax import sample
 
-  text = sample.sample(args.ckpt, prompt=args.prompt, length=args.length,
-                       temperature=args.temperature, seed=args.seed, step=args.step)
-  sys.stdout.write(text + '\n')
+  # Streamed: the bytes appear as they are generated, whatever --length is.
+  sys.stdout.flush()
+  sample.write_sample(args.ckpt, sys.stdout.buffer, prompt=args.prompt, length=args.length,
+                      temperature=args.temperature, seed=args.seed, step=args.step)
+  sys.stdout.buffer.write(b'\n')
+  sys.stdout.buffer.flush()
 
 
 def _run_bench(args) -> None:
@@ -289,17 +305,49 @@ def main(argv=None) -> int:
     import jax
     jax.config.update('jax_num_cpu_devices', args.cpu_devices)
 
+  from ouroboros_jax import rundir
+  handlers = {}
+  if args.command != 'launch':  # the launcher passes these signals on to its children itself
+    stopping = (signal.SIGTERM, signal.SIGHUP) + ((signal.SIGINT,) if args.command == 'train'
+                                                  else ())
+    handlers = {sig: signal.signal(sig, _terminate) for sig in stopping}
   try:
     {'train': _run_train, 'sample': _run_sample, 'bench': _run_bench,
      'launch': _run_launch}[args.command](args)
-  except KeyboardInterrupt:
-    _fail('interrupted; the latest checkpoint is complete, continue with --resume.', 130)
+  except KeyboardInterrupt as e:
+    signum = e.signum if isinstance(e, rundir.Terminated) else signal.SIGINT
+    _fail(_stopped_message(args, signum), 128 + signum)
   except Exception as e:  # pylint: disable=broad-exception-caught
     code = exit_code(e)
     if code is None:
       raise
     _fail(_one_line(e), code)
+  finally:
+    for sig, handler in handlers.items():
+      signal.signal(sig, handler)
   return 0
+
+
+def _terminate(signum, _frame):
+  from ouroboros_jax import rundir
+  rundir.request_stop(signum)  # a running loop stops at its next step; otherwise raises now
+
+
+def _stopped_message(args, signum: int) -> str:
+  """What a stopped command leaves behind: for `train`, the checkpoint to resume from."""
+  what = 'interrupted' if signum == signal.SIGINT else f'stopped by {signal.Signals(signum).name}'
+  if args.command != 'train':
+    return f'{what}.'
+  from ouroboros_jax import checkpoint
+  try:
+    out = config_from_args(args).out_dir
+    step = checkpoint.latest_step(out)
+  except Exception:  # pylint: disable=broad-exception-caught
+    return f'{what}; check the checkpoints in --out before resuming.'
+  where = checkpoint.checkpoint_dir(out)
+  if step is None:
+    return f'{what} before the first checkpoint; nothing to resume in {where}, start again.'
+  return f'{what}; the latest complete checkpoint is step {step} in {where}; continue with --resume.'
 
 
 def _one_line(exc: BaseException) -> str:

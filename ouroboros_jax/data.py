@@ -10,11 +10,14 @@ Tokens are raw bytes (vocabulary 256). A corpus is chosen with one spec string:
   ``builder.as_data_source()``.
 * ``'text:PATH[,PATH...]'``: local text files (plain or ``.gz``), concatenated
   in the given order with ``b'\\n'`` between files.
-* ``'tfds:NAME[:FEATURE]'``: a TFDS text dataset read with
-  ``tfds.data_source`` (``array_record``); FEATURE defaults to ``'text'``.
-  Documents are UTF-8 encoded and joined with ``b'\\n'`` in the data source's
-  record order; the whole dataset is read into memory. With ``data_dir=None``
-  TFDS's own default applies (``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``).
+* ``'tfds:NAME[:FEATURE]'``: a TFDS text dataset already prepared in
+  ``data_dir`` (``array_record``), read with ``builder.as_data_source()``;
+  FEATURE defaults to ``'text'``. Nothing is downloaded unless
+  ``download=True`` (``--download``): a missing dataset fails at once instead
+  of reaching for the network. Documents are UTF-8 encoded and joined with
+  ``b'\\n'`` in the data source's record order; the whole dataset is read into
+  memory. With ``data_dir=None`` TFDS's own default applies
+  (``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``).
 
 Every corpus becomes three uint8 arrays, ``'train'``, ``'validation'`` and
 ``'test'``. A single stream is split 90/5/5 by bytes (see :func:`split_ranges`);
@@ -253,7 +256,13 @@ def prepare_default_corpus(
         return builder
       log.info('Preparing %s into %s', builder.name, builder.data_dir)
       try:
-        builder.download_and_prepare(file_format='array_record')
+        # Built from packaged bytes; never look for a prepared copy on GCS.
+        builder.download_and_prepare(
+            file_format='array_record',
+            download_config=tfds.download.DownloadConfig(
+                try_download_gcs=False
+            ),
+        )
       except Exception:  # pylint: disable=broad-exception-caught
         # Lost a race with a concurrent process: its rename landed first.
         builder = ShakespeareBytes(
@@ -354,28 +363,91 @@ def _join_documents(source: Sequence[dict[str, Any]], feature: str) -> bytes:
   return b'\n'.join(docs)
 
 
-def _load_tfds(rest: str, data_dir) -> dict[str, np.ndarray]:
-  """Reads a TFDS text dataset; see load_splits for how splits are chosen."""
-  name, feature = _parse_tfds_spec(rest)
+def _tfds_fix(exc: BaseException, default: str) -> str:
+  if isinstance(exc, ModuleNotFoundError) and exc.name:
+    # e.g. TFDS 4.9.x needs the `importlib_resources` backport to prepare
+    # catalog datasets.
+    return f'pip install {exc.name.replace("_", "-")}'
+  return default
+
+
+def _tfds_builder(name: str, data_dir, download: bool):
+  """A prepared TFDS builder for name; only with download may TFDS fetch data.
+
+  ``tfds.builder(try_gcs=False)`` reads dataset_info.json from data_dir or the
+  dataset's code and makes no network call (TFDS 4.9.x also disables its GCS
+  lookups); the network is only reached by ``download_and_prepare``, which
+  runs only when ``download`` is set.
+  """
+  data_dir = os.fspath(data_dir) if data_dir else None
   where = f'in {data_dir}' if data_dir else 'in the TFDS data dir'
-  log.info('Loading TFDS dataset %s %s (prepared on first use)', name, where)
+  build_cmd = (
+      f'tfds build {name} --file_format=array_record'
+      f' --data_dir {data_dir or "DIR"}'
+  )
+  try:
+    namespace = tfds.core.naming.parse_builder_name_kwargs(name)[0].namespace
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    raise DataError(
+        f"bad TFDS dataset name {name!r} ({_first_line(e)}); use"
+        " 'tfds:NAME[:FEATURE]', e.g. 'tfds:lm1b:text'."
+    ) from None
+  if namespace and not download:
+    # tfds.builder resolves namespaced datasets (huggingface:, kaggle:, ...)
+    # over the network.
+    raise DataError(
+        f'TFDS dataset {name!r} is in namespace {namespace!r}, which TFDS'
+        ' resolves over the network; pass --download to allow that.'
+    )
   try:
     with _quiet_tfds():
-      sources = tfds.data_source(
-          name, split=None, data_dir=os.fspath(data_dir) if data_dir else None
-      )
+      builder = tfds.builder(name, data_dir=data_dir, try_gcs=False)
+      if builder.is_prepared():
+        return builder
   except Exception as e:  # pylint: disable=broad-exception-caught
-    if isinstance(e, ModuleNotFoundError) and e.name:
-      # e.g. TFDS 4.9.x needs the `importlib_resources` backport to prepare
-      # catalog datasets.
-      fix = f'pip install {e.name.replace("_", "-")}'
-    else:
-      fix = (
-          'prepare it with array_record files (tfds build'
-          ' --file_format=array_record) or pass the right --data-dir'
-      )
+    fix = _tfds_fix(e, f'check the name and --data-dir, or prepare it with'
+                    f' `{build_cmd}`')
     raise DataError(
         f'cannot load TFDS dataset {name!r} {where} ({_first_line(e)}); {fix}.'
+    ) from None
+  root = builder.data_dir_root
+  if not download:
+    raise DataError(
+        f'TFDS dataset {name!r} is not prepared in {root} and nothing is'
+        f' downloaded without --download; prepare it with `tfds build {name}'
+        f' --file_format=array_record --data_dir {root}`, or pass --download'
+        ' to let TFDS download and prepare it.'
+    )
+  log.info('Downloading and preparing TFDS dataset %s into %s', name, root)
+  try:
+    with _quiet_tfds():
+      builder = tfds.builder(
+          name, data_dir=data_dir, try_gcs=False, file_format='array_record'
+      )
+      builder.download_and_prepare(file_format='array_record')
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    fix = _tfds_fix(e, f'check the network and disk space, or prepare it'
+                    f' yourself with `{build_cmd}`')
+    raise DataError(
+        f'cannot download and prepare TFDS dataset {name!r} in {root}'
+        f' ({_first_line(e)}); {fix}.'
+    ) from None
+  return builder
+
+
+def _load_tfds(rest: str, data_dir, download: bool) -> dict[str, np.ndarray]:
+  """Reads a TFDS text dataset; see load_splits for how splits are chosen."""
+  name, feature = _parse_tfds_spec(rest)
+  builder = _tfds_builder(name, data_dir, download)
+  log.info('Reading TFDS dataset %s from %s', name, builder.data_dir)
+  try:
+    with _quiet_tfds():
+      sources = builder.as_data_source()
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    raise DataError(
+        f'cannot read TFDS dataset {name!r} in {builder.data_dir}'
+        f' ({_first_line(e)}); rebuild it with `tfds build {name}'
+        f' --file_format=array_record --data_dir {builder.data_dir_root}`.'
     ) from None
   sources = {str(k): v for k, v in sources.items()}
   if 'train' not in sources:
@@ -409,6 +481,7 @@ def load_splits(
     spec: str = 'default',
     *,
     data_dir: str | os.PathLike[str] | None = None,
+    download: bool = False,
 ) -> dict[str, np.ndarray]:
   """Returns {'train', 'validation', 'test'} -> uint8 token arrays for a spec.
 
@@ -421,6 +494,11 @@ def load_splits(
     data_dir: where TFDS datasets live. For the default corpus it defaults to
       ``$OUROBOROS_DATA_DIR`` or ``~/.cache/ouroboros_jax/tfds``; for ``tfds:``
       to TFDS's own default. Unused for ``text:``.
+    download: ``tfds:`` only. False (default): read only a dataset already
+      prepared in data_dir and never touch the network; a missing one raises
+      DataError at once. True: TFDS may download and prepare it
+      (``array_record``). The default corpus is built from packaged bytes and
+      never downloads.
 
   Raises:
     DataError: unknown spec, unreadable file, missing dataset/feature, or an
@@ -432,13 +510,29 @@ def load_splits(
   elif spec.startswith('text:'):
     splits = _load_text(spec[len('text:'):])
   elif spec.startswith('tfds:'):
-    splits = _load_tfds(spec[len('tfds:'):], data_dir)
+    splits = _load_tfds(spec[len('tfds:'):], data_dir, download)
   else:
     raise DataError(f'unknown data spec {spec!r}; {_SPEC_HELP}.')
   total = sum(len(v) for v in splits.values())
   if total == 0:
     raise DataError(f'data spec {spec!r} gives an empty corpus; use more data.')
   return splits
+
+
+def check_vocab(splits: dict[str, np.ndarray], vocab_size: int) -> None:
+  """Raises DataError if a token is >= vocab_size.
+
+  Out-of-range ids do not raise in JAX (gathers fill or clamp them), so
+  without this check training reports a NaN loss at step 1 instead.
+  """
+  maxima = [int(np.max(v)) for v in splits.values() if np.size(v)]
+  largest = max(maxima, default=-1)
+  if largest >= vocab_size:
+    raise DataError(
+        f'the vocabulary (--vocab-size {vocab_size}) is smaller than the'
+        f" data's symbol range (the data holds byte values up to {largest});"
+        f' use --vocab-size {VOCAB_SIZE} or more for byte data.'
+    )
 
 
 # ----------------------------------------------------------------------------

@@ -9,10 +9,17 @@ backend with one device, single-threaded (so one process is one core's worth of 
 `[pI]` prefix. The launcher returns the first non-zero exit code; when one process fails, the
 others are given `grace_s` seconds to notice (their collectives time out) and are then killed, so
 a launch never hangs.
+
+The children never outlive the launcher: a SIGTERM, SIGHUP or Ctrl-C to it is passed on to every
+child (a `train` then finishes its in-flight checkpoint and stops), the children are killed if
+they have not stopped `grace_s` seconds later, and on Linux each child also asks the kernel to
+kill it when the launcher dies without a chance to clean up (SIGKILL, a crash): PR_SET_PDEATHSIG.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 import shutil
 import signal
@@ -48,6 +55,28 @@ def child_env(process_id: int, num_processes: int, port: int) -> dict:
   return env
 
 
+_PR_SET_PDEATHSIG = 1  # prctl(2)
+
+
+def _die_with_parent() -> None:
+  """Runs in the child between fork and exec: the kernel sends it SIGKILL when the launcher's
+  thread that started it dies, whatever kills the launcher (the setting survives exec)."""
+  libc = ctypes.CDLL(ctypes.util.find_library('c') or 'libc.so.6', use_errno=True)
+  libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+class _Stop(Exception):
+  """A signal asked the launcher to stop (SIGTERM, SIGHUP)."""
+
+  def __init__(self, signum: int):
+    super().__init__(signal.Signals(signum).name)
+    self.signum = signum
+
+
+def _raise_stop(signum, _frame):
+  raise _Stop(signum)
+
+
 def _forward(stream, prefix: str, out) -> None:
   for line in iter(stream.readline, ''):
     out.write(f'{prefix} {line}')
@@ -77,12 +106,17 @@ def launch(num_processes: int, args: list[str], *, pin_cpus: bool = False, grace
     raise ConfigError('--pin-cpus needs `taskset` (util-linux); install it or drop --pin-cpus.')
   port = free_port()
   procs, threads = [], []
+  handlers = {}
+  if threading.current_thread() is threading.main_thread():
+    handlers = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
   for i in range(num_processes):
     cmd = [*(program or [sys.executable, '-m', 'ouroboros_jax']), *args]
     if pin_cpus:
       cmd = ['taskset', '-c', str(i % cores), *cmd]
+    # Its own session, so a Ctrl-C in the terminal reaches the launcher only, which passes it on.
     p = subprocess.Popen(cmd, env=child_env(i, num_processes, port), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                         preexec_fn=_die_with_parent if sys.platform.startswith('linux') else None)
     procs.append(p)
     th = threading.Thread(target=_forward, args=(p.stdout, f'[p{i}]', out), daemon=True)
     th.start()
@@ -103,8 +137,12 @@ def launch(num_processes: int, args: list[str], *, pin_cpus: bool = False, grace
         out.write(f'[launch] timed out after {timeout_s:.0f} s; stopping all processes\n')
         break
       time.sleep(0.1)
-  except KeyboardInterrupt:
-    first_failure = first_failure or 130
+  except (KeyboardInterrupt, _Stop) as stop:
+    signum = stop.signum if isinstance(stop, _Stop) else signal.SIGINT
+    first_failure = first_failure or 128 + signum
+    out.write(f'[launch] {signal.Signals(signum).name}: passing it on to every process\n')
+    out.flush()
+    _stop_children(procs, signum, grace_s)
   finally:
     for p in procs:
       if p.poll() is None:
@@ -113,9 +151,28 @@ def launch(num_processes: int, args: list[str], *, pin_cpus: bool = False, grace
       p.wait()
     for th in threads:
       th.join(timeout=5)
+    for sig, handler in handlers.items():
+      signal.signal(sig, handler)
   codes = [p.returncode for p in procs]
   if not first_failure:
     first_failure = next((_exit_status(c) for c in codes if c), 0)
   if first_failure:
     out.write(f'[launch] exit codes {codes}; returning {first_failure}\n')
   return first_failure
+
+
+def _stop_children(procs, signum: int, grace_s: float) -> None:
+  """Sends signum to every running child's process group and waits up to grace_s for them all
+  (a `train` saves or abandons its checkpoint and exits); the caller kills what is left."""
+  for p in procs:
+    if p.poll() is None:
+      try:
+        os.killpg(p.pid, signum)
+      except ProcessLookupError:
+        pass
+  deadline = time.monotonic() + grace_s
+  for p in procs:
+    try:
+      p.wait(timeout=max(deadline - time.monotonic(), 0.0))
+    except subprocess.TimeoutExpired:
+      pass

@@ -105,7 +105,7 @@ def sample_gates(key, t, num_layers: int, theta_bar: float = DEFAULT_THETA_BAR,
 def check_config(cfg: ModelConfig, theta_bar: float, gamma: float) -> None:
   if not cfg.pre_ln:
     raise ConfigError('progressive layer dropping needs pre-LN blocks (a skipped post-LN layer '
-                      'would skip its LayerNorms too); set pre_ln=True (drop --post-ln) or turn '
+                      'would skip its LayerNorms too); use --pre-ln (not --no-pre-ln) or turn '
                       'PLD off.')
   if not 0.0 < theta_bar <= 1.0:
     raise ConfigError(f'PLD theta_bar must be in (0, 1], got {theta_bar}; 0.5 is the default.')

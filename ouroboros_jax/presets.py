@@ -52,6 +52,8 @@ class TrainConfig:
   # Data: see `data.load_splits` for the spec syntax ('default' is the embedded Shakespeare).
   data: str = 'default'
   data_dir: str | None = None
+  download: bool = False        # tfds: let TFDS download and prepare a dataset missing from
+                                # data_dir (network); off: read only prepared data, fail fast
   batch_size: int = 32
   steps: int = 2000
   # Optimizer: AdamW, linear warmup then cosine decay to learning_rate * min_lr_ratio.
@@ -130,6 +132,10 @@ class TrainConfig:
     if self.schedule not in schedules.SCHEDULES:
       raise ConfigError(f'unknown schedule {self.schedule!r}; choose --schedule from '
                         f'{", ".join(schedules.SCHEDULES)}.')
+    if self.schedule in ('backprop', 'data_parallel') and self.stages > 1:
+      raise ConfigError(f'--schedule {self.schedule} runs every layer on each device, so '
+                        f'--stages {self.stages} does nothing; drop --stages or choose '
+                        '--schedule model_parallel, gpipe or ouroboros.')
     if self.stash not in STASH_MODES:
       raise ConfigError(f'unknown stash mode {self.stash!r}; use --stash graph or --stash replay.')
     from ouroboros_jax.ring import STASH_POLICIES

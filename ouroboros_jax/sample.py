@@ -2,15 +2,26 @@
 
 The latest checkpoint's parameters are restored onto one device (whatever schedule and mesh
 trained them), un-staged with `partition.from_staged`, and text is generated one byte at a time.
-Generation is one jitted `lax.fori_loop` over a fixed buffer: each step runs the full model over
-a window of the last seq_len tokens (no KV cache; the model is small and the code stays simple)
-and samples the next byte from the logits at the window's last filled position. Causal attention
-means the zeros after that position never influence it.
+
+Generation streams, so `--length` costs time, not memory. The host keeps only a rolling window of
+the last seq_len tokens; one jitted `lax.fori_loop` (`_generate_chunk`, compiled once per model and
+chunk size) extends that window by up to `chunk` tokens and returns the new window with the
+tokens, which `stream_bytes` yields while the device already works on the next chunk. Each step
+runs the full model over the window (no KV cache; the model is small and the code stays simple)
+and samples the next byte from the logits at the window's last filled position. Until the text
+fills a window, the window is the text followed by zeros; causal attention means those zeros never
+influence the filled positions. Token i of the generation (0-based) is drawn with
+`jax.random.fold_in(key, i)` whatever the chunking, so the output depends only on the prompt,
+length, temperature and seed.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import numbers
+from collections.abc import Iterator
+from typing import BinaryIO
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +29,14 @@ import numpy as np
 
 from ouroboros_jax import checkpoint, partition, presets
 from ouroboros_jax import model as transformer
-from ouroboros_jax.model import ModelConfig
+from ouroboros_jax.model import ConfigError, ModelConfig
+
+# The generation index i (the `fold_in` data) is an int32 inside jit. The prompt never enters it
+# (the window carries the prompt), so every length up to the largest int32 is exact.
+MAX_LENGTH = 2**31 - 1
+# jax.random.key keeps 32 bits of seed (2**32 gives the key of 0, -1 that of 2**32 - 1).
+MAX_SEED = 2**32 - 1
+DEFAULT_CHUNK = 256
 
 
 def load(out_dir: str, step: int | None = None) -> tuple[ModelConfig, dict, int]:
@@ -41,50 +59,120 @@ def load(out_dir: str, step: int | None = None) -> tuple[ModelConfig, dict, int]
   return cfg.model, partition.from_staged(staged_params, meta['layers_per_stage']), step
 
 
-@functools.partial(jax.jit, static_argnames=('cfg', 'prompt_len', 'length'))
-def _generate(cfg: ModelConfig, params, buffer_T, prompt_len: int, length: int, temperature,
-              key):
-  """Fills buffer_T[prompt_len : prompt_len + length] with sampled tokens."""
-  window = cfg.seq_len
+def check_args(*, length, temperature, seed) -> None:
+  """Raises ConfigError for a bad --length/--temperature/--seed, before any loading or compiling."""
+  if (not isinstance(length, numbers.Integral) or isinstance(length, bool)
+      or not 0 <= length <= MAX_LENGTH):
+    raise ConfigError(f'--length must be an integer from 0 to {MAX_LENGTH} (2**31 - 1), got '
+                      f'{length!r}; pass a --length in that range.')
+  if (not isinstance(temperature, numbers.Real) or isinstance(temperature, bool)
+      or not math.isfinite(temperature) or temperature < 0):
+    raise ConfigError(f'--temperature must be a finite number >= 0 (0 is greedy), got '
+                      f'{temperature!r}; pass e.g. --temperature 0.8.')
+  if (not isinstance(seed, numbers.Integral) or isinstance(seed, bool)
+      or not 0 <= seed <= MAX_SEED):
+    raise ConfigError(f'--seed must be an integer from 0 to {MAX_SEED} (2**32 - 1), got '
+                      f'{seed!r}; pass a --seed in that range.')
 
-  def next_token(i, buffer_T):
-    pos = prompt_len + i                        # index of the token being generated
-    start = jnp.maximum(0, pos - window)
-    window_1xL = jax.lax.dynamic_slice(buffer_T, (start,), (window,))[None]
-    x_1xLxD = transformer.embed(cfg, params['embed'], window_1xL)
+
+@functools.partial(jax.jit, static_argnames=('cfg', 'chunk'))
+def _generate_chunk(cfg: ModelConfig, params, window_L, filled, first, count, temperature, key,
+                    *, chunk: int):
+  """Generates tokens first..first+count-1 (count <= chunk) after a window of the text so far.
+
+  window_L holds the last seq_len tokens, its first `filled` entries real and the rest zeros.
+  Returns (new window, new filled, tokens_C); tokens_C[count:] are zeros. The trip count is traced
+  so that a shorter last chunk reuses the same program.
+  """
+  last = cfg.seq_len - 1
+
+  def next_token(i, carry):
+    window_L, filled, tokens_C = carry
+    x_1xLxD = transformer.embed(cfg, params['embed'], window_L[None])
     x_1xLxD = transformer.layers(cfg, params['layers'], x_1xLxD)
-    logits_V = transformer.logits(cfg, params['head'], params['embed'], x_1xLxD)[0, pos - 1 - start]
+    logits_V = transformer.logits(cfg, params['head'], params['embed'], x_1xLxD)[0, filled - 1]
     logits_V = logits_V.astype(jnp.float32)
     greedy = jnp.argmax(logits_V)
     scaled = logits_V / jnp.maximum(temperature, 1e-6)
-    sampled = jax.random.categorical(jax.random.fold_in(key, i), scaled)
-    token = jnp.where(temperature > 0, sampled, greedy).astype(buffer_T.dtype)
-    return buffer_T.at[pos].set(token)
+    sampled = jax.random.categorical(jax.random.fold_in(key, first + i), scaled)
+    token = jnp.where(temperature > 0, sampled, greedy).astype(window_L.dtype)
+    # A full window slides left by one; otherwise the token fills the next free slot.
+    full = filled > last
+    window_L = jnp.where(full, jnp.roll(window_L, -1), window_L)
+    window_L = window_L.at[jnp.minimum(filled, last)].set(token)
+    return window_L, jnp.minimum(filled + 1, cfg.seq_len), tokens_C.at[i].set(token)
 
-  return jax.lax.fori_loop(0, length, next_token, buffer_T)
+  tokens_C = jnp.zeros((chunk,), window_L.dtype)
+  return jax.lax.fori_loop(0, count, next_token, (window_L, filled, tokens_C))
+
+
+def stream_bytes(cfg: ModelConfig, params: dict, prompt: bytes, *, length: int,
+                 temperature: float = 0.8, seed: int = 0,
+                 chunk: int = DEFAULT_CHUNK) -> Iterator[bytes]:
+  """Yields `length` new bytes continuing `prompt`, at most `chunk` at a time, as generated.
+
+  An empty prompt starts from a newline. Arguments are checked now, not at the first `next`.
+  Memory is one seq_len window plus one chunk whatever `length` is.
+  """
+  check_args(length=length, temperature=temperature, seed=seed)
+  if not isinstance(chunk, numbers.Integral) or isinstance(chunk, bool) or chunk <= 0:
+    raise ConfigError(f'chunk must be a positive integer, got {chunk!r}; pass e.g. chunk=256.')
+  return _stream(cfg, params, prompt or b'\n', int(length), float(temperature), int(seed),
+                 int(chunk))
+
+
+def _stream(cfg, params, prompt, length, temperature, seed, chunk) -> Iterator[bytes]:
+  tail_P = np.frombuffer(prompt, np.uint8)[-cfg.seq_len:].astype(np.int32)
+  window_L = np.zeros(cfg.seq_len, np.int32)
+  window_L[:len(tail_P)] = tail_P
+  window_L, filled = jnp.asarray(window_L), jnp.int32(len(tail_P))
+  temperature, key = jnp.float32(temperature), jax.random.key(seed)
+  pending = None  # the previous chunk: fetched once the next one is dispatched
+  for first in range(0, length, chunk):
+    count = min(chunk, length - first)
+    window_L, filled, tokens_C = _generate_chunk(cfg, params, window_L, filled, np.int32(first),
+                                                 np.int32(count), temperature, key, chunk=chunk)
+    if pending is not None:
+      yield _to_bytes(*pending)
+    pending = tokens_C, count
+  if pending is not None:
+    yield _to_bytes(*pending)
+
+
+def _to_bytes(tokens_C, count: int) -> bytes:
+  return np.asarray(jax.device_get(tokens_C))[:count].astype(np.uint8).tobytes()
 
 
 def generate(cfg: ModelConfig, params: dict, prompt: bytes, *, length: int,
              temperature: float = 0.8, seed: int = 0) -> bytes:
   """`length` new bytes continuing `prompt` (an empty prompt starts from a newline)."""
-  prompt = prompt or b'\n'
-  if length < 0:
-    raise transformer.ConfigError(f'--length must be >= 0, got {length}.')
-  if temperature < 0:
-    raise transformer.ConfigError(f'--temperature must be >= 0, got {temperature}.')
-  prompt_P = np.frombuffer(prompt, np.uint8).astype(np.int32)
-  # Room for the whole text, and at least one full window so the slice is always in bounds.
-  buffer_T = np.zeros(max(len(prompt_P) + length, cfg.seq_len), np.int32)
-  buffer_T[:len(prompt_P)] = prompt_P
-  out_T = _generate(cfg, params, jnp.asarray(buffer_T), len(prompt_P), length,
-                    jnp.float32(temperature), jax.random.key(seed))
-  out_T = np.asarray(jax.device_get(out_T))
-  return out_T[len(prompt_P):len(prompt_P) + length].astype(np.uint8).tobytes()
+  return b''.join(stream_bytes(cfg, params, prompt, length=length, temperature=temperature,
+                               seed=seed))
+
+
+def write_sample(out_dir: str, file: BinaryIO, *, prompt: str = '', length: int = 500,
+                 temperature: float = 0.8, seed: int = 0, step: int | None = None,
+                 chunk: int = DEFAULT_CHUNK) -> int:
+  """Writes prompt then sampled bytes to binary `file`, flushing each chunk; returns the step.
+
+  Bytes go out as generated, so a long --length shows output at once and never grows memory.
+  """
+  check_args(length=length, temperature=temperature, seed=seed)
+  cfg, params, step = load(out_dir, step)
+  prompt_bytes = prompt.encode('utf-8')
+  file.write(prompt_bytes)
+  file.flush()
+  for piece in stream_bytes(cfg, params, prompt_bytes, length=length, temperature=temperature,
+                            seed=seed, chunk=chunk):
+    file.write(piece)
+    file.flush()
+  return step
 
 
 def sample(out_dir: str, *, prompt: str = '', length: int = 500, temperature: float = 0.8,
            seed: int = 0, step: int | None = None) -> str:
   """Prompt plus `length` sampled bytes from a run's checkpoint, decoded as UTF-8 (replace)."""
+  check_args(length=length, temperature=temperature, seed=seed)
   cfg, params, _ = load(out_dir, step)
   prompt_bytes = prompt.encode('utf-8')
   text = generate(cfg, params, prompt_bytes, length=length, temperature=temperature, seed=seed)

@@ -52,8 +52,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ouroboros_jax import checkpoint, data, growth, partition, pld, presets, schedules, staged
-from ouroboros_jax import stdloss, vcycle
+from ouroboros_jax import checkpoint, data, growth, partition, pld, presets, rundir, schedules
+from ouroboros_jax import staged, stdloss, vcycle
 from ouroboros_jax import model as transformer
 from ouroboros_jax.presets import TrainConfig
 
@@ -190,8 +190,37 @@ def run_meta(cfg: TrainConfig, layers_per_stage) -> dict:
           'layers_per_stage': list(layers_per_stage), 'config': cfg.to_dict()}
 
 
-def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str) -> None:
-  """One-line CheckpointError naming the flags to use when the checkpoint does not fit cfg."""
+def resume_state(cfg: TrainConfig, manager, target, layers_per_stage, resume_from):
+  """(state, data state, manager) restored from the newest readable checkpoint (or resume_from).
+
+  Newer checkpoints that are unreadable, or newer than resume_from, are moved aside (the run
+  will write those steps again) and the manager is reopened on what is left.
+  """
+  ckpt_dir = checkpoint.checkpoint_dir(cfg.out_dir)
+  changed = []
+
+  def check(meta):
+    changed[:] = check_resumable(meta, cfg, layers_per_stage, ckpt_dir)
+
+  state, data_state, step = checkpoint.restore_newest(manager, target, check, step=resume_from)
+  newer = [s for s in manager.all_steps() if s > step]
+  if newer:
+    manager.close()
+    where = checkpoint.set_aside(cfg.out_dir, newer)
+    print(f'moved the checkpoints of steps {sorted(newer)} to {where} (nothing was deleted).',
+          flush=True)
+    manager = checkpoint.make_manager(cfg.out_dir, keep=cfg.keep_checkpoints)
+  if changed:
+    print(f'resuming step {step} with changed settings: {"; ".join(changed)}.', flush=True)
+  return state, data_state, manager
+
+
+def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str) -> list[str]:
+  """One-line CheckpointError naming the flags to use when the checkpoint does not fit cfg.
+
+  Returns the other settings that differ from the checkpoint's ('--steps 100 -> 200', ...): they
+  are allowed (a longer run, another rate) but worth saying.
+  """
   saved_cfg = presets.TrainConfig.from_dict(saved['config'])
   want, have = presets.flat(saved_cfg), presets.flat(cfg)
   names = [f.name for f in dataclasses.fields(transformer.ModelConfig)] + list(RESUME_FIELDS)
@@ -208,6 +237,36 @@ def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str)
     raise checkpoint.CheckpointError(
         f'the checkpoint in {where} was made with {flags(want)} but the flags give {flags(have)}; '
         'resume with the checkpoint\'s flags or choose another --out.')
+  ignored = set(names) | {'out', 'layers_per_stage'}
+  return [f'{presets.flag(n)} {want[n]} -> {have[n]}' for n in have
+          if n not in ignored and n in want and want[n] != have[n]]
+
+
+def read_metrics(path: str) -> list[dict]:
+  """The rows of a metrics.jsonl. A torn last line (the run died while writing it) is dropped
+  with a note; a damaged line before it is a CheckpointError naming the line."""
+  with open(path) as f:
+    lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+  rows = []
+  for i, (number, line) in enumerate(lines):
+    try:
+      rows.append(json.loads(line))
+    except json.JSONDecodeError:
+      if i == len(lines) - 1:
+        print(f'{path}: dropped its torn last line {number} (the run stopped while writing it).',
+              flush=True)
+        break
+      raise checkpoint.CheckpointError(f'{path} line {number} is not JSON; repair or delete that '
+                                       'line, then resume again.') from None
+  return rows
+
+
+def checkpoint_size(out_dir: str, step: int) -> int:
+  """Bytes on disk of one checkpoint."""
+  total = 0
+  for root, _, files in os.walk(os.path.join(checkpoint.checkpoint_dir(out_dir), str(step))):
+    total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+  return total
 
 
 class MetricsLog:
@@ -224,8 +283,7 @@ class MetricsLog:
     tb_dir = os.path.join(out_dir, 'tb')
     rows = []
     if resume_step is not None and os.path.exists(self.path):
-      with open(self.path) as f:
-        rows = [r for r in map(json.loads, filter(str.strip, f)) if r['step'] <= resume_step]
+      rows = [r for r in read_metrics(self.path) if r['step'] <= resume_step]
     elif resume_step is None and os.path.isdir(tb_dir):  # a fresh run: drop a failed run's curves
       for name in os.listdir(tb_dir):
         if name.startswith('events.out.tfevents'):
@@ -256,6 +314,21 @@ def _progress(total: int, initial: int, quiet: bool):
               disable=quiet or not sys.stderr.isatty())
 
 
+def _duration(seconds: float) -> str:
+  if not math.isfinite(seconds):
+    return '?'
+  minutes, secs = divmod(int(round(seconds)), 60)
+  hours, minutes = divmod(minutes, 60)
+  return f'{hours}:{minutes:02d}:{secs:02d}' if hours else f'{minutes}:{secs:02d}'
+
+
+def _say_saved(bar, quiet: bool, out_dir: str, step: int) -> None:
+  """The size of a finished checkpoint: graph stashes make them large (README "Checkpoints")."""
+  size = checkpoint_size(out_dir, step)
+  _say(bar, quiet, f'checkpoint step {step}: {size / 2**20:.1f} MiB in '
+       f'{os.path.join(checkpoint.checkpoint_dir(out_dir), str(step))}')
+
+
 def _say(bar, quiet: bool, text: str) -> None:
   """A line on stdout that does not break the progress bar."""
   if quiet:
@@ -269,13 +342,17 @@ def _say(bar, quiet: bool, text: str) -> None:
 # ----------------------------------------------------------------------------- the loop
 
 
-def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False,
-          on_step: Callable[[int, Any], None] | None = None) -> dict:
+def train(cfg: TrainConfig, *, resume: bool = False, resume_from: int | None = None,
+          quiet: bool = False, on_step: Callable[[int, Any], None] | None = None) -> dict:
   """Trains cfg, writing into cfg.out_dir; returns the summary (see the module docstring).
 
-  resume: continue from OUT's latest checkpoint (same step, params, optimizer state, ring buffers
-    and data position); without it OUT must not hold checkpoints yet.
+  resume: continue from OUT's newest readable checkpoint (same step, params, optimizer state,
+    ring buffers and data position); without it OUT must not hold checkpoints yet. An unreadable
+    newer checkpoint is reported, moved to OUT/checkpoints-set-aside/ and skipped.
+  resume_from: resume from this step's checkpoint instead (implies resume; newer checkpoints are
+    set aside the same way).
   on_step: optional callback(step, state) after every step (tests use it).
+  The run holds OUT for its whole life (`rundir.claim`): a second run on the same OUT is refused.
   Raises ConfigError / DataError / CheckpointError for user errors, NonFiniteLossError on NaN/Inf.
   """
   t_start = time.perf_counter()
@@ -283,6 +360,13 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False,
   # The resolved config (what config.json and the checkpoints record): no implicit defaults left.
   cfg = dataclasses.replace(cfg, out=cfg.out_dir, layers_per_stage=','.join(
       map(str, cfg.resolved_layers_per_stage())))
+  resume = resume or resume_from is not None
+  with rundir.claim(cfg.out_dir, lock=jax.process_index() == 0):
+    return _train_claimed(cfg, resume, resume_from, quiet, on_step, t_start)
+
+
+def _train_claimed(cfg: TrainConfig, resume: bool, resume_from: int | None, quiet: bool,
+                   on_step, t_start: float) -> dict:
   out_dir = cfg.out_dir
   found = checkpoint.latest_step(out_dir)
   ckpt_dir = checkpoint.checkpoint_dir(out_dir)
@@ -295,7 +379,11 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False,
   if not resume and found is not None:
     raise checkpoint.CheckpointError(f'{out_dir} already holds checkpoints (latest step {found}); '
                                      'pass --resume to continue it, or choose another --out.')
-  splits = data.load_splits(cfg.data, data_dir=cfg.data_dir)
+  if not resume and os.path.exists(os.path.join(out_dir, 'summary.json')):
+    raise checkpoint.CheckpointError(f'{out_dir} already holds a finished run (summary.json); '
+                                     'choose another --out, or remove it to train there again.')
+  splits = data.load_splits(cfg.data, data_dir=cfg.data_dir, download=cfg.download)
+  data.check_vocab(splits, cfg.model.vocab_size)
   train_it = data.make_train_iterator(splits['train'], seq_len=cfg.model.seq_len,
                                       batch_size=cfg.batch_size, seed=cfg.seed)
   for split in ('validation', 'test'):  # fail now, not after training, if a split is too short
@@ -313,10 +401,10 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False,
   crc = 0
   try:
     if resume:
-      check_resumable(checkpoint.read_meta(manager), cfg, layers_per_stage, ckpt_dir)
       target = checkpoint.abstract_like(state)
       del state  # free the fresh state before the restored one arrives
-      state, data_state, _ = checkpoint.restore(manager, target)
+      state, data_state, manager = resume_state(cfg, manager, target, layers_per_stage,
+                                                resume_from)
       train_it.set_state(data_state['iterator'])
       crc = data_state['crc32']
     with open(os.path.join(out_dir, 'config.json'), 'w') as f:
@@ -324,8 +412,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, quiet: bool = False,
     start_step = int(jax.device_get(state.step))
     log = MetricsLog(out_dir, start_step if resume else None)
     try:
-      state, summary = _loop(cfg, schedule, state, train_it, splits, manager, meta, log, crc,
-                             start_step, quiet, on_step, t_start)
+      with rundir.stoppable():
+        state, summary = _loop(cfg, schedule, state, train_it, splits, manager, meta, log, crc,
+                               start_step, quiet, on_step, t_start)
     finally:
       log.close()
   finally:
@@ -342,6 +431,7 @@ def _loop(cfg, schedule, state, train_it, splits, manager, meta, log, crc, start
   bar = _progress(cfg.steps, start_step, quiet)
   pending = []                # device metrics of the steps since the last host sync
   last_saved = manager.latest_step()
+  saved_now = None            # the step this run saved last (its size is reported once written)
   ckpt_where = os.path.join(cfg.out_dir, checkpoint.SUBDIR)
   train_s, train_tokens, compile_s = 0.0, 0, None
   cpu = {'compile': 0.0, 'train': 0.0}  # process CPU seconds (all threads): robust to load
@@ -382,6 +472,7 @@ def _loop(cfg, schedule, state, train_it, splits, manager, meta, log, crc, start
   try:
     t_mark, c_mark = time.perf_counter(), time.process_time()
     while step < cfg.steps:
+      rundir.check_stop()  # a SIGTERM / Ctrl-C stops here, between steps (see rundir)
       batch = next(train_it)
       crc = batch_crc32(batch, crc)
       state, metrics = schedule.step(
@@ -420,19 +511,30 @@ def _loop(cfg, schedule, state, train_it, splits, manager, meta, log, crc, start
                  'train_s': (compile_s or 0.0) + train_s,
                  'cpu_s': cpu['compile'] + cpu['train']})
       bar.set_postfix(loss=f'{loss:.3f}', tok_s=f'{rate:,.0f}')
+      if bar.disable and not quiet:  # no terminal (a cluster job, nohup): a status line instead
+        timed_steps = train_tokens / tokens_per_step
+        eta = (cfg.steps - step) * train_s / timed_steps if timed_steps else math.nan
+        print(f'step {step}/{cfg.steps}: loss {loss:.4f}, {rate:,.0f} tokens/s, ETA '
+              f'{_duration(eta)}', flush=True)
       if do_eval:
         val_bpb = evaluate_split('validation', cfg.eval_batches)['bpb']
       if do_save:
         if not all_finite(state.params):  # a finite loss, but the update overflowed
           stop(f'parameters became non-finite at step {step}')
+        manager.wait_until_finished()  # Orbax would wait for the previous save here anyway
+        if saved_now is not None:
+          _say_saved(bar, quiet, cfg.out_dir, saved_now)
         checkpoint.save(manager, state, {'iterator': train_it.get_state(), 'crc32': crc}, meta)
-        last_saved = step
+        last_saved = saved_now = step
       # evaluation and saving are not training time
       t_mark, c_mark = time.perf_counter(), time.process_time()
     if compile_s is None:  # resumed a finished run: nothing left to train
       compile_s = 0.0
       val_bpb = evaluate_split('validation', cfg.eval_batches)['bpb']
     test_bpb = evaluate_split('test', None)['bpb']
+    manager.wait_until_finished()
+    if saved_now is not None:
+      _say_saved(bar, quiet, cfg.out_dir, saved_now)
   finally:
     bar.close()
 

@@ -5,10 +5,13 @@ Everything here runs `python -m ouroboros_jax` in a subprocess, as a user would.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -158,3 +161,88 @@ def test_train_then_sample(tmp_path, text_corpus):
   again = run_cli('sample', '--ckpt', out, '--prompt', 'ROMEO:', '--length', '64',
                   '--temperature', '0')
   assert again.stdout == result.stdout  # greedy is deterministic
+
+
+# ----------------------------------------------------------------------------- hardening
+
+
+def _wait_for(condition, timeout_s: float, what: str):
+  deadline = time.monotonic() + timeout_s
+  while not condition():
+    assert time.monotonic() < deadline, f'timed out waiting for {what}'
+    time.sleep(0.2)
+
+
+def test_one_run_per_out_sigterm_and_resume(tmp_path, text_corpus):
+  """A second run on a busy OUT is refused; SIGTERM stops the first cleanly at a complete
+  checkpoint; without a terminal it prints status lines and checkpoint sizes; it resumes."""
+  out = tmp_path / 'run'
+  common = [*SMALL[:-1], '--data', f'text:{text_corpus}', '--log-every', '10',
+            '--eval-every', '1000000', '--checkpoint-every', '20', '--out', out]
+  first = subprocess.Popen([sys.executable, '-m', 'ouroboros_jax', 'train', *map(str, common),
+                            '--steps', '1000000'], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+  try:
+    _wait_for(lambda: os.path.isdir(out / 'checkpoints' / '20'), 120, 'the first checkpoint')
+    second = run_cli('train', *common, '--steps', '40', '--seed', '1')
+    assert_one_line_error(second, 2, 'in use by another run', f'process {first.pid}')
+    first.send_signal(signal.SIGTERM)
+    stdout, stderr = first.communicate(timeout=60)
+  finally:
+    first.kill()
+  assert first.returncode == 128 + signal.SIGTERM, stderr
+  lines = stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith('error: stopped by SIGTERM; the latest '
+                                                 'complete checkpoint is step '), stderr
+  step = int(lines[0].split('is step ')[1].split()[0])
+  assert step % 20 == 0 and step >= 20 and os.path.isdir(out / 'checkpoints' / str(step))
+  assert 'step 10/1000000: loss ' in stdout and 'tokens/s, ETA ' in stdout  # no terminal here
+  assert 'checkpoint step 20: ' in stdout and ' MiB in ' in stdout
+
+  resumed = run_cli('train', *common, '--steps', step + 20, '--resume', timeout=180)
+  assert resumed.returncode == 0, resumed.stderr
+  assert f'with changed settings: --steps 1000000 -> {step + 20}' in resumed.stdout
+  with open(out / 'metrics.jsonl') as f:
+    train_steps = [r['step'] for r in map(json.loads, f) if r['split'] == 'train']
+  assert train_steps == sorted(set(train_steps)) and train_steps[-1] == step + 20
+
+
+@pytest.mark.parametrize('where', ['file', 'under_file'])
+def test_unwritable_out_is_one_line(tmp_path, where):
+  blocker = tmp_path / 'a_file'
+  blocker.write_text('not a directory')
+  out = blocker if where == 'file' else blocker / 'run'
+  result = run_cli('train', *SMALL, '--steps', '2', '--out', out)
+  assert_one_line_error(result, 2, f'cannot write into --out {out}', 'writable directory')
+
+
+def test_data_beyond_the_vocabulary_is_one_line(tmp_path, text_corpus):
+  result = run_cli('train', *SMALL, '--data', f'text:{text_corpus}', '--vocab-size', '100',
+                   '--steps', '2', '--out', tmp_path / 'run')
+  assert_one_line_error(result, 2, '--vocab-size 100', 'smaller than', '256')
+
+
+def test_a_finished_run_is_not_overwritten(tmp_path):
+  out = tmp_path / 'run'
+  out.mkdir()
+  (out / 'summary.json').write_text('{}')
+  result = run_cli('train', *SMALL, '--steps', '2', '--out', out, '--growth', 'mslt:1x1,2x*')
+  assert_one_line_error(result, 2, 'already holds a finished run')
+
+
+def test_silent_settings_are_refused_and_booleans_take_values():
+  result = run_cli('train', '--schedule', 'backprop', '--stages', '2')
+  assert_one_line_error(result, 2, '--stages 2 does nothing')
+  parser = cli.make_parser()
+  for flags, value in ((['--pre-ln', 'false'], False), (['--pre-ln'], True),
+                       (['--no-pre-ln'], False), (['--pre-ln', 'true'], True)):
+    assert cli.config_from_args(parser.parse_args(['train', *flags])).model.pre_ln is value
+  result = run_cli('train', '--pre-ln', 'maybe')
+  assert_one_line_error(result, 2, "expected true or false, got 'maybe'")
+
+
+def test_sample_refuses_impossible_lengths_and_temperatures(tmp_path):
+  for flags, words in ((['--length', str(10**12)], ('--length', str(10**12))),
+                       (['--temperature', 'nan'], ('--temperature', 'nan'))):
+    # Checked before the checkpoint is looked for: an empty OUT is enough.
+    assert_one_line_error(run_cli('sample', '--ckpt', tmp_path, *flags), 2, *words)

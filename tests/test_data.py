@@ -1,10 +1,15 @@
 """Tests for ouroboros_jax.data: corpora, splits, windows and iterators."""
 
+import contextlib
+import errno
 import gzip
 import json
 import os
 import pathlib
+import signal
+import socket
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -60,6 +65,45 @@ def _take(it, n: int) -> list[dict[str, np.ndarray]]:
   return [next(it) for _ in range(n)]
 
 
+def _block_network(monkeypatch) -> list:
+  """Makes every connect and DNS lookup fail at once; returns the attempts."""
+  attempts = []
+
+  def refuse(*args, **kwargs):
+    attempts.append(args)
+    raise OSError(errno.ENETUNREACH, 'network is unreachable (test)')
+
+  monkeypatch.setattr(socket.socket, 'connect', refuse)
+  monkeypatch.setattr(socket.socket, 'connect_ex', refuse)
+  monkeypatch.setattr(socket, 'create_connection', refuse)
+  monkeypatch.setattr(socket, 'getaddrinfo', refuse)
+  return attempts
+
+
+@pytest.fixture
+def no_network(monkeypatch) -> list:
+  return _block_network(monkeypatch)
+
+
+class _PastDeadline(BaseException):
+  """Not an Exception, so retry loops that catch Exception cannot swallow it."""
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float):
+  """Aborts the block after `seconds`, so a regression fails instead of hanging."""
+  def expire(signum, frame):
+    raise _PastDeadline(f'still running after {seconds} s')
+
+  old = signal.signal(signal.SIGALRM, expire)
+  signal.setitimer(signal.ITIMER_REAL, seconds)
+  try:
+    yield
+  finally:
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, old)
+
+
 def _assert_same_batches(a, b) -> None:
   assert len(a) == len(b)
   for x, y in zip(a, b):
@@ -72,12 +116,14 @@ def _assert_same_batches(a, b) -> None:
 # Default corpus through the TFDS builder.
 
 
-def test_default_corpus_splits_through_tfds_array_record(tmp_path, monkeypatch):
+def test_default_corpus_splits_through_tfds_array_record(tmp_path, monkeypatch,
+                                                         no_network):
   raw = _raw_default_corpus()
   n = len(raw)
   assert n == 5_057_321
 
   splits = data.load_splits('default', data_dir=tmp_path)
+  assert no_network == []  # Built from the packaged bytes, offline.
 
   assert set(splits) == {'train', 'validation', 'test'}
   assert len(splits['train']) == n * 90 // 100
@@ -401,13 +447,20 @@ class OuroborosTestTrainOnly(OuroborosTestDocs, skip_registration=True):
   SPLIT_SIZES = {'train': 80}
 
 
+class OuroborosTestDownload(OuroborosTestDocs):
+  """Registered (found by name like a catalog dataset); generated offline."""
+
+  SPLIT_SIZES = {'train': 40, 'validation': 5, 'test': 5}
+
+
 def _prepare(builder_cls, data_dir) -> None:
   builder_cls(data_dir=os.fspath(data_dir)).download_and_prepare(
       file_format='array_record')
 
 
-def test_tfds_spec_reads_prepared_dataset_and_feature(tmp_path):
+def test_tfds_spec_reads_prepared_dataset_and_feature(tmp_path, monkeypatch):
   _prepare(OuroborosTestDocs, tmp_path)
+  attempts = _block_network(monkeypatch)  # Prepared: read offline.
 
   splits = data.load_splits('tfds:ouroboros_test_docs:title', data_dir=tmp_path)
   train_docs = [f'TRAIN-{i}'.encode() for i in range(60)]
@@ -423,6 +476,56 @@ def test_tfds_spec_reads_prepared_dataset_and_feature(tmp_path):
   test_text = sorted(text['test'].tobytes().split(b'\n'))
   assert test_text == sorted(
       f'test document {i} \u00e9t\u00e9'.encode('utf-8') for i in range(10))
+  assert attempts == []
+
+
+def test_tfds_unprepared_dataset_fails_fast_without_network(tmp_path,
+                                                           no_network):
+  assert tfds.builder_cls('lm1b')  # A real catalog text dataset.
+  start = time.monotonic()
+  with _deadline(60), pytest.raises(data.DataError) as e:
+    data.load_splits('tfds:lm1b', data_dir=tmp_path)
+  elapsed = time.monotonic() - start
+  message = str(e.value)
+  print(f'unprepared tfds:lm1b failed in {elapsed:.2f} s: {message}')
+  assert elapsed < 10
+  assert no_network == []  # Not even a DNS lookup.
+  assert '\n' not in message
+  assert "'lm1b'" in message and str(tmp_path) in message
+  assert '--download' in message
+  assert f'tfds build lm1b --file_format=array_record --data_dir {tmp_path}' in (
+      message)
+  assert list(tmp_path.iterdir()) == []  # Nothing was prepared or downloaded.
+
+
+def test_tfds_download_prepares_only_when_asked(tmp_path, no_network):
+  with _deadline(60):
+    message = _error(data.load_splits, 'tfds:ouroboros_test_download',
+                     data_dir=tmp_path)
+    assert '--download' in message and 'not prepared' in message
+    assert not (tmp_path / 'ouroboros_test_download').exists()
+
+    splits = data.load_splits('tfds:ouroboros_test_download:title',
+                              data_dir=tmp_path, download=True)
+  for split, n in OuroborosTestDownload.SPLIT_SIZES.items():
+    assert sorted(splits[split].tobytes().split(b'\n')) == sorted(
+        f'{split.upper()}-{i}'.encode() for i in range(n))
+  files = [p.name for p in (tmp_path / 'ouroboros_test_download' / '1.0.0')
+           .iterdir()]
+  assert any('.array_record' in f for f in files)
+  # Once prepared it is read without --download.
+  again = data.load_splits('tfds:ouroboros_test_download:title',
+                           data_dir=tmp_path)
+  for k in data.SPLITS:
+    np.testing.assert_array_equal(again[k], splits[k])
+  assert no_network == []
+
+
+def test_namespaced_tfds_dataset_needs_download(tmp_path, no_network):
+  message = _error(data.load_splits, 'tfds:huggingface:some_ds:text',
+                   data_dir=tmp_path)
+  assert 'huggingface' in message and '--download' in message
+  assert no_network == []
 
 
 def test_tfds_spec_with_only_train_splits_90_5_5(tmp_path):
@@ -472,10 +575,11 @@ def test_unknown_spec_names_accepted_forms():
     assert 'default' in message and 'text:' in message and 'tfds:' in message
 
 
-def test_tfds_errors(tmp_path):
+def test_tfds_errors(tmp_path, no_network):
   message = _error(data.load_splits, 'tfds:no_such_dataset_ouroboros',
                    data_dir=tmp_path)
   assert 'no_such_dataset_ouroboros' in message
+  assert no_network == []
   _prepare(OuroborosTestDocs, tmp_path)
   message = _error(data.load_splits, 'tfds:ouroboros_test_docs:body',
                    data_dir=tmp_path)
@@ -484,6 +588,22 @@ def test_tfds_errors(tmp_path):
                    data_dir=tmp_path)
   assert "'id'" in message and 'not text' in message
   assert 'tfds:' in _error(data.load_splits, 'tfds:', data_dir=tmp_path)
+
+
+def test_check_vocab_names_the_vocabulary_and_the_byte_range():
+  splits = {'train': np.array([0, 65, 200], np.uint8),
+            'validation': np.array([10], np.uint8),
+            'test': np.zeros(0, np.uint8)}
+  data.check_vocab(splits, 256)
+  data.check_vocab(splits, 201)  # Largest token 200 < 201.
+  message = _error(data.check_vocab, splits, 200)
+  assert '--vocab-size 200' in message and 'up to 200' in message
+  assert '--vocab-size 256 or more' in message
+  # Any split counts, not just train.
+  splits['test'] = np.array([255], np.uint8)
+  message = _error(data.check_vocab, splits, 201)
+  assert 'up to 255' in message and '--vocab-size 201' in message
+  data.check_vocab({k: np.zeros(0, np.uint8) for k in data.SPLITS}, 1)
 
 
 def test_split_shorter_than_one_window(tmp_path):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import os
 import pathlib
+import signal
 import subprocess
 import sys
 import textwrap
@@ -86,6 +88,49 @@ def test_a_killed_process_makes_launch_fail_fast(tmp_path):
                        program=[sys.executable, str(script)])
   assert code == 17, out.getvalue()[-2000:]
   assert time.monotonic() - start < 120
+
+
+# A launcher whose two children print their PID and sleep: killing the launcher must kill them.
+LAUNCHER = textwrap.dedent('''
+    import sys
+    from ouroboros_jax import launch
+    child = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(300)"
+    sys.exit(launch.launch(2, [], grace_s=5, program=[sys.executable, '-c', child]))
+''')
+
+
+def _alive(pid: int) -> bool:
+  """Running or sleeping; a zombie (exited, not yet reaped by a container's init) is dead."""
+  try:
+    with open(f'/proc/{pid}/stat') as f:
+      return f.read().rsplit(')', 1)[1].split()[0] not in ('Z', 'X')
+  except (FileNotFoundError, ProcessLookupError):
+    return False
+
+
+@pytest.mark.parametrize('signum', [signal.SIGKILL, signal.SIGTERM])
+def test_children_die_with_the_launcher(signum):
+  launcher = subprocess.Popen([sys.executable, '-c', LAUNCHER], stdout=subprocess.PIPE, text=True)
+  pids, deadline = [], time.monotonic() + 60
+  while len(pids) < 2 and time.monotonic() < deadline:
+    line = launcher.stdout.readline()
+    if not line:
+      break
+    if ' pid ' in line:
+      pids.append(int(line.split()[-1]))
+  assert len(pids) == 2, 'the children did not start'
+  os.kill(launcher.pid, signum)
+  launcher.wait(timeout=30)
+  deadline = time.monotonic() + 20
+  while any(map(_alive, pids)) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  left = [p for p in pids if _alive(p)]
+  for pid in left:  # do not leak them into the rest of the test session
+    os.kill(pid, signal.SIGKILL)
+  assert not left, f'children {left} outlived the launcher ({signal.Signals(signum).name})'
+  if signum == signal.SIGTERM:  # a clean stop, reported like a shell would
+    assert launcher.returncode == 128 + signal.SIGTERM
+    assert 'SIGTERM: passing it on' in launcher.stdout.read()
 
 
 def test_launch_and_process_config_errors(monkeypatch):

@@ -275,3 +275,93 @@ def test_ouroboros_state_round_trips_sharded(tmp_path, prepared_data_dir):
     assert restored.sharding == new.sharding
   summary = train.train(presets.override(cfg, {'steps': 8}), resume=True, quiet=True)
   assert summary['step'] == 8 and math.isfinite(summary['val_bpb'])
+
+
+# ----------------------------------------------------------------------------- damaged runs
+
+
+@pytest.fixture(scope='module')
+def three_checkpoints(tmp_path_factory, prepared_data_dir):
+  """30 steps with checkpoints at 10, 20 and 30; the state of step 30 as saved."""
+  out = tmp_path_factory.mktemp('three_checkpoints')
+  cfg = tiny_config(out, prepared_data_dir, steps=30, checkpoint_every=10, eval_every=30,
+                    log_every=5)
+  train.train(cfg, quiet=True)
+  manager = checkpoint.make_manager(out, read_only=True)
+  try:
+    assert sorted(manager.all_steps()) == [10, 20, 30]
+    return cfg, host_tree(checkpoint.restore_single_device(manager, 30))
+  finally:
+    manager.close()
+
+
+def _damage(step_dir: pathlib.Path, how: str) -> None:
+  state = step_dir / 'state'
+  data_files = [p for p in state.rglob('*') if p.is_file() and p.parent.name == 'd']
+  if how == 'truncated':
+    for path in data_files:
+      with open(path, 'r+b') as f:
+        f.truncate(path.stat().st_size // 2)
+  elif how == 'flipped':  # Orbax reads these back without complaint: the checksum catches them
+    for path in data_files:
+      raw = bytearray(path.read_bytes())
+      for i in range(len(raw) // 3, len(raw) // 3 + 16):
+        raw[i] ^= 0xFF
+      path.write_bytes(bytes(raw))
+  elif how == 'no_manifest':
+    for path in state.rglob('manifest.ocdbt'):
+      path.unlink()
+  elif how == 'empty_metadata':
+    (state / '_METADATA').write_text('')
+  elif how == 'empty_meta':
+    (step_dir / 'meta' / 'metadata').write_text('')
+
+
+@pytest.mark.parametrize('how', ['truncated', 'flipped', 'no_manifest', 'empty_metadata',
+                                 'empty_meta', 'resume_from'])
+def test_a_damaged_checkpoint_falls_back_and_resumes_exactly(three_checkpoints, tmp_path, how,
+                                                             capsys):
+  cfg, saved_30 = three_checkpoints
+  out = tmp_path / 'run'
+  shutil.copytree(cfg.out_dir, out)
+  os.remove(out / 'summary.json')
+  with open(out / 'metrics.jsonl', 'a') as f:
+    f.write('{"step": 31, "split": "tra')  # a crash in the middle of a metrics row
+  resumed = presets.override(cfg, {'out': os.fspath(out)})
+  if how == 'resume_from':
+    train.train(resumed, resume_from=10, quiet=True)
+    moved = [20, 30]
+  else:
+    _damage(out / 'checkpoints' / '30', how)
+    train.train(resumed, resume=True, quiet=True)
+    moved = [30]
+    said = capsys.readouterr().out
+    assert 'warning: checkpoint step 30 in ' in said
+    assert 'resuming from step 20, the newest readable checkpoint' in said
+    assert 'dropped its torn last line' in said
+  # Nothing deleted: the skipped checkpoints are set aside, the run wrote its own again...
+  assert sorted(os.listdir(out / checkpoint.SET_ASIDE)) == [str(s) for s in moved]
+  manager = checkpoint.make_manager(out, read_only=True)
+  try:
+    assert sorted(manager.all_steps()) == [10, 20, 30]
+    # ... and its step 30 equals the uninterrupted run's, bit for bit.
+    assert_trees_equal(host_tree(checkpoint.restore_single_device(manager, 30)), saved_30)
+  finally:
+    manager.close()
+  rows = read_rows(out)  # every line parses again
+  train_steps = [r['step'] for r in rows if r['split'] == 'train']
+  assert train_steps == sorted(set(train_steps)) and train_steps[-1] == 30
+
+
+def test_no_readable_checkpoint_is_one_clear_error(three_checkpoints, tmp_path):
+  cfg, _ = three_checkpoints
+  out = tmp_path / 'run'
+  shutil.copytree(cfg.out_dir, out)
+  for step in (10, 20, 30):
+    _damage(out / 'checkpoints' / str(step), 'empty_meta')
+  with pytest.raises(checkpoint.CorruptCheckpointError,
+                     match=r'no readable checkpoint .* steps \[10, 20, 30\]'):
+    train.train(presets.override(cfg, {'out': os.fspath(out)}), resume=True, quiet=True)
+  assert sorted(os.listdir(out / 'checkpoints')) == ['10', '20', '30']  # nothing moved
+  with pytest.raises(checkpoint.CheckpointError, match='--resume-from 25: no checkpoint'):
+    train.train(presets.override(cfg, {'out': os.fspath(out)}), resume_from=25, quiet=True)
