@@ -142,6 +142,8 @@ def _process_flags(parser):
                      help="process 0's address, or 'auto' for JAX's cluster detection")
   group.add_argument('--num-processes', type=int, default=None, metavar='N')
   group.add_argument('--process-id', type=int, default=None, metavar='I')
+  group.add_argument('--init-timeout', type=int, default=120, metavar='S',
+                     help='seconds to wait for the coordinator and every process (default 120)')
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -220,7 +222,7 @@ def _join_process_group(args) -> None:
   from ouroboros_jax import distributed
   distributed.initialize(distributed.ProcessConfig(
       coordinator=args.coordinator, num_processes=args.num_processes,
-      process_id=args.process_id))
+      process_id=args.process_id, init_timeout_s=args.init_timeout))
 
 
 def _run_train(args) -> None:

@@ -12,12 +12,18 @@ TPU cluster. Settings, first found wins:
 Nothing is initialised when none is given: a plain `ouroboros train` stays single-process.
 On CPU the collectives go through gloo. A process that dies makes the others fail within
 `heartbeat_timeout_s` instead of hanging: the coordinator notices the missing heartbeat.
+
+A process other than 0 first waits up to `init_timeout_s` (--init-timeout) for the coordinator's
+port to accept a connection, and stops with a one-line error if it never does: XLA's own client
+would abort the process with a C++ stack after its time-out instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import socket
+import time
 
 from ouroboros_jax.model import ConfigError
 
@@ -58,6 +64,8 @@ def initialize(config: ProcessConfig) -> bool:
       raise ConfigError('--num-processes/--process-id need --coordinator HOST:PORT (or '
                         '--coordinator auto on a cluster JAX can detect).')
     return False
+  if config.init_timeout_s < 1:
+    raise ConfigError(f'--init-timeout must be >= 1 second, got {config.init_timeout_s}.')
   import jax
   if config.coordinator != 'auto':
     if config.num_processes is None or config.process_id is None:
@@ -69,6 +77,8 @@ def initialize(config: ProcessConfig) -> bool:
   if (jax.config.jax_platforms or 'cpu').startswith('cpu') or os.environ.get(
       'JAX_PLATFORMS', '').startswith('cpu'):
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  if config.coordinator != 'auto' and config.process_id != 0:
+    wait_for_coordinator(config.coordinator, config.init_timeout_s)
   kwargs = dict(initialization_timeout=config.init_timeout_s,
                 heartbeat_timeout_seconds=config.heartbeat_timeout_s)
   if config.coordinator == 'auto':
@@ -78,3 +88,22 @@ def initialize(config: ProcessConfig) -> bool:
                                num_processes=config.num_processes,
                                process_id=config.process_id, **kwargs)
   return True
+
+
+def wait_for_coordinator(address: str, timeout_s: float) -> None:
+  """Returns once HOST:PORT accepts a TCP connection; ConfigError after timeout_s seconds."""
+  host, _, port = address.rpartition(':')
+  if not host or not port.isdigit():
+    raise ConfigError(f'--coordinator {address!r} is not HOST:PORT (e.g. 10.0.0.1:1234).')
+  deadline, reason = time.monotonic() + timeout_s, 'no answer'
+  while True:
+    try:
+      with socket.create_connection((host.strip('[]'), int(port)), timeout=2.0):
+        return
+    except OSError as e:
+      reason = e.strerror or type(e).__name__
+    if time.monotonic() >= deadline:
+      raise ConfigError(f'cannot reach the coordinator {address} within {timeout_s:g} s '
+                        f'({reason}); start process 0 there first, fix --coordinator, or wait '
+                        'longer with --init-timeout.')
+    time.sleep(0.5)

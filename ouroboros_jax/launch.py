@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import re
 import shutil
 import signal
 import socket
@@ -77,8 +78,15 @@ def _raise_stop(signum, _frame):
   raise _Stop(signum)
 
 
-def _forward(stream, prefix: str, out) -> None:
+_CPP_FRAME = re.compile(r'^\s*@\s+0x[0-9a-f]+\s')  # a line of a C++ stack dump (absl)
+
+
+def _forward(stream, prefix: str, out, failed: threading.Event) -> None:
+  """Copies a child's lines with its prefix. Once a process has failed, the others die of it
+  (XLA aborts them when a peer stops): their C++ stack dumps say nothing more and are dropped."""
   for line in iter(stream.readline, ''):
+    if failed.is_set() and _CPP_FRAME.match(line):
+      continue
     out.write(f'{prefix} {line}')
     out.flush()
 
@@ -106,6 +114,7 @@ def launch(num_processes: int, args: list[str], *, pin_cpus: bool = False, grace
     raise ConfigError('--pin-cpus needs `taskset` (util-linux); install it or drop --pin-cpus.')
   port = free_port()
   procs, threads = [], []
+  failed = threading.Event()
   handlers = {}
   if threading.current_thread() is threading.main_thread():
     handlers = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
@@ -118,7 +127,8 @@ def launch(num_processes: int, args: list[str], *, pin_cpus: bool = False, grace
                          stderr=subprocess.STDOUT, text=True, start_new_session=True,
                          preexec_fn=_die_with_parent if sys.platform.startswith('linux') else None)
     procs.append(p)
-    th = threading.Thread(target=_forward, args=(p.stdout, f'[p{i}]', out), daemon=True)
+    th = threading.Thread(target=_forward, args=(p.stdout, f'[p{i}]', out, failed),
+                          daemon=True)
     th.start()
     threads.append(th)
 
@@ -126,10 +136,16 @@ def launch(num_processes: int, args: list[str], *, pin_cpus: bool = False, grace
   try:
     while any(p.poll() is None for p in procs):
       now = time.monotonic()
-      for p in procs:
+      for i, p in enumerate(procs):
         code = p.poll()
         if code not in (None, 0) and not first_failure:
           first_failure, failed_at = _exit_status(code), now
+          failed.set()
+          how = (f'was killed by {signal.Signals(-code).name}' if code < 0 else
+                 f'exited with status {code}')
+          out.write(f'[launch] process {i} {how}; the others stop when they next need it '
+                    f'(killed after {grace_s:.0f} s)\n')
+          out.flush()
       if failed_at is not None and now - failed_at > grace_s:
         break
       if timeout_s is not None and now - started > timeout_s:

@@ -88,6 +88,21 @@ def test_a_killed_process_makes_launch_fail_fast(tmp_path):
                        program=[sys.executable, str(script)])
   assert code == 17, out.getvalue()[-2000:]
   assert time.monotonic() - start < 120
+  assert '[launch] process 1 exited with status 17;' in out.getvalue()  # the dead peer, named
+  assert not any(launch._CPP_FRAME.match(line.split(' ', 1)[-1])  # pylint: disable=protected-access
+                 for line in out.getvalue().splitlines())
+
+
+def test_an_unreachable_coordinator_is_one_line():
+  port = launch.free_port()  # nothing listens there
+  result = subprocess.run(
+      [sys.executable, '-m', 'ouroboros_jax', 'train', '--coordinator', f'127.0.0.1:{port}',
+       '--num-processes', '2', '--process-id', '1', '--init-timeout', '2'],
+      capture_output=True, text=True, timeout=60)
+  assert result.returncode == 2, result.stderr
+  assert result.stderr.strip().splitlines() == [
+      f'error: cannot reach the coordinator 127.0.0.1:{port} within 2 s (Connection refused); '
+      'start process 0 there first, fix --coordinator, or wait longer with --init-timeout.']
 
 
 # A launcher whose two children print their PID and sleep: killing the launcher must kill them.
