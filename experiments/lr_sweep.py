@@ -87,6 +87,18 @@ RECIPES = {
     'pipelined-g2-muon-predict-dc-warmup50': (dict(PIPELINED, optimizer='muon',
                                                    compensation='predict,dc',
                                                    sync_warmup_steps=50), (0.01,)),
+    # Muon leaves embeddings, norms and biases to Adam, the staleness-fragile optimizer: a lower
+    # Adam rate there; and a longer rate warm-up through the early steps where delay hurts most.
+    'g4-muon-predict-dc-adam2.5e-3': (dict(G4, optimizer='muon', compensation='predict,dc',
+                                           learning_rate=2.5e-3), (0.01,)),
+    'g4-muon-predict-dc-lrwarmup200': (dict(G4, optimizer='muon', compensation='predict,dc',
+                                            warmup_steps=200), (0.01,)),
+    'pipelined-g2-muon-predict-dc-adam2.5e-3': (dict(PIPELINED, optimizer='muon',
+                                                     compensation='predict,dc',
+                                                     learning_rate=2.5e-3), (0.01,)),
+    'pipelined-g2-muon-predict-dc-lrwarmup200': (dict(PIPELINED, optimizer='muon',
+                                                      compensation='predict,dc',
+                                                      warmup_steps=200), (0.01,)),
 }
 SYNCHRONOUS = ('backprop-adamw', 'backprop-muon')
 # Recipes without a grid of their own take the best rate of another's (G = 4 and pipelined: the
