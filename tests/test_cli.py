@@ -246,3 +246,22 @@ def test_sample_refuses_impossible_lengths_and_temperatures(tmp_path):
                        (['--temperature', 'nan'], ('--temperature', 'nan'))):
     # Checked before the checkpoint is looked for: an empty OUT is enough.
     assert_one_line_error(run_cli('sample', '--ckpt', tmp_path, *flags), 2, *words)
+
+
+def test_ctrl_c_before_the_first_checkpoint_says_so(tmp_path, text_corpus):
+  out = tmp_path / 'run'
+  run = subprocess.Popen([sys.executable, '-m', 'ouroboros_jax', 'train', *SMALL,
+                          '--data', f'text:{text_corpus}', '--log-every', '5',
+                          '--steps', '1000000', '--checkpoint-every', '1000000', '--out', out],
+                         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    _wait_for(lambda: (out / 'metrics.jsonl').exists() and
+              (out / 'metrics.jsonl').stat().st_size > 0, 120, 'the first metrics row')
+    run.send_signal(signal.SIGINT)
+    _, stderr = run.communicate(timeout=60)
+  finally:
+    run.kill()
+  assert run.returncode == 128 + signal.SIGINT, stderr
+  assert stderr.strip().splitlines() == [
+      f'error: interrupted before the first checkpoint; nothing to resume in {out}/checkpoints, '
+      'start again.']
