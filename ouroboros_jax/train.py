@@ -59,9 +59,9 @@ from ouroboros_jax.presets import TrainConfig
 
 LN2 = math.log(2.0)
 # Fields that fix the shape of the TrainState or the data stream: resuming needs them unchanged.
-RESUME_FIELDS = ('schedule', 'stages', 'data_parallel', 'stash', 'forward', 'microbatches',
-                 'batch_size', 'seed', 'data', 'pld', 'std_loss', 'std_loss_layers',
-                 'optimizer', 'compensation')
+RESUME_FIELDS = ('schedule', 'stages', 'data_parallel', 'stash', 'stash_policy', 'forward',
+                 'microbatches', 'batch_size', 'seed', 'data', 'pld', 'std_loss',
+                 'std_loss_layers', 'optimizer', 'compensation')
 
 
 class NonFiniteLossError(RuntimeError):

@@ -211,6 +211,10 @@ def test_resume_with_different_flags_names_them(short_run, tmp_path):
   other = presets.override(cfg, {'d_model': 64, 'steps': 120})
   with pytest.raises(checkpoint.CheckpointError, match='--d-model 32.*--d-model 64'):
     train.train(other, resume=True, quiet=True)
+  # What a graph stash keeps fixes the shape of the saved ring buffers.
+  other = presets.override(cfg, {'stash_policy': 'dots'})
+  with pytest.raises(checkpoint.CheckpointError, match='--stash-policy all.*--stash-policy dots'):
+    train.train(other, resume=True, quiet=True)
 
 
 def test_fresh_run_refuses_an_out_dir_with_checkpoints(short_run):
