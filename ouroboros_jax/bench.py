@@ -41,7 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ouroboros_jax import model as transformer
 from ouroboros_jax import partition, ring, simulate, staged
-from ouroboros_jax.model import ConfigError
+from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.compensation import Compensation, make_optimizer
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule
 

@@ -37,18 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from ouroboros_jax.model import ConfigError
+from ouroboros_jax.errors import CheckpointError, CorruptCheckpointError
 
 SUBDIR = 'checkpoints'
 SET_ASIDE = 'checkpoints-set-aside'
-
-
-class CheckpointError(ConfigError):
-  """No checkpoint where one is needed, or one that does not fit the flags (a user error)."""
-
-
-class CorruptCheckpointError(CheckpointError):
-  """A checkpoint that cannot be read back whole; the message names its step and why."""
 
 
 def _first_line(exc: BaseException) -> str:

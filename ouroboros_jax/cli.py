@@ -26,9 +26,9 @@ import difflib
 import signal
 import sys
 
-from ouroboros_jax import host, presets, schedules
+from ouroboros_jax import errors, host, presets, schedules
 
-EXIT_USAGE, EXIT_NONFINITE = 2, 3
+EXIT_USAGE = errors.UserError.exit_code
 
 
 class _Parser(argparse.ArgumentParser):
@@ -258,8 +258,7 @@ def _run_bench(args) -> None:
   presets.override(cfg, {'schedule': 'ouroboros', 'stages': max(cfg.stages, 2)}).validate()
   given = [presets.flag(n) for n in ('pld', 'growth', 'vcycle', 'std_loss') if getattr(cfg, n)]
   if given:
-    from ouroboros_jax.model import ConfigError
-    raise ConfigError(f'`bench` times the schedules alone; {", ".join(given)} apply to `train` '
+    raise errors.ConfigError(f'`bench` times the schedules alone; {", ".join(given)} apply to `train` '
                       '(experiments/accelerators.py compares the accelerators).')
   _join_process_group(args)
   from ouroboros_jax import bench
@@ -284,14 +283,7 @@ def _run_launch(args) -> None:
 
 def exit_code(exc: BaseException) -> int | None:
   """The exit status of a user error (2; 3 for a NaN/Inf loss), or None for a bug."""
-  from ouroboros_jax.model import ConfigError
-
-  data, train = sys.modules.get('ouroboros_jax.data'), sys.modules.get('ouroboros_jax.train')
-  if train is not None and isinstance(exc, train.NonFiniteLossError):
-    return EXIT_NONFINITE
-  if isinstance(exc, ConfigError) or (data is not None and isinstance(exc, data.DataError)):
-    return EXIT_USAGE
-  return None
+  return exc.exit_code if isinstance(exc, errors.UserError) else None
 
 
 def main(argv=None) -> int:

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ouroboros_jax.model import ConfigError
+from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.staged import adamw, kernel_mask
 
 PyTree = Any

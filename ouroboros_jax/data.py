@@ -66,6 +66,8 @@ import grain
 import numpy as np
 import tensorflow_datasets as tfds
 
+from ouroboros_jax.errors import DataError  # re-exported: ouroboros_jax.data.DataError
+
 log = logging.getLogger(__name__)
 
 VOCAB_SIZE = 256
@@ -84,13 +86,6 @@ _SPEC_HELP = (
     "use 'default' (or 'shakespeare'), 'text:PATH[,PATH...]' or"
     " 'tfds:NAME[:FEATURE]'"
 )
-
-
-class DataError(ValueError):
-  """A data problem the user can fix; the message is one line."""
-
-  def __init__(self, message: str):
-    super().__init__(_one_line(message))
 
 
 def _one_line(text: str, limit: int = 400) -> str:

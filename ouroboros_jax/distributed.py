@@ -25,7 +25,7 @@ import os
 import socket
 import time
 
-from ouroboros_jax.model import ConfigError
+from ouroboros_jax.errors import ConfigError
 
 ENV_COORDINATOR = 'OUROBOROS_COORDINATOR'
 ENV_NUM_PROCESSES = 'OUROBOROS_NUM_PROCESSES'

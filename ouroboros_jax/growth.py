@@ -57,7 +57,8 @@ import optax
 
 from ouroboros_jax import model as transformer
 from ouroboros_jax import staged
-from ouroboros_jax.model import ConfigError, ModelConfig
+from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.model import ModelConfig
 from ouroboros_jax.partition import head_flops, layer_flops
 
 METHODS = ('mslt', 'stacking')

@@ -31,7 +31,7 @@ import threading
 import time
 
 from ouroboros_jax import distributed, host
-from ouroboros_jax.model import ConfigError
+from ouroboros_jax.errors import ConfigError
 
 SINGLE_THREADED_XLA = '--xla_cpu_multi_thread_eigen=false --xla_force_host_platform_device_count=1'
 

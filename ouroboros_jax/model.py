@@ -28,11 +28,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ouroboros_jax.errors import ConfigError  # re-exported: ouroboros_jax.model.ConfigError
+
 Params = dict[str, Any]
-
-
-class ConfigError(ValueError):
-  """A model or training setting that cannot work; the message says which and how to fix it."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -76,7 +76,7 @@ from jax.sharding import PartitionSpec as P
 from ouroboros_jax import compensation
 from ouroboros_jax import ring as ring_lib
 from ouroboros_jax import staged
-from ouroboros_jax.model import ConfigError
+from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.ring import STASH_MODES  # noqa: F401  (re-exported: it used to live here)
 from ouroboros_jax.staged import DATA, STAGE, Schedule, StagedModel, TrainState
 

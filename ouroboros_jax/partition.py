@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ouroboros_jax import model as transformer
-from ouroboros_jax.model import ConfigError, ModelConfig
+from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.model import ModelConfig
 from ouroboros_jax.staged import StagedModel
 
 

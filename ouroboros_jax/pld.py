@@ -58,7 +58,8 @@ import numpy as np
 
 from ouroboros_jax import model as transformer
 from ouroboros_jax import staged
-from ouroboros_jax.model import ConfigError, ModelConfig
+from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.model import ModelConfig
 from ouroboros_jax.partition import stage_mask
 from ouroboros_jax.staged import StagedModel
 

@@ -37,7 +37,8 @@ from typing import Any, Mapping
 
 import optax
 
-from ouroboros_jax.model import ConfigError, ModelConfig
+from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.model import ModelConfig
 
 STASH_MODES = ('graph', 'replay')
 TIED_GRAD_MODES = ('sum', 'mean')

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from ouroboros_jax import staged
-from ouroboros_jax.model import ConfigError
+from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.staged import DATA, EMBED_PIECE, STAGE, StagedModel
 
 STASH_MODES = ('graph', 'replay')

@@ -25,7 +25,7 @@ import signal
 import tempfile
 from typing import Iterator
 
-from ouroboros_jax.model import ConfigError
+from ouroboros_jax.errors import ConfigError
 
 LOCK_NAME = '.lock'
 

@@ -29,7 +29,8 @@ import numpy as np
 
 from ouroboros_jax import checkpoint, partition, presets
 from ouroboros_jax import model as transformer
-from ouroboros_jax.model import ConfigError, ModelConfig
+from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.model import ModelConfig
 
 # The generation index i (the `fold_in` data) is an int32 inside jit. The prompt never enters it
 # (the window carries the prompt), so every length up to the largest int32 is exact.

@@ -34,7 +34,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ouroboros_jax.model import ConfigError
+from ouroboros_jax.errors import ConfigError
 
 PyTree = Any
 STAGE, DATA = 'stage', 'data'

@@ -55,6 +55,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from ouroboros_jax import checkpoint, data, growth, partition, pld, presets, rundir, schedules
 from ouroboros_jax import staged, stdloss, vcycle
 from ouroboros_jax import model as transformer
+from ouroboros_jax.errors import NonFiniteLossError
 from ouroboros_jax.presets import TrainConfig
 
 LN2 = math.log(2.0)
@@ -62,10 +63,6 @@ LN2 = math.log(2.0)
 RESUME_FIELDS = ('schedule', 'stages', 'data_parallel', 'stash', 'stash_policy', 'forward',
                  'microbatches', 'batch_size', 'seed', 'data', 'pld', 'std_loss',
                  'std_loss_layers', 'optimizer', 'compensation')
-
-
-class NonFiniteLossError(RuntimeError):
-  """The loss became NaN/Inf; the message names the step and the last good checkpoint."""
 
 
 # ----------------------------------------------------------------------------- building blocks

@@ -64,7 +64,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ouroboros_jax import model as transformer
 from ouroboros_jax import partition, schedules, staged
-from ouroboros_jax.model import ConfigError, ModelConfig
+from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.model import ModelConfig
 
 # ----------------------------------------------------------------------------- configs
 

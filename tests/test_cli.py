@@ -87,7 +87,7 @@ def test_presets_are_valid_and_have_the_documented_shapes():
     (['--num-layers', '0'], ['num_layers must be positive', '--num-layers']),
     (['--batch-size', '-1'], ['batch_size must be positive']),
     (['--d-model', 'x'], ['--d-model', "invalid int value: 'x'"]),
-    (['--stages', '3', '--num-layers', '2'], ['3 stages', '--stages']),
+    (['--schedule', 'ouroboros', '--stages', '3', '--num-layers', '2'], ['3 stages', '--stages']),
     (['--schedule', 'nope'], ['unknown schedule', 'backprop']),
 ])
 def test_bad_settings_fail_in_one_line(args, words):
