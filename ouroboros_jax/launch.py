@@ -49,7 +49,7 @@ def child_env(process_id: int, num_processes: int, port: int) -> dict:
       distributed.ENV_NUM_PROCESSES: str(num_processes),
       distributed.ENV_PROCESS_ID: str(process_id),
       'JAX_PLATFORMS': 'cpu',
-      'XLA_FLAGS': ' '.join((SINGLE_THREADED_XLA, *host.CPU_XLA_FLAGS)),
+      'XLA_FLAGS': ' '.join((SINGLE_THREADED_XLA, *host.supported_cpu_xla_flags())),
       'OMP_NUM_THREADS': '1', 'OPENBLAS_NUM_THREADS': '1', 'MKL_NUM_THREADS': '1',
       'PYTHONUNBUFFERED': '1',
   })
