@@ -258,7 +258,8 @@ def _run_bench(args) -> None:
   presets.override(cfg, {'schedule': 'ouroboros', 'stages': max(cfg.stages, 2)}).validate()
   given = [presets.flag(n) for n in ('pld', 'growth', 'vcycle', 'std_loss') if getattr(cfg, n)]
   if given:
-    raise errors.ConfigError(f'`bench` times the schedules alone; {", ".join(given)} apply to `train` '
+    raise errors.ConfigError(f'`bench` times the schedules alone; {", ".join(given)} apply to '
+                             '`train` '
                       '(experiments/accelerators.py compares the accelerators).')
   _join_process_group(args)
   from ouroboros_jax import bench
@@ -341,7 +342,8 @@ def _stopped_message(args, signum: int) -> str:
   where = checkpoint.checkpoint_dir(out)
   if step is None:
     return f'{what} before the first checkpoint; nothing to resume in {where}, start again.'
-  return f'{what}; the latest complete checkpoint is step {step} in {where}; continue with --resume.'
+  return (f'{what}; the latest complete checkpoint is step {step} in {where}; continue with '
+          '--resume.')
 
 
 def _one_line(exc: BaseException) -> str:

@@ -118,7 +118,8 @@ def keep_freed_memory() -> bool:
 
   One arena (a worker thread's arena hands any block over 64 MiB to mmap, whatever the limits
   say), no mmap for large blocks, and no trimming of the heap's free top (mallopt takes an int;
-  glibc reads -1 as the largest size_t). The process's resident memory then stays at its peak. Returns False, and does nothing, where the C
+  glibc reads -1 as the largest size_t). The process's resident memory then stays at its peak.
+  Returns False, and does nothing, where the C
   library is not glibc (macOS, musl), which have their own allocators.
   """
   if not sys.platform.startswith('linux'):
