@@ -259,8 +259,7 @@ def _run_bench(args) -> None:
   given = [presets.flag(n) for n in ('pld', 'growth', 'vcycle', 'std_loss') if getattr(cfg, n)]
   if given:
     raise errors.ConfigError(f'`bench` times the schedules alone; {", ".join(given)} apply to '
-                             '`train` '
-                      '(experiments/accelerators.py compares the accelerators).')
+                             '`train` (experiments/accelerators.py compares the accelerators).')
   _join_process_group(args)
   from ouroboros_jax import bench
 
