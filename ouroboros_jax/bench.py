@@ -189,13 +189,6 @@ def measure_links(activation_shape, grad_elems: int, repeats: int = 10) -> tuple
   return link, reduce
 
 
-def place(batch: dict, mesh) -> dict:
-  """The global batch on the mesh: every process supplies the rows of its own devices."""
-  sharding = NamedSharding(mesh, P('data'))
-  return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx])
-          for k, v in batch.items()}
-
-
 def time_setting(setting: Setting, cfg, params, batch, layers_per_stage, *, steps: int,
                  warmup: int, stash_policy: str = 'all', optimizer: str = 'adamw',
                  compensation: Compensation = Compensation()) -> dict | None:
@@ -214,7 +207,7 @@ def time_setting(setting: Setting, cfg, params, batch, layers_per_stage, *, step
       setting.schedule_config(stash_policy=stash_policy, compensation=compensation), model,
       bench_optimizer(optimizer), devices=devices)
   state = schedule.init(partition.to_staged(params, split), batch)
-  placed = place(batch, schedule.mesh)
+  placed = staged.place_batch(batch, schedule.mesh)
   start = time.perf_counter()
   compiled = schedule.step.lower(state, placed).compile()
   compile_s = time.perf_counter() - start

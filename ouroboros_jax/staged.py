@@ -215,6 +215,25 @@ def shard(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
   return jax.device_put(tree, named(specs, mesh))
 
 
+def place_batch(batch: dict, mesh: Mesh) -> dict:
+  """A host batch (numpy, the same in every process) on the mesh: split over `data`,
+  replicated over `stage`; each process keeps the rows of its own devices."""
+  return shard(batch, batch_spec(batch), mesh)
+
+
+def onto_mesh(tree: PyTree, mesh: Mesh) -> PyTree:
+  """Replicates over the mesh every leaf not placed on it yet (a schedule's `init` leaves some
+  scalars off it). A jitted step returns its state on the mesh; feeding it a state that is not
+  there yet would compile the step a second time at step 2."""
+  replicated = NamedSharding(mesh, P())
+
+  def place(x):
+    on_mesh = isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
+    return x if on_mesh else jax.device_put(x, replicated)
+
+  return jax.tree.map(place, tree)
+
+
 def check_batch(batch: dict, divisor: int, what: str) -> None:
   size = batch['inputs'].shape[0]
   if size % divisor:

@@ -50,7 +50,6 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ouroboros_jax import checkpoint, data, growth, partition, pld, presets, rundir, schedules
 from ouroboros_jax import staged, stdloss, vcycle
@@ -128,30 +127,10 @@ def step_flops(cfg: TrainConfig, steps) -> np.ndarray:
   return 3.0 * (layers * per_layer + head) * tokens
 
 
-def commit_to_mesh(state, mesh):
-  """Replicates over the mesh every leaf a schedule's init left off it.
-
-  A jitted step returns its state on the mesh; feeding it a state that is not there yet would
-  compile the step a second time (seconds on CPU) at step 2.
-  """
-  replicated = NamedSharding(mesh, P())
-
-  def place(x):
-    on_mesh = isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
-    return x if on_mesh else jax.device_put(x, replicated)
-
-  return jax.tree.map(place, state)
-
-
 def example_batch(cfg: TrainConfig) -> dict:
   shape_BxL = (cfg.batch_size, cfg.model.seq_len)
   batch = {'inputs': np.zeros(shape_BxL, np.int32), 'targets': np.zeros(shape_BxL, np.int32)}
   return training_batch(cfg, batch, 0)
-
-
-def place_batch(batch: dict, mesh) -> dict:
-  """Numpy batch -> device arrays split over the mesh's `data` axis (replicated over `stage`)."""
-  return staged.shard(batch, staged.batch_spec(batch), mesh)
 
 
 def batch_crc32(batch: dict, crc: int) -> int:
@@ -165,7 +144,7 @@ def evaluate(schedule, params, tokens, cfg: TrainConfig, max_batches: int | None
   # One batch at a time: evaluations are independent programs with collectives (stage-sharded
   # params), and on CPU many of them in flight at once can deadlock XLA's in-process rendezvous
   # (seen with 4 simulated devices: "Expected 4 threads to join the rendezvous").
-  losses = [jax.block_until_ready(schedule.evaluate(params, place_batch(b, schedule.mesh)))
+  losses = [jax.block_until_ready(schedule.evaluate(params, staged.place_batch(b, schedule.mesh)))
             for b in data.eval_batches(tokens, seq_len=cfg.model.seq_len,
                                        batch_size=cfg.batch_size, max_batches=max_batches)]
   return float(np.mean(jax.device_get(losses)))
@@ -391,7 +370,7 @@ def _train_claimed(cfg: TrainConfig, resume: bool, resume_from: int | None, quie
 
   schedule, params, layers_per_stage = build(cfg)
   meta = run_meta(cfg, layers_per_stage)
-  state = commit_to_mesh(schedule.init(params, example_batch(cfg)), schedule.mesh)
+  state = staged.onto_mesh(schedule.init(params, example_batch(cfg)), schedule.mesh)
   del params
   os.makedirs(out_dir, exist_ok=True)
   manager = checkpoint.make_manager(out_dir, keep=cfg.keep_checkpoints)
@@ -473,7 +452,7 @@ def _loop(cfg, schedule, state, train_it, splits, manager, meta, log, crc, start
       batch = next(train_it)
       crc = batch_crc32(batch, crc)
       state, metrics = schedule.step(
-          state, place_batch(training_batch(cfg, batch, step), schedule.mesh))
+          state, staged.place_batch(training_batch(cfg, batch, step), schedule.mesh))
       step += 1
       pending.append((step, {k: metrics[k] for k in ('loss', 'loss_batch', 'grad_norm')}))
       if on_step is not None:

@@ -60,7 +60,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ouroboros_jax import model as transformer
 from ouroboros_jax import partition, schedules, staged
@@ -336,8 +335,7 @@ def train_vcycle(plan: VCyclePlan, cfg: ModelConfig, batches: Iterable[dict],
   def train(level, state, schedule, steps, phase):
     for _ in range(steps):
       batch = next(batches)
-      state, metrics = schedule.step(state, staged.shard(batch, staged.batch_spec(batch),
-                                                         schedule.mesh))
+      state, metrics = schedule.step(state, staged.place_batch(batch, schedule.mesh))
       tokens = batch['inputs'].shape[0] * batch['inputs'].shape[1]
       counter['flops'] += step_flops(configs[level], tokens)
       row = {'level': level, 'phase': phase, 'step': counter['t'], 'loss': metrics['loss'],
@@ -355,7 +353,7 @@ def train_vcycle(plan: VCyclePlan, cfg: ModelConfig, batches: Iterable[dict],
     to_staged, from_staged = _layout(tuple(layers_per_stage[level]))
     # One program, not an eager op per optimizer-state leaf; the state is then put on the
     # schedule's mesh, where its step returns it (else the second step compiles again).
-    init = lambda p, b: _on_mesh(jax.jit(schedule.init)(p, b), schedule.mesh)
+    init = lambda p, b: staged.onto_mesh(jax.jit(schedule.init)(p, b), schedule.mesh)
     state = init(to_staged(params), example)
     last = level == plan.levels - 1
     state = train(level, state, schedule,
@@ -389,17 +387,6 @@ def _layout(layers_per_stage: tuple[int, ...]):
   """Jitted (to_staged, from_staged) for one stage layout."""
   return (jax.jit(lambda p: partition.to_staged(p, layers_per_stage)),
           jax.jit(lambda p: partition.from_staged(p, layers_per_stage)))
-
-
-def _on_mesh(tree, mesh):
-  """Replicates over `mesh` every leaf that is not already placed on it."""
-  replicated = NamedSharding(mesh, P())
-
-  def place(x):
-    on_mesh = isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
-    return x if on_mesh else jax.device_put(x, replicated)
-
-  return jax.tree.map(place, tree)
 
 
 # ----------------------------------------------------------------------------- the flag

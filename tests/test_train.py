@@ -107,7 +107,7 @@ def test_checkpoint_round_trip(short_run):
   cfg, summary, final_state = short_run
   assert checkpoint.latest_step(cfg.out_dir) == 100
   schedule, params, layers_per_stage = train.build(cfg)
-  fresh = train.commit_to_mesh(schedule.init(params, train.example_batch(cfg)), schedule.mesh)
+  fresh = train.staged.onto_mesh(schedule.init(params, train.example_batch(cfg)), schedule.mesh)
   manager = checkpoint.make_manager(cfg.out_dir, read_only=True)
   try:
     assert manager.all_steps() == [50, 100]
@@ -267,7 +267,7 @@ def test_ouroboros_state_round_trips_sharded(tmp_path, prepared_data_dir):
   final = {}
   train.train(cfg, quiet=True, on_step=lambda s, st: final.update(state=host_tree(st)))
   schedule, params, _ = train.build(cfg)
-  fresh = train.commit_to_mesh(schedule.init(params, train.example_batch(cfg)), schedule.mesh)
+  fresh = train.staged.onto_mesh(schedule.init(params, train.example_batch(cfg)), schedule.mesh)
   manager = checkpoint.make_manager(cfg.out_dir, read_only=True)
   try:
     state, _, _ = checkpoint.restore(manager, checkpoint.abstract_like(fresh))
