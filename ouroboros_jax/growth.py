@@ -236,15 +236,8 @@ def make_step(cfg: ModelConfig, tx: optax.GradientTransformation, num_frozen: in
   def step(params, opt_state, batch, t):
     loss, grads, trainable = mslt_grads(cfg, params, batch, staged.batch_key(seed, t),
                                         num_frozen, train_embedding)
-    if clip_norm:
-      norm = optax.tree.norm(grads)
-      factor = jnp.minimum(1.0, clip_norm / (norm + 1e-6))
-      grads = jax.tree.map(lambda g: g * factor.astype(g.dtype), grads)
-
-    def update(p, s, g):
-      updates, s = tx.update(g, s, p)
-      return optax.apply_updates(p, updates), s
-
+    grads, _ = staged.clip_by_global_norm(grads, clip_norm)
+    update = functools.partial(staged.update_group, tx)
     new_params, new_opt = dict(params), dict(opt_state)
     for group in ('embed', 'head'):
       if group in trainable:

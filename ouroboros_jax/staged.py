@@ -120,14 +120,10 @@ def apply_gradients(tx, params, opt_state, grads, *, clip_norm: float | None,
   the Optax extra argument `delay` (the staleness compensations of compensation.py read it;
   plain transformations ignore it).
   """
-  grad_norm = optax.tree.norm(grads)
-  if clip_norm:
-    scale = jnp.minimum(1.0, clip_norm / (grad_norm + 1e-6))
-    grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+  grads, grad_norm = clip_by_global_norm(grads, clip_norm)
 
   def update(p, s, g, ready, delay):
-    updates, new_s = optax.with_extra_args_support(tx).update(g, s, p, delay=delay)
-    new_p = optax.apply_updates(p, updates)
+    new_p, new_s = update_group(tx, p, s, g, delay)
     keep = lambda new, old: jnp.where(ready, new, old)
     return jax.tree.map(keep, new_p, p), jax.tree.map(keep, new_s, s)
 
@@ -142,6 +138,23 @@ def apply_gradients(tx, params, opt_state, grads, *, clip_norm: float | None,
                                         stages_ready_G, delays['stages'])
   return ({'embed': embed_p, 'stages': stages_p, 'head': head_p},
           {'embed': embed_s, 'stages': stages_s, 'head': head_s}, grad_norm)
+
+
+def clip_by_global_norm(grads, clip_norm: float | None):
+  """(grads scaled so their global norm is at most clip_norm (None: unchanged), the norm)."""
+  grad_norm = optax.tree.norm(grads)
+  if clip_norm:
+    scale = jnp.minimum(1.0, clip_norm / (grad_norm + 1e-6))
+    grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
+  return grads, grad_norm
+
+
+def update_group(tx, params, opt_state, grads, delay=None):
+  """One optimizer step of one module group: (new params, new optimizer state). `delay` is
+  passed to tx as the Optax extra argument (see apply_gradients)."""
+  updates, opt_state = optax.with_extra_args_support(tx).update(grads, opt_state, params,
+                                                                 delay=delay)
+  return optax.apply_updates(params, updates), opt_state
 
 
 def kernel_mask(tree):
