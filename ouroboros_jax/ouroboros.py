@@ -76,17 +76,10 @@ from jax.sharding import PartitionSpec as P
 from ouroboros_jax import compensation
 from ouroboros_jax import ring as ring_lib
 from ouroboros_jax import staged
+from ouroboros_jax.delays import FORWARD_MODES, lags, staleness, version_gaps  # noqa: F401
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.ring import STASH_MODES  # noqa: F401  (re-exported: it used to live here)
 from ouroboros_jax.staged import DATA, STAGE, Schedule, StagedModel, TrainState
-
-
-def staleness(num_stages: int) -> list[int]:
-  """Steps between the forward and the backward of each layer group: G - s (0 when G = 1)."""
-  return [0] if num_stages == 1 else [num_stages - s for s in range(num_stages)]
-
-
-FORWARD_MODES = ('locked', 'pipelined')
 
 
 def idle_fraction(num_stages: int, backward_over_forward: float = 2.0,
@@ -98,25 +91,6 @@ def idle_fraction(num_stages: int, backward_over_forward: float = 2.0,
     return 0.0
   f, b = 1.0, backward_over_forward
   return (num_stages - 1) * f / (num_stages * f + b)
-
-
-def lags(num_stages: int, forward: str = 'locked') -> tuple[int, list[int]]:
-  """(head lag, per-group backward lag): at step t the head computes the loss of batch
-  t - head_lag and group s back-propagates batch t - lag[s]; neither updates before its lag."""
-  if num_stages > 1 and forward == 'pipelined':
-    return num_stages, [2 * num_stages - s for s in range(num_stages)]
-  return 0, staleness(num_stages)
-
-
-def version_gaps(num_stages: int, forward: str = 'locked') -> tuple[int, list[int]]:
-  """(embedding gap, per-group gaps): how many updates lie between the weights a module's forward
-  of a batch uses and the weights that batch's gradient is applied to. Locked: group s forwards
-  batch t at step t and applies its gradient at step t + (G - s). Pipelined: it forwards batch b
-  at step b + s and back-propagates it at step b + 2G - s, a gap of 2(G - s); the embedding
-  (module 1's first piece) embeds batch t at step t, a gap of 2G. The head is always fresh (0)."""
-  head_lag, backward_lags = lags(num_stages, forward)
-  offset = (lambda s: s) if head_lag else (lambda s: 0)   # the step group s forwards batch 0
-  return backward_lags[0], [lag - offset(s) for s, lag in enumerate(backward_lags)]
 
 
 def build(config, model: StagedModel, tx: optax.GradientTransformation, *,

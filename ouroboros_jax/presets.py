@@ -143,7 +143,8 @@ class TrainConfig:
     if self.stash_policy not in STASH_POLICIES:
       raise ConfigError(f'unknown stash policy {self.stash_policy!r}; use --stash-policy '
                         + ' or '.join(STASH_POLICIES) + '.')
-    if self.forward not in ('locked', 'pipelined'):
+    from ouroboros_jax.delays import FORWARD_MODES
+    if self.forward not in FORWARD_MODES:
       raise ConfigError(f'unknown forward {self.forward!r}; use --forward locked or pipelined.')
     if self.microbatches < 1:
       raise ConfigError(f'--microbatches must be >= 1, got {self.microbatches}.')

@@ -15,17 +15,13 @@ import jax
 import jax.numpy as jnp
 
 from ouroboros_jax import staged
-from ouroboros_jax.ouroboros import staleness
+from ouroboros_jax.delays import backward_batch
 from ouroboros_jax.staged import EMBED_PIECE
 
 
 def expected_backward_batch(t: int, stage: int, num_stages: int, forward: str) -> int:
   """The batch group `stage` back-propagates at step t (derived in ouroboros.py's docstring)."""
-  if num_stages == 1:
-    return t
-  if forward == 'pipelined':
-    return t - 2 * num_stages + stage
-  return t - staleness(num_stages)[stage]
+  return backward_batch(t, stage, num_stages, forward)
 
 
 def backward_step(b: int, stage: int, num_stages: int, forward: str) -> int:

@@ -70,9 +70,10 @@ import math
 import statistics
 from typing import NamedTuple, Sequence
 
+from ouroboros_jax.delays import FORWARD_MODES, backward_batch, forward_batch, lags
+
 SCHEDULES = ('backprop', 'data_parallel', 'model_parallel', 'gpipe', 'ouroboros')
 STASH_MODES = ('graph', 'replay')
-FORWARD_MODES = ('locked', 'pipelined')
 
 
 # ----------------------------------------------------------------------------- costs
@@ -322,7 +323,7 @@ def emit_ouroboros_locked(g: Graph, t: int, state: dict, *, stash: str, **_) -> 
   # 3. Backward on every device at once: stage s finishes batch t - (G - s) with the error
   #    gradient received during step t-1 (one hop per step, overlapping with this step).
   for s in range(G):
-    batch = t - (G - s)
+    batch = backward_batch(t, s, G, 'locked')
     if batch < 0:  # the pipe has not filled yet
       continue
     y = g.compute(s, 'bwd', t, batch, _backward_s(c, s, stash),
@@ -341,18 +342,19 @@ def emit_ouroboros_pipelined(g: Graph, t: int, state: dict, *, stash: str, **_) 
   nbytes = c.activation_bytes
   for s in range(G):
     # Forward of batch t - s on what s-1 sent during step t-1 (device 0 embeds a fresh batch).
-    batch = t - s
+    batch = forward_batch(t, s, G, 'pipelined')
     if batch >= 0:
       x = (g.compute(0, 'embed_fwd', t, batch, c.embed_forward_s) if s == 0
            else state.pop(('act', t - 1, s - 1)))
       y = g.compute(s, 'fwd', t, batch, c.forward_s[s], [x])
       state[('act', t, s)] = g.send(s, (s + 1) % G, 'act', t, batch, nbytes, y)
-    if s == 0 and t - G >= 0:
+    head_batch = t - lags(G, 'pipelined')[0]
+    if s == 0 and head_batch >= 0:
       # Head of batch t - G, whose last-stage output arrived during step t-1.
-      head = g.compute(0, 'head', t, t - G, c.head_s, [state.pop(('act', t - 1, G - 1))])
-      state[('delta', t, G - 1)] = g.send(0, G - 1, 'grad', t, t - G, nbytes, head)
+      head = g.compute(0, 'head', t, head_batch, c.head_s, [state.pop(('act', t - 1, G - 1))])
+      state[('delta', t, G - 1)] = g.send(0, G - 1, 'grad', t, head_batch, nbytes, head)
     # Backward of batch t - 2G + s with the error gradient s+1 (or the head) sent at step t-1.
-    batch = t - 2 * G + s
+    batch = backward_batch(t, s, G, 'pipelined')
     if batch >= 0:
       y = g.compute(s, 'bwd', t, batch, _backward_s(c, s, stash),
                     [state.pop(('delta', t - 1, s))])

@@ -172,12 +172,21 @@ def test_the_idle_fractions_the_schedules_advertise():
 
 
 def test_the_simulator_needs_only_the_standard_library():
-  tree = ast.parse((ROOT / 'ouroboros_jax' / 'simulate.py').read_text())
-  imported = {alias.name.split('.')[0] for node in ast.walk(tree)
-              if isinstance(node, ast.Import) for alias in node.names}
-  imported |= {node.module.split('.')[0] for node in ast.walk(tree)
-               if isinstance(node, ast.ImportFrom) and node.module}
-  assert imported <= set(sys.stdlib_module_names) | {'__future__'}, imported
+  """simulate.py and the package modules it imports (the delays) use the standard library only."""
+  todo, seen = ['simulate'], set()
+  while todo:
+    name = todo.pop()
+    seen.add(name)
+    tree = ast.parse((ROOT / 'ouroboros_jax' / f'{name}.py').read_text())
+    imported = {alias.name for node in ast.walk(tree)
+                if isinstance(node, ast.Import) for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module}
+    own = {m.split('.', 1)[1] for m in imported if m.startswith('ouroboros_jax.')}
+    others = {m.split('.')[0] for m in imported if not m.startswith('ouroboros_jax')}
+    assert others <= set(sys.stdlib_module_names) | {'__future__'}, (name, others)
+    todo += sorted(own - seen)
+  assert seen == {'simulate', 'delays'}
 
 
 # ----------------------------------------------------------------------------- invariants
