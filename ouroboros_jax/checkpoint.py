@@ -28,8 +28,13 @@ the same devices with the same layout.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
 import shutil
+import sys
+import time
 from typing import Any, Callable
 
 import jax
@@ -41,6 +46,33 @@ from ouroboros_jax.errors import CheckpointError, CorruptCheckpointError
 
 SUBDIR = 'checkpoints'
 SET_ASIDE = 'checkpoints-set-aside'
+
+
+_DRAIN_S = 1.0
+
+
+@contextlib.contextmanager
+def _quiet_reads():
+  """Holds back what Orbax and TensorStore print while a damaged checkpoint fails to read
+  (absl error logs, and a traceback per pending read that completes after Orbax closed its event
+  loop); the failure is reported as one CorruptCheckpointError instead. A read that succeeds
+  passes anything it printed on."""
+  held, stderr = io.StringIO(), sys.stderr
+  absl_logger = logging.getLogger('absl')
+  level = absl_logger.level
+  sys.stderr = held
+  absl_logger.setLevel(logging.CRITICAL)
+  try:
+    yield
+  except Exception:
+    held = None
+    time.sleep(_DRAIN_S)  # the reads still pending fail over the next moments: hold them too
+    raise
+  finally:
+    sys.stderr = stderr
+    absl_logger.setLevel(level)
+    if held is not None and held.getvalue():
+      stderr.write(held.getvalue())
 
 
 def _first_line(exc: BaseException) -> str:
@@ -134,9 +166,10 @@ def restore(manager: ocp.CheckpointManager, abstract_state, step: int | None = N
   if step is None:
     raise CheckpointError(f'no checkpoint in {manager.directory}.')
   try:
-    restored = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
-        meta=ocp.args.JsonRestore()))
+    with _quiet_reads():
+      restored = manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
+          meta=ocp.args.JsonRestore()))
   except Exception as e:  # pylint: disable=broad-exception-caught
     raise CorruptCheckpointError(f'checkpoint step {step} in {manager.directory} is unreadable '
                                  f'({_first_line(e)})') from e
@@ -151,7 +184,8 @@ def restore(manager: ocp.CheckpointManager, abstract_state, step: int | None = N
 def read_meta(manager: ocp.CheckpointManager, step: int | None = None) -> dict:
   step = manager.latest_step() if step is None else step
   try:
-    return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
+    with _quiet_reads():
+      return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
   except Exception as e:  # pylint: disable=broad-exception-caught
     raise CorruptCheckpointError(f'checkpoint step {step} in {manager.directory} is unreadable '
                                  f'({_first_line(e)})') from e
@@ -229,11 +263,24 @@ def restore_params_single_device(manager: ocp.CheckpointManager, step: int | Non
 
 def restore_single_device(manager: ocp.CheckpointManager, step: int | None = None,
                           device=None) -> dict:
-  """The whole saved TrainState as a dict tree on one device (for inspection and tests)."""
+  """The whole saved TrainState as a dict tree on one device (for inspection and tests).
+  Raises CorruptCheckpointError like `restore`."""
   step = manager.latest_step() if step is None else step
   sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
-  tree = manager.item_metadata(step)['state'].tree
-  target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding),
-                        tree, is_leaf=lambda m: hasattr(m, 'shape'))
-  return manager.restore(step, args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(target)))['state']
+  try:
+    with _quiet_reads():
+      tree = manager.item_metadata(step)['state'].tree
+      target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding),
+                            tree, is_leaf=lambda m: hasattr(m, 'shape'))
+      restored = manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    raise CorruptCheckpointError(f'checkpoint step {step} in {manager.directory} is unreadable '
+                                 f'({_first_line(e)})') from e
+  saved = restored['data'].get('fingerprint')
+  # The dict's leaves come in another order than the TrainState's: compare the per-leaf sums.
+  pairs = lambda flat: sorted(zip(flat[::2], flat[1::2]))
+  if saved is not None and pairs(fingerprint(restored['state'])) != pairs(saved):
+    raise CorruptCheckpointError(f'checkpoint step {step} in {manager.directory} is damaged (its '
+                                 'arrays do not match the checksum saved with them)')
+  return restored['state']

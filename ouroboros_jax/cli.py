@@ -256,6 +256,9 @@ def _run_bench(args) -> None:
   spec = 'none' if cfg.compensation == 'auto' else cfg.compensation
   cfg = presets.override(cfg, {'optimizer': optimizer, 'compensation': spec})
   presets.override(cfg, {'schedule': 'ouroboros', 'stages': max(cfg.stages, 2)}).validate()
+  if cfg.data != presets.TrainConfig().data:
+    raise errors.ConfigError(f'`bench` times the schedules on synthetic batches and reads no data; '
+                             f'drop --data {cfg.data} (`train` reads it).')
   given = [presets.flag(n) for n in ('pld', 'growth', 'vcycle', 'std_loss') if getattr(cfg, n)]
   if given:
     raise errors.ConfigError(f'`bench` times the schedules alone; {", ".join(given)} apply to '
@@ -276,14 +279,23 @@ def _run_launch(args) -> None:
   from ouroboros_jax import launch
 
   rest = args.rest[1:] if args.rest[:1] == ['--'] else args.rest
-  code = launch.launch(args.processes, rest, pin_cpus=args.pin_cpus, timeout_s=args.timeout)
-  if code:
-    sys.exit(code)
+  reasons = []
+  code = launch.launch(args.processes, rest, pin_cpus=args.pin_cpus, timeout_s=args.timeout,
+                       reasons=reasons)
+  if code:  # the children's output is above, on stdout; one line on stderr says why
+    raise launch.LaunchFailed(code, reasons[0] if reasons else f'exit status {code}')
 
 
 def exit_code(exc: BaseException) -> int | None:
   """The exit status of a user error (2; 3 for a NaN/Inf loss), or None for a bug."""
   return exc.exit_code if isinstance(exc, errors.UserError) else None
+
+
+def out_of_memory(exc: BaseException) -> bool:
+  """Host or device memory ran out (a size the machine cannot hold, not a bug)."""
+  text = str(exc)
+  return isinstance(exc, MemoryError) or 'RESOURCE_EXHAUSTED' in text or (
+      'Out of memory' in text)
 
 
 def main(argv=None) -> int:
@@ -313,6 +325,9 @@ def main(argv=None) -> int:
     _fail(_stopped_message(args, signum), 128 + signum)
   except Exception as e:  # pylint: disable=broad-exception-caught
     code = exit_code(e)
+    if code is None and out_of_memory(e):
+      _fail(f'out of memory ({_one_line(e)[:200]}); make the model or batch smaller (--batch-size, '
+            '--d-model, --d-ff, --num-layers, --vocab-size) or use more devices.', EXIT_USAGE)
     if code is None:
       raise
     _fail(_one_line(e), code)

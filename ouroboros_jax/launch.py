@@ -31,9 +31,25 @@ import threading
 import time
 
 from ouroboros_jax import distributed, host
-from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.errors import ConfigError, UserError
 
 SINGLE_THREADED_XLA = '--xla_cpu_multi_thread_eigen=false --xla_force_host_platform_device_count=1'
+
+
+LAUNCHABLE = ('train', 'bench')
+# Set by the launcher for every child: a child's own value would contradict them.
+_LAUNCHER_FLAGS = ('--coordinator', '--num-processes', '--process-id')
+
+
+def check_command(args: list[str]) -> None:
+  """A one-line ConfigError unless args is a `train` or `bench` command the launcher can run."""
+  if args[0] not in LAUNCHABLE:
+    raise ConfigError(f'launch runs `train` or `bench` in every process, not {args[0]!r}; e.g. '
+                      '`ouroboros launch --processes 2 -- train --stages 2`.')
+  given = [a.split('=')[0] for a in args if a.split('=')[0] in _LAUNCHER_FLAGS]
+  if given:
+    raise ConfigError(f'launch sets {", ".join(given)} for each process itself; drop '
+                      f'{"them" if len(given) > 1 else "it"} from the command after --.')
 
 
 def free_port() -> int:
@@ -66,6 +82,15 @@ def _die_with_parent() -> None:
   libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+class LaunchFailed(UserError):
+  """A launched process failed; the message is its `error:` line (or its exit status), the exit
+  code the first failure's."""
+
+  def __init__(self, exit_code: int, message: str):
+    super().__init__(message)
+    self.exit_code = exit_code
+
+
 class _Stop(Exception):
   """A signal asked the launcher to stop (SIGTERM, SIGHUP)."""
 
@@ -81,12 +106,15 @@ def _raise_stop(signum, _frame):
 _CPP_FRAME = re.compile(r'^\s*@\s+0x[0-9a-f]+\s')  # a line of a C++ stack dump (absl)
 
 
-def _forward(stream, prefix: str, out, failed: threading.Event) -> None:
-  """Copies a child's lines with its prefix. Once a process has failed, the others die of it
-  (XLA aborts them when a peer stops): their C++ stack dumps say nothing more and are dropped."""
+def _forward(stream, prefix: str, out, failed: threading.Event, errors: list) -> None:
+  """Copies a child's lines with its prefix, and keeps its `error:` lines (`errors`). Once a
+  process has failed, the others die of it (XLA aborts them when a peer stops): their C++ stack
+  dumps say nothing more and are dropped."""
   for line in iter(stream.readline, ''):
     if failed.is_set() and _CPP_FRAME.match(line):
       continue
+    if line.startswith('error: '):
+      errors.append(line[len('error: '):].strip())
     out.write(f'{prefix} {line}')
     out.flush()
 
@@ -97,11 +125,14 @@ def _exit_status(code: int) -> int:
 
 
 def launch(num_processes: int, args: list[str], *, pin_cpus: bool = False, grace_s: float = 45.0,
-           timeout_s: float | None = None, out=None, program: list[str] | None = None) -> int:
+           timeout_s: float | None = None, out=None, program: list[str] | None = None,
+           reasons: list | None = None) -> int:
   """Runs the N children to completion; returns 0 or the first non-zero exit code.
 
   program: what each child runs before `args` (default `python -m ouroboros_jax`; tests and
   experiments pass their own script).
+  reasons: if given, a failed launch appends one line saying why (the first `error:` line a
+  child printed, or the first failure's exit status).
   """
   out = out or sys.stdout
   if num_processes < 1:
@@ -109,11 +140,15 @@ def launch(num_processes: int, args: list[str], *, pin_cpus: bool = False, grace
   if not args and program is None:
     raise ConfigError('nothing to launch: give the command after --, e.g. '
                       '`ouroboros launch --processes 2 -- train --schedule ouroboros --stages 2`.')
+  if program is None:
+    check_command(args)
+  if timeout_s is not None and not timeout_s > 0:
+    raise ConfigError(f'--timeout must be a positive number of seconds, got {timeout_s}.')
   cores = os.cpu_count() or 1
   if pin_cpus and shutil.which('taskset') is None:
     raise ConfigError('--pin-cpus needs `taskset` (util-linux); install it or drop --pin-cpus.')
   port = free_port()
-  procs, threads = [], []
+  procs, threads, errors = [], [], []
   failed = threading.Event()
   handlers = {}
   if threading.current_thread() is threading.main_thread():
@@ -127,7 +162,8 @@ def launch(num_processes: int, args: list[str], *, pin_cpus: bool = False, grace
                          stderr=subprocess.STDOUT, text=True, start_new_session=True,
                          preexec_fn=_die_with_parent if sys.platform.startswith('linux') else None)
     procs.append(p)
-    th = threading.Thread(target=_forward, args=(p.stdout, f'[p{i}]', out, failed),
+    errors.append([])
+    th = threading.Thread(target=_forward, args=(p.stdout, f'[p{i}]', out, failed, errors[i]),
                           daemon=True)
     th.start()
     threads.append(th)
@@ -174,6 +210,12 @@ def launch(num_processes: int, args: list[str], *, pin_cpus: bool = False, grace
     first_failure = next((_exit_status(c) for c in codes if c), 0)
   if first_failure:
     out.write(f'[launch] exit codes {codes}; returning {first_failure}\n')
+    if reasons is not None:
+      first = next((i for i, c in enumerate(codes) if c), 0)
+      reasons.append(next((f'process {i}: {e[0]}' for i, e in enumerate(errors) if e), None) or
+                     f'process {first} exited with status '
+                     f'{_exit_status(codes[first]) if codes[first] else first_failure}; see its '
+                     'output above.')
   return first_failure
 
 

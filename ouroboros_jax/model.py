@@ -64,6 +64,9 @@ class ModelConfig:
                         f'{self.layer_unroll}; fix --layer-unroll.')
     if not 0.0 <= self.dropout < 1.0:
       raise ConfigError(f'dropout must be in [0, 1), got {self.dropout}; fix --dropout.')
+    if not 0.0 < self.init_std < float('inf'):
+      raise ConfigError(f'init_std must be a positive number, got {self.init_std}; fix '
+                        '--init-std.')
 
   @property
   def head_dim(self) -> int:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import typing
 from typing import Any, Mapping
 
@@ -113,6 +114,16 @@ class TrainConfig:
     from ouroboros_jax import schedules  # late: the schedule list may grow at runtime
 
     self.model.validate()
+    for name, value in flat(self).items():  # nan and inf pass every comparison below
+      if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f'{name} must be a finite number, got {value}; fix {flag(name)}.')
+      if (isinstance(value, int) and not isinstance(value, bool) and name != 'seed'
+          and abs(value) >= 2 ** 31):
+        raise ConfigError(f'{name} {value} is out of range (at most 2**31 - 1); fix '
+                          f'{flag(name)}.')
+    if self.seed >= 2 ** 32:
+      raise ConfigError(f'seed must be below 2**32 (the PRNG keeps 32 bits), got {self.seed}; '
+                        'fix --seed.')
     for name in ('batch_size', 'steps', 'log_every', 'eval_every', 'eval_batches',
                  'checkpoint_every', 'keep_checkpoints', 'stages', 'data_parallel'):
       if getattr(self, name) <= 0:
@@ -133,6 +144,12 @@ class TrainConfig:
     if self.schedule not in schedules.SCHEDULES:
       raise ConfigError(f'unknown schedule {self.schedule!r}; choose --schedule from '
                         f'{", ".join(schedules.SCHEDULES)}.')
+    if self.schedule != 'ouroboros':  # the Ouroboros-only settings must not pass silently
+      defaults = TrainConfig()
+      for name in ('stash', 'forward', 'sync_warmup_steps'):
+        if getattr(self, name) != getattr(defaults, name):
+          raise ConfigError(f'{flag(name)} {getattr(self, name)} applies to --schedule ouroboros '
+                            f'only, not {self.schedule}; drop it or use --schedule ouroboros.')
     if self.schedule in ('backprop', 'data_parallel') and self.stages > 1:
       raise ConfigError(f'--schedule {self.schedule} runs every layer on each device, so '
                         f'--stages {self.stages} does nothing; drop --stages or choose '

@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import sys
 from collections.abc import Iterator
 from typing import BinaryIO
 
@@ -48,12 +49,20 @@ def load(out_dir: str, step: int | None = None) -> tuple[ModelConfig, dict, int]
         'of a training run.')
   manager = checkpoint.make_manager(out_dir, read_only=True)
   try:
-    step = manager.latest_step() if step is None else step
-    if step not in manager.all_steps():
+    if step is not None and step not in manager.all_steps():
       raise checkpoint.CheckpointError(f'no checkpoint for step {step} in {manager.directory} '
                                        f'(it has {list(manager.all_steps())}).')
-    meta = checkpoint.read_meta(manager, step)
-    staged_params = checkpoint.restore_params_single_device(manager, step)
+    # The step asked for, or the newest checkpoint that reads back whole.
+    candidates = [step] if step is not None else sorted(manager.all_steps(), reverse=True)
+    for i, step in enumerate(candidates):
+      try:
+        meta = checkpoint.read_meta(manager, step)
+        staged_params = checkpoint.restore_params_single_device(manager, step)
+        break
+      except checkpoint.CorruptCheckpointError as e:
+        if i == len(candidates) - 1:
+          raise
+        print(f'warning: {e}; using the one before it.', file=sys.stderr)
   finally:
     manager.close()
   cfg = presets.TrainConfig.from_dict(meta['config'])

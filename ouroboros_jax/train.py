@@ -448,7 +448,13 @@ def _loop(cfg, schedule, state, train_it, splits, manager, meta, log, crc, start
   try:
     t_mark, c_mark = time.perf_counter(), time.process_time()
     while step < cfg.steps:
-      rundir.check_stop()  # a SIGTERM / Ctrl-C stops here, between steps (see rundir)
+      try:
+        rundir.check_stop()  # a SIGTERM / Ctrl-C stops here, between steps (see rundir)
+      except rundir.Terminated:
+        manager.wait_until_finished()  # the save in flight lands first
+        if saved_now is not None:
+          _say_saved(bar, quiet, cfg.out_dir, saved_now)
+        raise
       batch = next(train_it)
       crc = batch_crc32(batch, crc)
       state, metrics = schedule.step(
