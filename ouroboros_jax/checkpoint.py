@@ -112,11 +112,12 @@ def latest_step(out_dir: str) -> int | None:
   """The newest complete checkpoint's step in OUT, or None (no manager is left open)."""
   if not os.path.isdir(checkpoint_dir(out_dir)):
     return None
-  manager = make_manager(out_dir, read_only=True)
-  try:
-    return manager.latest_step()
-  finally:
-    manager.close()
+  with _quiet_reads():  # a damaged step directory is reported when it is read, not here
+    manager = make_manager(out_dir, read_only=True)
+    try:
+      return manager.latest_step()
+    finally:
+      manager.close()
 
 
 def _words(x: jax.Array) -> jax.Array:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
 import signal
 import sys
 
@@ -33,6 +34,11 @@ EXIT_USAGE = errors.UserError.exit_code
 
 class _Parser(argparse.ArgumentParser):
   """argparse whose errors are one line, `error: ...`, with a close-match hint."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    # `--learning-rate -1e-3` is a negative number, not a flag (argparse knows only -1 and -.5).
+    self._negative_number_matcher = re.compile(r'^-(\d+\.?\d*|\.\d+)(e[-+]?\d+)?$', re.I)
 
   def error(self, message):
     _fail(f'{message}; see --help.', EXIT_USAGE)

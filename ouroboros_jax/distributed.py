@@ -71,6 +71,8 @@ def initialize(config: ProcessConfig) -> bool:
     if config.num_processes is None or config.process_id is None:
       raise ConfigError(f'--coordinator {config.coordinator} also needs --num-processes and '
                         '--process-id (or their OUROBOROS_* environment variables).')
+    if config.num_processes < 1:
+      raise ConfigError(f'--num-processes must be >= 1, got {config.num_processes}.')
     if not 0 <= config.process_id < config.num_processes:
       raise ConfigError(f'--process-id {config.process_id} is outside 0..'
                         f'{config.num_processes - 1}; give each process its own id.')

@@ -121,6 +121,10 @@ class TrainConfig:
           and abs(value) >= 2 ** 31):
         raise ConfigError(f'{name} {value} is out of range (at most 2**31 - 1); fix '
                           f'{flag(name)}.')
+    for name in ('out', 'compensation', 'data'):
+      value = getattr(self, name)
+      if value is not None and not value.strip():
+        raise ConfigError(f'{flag(name)} is empty; give it a value or leave the flag out.')
     if self.seed >= 2 ** 32:
       raise ConfigError(f'seed must be below 2**32 (the PRNG keeps 32 bits), got {self.seed}; '
                         'fix --seed.')

@@ -169,7 +169,7 @@ def write_sample(out_dir: str, file: BinaryIO, *, prompt: str = '', length: int 
   """
   check_args(length=length, temperature=temperature, seed=seed)
   cfg, params, step = load(out_dir, step)
-  prompt_bytes = prompt.encode('utf-8')
+  prompt_bytes = prompt.encode('utf-8', 'surrogateescape')  # argv keeps raw bytes that way
   file.write(prompt_bytes)
   file.flush()
   for piece in stream_bytes(cfg, params, prompt_bytes, length=length, temperature=temperature,
@@ -184,6 +184,6 @@ def sample(out_dir: str, *, prompt: str = '', length: int = 500, temperature: fl
   """Prompt plus `length` sampled bytes from a run's checkpoint, decoded as UTF-8 (replace)."""
   check_args(length=length, temperature=temperature, seed=seed)
   cfg, params, _ = load(out_dir, step)
-  prompt_bytes = prompt.encode('utf-8')
+  prompt_bytes = prompt.encode('utf-8', 'surrogateescape')  # argv keeps raw bytes that way
   text = generate(cfg, params, prompt_bytes, length=length, temperature=temperature, seed=seed)
   return (prompt_bytes + text).decode('utf-8', errors='replace')

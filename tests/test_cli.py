@@ -161,6 +161,10 @@ def test_train_then_sample(tmp_path, text_corpus):
   again = run_cli('sample', '--ckpt', out, '--prompt', 'ROMEO:', '--length', '64',
                   '--temperature', '0')
   assert again.stdout == result.stdout  # greedy is deterministic
+  # Bytes that are not UTF-8 arrive in argv as surrogates and are passed on as the raw bytes.
+  raw = run_cli('sample', '--ckpt', out, '--prompt', b'\xff\xfe'.decode('utf-8', 'surrogateescape'),
+                '--length', '8', errors='replace')
+  assert raw.returncode == 0 and 'Traceback' not in raw.stderr, raw.stderr
 
 
 # ----------------------------------------------------------------------------- hardening
@@ -239,6 +243,12 @@ def test_silent_settings_are_refused_and_booleans_take_values():
     assert cli.config_from_args(parser.parse_args(['train', *flags])).model.pre_ln is value
   result = run_cli('train', '--pre-ln', 'maybe')
   assert_one_line_error(result, 2, "expected true or false, got 'maybe'")
+  # A negative number in exponent form is a value, not a flag; an empty value is refused.
+  args = parser.parse_args(['train', '--learning-rate', '-1e-3'])
+  assert cli.config_from_args(args).learning_rate == -1e-3
+  assert_one_line_error(run_cli('train', '--learning-rate', '-1e-3'), 2,
+                        'learning_rate must be positive')
+  assert_one_line_error(run_cli('train', '--compensation', ''), 2, '--compensation is empty')
 
 
 def test_sample_refuses_impossible_lengths_and_temperatures(tmp_path):
