@@ -41,8 +41,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ouroboros_jax import model as transformer
 from ouroboros_jax import partition, ring, simulate, staged
-from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.choices import FORWARD_MODES, STASH_MODES
 from ouroboros_jax.compensation import Compensation, make_optimizer
+from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule
 
 
@@ -78,7 +79,7 @@ def default_settings(devices: int) -> list[Setting]:
   out = [Setting('backprop', 1), Setting('data_parallel', g), Setting('model_parallel', g)]
   out += [Setting('gpipe', g, microbatches=m) for m in (2, 4, 8)]
   out += [Setting('ouroboros', g, stash=s, forward=f)
-          for f in ('locked', 'pipelined') for s in ('graph', 'replay')]
+          for f in FORWARD_MODES for s in STASH_MODES]
   return out
 
 

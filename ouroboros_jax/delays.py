@@ -11,9 +11,6 @@ from here. G = num_stages, s = 0..G-1 the layer group, t the step (batch t enter
 
 from __future__ import annotations
 
-FORWARD_MODES = ('locked', 'pipelined')
-
-
 def staleness(num_stages: int) -> list[int]:
   """Steps between the forward and the backward of each layer group in the locked forward: G - s
   (0 when G = 1)."""

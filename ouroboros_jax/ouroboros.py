@@ -76,7 +76,8 @@ from jax.sharding import PartitionSpec as P
 from ouroboros_jax import compensation
 from ouroboros_jax import ring as ring_lib
 from ouroboros_jax import staged
-from ouroboros_jax.delays import FORWARD_MODES, lags, staleness, version_gaps  # noqa: F401
+from ouroboros_jax.choices import FORWARD_MODES, TIED_GRAD_MODES
+from ouroboros_jax.delays import lags, staleness, version_gaps  # noqa: F401
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.ring import STASH_MODES  # noqa: F401  (re-exported: it used to live here)
 from ouroboros_jax.staged import DATA, STAGE, Schedule, StagedModel, TrainState
@@ -101,7 +102,7 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
   with `predict`, runs each module's forward at its predicted weights."""
   num_stages, replicas = config.num_stages, config.data_parallel
   comp = config.compensation
-  if config.tied_grad not in ('sum', 'mean'):
+  if config.tied_grad not in TIED_GRAD_MODES:
     raise ConfigError(f'unknown tied_grad {config.tied_grad!r}; choose sum or mean.')
   if config.forward not in FORWARD_MODES:
     raise ConfigError(f'unknown forward {config.forward!r}; choose locked or pipelined.')

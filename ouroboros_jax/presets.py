@@ -38,11 +38,10 @@ from typing import Any, Mapping
 
 import optax
 
+from ouroboros_jax.choices import FORWARD_MODES, STASH_MODES, TIED_GRAD_MODES
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.model import ModelConfig
 
-STASH_MODES = ('graph', 'replay')
-TIED_GRAD_MODES = ('sum', 'mean')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +163,6 @@ class TrainConfig:
     if self.stash_policy not in STASH_POLICIES:
       raise ConfigError(f'unknown stash policy {self.stash_policy!r}; use --stash-policy '
                         + ' or '.join(STASH_POLICIES) + '.')
-    from ouroboros_jax.delays import FORWARD_MODES
     if self.forward not in FORWARD_MODES:
       raise ConfigError(f'unknown forward {self.forward!r}; use --forward locked or pipelined.')
     if self.microbatches < 1:

@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 
 from ouroboros_jax import staged
+from ouroboros_jax.choices import STASH_MODES
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.staged import DATA, EMBED_PIECE, STAGE, StagedModel
 
-STASH_MODES = ('graph', 'replay')
 
 
 def on_stage(stage_index, which, fn):

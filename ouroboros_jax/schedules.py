@@ -44,11 +44,11 @@ import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from ouroboros_jax import ring, staged
+from ouroboros_jax.choices import SCHEDULES
 from ouroboros_jax.compensation import Compensation
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.staged import DATA, STAGE, Schedule, StagedModel, TrainState
 
-SCHEDULES = ('backprop', 'data_parallel', 'model_parallel', 'gpipe', 'ouroboros')
 
 
 @dataclasses.dataclass(frozen=True)

@@ -70,10 +70,9 @@ import math
 import statistics
 from typing import NamedTuple, Sequence
 
-from ouroboros_jax.delays import FORWARD_MODES, backward_batch, forward_batch, lags
+from ouroboros_jax.choices import FORWARD_MODES, SCHEDULES, STASH_MODES
+from ouroboros_jax.delays import backward_batch, forward_batch, lags
 
-SCHEDULES = ('backprop', 'data_parallel', 'model_parallel', 'gpipe', 'ouroboros')
-STASH_MODES = ('graph', 'replay')
 
 
 # ----------------------------------------------------------------------------- costs

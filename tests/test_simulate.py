@@ -186,7 +186,7 @@ def test_the_simulator_needs_only_the_standard_library():
     others = {m.split('.')[0] for m in imported if not m.startswith('ouroboros_jax')}
     assert others <= set(sys.stdlib_module_names) | {'__future__'}, (name, others)
     todo += sorted(own - seen)
-  assert seen == {'simulate', 'delays'}
+  assert seen == {'simulate', 'delays', 'choices'}
 
 
 # ----------------------------------------------------------------------------- invariants
