@@ -5,13 +5,13 @@
 
 Trains the `tiny` preset made 4 layers deep (d_model 128, 4 heads, d_ff 512, seq 64, batch 32,
 lr 5e-3, layers unrolled) for --steps steps with each method of
-`ouroboros_jax.accelerators.methods` (plain, PLD, MSLT, progressive stacking, V-cycle,
+`ouroboros_jax.training.compare.methods` (plain, PLD, MSLT, progressive stacking, V-cycle,
 standardization loss), one after the other in this process, and writes under --out (default
 experiments/results/accelerators):
 
-    accelerators.csv   method, step, val_bpb, wall_s, cpu_s, flops at every evaluation
-    accelerators.md    the table: wall-clock, CPU time, FLOPs, final val / test bpb, savings
-    accelerators.png   validation bpb against training wall-clock, CPU time and FLOPs spent
+    compare.csv   method, step, val_bpb, wall_s, cpu_s, flops at every evaluation
+    compare.md    the table: wall-clock, CPU time, FLOPs, final val / test bpb, savings
+    compare.png   validation bpb against training wall-clock, CPU time and FLOPs spent
     <method>/          each run's metrics.jsonl, config.json, summary.json
 
 See `ouroboros_jax/accelerators.py` for how time and FLOPs are counted.
@@ -45,26 +45,26 @@ def parse_args(argv=None):
 
 def main(argv=None):
   args = parse_args(argv)
-  from ouroboros_jax import accelerators, presets
+  from ouroboros_jax.training import compare, config
 
   overrides = {'num_layers': args.num_layers, 'steps': args.steps, 'layer_unroll': 0,
                'eval_every': args.eval_every, 'eval_batches': args.eval_batches,
                'log_every': 25}
   for item in args.set:
     key, _, value = item.partition('=')
-    kind = presets.fields()[key][0]
+    kind = config.fields()[key][0]
     overrides[key] = (value.lower() in ('1', 'true')) if kind is bool else kind(value)
-  base = presets.override(presets.get_preset('tiny'), overrides)
+  base = config.override(config.get_preset('tiny'), overrides)
   os.makedirs(args.out, exist_ok=True)
   names = args.methods.split(',') if args.methods else None
   if args.replot:
     with open(os.path.join(args.out, 'results.json')) as f:
-      results = accelerators.add_savings(json.load(f))
+      results = compare.add_savings(json.load(f))
   else:
-    results = accelerators.compare(base, args.out, names,
+    results = compare.compare(base, args.out, names,
                                    log=lambda text: print(text, flush=True))
-  accelerators.write_csv(results, os.path.join(args.out, 'accelerators.csv'))
-  table = accelerators.markdown_table(results)
+  compare.write_csv(results, os.path.join(args.out, 'accelerators.csv'))
+  table = compare.markdown_table(results)
   shape = (f'{base.model.num_layers} layers, d_model {base.model.d_model}, seq '
            f'{base.model.seq_len}, batch {base.batch_size}, {base.steps} steps '
            f'({base.steps * base.tokens_per_step:,} tokens) per method')
@@ -73,7 +73,7 @@ def main(argv=None):
   with open(os.path.join(args.out, 'results.json'), 'w') as f:
     json.dump(results, f, indent=1)
   png = os.path.join(args.out, 'accelerators.png')
-  accelerators.plot(results, png, title=shape)
+  compare.plot(results, png, title=shape)
   if args.copy_png:
     shutil.copy(png, args.copy_png)
   print(shape)

@@ -68,7 +68,8 @@ def parse_args(argv=None):
 def main(argv=None):
   args = parse_args(argv)
   import jax
-  from ouroboros_jax import host, presets, train
+  from ouroboros_jax.runtime import host
+  from ouroboros_jax.training import config, loop
   host.configure_cpu_runtime()  # before any device is touched
   jax.config.update('jax_num_cpu_devices', args.cpu_devices)
 
@@ -76,9 +77,9 @@ def main(argv=None):
   unknown = [n for n in names if n not in RUNS]
   if unknown:
     sys.exit(f'error: unknown run(s) {unknown}; choose from {", ".join(RUNS)}.')
-  base = presets.get_preset(args.preset)
+  base = config.get_preset(args.preset)
   extra = dict(kv.split('=', 1) for kv in args.set)
-  typed = {k: presets.fields()[k][0](v) if k in presets.fields() else v for k, v in extra.items()}
+  typed = {k: config.fields()[k][0](v) if k in config.fields() else v for k, v in extra.items()}
   rows, finals = [], []
   for name in names:
     out = os.path.join(args.out, name)
@@ -94,9 +95,9 @@ def main(argv=None):
       values = dict(out=out, eval_every=args.eval_every, **RUNS[name], **typed)
       if args.steps:
         values['steps'] = args.steps
-      cfg = presets.override(base, values)
+      cfg = config.override(base, values)
       print(f'== {name}', flush=True)
-      summary = train.train(cfg, quiet=True)
+      summary = loop.train(cfg, quiet=True)
     with open(os.path.join(out, 'metrics.jsonl')) as f:
       for line in f:
         row = json.loads(line)

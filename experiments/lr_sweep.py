@@ -141,7 +141,7 @@ def parse_args(argv=None):
 
 
 def train_one(base, overrides, rate, steps, eval_every, eval_batches, out, reuse, seed=0):
-  from ouroboros_jax import presets, train
+  from ouroboros_jax.training import config, loop
   done = os.path.join(out, 'summary.json')
   if not (reuse and os.path.exists(done)):
     if os.path.isdir(out):
@@ -150,7 +150,7 @@ def train_one(base, overrides, rate, steps, eval_every, eval_batches, out, reuse
                   eval_batches=eval_batches, checkpoint_every=10 * steps, num_layers=4,
                   seed=seed)
     values[rate_field(overrides)] = rate
-    train.train(presets.override(base, values), quiet=True)
+    loop.train(config.override(base, values), quiet=True)
   rows = []
   with open(os.path.join(out, 'metrics.jsonl')) as f:
     for line in f:
@@ -326,7 +326,8 @@ def report(args, names, grid_rows, final_rows, best):
 def main(argv=None):
   args = parse_args(argv)
   import jax
-  from ouroboros_jax import host, presets
+  from ouroboros_jax.runtime import host
+  from ouroboros_jax.training import config
   host.configure_cpu_runtime()
   jax.config.update('jax_num_cpu_devices', 4)
   names = [n for n in args.recipes.split(',') if n]
@@ -334,7 +335,7 @@ def main(argv=None):
   if unknown:
     sys.exit(f'error: unknown recipe(s) {unknown}; choose from {", ".join(RECIPES)}.')
   os.makedirs(args.out, exist_ok=True)
-  base = presets.get_preset('tiny')
+  base = config.get_preset('tiny')
   phases = args.phases.split(',')
   grid_path = os.path.join(args.out, 'grid.csv')
   grid_rows = (run_phase('grid', names, args, base) if 'grid' in phases else

@@ -30,7 +30,9 @@ def main(argv=None):
   args = parser.parse_args(argv)
   stages = [int(g) for g in args.stages.split(',')]
   import jax
-  from ouroboros_jax import host, memory, model
+  from ouroboros_jax.runtime import host
+  from ouroboros_jax.perf import memory
+  from ouroboros_jax import model
   host.configure_cpu_runtime()  # before any device is touched
   jax.config.update('jax_num_cpu_devices', max(stages))
 

@@ -1,6 +1,6 @@
 """Predicted step time and speedup of every schedule, from the performance simulator.
 
-Runs `ouroboros_jax.simulate` (a discrete-event model of each schedule's task graph; read its
+Runs `ouroboros_jax.perf.simulate` (a discrete-event model of each schedule's task graph; read its
 docstring for what is and is not modelled) for G in {1, 2, 4, 8, 16, 32, 64} devices, capped at
 the model's layer count, for two model shapes on two interconnects:
 
@@ -61,7 +61,7 @@ import csv
 import math
 import os
 
-from ouroboros_jax import simulate as sim
+from ouroboros_jax.perf import simulate as sim
 
 STAGES = (1, 2, 4, 8, 16, 32, 64)
 # label -> (schedule, simulate() keywords); data_parallel gets D = G at run time.

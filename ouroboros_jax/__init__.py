@@ -14,7 +14,7 @@ Every error a user can fix is a `UserError` (errors.py) with a one-line message.
 
 from ouroboros_jax.errors import ConfigError, UserError
 from ouroboros_jax.staged import Schedule, StagedModel, TrainState, adamw
-from ouroboros_jax.compensation import Compensation, make_optimizer
+from ouroboros_jax.schedules.compensation import Compensation, make_optimizer
 from ouroboros_jax.schedules import SCHEDULES, ScheduleConfig, build_schedule
 
 __all__ = ['SCHEDULES', 'Compensation', 'ConfigError', 'Schedule', 'ScheduleConfig',

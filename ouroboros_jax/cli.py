@@ -27,7 +27,9 @@ import re
 import signal
 import sys
 
-from ouroboros_jax import errors, host, presets, schedules
+from ouroboros_jax import errors, schedules
+from ouroboros_jax.runtime import host
+from ouroboros_jax.training import config
 
 EXIT_USAGE = errors.UserError.exit_code
 
@@ -78,9 +80,9 @@ def _add_field_flags(parser: argparse.ArgumentParser) -> None:
   """One flag per config field, default SUPPRESS so only flags given show up in the namespace."""
   model_group = parser.add_argument_group('model (ModelConfig)')
   train_group = parser.add_argument_group('training (TrainConfig)')
-  tiny = presets.flat(presets.get_preset('tiny'))
+  tiny = config.flat(config.get_preset('tiny'))
   special = {
-      'preset': f'starting point: {", ".join(presets.PRESETS)} (default tiny)',
+      'preset': f'starting point: {", ".join(config.PRESETS)} (default tiny)',
       'out': 'output directory (default runs/<preset>-<schedule>)',
       'data': "'default' (embedded Shakespeare), 'text:PATH[,PATH]' or 'tfds:NAME[:FEATURE]'",
       'download': 'tfds: let TFDS download and prepare a dataset that is not prepared yet '
@@ -123,17 +125,17 @@ def _add_field_flags(parser: argparse.ArgumentParser) -> None:
       'shrink': 'shrink: factor on delayed gradients, in (0, 1] (tiny: 0.5)',
       'pipemare_steps': 'pipemare: steps to reach the full rate (0: a quarter of --steps)',
   }
-  for name, (kind, optional, owner) in presets.fields().items():
-    group = model_group if owner is presets.ModelConfig else train_group
+  for name, (kind, optional, owner) in config.fields().items():
+    group = model_group if owner is config.ModelConfig else train_group
     help_text = special.get(name, f'(tiny: {tiny[name]})')
     if kind is bool:  # --pre-ln, --pre-ln false, --no-pre-ln
-      group.add_argument(presets.flag(name), dest=name, nargs='?', const=True, type=_bool,
+      group.add_argument(config.flag(name), dest=name, nargs='?', const=True, type=_bool,
                          default=argparse.SUPPRESS, metavar='true|false', help=help_text)
-      group.add_argument('--no-' + presets.flag(name)[2:], dest=name, action='store_false',
-                         default=argparse.SUPPRESS, help=f'same as {presets.flag(name)} false')
+      group.add_argument('--no-' + config.flag(name)[2:], dest=name, action='store_false',
+                         default=argparse.SUPPRESS, help=f'same as {config.flag(name)} false')
     else:
       parse = _optional(kind) if optional else kind
-      group.add_argument(presets.flag(name), dest=name, type=parse, default=argparse.SUPPRESS,
+      group.add_argument(config.flag(name), dest=name, type=parse, default=argparse.SUPPRESS,
                          metavar=kind.__name__.upper(), help=help_text)
 
 
@@ -206,45 +208,45 @@ def make_parser() -> argparse.ArgumentParser:
   return parser
 
 
-def config_from_args(args: argparse.Namespace) -> presets.TrainConfig:
+def config_from_args(args: argparse.Namespace) -> config.TrainConfig:
   """The preset named by --preset with every field flag given applied on top."""
-  given = {k: v for k, v in vars(args).items() if k in presets.fields()}
-  cfg = presets.get_preset(given.pop('preset', 'tiny'))
-  return presets.override(cfg, given)
+  given = {k: v for k, v in vars(args).items() if k in config.fields()}
+  cfg = config.get_preset(given.pop('preset', 'tiny'))
+  return config.override(cfg, given)
 
 
-def to_flags(cfg: presets.TrainConfig) -> list[str]:
+def to_flags(cfg: config.TrainConfig) -> list[str]:
   """Command-line flags that give back cfg exactly (every field spelled out)."""
   argv = []
-  for name, value in presets.flat(cfg).items():
+  for name, value in config.flat(cfg).items():
     if isinstance(value, bool):
-      argv.append(presets.flag(name) if value else '--no-' + presets.flag(name)[2:])
+      argv.append(config.flag(name) if value else '--no-' + config.flag(name)[2:])
     else:
-      argv.append(f'{presets.flag(name)}={"none" if value is None else value}')
+      argv.append(f'{config.flag(name)}={"none" if value is None else value}')
   return argv
 
 
 def _join_process_group(args) -> None:
-  from ouroboros_jax import distributed
+  from ouroboros_jax.runtime import distributed
   distributed.initialize(distributed.ProcessConfig(
       coordinator=args.coordinator, num_processes=args.num_processes,
       process_id=args.process_id, init_timeout_s=args.init_timeout))
 
 
 def _run_train(args) -> None:
-  from ouroboros_jax import rundir
+  from ouroboros_jax.training import rundir
 
   cfg = config_from_args(args)
   cfg.validate()  # settings errors come before the slow imports, data loading and compiling
   rundir.check_writable(cfg.out_dir)
   _join_process_group(args)
-  from ouroboros_jax import train
+  from ouroboros_jax.training import loop
 
-  train.train(cfg, resume=args.resume, resume_from=args.resume_from, quiet=args.quiet)
+  loop.train(cfg, resume=args.resume, resume_from=args.resume_from, quiet=args.quiet)
 
 
 def _run_sample(args) -> None:
-  from ouroboros_jax import sample
+  from ouroboros_jax.training import sample
 
   # Streamed: the bytes appear as they are generated, whatever --length is.
   sys.stdout.flush()
@@ -260,17 +262,17 @@ def _run_bench(args) -> None:
   # the paper's AdamW without compensation, as the benchmark has always timed).
   optimizer = 'adamw' if cfg.optimizer == 'auto' else cfg.optimizer
   spec = 'none' if cfg.compensation == 'auto' else cfg.compensation
-  cfg = presets.override(cfg, {'optimizer': optimizer, 'compensation': spec})
-  presets.override(cfg, {'schedule': 'ouroboros', 'stages': max(cfg.stages, 2)}).validate()
-  if cfg.data != presets.TrainConfig().data:
+  cfg = config.override(cfg, {'optimizer': optimizer, 'compensation': spec})
+  config.override(cfg, {'schedule': 'ouroboros', 'stages': max(cfg.stages, 2)}).validate()
+  if cfg.data != config.TrainConfig().data:
     raise errors.ConfigError(f'`bench` times the schedules on synthetic batches and reads no data; '
                              f'drop --data {cfg.data} (`train` reads it).')
-  given = [presets.flag(n) for n in ('pld', 'growth', 'vcycle', 'std_loss') if getattr(cfg, n)]
+  given = [config.flag(n) for n in ('pld', 'growth', 'vcycle', 'std_loss') if getattr(cfg, n)]
   if given:
     raise errors.ConfigError(f'`bench` times the schedules alone; {", ".join(given)} apply to '
                              '`train` (experiments/accelerators.py compares the accelerators).')
   _join_process_group(args)
-  from ouroboros_jax import bench
+  from ouroboros_jax.perf import bench
 
   bench.run(cfg.model, batch_size=cfg.batch_size, stages=max(cfg.stages, 2),
             out_dir=cfg.out or 'runs/bench', steps=args.bench_steps, warmup=args.warmup,
@@ -282,7 +284,7 @@ def _run_bench(args) -> None:
 
 
 def _run_launch(args) -> None:
-  from ouroboros_jax import launch
+  from ouroboros_jax.runtime import launch
 
   rest = args.rest[1:] if args.rest[:1] == ['--'] else args.rest
   reasons = []
@@ -317,7 +319,7 @@ def main(argv=None) -> int:
     import jax
     jax.config.update('jax_num_cpu_devices', args.cpu_devices)
 
-  from ouroboros_jax import rundir
+  from ouroboros_jax.training import rundir
   handlers = {}
   if args.command != 'launch':  # the launcher passes these signals on to its children itself
     stopping = (signal.SIGTERM, signal.SIGHUP) + ((signal.SIGINT,) if args.command == 'train'
@@ -344,7 +346,7 @@ def main(argv=None) -> int:
 
 
 def _terminate(signum, _frame):
-  from ouroboros_jax import rundir
+  from ouroboros_jax.training import rundir
   rundir.request_stop(signum)  # a running loop stops at its next step; otherwise raises now
 
 
@@ -353,7 +355,7 @@ def _stopped_message(args, signum: int) -> str:
   what = 'interrupted' if signum == signal.SIGINT else f'stopped by {signal.Signals(signum).name}'
   if args.command != 'train':
     return f'{what}.'
-  from ouroboros_jax import checkpoint
+  from ouroboros_jax.training import checkpoint
   try:
     out = config_from_args(args).out_dir
     step = checkpoint.latest_step(out)

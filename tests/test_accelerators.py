@@ -1,5 +1,5 @@
 """The accelerator flags (--pld, --growth, --vcycle, --std-loss): parsing, the combinations that
-are refused, one-line CLI errors, and short end-to-end runs through `train.train`."""
+are refused, one-line CLI errors, and short end-to-end runs through `loop.train`."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import os
 import numpy as np
 import pytest
 
-from ouroboros_jax import accelerators, growth, pld, presets, vcycle
+from ouroboros_jax.training import compare, config
+from ouroboros_jax.accelerators import growth, pld, vcycle
 from ouroboros_jax.model import ConfigError
 
 from test_cli import assert_one_line_error, run_cli
@@ -63,14 +64,14 @@ def test_vcycle_flag():
 
 
 def test_combinations_that_are_refused():
-  tiny = presets.override(presets.get_preset('tiny'), {'num_layers': 4, 'steps': 100})
+  tiny = config.override(config.get_preset('tiny'), {'num_layers': 4, 'steps': 100})
   ok = [{'pld': '0.5,0.01', 'schedule': 'ouroboros', 'stages': 2},
         {'pld': 'default', 'schedule': 'gpipe', 'stages': 2},
         {'std_loss': 0.01, 'schedule': 'ouroboros', 'stages': 2, 'std_loss_layers': '1,3'},
         {'growth': 'mslt:2x50,4x*'},
         {'vcycle': 'down=20,coarse=20', 'schedule': 'ouroboros', 'stages': 2}]
   for overrides in ok:
-    presets.override(tiny, overrides).validate()
+    config.override(tiny, overrides).validate()
   refused = [({'growth': 'mslt:2x50,4x*', 'schedule': 'ouroboros', 'stages': 2},
               'backprop only'),
              ({'pld': '0.5,0.01', 'growth': 'mslt:2x50,4x*'}, 'cannot be combined'),
@@ -84,7 +85,7 @@ def test_combinations_that_are_refused():
              ({'growth': 'mslt:2x50,4x*', 'sync_warmup_steps': 5}, 'sync-warmup')]
   for overrides, words in refused:
     with pytest.raises(ConfigError, match=words):
-      presets.override(tiny, overrides).validate()
+      config.override(tiny, overrides).validate()
 
 
 @pytest.mark.parametrize('args, words', [
@@ -108,21 +109,22 @@ SMALL = dict(d_model=16, num_heads=2, num_layers=2, d_ff=32, seq_len=16, batch_s
 
 
 def test_methods_train_and_count_their_flops(tmp_path, text_corpus):
-  """Four steps of plain training, PLD and MSLT through `train.train` (the CLI's path): each
+  """Four steps of plain training, PLD and MSLT through `loop.train` (the CLI's path): each
   logs validation rows with FLOPs and times; the accelerators spend fewer FLOPs than plain
   training, whose count is the analytic 3 (L F + H) per token, and PLD's is that of the layers
   its gates kept. (Stacking runs MSLT's driver, the standardization loss plain training's loop,
   the V-cycle is run below; the drivers' own tests check their FLOP logs.)"""
-  from ouroboros_jax import partition, train
+  from ouroboros_jax import partition
+  from ouroboros_jax.training import loop
 
-  base = presets.override(presets.get_preset('tiny'), {**SMALL, 'data': f'text:{text_corpus}'})
+  base = config.override(config.get_preset('tiny'), {**SMALL, 'data': f'text:{text_corpus}'})
   names = ['plain', 'pld', 'mslt']
-  results = {r['method']: r for r in accelerators.compare(base, str(tmp_path), names,
+  results = {r['method']: r for r in compare.compare(base, str(tmp_path), names,
                                                           log=lambda _: 0)}
   per_token = 3 * (2 * partition.layer_flops(base.model) + partition.head_flops(base.model))
   np.testing.assert_allclose(results['plain']['flops'], 4 * base.tokens_per_step * per_token)
-  pld_cfg = presets.override(base, accelerators.methods(4, 2)['pld'])
-  np.testing.assert_allclose(results['pld']['flops'], train.step_flops(pld_cfg, range(4)).sum())
+  pld_cfg = config.override(base, compare.methods(4, 2)['pld'])
+  np.testing.assert_allclose(results['pld']['flops'], loop.step_flops(pld_cfg, range(4)).sum())
   for name in names[1:]:
     assert results[name]['flops'] < results['plain']['flops'], name
     assert results[name]['flop_saving'] > 0
@@ -130,21 +132,21 @@ def test_methods_train_and_count_their_flops(tmp_path, text_corpus):
     assert np.isfinite(r['val_bpb']) and r['val_bpb'] < 8.5
     assert [row['step'] for row in r['curve']] == [2, 4]
     assert r['curve'][-1]['cpu_s'] > 0 and r['wall_s'] > 0
-  table = accelerators.markdown_table(list(results.values()))
+  table = compare.markdown_table(list(results.values()))
   assert table.count('\n') == 4 and '| mslt |' in table
-  accelerators.plot(list(results.values()), str(tmp_path / 'plot.png'))
+  compare.plot(list(results.values()), str(tmp_path / 'plot.png'))
   assert (tmp_path / 'plot.png').stat().st_size > 10_000
 
 
 def test_vcycle_inside_ouroboros(tmp_path, text_corpus):
-  """A width-only --vcycle under a 2-device Ouroboros ring, through `train.train`: every level
+  """A width-only --vcycle under a 2-device Ouroboros ring, through `loop.train`: every level
   keeps the two layers the ring needs, the dip trains the half-width model."""
-  from ouroboros_jax import train
+  from ouroboros_jax.training import loop
 
-  cfg = presets.override(presets.get_preset('tiny'), {
+  cfg = config.override(config.get_preset('tiny'), {
       **SMALL, 'data': f'text:{text_corpus}', 'schedule': 'ouroboros', 'stages': 2,
       'vcycle': 'down=1,coarse=2,depth=0'})
-  summary = train.train(dataclasses.replace(cfg, out=str(tmp_path / 'v')), quiet=True)
+  summary = loop.train(dataclasses.replace(cfg, out=str(tmp_path / 'v')), quiet=True)
   assert np.isfinite(summary['val_bpb'])
   with open(tmp_path / 'v' / 'metrics.jsonl') as f:
     rows = [json.loads(line) for line in f]

@@ -6,7 +6,7 @@ import csv
 import io
 import re
 
-from ouroboros_jax import launch
+from ouroboros_jax.runtime import launch
 
 TINY = ['--d-model', '32', '--num-heads', '2', '--num-layers', '2', '--d-ff', '64',
         '--seq-len', '16', '--batch-size', '4']

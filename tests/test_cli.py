@@ -15,7 +15,8 @@ import time
 
 import pytest
 
-from ouroboros_jax import cli, presets
+from ouroboros_jax import cli
+from ouroboros_jax.training import config
 from ouroboros_jax.model import ConfigError
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -44,8 +45,8 @@ def assert_one_line_error(result, code: int, *words: str):
 def test_every_config_field_has_a_flag():
   parser = cli.make_parser().commands['train']
   flags = {o for a in parser._actions for o in a.option_strings}
-  for name in presets.fields():
-    assert presets.flag(name) in flags, name
+  for name in config.fields():
+    assert config.flag(name) in flags, name
   assert {'--resume', '--quiet', '--cpu-devices'} <= flags
 
 
@@ -54,7 +55,7 @@ def test_flags_override_the_preset_and_nothing_else():
       ['train', '--preset', 'small', '--d-model', '96', '--num-layers', '3', '--steps', '10',
        '--no-pre-ln', '--layers-per-stage', '1,2', '--stages', '2', '--schedule', 'ouroboros'])
   cfg = cli.config_from_args(args)
-  small = presets.get_preset('small')
+  small = config.get_preset('small')
   assert (cfg.model.d_model, cfg.model.num_layers, cfg.model.pre_ln) == (96, 3, False)
   assert (cfg.steps, cfg.layers_per_stage, cfg.stages) == (10, '1,2', 2)
   assert cfg.model.seq_len == small.model.seq_len and cfg.batch_size == small.batch_size
@@ -63,18 +64,18 @@ def test_flags_override_the_preset_and_nothing_else():
 
 
 def test_presets_are_valid_and_have_the_documented_shapes():
-  for name, cfg in presets.PRESETS.items():
+  for name, cfg in config.PRESETS.items():
     assert cfg.preset == name
     cfg.validate()
-  base = presets.get_preset('enwik8-base').model
+  base = config.get_preset('enwik8-base').model
   assert (base.num_layers, base.d_model, base.num_heads, base.d_ff, base.seq_len,
           base.dropout) == (12, 512, 8, 2048, 512, 0.1)
-  gpt2 = presets.get_preset('gpt2-small').model
+  gpt2 = config.get_preset('gpt2-small').model
   assert (gpt2.num_layers, gpt2.d_model, gpt2.num_heads, gpt2.d_ff, gpt2.seq_len,
           gpt2.vocab_size) == (12, 768, 12, 3072, 1024, 256)
-  assert presets.get_preset('enwik8-base').batch_size == 22
+  assert config.get_preset('enwik8-base').batch_size == 22
   with pytest.raises(ConfigError, match='unknown field --nonsense'):
-    presets.override(presets.get_preset('tiny'), {'nonsense': 1})
+    config.override(config.get_preset('tiny'), {'nonsense': 1})
 
 
 # ----------------------------------------------------------------------------- user errors

@@ -5,11 +5,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
-from ouroboros_jax import compensation, reference, staged
-from ouroboros_jax.compensation import Compensation
+from ouroboros_jax.schedules import compensation, reference
+from ouroboros_jax import staged
+from ouroboros_jax.schedules.compensation import Compensation
 from ouroboros_jax.model import ConfigError
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule
 from test_ouroboros import adam, max_abs_diff, random_batches, run_schedule, tiny_transformer
@@ -174,23 +174,23 @@ def test_checkpoints_carry_the_compensation_state_and_resume_bitwise(tmp_path, p
   """Muon with every compensation on a ring of 2: a run cut after its step-6 checkpoint and
   resumed ends bit for bit where the uninterrupted run ends (last updates, weight history,
   PipeMare's count and the optimizer state are all in the checkpoint)."""
-  from ouroboros_jax import checkpoint, presets, train
+  from ouroboros_jax.training import checkpoint, config, loop
   from test_train import assert_trees_equal, host_tree, tiny_config
 
   recipe = dict(schedule='ouroboros', stages=2, optimizer='muon',
                 compensation='predict,pipemare,dc,shrink', steps=12, checkpoint_every=6,
                 eval_every=6)
   straight = tiny_config(tmp_path / 'a', prepared_data_dir, **recipe)
-  train.train(straight, quiet=True)
-  cut = presets.override(straight, {'out': str(tmp_path / 'b')})
+  loop.train(straight, quiet=True)
+  cut = config.override(straight, {'out': str(tmp_path / 'b')})
 
   def crash(step, state):
     if step == 8:
       raise KeyboardInterrupt
 
   with pytest.raises(KeyboardInterrupt):
-    train.train(cut, quiet=True, on_step=crash)
-  train.train(cut, resume=True, quiet=True)
+    loop.train(cut, quiet=True, on_step=crash)
+  loop.train(cut, resume=True, quiet=True)
 
   def final(out):
     manager = checkpoint.make_manager(out, read_only=True)
@@ -204,19 +204,19 @@ def test_checkpoints_carry_the_compensation_state_and_resume_bitwise(tmp_path, p
   # The compensation state is really in the checkpoint (a plain run has no last_update).
   assert 'last_update' in str(jax.tree_util.tree_structure(a['opt_state']))
   with pytest.raises(checkpoint.CheckpointError, match='--compensation'):
-    train.train(presets.override(cut, {'compensation': 'predict', 'steps': 14}), resume=True,
+    loop.train(config.override(cut, {'compensation': 'predict', 'steps': 14}), resume=True,
                 quiet=True)
 
 
 def test_auto_gives_ouroboros_the_recipe_and_everything_else_the_paper():
-  from ouroboros_jax import presets
-  tiny = presets.get_preset('tiny')
-  ring = presets.override(tiny, {'schedule': 'ouroboros', 'stages': 2})
-  assert ring.resolved_optimizer() == presets.RECIPE_OPTIMIZER == 'muon'
-  assert ring.resolved_compensation() == compensation.parse(presets.RECIPE_COMPENSATION,
+  from ouroboros_jax.training import config
+  tiny = config.get_preset('tiny')
+  ring = config.override(tiny, {'schedule': 'ouroboros', 'stages': 2})
+  assert ring.resolved_optimizer() == config.RECIPE_OPTIMIZER == 'muon'
+  assert ring.resolved_compensation() == compensation.parse(config.RECIPE_COMPENSATION,
                                                             steps=ring.steps)
-  assert presets.override(ring, {'stash': 'replay'}).resolved_compensation().dc_lambda == 0
-  for paper in (tiny, presets.override(ring, {'compensation': 'none'}),
-                presets.override(ring, {'stages': 1})):
+  assert config.override(ring, {'stash': 'replay'}).resolved_compensation().dc_lambda == 0
+  for paper in (tiny, config.override(ring, {'compensation': 'none'}),
+                config.override(ring, {'stages': 1})):
     assert paper.resolved_optimizer() == 'adamw'
     assert paper.resolved_compensation() == Compensation()

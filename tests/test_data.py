@@ -1,4 +1,4 @@
-"""Tests for ouroboros_jax.data: corpora, splits, windows and iterators."""
+"""Tests for ouroboros_jax.training.data: corpora, splits, windows and iterators."""
 
 import contextlib
 import errno
@@ -8,7 +8,6 @@ import os
 import pathlib
 import signal
 import socket
-import sys
 import time
 
 import numpy as np
@@ -16,7 +15,7 @@ import pytest
 import tensorflow_datasets as tfds
 from etils import epath
 
-from ouroboros_jax import data
+from ouroboros_jax.training import data
 
 SEQ_LEN = 16
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import os
-import pathlib
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from ouroboros_jax import distributed, launch
+from ouroboros_jax.runtime import distributed, launch
 from ouroboros_jax.model import ConfigError
 
 # The same 5 Ouroboros steps, run either as 2 processes (1 CPU device each) or as 1 process with
@@ -22,7 +21,7 @@ from ouroboros_jax.model import ConfigError
 SCRIPT = textwrap.dedent('''
     import sys
     import jax
-    from ouroboros_jax import distributed
+    from ouroboros_jax.runtime import distributed
     if not distributed.initialize(distributed.ProcessConfig()):
       jax.config.update('jax_num_cpu_devices', 2)
     import numpy as np
@@ -74,7 +73,7 @@ def test_a_killed_process_makes_launch_fail_fast(tmp_path):
   script = tmp_path / 'die.py'
   script.write_text(textwrap.dedent('''
       import os, sys
-      from ouroboros_jax import distributed
+      from ouroboros_jax.runtime import distributed
       distributed.initialize(distributed.ProcessConfig(heartbeat_timeout_s=10))
       import jax, jax.numpy as jnp
       from jax.experimental import multihost_utils
@@ -108,7 +107,7 @@ def test_an_unreachable_coordinator_is_one_line():
 # A launcher whose two children print their PID and sleep: killing the launcher must kill them.
 LAUNCHER = textwrap.dedent('''
     import sys
-    from ouroboros_jax import launch
+    from ouroboros_jax.runtime import launch
     child = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(300)"
     sys.exit(launch.launch(2, [], grace_s=5, program=[sys.executable, '-c', child]))
 ''')

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from ouroboros_jax import growth
+from ouroboros_jax.accelerators import growth
 from ouroboros_jax import model as transformer
 from ouroboros_jax.model import ConfigError
 

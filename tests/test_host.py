@@ -13,7 +13,7 @@ import types
 
 import pytest
 
-from ouroboros_jax import host
+from ouroboros_jax.runtime import host
 
 REGION = host.CPU_XLA_FLAGS[0].split('=')[0]
 
@@ -21,7 +21,7 @@ REGION = host.CPU_XLA_FLAGS[0].split('=')[0]
 # large with its own mmap unless keep_freed_memory() ran (mallinfo2's hblks counts those).
 _CONFIGURE = '''
 import ctypes, os
-from ouroboros_jax import host
+from ouroboros_jax.runtime import host
 fields = ('arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost').split()
 class MallInfo2(ctypes.Structure):
   _fields_ = [(name, ctypes.c_size_t) for name in fields]

@@ -8,10 +8,12 @@ import numpy as np
 import optax
 import pytest
 
-from ouroboros_jax import checkpoint, partition, reference, staged
+from ouroboros_jax.training import checkpoint
+from ouroboros_jax import partition, staged
+from ouroboros_jax.schedules import reference
 from ouroboros_jax import model as transformer
 from ouroboros_jax.model import ConfigError
-from ouroboros_jax.ouroboros import staleness
+from ouroboros_jax.schedules.ouroboros import staleness
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule
 from ouroboros_jax.staged import StagedModel
 

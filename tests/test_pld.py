@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ouroboros_jax import partition, pld, staged
+from ouroboros_jax import partition, staged
+from ouroboros_jax.accelerators import pld
 from ouroboros_jax import model as transformer
 from ouroboros_jax.model import ConfigError
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule
@@ -250,7 +251,7 @@ def test_ouroboros_with_pld_matches_the_slow_reference(params, stash='replay'):
   `pld_stages` model with Python deques; and layers were really dropped on the way. Replay mode:
   the delayed backward re-runs each stage, so it must draw the gates of the batch's own step
   (graph mode keeps the forward's VJP and cannot get them wrong)."""
-  from ouroboros_jax import reference
+  from ouroboros_jax.schedules import reference
 
   theta_bar, gamma = 0.5, 0.5
   model = pld.pld_stages(CFG, LAYERS_PER_STAGE, theta_bar, gamma)

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from ouroboros_jax import model as transformer
-from ouroboros_jax import sample
+from ouroboros_jax.training import sample
 from ouroboros_jax.model import ConfigError, ModelConfig
 
 # A large init_std gives peaked logits: greedy text varies (no fixed point) and has no near-ties.

@@ -30,7 +30,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ouroboros_jax import model as transformer
-from ouroboros_jax import ouroboros, partition, schedules, staged
+from ouroboros_jax.schedules import ouroboros
+from ouroboros_jax import partition, schedules, staged
 from ouroboros_jax.model import ConfigError
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule
 

@@ -30,7 +30,7 @@ def _load(name: str, path: pathlib.Path):
   return sys.modules[name]
 
 
-sim = _load('ouroboros_jax.simulate', ROOT / 'ouroboros_jax' / 'simulate.py')
+sim = _load('ouroboros_jax.perf.simulate', ROOT / 'ouroboros_jax' / 'simulate.py')
 
 TOL = 1e-9
 

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ouroboros_jax import partition, stdloss
+from ouroboros_jax import partition
+from ouroboros_jax.accelerators import stdloss
 from ouroboros_jax import model as transformer
 from ouroboros_jax.model import ConfigError
 

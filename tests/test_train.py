@@ -14,7 +14,8 @@ import jax
 import numpy as np
 import pytest
 
-from ouroboros_jax import checkpoint, cli, data, presets, sample, train
+from ouroboros_jax.training import checkpoint, data, config, sample, loop
+from ouroboros_jax import cli
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -23,10 +24,10 @@ TINY = dict(d_model=32, num_heads=2, num_layers=2, d_ff=128, seq_len=64, batch_s
 METRIC_KEYS = {'step', 'split', 'loss', 'bpb', 'tokens_per_s', 'wall_s'}
 
 
-def tiny_config(out, prepared_data_dir, **overrides) -> presets.TrainConfig:
+def tiny_config(out, prepared_data_dir, **overrides) -> config.TrainConfig:
   values = dict(TINY, data_dir=prepared_data_dir, out=os.fspath(out))
   values.update(overrides)
-  return presets.override(presets.get_preset('tiny'), values)
+  return config.override(config.get_preset('tiny'), values)
 
 
 def read_rows(out) -> list[dict]:
@@ -36,7 +37,7 @@ def read_rows(out) -> list[dict]:
 
 def host_tree(tree):
   """A TrainState or restored dict as a dict of numpy arrays (dataclass -> dict like Orbax)."""
-  if isinstance(tree, train.staged.TrainState):
+  if isinstance(tree, loop.staged.TrainState):
     tree = {'step': tree.step, 'params': tree.params, 'opt_state': tree.opt_state,
             'ring': tree.ring}
   return jax.tree.map(np.asarray, jax.device_get(tree))
@@ -62,7 +63,7 @@ def short_run(tmp_path_factory, prepared_data_dir):
     if step == cfg.steps:
       final['state'] = host_tree(state)
 
-  summary = train.train(cfg, quiet=True, on_step=keep_last)
+  summary = loop.train(cfg, quiet=True, on_step=keep_last)
   return cfg, summary, final['state']
 
 
@@ -97,7 +98,7 @@ def test_metrics_rows_and_files(short_run):
   assert events and os.path.getsize(os.path.join(cfg.out_dir, 'tb', events[0])) > 0
   with open(os.path.join(cfg.out_dir, 'config.json')) as f:
     # The resolved config: the balanced layer split is written out.
-    assert presets.TrainConfig.from_dict(json.load(f)) == presets.override(
+    assert config.TrainConfig.from_dict(json.load(f)) == config.override(
         cfg, {'layers_per_stage': '2'})
   with open(os.path.join(cfg.out_dir, 'summary.json')) as f:
     assert json.load(f)['val_bpb'] == summary['val_bpb']
@@ -106,15 +107,15 @@ def test_metrics_rows_and_files(short_run):
 def test_checkpoint_round_trip(short_run):
   cfg, summary, final_state = short_run
   assert checkpoint.latest_step(cfg.out_dir) == 100
-  schedule, params, layers_per_stage = train.build(cfg)
-  fresh = train.staged.onto_mesh(schedule.init(params, train.example_batch(cfg)), schedule.mesh)
+  schedule, params, layers_per_stage = loop.build(cfg)
+  fresh = loop.staged.onto_mesh(schedule.init(params, loop.example_batch(cfg)), schedule.mesh)
   manager = checkpoint.make_manager(cfg.out_dir, read_only=True)
   try:
     assert manager.all_steps() == [50, 100]
     state, data_state, meta = checkpoint.restore(manager, checkpoint.abstract_like(fresh))
   finally:
     manager.close()
-  assert isinstance(state, train.staged.TrainState)
+  assert isinstance(state, loop.staged.TrainState)
   assert int(state.step) == 100
   assert_trees_equal(host_tree(state), final_state)
   # The restored leaves sit where a fresh state of the schedule would.
@@ -126,12 +127,12 @@ def test_checkpoint_round_trip(short_run):
                                 batch_size=cfg.batch_size, seed=cfg.seed)
   crc = 0
   for _ in range(100):
-    crc = train.batch_crc32(next(it), crc)
+    crc = loop.batch_crc32(next(it), crc)
   assert data_state == {'iterator': it.get_state(), 'crc32': crc}
   assert crc == summary['data_crc32']
   assert meta['layers_per_stage'] == list(layers_per_stage)
   assert meta['schedule'] == 'backprop' and meta['stages'] == 1
-  assert presets.TrainConfig.from_dict(meta['config']) == presets.override(
+  assert config.TrainConfig.from_dict(meta['config']) == config.override(
       cfg, {'layers_per_stage': '2'})
 
 
@@ -146,8 +147,8 @@ def test_interrupted_save_is_never_the_latest(short_run, tmp_path):
   shutil.copytree(ckpts / '100', partial)
   shutil.rmtree(partial / 'state')
   assert checkpoint.latest_step(out) == 100
-  resumed = presets.override(cfg, {'out': os.fspath(out), 'steps': 104})
-  summary = train.train(resumed, resume=True, quiet=True)
+  resumed = config.override(cfg, {'out': os.fspath(out), 'steps': 104})
+  summary = loop.train(resumed, resume=True, quiet=True)
   assert summary['step'] == 104
   assert checkpoint.latest_step(out) == 104
   assert not partial.exists()  # the writer cleaned it up
@@ -162,17 +163,17 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path, prepared_
   steps = 20
   straight = tiny_config(tmp_path / 'a', prepared_data_dir, steps=steps, checkpoint_every=10,
                          eval_every=10, dropout=0.1)
-  summary_a = train.train(straight, quiet=True)
+  summary_a = loop.train(straight, quiet=True)
 
   # Run B stops (like a crash) two steps after its step-10 checkpoint...
-  cfg_b = presets.override(straight, {'out': os.fspath(tmp_path / 'b')})
+  cfg_b = config.override(straight, {'out': os.fspath(tmp_path / 'b')})
 
   def crash(step, state):
     if step == 12:
       raise KeyboardInterrupt
 
   with pytest.raises(KeyboardInterrupt):
-    train.train(cfg_b, quiet=True, on_step=crash)
+    loop.train(cfg_b, quiet=True, on_step=crash)
   assert checkpoint.latest_step(cfg_b.out_dir) == 10
   # ... and a new process resumes it from the command line.
   assert cli.config_from_args(cli.make_parser().parse_args(['train', *cli.to_flags(cfg_b)])) \
@@ -208,19 +209,19 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path, prepared_
 
 def test_resume_with_different_flags_names_them(short_run, tmp_path):
   cfg, _, _ = short_run
-  other = presets.override(cfg, {'d_model': 64, 'steps': 120})
+  other = config.override(cfg, {'d_model': 64, 'steps': 120})
   with pytest.raises(checkpoint.CheckpointError, match='--d-model 32.*--d-model 64'):
-    train.train(other, resume=True, quiet=True)
+    loop.train(other, resume=True, quiet=True)
   # What a graph stash keeps fixes the shape of the saved ring buffers.
-  other = presets.override(cfg, {'stash_policy': 'dots'})
+  other = config.override(cfg, {'stash_policy': 'dots'})
   with pytest.raises(checkpoint.CheckpointError, match='--stash-policy all.*--stash-policy dots'):
-    train.train(other, resume=True, quiet=True)
+    loop.train(other, resume=True, quiet=True)
 
 
 def test_fresh_run_refuses_an_out_dir_with_checkpoints(short_run):
   cfg, _, _ = short_run
   with pytest.raises(checkpoint.CheckpointError, match='--resume'):
-    train.train(cfg, quiet=True)
+    loop.train(cfg, quiet=True)
 
 
 def test_sample_generates_the_requested_bytes(short_run):
@@ -265,9 +266,9 @@ def test_ouroboros_state_round_trips_sharded(tmp_path, prepared_data_dir):
   cfg = tiny_config(tmp_path / 'ring', prepared_data_dir, steps=6, schedule='ouroboros',
                     stages=2, checkpoint_every=3, eval_every=3, log_every=3)
   final = {}
-  train.train(cfg, quiet=True, on_step=lambda s, st: final.update(state=host_tree(st)))
-  schedule, params, _ = train.build(cfg)
-  fresh = train.staged.onto_mesh(schedule.init(params, train.example_batch(cfg)), schedule.mesh)
+  loop.train(cfg, quiet=True, on_step=lambda s, st: final.update(state=host_tree(st)))
+  schedule, params, _ = loop.build(cfg)
+  fresh = loop.staged.onto_mesh(schedule.init(params, loop.example_batch(cfg)), schedule.mesh)
   manager = checkpoint.make_manager(cfg.out_dir, read_only=True)
   try:
     state, _, _ = checkpoint.restore(manager, checkpoint.abstract_like(fresh))
@@ -277,7 +278,7 @@ def test_ouroboros_state_round_trips_sharded(tmp_path, prepared_data_dir):
   assert_trees_equal(host_tree(state), final['state'])
   for restored, new in zip(jax.tree.leaves(state), jax.tree.leaves(fresh)):
     assert restored.sharding == new.sharding
-  summary = train.train(presets.override(cfg, {'steps': 8}), resume=True, quiet=True)
+  summary = loop.train(config.override(cfg, {'steps': 8}), resume=True, quiet=True)
   assert summary['step'] == 8 and math.isfinite(summary['val_bpb'])
 
 
@@ -290,7 +291,7 @@ def three_checkpoints(tmp_path_factory, prepared_data_dir):
   out = tmp_path_factory.mktemp('three_checkpoints')
   cfg = tiny_config(out, prepared_data_dir, steps=30, checkpoint_every=10, eval_every=30,
                     log_every=5)
-  train.train(cfg, quiet=True)
+  loop.train(cfg, quiet=True)
   manager = checkpoint.make_manager(out, read_only=True)
   try:
     assert sorted(manager.all_steps()) == [10, 20, 30]
@@ -331,13 +332,13 @@ def test_a_damaged_checkpoint_falls_back_and_resumes_exactly(three_checkpoints, 
   os.remove(out / 'summary.json')
   with open(out / 'metrics.jsonl', 'a') as f:
     f.write('{"step": 31, "split": "tra')  # a crash in the middle of a metrics row
-  resumed = presets.override(cfg, {'out': os.fspath(out)})
+  resumed = config.override(cfg, {'out': os.fspath(out)})
   if how == 'resume_from':
-    train.train(resumed, resume_from=10, quiet=True)
+    loop.train(resumed, resume_from=10, quiet=True)
     moved = [20, 30]
   else:
     _damage(out / 'checkpoints' / '30', how)
-    train.train(resumed, resume=True, quiet=True)
+    loop.train(resumed, resume=True, quiet=True)
     moved = [30]
     said = capsys.readouterr().out
     assert 'warning: checkpoint step 30 in ' in said
@@ -365,7 +366,7 @@ def test_no_readable_checkpoint_is_one_clear_error(three_checkpoints, tmp_path):
     _damage(out / 'checkpoints' / str(step), 'empty_meta')
   with pytest.raises(checkpoint.CorruptCheckpointError,
                      match=r'no readable checkpoint .* steps \[10, 20, 30\]'):
-    train.train(presets.override(cfg, {'out': os.fspath(out)}), resume=True, quiet=True)
+    loop.train(config.override(cfg, {'out': os.fspath(out)}), resume=True, quiet=True)
   assert sorted(os.listdir(out / 'checkpoints')) == ['10', '20', '30']  # nothing moved
   with pytest.raises(checkpoint.CheckpointError, match='--resume-from 25: no checkpoint'):
-    train.train(presets.override(cfg, {'out': os.fspath(out)}), resume_from=25, quiet=True)
+    loop.train(config.override(cfg, {'out': os.fspath(out)}), resume_from=25, quiet=True)

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from ouroboros_jax import vcycle
+from ouroboros_jax.accelerators import vcycle
 from ouroboros_jax import model as transformer
 from ouroboros_jax.model import ConfigError
 
@@ -72,7 +72,7 @@ def test_maps_are_the_papers_matrices():
   params = random_params(BIG)
   small = vcycle.coalesce_width(BIG, params, tied_compensation=False)
   T_D, S_D = vcycle.copy_matrix(16), vcycle.average_matrix(16)
-  T_F, S_F = vcycle.copy_matrix(32), vcycle.average_matrix(32)
+  _T_F, S_F = vcycle.copy_matrix(32), vcycle.average_matrix(32)
   W = np.asarray(params['layers']['mlp_in']['kernel'][1]).T      # [F, D] = [out, in]
   np.testing.assert_allclose(np.asarray(small['layers']['mlp_in']['kernel'][1]).T,
                              S_F @ W @ T_D, atol=1e-6)           # F_in^T = (T^T)^T = T

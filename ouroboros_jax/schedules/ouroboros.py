@@ -73,13 +73,13 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from ouroboros_jax import compensation
-from ouroboros_jax import ring as ring_lib
+from ouroboros_jax.schedules import compensation
+from ouroboros_jax.schedules import ring as ring_lib
 from ouroboros_jax import staged
 from ouroboros_jax.choices import FORWARD_MODES, TIED_GRAD_MODES
-from ouroboros_jax.delays import lags, staleness, version_gaps  # noqa: F401
+from ouroboros_jax.schedules.delays import lags, staleness, version_gaps  # noqa: F401
 from ouroboros_jax.errors import ConfigError
-from ouroboros_jax.ring import STASH_MODES  # noqa: F401  (re-exported: it used to live here)
+from ouroboros_jax.schedules.ring import STASH_MODES  # noqa: F401  (re-exported: it used to live here)
 from ouroboros_jax.staged import DATA, STAGE, Schedule, StagedModel, TrainState
 
 

@@ -51,11 +51,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ouroboros_jax import checkpoint, data, growth, partition, pld, presets, rundir, schedules
-from ouroboros_jax import staged, stdloss, vcycle
+from ouroboros_jax.training import checkpoint, data, config, rundir
+from ouroboros_jax.accelerators import growth, pld
+from ouroboros_jax import partition, schedules
+from ouroboros_jax import staged
+from ouroboros_jax.accelerators import stdloss, vcycle
 from ouroboros_jax import model as transformer
 from ouroboros_jax.errors import NonFiniteLossError
-from ouroboros_jax.presets import TrainConfig
+from ouroboros_jax.training.config import TrainConfig
 
 LN2 = math.log(2.0)
 # Fields that fix the shape of the TrainState or the data stream: resuming needs them unchanged.
@@ -85,7 +88,7 @@ def build(cfg: TrainConfig):
                                                  layers_per_stage))
   params = init(jax.random.key(cfg.seed))
   model = staged_model(cfg, layers_per_stage)
-  schedule = schedules.build_schedule(schedule_config(cfg), model, presets.make_optimizer(cfg))
+  schedule = schedules.build_schedule(schedule_config(cfg), model, config.make_optimizer(cfg))
   return schedule, params, layers_per_stage
 
 
@@ -197,8 +200,8 @@ def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str)
   Returns the other settings that differ from the checkpoint's ('--steps 100 -> 200', ...): they
   are allowed (a longer run, another rate) but worth saying.
   """
-  saved_cfg = presets.TrainConfig.from_dict(saved['config'])
-  want, have = presets.flat(saved_cfg), presets.flat(cfg)
+  saved_cfg = config.TrainConfig.from_dict(saved['config'])
+  want, have = config.flat(saved_cfg), config.flat(cfg)
   names = [f.name for f in dataclasses.fields(transformer.ModelConfig)] + list(RESUME_FIELDS)
   wrong = [n for n in names if want[n] != have[n]]
   if tuple(saved['layers_per_stage']) != tuple(layers_per_stage) and not wrong:
@@ -207,14 +210,14 @@ def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str)
     have['layers_per_stage'] = ','.join(map(str, layers_per_stage))
 
   def flags(values):
-    return ' '.join(f'{presets.flag(n)} {values[n]}' for n in wrong)
+    return ' '.join(f'{config.flag(n)} {values[n]}' for n in wrong)
 
   if wrong:
     raise checkpoint.CheckpointError(
         f'the checkpoint in {where} was made with {flags(want)} but the flags give {flags(have)}; '
         'resume with the checkpoint\'s flags or choose another --out.')
   ignored = set(names) | {'out', 'layers_per_stage'}
-  return [f'{presets.flag(n)} {want[n]} -> {have[n]}' for n in have
+  return [f'{config.flag(n)} {want[n]} -> {have[n]}' for n in have
           if n not in ignored and n in want and want[n] != have[n]]
 
 
@@ -632,7 +635,7 @@ def train_phased(cfg: TrainConfig, splits, train_it, *, quiet: bool = False,
       starts = np.cumsum([0, *(steps for _, steps, _ in plan.stages())])
 
       def tx_factory(stage):  # the run's warmup-cosine, continued across the stages
-        base, offset = presets.lr_schedule(cfg), int(starts[stage])
+        base, offset = config.lr_schedule(cfg), int(starts[stage])
         return staged.adamw(lambda count: base(count + offset), weight_decay=cfg.weight_decay)
 
       params, _ = growth.train_growth(
@@ -647,7 +650,7 @@ def train_phased(cfg: TrainConfig, splits, train_it, *, quiet: bool = False,
       level_steps = vcycle.level_steps(plan)
 
       def tx_factory(level):  # warmup-cosine over the steps this level trains, lr x scale^level
-        return staged.adamw(presets.lr_schedule(cfg, level_steps[level],
+        return staged.adamw(config.lr_schedule(cfg, level_steps[level],
                                                 cfg.learning_rate * lr_scale ** level),
                             weight_decay=cfg.weight_decay)
 

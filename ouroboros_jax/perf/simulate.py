@@ -71,7 +71,7 @@ import statistics
 from typing import NamedTuple, Sequence
 
 from ouroboros_jax.choices import FORWARD_MODES, SCHEDULES, STASH_MODES
-from ouroboros_jax.delays import backward_batch, forward_batch, lags
+from ouroboros_jax.schedules.delays import backward_batch, forward_batch, lags
 
 
 

@@ -1,13 +1,13 @@
 """Plain training against each training accelerator, on the same data and token budget.
 
-    from ouroboros_jax import accelerators, presets
-    base = presets.override(presets.get_preset('tiny'), {'num_layers': 4, 'steps': 300})
-    results = accelerators.compare(base, out_dir='runs/accelerators')
-    print(accelerators.markdown_table(results))
-    accelerators.plot(results, 'accelerators.png')
+    from ouroboros_jax.training import compare, config
+    base = config.override(config.get_preset('tiny'), {'num_layers': 4, 'steps': 300})
+    results = compare.compare(base, out_dir='runs/accelerators')
+    print(compare.markdown_table(results))
+    compare.plot(results, 'accelerators.png')
 
 Every method is one `TrainConfig` (the same model, batches, optimizer and number of steps, hence
-the same tokens), trained by `train.train` exactly as `ouroboros train` with the method's flag
+the same tokens), trained by `loop.train` exactly as `ouroboros train` with the method's flag
 would. `methods(steps, num_layers)` gives the default plans, scaled to the run's length:
 
   plain      backprop, every layer every step
@@ -18,7 +18,7 @@ would. `methods(steps, num_layers)` gives the default plans, scaled to the run's
   vcycle     --vcycle down=T/4,coarse=T/4 (half width and half depth for a quarter of the run)
   stdloss    --std-loss 1e-4 on every layer (a regulariser: no saving expected)
 
-What is measured per run (`train.py`, `metrics.jsonl`):
+What is measured per run (`loop.py`, `metrics.jsonl`):
   wall_s     wall-clock of the training steps, compilation included, evaluation excluded
   compile_s  the part of it spent in the first step of each phase (compiling a new depth or
              width, growing, coalescing)
@@ -40,7 +40,7 @@ import dataclasses
 import json
 import os
 
-from ouroboros_jax import presets
+from ouroboros_jax.training import config
 
 FIELDS = ('method', 'flag', 'wall_s', 'compile_s', 'cpu_s', 'flops', 'val_bpb', 'test_bpb',
           'wall_saving', 'cpu_saving', 'flop_saving', 'plain_bpb_same_flops', 'plain_bpb_same_cpu')
@@ -67,7 +67,7 @@ def methods(steps: int, num_layers: int) -> dict[str, dict]:
 
 
 def flag_text(overrides: dict) -> str:
-  return ' '.join(f'{presets.flag(k)} {v}' for k, v in overrides.items()) or '(none)'
+  return ' '.join(f'{config.flag(k)} {v}' for k, v in overrides.items()) or '(none)'
 
 
 def curves(out_dir: str) -> list[dict]:
@@ -77,14 +77,14 @@ def curves(out_dir: str) -> list[dict]:
   return [r for r in rows if r['split'] == 'validation']
 
 
-def compare(base: presets.TrainConfig, out_dir: str, names=None, *, quiet: bool = True,
+def compare(base: config.TrainConfig, out_dir: str, names=None, *, quiet: bool = True,
             log=print) -> list[dict]:
   """Trains `base` with every method in `names` (default all) into out_dir/<method>.
 
   Returns one dict per method: FIELDS plus 'curve' (its validation rows). Savings are
   1 - method / plain (positive: the method spent less), when plain is among the runs.
   """
-  from ouroboros_jax import train
+  from ouroboros_jax.training import loop
 
   table = methods(base.steps, base.model.num_layers)
   names = list(table) if names is None else list(names)
@@ -97,11 +97,11 @@ def compare(base: presets.TrainConfig, out_dir: str, names=None, *, quiet: bool 
     if os.path.isdir(run_dir):  # a fresh run every time
       import shutil
       shutil.rmtree(run_dir)
-    cfg = presets.override(base, table[name])
+    cfg = config.override(base, table[name])
     cfg = dataclasses.replace(cfg, out=run_dir, checkpoint_every=10 ** 9, keep_checkpoints=1)
     cfg.validate()
     log(f'[{name}] {flag_text(table[name])}')
-    summary = train.train(cfg, quiet=quiet)
+    summary = loop.train(cfg, quiet=quiet)
     compile_cpu = summary.get('compile_cpu_s') or 0.0
     results.append({
         'method': name, 'flag': flag_text(table[name]),

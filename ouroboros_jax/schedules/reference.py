@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from ouroboros_jax import staged
-from ouroboros_jax.delays import backward_batch
+from ouroboros_jax.schedules.delays import backward_batch
 from ouroboros_jax.staged import EMBED_PIECE
 
 

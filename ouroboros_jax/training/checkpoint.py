@@ -242,7 +242,7 @@ def set_aside(out_dir: str, steps) -> str | None:
       shutil.move(os.path.join(checkpoint_dir(out_dir), str(step)), target)
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
-    multihost_utils.sync_global_devices('ouroboros_jax.checkpoint.set_aside')
+    multihost_utils.sync_global_devices('ouroboros_jax.training.checkpoint.set_aside')
   return where
 
 

@@ -40,9 +40,11 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ouroboros_jax import model as transformer
-from ouroboros_jax import partition, ring, simulate, staged
+from ouroboros_jax import partition, staged
+from ouroboros_jax.schedules import ring
+from ouroboros_jax.perf import simulate
 from ouroboros_jax.choices import FORWARD_MODES, STASH_MODES
-from ouroboros_jax.compensation import Compensation, make_optimizer
+from ouroboros_jax.schedules.compensation import Compensation, make_optimizer
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule
 

@@ -159,7 +159,7 @@ class TrainConfig:
                         '--schedule model_parallel, gpipe or ouroboros.')
     if self.stash not in STASH_MODES:
       raise ConfigError(f'unknown stash mode {self.stash!r}; use --stash graph or --stash replay.')
-    from ouroboros_jax.ring import STASH_POLICIES
+    from ouroboros_jax.schedules.ring import STASH_POLICIES
     if self.stash_policy not in STASH_POLICIES:
       raise ConfigError(f'unknown stash policy {self.stash_policy!r}; use --stash-policy '
                         + ' or '.join(STASH_POLICIES) + '.')
@@ -179,7 +179,7 @@ class TrainConfig:
   def check_accelerators(self) -> None:
     """The accelerator flags parse, fit the model, and combine with the schedule (one-line
     ConfigErrors naming the flag). Which combinations work is the README's table."""
-    from ouroboros_jax import growth, pld, vcycle
+    from ouroboros_jax.accelerators import growth, pld, vcycle
 
     on = [name for name, value in (('--pld', self.pld), ('--growth', self.growth),
                                    ('--vcycle', self.vcycle), ('--std-loss', self.std_loss))
@@ -216,7 +216,7 @@ class TrainConfig:
 
   def check_compensation(self) -> None:
     """--optimizer and --compensation name known pieces that fit the schedule (one line)."""
-    from ouroboros_jax import compensation
+    from ouroboros_jax.schedules import compensation
     if self.optimizer not in ('auto', *compensation.OPTIMIZERS):
       raise ConfigError(f'unknown optimizer {self.optimizer!r}; use --optimizer auto, '
                         f'{", ".join(compensation.OPTIMIZERS)}.')
@@ -247,7 +247,7 @@ class TrainConfig:
 
   def resolved_compensation(self):
     """--compensation and its strengths as a compensation.Compensation."""
-    from ouroboros_jax import compensation
+    from ouroboros_jax.schedules import compensation
     spec = self.compensation
     if spec == 'auto':
       spec = ('none' if not self.uses_recipe else
@@ -311,7 +311,7 @@ RECIPE_COMPENSATION_REPLAY = 'predict'
 def make_optimizer(cfg: TrainConfig):
   """--optimizer (AdamW by default) with linear warmup and cosine decay; Muon's kernels follow
   the same schedule to their own peak (clipping is done by the schedule)."""
-  from ouroboros_jax import compensation
+  from ouroboros_jax.schedules import compensation
   return compensation.make_optimizer(
       cfg.resolved_optimizer(), lr_schedule(cfg), weight_decay=cfg.weight_decay,
       muon_learning_rate=lr_schedule(cfg, peak=cfg.muon_learning_rate), b1=cfg.momentum)

@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ouroboros_jax import checkpoint, partition, presets
+from ouroboros_jax.training import checkpoint, config
+from ouroboros_jax import partition
 from ouroboros_jax import model as transformer
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.model import ModelConfig
@@ -65,7 +66,7 @@ def load(out_dir: str, step: int | None = None) -> tuple[ModelConfig, dict, int]
         print(f'warning: {e}; using the one before it.', file=sys.stderr)
   finally:
     manager.close()
-  cfg = presets.TrainConfig.from_dict(meta['config'])
+  cfg = config.TrainConfig.from_dict(meta['config'])
   return cfg.model, partition.from_staged(staged_params, meta['layers_per_stage']), step
 
 

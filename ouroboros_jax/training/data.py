@@ -66,14 +66,14 @@ import grain
 import numpy as np
 import tensorflow_datasets as tfds
 
-from ouroboros_jax.errors import DataError  # re-exported: ouroboros_jax.data.DataError
+from ouroboros_jax.errors import DataError  # re-exported: ouroboros_jax.training.data.DataError
 
 log = logging.getLogger(__name__)
 
 VOCAB_SIZE = 256
 SPLITS = ('train', 'validation', 'test')
 DEFAULT_CORPUS_PATH = (
-    pathlib.Path(__file__).resolve().parent / 'corpus' / 'shakespeare.txt.gz'
+    pathlib.Path(__file__).resolve().parents[1] / 'corpus' / 'shakespeare.txt.gz'
 )
 DEFAULT_DATA_DIR_ENV = 'OUROBOROS_DATA_DIR'
 # Bytes per TFDS record of the default corpus; small enough to keep records

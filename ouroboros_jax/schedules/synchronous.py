@@ -1,85 +1,28 @@
-"""Every training schedule behind one builder: `build_schedule(config, model, tx)`.
+"""The synchronous schedules: exact gradients, each computed in one `jax.shard_map`.
 
-    config = ScheduleConfig(name='gpipe', num_stages=4, microbatches=8, data_parallel=2)
-    schedule = build_schedule(config, model, tx)
-    state = schedule.init(params, example_batch)
-    state, metrics = schedule.step(state, batch)        # pure, jitted, same for every schedule
+  backprop        one device, exact gradients (the reference everything is compared with).
+  data_parallel   D replicas of the whole model on the `data` axis, gradients averaged (`pmean`).
+  model_parallel  the ring placement with locked forward and backward: exact, idle (G-1)/G.
+  gpipe           M micro-batches pipelined through the same placement: idle (G-1)/(M+G-1).
 
-Schedules (G = num_stages, D = data_parallel, M = microbatches; idle = the fraction of
-device-time doing no work, with a backward costing twice a forward):
-  backprop        one device, exact gradients (the reference everything is compared with). Idle 0.
-  data_parallel   D replicas of the whole model on the `data` axis, each on B/D examples;
-                  gradients and loss averaged with `pmean`. Idle 0.
-  model_parallel  the Ouroboros ring placement (embed, group 0 and head on device 0, group s on
-                  device s), locked forward and locked backward: exact gradients, but in every
-                  round all devices but one wait. Idle (G-1)/G.
-  gpipe           M micro-batches pipelined through the same placement; exact gradient of the
-                  mean micro-batch loss. Idle (G-1)/(M+G-1), the bubble.
-  ouroboros       delayed-gradient model parallelism on the ring (see `ouroboros.py`).
-                  Idle (G-1)/(G+2).
-
-The stage schedules (model_parallel, gpipe, ouroboros) combine with data parallelism on the 2-D
-mesh (stage x data): every data replica runs its own ring on its share of the batch and the
-gradients are averaged over `data`. backprop and data_parallel run every stage group in order on
-one device (any `num_stages` of the parameters works; the mesh has one stage row).
-
-All of them take the same `StagedModel`, the same Optax transformation (applied per module group
-after one global-norm clip, see `staged.apply_gradients`) and the same batches, so their
-parameters can be compared number for number. Every synchronous schedule computes its gradient
-in one `jax.shard_map` (the communication is written out) and hands it to `synchronous_update`.
-
-Dropout: batch t's key is `staged.batch_key(seed, t)`; data replicas fold in their replica index
-and gpipe folds in the micro-batch index (M > 1), so with dropout those differ from backprop by
-their masks only. (Ouroboros keeps one key for all its replicas.)
+Each computes its gradient inside one `jax.shard_map` (the communication is written out) and
+hands it to `synchronous_update`. See `ouroboros_jax.schedules` for the table of all schedules.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from ouroboros_jax import ring, staged
-from ouroboros_jax.choices import SCHEDULES
-from ouroboros_jax.compensation import Compensation
+from ouroboros_jax.schedules import ring
+from ouroboros_jax import staged
+from ouroboros_jax.schedules.config import ScheduleConfig
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.staged import DATA, STAGE, Schedule, StagedModel, TrainState
 
-
-
-@dataclasses.dataclass(frozen=True)
-class ScheduleConfig:
-  """How a schedule places and runs the model; fields a schedule does not use are ignored."""
-
-  name: str = 'backprop'
-  num_stages: int = 1
-  data_parallel: int = 1
-  clip_norm: float | None = 1.0
-  seed: int = 0                  # dropout keys are derived from (seed, batch index)
-  microbatches: int = 4          # gpipe: micro-batches per (data replica's) batch
-  stash: str = 'graph'           # ouroboros: 'graph' (DDG) or 'replay' (Features Replay)
-  stash_policy: str = 'all'      # ouroboros graph stash: which residuals (ring.STASH_POLICIES)
-  forward: str = 'locked'        # ouroboros: 'locked' (the paper) or 'pipelined'
-  sync_warmup_steps: int = 0     # ouroboros: plain backprop over the ring first
-  tied_grad: str = 'sum'         # ouroboros: 'sum' or 'mean' of the tied embedding's two grads
-  compensation: Compensation = Compensation()  # ouroboros: staleness compensation (none: paper)
-
-
-def build_schedule(config: ScheduleConfig, model: StagedModel,
-                   tx: optax.GradientTransformation, *, devices=None) -> Schedule:
-  """The builder every caller uses; dispatches on `config.name`."""
-  builders = {'backprop': build_backprop, 'data_parallel': build_data_parallel,
-              'model_parallel': build_model_parallel, 'gpipe': build_gpipe}
-  if config.name in builders:
-    return builders[config.name](config, model, tx, devices=devices)
-  if config.name == 'ouroboros':
-    from ouroboros_jax import ouroboros
-    return ouroboros.build(config, model, tx, devices=devices)
-  raise ConfigError(f'unknown schedule {config.name!r}; choose one of {", ".join(SCHEDULES)}.')
 
 
 def synchronous_update(config: ScheduleConfig, tx, state: TrainState, grads, loss):

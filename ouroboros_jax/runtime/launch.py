@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 
-from ouroboros_jax import distributed, host
+from ouroboros_jax.runtime import distributed, host
 from ouroboros_jax.errors import ConfigError, UserError
 
 SINGLE_THREADED_XLA = '--xla_cpu_multi_thread_eigen=false --xla_force_host_platform_device_count=1'

@@ -1,0 +1,1 @@
+"""Speed and memory: measured (`bench`, `memory`) and predicted (`simulate`)."""
