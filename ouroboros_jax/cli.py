@@ -80,6 +80,7 @@ def _add_field_flags(parser: argparse.ArgumentParser) -> None:
   """One flag per config field, default SUPPRESS so only flags given show up in the namespace."""
   model_group = parser.add_argument_group('model (ModelConfig)')
   train_group = parser.add_argument_group('training (TrainConfig)')
+  schedule_group = parser.add_argument_group('schedule (ScheduleConfig)')
   tiny = config.flat(config.get_preset('tiny'))
   special = {
       'preset': f'starting point: {", ".join(config.PRESETS)} (default tiny)',
@@ -125,8 +126,9 @@ def _add_field_flags(parser: argparse.ArgumentParser) -> None:
       'shrink': 'shrink: factor on delayed gradients, in (0, 1] (tiny: 0.5)',
       'pipemare_steps': 'pipemare: steps to reach the full rate (0: a quarter of --steps)',
   }
-  for name, (kind, optional, owner) in config.fields().items():
-    group = model_group if owner is config.ModelConfig else train_group
+  for name, (kind, optional, owner, _) in config.fields().items():
+    group = {config.ModelConfig: model_group, config.ScheduleConfig: schedule_group}.get(
+        owner, train_group)
     help_text = special.get(name, f'(tiny: {tiny[name]})')
     if kind is bool:  # --pre-ln, --pre-ln false, --no-pre-ln
       group.add_argument(config.flag(name), dest=name, nargs='?', const=True, type=_bool,
@@ -263,7 +265,8 @@ def _run_bench(args) -> None:
   optimizer = 'adamw' if cfg.optimizer == 'auto' else cfg.optimizer
   spec = 'none' if cfg.compensation == 'auto' else cfg.compensation
   cfg = config.override(cfg, {'optimizer': optimizer, 'compensation': spec})
-  config.override(cfg, {'schedule': 'ouroboros', 'stages': max(cfg.stages, 2)}).validate()
+  stages = max(cfg.schedule.num_stages, 2)
+  config.override(cfg, {'schedule': 'ouroboros', 'stages': stages}).validate()
   if cfg.data != config.TrainConfig().data:
     raise errors.ConfigError(f'`bench` times the schedules on synthetic batches and reads no data; '
                              f'drop --data {cfg.data} (`train` reads it).')
@@ -274,10 +277,10 @@ def _run_bench(args) -> None:
   _join_process_group(args)
   from ouroboros_jax.perf import bench
 
-  bench.run(cfg.model, batch_size=cfg.batch_size, stages=max(cfg.stages, 2),
+  bench.run(cfg.model, batch_size=cfg.batch_size, stages=stages,
             out_dir=cfg.out or 'runs/bench', steps=args.bench_steps, warmup=args.warmup,
-            settings=bench.select_settings(max(cfg.stages, 2), args.only),
-            stash_policy=cfg.stash_policy, optimizer=optimizer,
+            settings=bench.select_settings(stages, args.only),
+            stash_policy=cfg.schedule.stash_policy, optimizer=optimizer,
             compensation=cfg.resolved_compensation(),
             layers_per_stage=cfg.layers_per_stage and [int(c) for c in
                                                         cfg.layers_per_stage.split(',')])

@@ -4,7 +4,7 @@ The model is defined with NNX modules (`Embedder`, `Block`, `Head`) but every tr
 only plain pytrees of arrays: `init_params` returns a dict
 
     {'embed':  {...},            # token embedding V (tied with the output projection), positions
-     'layers': {...},            # every Block's parameters stacked on a leading layer axis [L, ...]
+     'layers': {...},            # every Block's parameters stacked on a leading layer axis [N, ...]
      'head':   {...}}            # final LayerNorm (pre-LN only), untied output projection if any
 
 and the model is called as three pure pieces, the ones a pipeline or an Ouroboros ring needs:
@@ -16,6 +16,15 @@ and the model is called as three pure pieces, the ones a pipeline or an Ouroboro
 `layers` scans over the leading axis, so a contiguous slice `params['layers'][a:b]` is exactly a
 pipeline stage of layers a..b-1. Attention uses `jax.nn.dot_product_attention` so that GPUs get a
 fused (cuDNN flash) kernel.
+
+Shape suffixes, used across the package (`x_BxLxD` is a [batch, length, width] array):
+
+    B batch            L sequence length        D model width         F feed-forward width
+    H attention heads  K width of one head      V vocabulary          C channels (any last axis)
+    N layers (of a stack, or of one stage)      G stages (devices of the ring)
+    M micro-batches    R data replicas    S slots of a ring buffer (the stash depth)
+    T tokens sampled in one chunk               P prompt bytes        Z bytes of a corpus split
+    L1 = L + 1 (a window with its next-token target); 1 a singleton axis
 """
 
 from __future__ import annotations

@@ -15,46 +15,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ouroboros_jax import costs
 from ouroboros_jax import model as transformer
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.model import ModelConfig
 from ouroboros_jax.staged import StagedModel
 
 
-def layer_flops(cfg: ModelConfig) -> float:
-  """Forward FLOPs of one Transformer layer per token (matmuls and attention scores)."""
-  d, f, l = cfg.d_model, cfg.d_ff, cfg.seq_len
-  return 2 * (3 * d * d + d * d + 2 * d * f) + 2 * 2 * l * d / 2  # causal: half the scores
-
-
-def head_flops(cfg: ModelConfig) -> float:
-  """Forward FLOPs per token of embedding lookup, output projection and softmax loss."""
-  return 2 * cfg.d_model * cfg.vocab_size + 5 * cfg.vocab_size + 2 * cfg.d_model
-
-
 def balance_layers(cfg: ModelConfig, num_stages: int) -> tuple[int, ...]:
-  """Layers per stage, contiguous, minimising the most loaded device (device 0 pays the head)."""
-  check_stages(cfg.num_layers, num_stages)
-  per_layer, extra = layer_flops(cfg), head_flops(cfg)
-  best = None
-  for first in range(1, cfg.num_layers - num_stages + 2):
-    rest, others = cfg.num_layers - first, num_stages - 1
-    counts = [first] + ([rest // others + (i < rest % others) for i in range(others)]
-                        if others else [])
-    if others == 0 and rest:
-      continue
-    cost = max([first * per_layer + extra] + [c * per_layer for c in counts[1:]])
-    if best is None or cost < best[0]:
-      best = (cost, tuple(counts))
-  return best[1]
-
-
-def check_stages(num_layers: int, num_stages: int) -> None:
-  if num_stages < 1:
-    raise ConfigError(f'--stages must be >= 1, got {num_stages}.')
-  if num_stages > num_layers:
-    raise ConfigError(f'{num_stages} stages need at least {num_stages} layers but the model has '
-                      f'{num_layers}; use --stages <= {num_layers} or more --num-layers.')
+  """Layers per stage, contiguous, minimising the most loaded device (`costs.balance_layers`)."""
+  return costs.balance_layers(cfg.num_layers, num_stages, *costs.model_flops(cfg))
 
 
 def parse_layers_per_stage(text: str | Sequence[int], num_layers: int,

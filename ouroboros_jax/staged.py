@@ -254,19 +254,6 @@ def check_batch(batch: dict, divisor: int, what: str) -> None:
                       f'choose --batch-size as a multiple of {divisor}.')
 
 
-# ----------------------------------------------------------------------------- ring helpers
-
-
-def ring_forward(x, num_stages: int):
-  """Send x from every stage s to s + 1 (G-1 wraps to 0): activations travel forward."""
-  return jax.lax.ppermute(x, STAGE, [(s, (s + 1) % num_stages) for s in range(num_stages)])
-
-
-def ring_backward(x, num_stages: int):
-  """Send x from every stage s to s - 1 (0 wraps to G-1): error gradients travel back."""
-  return jax.lax.ppermute(x, STAGE, [(s, (s - 1) % num_stages) for s in range(num_stages)])
-
-
 EMBED_PIECE = -1
 
 

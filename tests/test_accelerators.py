@@ -10,6 +10,7 @@ import os
 import numpy as np
 import pytest
 
+from ouroboros_jax import costs
 from ouroboros_jax.training import compare, config
 from ouroboros_jax.accelerators import growth, pld, vcycle
 from ouroboros_jax.model import ConfigError
@@ -114,14 +115,13 @@ def test_methods_train_and_count_their_flops(tmp_path, text_corpus):
   training, whose count is the analytic 3 (L F + H) per token, and PLD's is that of the layers
   its gates kept. (Stacking runs MSLT's driver, the standardization loss plain training's loop,
   the V-cycle is run below; the drivers' own tests check their FLOP logs.)"""
-  from ouroboros_jax import partition
   from ouroboros_jax.training import loop
 
   base = config.override(config.get_preset('tiny'), {**SMALL, 'data': f'text:{text_corpus}'})
   names = ['plain', 'pld', 'mslt']
   results = {r['method']: r for r in compare.compare(base, str(tmp_path), names,
                                                           log=lambda _: 0)}
-  per_token = 3 * (2 * partition.layer_flops(base.model) + partition.head_flops(base.model))
+  per_token = 3 * (2 * costs.model_flops(base.model)[0] + costs.model_flops(base.model)[1])
   np.testing.assert_allclose(results['plain']['flops'], 4 * base.tokens_per_step * per_token)
   pld_cfg = config.override(base, compare.methods(4, 2)['pld'])
   np.testing.assert_allclose(results['pld']['flops'], loop.step_flops(pld_cfg, range(4)).sum())

@@ -57,7 +57,7 @@ def test_flags_override_the_preset_and_nothing_else():
   cfg = cli.config_from_args(args)
   small = config.get_preset('small')
   assert (cfg.model.d_model, cfg.model.num_layers, cfg.model.pre_ln) == (96, 3, False)
-  assert (cfg.steps, cfg.layers_per_stage, cfg.stages) == (10, '1,2', 2)
+  assert (cfg.steps, cfg.layers_per_stage, cfg.schedule.num_stages) == (10, '1,2', 2)
   assert cfg.model.seq_len == small.model.seq_len and cfg.batch_size == small.batch_size
   assert cfg.out_dir == 'runs/small-ouroboros'
   cfg.validate()

@@ -211,9 +211,9 @@ def test_split_ranges_are_disjoint_and_cover_the_corpus():
 def test_splits_are_disjoint_byte_ranges_and_windows_stay_inside(small_corpus):
   spec, raw = small_corpus
   splits = data.load_splits(spec)
-  corpus_U8 = np.frombuffer(raw, np.uint8)
+  corpus_Z = np.frombuffer(raw, np.uint8)
   for name, (start, stop) in data.split_ranges(len(raw)).items():
-    np.testing.assert_array_equal(splits[name], corpus_U8[start:stop])
+    np.testing.assert_array_equal(splits[name], corpus_Z[start:stop])
   assert np.concatenate([splits[k] for k in data.SPLITS]).tobytes() == raw
   for a in data.SPLITS:
     for b in data.SPLITS:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
+from ouroboros_jax import costs
 from ouroboros_jax.accelerators import growth
 from ouroboros_jax import model as transformer
 from ouroboros_jax.model import ConfigError
@@ -63,13 +66,13 @@ def test_frozen_layers_have_no_backward(params):
   than a trained one (F + 2F): no backward is computed for it."""
   batch = batch_of()
   one_layer = {**params, 'layers': jax.tree.map(lambda a: a[:1], params['layers'])}
-  forward = growth.matmul_flops(lambda p: transformer.layers(
+  forward = costs.matmul_flops(lambda p: transformer.layers(
       CFG, p['layers'], transformer.embed(CFG, p['embed'], batch['inputs'])), one_layer)
-  step = lambda num_frozen: growth.matmul_flops(
+  step = lambda num_frozen: costs.matmul_flops(
       lambda p: growth.mslt_grads(CFG, p, batch, None, num_frozen, train_embedding=True)[:2],
       params)
   full = step(0)
-  assert full == 3 * growth.matmul_flops(lambda p: transformer.loss_fn(CFG, p, batch)[0], params)
+  assert full == 3 * costs.matmul_flops(lambda p: transformer.loss_fn(CFG, p, batch)[0], params)
   for num_frozen in (1, 3):
     assert step(num_frozen) == full - 2 * num_frozen * forward
 
@@ -92,9 +95,10 @@ def test_train_growth_runs_a_plan(params):
   assert [r['frozen'] for r in log] == [0, 0, 1, 1]
   assert [r['step'] for r in log] == list(range(4))
   tokens = 2 * SEQ
-  per_step = [growth.step_flops(cfg, tokens, d, f) for d, f in [(1, 0)] * 2 + [(2, 1)] * 2]
+  per_step = [costs.step_flops(dataclasses.replace(cfg, num_layers=d), tokens, frozen_layers=f)
+              for d, f in [(1, 0)] * 2 + [(2, 1)] * 2]
   np.testing.assert_allclose([r['flops'] for r in log], np.cumsum(per_step))
-  assert per_step[2] < growth.step_flops(cfg, tokens, 2, 0)
+  assert per_step[2] < costs.step_flops(dataclasses.replace(cfg, num_layers=2), tokens)
   assert all(np.isfinite(r['loss']) for r in log)
   assert jax.tree.leaves(grown['layers'])[0].shape[0] == 2
   assert not np.array_equal(layer(ends[0], 0)['qkv']['kernel'], layer(start, 0)['qkv']['kernel'])

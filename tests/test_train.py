@@ -14,8 +14,8 @@ import jax
 import numpy as np
 import pytest
 
-from ouroboros_jax.training import checkpoint, data, config, sample, loop
-from ouroboros_jax import cli
+from ouroboros_jax import cli, staged
+from ouroboros_jax.training import checkpoint, config, data, loop, metrics, sample
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -37,7 +37,7 @@ def read_rows(out) -> list[dict]:
 
 def host_tree(tree):
   """A TrainState or restored dict as a dict of numpy arrays (dataclass -> dict like Orbax)."""
-  if isinstance(tree, loop.staged.TrainState):
+  if isinstance(tree, staged.TrainState):
     tree = {'step': tree.step, 'params': tree.params, 'opt_state': tree.opt_state,
             'ring': tree.ring}
   return jax.tree.map(np.asarray, jax.device_get(tree))
@@ -108,14 +108,14 @@ def test_checkpoint_round_trip(short_run):
   cfg, summary, final_state = short_run
   assert checkpoint.latest_step(cfg.out_dir) == 100
   schedule, params, layers_per_stage = loop.build(cfg)
-  fresh = loop.staged.onto_mesh(schedule.init(params, loop.example_batch(cfg)), schedule.mesh)
+  fresh = staged.onto_mesh(schedule.init(params, loop.example_batch(cfg)), schedule.mesh)
   manager = checkpoint.make_manager(cfg.out_dir, read_only=True)
   try:
     assert manager.all_steps() == [50, 100]
     state, data_state, meta = checkpoint.restore(manager, checkpoint.abstract_like(fresh))
   finally:
     manager.close()
-  assert isinstance(state, loop.staged.TrainState)
+  assert isinstance(state, staged.TrainState)
   assert int(state.step) == 100
   assert_trees_equal(host_tree(state), final_state)
   # The restored leaves sit where a fresh state of the schedule would.
@@ -127,7 +127,7 @@ def test_checkpoint_round_trip(short_run):
                                 batch_size=cfg.batch_size, seed=cfg.seed)
   crc = 0
   for _ in range(100):
-    crc = loop.batch_crc32(next(it), crc)
+    crc = metrics.batch_crc32(next(it), crc)
   assert data_state == {'iterator': it.get_state(), 'crc32': crc}
   assert crc == summary['data_crc32']
   assert meta['layers_per_stage'] == list(layers_per_stage)
@@ -268,7 +268,7 @@ def test_ouroboros_state_round_trips_sharded(tmp_path, prepared_data_dir):
   final = {}
   loop.train(cfg, quiet=True, on_step=lambda s, st: final.update(state=host_tree(st)))
   schedule, params, _ = loop.build(cfg)
-  fresh = loop.staged.onto_mesh(schedule.init(params, loop.example_batch(cfg)), schedule.mesh)
+  fresh = staged.onto_mesh(schedule.init(params, loop.example_batch(cfg)), schedule.mesh)
   manager = checkpoint.make_manager(cfg.out_dir, read_only=True)
   try:
     state, _, _ = checkpoint.restore(manager, checkpoint.abstract_like(fresh))

@@ -29,14 +29,14 @@ leave open is an option here, with these defaults:
 How a layer is frozen (`mslt_grads`, `make_step`): the embedding and the bottom layers run
 *outside* the function that `jax.value_and_grad` differentiates, and their output enters it
 through `lax.stop_gradient`. So autodiff never sees them and the step has no backward for them:
-`tests/test_growth.py` counts the step's matmul FLOPs from its jaxpr (`matmul_flops`; XLA's
+`tests/test_growth.py` counts the step's matmul FLOPs from its jaxpr (`costs.matmul_flops`; XLA's
 `cost_analysis()` counts a scan's body once whatever its length, so it cannot show this) and
 finds each frozen layer costing exactly its forward. Frozen parameters are not inputs of the
 optimizer update either, so they do not change (not even by weight decay). They run in training
 mode (dropout on, if the model has dropout).
 
 FLOPs in the log are the usual estimate per token: a frozen layer costs its forward F, a trained
-layer F + 2F (forward and backward), the head 3 H (`partition.layer_flops`, `head_flops`).
+layer F + 2F (forward and backward), the head 3 H (`costs`).
 
 From the command line: `ouroboros train --growth mslt:1x300,2x300,4x*,all:300` or
 `--growth stacking:2x300,4x*` (`parse_plan` has the syntax; `train.train_phased` runs it, on
@@ -50,16 +50,15 @@ import functools
 from typing import Callable, Iterable, Iterator
 
 import jax
-import jax.extend.core as jex_core
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ouroboros_jax import costs
 from ouroboros_jax import model as transformer
 from ouroboros_jax import staged
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.model import ModelConfig
-from ouroboros_jax.partition import head_flops, layer_flops
 
 METHODS = ('mslt', 'stacking')
 INITS = ('copy_top', 'random')
@@ -252,42 +251,6 @@ def make_step(cfg: ModelConfig, tx: optax.GradientTransformation, num_frozen: in
   return step
 
 
-def step_flops(cfg: ModelConfig, tokens: int, depth: int, num_frozen: int) -> float:
-  """Estimated FLOPs of one step on `tokens` tokens: frozen layers F, trained 3F, head 3H."""
-  per_token = (num_frozen * layer_flops(cfg) + 3 * (depth - num_frozen) * layer_flops(cfg)
-               + 3 * head_flops(cfg))
-  return float(per_token * tokens)
-
-
-def matmul_flops(fn: Callable, *args) -> int:
-  """Matmul FLOPs (2 * multiply-adds of every `dot_general`) of fn(*args), read off its jaxpr.
-
-  Unlike XLA's `cost_analysis()`, which counts the body of a `while` loop (every `lax.scan`,
-  hence `model.layers`) once whatever its trip count, this multiplies a scan body by its length.
-  A `cond` counts its most expensive branch. Used to prove what a step differentiates.
-  """
-  return _jaxpr_flops(jax.make_jaxpr(fn)(*args).jaxpr)
-
-
-def _jaxpr_flops(jaxpr) -> int:
-  total = 0
-  for eqn in jaxpr.eqns:
-    name = eqn.primitive.name
-    if name == 'dot_general':
-      (contract, _), _ = eqn.params['dimension_numbers']
-      lhs = eqn.invars[0].aval.shape
-      depth = int(np.prod([lhs[i] for i in contract])) if contract else 1
-      total += 2 * int(np.prod(eqn.outvars[0].aval.shape)) * depth
-    elif name == 'scan':
-      total += eqn.params['length'] * _jaxpr_flops(eqn.params['jaxpr'].jaxpr)
-    elif name == 'cond':
-      total += max(_jaxpr_flops(branch.jaxpr) for branch in eqn.params['branches'])
-    else:
-      for sub in jex_core.jaxprs_in_params(eqn.params):
-        total += _jaxpr_flops(sub)
-  return total
-
-
 # ----------------------------------------------------------------------------- the driver
 
 
@@ -303,7 +266,7 @@ def train_growth(plan: GrowthPlan, cfg: ModelConfig, batches: Iterable[dict],
     fewer layers. params: optional starting parameters of depth plan.depths[0] (else
     `init_params` with `key`, default key(seed)). tx_factory(stage_index) -> the stage's
     optimizer. log: one dict per step {'stage', 'step' (global, from 0), 'depth', 'frozen',
-    'loss' (of that step's batch), 'flops' (cumulative estimate, `step_flops`)}.
+    'loss' (of that step's batch), 'flops' (cumulative estimate, `costs.step_flops`)}.
   on_stage_end: optional callback(stage_index, params) after every stage (evaluation,
     checkpoints, tests).
   on_step: optional callback(log row, params) after every step (the loss is then still on the
@@ -332,7 +295,8 @@ def train_growth(plan: GrowthPlan, cfg: ModelConfig, batches: Iterable[dict],
       batch = next(batches)
       params, opt_state, loss = step(params, opt_state, batch, t)
       tokens = batch['inputs'].shape[0] * batch['inputs'].shape[1]
-      flops += step_flops(cfg, tokens, depth, num_frozen)
+      flops += costs.step_flops(dataclasses.replace(cfg, num_layers=depth), tokens,
+                                frozen_layers=num_frozen)
       row = {'stage': stage_index, 'step': t, 'depth': depth, 'frozen': num_frozen,
              'loss': loss, 'flops': flops}
       if on_step is not None:

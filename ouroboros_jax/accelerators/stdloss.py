@@ -118,9 +118,9 @@ def _layer_weights(num_layers: int, weight: float, layer) -> np.ndarray:
   if not chosen or any(not 0 <= int(l) < num_layers for l in chosen):
     raise ConfigError(f'standardization-loss layer {layer} is outside the model\'s '
                       f'{num_layers} layers; choose 0 .. {num_layers - 1}.')
-  weight_L = np.zeros(num_layers, np.float32)
-  weight_L[np.asarray(chosen, int)] = weight
-  return weight_L
+  weight_N = np.zeros(num_layers, np.float32)
+  weight_N[np.asarray(chosen, int)] = weight
+  return weight_N
 
 
 def loss_with_stdloss(cfg: ModelConfig, params, batch: dict, weight: float, layer, rng=None, *,
@@ -158,11 +158,11 @@ def stdloss_stages(cfg: ModelConfig, layers_per_stage: Sequence[int], weight: fl
   """
   if site not in SITES:
     raise ConfigError(f'unknown standardization-loss site {site!r}; choose {", ".join(SITES)}.')
-  weight_L = _layer_weights(cfg.num_layers, weight, layer)
+  weight_N = _layer_weights(cfg.num_layers, weight, layer)
   mask_GxN = stage_mask(layers_per_stage)
   starts = np.cumsum([0, *layers_per_stage])[:-1]
   index_GxN = np.where(mask_GxN, starts[:, None] + np.arange(mask_GxN.shape[1])[None], 0)
-  weight_GxN = jnp.asarray(np.where(mask_GxN, weight_L[index_GxN], 0.0))
+  weight_GxN = jnp.asarray(np.where(mask_GxN, weight_N[index_GxN], 0.0))
   mask_GxN = jnp.asarray(mask_GxN)
   uneven = len(set(layers_per_stage)) > 1
   d = cfg.d_model

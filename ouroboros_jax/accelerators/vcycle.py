@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ouroboros_jax import costs
 from ouroboros_jax import model as transformer
 from ouroboros_jax import partition, schedules, staged
 from ouroboros_jax.errors import ConfigError
@@ -292,12 +293,6 @@ class VCyclePlan:
       raise ConfigError(f"unknown V-cycle opt_state {self.opt_state!r}; choose carry or reset.")
 
 
-def step_flops(cfg: ModelConfig, tokens: int) -> float:
-  """Estimated FLOPs of one backprop step: 3 (L F + H) per token."""
-  return float(3 * (cfg.num_layers * partition.layer_flops(cfg) + partition.head_flops(cfg))
-               * tokens)
-
-
 def train_vcycle(plan: VCyclePlan, cfg: ModelConfig, batches: Iterable[dict],
                  tx_factory: Callable[[int], optax.GradientTransformation], *,
                  schedule_config: schedules.ScheduleConfig | None = None,
@@ -309,7 +304,7 @@ def train_vcycle(plan: VCyclePlan, cfg: ModelConfig, batches: Iterable[dict],
   tx_factory(level) -> that level's optimizer (give smaller levels a larger lr).
   schedule_config: how every level trains (default backprop); with several stages each level is
     cut by `partition.balance_layers`. log: one dict per step {'level', 'phase' ('down' |
-    'coarse' | 'up'), 'step' (global), 'loss', 'flops' (cumulative, `step_flops`)}.
+    'coarse' | 'up'), 'step' (global), 'loss', 'flops' (cumulative, `costs.step_flops`)}.
   on_phase_end: optional callback(level, phase, params) with the level's {'embed', 'layers',
     'head'} params after its 'down' / 'coarse' / 'up' training and after 'interpolate'.
   on_step: optional callback(log row, params_fn) after every step; params_fn() returns the
@@ -321,7 +316,7 @@ def train_vcycle(plan: VCyclePlan, cfg: ModelConfig, batches: Iterable[dict],
   schedule_config = schedule_config or schedules.ScheduleConfig()
   for c in configs:
     c.validate()
-    partition.check_stages(c.num_layers, schedule_config.num_stages)
+    costs.check_stages(c.num_layers, schedule_config.num_stages)
   batches = iter(batches)
   first = next(batches)
   batches = itertools.chain([first], batches)
@@ -337,7 +332,7 @@ def train_vcycle(plan: VCyclePlan, cfg: ModelConfig, batches: Iterable[dict],
       batch = next(batches)
       state, metrics = schedule.step(state, staged.place_batch(batch, schedule.mesh))
       tokens = batch['inputs'].shape[0] * batch['inputs'].shape[1]
-      counter['flops'] += step_flops(configs[level], tokens)
+      counter['flops'] += costs.step_flops(configs[level], tokens)
       row = {'level': level, 'phase': phase, 'step': counter['t'], 'loss': metrics['loss'],
              'flops': counter['flops']}
       if on_step is not None:

@@ -19,8 +19,8 @@ gradients the other way. Schedules (G stages, F_s / B_s the forward / backward o
 whole batch, H the head's forward + backward, E_f / E_b the embedding's):
 
   backprop        one device: E_f + sum F + H + sum B + E_b. The speedup reference.
-  data_parallel   D replicas, each the whole model on batch / D, then a ring all-reduce of every
-                  gradient: 2 (D-1)/D bytes / bandwidth + 2 (D-1) latency.
+  data_parallel   R replicas, each the whole model on batch / R, then a ring all-reduce of every
+                  gradient: 2 (R-1)/R bytes / bandwidth + 2 (R-1) latency.
   model_parallel  locked forward (device s waits for s-1, one hop each, the last stage's output
                   goes back to device 0 for the head), then locked backward from G-1 to 0.
   gpipe           M micro-batches (stage time / M each, plus `microbatch_overhead_s`) pipelined
@@ -57,7 +57,7 @@ compute/communication contention on one device; hybrid stage x data meshes.
 
 Cost model. `transformer_costs` turns a Transformer shape and an accelerator into `StageCosts`:
 forward FLOPs per token of a layer 2 (4 d^2 + 2 d d_ff) + 2 L d (matmuls + causal attention, as
-`partition.layer_flops`), of the head 2 d V + 5 V + 2 d (as `partition.head_flops`), backward =
+`costs.layer_flops`), of the head 2 d V + 5 V + 2 d (`costs.head_flops`), backward =
 2 x forward; activation bytes = batch x seq x d x bytes_per_value. `GPT2_SMALL`, `ONE_B`,
 `NVLINK` and `NETWORK` are presets; `experiments/simulate.py` tabulates and plots them and
 compares the simulator with measured step times. This module needs only the standard library.
@@ -70,6 +70,7 @@ import math
 import statistics
 from typing import NamedTuple, Sequence
 
+from ouroboros_jax import costs
 from ouroboros_jax.choices import FORWARD_MODES, SCHEDULES, STASH_MODES
 from ouroboros_jax.schedules.delays import backward_batch, forward_batch, lags
 
@@ -95,7 +96,7 @@ class StageCosts:
   allreduce_s: float | None = None       # a measured all-reduce time; overrides the ring formula
   update_s: Sequence[float] = ()         # per stage s: the optimizer update of its parameters
                                          # (device 0's includes embedding and head); () = free
-  batch_size: int | None = None          # when known, checked against D and M
+  batch_size: int | None = None          # when known, checked against R and M
 
   def __post_init__(self):
     object.__setattr__(self, 'forward_s', tuple(float(f) for f in self.forward_s))
@@ -392,7 +393,7 @@ def simulate(schedule: str, costs: StageCosts, *, microbatches: int = 4, data_pa
              stash: str = 'graph', forward: str = 'locked', steps: int | None = None) -> SimResult:
   """Run `schedule` on `costs` for `steps` steps (default 3G + 10) and measure its steady state.
 
-  `microbatches` is gpipe's M; `data_parallel` is data_parallel's replica count D (the stage
+  `microbatches` is gpipe's M; `data_parallel` is data_parallel's replica count R (the stage
   schedules run on G = costs.num_stages devices); `stash` and `forward` are Ouroboros' modes
   (the other schedules keep no stash and ignore them).
   """
@@ -458,40 +459,6 @@ def _check(schedule, costs, microbatches, data_parallel, stash, forward) -> None
 # ----------------------------------------------------------------------------- cost model
 
 
-def layer_flops(d_model: int, d_ff: int, seq_len: int) -> float:
-  """Forward FLOPs per token of one layer: QKV + output projections, the MLP, causal attention."""
-  d = d_model
-  return 2 * (4 * d * d + 2 * d * d_ff) + 2 * seq_len * d
-
-
-def head_flops(d_model: int, vocab: int) -> float:
-  """Forward FLOPs per token of the tied output projection and the softmax loss."""
-  return 2 * d_model * vocab + 5 * vocab + 2 * d_model
-
-
-def balance_layers(num_layers: int, num_stages: int, layer_cost: float,
-                   device0_extra: float) -> tuple[int, ...]:
-  """Contiguous layers per stage minimising the busiest device (device 0 also pays
-  `device0_extra`, the head); the same rule as `partition.balance_layers`."""
-  check_stages(num_layers, num_stages)
-  best = None
-  for first in range(1, num_layers - num_stages + 2):
-    rest, others = num_layers - first, num_stages - 1
-    if others == 0 and rest:
-      continue
-    counts = [first] + [rest // others + (i < rest % others) for i in range(others)]
-    cost = max([first * layer_cost + device0_extra] + [n * layer_cost for n in counts[1:]])
-    if best is None or cost < best[0]:
-      best = (cost, tuple(counts))
-  return best[1]
-
-
-def check_stages(num_layers: int, num_stages: int) -> None:
-  if not 1 <= num_stages <= num_layers:
-    raise ValueError(f'{num_stages} stages need between 1 and {num_layers} layers per model '
-                     f'(one layer per stage at least): the prediction stops at G = {num_layers}.')
-
-
 def transformer_costs(num_layers: int, d_model: int, d_ff: int, seq_len: int, vocab: int,
                       batch: int, num_stages: int, flops_per_s: float, bandwidth: float,
                       latency: float, layers_per_stage: Sequence[int] | None = None,
@@ -502,13 +469,13 @@ def transformer_costs(num_layers: int, d_model: int, d_ff: int, seq_len: int, vo
   embedding's lookup and scatter-add gradient are memory-bound and tiny; they are counted as
   2 d_model FLOPs per token each, a placeholder that keeps them on device 0's timeline.
   """
-  check_stages(num_layers, num_stages)
+  costs.check_stages(num_layers, num_stages)
   tokens = batch * seq_len
-  per_layer = layer_flops(d_model, d_ff, seq_len) * tokens / flops_per_s
-  head = head_flops(d_model, vocab) * tokens / flops_per_s
+  per_layer = costs.layer_flops(d_model, d_ff, seq_len) * tokens / flops_per_s
+  head = costs.head_flops(d_model, vocab) * tokens / flops_per_s
   if layers_per_stage is None:
     # Forward costs on both sides: the backward is 2x either way, so the balance is the same.
-    layers_per_stage = balance_layers(num_layers, num_stages, per_layer, head)
+    layers_per_stage = costs.balance_layers(num_layers, num_stages, per_layer, head)
   if len(layers_per_stage) != num_stages or sum(layers_per_stage) != num_layers:
     raise ValueError(f'layers_per_stage {tuple(layers_per_stage)} must give {num_stages} stages '
                      f'summing to {num_layers} layers.')

@@ -5,10 +5,10 @@
     state = schedule.init(params, example_batch)
     state, metrics = schedule.step(state, batch)        # pure, jitted, same for every schedule
 
-Schedules (G = num_stages, D = data_parallel, M = microbatches; idle = the fraction of
+Schedules (G = num_stages, R = data_parallel, M = microbatches; idle = the fraction of
 device-time doing no work, with a backward costing twice a forward):
   backprop        one device, exact gradients (the reference everything is compared with). Idle 0.
-  data_parallel   D replicas of the whole model on the `data` axis, each on B/D examples;
+  data_parallel   R replicas of the whole model on the `data` axis, each on B/R examples;
                   gradients and loss averaged with `pmean`. Idle 0.
   model_parallel  the Ouroboros ring placement (embed, group 0 and head on device 0, group s on
                   device s), locked forward and locked backward: exact gradients, but in every
@@ -43,7 +43,6 @@ from __future__ import annotations
 import optax
 
 from ouroboros_jax.choices import SCHEDULES
-from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.schedules.config import ScheduleConfig
 from ouroboros_jax.schedules.synchronous import (
     build_backprop, build_data_parallel, build_gpipe, build_model_parallel, check_batch,
@@ -58,7 +57,9 @@ __all__ = ['SCHEDULES', 'ScheduleConfig', 'build_schedule', 'build_backprop',
 
 def build_schedule(config: ScheduleConfig, model: StagedModel,
                    tx: optax.GradientTransformation, *, devices=None) -> Schedule:
-  """The builder every caller uses; dispatches on `config.name`."""
+  """The builder every caller uses: checks `config` (one-line ConfigErrors), then dispatches on
+  `config.name`."""
+  config.validate()
   builders = {'backprop': build_backprop, 'data_parallel': build_data_parallel,
               'model_parallel': build_model_parallel, 'gpipe': build_gpipe}
   if config.name in builders:
@@ -66,4 +67,4 @@ def build_schedule(config: ScheduleConfig, model: StagedModel,
   if config.name == 'ouroboros':
     from ouroboros_jax.schedules import ouroboros
     return ouroboros.build(config, model, tx, devices=devices)
-  raise ConfigError(f'unknown schedule {config.name!r}; choose one of {", ".join(SCHEDULES)}.')
+  raise AssertionError(config.name)  # validate() knows SCHEDULES

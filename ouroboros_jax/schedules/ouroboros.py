@@ -76,10 +76,7 @@ from jax.sharding import PartitionSpec as P
 from ouroboros_jax.schedules import compensation
 from ouroboros_jax.schedules import ring as ring_lib
 from ouroboros_jax import staged
-from ouroboros_jax.choices import FORWARD_MODES, TIED_GRAD_MODES
-from ouroboros_jax.schedules.delays import lags, staleness, version_gaps  # noqa: F401
-from ouroboros_jax.errors import ConfigError
-from ouroboros_jax.schedules.ring import STASH_MODES  # noqa: F401  (re-exported: it used to live here)
+from ouroboros_jax.schedules.delays import lags, version_gaps
 from ouroboros_jax.staged import DATA, STAGE, Schedule, StagedModel, TrainState
 
 
@@ -102,10 +99,6 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
   with `predict`, runs each module's forward at its predicted weights."""
   num_stages, replicas = config.num_stages, config.data_parallel
   comp = config.compensation
-  if config.tied_grad not in TIED_GRAD_MODES:
-    raise ConfigError(f'unknown tied_grad {config.tied_grad!r}; choose sum or mean.')
-  if config.forward not in FORWARD_MODES:
-    raise ConfigError(f'unknown forward {config.forward!r}; choose locked or pipelined.')
   mesh = staged.make_mesh(num_stages, replicas, devices)
   pipelined = config.forward == 'pipelined' and num_stages > 1
   head_lag, backward_lags = lags(num_stages, config.forward)
@@ -126,7 +119,7 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
     s = jax.lax.axis_index(STAGE)
     params_s = ring_lib.local_stage_params(params)
     forward_s = ring_lib.local_stage_params(forward_params)  # = params_s unless predicted
-    stash_D, batches_D = jax.tree.map(lambda a: a[0, 0], (ring['stash'], ring['batches']))
+    stash_S, batches_S = jax.tree.map(lambda a: a[0, 0], (ring['stash'], ring['batches']))
     key_t = staged.batch_key(config.seed, t)
     lag = lag_G[s]
     valid = t_async >= lag                   # no gradient before the pipe has filled
@@ -137,24 +130,23 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
     #    slots. With G > 1 every lag is >= 1, so the slots differ, and reading first lets XLA
     #    (on CPU with host.CPU_XLA_FLAGS) update the buffers in place instead of copying them.
     if num_stages > 1:
-      stash_b, inputs_b = ring_lib.read_slot((stash_D, batches_D['inputs']), batch_index, depth)
+      stash_b, inputs_b = ring_lib.read_slot((stash_S, batches_S['inputs']), batch_index, depth)
     targets_h = (batch['targets'] if head_lag == 0 else
-                 ring_lib.read_slot(batches_D['targets'], head_batch, depth))
-    batches_D = ring_lib.write_slot(batches_D, batch, t, depth)
+                 ring_lib.read_slot(batches_S['targets'], head_batch, depth))
+    batches_S = ring_lib.write_slot(batches_S, batch, t, depth)
 
     # 1. Forward. Locked: batch t through every group, in G rounds where only device r computes.
     #    Pipelined: every group at once, each on what its predecessor sent during step t - 1.
     x = ring_lib.embed(model, forward_params['embed'], batch['inputs'], key_t)
-    if pipelined:
+    if pipelined:                            # x_head: group G-1's output of batch t - G
       forward_batch = t - s
-      x = jnp.where(s == 0, x, ring['act'][0, 0])
-      y, kept = stash.forward(forward_s, x, s, staged.batch_key(config.seed, forward_batch))
-      x_head = ring['act'][0, 0]              # device 0: group G-1's output of batch t - G
-      act_next = staged.ring_forward(y, num_stages)
+      x_head, kept, act_next = ring_lib.pipelined_forward(
+          stash, forward_s, x, ring['act'][0, 0], staged.batch_key(config.seed, forward_batch),
+          num_stages)
     else:
       forward_batch = t
       x_head, kept = ring_lib.locked_forward(stash, forward_s, x, key_t, num_stages)
-    stash_D = ring_lib.write_slot(stash_D, kept, forward_batch, depth)
+    stash_S = ring_lib.write_slot(stash_S, kept, forward_batch, depth)
     if num_stages == 1:                      # lag 0: the backward needs what was just kept
       stash_b, inputs_b = kept, batch['inputs']
 
@@ -170,7 +162,7 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
     # Module 1 ends at the embedding: device 0 turns dx into V's stale input-side gradient.
     g_embed_stale = ring_lib.embed_backward(model, params['embed'], inputs_b, key_b, dx)
     # The one hop of the backward: s hands dx to s - 1; device 0 hands the head's delta to G - 1.
-    delta_next = staged.ring_backward(jnp.where(s == 0, delta_fresh, dx), num_stages)
+    delta_next = ring_lib.send_backward(jnp.where(s == 0, delta_fresh, dx), num_stages)
 
     # 4. Gradients, each on the device that owns it (embed and head live on device 0).
     g_embed = jax.tree.map(jnp.add, g_embed_fresh, g_embed_stale)
@@ -178,7 +170,7 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
       both = t_async >= backward_lags[0]
       g_embed = jax.tree.map(lambda g: jnp.where(both, 0.5 * g, g), g_embed)
     grads, loss = ring_lib.gather_grads(g_embed, g_head, g_stage, loss)
-    new_ring = {'stash': stash_D, 'batches': batches_D, 'delta': delta_next}
+    new_ring = {'stash': stash_S, 'batches': batches_S, 'delta': delta_next}
     if pipelined:
       new_ring['act'] = act_next
     return grads, jax.tree.map(lambda a: a[None, None], new_ring), loss

@@ -24,8 +24,6 @@ import jax
 import jax.numpy as jnp
 
 from ouroboros_jax import staged
-from ouroboros_jax.choices import STASH_MODES
-from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.staged import DATA, EMBED_PIECE, STAGE, StagedModel
 
 
@@ -79,40 +77,62 @@ class Stash:
   replay  only the group's input (as Features Replay): the backward re-runs the forward at the
           weights it is given and takes the VJP there; one extra forward, far less memory.
 
-  In graph mode the VJP's tree structure is fixed when the forward is traced; the backward of the
-  same trace (or of a later step's trace, for Ouroboros) rebuilds the VJP from the kept leaves.
+  In graph mode only the VJP's leaves are kept; its tree structure is rebuilt in the backward
+  from an abstract trace of the same forward (`vjp_structure`), so the backward does not depend
+  on which forward was traced before it. A group maps its input to an output of the same shape
+  (activations travel around the ring), so the output gradient gives the input's shape.
   """
 
   def __init__(self, model: StagedModel, mode: str = 'graph', policy: str = 'all'):
-    if mode not in STASH_MODES:
-      raise ConfigError(f'unknown stash mode {mode!r}; choose graph or replay.')
-    if policy not in STASH_POLICIES:
-      raise ConfigError(f'unknown stash policy {policy!r}; choose one of '
-                        f'{", ".join(STASH_POLICIES)}.')
-    self.model, self.graph_mode, self.treedef = model, mode == 'graph', None
+    self.model, self.graph_mode = model, mode == 'graph'
     self.policy = STASH_POLICIES[policy]
 
   def run(self, params_s, x, stage_index, key):
     return self.model.stage(params_s, x, stage_index, staged.piece_rng(key, stage_index))
 
+  def _vjp(self, params_s, x, stage_index, key):
+    run = lambda p, h: self.run(p, h, stage_index, key)
+    if self.policy is not None:
+      run = jax.checkpoint(run, policy=self.policy)
+    return jax.vjp(run, params_s, x)
+
+  def vjp_structure(self, params_s, x_like, stage_index, key):
+    """The tree structure of the graph-mode forward's VJP, for inputs shaped like x_like."""
+    structure = []
+
+    def leaves(p, h):
+      flat, treedef = jax.tree.flatten(self._vjp(p, h, stage_index, key)[1])
+      structure.append(treedef)
+      return flat
+
+    jax.eval_shape(leaves, params_s, x_like)
+    return structure[0]
+
   def forward(self, params_s, x, stage_index, key):
     """-> (the group's output, what to keep for its backward)."""
     if not self.graph_mode:
       return self.run(params_s, x, stage_index, key), x
-    run = lambda p, h: self.run(p, h, stage_index, key)
-    if self.policy is not None:
-      run = jax.checkpoint(run, policy=self.policy)
-    y, vjp_fn = jax.vjp(run, params_s, x)
-    leaves, self.treedef = jax.tree.flatten(vjp_fn)
-    return y, leaves
+    y, vjp_fn = self._vjp(params_s, x, stage_index, key)
+    return y, jax.tree.leaves(vjp_fn)
 
   def backward(self, params_s, kept, delta, stage_index, key):
     """-> (gradient of the group's weights, gradient of its input) for output gradient delta."""
     if self.graph_mode:  # at forward-time weights, from the kept residuals
-      vjp_fn = jax.tree.unflatten(self.treedef, kept)
+      treedef = self.vjp_structure(params_s, delta, stage_index, key)
+      vjp_fn = jax.tree.unflatten(treedef, kept)
     else:                # replay: re-run the forward at the given weights
       _, vjp_fn = jax.vjp(lambda p, h: self.run(p, h, stage_index, key), params_s, kept)
     return vjp_fn(delta)
+
+
+def send_forward(x, num_stages: int):
+  """Send x from every stage s to s + 1 (G-1 wraps to 0): activations travel forward."""
+  return jax.lax.ppermute(x, STAGE, [(s, (s + 1) % num_stages) for s in range(num_stages)])
+
+
+def send_backward(x, num_stages: int):
+  """Send x from every stage s to s - 1 (0 wraps to G-1): error gradients travel back."""
+  return jax.lax.ppermute(x, STAGE, [(s, (s - 1) % num_stages) for s in range(num_stages)])
 
 
 def embed(model: StagedModel, embed_params, tokens, key):
@@ -131,9 +151,18 @@ def locked_forward(stash: Stash, params_s, x, key, num_stages: int):
     x, kept = carry
     y, kept = jax.lax.cond(r == s, lambda: stash.forward(params_s, x, s, key),
                            lambda: (x, kept))
-    return staged.ring_forward(y, num_stages), kept
+    return send_forward(y, num_stages), kept
 
   return jax.lax.fori_loop(0, num_stages, forward_round, (x, empty))
+
+
+def pipelined_forward(stash: Stash, params_s, x, received, key, num_stages: int):
+  """Every group at once, each on what its predecessor sent during the previous step (device 0
+  on the fresh embedding x); the outputs move one hop on. Returns (what device 0 received from
+  group G-1 one step ago, for the head; kept; the outputs sent on)."""
+  s = jax.lax.axis_index(STAGE)
+  y, kept = stash.forward(params_s, jnp.where(s == 0, x, received), s, key)
+  return received, kept, send_forward(y, num_stages)
 
 
 def head(model: StagedModel, params, x, targets):
@@ -157,7 +186,7 @@ def locked_backward(stash: Stash, params_s, kept, delta, key, num_stages: int):
 
   def backward_round(i, carry):
     send, g_stage = carry
-    received = staged.ring_backward(send, num_stages)  # device r hears from r + 1 (G-1 from 0)
+    received = send_backward(send, num_stages)  # device r hears from r + 1 (G-1 from 0)
     g_stage, send = jax.lax.cond(
         s == num_stages - 1 - i, lambda: stash.backward(params_s, kept, received, s, key),
         lambda: (g_stage, send))

@@ -1,7 +1,7 @@
 """The synchronous schedules: exact gradients, each computed in one `jax.shard_map`.
 
   backprop        one device, exact gradients (the reference everything is compared with).
-  data_parallel   D replicas of the whole model on the `data` axis, gradients averaged (`pmean`).
+  data_parallel   R replicas of the whole model on the `data` axis, gradients averaged (`pmean`).
   model_parallel  the ring placement with locked forward and backward: exact, idle (G-1)/G.
   gpipe           M micro-batches pipelined through the same placement: idle (G-1)/(M+G-1).
 
@@ -34,7 +34,7 @@ def synchronous_update(config: ScheduleConfig, tx, state: TrainState, grads, los
 
 
 def check_batch(batch: dict, replicas: int, microbatches: int = 1) -> None:
-  """Every data replica gets B/D examples and cuts them into M micro-batches."""
+  """Every data replica gets B/R examples and cuts them into M micro-batches."""
   size, divisor = batch['inputs'].shape[0], replicas * microbatches
   if size % divisor == 0:
     return
@@ -61,9 +61,6 @@ def build_backprop(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
 
   Idle fraction 0: one device, always busy.
   """
-  if config.data_parallel != 1:
-    raise ConfigError(f'backprop runs on one device; for {config.data_parallel} replicas use '
-                      '--schedule data_parallel.')
   mesh = staged.make_mesh(1, 1, devices)
 
   def init(params, example_batch=None):
@@ -136,10 +133,10 @@ def _synchronous_schedule(config: ScheduleConfig, model: StagedModel, tx, mesh: 
 
 def build_data_parallel(config: ScheduleConfig, model: StagedModel, tx, *,
                         devices=None) -> Schedule:
-  """D replicas of the whole model on the `data` axis of a (1, D) mesh.
+  """R replicas of the whole model on the `data` axis of a (1, R) mesh.
 
   Parameters are replicated, the batch is split over `data`; each replica back-propagates its
-  B/D examples through every stage group in order, then `lax.pmean` averages the gradients (and
+  B/R examples through every stage group in order, then `lax.pmean` averages the gradients (and
   the loss) over `data`: the mean over replicas of per-replica mean losses is the batch's mean
   loss, so the gradient is backprop's. Idle fraction 0: every device works all the time
   (communication is not counted).
@@ -174,7 +171,7 @@ def build_model_parallel(config: ScheduleConfig, model: StagedModel, tx, *,
   and passes the activation on; the head on device 0 gives the loss and delta_{G-1}. Locked
   backward: the delta goes to device G-1, then rounds r = G-1..0 in which only device r
   back-propagates and hands its input gradient to r-1; device 0 ends at the embedding. The
-  gradient is exact (backprop's). With D > 1 every data replica runs its own ring on B/D
+  gradient is exact (backprop's). With R > 1 every data replica runs its own ring on B/R
   examples and the gradients are averaged over `data`.
 
   Idle fraction (G-1)/G (`model_parallel_idle_fraction`): in each of the G forward rounds (F)
@@ -205,7 +202,7 @@ def build_gpipe(config: ScheduleConfig, model: StagedModel, tx, *, devices=None,
                 bubble_fill: float = 0.0) -> Schedule:
   """GPipe: M micro-batches through the ring placement, one synchronous (exact) gradient.
 
-  Each data replica cuts its B/D examples into M micro-batches. The forward is one `lax.scan`
+  Each data replica cuts its B/R examples into M micro-batches. The forward is one `lax.scan`
   over M + G - 1 iterations inside the shard_map: at iteration i device s runs its group on
   micro-batch m = i - s (device 0 first embeds micro-batch i) and passes the result on with one
   `ppermute`; device G-1's output travels back around the ring to device 0. The head sits on
@@ -226,8 +223,6 @@ def build_gpipe(config: ScheduleConfig, model: StagedModel, tx, *, devices=None,
   its M micro-batches until the backward (no re-materialisation).
   """
   num_stages, replicas, num_micro = config.num_stages, config.data_parallel, config.microbatches
-  if num_micro < 1:
-    raise ConfigError(f'--microbatches must be >= 1, got {num_micro}.')
   mesh = staged.make_mesh(num_stages, replicas, devices)
   iterations = num_micro + num_stages - 1
 
@@ -254,7 +249,7 @@ def build_gpipe(config: ScheduleConfig, model: StagedModel, tx, *, devices=None,
         y = jax.lax.cond(valid,                  # ... and never enters the group
                          lambda h: model.stage(params_s, h, s, staged.piece_rng(key_m, s)),
                          lambda h: h, x)
-        received = staged.ring_forward(y, num_stages)
+        received = ring.send_forward(y, num_stages)
         return received, received
 
       start = jnp.full(x_shape.shape, bubble_fill, x_shape.dtype)

@@ -246,6 +246,14 @@ def set_aside(out_dir: str, steps) -> str | None:
   return where
 
 
+def checkpoint_size(out_dir: str, step: int) -> int:
+  """Bytes on disk of one checkpoint."""
+  total = 0
+  for root, _, files in os.walk(os.path.join(checkpoint_dir(out_dir), str(step))):
+    total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+  return total
+
+
 def abstract_like(tree) -> Any:
   """ShapeDtypeStructs with the shardings of a concrete tree: a restore target."""
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),

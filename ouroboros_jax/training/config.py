@@ -38,9 +38,9 @@ from typing import Any, Mapping
 
 import optax
 
-from ouroboros_jax.choices import FORWARD_MODES, STASH_MODES, TIED_GRAD_MODES
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.model import ModelConfig
+from ouroboros_jax.schedules.config import ScheduleConfig
 
 
 
@@ -62,25 +62,18 @@ class TrainConfig:
   warmup_steps: int = 50
   min_lr_ratio: float = 0.1
   weight_decay: float = 0.1
-  clip_norm: float = 1.0        # global-norm clipping, done by the schedule; 0 turns it off
   # Evaluation, logging and checkpoints (every N steps; the last step always evaluates/saves).
   log_every: int = 20           # also how often the host checks the loss for NaN/Inf
   eval_every: int = 500
   eval_batches: int = 50        # validation batches per evaluation (in order, unshuffled)
   checkpoint_every: int = 1000
   keep_checkpoints: int = 3
-  seed: int = 0
+  seed: int = 0                 # parameters, data order and dropout
   out: str | None = None        # None: runs/<preset>-<schedule>
-  # Schedule: how the model is cut and run (see schedules.py).
-  schedule: str = 'backprop'
-  stages: int = 1
-  data_parallel: int = 1
-  stash: str = 'graph'          # ouroboros: 'graph' (keep VJP residuals) or 'replay'
-  stash_policy: str = 'all'     # graph stash: which residuals to keep (all, dots, nothing, ...)
+  # How the model is cut and run: `ouroboros_jax.schedules.ScheduleConfig` (its flags are
+  # --schedule, --stages, --data-parallel, --microbatches, --clip-norm, --stash, ...).
+  schedule: ScheduleConfig = ScheduleConfig()
   layers_per_stage: str | None = None  # '2,4,4,4'; None: balanced by partition.balance_layers
-  sync_warmup_steps: int = 0
-  tied_grad: str = 'sum'
-  forward: str = 'locked'       # ouroboros: 'locked' (the paper) or 'pipelined'
   # Optimizer and staleness compensation (compensation.py).
   # 'auto' (both): Ouroboros with G > 1 trains with the measured recipe (RECIPE_OPTIMIZER and
   # RECIPE_COMPENSATION); every other schedule, and --compensation none, with plain AdamW.
@@ -92,7 +85,6 @@ class TrainConfig:
   dc_lambda: float = 1.0        # dc: DC-ASGD-a's strength lambda_0
   shrink: float = 0.5           # shrink: factor on delayed gradients
   pipemare_steps: int = 0       # pipemare: steps T to the full rate (0: a quarter of --steps)
-  microbatches: int = 4         # gpipe: micro-batches per batch
   # Other training accelerators (README "Training accelerators"; None / 0 = off).
   pld: str | None = None        # progressive layer dropping: 'THETA_BAR,GAMMA' or 'default'
   growth: str | None = None     # MSLT / progressive stacking plan, see growth.parse_plan
@@ -102,7 +94,7 @@ class TrainConfig:
 
   @property
   def out_dir(self) -> str:
-    return self.out or f'runs/{self.preset}-{self.schedule}'
+    return self.out or f'runs/{self.preset}-{self.schedule.name}'
 
   @property
   def tokens_per_step(self) -> int:
@@ -110,8 +102,6 @@ class TrainConfig:
 
   def validate(self) -> None:
     """Raises ConfigError (one line, naming the flag) for settings that cannot work."""
-    from ouroboros_jax import schedules  # late: the schedule list may grow at runtime
-
     self.model.validate()
     for name, value in flat(self).items():  # nan and inf pass every comparison below
       if isinstance(value, float) and not math.isfinite(value):
@@ -128,11 +118,11 @@ class TrainConfig:
       raise ConfigError(f'seed must be below 2**32 (the PRNG keeps 32 bits), got {self.seed}; '
                         'fix --seed.')
     for name in ('batch_size', 'steps', 'log_every', 'eval_every', 'eval_batches',
-                 'checkpoint_every', 'keep_checkpoints', 'stages', 'data_parallel'):
+                 'checkpoint_every', 'keep_checkpoints'):
       if getattr(self, name) <= 0:
         raise ConfigError(f'{name} must be positive, got {getattr(self, name)}; '
                           f'set {flag(name)} to a positive integer.')
-    for name in ('warmup_steps', 'sync_warmup_steps', 'seed'):
+    for name in ('warmup_steps', 'seed'):
       if getattr(self, name) < 0:
         raise ConfigError(f'{name} must be >= 0, got {getattr(self, name)}; fix {flag(name)}.')
     if not self.learning_rate > 0:
@@ -141,40 +131,21 @@ class TrainConfig:
     if not 0.0 <= self.min_lr_ratio <= 1.0:
       raise ConfigError(f'min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}; '
                         'fix --min-lr-ratio.')
-    if self.weight_decay < 0 or self.clip_norm < 0:
-      raise ConfigError('weight_decay and clip_norm must be >= 0 (clip_norm 0 turns clipping '
-                        'off); fix --weight-decay / --clip-norm.')
-    if self.schedule not in schedules.SCHEDULES:
-      raise ConfigError(f'unknown schedule {self.schedule!r}; choose --schedule from '
-                        f'{", ".join(schedules.SCHEDULES)}.')
-    if self.schedule != 'ouroboros':  # the Ouroboros-only settings must not pass silently
-      defaults = TrainConfig()
-      for name in ('stash', 'forward', 'sync_warmup_steps'):
-        if getattr(self, name) != getattr(defaults, name):
-          raise ConfigError(f'{flag(name)} {getattr(self, name)} applies to --schedule ouroboros '
-                            f'only, not {self.schedule}; drop it or use --schedule ouroboros.')
-    if self.schedule in ('backprop', 'data_parallel') and self.stages > 1:
-      raise ConfigError(f'--schedule {self.schedule} runs every layer on each device, so '
-                        f'--stages {self.stages} does nothing; drop --stages or choose '
-                        '--schedule model_parallel, gpipe or ouroboros.')
-    if self.stash not in STASH_MODES:
-      raise ConfigError(f'unknown stash mode {self.stash!r}; use --stash graph or --stash replay.')
-    from ouroboros_jax.schedules.ring import STASH_POLICIES
-    if self.stash_policy not in STASH_POLICIES:
-      raise ConfigError(f'unknown stash policy {self.stash_policy!r}; use --stash-policy '
-                        + ' or '.join(STASH_POLICIES) + '.')
-    if self.forward not in FORWARD_MODES:
-      raise ConfigError(f'unknown forward {self.forward!r}; use --forward locked or pipelined.')
-    if self.microbatches < 1:
-      raise ConfigError(f'--microbatches must be >= 1, got {self.microbatches}.')
-    if self.tied_grad not in TIED_GRAD_MODES:
-      raise ConfigError(f'unknown tied_grad {self.tied_grad!r}; use --tied-grad sum or mean.')
-    if self.batch_size % self.data_parallel:
+    if self.weight_decay < 0:
+      raise ConfigError(f'weight_decay must be >= 0, got {self.weight_decay}; fix '
+                        '--weight-decay.')
+    self.check_compensation()  # before the schedule: an unknown --compensation names itself
+    self.schedule_config().validate()
+    if self.batch_size % self.schedule.data_parallel:
       raise ConfigError(f'batch_size {self.batch_size} is not divisible by data_parallel '
-                        f'{self.data_parallel}; choose --batch-size as a multiple of it.')
+                        f'{self.schedule.data_parallel}; choose --batch-size as a multiple of it.')
     self.resolved_layers_per_stage()  # checks --stages / --layers-per-stage against the depth
-    self.check_compensation()
     self.check_accelerators()
+
+  def schedule_config(self) -> ScheduleConfig:
+    """The schedule as it runs: the run's seed and the resolved staleness compensation."""
+    return dataclasses.replace(self.schedule, seed=self.seed,
+                               compensation=self.resolved_compensation())
 
   def check_accelerators(self) -> None:
     """The accelerator flags parse, fit the model, and combine with the schedule (one-line
@@ -195,23 +166,23 @@ class TrainConfig:
         raise ConfigError(f'--std-loss is a weight >= 0, got {self.std_loss}.')
       self.std_loss_layer_ids()
     if self.growth:
-      if self.schedule != 'backprop':
+      if self.schedule.name != 'backprop':
         raise ConfigError(f'--growth runs on --schedule backprop only: MSLT and stacking change '
                           f'the depth mid-run, which would change the layers of every stage of '
-                          f'{self.schedule!r} (and MSLT freezes whole stages); drop --schedule '
+                          f'{self.schedule.name!r} (and MSLT freezes whole stages); drop --schedule '
                           f'or --growth.')
       growth.parse_plan(self.growth, self.model.num_layers, self.steps)
     if self.vcycle:
       plan, _ = vcycle.parse_plan(self.vcycle, self.steps)
-      from ouroboros_jax import partition
+      from ouroboros_jax import costs
       for level_cfg in vcycle.level_configs(self.model, plan.levels, width=plan.width,
                                             depth=plan.depth):
         level_cfg.validate()
-        partition.check_stages(level_cfg.num_layers, self.stages)
+        costs.check_stages(level_cfg.num_layers, self.schedule.num_stages)
       if self.layers_per_stage:
         raise ConfigError('--vcycle cuts every level with the balanced split; drop '
                           '--layers-per-stage.')
-    if (self.growth or self.vcycle) and self.sync_warmup_steps:
+    if (self.growth or self.vcycle) and self.schedule.sync_warmup_steps:
       raise ConfigError('--sync-warmup-steps does not apply to --growth / --vcycle runs; drop it.')
 
   def check_compensation(self) -> None:
@@ -227,18 +198,13 @@ class TrainConfig:
                         'fix --muon-learning-rate.')
     if (self.growth or self.vcycle) and self.resolved_optimizer() != 'adamw':
       raise ConfigError('--growth and --vcycle runs use AdamW; drop --optimizer.')
-    comp = self.resolved_compensation()
-    if comp.active and self.schedule != 'ouroboros':
-      raise ConfigError(f'--compensation {self.compensation} compensates delayed gradients, and '
-                        f'--schedule {self.schedule} has none; use --schedule ouroboros or '
-                        '--compensation none.')
-    compensation.check_fits(comp, self.stash)
+    self.resolved_compensation()
 
   @property
   def uses_recipe(self) -> bool:
     """--compensation auto on a delayed schedule: the measured recipe applies (see RECIPE_*)."""
-    return (self.compensation == 'auto' and self.schedule == 'ouroboros' and self.stages > 1
-            and not (self.growth or self.vcycle))
+    return (self.compensation == 'auto' and self.schedule.name == 'ouroboros'
+            and self.schedule.num_stages > 1 and not (self.growth or self.vcycle))
 
   def resolved_optimizer(self) -> str:
     if self.optimizer != 'auto':
@@ -251,7 +217,7 @@ class TrainConfig:
     spec = self.compensation
     if spec == 'auto':
       spec = ('none' if not self.uses_recipe else
-              RECIPE_COMPENSATION if self.stash == 'graph' else RECIPE_COMPENSATION_REPLAY)
+              RECIPE_COMPENSATION if self.schedule.stash == 'graph' else RECIPE_COMPENSATION_REPLAY)
     return compensation.parse(spec, steps=self.steps, dc_lambda=self.dc_lambda,
                               shrink=self.shrink, pipemare_steps=self.pipemare_steps)
 
@@ -276,17 +242,35 @@ class TrainConfig:
 
     if self.layers_per_stage:
       return partition.parse_layers_per_stage(self.layers_per_stage, self.model.num_layers,
-                                              self.stages)
-    return partition.balance_layers(self.model, self.stages)
+                                              self.schedule.num_stages)
+    return partition.balance_layers(self.model, self.schedule.num_stages)
 
   def to_dict(self) -> dict[str, Any]:
-    return dataclasses.asdict(self)
+    d = dataclasses.asdict(self)
+    for name in _RESOLVED_SCHEDULE_FIELDS:  # TrainConfig's own fields give them
+      d['schedule'].pop(name)
+    return d
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> 'TrainConfig':
+    """From `to_dict`'s output; also reads the flat layout of runs written before the schedule
+    settings were nested (`schedule` a name, `stages`, `stash`, ... beside it)."""
     d = dict(d)
     model = ModelConfig(**d.pop('model', {}))
-    return cls(model=model, **d)
+    schedule = d.pop('schedule', {})
+    if isinstance(schedule, str):  # the flat layout
+      schedule = {'name': schedule, 'num_stages': d.pop('stages', 1)}
+      for name in _FLAT_SCHEDULE_FIELDS:
+        if name in d:
+          schedule[name] = d.pop(name)
+    schedule = {k: v for k, v in schedule.items() if k not in _RESOLVED_SCHEDULE_FIELDS}
+    return cls(model=model, schedule=ScheduleConfig(**schedule), **d)
+
+
+# ScheduleConfig fields TrainConfig fills in (`schedule_config`), and so has no flag or record of.
+_RESOLVED_SCHEDULE_FIELDS = ('seed', 'compensation')
+_FLAT_SCHEDULE_FIELDS = ('data_parallel', 'clip_norm', 'microbatches', 'stash', 'stash_policy',
+                         'forward', 'sync_warmup_steps', 'tied_grad')
 
 
 def lr_schedule(cfg: TrainConfig, steps: int | None = None, peak: float | None = None):
@@ -337,7 +321,8 @@ PRESETS: dict[str, TrainConfig] = {
         model=ModelConfig(d_model=512, num_heads=8, num_layers=12, d_ff=2048, seq_len=512,
                           dropout=0.1),
         preset='enwik8-base', batch_size=22, steps=400_000, learning_rate=2.5e-4,
-        warmup_steps=0, min_lr_ratio=0.0, weight_decay=0.0, clip_norm=0.25, log_every=100,
+        warmup_steps=0, min_lr_ratio=0.0, weight_decay=0.0, log_every=100,
+        schedule=ScheduleConfig(clip_norm=0.25),
         eval_every=4000, eval_batches=100, checkpoint_every=4000),
     # GPT-2 small's shape (124M parameters with its 50257-token BPE vocabulary). This is a
     # byte-level model (vocabulary 256), so it has ~86M parameters and is not GPT-2's tokenizer.
@@ -368,39 +353,63 @@ def _hints(cls) -> dict[str, Any]:
   return typing.get_type_hints(cls)
 
 
-def fields() -> dict[str, tuple[type, bool, Any]]:
-  """Every overridable field: name -> (base type, optional?, owner class).
+# Flag names that differ from the field's own name (the CLI predates the nesting).
+_FLAG_NAMES = {(ScheduleConfig, 'name'): 'schedule', (ScheduleConfig, 'num_stages'): 'stages'}
+# Where each nested config sits in TrainConfig.
+_NESTED = {ModelConfig: 'model', ScheduleConfig: 'schedule'}
 
-  ModelConfig's fields and TrainConfig's own fields share one flat namespace (no name is in both).
+
+class Field(typing.NamedTuple):
+  """One overridable setting: its type, whether None is allowed, where it lives."""
+  kind: type
+  optional: bool
+  owner: type                # ModelConfig, ScheduleConfig or TrainConfig
+  attribute: str             # its name in the owner
+
+
+@functools.lru_cache(maxsize=None)
+def fields() -> dict[str, Field]:
+  """Every overridable setting by its flat (flag) name.
+
+  TrainConfig's own fields and those of its nested ModelConfig and ScheduleConfig share one
+  namespace (no name is in two of them); ScheduleConfig's seed and compensation are not in it
+  (TrainConfig's --seed and --compensation give them).
   """
   out = {}
-  for cls in (ModelConfig, TrainConfig):
+  for cls in (ModelConfig, ScheduleConfig, TrainConfig):
     for f in dataclasses.fields(cls):
-      if f.name == 'model':
+      if (cls is TrainConfig and f.name in _NESTED.values()) or (
+          cls is ScheduleConfig and f.name in _RESOLVED_SCHEDULE_FIELDS):
         continue
       hint = _hints(cls)[f.name]
       args = [a for a in typing.get_args(hint) if a is not type(None)]
       optional = type(None) in typing.get_args(hint)
-      out[f.name] = (args[0] if optional else hint, optional, cls)
+      name = _FLAG_NAMES.get((cls, f.name), f.name)
+      assert name not in out, name
+      out[name] = Field(args[0] if optional else hint, optional, cls, f.name)
   return out
 
 
 def override(cfg: TrainConfig, values: Mapping[str, Any]) -> TrainConfig:
-  """A copy of cfg with fields replaced by name (model fields too); unknown names raise."""
+  """A copy of cfg with settings replaced by flat name (`fields`); unknown names raise."""
   known = fields()
-  model_kw, train_kw = {}, {}
+  changes = {cls: {} for cls in (ModelConfig, ScheduleConfig, TrainConfig)}
   for name, value in values.items():
     if name not in known:
       close = difflib.get_close_matches(name, known, n=1)
       hint = f'; did you mean {flag(close[0])}?' if close else '; see --help for the fields.'
       raise ConfigError(f'unknown field {flag(name)}{hint}')
-    (model_kw if known[name][2] is ModelConfig else train_kw)[name] = value
-  model = dataclasses.replace(cfg.model, **model_kw)
-  return dataclasses.replace(cfg, model=model, **train_kw)
+    field = known[name]
+    changes[field.owner][field.attribute] = value
+  nested = {attr: dataclasses.replace(getattr(cfg, attr), **changes[cls])
+            for cls, attr in _NESTED.items()}
+  return dataclasses.replace(cfg, **nested, **changes[TrainConfig])
 
 
 def flat(cfg: TrainConfig) -> dict[str, Any]:
-  """Every field by its flat name (model fields included), as `override` takes them."""
-  d = {k: v for k, v in dataclasses.asdict(cfg).items() if k != 'model'}
-  d.update(dataclasses.asdict(cfg.model))
-  return d
+  """Every setting by its flat name, as `override` takes them."""
+  out = {}
+  for name, field in fields().items():
+    owner = cfg if field.owner is TrainConfig else getattr(cfg, _NESTED[field.owner])
+    out[name] = getattr(owner, field.attribute)
+  return out

@@ -117,14 +117,14 @@ def split_ranges(n_bytes: int) -> dict[str, tuple[int, int]]:
   }
 
 
-def split_corpus(corpus_U8: np.ndarray | bytes) -> dict[str, np.ndarray]:
+def split_corpus(corpus_Z: np.ndarray | bytes) -> dict[str, np.ndarray]:
   """Splits one byte stream 90/5/5 into uint8 views (see split_ranges)."""
-  if isinstance(corpus_U8, (bytes, bytearray, memoryview)):
-    corpus_U8 = np.frombuffer(corpus_U8, dtype=np.uint8)
-  corpus_U8 = np.asarray(corpus_U8, dtype=np.uint8)
+  if isinstance(corpus_Z, (bytes, bytearray, memoryview)):
+    corpus_Z = np.frombuffer(corpus_Z, dtype=np.uint8)
+  corpus_Z = np.asarray(corpus_Z, dtype=np.uint8)
   return {
-      name: corpus_U8[start:stop]
-      for name, (start, stop) in split_ranges(len(corpus_U8)).items()
+      name: corpus_Z[start:stop]
+      for name, (start, stop) in split_ranges(len(corpus_Z)).items()
   }
 
 
@@ -202,10 +202,10 @@ class ShakespeareBytes(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
   def _generate_examples(self, split_bytes: bytes):
     for index, start in enumerate(range(0, len(split_bytes), CHUNK_BYTES)):
-      chunk_U8 = np.frombuffer(
+      chunk_Z = np.frombuffer(
           split_bytes[start : start + CHUNK_BYTES], dtype=np.uint8
       )
-      yield index, {'index': index, 'bytes': chunk_U8}
+      yield index, {'index': index, 'bytes': chunk_Z}
 
 
 @contextlib.contextmanager
@@ -559,12 +559,12 @@ class WindowSource:
 
   def __init__(self, tokens: np.ndarray, seq_len: int, *, split: str = 'split'):
     _check_positive(seq_len=seq_len)
-    self._tokens_U8 = np.asarray(tokens, dtype=np.uint8)
+    self._tokens_Z = np.asarray(tokens, dtype=np.uint8)
     self._seq_len = int(seq_len)
-    self._len = num_windows(self._tokens_U8, seq_len)
+    self._len = num_windows(self._tokens_Z, seq_len)
     if self._len == 0:
       raise DataError(
-          f'{split} split has {len(self._tokens_U8)} tokens but one window'
+          f'{split} split has {len(self._tokens_Z)} tokens but one window'
           f' needs seq_len + 1 = {seq_len + 1}; use a smaller --seq-len or'
           ' more data.'
       )
@@ -583,7 +583,7 @@ class WindowSource:
     if not 0 <= index < self._len:
       raise IndexError(f'window {index} out of range [0, {self._len})')
     start = index * self._seq_len
-    window_L1 = self._tokens_U8[start : start + self._seq_len + 1].astype(
+    window_L1 = self._tokens_Z[start : start + self._seq_len + 1].astype(
         np.int32
     )
     return {'inputs': window_L1[:-1], 'targets': window_L1[1:]}
@@ -591,7 +591,7 @@ class WindowSource:
   def __repr__(self) -> str:
     return (
         f'WindowSource(num_windows={self._len}, seq_len={self._seq_len},'
-        f' num_tokens={len(self._tokens_U8)})'
+        f' num_tokens={len(self._tokens_Z)})'
     )
 
 
@@ -702,14 +702,14 @@ def eval_batches(
   if max_batches is not None:
     n_batches = min(n_batches, max_batches)
   local_batch = batch_size // process_count
-  tokens_U8 = np.asarray(tokens, dtype=np.uint8)
+  tokens_Z = np.asarray(tokens, dtype=np.uint8)
 
   def generate() -> Iterator[dict[str, np.ndarray]]:
     offsets_L1 = np.arange(seq_len + 1)
     for b in range(n_batches):
       first = b * batch_size + process_index * local_batch
       starts_B = (first + np.arange(local_batch)) * seq_len
-      windows_BxL1 = tokens_U8[starts_B[:, None] + offsets_L1].astype(np.int32)
+      windows_BxL1 = tokens_Z[starts_B[:, None] + offsets_L1].astype(np.int32)
       yield {
           'inputs': np.ascontiguousarray(windows_BxL1[:, :-1]),
           'targets': np.ascontiguousarray(windows_BxL1[:, 1:]),

@@ -92,13 +92,13 @@ def _generate_chunk(cfg: ModelConfig, params, window_L, filled, first, count, te
   """Generates tokens first..first+count-1 (count <= chunk) after a window of the text so far.
 
   window_L holds the last seq_len tokens, its first `filled` entries real and the rest zeros.
-  Returns (new window, new filled, tokens_C); tokens_C[count:] are zeros. The trip count is traced
+  Returns (new window, new filled, tokens_T); tokens_T[count:] are zeros. The trip count is traced
   so that a shorter last chunk reuses the same program.
   """
   last = cfg.seq_len - 1
 
   def next_token(i, carry):
-    window_L, filled, tokens_C = carry
+    window_L, filled, tokens_T = carry
     x_1xLxD = transformer.embed(cfg, params['embed'], window_L[None])
     x_1xLxD = transformer.layers(cfg, params['layers'], x_1xLxD)
     logits_V = transformer.logits(cfg, params['head'], params['embed'], x_1xLxD)[0, filled - 1]
@@ -111,10 +111,10 @@ def _generate_chunk(cfg: ModelConfig, params, window_L, filled, first, count, te
     full = filled > last
     window_L = jnp.where(full, jnp.roll(window_L, -1), window_L)
     window_L = window_L.at[jnp.minimum(filled, last)].set(token)
-    return window_L, jnp.minimum(filled + 1, cfg.seq_len), tokens_C.at[i].set(token)
+    return window_L, jnp.minimum(filled + 1, cfg.seq_len), tokens_T.at[i].set(token)
 
-  tokens_C = jnp.zeros((chunk,), window_L.dtype)
-  return jax.lax.fori_loop(0, count, next_token, (window_L, filled, tokens_C))
+  tokens_T = jnp.zeros((chunk,), window_L.dtype)
+  return jax.lax.fori_loop(0, count, next_token, (window_L, filled, tokens_T))
 
 
 def stream_bytes(cfg: ModelConfig, params: dict, prompt: bytes, *, length: int,
@@ -141,17 +141,17 @@ def _stream(cfg, params, prompt, length, temperature, seed, chunk) -> Iterator[b
   pending = None  # the previous chunk: fetched once the next one is dispatched
   for first in range(0, length, chunk):
     count = min(chunk, length - first)
-    window_L, filled, tokens_C = _generate_chunk(cfg, params, window_L, filled, np.int32(first),
+    window_L, filled, tokens_T = _generate_chunk(cfg, params, window_L, filled, np.int32(first),
                                                  np.int32(count), temperature, key, chunk=chunk)
     if pending is not None:
       yield _to_bytes(*pending)
-    pending = tokens_C, count
+    pending = tokens_T, count
   if pending is not None:
     yield _to_bytes(*pending)
 
 
-def _to_bytes(tokens_C, count: int) -> bytes:
-  return np.asarray(jax.device_get(tokens_C))[:count].astype(np.uint8).tobytes()
+def _to_bytes(tokens_T, count: int) -> bytes:
+  return np.asarray(jax.device_get(tokens_T))[:count].astype(np.uint8).tobytes()
 
 
 def generate(cfg: ModelConfig, params: dict, prompt: bytes, *, length: int,
