@@ -4,18 +4,51 @@ The pieces a researcher imports into their own code:
 
     from ouroboros_jax import StagedModel, ScheduleConfig, build_schedule, adamw
     from ouroboros_jax import Compensation, make_optimizer
+    from ouroboros_jax import TrainConfig, get_preset, override
 
 `StagedModel` describes any model as embed -> stages -> loss; `build_schedule` turns it into a
 pure, jitted `step(state, batch) -> (state, metrics)` for backprop, Ouroboros or a baseline.
 `ScheduleConfig(compensation=Compensation(predict=True))` with `make_optimizer('muon', ...)` is
-the staleness-robust Ouroboros (compensation.py); `Compensation()` is the paper's method.
-Every error a user can fix is a `UserError` (errors.py) with a one-line message.
+the staleness-robust Ouroboros (schedules/compensation.py); `Compensation()` is the paper's
+method. `ouroboros_jax.training.loop.train(cfg)` runs a whole `TrainConfig`. Every error a user can fix is
+a `UserError` (errors.py) with a one-line message. The folders are the layers:
+docs/architecture.md.
 """
+
+from __future__ import annotations
+
+import importlib
 
 from ouroboros_jax.errors import ConfigError, UserError
 from ouroboros_jax.staged import Schedule, StagedModel, TrainState, adamw
 from ouroboros_jax.schedules.compensation import Compensation, make_optimizer
 from ouroboros_jax.schedules import SCHEDULES, ScheduleConfig, build_schedule
 
+# Loaded on first use: the training stack imports Orbax, Grain and TFDS.
+_LAZY = {'TrainConfig': 'ouroboros_jax.training.config',
+         'get_preset': 'ouroboros_jax.training.config',
+         'override': 'ouroboros_jax.training.config'}
+# Where the modules of the old flat layout went: `from ouroboros_jax import presets` still works.
+MOVED_MODULES = {
+    'presets': 'training.config', 'checkpoint': 'training.checkpoint', 'data': 'training.data',
+    'rundir': 'training.rundir', 'sample': 'training.sample', 'train': 'training.loop',
+    'ring': 'schedules.ring',
+    'ouroboros': 'schedules.ouroboros', 'reference': 'schedules.reference',
+    'delays': 'schedules.delays', 'compensation': 'schedules.compensation',
+    'pld': 'accelerators.pld', 'growth': 'accelerators.growth', 'vcycle': 'accelerators.vcycle',
+    'stdloss': 'accelerators.stdloss', 'bench': 'perf.bench', 'simulate': 'perf.simulate',
+    'memory': 'perf.memory', 'launch': 'runtime.launch', 'distributed': 'runtime.distributed',
+    'host': 'runtime.host'}
+
+
+def __getattr__(name: str):
+  if name in _LAZY:
+    return getattr(importlib.import_module(_LAZY[name]), name)
+  if name in MOVED_MODULES:
+    return importlib.import_module(f'ouroboros_jax.{MOVED_MODULES[name]}')
+  raise AttributeError(f'module ouroboros_jax has no attribute {name!r}')
+
+
 __all__ = ['SCHEDULES', 'Compensation', 'ConfigError', 'Schedule', 'ScheduleConfig',
-           'StagedModel', 'TrainState', 'UserError', 'adamw', 'build_schedule', 'make_optimizer']
+           'StagedModel', 'TrainConfig', 'TrainState', 'UserError', 'adamw', 'build_schedule',
+           'get_preset', 'make_optimizer', 'override']

@@ -52,12 +52,22 @@ def stage_mask(layers_per_stage: Sequence[int]) -> np.ndarray:
   return np.arange(width)[None, :] < np.asarray(layers_per_stage)[:, None]
 
 
-def to_staged(params: dict, layers_per_stage: Sequence[int]) -> dict:
-  """{'embed','layers' [L,...],'head'} -> {'embed','stages' [G,N,...],'head'} (zero padding)."""
+def first_layers(layers_per_stage: Sequence[int]) -> np.ndarray:
+  """[G]: the global index of each stage's first layer."""
+  return np.cumsum([0, *layers_per_stage])[:-1]
+
+
+def layer_index(layers_per_stage: Sequence[int]) -> np.ndarray:
+  """[G, N]: the global layer in each padded slot (slot (g, n) holds layer first[g] + n; padding
+  slots say 0, and `stage_mask` says which slots are real)."""
   mask_GxN = stage_mask(layers_per_stage)
-  starts = np.cumsum([0, *layers_per_stage])[:-1]
-  # Slot (g, n) takes layer starts[g] + n; padded slots read layer 0 and are then zeroed.
-  index_GxN = np.where(mask_GxN, starts[:, None] + np.arange(mask_GxN.shape[1])[None], 0)
+  slots_GxN = first_layers(layers_per_stage)[:, None] + np.arange(mask_GxN.shape[1])[None]
+  return np.where(mask_GxN, slots_GxN, 0)
+
+
+def to_staged(params: dict, layers_per_stage: Sequence[int]) -> dict:
+  """{'embed','layers' [N,...],'head'} -> {'embed','stages' [G,N,...],'head'} (zero padding)."""
+  mask_GxN, index_GxN = stage_mask(layers_per_stage), layer_index(layers_per_stage)
 
   def gather(a):
     picked = a[index_GxN]
@@ -74,6 +84,24 @@ def from_staged(staged: dict, layers_per_stage: Sequence[int]) -> dict:
   return {'embed': staged['embed'],
           'layers': jax.tree.map(lambda a: a[rows, cols], staged['stages']),
           'head': staged['head']}
+
+
+def with_side_channel(x_BxLxD, value):
+  """x [B, L, D] -> [B, L, D+1] with `value` (a scalar) in the extra channel.
+
+  A stage function sees only its activations, so what must travel from stage to stage beside
+  them (PLD's step, the standardization loss accumulated so far) rides in one extra channel; the
+  ring, the pipelines and the stashes carry it like any activation.
+  """
+  channel = jnp.full(x_BxLxD.shape[:-1] + (1,), value, x_BxLxD.dtype)
+  return jnp.concatenate([x_BxLxD, channel], -1)
+
+
+def split_side_channel(x, d_model: int):
+  """x [B, L, D+1] -> (x [B, L, D], the channel's value); x [B, L, D] -> (x, None)."""
+  if x.shape[-1] == d_model + 1:
+    return x[..., :d_model], x[0, 0, d_model]
+  return x, None
 
 
 def transformer_stages(cfg: ModelConfig, layers_per_stage: Sequence[int]) -> StagedModel:

@@ -213,6 +213,28 @@ def opt_state_specs(opt_state: PyTree) -> PyTree:
           'head': jax.tree.map(lambda _: P(), opt_state['head'])}
 
 
+def ring_specs(ring: PyTree) -> PyTree:
+  """A schedule's ring buffers have leaves [G, R, ...]: one slice per (stage, data) device."""
+  return jax.tree.map(lambda _: P(STAGE, DATA), ring)
+
+
+def init_state(tx: optax.GradientTransformation, params: PyTree, mesh: Mesh,
+               ring: Callable[[], PyTree] | None = None) -> TrainState:
+  """The fresh TrainState of every schedule: step 0, the params, one optimizer state per group,
+  and the schedule's ring buffers (`ring()`, leaves [G, R, ...] sharded over (stage, data)), on
+  `mesh` with the stage groups sharded over `stage`. Built under jit, so the state owns its
+  buffers (the step donates them; the caller's params stay)."""
+  def fresh_state(params):
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=init_opt_state(tx, params), ring=ring() if ring else {})
+
+  abstract = jax.eval_shape(fresh_state, params)
+  specs = TrainState(step=P(), params=param_specs(params),
+                     opt_state=opt_state_specs(abstract.opt_state),
+                     ring=ring_specs(abstract.ring))
+  return jax.jit(fresh_state, out_shardings=named(specs, mesh))(params)
+
+
 def batch_spec(batch: PyTree) -> PyTree:
   """Batches are split over `data` on their leading axis and replicated over `stage`."""
   return jax.tree.map(lambda _: P(DATA), batch)

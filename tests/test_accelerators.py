@@ -15,7 +15,7 @@ from ouroboros_jax.training import compare, config
 from ouroboros_jax.accelerators import growth, pld, vcycle
 from ouroboros_jax.model import ConfigError
 
-from test_cli import assert_one_line_error, run_cli
+from helpers import assert_one_line_error, run_cli
 
 
 def test_pld_flag():

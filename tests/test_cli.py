@@ -19,24 +19,11 @@ from ouroboros_jax import cli
 from ouroboros_jax.training import config
 from ouroboros_jax.model import ConfigError
 
+from helpers import assert_one_line_error, run_cli
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 SMALL = ['--d-model', '32', '--num-heads', '2', '--num-layers', '2', '--d-ff', '64',
          '--seq-len', '32', '--batch-size', '8', '--eval-batches', '2', '--quiet']
-
-
-def run_cli(*args, timeout=90, **kwargs):
-  return subprocess.run([sys.executable, '-m', 'ouroboros_jax', *map(str, args)], cwd=REPO_ROOT,
-                        capture_output=True, text=True, timeout=timeout, **kwargs)
-
-
-def assert_one_line_error(result, code: int, *words: str):
-  assert result.returncode == code, (result.returncode, result.stderr)
-  assert 'Traceback' not in result.stderr
-  lines = result.stderr.strip().splitlines()
-  assert len(lines) == 1, result.stderr
-  assert lines[0].startswith('error: ')
-  for word in words:
-    assert word in lines[0], (word, lines[0])
 
 
 # ----------------------------------------------------------------------------- flags & presets

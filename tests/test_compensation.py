@@ -12,7 +12,7 @@ from ouroboros_jax import staged
 from ouroboros_jax.schedules.compensation import Compensation
 from ouroboros_jax.model import ConfigError
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule
-from test_ouroboros import adam, max_abs_diff, random_batches, run_schedule, tiny_transformer
+from helpers import adam, max_abs_diff, random_batches, run_schedule, tiny_transformer
 
 EVERY = Compensation(predict=True, pipemare_steps=4, dc_lambda=0.5, shrink=0.7)
 CASES = {
@@ -175,7 +175,7 @@ def test_checkpoints_carry_the_compensation_state_and_resume_bitwise(tmp_path, p
   resumed ends bit for bit where the uninterrupted run ends (last updates, weight history,
   PipeMare's count and the optimizer state are all in the checkpoint)."""
   from ouroboros_jax.training import checkpoint, config, loop
-  from test_train import assert_trees_equal, host_tree, tiny_config
+  from helpers import assert_trees_equal, host_tree, tiny_config
 
   recipe = dict(schedule='ouroboros', stages=2, optimizer='muon',
                 compensation='predict,pipemare,dc,shrink', steps=12, checkpoint_every=6,

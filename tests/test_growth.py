@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
+from helpers import assert_trees_equal, random_batches
 from ouroboros_jax import costs
 from ouroboros_jax.accelerators import growth
 from ouroboros_jax import model as transformer
@@ -21,9 +21,7 @@ CFG = transformer.ModelConfig(vocab_size=VOCAB, d_model=16, num_heads=2, num_lay
 
 
 def batch_of(seed=0, size=2):
-  rng = np.random.default_rng(seed)
-  return {'inputs': jnp.asarray(rng.integers(0, VOCAB, (size, SEQ)), jnp.int32),
-          'targets': jnp.asarray(rng.integers(0, VOCAB, (size, SEQ)), jnp.int32)}
+  return random_batches(1, seed, batch=size, seq=SEQ, vocab=VOCAB)[0]
 
 
 @pytest.fixture(scope='module')
@@ -33,10 +31,6 @@ def params():
 
 def layer(params, i):
   return jax.tree.map(lambda a: np.asarray(a[i]), params['layers'])
-
-
-def assert_trees_equal(a, b):
-  jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
 def test_grow_copies_the_top_layers_and_stacking_doubles(params):

@@ -13,50 +13,13 @@ from ouroboros_jax import partition, staged
 from ouroboros_jax.schedules import reference
 from ouroboros_jax import model as transformer
 from ouroboros_jax.model import ConfigError
-from ouroboros_jax.schedules.ouroboros import staleness
+from ouroboros_jax.schedules.delays import staleness
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule
 from ouroboros_jax.staged import StagedModel
 
-BATCH, SEQ = 4, 8
+from helpers import (SEQ, adam, max_abs_diff, random_batches, run_schedule,
+                     tiny_transformer)
 
-
-def random_batches(num, seed=0, batch=BATCH):
-  rng = np.random.default_rng(seed)
-  return [{'inputs': jnp.asarray(rng.integers(0, 256, (batch, SEQ)), jnp.int32),
-           'targets': jnp.asarray(rng.integers(0, 256, (batch, SEQ)), jnp.int32)}
-          for _ in range(num)]
-
-
-def tiny_transformer(num_stages, *, pre_ln=True, num_layers=None, dropout=0.0,
-                     layers_per_stage=None):
-  cfg = transformer.ModelConfig(d_model=16, num_heads=2, num_layers=num_layers or
-                                max(num_stages, 3), d_ff=32, seq_len=SEQ, pre_ln=pre_ln,
-                                dropout=dropout)
-  layers_per_stage = layers_per_stage or partition.balance_layers(cfg, num_stages)
-  params = partition.to_staged(transformer.init_params(cfg, jax.random.key(0)), layers_per_stage)
-  return partition.transformer_stages(cfg, layers_per_stage), params
-
-
-def adam(learning_rate=1e-2, **kw):
-  # eps 1e-6, not 1e-8: a parameter whose exact gradient is zero (the attention key bias) gets
-  # float-noise gradients of ~1e-10 that Adam would scale up to the learning rate, so two correct
-  # implementations would drift apart by ~lr on it for no reason the test cares about.
-  return staged.adamw(learning_rate, eps=1e-6, **kw)
-
-
-def run_schedule(config, model, tx, params, batches):
-  schedule = build_schedule(config, model, tx)
-  state = schedule.init(params, batches[0])
-  losses = []
-  for batch in batches:
-    state, metrics = schedule.step(state, batch)
-    losses.append(float(metrics['loss']))
-  return state, losses
-
-
-def max_abs_diff(a, b):
-  a, b = jax.device_get((a, b))  # the two may live on different meshes
-  return max(jax.tree.leaves(jax.tree.map(lambda x, y: float(np.max(np.abs(x - y))), a, b)))
 
 
 @pytest.mark.parametrize('pre_ln', [True, False], ids=['preLN', 'postLN'])

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import random_batches
 from ouroboros_jax import partition, staged
 from ouroboros_jax.accelerators import pld
 from ouroboros_jax import model as transformer
@@ -23,9 +24,7 @@ LAYERS_PER_STAGE = (1, 3)  # uneven on purpose: padding slots and global layer i
 
 
 def batch_of(seed=0, size=2):
-  rng = np.random.default_rng(seed)
-  return {'inputs': jnp.asarray(rng.integers(0, VOCAB, (size, SEQ)), jnp.int32),
-          'targets': jnp.asarray(rng.integers(0, VOCAB, (size, SEQ)), jnp.int32)}
+  return random_batches(1, seed, batch=size, seq=SEQ, vocab=VOCAB)[0]
 
 
 @pytest.fixture(scope='module')

@@ -17,39 +17,16 @@ import pytest
 from ouroboros_jax import cli, staged
 from ouroboros_jax.training import checkpoint, config, data, loop, metrics, sample
 
+from helpers import assert_trees_equal, host_tree, tiny_config
+
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-TINY = dict(d_model=32, num_heads=2, num_layers=2, d_ff=128, seq_len=64, batch_size=16,
-            learning_rate=1e-2, warmup_steps=5, eval_batches=4, log_every=1)
 METRIC_KEYS = {'step', 'split', 'loss', 'bpb', 'tokens_per_s', 'wall_s'}
-
-
-def tiny_config(out, prepared_data_dir, **overrides) -> config.TrainConfig:
-  values = dict(TINY, data_dir=prepared_data_dir, out=os.fspath(out))
-  values.update(overrides)
-  return config.override(config.get_preset('tiny'), values)
 
 
 def read_rows(out) -> list[dict]:
   with open(os.path.join(out, 'metrics.jsonl')) as f:
     return [json.loads(line) for line in f]
-
-
-def host_tree(tree):
-  """A TrainState or restored dict as a dict of numpy arrays (dataclass -> dict like Orbax)."""
-  if isinstance(tree, staged.TrainState):
-    tree = {'step': tree.step, 'params': tree.params, 'opt_state': tree.opt_state,
-            'ring': tree.ring}
-  return jax.tree.map(np.asarray, jax.device_get(tree))
-
-
-def assert_trees_equal(a, b):
-  leaves_a, tree_a = jax.tree.flatten(a)
-  leaves_b, tree_b = jax.tree.flatten(b)
-  assert len(leaves_a) == len(leaves_b) > 0
-  for x, y in zip(leaves_a, leaves_b):
-    assert x.shape == y.shape and x.dtype == y.dtype
-    assert np.array_equal(x, y)
 
 
 @pytest.fixture(scope='module')

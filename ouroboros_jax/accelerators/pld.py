@@ -43,7 +43,7 @@ stashed activation, which is exactly what a delayed or replayed backward must se
 passing its current step would hand a replay the wrong t). `tests/test_pld.py` checks the sharded
 Ouroboros step with PLD against the slow reference, in both stash modes.
 
-`train.py` wires it up (`--pld THETA_BAR,GAMMA`); `kept_layers` re-draws the gates on the host,
+`training/loop.py` wires it up (`--pld THETA_BAR,GAMMA`); `kept_layers` re-draws the gates on the host,
 so the FLOPs a run reports are those of the layers it really ran.
 """
 
@@ -57,10 +57,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from ouroboros_jax import model as transformer
+from ouroboros_jax import partition
 from ouroboros_jax import staged
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.model import ModelConfig
-from ouroboros_jax.partition import stage_mask
 from ouroboros_jax.staged import StagedModel
 
 DEFAULT_THETA_BAR = 0.5
@@ -168,9 +168,8 @@ def with_step(batch: dict, step) -> dict:
 
 def _split_channel(cfg: ModelConfig, x):
   """x [B, L, D+1] -> (x [B, L, D], step); x [B, L, D] -> (x, None)."""
-  if x.shape[-1] == cfg.d_model + 1:
-    return x[..., :cfg.d_model], jax.lax.stop_gradient(x[0, 0, cfg.d_model])
-  return x, None
+  x_BxLxD, step = partition.split_side_channel(x, cfg.d_model)
+  return x_BxLxD, None if step is None else jax.lax.stop_gradient(step)
 
 
 def _join_channel(x_BxLxD, step):
@@ -179,8 +178,7 @@ def _join_channel(x_BxLxD, step):
   if x_BxLxD.dtype != jnp.float32:
     raise ConfigError(f'the PLD step channel is stored in the activations, which are '
                       f'{x_BxLxD.dtype}; it needs float32 (exact steps up to 2^24).')
-  channel = jnp.full(x_BxLxD.shape[:-1] + (1,), step, x_BxLxD.dtype)
-  return jnp.concatenate([x_BxLxD, jax.lax.stop_gradient(channel)], axis=-1)
+  return partition.with_side_channel(x_BxLxD, jax.lax.stop_gradient(step))
 
 
 def pld_stages(cfg: ModelConfig, layers_per_stage: Sequence[int],
@@ -195,8 +193,8 @@ def pld_stages(cfg: ModelConfig, layers_per_stage: Sequence[int],
   rng, so the draw is the same wherever the stage runs (one device, a ring, a pipeline).
   """
   check_config(cfg, theta_bar, gamma)
-  mask_GxN = jnp.asarray(stage_mask(layers_per_stage))
-  first_G = np.cumsum([0, *layers_per_stage])[:-1]
+  mask_GxN = jnp.asarray(partition.stage_mask(layers_per_stage))
+  first_G = partition.first_layers(layers_per_stage)
   uneven = len(set(layers_per_stage)) > 1
 
   def embed(embed_params, inputs, rng):
@@ -269,7 +267,7 @@ def kept_layers(seed: int, steps, layers_per_stage: tuple[int, ...], num_layers:
   gpipe with one micro-batch. (With several data replicas or micro-batches each draws its own
   gates; `expected_layer_fraction` is then the right count on average.)
   """
-  firsts = np.cumsum([0, *layers_per_stage])[:-1]
+  firsts = partition.first_layers(layers_per_stage)
 
   def one(t):
     key = staged.batch_key(seed, t)

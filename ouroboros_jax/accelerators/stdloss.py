@@ -39,9 +39,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ouroboros_jax import model as transformer
+from ouroboros_jax import partition
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.model import ModelConfig
-from ouroboros_jax.partition import stage_mask
 from ouroboros_jax.staged import StagedModel
 
 SITES = ('mlp_preact', 'mlp_input')
@@ -159,31 +159,31 @@ def stdloss_stages(cfg: ModelConfig, layers_per_stage: Sequence[int], weight: fl
   if site not in SITES:
     raise ConfigError(f'unknown standardization-loss site {site!r}; choose {", ".join(SITES)}.')
   weight_N = _layer_weights(cfg.num_layers, weight, layer)
-  mask_GxN = stage_mask(layers_per_stage)
-  starts = np.cumsum([0, *layers_per_stage])[:-1]
-  index_GxN = np.where(mask_GxN, starts[:, None] + np.arange(mask_GxN.shape[1])[None], 0)
+  mask_GxN = partition.stage_mask(layers_per_stage)
+  index_GxN = partition.layer_index(layers_per_stage)
   weight_GxN = jnp.asarray(np.where(mask_GxN, weight_N[index_GxN], 0.0))
   mask_GxN = jnp.asarray(mask_GxN)
   uneven = len(set(layers_per_stage)) > 1
   d = cfg.d_model
 
-  def embed(embed_params, tokens, rng):
+  def embed(embed_params, tokens, rng):  # the loss so far rides in a side channel
     x_BxLxD = transformer.embed(cfg, embed_params, tokens, rng)
-    return jnp.concatenate([x_BxLxD, jnp.zeros(x_BxLxD.shape[:-1] + (1,), x_BxLxD.dtype)], -1)
+    return partition.with_side_channel(x_BxLxD, 0.0)
 
   def stage(stage_params, x, stage_index, rng):
-    x_BxLxD, aux = x[..., :d], x[..., d:]
+    x_BxLxD, so_far = partition.split_side_channel(x, d)
     active_N = mask_GxN[stage_index] if uneven else None
     if rng is None:  # evaluation: plain layers, nothing added
       y = transformer.layers(cfg, stage_params, x_BxLxD, None, active_N=active_N)
-      return jnp.concatenate([y, aux], -1)
+      return partition.with_side_channel(y, so_far)
     y, std = layers_with_stdloss(cfg, stage_params, x_BxLxD, rng, weight_GxN[stage_index],
                                  site=site, eps=eps, active_N=active_N)
-    return jnp.concatenate([y, aux + std.astype(aux.dtype)], -1)
+    return partition.with_side_channel(y, so_far + std.astype(so_far.dtype))
 
   def loss(head_params, embed_params, x, targets):
-    task, _ = transformer.head_loss(cfg, head_params, embed_params, x[..., :d], targets)
-    total = task + x[0, 0, d].astype(task.dtype)
+    x_BxLxD, std = partition.split_side_channel(x, d)
+    task, _ = transformer.head_loss(cfg, head_params, embed_params, x_BxLxD, targets)
+    total = task + std.astype(task.dtype)
     return total, {'loss': total, 'task_loss': task}
 
   return StagedModel(embed=embed, stage=stage, loss=loss, tied_embedding=cfg.tie_embeddings)

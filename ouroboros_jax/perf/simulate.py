@@ -32,7 +32,7 @@ whole batch, H the head's forward + backward, E_f / E_b the embedding's):
                   in general E_f + sum_s F_s + G hops + max(H + B_0 + E_b, max_{s>0} B_s)
                   (devices s > 0 start their backward when the batch is back on device 0;
                   they do not wait for the head).
-                  forward='pipelined' (DESIGN section 4): device s forwards, at step t, what s-1
+                  forward='pipelined' (docs/design.md): device s forwards, at step t, what s-1
                   sent at step t-1, so every device runs one forward and one backward per step:
                   max(E_f + F_0 + H + B_0 + E_b, max_{s>0} F_s + B_s) while each hop fits in a
                   step. stash='replay' adds the stage's forward to its backward (B_s -> B_s + F_s).

@@ -51,10 +51,6 @@ class ScheduleConfig:
       if value not in choices:
         raise ConfigError(f'unknown {flag.replace("-", " ")} {value!r}; choose --{flag} from '
                           f'{", ".join(choices)}.')
-    if self.name in ('backprop', 'data_parallel') and self.num_stages > 1:
-      raise ConfigError(f'--schedule {self.name} runs every layer on each device, so --stages '
-                        f'{self.num_stages} does nothing; drop --stages or choose --schedule '
-                        'model_parallel, gpipe or ouroboros.')
     if self.name == 'backprop' and self.data_parallel > 1:
       raise ConfigError(f'backprop runs on one device; for {self.data_parallel} replicas use '
                         '--schedule data_parallel.')

@@ -35,7 +35,7 @@ backward needs only the batch's tokens (its gradient does not depend on its weig
 stashed too. Stashes and the in-flight error gradient are part of `TrainState.ring`: they are
 checkpointed, so a resumed run continues the same trajectory.
 
-The pipelined forward (`forward='pipelined'`, beyond the paper; DESIGN.md section 4). In the
+The pipelined forward (`forward='pipelined'`, beyond the paper; docs/design.md). In the
 locked forward every device waits G - 1 rounds per step for its input. Pipelined, device s instead
 forwards at step t what its predecessor produced at step t - 1, so every device runs one forward
 and one backward per step at the same time and the step time approaches (F + B) / G. Counting one
@@ -77,7 +77,7 @@ from ouroboros_jax.schedules import compensation
 from ouroboros_jax.schedules import ring as ring_lib
 from ouroboros_jax import staged
 from ouroboros_jax.schedules.delays import lags, version_gaps
-from ouroboros_jax.staged import DATA, STAGE, Schedule, StagedModel, TrainState
+from ouroboros_jax.staged import STAGE, Schedule, StagedModel, TrainState
 
 
 def idle_fraction(num_stages: int, backward_over_forward: float = 2.0,
@@ -175,9 +175,6 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
       new_ring['act'] = act_next
     return grads, jax.tree.map(lambda a: a[None, None], new_ring), loss
 
-  def ring_specs(ring):
-    return jax.tree.map(lambda _: P(STAGE, DATA), ring)
-
   def init(params, example_batch):
     staged.check_batch(example_batch, replicas, 'the data-parallel degree')
     local = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // replicas, *a.shape[1:]),
@@ -189,19 +186,14 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
     _, kept = jax.eval_shape(stash.forward, params_s, x, jnp.int32(0), jax.random.key(0))
     buffer = lambda a, *lead: jnp.zeros((num_stages, replicas, *lead, *a.shape), a.dtype)
 
-    def fresh_state(params):
+    def fresh_ring():
       ring = {'stash': jax.tree.map(lambda a: buffer(a, depth), kept),
               'batches': jax.tree.map(lambda a: buffer(a, depth), local), 'delta': buffer(x)}
       if pipelined:                     # the activation in flight to each device
         ring['act'] = buffer(x)
-      return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                        opt_state=staged.init_opt_state(tx, params), ring=ring)
+      return ring
 
-    abstract = jax.eval_shape(fresh_state, params)
-    specs = TrainState(step=P(), params=staged.param_specs(params),
-                       opt_state=staged.opt_state_specs(abstract.opt_state),
-                       ring=ring_specs(abstract.ring))
-    return jax.jit(fresh_state, out_shardings=staged.named(specs, mesh))(params)
+    return staged.init_state(tx, params, mesh, fresh_ring)
 
   def step(state: TrainState, batch: dict):
     staged.check_batch(batch, replicas, 'the data-parallel degree')
@@ -220,8 +212,8 @@ def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
           state.params, state.opt_state,
           {'embed': no_gap(embed_gap), 'stages': no_gap(gap_G), 'head': 0})
     param_specs = staged.param_specs(state.params)
-    specs = (param_specs, param_specs, ring_specs(state.ring), staged.batch_spec(batch), P(), P())
-    out_specs = (param_specs, ring_specs(state.ring), P())
+    specs = (param_specs, param_specs, staged.ring_specs(state.ring), staged.batch_spec(batch), P(), P())
+    out_specs = (param_specs, staged.ring_specs(state.ring), P())
     delayed = jax.shard_map(ring_step, mesh=mesh, in_specs=specs, out_specs=out_specs,
                             check_vma=False)
 

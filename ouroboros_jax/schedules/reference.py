@@ -1,4 +1,4 @@
-"""A slow, single-device Ouroboros written straight from the equations (DESIGN.md, section 3).
+"""A slow, single-device Ouroboros written straight from the equations (docs/design.md).
 
 A Python loop over steps and over modules, with explicit deques: `stashes[s]` holds what group s
 kept of every batch still in flight, `inbox[s]` the error gradient for group s's output that

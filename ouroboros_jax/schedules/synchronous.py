@@ -65,10 +65,7 @@ def build_backprop(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
 
   def init(params, example_batch=None):
     del example_batch
-    # Under jit the state gets buffers of its own: the step donates them, the caller's stay.
-    return jax.jit(lambda params: TrainState(
-        step=jax.numpy.zeros((), jax.numpy.int32), params=params,
-        opt_state=staged.init_opt_state(tx, params), ring={}))(params)
+    return staged.init_state(tx, params, mesh)
 
   def step(state: TrainState, batch: dict):
     key = staged.batch_key(config.seed, state.step)
@@ -104,15 +101,7 @@ def _synchronous_schedule(config: ScheduleConfig, model: StagedModel, tx, mesh: 
       raise ConfigError(f'the parameters have {staged.stage_count(params)} stage groups but '
                         f'{name} has --stages {num_stages}; cut them with '
                         f'partition.to_staged(params, layers_per_stage) for {num_stages} stages.')
-
-    def fresh_state(params):
-      return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                        opt_state=staged.init_opt_state(tx, params), ring={})
-
-    abstract = jax.eval_shape(fresh_state, params)
-    specs = TrainState(step=P(), params=staged.param_specs(params),
-                       opt_state=staged.opt_state_specs(abstract.opt_state), ring={})
-    return jax.jit(fresh_state, out_shardings=staged.named(specs, mesh))(params)
+    return staged.init_state(tx, params, mesh)
 
   def step(state: TrainState, batch: dict):
     check_batch(batch, replicas, microbatches)

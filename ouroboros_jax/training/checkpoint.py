@@ -22,7 +22,7 @@ then falls back to the newest readable one, and `set_aside` moves the newer ones
 manager's way into OUT/checkpoints-set-aside/ (nothing is ever deleted).
 
 Restoring needs the abstract TrainState (shapes, dtypes and shardings) of the run being resumed;
-`train.py` gets it from the schedule's own `init`, so sharded multi-device states come back onto
+`training/loop.py` gets it from the schedule's own `init`, so sharded multi-device states come back onto
 the same devices with the same layout.
 """
 

@@ -44,6 +44,15 @@ from ouroboros_jax.schedules.config import ScheduleConfig
 
 
 
+class Plans(typing.NamedTuple):
+  """The plan-like flags of a TrainConfig, parsed once into typed values (`TrainConfig.plans`)."""
+  layers_per_stage: tuple[int, ...]         # --layers-per-stage, or the balanced split
+  pld: tuple[float, float] | None           # --pld: (theta_bar, gamma)
+  growth: Any                               # --growth: a growth.GrowthPlan
+  vcycle: tuple[Any, float] | None          # --vcycle: (a vcycle.VCyclePlan, lr_scale)
+  std_loss_layers: tuple[int, ...]          # --std-loss-layers, 0-based
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """Everything a training run needs besides its output directory's contents."""
@@ -136,11 +145,29 @@ class TrainConfig:
                         '--weight-decay.')
     self.check_compensation()  # before the schedule: an unknown --compensation names itself
     self.schedule_config().validate()
+    run = self.schedule
+    if run.name in ('backprop', 'data_parallel') and run.num_stages > 1:
+      raise ConfigError(f'--schedule {run.name} runs every layer on each device, so --stages '
+                        f'{run.num_stages} does nothing; drop --stages or choose --schedule '
+                        'model_parallel, gpipe or ouroboros.')
     if self.batch_size % self.schedule.data_parallel:
       raise ConfigError(f'batch_size {self.batch_size} is not divisible by data_parallel '
                         f'{self.schedule.data_parallel}; choose --batch-size as a multiple of it.')
-    self.resolved_layers_per_stage()  # checks --stages / --layers-per-stage against the depth
+    self.plans  # parses --layers-per-stage, --pld, --growth, --vcycle, --std-loss-layers
     self.check_accelerators()
+
+  @functools.cached_property
+  def plans(self) -> Plans:
+    """Every plan-like flag parsed, once per config (one-line ConfigErrors naming the flag)."""
+    from ouroboros_jax.accelerators import growth, pld, vcycle
+
+    return Plans(
+        layers_per_stage=self.resolved_layers_per_stage(),
+        pld=pld.parse(self.pld) if self.pld else None,
+        growth=(growth.parse_plan(self.growth, self.model.num_layers, self.steps)
+                if self.growth else None),
+        vcycle=vcycle.parse_plan(self.vcycle, self.steps) if self.vcycle else None,
+        std_loss_layers=self.std_loss_layer_ids())
 
   def schedule_config(self) -> ScheduleConfig:
     """The schedule as it runs: the run's seed and the resolved staleness compensation."""
@@ -150,7 +177,8 @@ class TrainConfig:
   def check_accelerators(self) -> None:
     """The accelerator flags parse, fit the model, and combine with the schedule (one-line
     ConfigErrors naming the flag). Which combinations work is the README's table."""
-    from ouroboros_jax.accelerators import growth, pld, vcycle
+    from ouroboros_jax import costs
+    from ouroboros_jax.accelerators import pld, vcycle
 
     on = [name for name, value in (('--pld', self.pld), ('--growth', self.growth),
                                    ('--vcycle', self.vcycle), ('--std-loss', self.std_loss))
@@ -159,22 +187,17 @@ class TrainConfig:
       raise ConfigError(f'{" and ".join(on)} cannot be combined yet (each one changes the step '
                         'in its own way); use one of them per run.')
     if self.pld:
-      theta_bar, gamma = pld.parse(self.pld)
-      pld.check_config(self.model, theta_bar, gamma)
-    if self.std_loss:
-      if not self.std_loss > 0:
-        raise ConfigError(f'--std-loss is a weight >= 0, got {self.std_loss}.')
-      self.std_loss_layer_ids()
+      pld.check_config(self.model, *self.plans.pld)
+    if self.std_loss and not self.std_loss > 0:
+      raise ConfigError(f'--std-loss is a weight >= 0, got {self.std_loss}.')
     if self.growth:
       if self.schedule.name != 'backprop':
         raise ConfigError(f'--growth runs on --schedule backprop only: MSLT and stacking change '
                           f'the depth mid-run, which would change the layers of every stage of '
                           f'{self.schedule.name!r} (and MSLT freezes whole stages); drop --schedule '
                           f'or --growth.')
-      growth.parse_plan(self.growth, self.model.num_layers, self.steps)
     if self.vcycle:
-      plan, _ = vcycle.parse_plan(self.vcycle, self.steps)
-      from ouroboros_jax import costs
+      plan, _ = self.plans.vcycle
       for level_cfg in vcycle.level_configs(self.model, plan.levels, width=plan.width,
                                             depth=plan.depth):
         level_cfg.validate()

@@ -61,7 +61,7 @@ from ouroboros_jax.training.metrics import MetricsLog, Report, batch_crc32
 
 def build(cfg: TrainConfig):
   """(schedule, staged initial params, layers_per_stage) for a config; nothing is trained."""
-  layers_per_stage = cfg.resolved_layers_per_stage()
+  layers_per_stage = cfg.plans.layers_per_stage
   # One compiled init instead of hundreds of eager ops (seconds on CPU).
   init = jax.jit(lambda key: partition.to_staged(transformer.init_params(cfg.model, key),
                                                  layers_per_stage))
@@ -74,10 +74,10 @@ def build(cfg: TrainConfig):
 def staged_model(cfg: TrainConfig, layers_per_stage) -> staged.StagedModel:
   """The Transformer cut into stages, with PLD or the standardization loss when asked for."""
   if cfg.pld:
-    return pld.pld_stages(cfg.model, layers_per_stage, *pld.parse(cfg.pld))
+    return pld.pld_stages(cfg.model, layers_per_stage, *cfg.plans.pld)
   if cfg.std_loss:
     return stdloss.stdloss_stages(cfg.model, layers_per_stage, cfg.std_loss,
-                                  cfg.std_loss_layer_ids())
+                                  cfg.plans.std_loss_layers)
   return partition.transformer_stages(cfg.model, layers_per_stage)
 
 
@@ -95,10 +95,10 @@ def step_flops(cfg: TrainConfig, steps) -> np.ndarray:
   steps = np.asarray(steps)
   layers = np.full(steps.shape, float(cfg.model.num_layers))
   if cfg.pld and steps.size:
-    theta_bar, gamma = pld.parse(cfg.pld)
+    theta_bar, gamma = cfg.plans.pld
     run = cfg.schedule
     if run.data_parallel == 1 and (run.name != 'gpipe' or run.microbatches == 1):
-      layers = np.asarray(pld.kept_layers(cfg.seed, steps, cfg.resolved_layers_per_stage(),
+      layers = np.asarray(pld.kept_layers(cfg.seed, steps, cfg.plans.layers_per_stage,
                                           cfg.model.num_layers, theta_bar, gamma), float)
     else:
       layers = np.asarray(jax.vmap(lambda t: jnp.sum(pld.keep_probs(
@@ -166,7 +166,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, resume_from: int | None = N
   cfg.validate()
   # The resolved config (what config.json and the checkpoints record): no implicit defaults left.
   cfg = dataclasses.replace(cfg, out=cfg.out_dir, layers_per_stage=','.join(
-      map(str, cfg.resolved_layers_per_stage())))
+      map(str, cfg.plans.layers_per_stage)))
   options = _Options(resume or resume_from is not None, resume_from, quiet, on_step, t_start)
   with rundir.claim(cfg.out_dir, lock=jax.process_index() == 0):
     return _run(cfg, options)

@@ -107,7 +107,7 @@ def train_phased(cfg: TrainConfig, splits, train_it, *, quiet: bool = False,
 
 
 def _run_growth(cfg: TrainConfig, batches, on_step):
-  plan = growth.parse_plan(cfg.growth, cfg.model.num_layers, cfg.steps)
+  plan = cfg.plans.growth
   starts = np.cumsum([0, *(steps for _, steps, _ in plan.stages())])
 
   def tx_factory(phase):  # the run's warmup-cosine, continued across the phases
@@ -123,7 +123,7 @@ def _run_growth(cfg: TrainConfig, batches, on_step):
 
 
 def _run_vcycle(cfg: TrainConfig, batches, on_step):
-  plan, lr_scale = vcycle.parse_plan(cfg.vcycle, cfg.steps)
+  plan, lr_scale = cfg.plans.vcycle
   configs = vcycle.level_configs(cfg.model, plan.levels, width=plan.width, depth=plan.depth)
   level_steps = vcycle.level_steps(plan)
 

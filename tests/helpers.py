@@ -1,0 +1,116 @@
+"""What several test files share: tiny models and batches, runs of a schedule, tree comparisons,
+the CLI in a subprocess, a tiny training config."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ouroboros_jax import model as transformer
+from ouroboros_jax import partition, staged
+from ouroboros_jax.schedules import build_schedule
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+BATCH, SEQ = 4, 8
+
+# ----------------------------------------------------------------------------- models and batches
+
+
+def random_batches(num, seed=0, batch=BATCH, seq=SEQ, vocab=256):
+  rng = np.random.default_rng(seed)
+  return [{'inputs': jnp.asarray(rng.integers(0, vocab, (batch, seq)), jnp.int32),
+           'targets': jnp.asarray(rng.integers(0, vocab, (batch, seq)), jnp.int32)}
+          for _ in range(num)]
+
+
+def tiny_transformer(num_stages, *, pre_ln=True, num_layers=None, dropout=0.0,
+                     layers_per_stage=None):
+  """(StagedModel, staged params) of a 16-wide Transformer with at least 3 layers."""
+  cfg = transformer.ModelConfig(d_model=16, num_heads=2, num_layers=num_layers or
+                                max(num_stages, 3), d_ff=32, seq_len=SEQ, pre_ln=pre_ln,
+                                dropout=dropout)
+  layers_per_stage = layers_per_stage or partition.balance_layers(cfg, num_stages)
+  params = partition.to_staged(transformer.init_params(cfg, jax.random.key(0)), layers_per_stage)
+  return partition.transformer_stages(cfg, layers_per_stage), params
+
+
+def adam(learning_rate=1e-2, **kw):
+  # eps 1e-6, not 1e-8: a parameter whose exact gradient is zero (the attention key bias) gets
+  # float-noise gradients of ~1e-10 that Adam would scale up to the learning rate, so two correct
+  # implementations would drift apart by ~lr on it for no reason the test cares about.
+  return staged.adamw(learning_rate, eps=1e-6, **kw)
+
+
+def run_schedule(config, model, tx, params, batches):
+  """(final state, losses) of `build_schedule(config, ...)` over the batches."""
+  schedule = build_schedule(config, model, tx)
+  state = schedule.init(params, batches[0])
+  losses = []
+  for batch in batches:
+    state, metrics = schedule.step(state, batch)
+    losses.append(float(metrics['loss']))
+  return state, losses
+
+
+# ----------------------------------------------------------------------------- trees
+
+
+def max_abs_diff(a, b):
+  a, b = jax.device_get((a, b))  # the two may live on different meshes
+  return max(jax.tree.leaves(jax.tree.map(lambda x, y: float(np.max(np.abs(x - y))), a, b)))
+
+
+def host_tree(tree):
+  """A TrainState or restored dict as a dict of numpy arrays (dataclass -> dict like Orbax)."""
+  if isinstance(tree, staged.TrainState):
+    tree = {'step': tree.step, 'params': tree.params, 'opt_state': tree.opt_state,
+            'ring': tree.ring}
+  return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+def assert_trees_equal(a, b):
+  """Same structure, shapes, dtypes and every bit (and not two empty trees)."""
+  assert jax.tree.leaves(a), 'an empty tree proves nothing'
+  chex.assert_trees_all_equal_structs(a, b)
+  chex.assert_trees_all_equal_shapes_and_dtypes(a, b)
+  chex.assert_trees_all_equal(a, b)
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+def run_cli(*args, timeout=90, **kwargs):
+  return subprocess.run([sys.executable, '-m', 'ouroboros_jax', *map(str, args)], cwd=REPO_ROOT,
+                        capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def assert_one_line_error(result, code: int, *words: str):
+  assert result.returncode == code, (result.returncode, result.stderr)
+  assert 'Traceback' not in result.stderr
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1, result.stderr
+  assert lines[0].startswith('error: ')
+  for word in words:
+    assert word in lines[0], (word, lines[0])
+
+
+# ----------------------------------------------------------------------------- training runs
+
+TINY = dict(d_model=32, num_heads=2, num_layers=2, d_ff=128, seq_len=64, batch_size=16,
+            learning_rate=1e-2, warmup_steps=5, eval_batches=4, log_every=1)
+
+
+def tiny_config(out, prepared_data_dir, **overrides):
+  """The tiny preset made smaller, training on the prepared default corpus into `out`."""
+  from ouroboros_jax.training import config
+
+  values = dict(TINY, data_dir=prepared_data_dir, out=os.fspath(out))
+  values.update(overrides)
+  return config.override(config.get_preset('tiny'), values)

@@ -1,0 +1,66 @@
+"""The package's face and its layers: what moved still imports, and nothing imports upward."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pathlib
+
+import pytest
+
+import ouroboros_jax
+
+PACKAGE = pathlib.Path(ouroboros_jax.__file__).resolve().parent
+
+# The layer of each top-level module or sub-package (docs/architecture.md): a module may import
+# from its own layer and the ones below, never from above.
+LAYERS = {'errors': 0, 'choices': 0, 'model': 1, 'staged': 1, 'partition': 1, 'costs': 1,
+          'runtime': 1, 'schedules': 2, 'accelerators': 3, 'perf': 4, 'training': 4, 'cli': 5,
+          '__main__': 5, '__init__': 5}
+
+
+def _part(module: str) -> str:
+  """'ouroboros_jax.schedules.ring' -> 'schedules'."""
+  return module.split('.')[1] if module.count('.') else '__init__'
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+  tree = ast.parse(path.read_text())
+  found = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(
+        'ouroboros_jax'):
+      found |= ({f'{node.module}.{a.name}' for a in node.names} if node.module == 'ouroboros_jax'
+                else {node.module})
+    elif isinstance(node, ast.Import):
+      found |= {a.name for a in node.names if a.name.startswith('ouroboros_jax.')}
+  return found
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+  upward = []
+  for path in sorted(PACKAGE.rglob('*.py')):
+    relative = path.relative_to(PACKAGE).with_suffix('')
+    own = relative.parts[0]
+    if own not in LAYERS:
+      pytest.fail(f'{relative} is in no layer; add it to LAYERS and docs/architecture.md')
+    for module in _imports(path):
+      other = _part(module)
+      if own != '__init__' and LAYERS[other] > LAYERS[own]:
+        upward.append(f'{relative} imports {module}')
+  assert not upward, upward
+
+
+@pytest.mark.parametrize('old, new', sorted(ouroboros_jax.MOVED_MODULES.items()))
+def test_the_modules_of_the_flat_layout_still_import(old, new):
+  module = getattr(ouroboros_jax, old)
+  assert module is importlib.import_module(f'ouroboros_jax.{new}')
+
+
+def test_the_documented_imports_work():
+  from ouroboros_jax import presets, train  # the README of the flat layout
+  cfg = presets.override(presets.get_preset('tiny'), {'stages': 2, 'schedule': 'ouroboros'})
+  assert callable(train.train) and cfg.schedule.num_stages == 2
+  assert ouroboros_jax.TrainConfig is presets.TrainConfig
+  with pytest.raises(AttributeError, match='no attribute'):
+    ouroboros_jax.not_a_module  # noqa: B018
