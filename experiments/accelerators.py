@@ -34,12 +34,22 @@ def parse_args(argv=None):
   parser.add_argument('--eval-batches', type=int, default=40)
   parser.add_argument('--methods', default=None, help='comma-separated subset (default all)')
   parser.add_argument('--out', default='experiments/results/accelerators')
-  parser.add_argument('--copy-png', default=None, metavar='PATH',
-                      help='also copy the plot here (the README uses docs/accelerators.png)')
-  parser.add_argument('--replot', action='store_true',
-                      help='only rebuild the table and plot from --out/results.json')
-  parser.add_argument('--set', action='append', default=[], metavar='FIELD=VALUE',
-                      help='any other TrainConfig/ModelConfig override, e.g. --set d_model=64')
+  parser.add_argument(
+    '--copy-png',
+    default=None,
+    metavar='PATH',
+    help='also copy the plot here (the README uses docs/accelerators.png)',
+  )
+  parser.add_argument(
+    '--replot', action='store_true', help='only rebuild the table and plot from --out/results.json'
+  )
+  parser.add_argument(
+    '--set',
+    action='append',
+    default=[],
+    metavar='FIELD=VALUE',
+    help='any other TrainConfig/ModelConfig override, e.g. --set d_model=64',
+  )
   return parser.parse_args(argv)
 
 
@@ -47,9 +57,14 @@ def main(argv=None):
   args = parse_args(argv)
   from ouroboros_jax.training import compare, config
 
-  overrides = {'num_layers': args.num_layers, 'steps': args.steps, 'layer_unroll': 0,
-               'eval_every': args.eval_every, 'eval_batches': args.eval_batches,
-               'log_every': 25}
+  overrides = {
+    'num_layers': args.num_layers,
+    'steps': args.steps,
+    'layer_unroll': 0,
+    'eval_every': args.eval_every,
+    'eval_batches': args.eval_batches,
+    'log_every': 25,
+  }
   for item in args.set:
     key, _, value = item.partition('=')
     kind = config.fields()[key][0]
@@ -61,13 +76,14 @@ def main(argv=None):
     with open(os.path.join(args.out, 'results.json')) as f:
       results = compare.add_savings(json.load(f))
   else:
-    results = compare.compare(base, args.out, names,
-                                   log=lambda text: print(text, flush=True))
+    results = compare.compare(base, args.out, names, log=lambda text: print(text, flush=True))
   compare.write_csv(results, os.path.join(args.out, 'accelerators.csv'))
   table = compare.markdown_table(results)
-  shape = (f'{base.model.num_layers} layers, d_model {base.model.d_model}, seq '
-           f'{base.model.seq_len}, batch {base.batch_size}, {base.steps} steps '
-           f'({base.steps * base.tokens_per_step:,} tokens) per method')
+  shape = (
+    f'{base.model.num_layers} layers, d_model {base.model.d_model}, seq '
+    f'{base.model.seq_len}, batch {base.batch_size}, {base.steps} steps '
+    f'({base.steps * base.tokens_per_step:,} tokens) per method'
+  )
   with open(os.path.join(args.out, 'accelerators.md'), 'w') as f:
     f.write(f'{shape}\n\n{table}\n')
   with open(os.path.join(args.out, 'results.json'), 'w') as f:

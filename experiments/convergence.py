@@ -34,42 +34,52 @@ import sys
 # `--set compensation=none --set optimizer=adamw` for the paper's method. backprop-muon is the
 # best synchronous run of experiments/lr_sweep.py (Muon at its best rate there, 0.04).
 RUNS = {
-    'backprop': dict(schedule='backprop', stages=1),
-    'backprop-muon': dict(schedule='backprop', stages=1, optimizer='muon',
-                          muon_learning_rate=0.04),
-    'ouroboros-g2-graph': dict(schedule='ouroboros', stages=2, stash='graph'),
-    'ouroboros-g2-replay': dict(schedule='ouroboros', stages=2, stash='replay'),
-    'ouroboros-g4-graph': dict(schedule='ouroboros', stages=4, stash='graph'),
-    'ouroboros-g4-replay': dict(schedule='ouroboros', stages=4, stash='replay'),
-    'pipelined-g2-graph': dict(schedule='ouroboros', stages=2, stash='graph', forward='pipelined'),
-    'pipelined-g2-replay': dict(schedule='ouroboros', stages=2, stash='replay', forward='pipelined'),
-    'pipelined-g4-graph': dict(schedule='ouroboros', stages=4, stash='graph', forward='pipelined'),
-    'pipelined-g4-replay': dict(schedule='ouroboros', stages=4, stash='replay', forward='pipelined'),
+  'backprop': dict(schedule='backprop', stages=1),
+  'backprop-muon': dict(schedule='backprop', stages=1, optimizer='muon', muon_learning_rate=0.04),
+  'ouroboros-g2-graph': dict(schedule='ouroboros', stages=2, stash='graph'),
+  'ouroboros-g2-replay': dict(schedule='ouroboros', stages=2, stash='replay'),
+  'ouroboros-g4-graph': dict(schedule='ouroboros', stages=4, stash='graph'),
+  'ouroboros-g4-replay': dict(schedule='ouroboros', stages=4, stash='replay'),
+  'pipelined-g2-graph': dict(schedule='ouroboros', stages=2, stash='graph', forward='pipelined'),
+  'pipelined-g2-replay': dict(schedule='ouroboros', stages=2, stash='replay', forward='pipelined'),
+  'pipelined-g4-graph': dict(schedule='ouroboros', stages=4, stash='graph', forward='pipelined'),
+  'pipelined-g4-replay': dict(schedule='ouroboros', stages=4, stash='replay', forward='pipelined'),
 }
 
 
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--preset', default='tiny')
-  parser.add_argument('--steps', type=int, default=None, help='override the preset\'s steps')
+  parser.add_argument('--steps', type=int, default=None, help="override the preset's steps")
   parser.add_argument('--eval-every', type=int, default=100)
-  parser.add_argument('--runs', default=','.join(RUNS), help='comma-separated subset of: '
-                      + ', '.join(RUNS))
+  parser.add_argument(
+    '--runs', default=','.join(RUNS), help='comma-separated subset of: ' + ', '.join(RUNS)
+  )
   parser.add_argument('--out', default='experiments/results/convergence')
   parser.add_argument('--cpu-devices', type=int, default=4)
-  parser.add_argument('--reuse', action='store_true',
-                      help='keep a run whose summary.json exists under --out instead of training '
-                           'it again (to finish an interrupted experiment)')
-  parser.add_argument('--set', action='append', default=[], metavar='FIELD=VALUE',
-                      help='any other TrainConfig/ModelConfig override, e.g. --set d_model=64')
+  parser.add_argument(
+    '--reuse',
+    action='store_true',
+    help='keep a run whose summary.json exists under --out instead of training '
+    'it again (to finish an interrupted experiment)',
+  )
+  parser.add_argument(
+    '--set',
+    action='append',
+    default=[],
+    metavar='FIELD=VALUE',
+    help='any other TrainConfig/ModelConfig override, e.g. --set d_model=64',
+  )
   return parser.parse_args(argv)
 
 
 def main(argv=None):
   args = parse_args(argv)
   import jax
+
   from ouroboros_jax.runtime import host
   from ouroboros_jax.training import config, loop
+
   host.configure_cpu_runtime()  # before any device is touched
   jax.config.update('jax_num_cpu_devices', args.cpu_devices)
 
@@ -91,6 +101,7 @@ def main(argv=None):
     else:
       if os.path.isdir(out):  # a fresh run: an earlier one would be resumed otherwise
         import shutil
+
         shutil.rmtree(out)
       values = dict(out=out, eval_every=args.eval_every, **RUNS[name], **typed)
       if args.steps:
@@ -102,8 +113,16 @@ def main(argv=None):
       for line in f:
         row = json.loads(line)
         if row['split'] in ('validation', 'test'):
-          rows.append({'run': name, 'step': row['step'], 'split': row['split'],
-                       'loss': row['loss'], 'bpb': row['bpb'], 'wall_s': row['wall_s']})
+          rows.append(
+            {
+              'run': name,
+              'step': row['step'],
+              'split': row['split'],
+              'loss': row['loss'],
+              'bpb': row['bpb'],
+              'wall_s': row['wall_s'],
+            }
+          )
     finals.append((name, summary))
 
   os.makedirs(args.out, exist_ok=True)
@@ -112,19 +131,25 @@ def main(argv=None):
     writer.writeheader()
     writer.writerows(rows)
 
-  table = ['| run | final val bpb | test bpb | steps | tokens/s (simulated devices) |',
-           '|---|---|---|---|---|']
+  table = [
+    '| run | final val bpb | test bpb | steps | tokens/s (simulated devices) |',
+    '|---|---|---|---|---|',
+  ]
   for name, s in finals:
-    table.append(f"| {name} | {s['val_bpb']:.4f} | {s['test_bpb']:.4f} | {s['step']} | "
-                 f"{s['tokens_per_s']:.0f} |")
+    table.append(
+      f'| {name} | {s["val_bpb"]:.4f} | {s["test_bpb"]:.4f} | {s["step"]} | '
+      f'{s["tokens_per_s"]:.0f} |'
+    )
   text = '\n'.join(table)
   with open(os.path.join(args.out, 'summary.md'), 'w') as f:
     f.write(text + '\n')
   print(text)
 
   import matplotlib
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
+
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for name in names:
     pts = [(r['step'], r['bpb']) for r in rows if r['run'] == name and r['split'] == 'validation']

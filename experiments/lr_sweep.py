@@ -45,60 +45,82 @@ MUON_RATES = (0.01, 0.02, 0.04, 0.08)
 
 # name -> (config overrides, grid of rates). One rate: the grid is skipped, that rate is final.
 RECIPES = {
-    'backprop-adamw': (dict(schedule='backprop'), ADAMW_RATES),
-    'backprop-muon': (dict(schedule='backprop', optimizer='muon'), MUON_RATES),
-    'g2-adamw': (dict(OUROBOROS), (5e-4, 1e-3, 2.5e-3, 5e-3)),
-    'g2-adamw-predict': (dict(OUROBOROS, compensation='predict'), (2.5e-3,)),
-    'g2-nadamw': (dict(OUROBOROS, optimizer='nadamw'), (2.5e-3,)),
-    'g2-adamw-warmup100': (dict(OUROBOROS, sync_warmup_steps=100), (5e-3,)),
-    'g2-muon': (dict(OUROBOROS, optimizer='muon'), MUON_RATES),
-    'g2-muon-predict': (dict(OUROBOROS, optimizer='muon', compensation='predict'), MUON_RATES),
-    'g2-muon-pipemare': (dict(OUROBOROS, optimizer='muon', compensation='pipemare'), (0.02,)),
-    'g2-muon-dc': (dict(OUROBOROS, optimizer='muon', compensation='dc'), (0.02,)),
-    'g2-muon-shrink': (dict(OUROBOROS, optimizer='muon', compensation='shrink'), (0.02,)),
-    'g2-muon-predict-pipemare': (dict(OUROBOROS, optimizer='muon',
-                                      compensation='predict,pipemare'), (0.02,)),
-    'g2-muon-predict-dc': (dict(OUROBOROS, optimizer='muon', compensation='predict,dc'),
-                           (0.02,)),
-    'g2-muon-predict-beta0.98': (dict(OUROBOROS, optimizer='muon', compensation='predict',
-                                      momentum=0.98), (0.02,)),
-    'g4-muon-predict': (dict(G4, optimizer='muon', compensation='predict'), (0.02,)),
-    'pipelined-g2-muon-predict': (dict(PIPELINED, optimizer='muon', compensation='predict'),
-                                  (0.02,)),
-    # The deeper delays (G = 4: module 1 four steps behind; pipelined: twice the locked gaps)
-    # with the default recipe and its own grid, and the levers that could matter more there:
-    # less momentum (asynchrony acts as momentum: Mitliagkas et al. 2016), PipeMare's rate
-    # rescheduling, a synchronous warm-up through the early steps where staleness hurts most.
-    'g4-muon-predict-dc': (dict(G4, optimizer='muon', compensation='predict,dc'),
-                           (0.005, 0.01, 0.02)),
-    'g4-muon-predict-dc-beta0.9': (dict(G4, optimizer='muon', compensation='predict,dc',
-                                        momentum=0.9), (0.01,)),
-    'g4-muon-predict-dc-pipemare': (dict(G4, optimizer='muon',
-                                         compensation='predict,dc,pipemare'), (0.01,)),
-    'g4-muon-predict-dc-warmup50': (dict(G4, optimizer='muon', compensation='predict,dc',
-                                         sync_warmup_steps=50), (0.01,)),
-    'pipelined-g2-muon-predict-dc': (dict(PIPELINED, optimizer='muon', compensation='predict,dc'),
-                                     (0.005, 0.01, 0.02)),
-    'pipelined-g2-muon-predict-dc-beta0.9': (dict(PIPELINED, optimizer='muon',
-                                                  compensation='predict,dc', momentum=0.9),
-                                             (0.01,)),
-    'pipelined-g2-muon-predict-dc-pipemare': (dict(PIPELINED, optimizer='muon',
-                                                   compensation='predict,dc,pipemare'), (0.01,)),
-    'pipelined-g2-muon-predict-dc-warmup50': (dict(PIPELINED, optimizer='muon',
-                                                   compensation='predict,dc',
-                                                   sync_warmup_steps=50), (0.01,)),
-    # Muon leaves embeddings, norms and biases to Adam, the staleness-fragile optimizer: a lower
-    # Adam rate there; and a longer rate warm-up through the early steps where delay hurts most.
-    'g4-muon-predict-dc-adam2.5e-3': (dict(G4, optimizer='muon', compensation='predict,dc',
-                                           learning_rate=2.5e-3), (0.01,)),
-    'g4-muon-predict-dc-lrwarmup200': (dict(G4, optimizer='muon', compensation='predict,dc',
-                                            warmup_steps=200), (0.01,)),
-    'pipelined-g2-muon-predict-dc-adam2.5e-3': (dict(PIPELINED, optimizer='muon',
-                                                     compensation='predict,dc',
-                                                     learning_rate=2.5e-3), (0.01,)),
-    'pipelined-g2-muon-predict-dc-lrwarmup200': (dict(PIPELINED, optimizer='muon',
-                                                      compensation='predict,dc',
-                                                      warmup_steps=200), (0.01,)),
+  'backprop-adamw': (dict(schedule='backprop'), ADAMW_RATES),
+  'backprop-muon': (dict(schedule='backprop', optimizer='muon'), MUON_RATES),
+  'g2-adamw': (dict(OUROBOROS), (5e-4, 1e-3, 2.5e-3, 5e-3)),
+  'g2-adamw-predict': (dict(OUROBOROS, compensation='predict'), (2.5e-3,)),
+  'g2-nadamw': (dict(OUROBOROS, optimizer='nadamw'), (2.5e-3,)),
+  'g2-adamw-warmup100': (dict(OUROBOROS, sync_warmup_steps=100), (5e-3,)),
+  'g2-muon': (dict(OUROBOROS, optimizer='muon'), MUON_RATES),
+  'g2-muon-predict': (dict(OUROBOROS, optimizer='muon', compensation='predict'), MUON_RATES),
+  'g2-muon-pipemare': (dict(OUROBOROS, optimizer='muon', compensation='pipemare'), (0.02,)),
+  'g2-muon-dc': (dict(OUROBOROS, optimizer='muon', compensation='dc'), (0.02,)),
+  'g2-muon-shrink': (dict(OUROBOROS, optimizer='muon', compensation='shrink'), (0.02,)),
+  'g2-muon-predict-pipemare': (
+    dict(OUROBOROS, optimizer='muon', compensation='predict,pipemare'),
+    (0.02,),
+  ),
+  'g2-muon-predict-dc': (dict(OUROBOROS, optimizer='muon', compensation='predict,dc'), (0.02,)),
+  'g2-muon-predict-beta0.98': (
+    dict(OUROBOROS, optimizer='muon', compensation='predict', momentum=0.98),
+    (0.02,),
+  ),
+  'g4-muon-predict': (dict(G4, optimizer='muon', compensation='predict'), (0.02,)),
+  'pipelined-g2-muon-predict': (dict(PIPELINED, optimizer='muon', compensation='predict'), (0.02,)),
+  # The deeper delays (G = 4: module 1 four steps behind; pipelined: twice the locked gaps)
+  # with the default recipe and its own grid, and the levers that could matter more there:
+  # less momentum (asynchrony acts as momentum: Mitliagkas et al. 2016), PipeMare's rate
+  # rescheduling, a synchronous warm-up through the early steps where staleness hurts most.
+  'g4-muon-predict-dc': (
+    dict(G4, optimizer='muon', compensation='predict,dc'),
+    (0.005, 0.01, 0.02),
+  ),
+  'g4-muon-predict-dc-beta0.9': (
+    dict(G4, optimizer='muon', compensation='predict,dc', momentum=0.9),
+    (0.01,),
+  ),
+  'g4-muon-predict-dc-pipemare': (
+    dict(G4, optimizer='muon', compensation='predict,dc,pipemare'),
+    (0.01,),
+  ),
+  'g4-muon-predict-dc-warmup50': (
+    dict(G4, optimizer='muon', compensation='predict,dc', sync_warmup_steps=50),
+    (0.01,),
+  ),
+  'pipelined-g2-muon-predict-dc': (
+    dict(PIPELINED, optimizer='muon', compensation='predict,dc'),
+    (0.005, 0.01, 0.02),
+  ),
+  'pipelined-g2-muon-predict-dc-beta0.9': (
+    dict(PIPELINED, optimizer='muon', compensation='predict,dc', momentum=0.9),
+    (0.01,),
+  ),
+  'pipelined-g2-muon-predict-dc-pipemare': (
+    dict(PIPELINED, optimizer='muon', compensation='predict,dc,pipemare'),
+    (0.01,),
+  ),
+  'pipelined-g2-muon-predict-dc-warmup50': (
+    dict(PIPELINED, optimizer='muon', compensation='predict,dc', sync_warmup_steps=50),
+    (0.01,),
+  ),
+  # Muon leaves embeddings, norms and biases to Adam, the staleness-fragile optimizer: a lower
+  # Adam rate there; and a longer rate warm-up through the early steps where delay hurts most.
+  'g4-muon-predict-dc-adam2.5e-3': (
+    dict(G4, optimizer='muon', compensation='predict,dc', learning_rate=2.5e-3),
+    (0.01,),
+  ),
+  'g4-muon-predict-dc-lrwarmup200': (
+    dict(G4, optimizer='muon', compensation='predict,dc', warmup_steps=200),
+    (0.01,),
+  ),
+  'pipelined-g2-muon-predict-dc-adam2.5e-3': (
+    dict(PIPELINED, optimizer='muon', compensation='predict,dc', learning_rate=2.5e-3),
+    (0.01,),
+  ),
+  'pipelined-g2-muon-predict-dc-lrwarmup200': (
+    dict(PIPELINED, optimizer='muon', compensation='predict,dc', warmup_steps=200),
+    (0.01,),
+  ),
 }
 SYNCHRONOUS = ('backprop-adamw', 'backprop-muon')
 # Recipes without a grid of their own take the best rate of another's (G = 4 and pipelined: the
@@ -106,12 +128,20 @@ SYNCHRONOUS = ('backprop-adamw', 'backprop-muon')
 INHERIT = {'g4-muon-predict': 'g2-muon-predict', 'pipelined-g2-muon-predict': 'g2-muon-predict'}
 # Recipes trained for --final-steps at their best rate; the others are ablations at grid length.
 # A finalist with one rate skips the grid (G=4 and pipelined take the G=2 recipe's best rate).
-FINALISTS = ('backprop-adamw', 'backprop-muon', 'g2-adamw', 'g2-muon-predict',
-             'g2-muon-predict-dc', 'g4-muon-predict', 'pipelined-g2-muon-predict',
-             'g4-muon-predict-dc', 'pipelined-g2-muon-predict-dc')
+FINALISTS = (
+  'backprop-adamw',
+  'backprop-muon',
+  'g2-adamw',
+  'g2-muon-predict',
+  'g2-muon-predict-dc',
+  'g4-muon-predict',
+  'pipelined-g2-muon-predict',
+  'g4-muon-predict-dc',
+  'pipelined-g2-muon-predict-dc',
+)
 
 
-for _overrides, _ in RECIPES.values():   # explicit, so the library's 'auto' default does not leak in
+for _overrides, _ in RECIPES.values():  # explicit, so the library's 'auto' default does not leak in
   _overrides.setdefault('optimizer', 'adamw')
   _overrides.setdefault('compensation', 'none')
 
@@ -122,33 +152,49 @@ def rate_field(overrides: dict) -> str:
 
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--recipes', default=','.join(RECIPES),
-                      help='comma-separated subset of: ' + ', '.join(RECIPES))
+  parser.add_argument(
+    '--recipes', default=','.join(RECIPES), help='comma-separated subset of: ' + ', '.join(RECIPES)
+  )
   parser.add_argument('--phases', default='grid,final', help='grid, final, or both')
   parser.add_argument('--grid-steps', type=int, default=200)
   parser.add_argument('--final-steps', type=int, default=1000)
   parser.add_argument('--eval-every', type=int, default=100, help='final runs')
   parser.add_argument('--eval-batches', type=int, default=40)
   parser.add_argument('--out', default='experiments/results/lr_sweep')
-  parser.add_argument('--reuse', action='store_true',
-                      help='keep runs whose summary.json exists under --out')
-  parser.add_argument('--seed', type=int, default=0,
-                      help='initialisation and batch order of every run (a second seed checks a '
-                           'small margin)')
-  parser.add_argument('--bench', default='docs/bench_2proc_cpu.csv',
-                      help='measured step times (ouroboros bench CSV, AdamW) for time to quality')
+  parser.add_argument(
+    '--reuse', action='store_true', help='keep runs whose summary.json exists under --out'
+  )
+  parser.add_argument(
+    '--seed',
+    type=int,
+    default=0,
+    help='initialisation and batch order of every run (a second seed checks a small margin)',
+  )
+  parser.add_argument(
+    '--bench',
+    default='docs/bench_2proc_cpu.csv',
+    help='measured step times (ouroboros bench CSV, AdamW) for time to quality',
+  )
   return parser.parse_args(argv)
 
 
 def train_one(base, overrides, rate, steps, eval_every, eval_batches, out, reuse, seed=0):
   from ouroboros_jax.training import config, loop
+
   done = os.path.join(out, 'summary.json')
   if not (reuse and os.path.exists(done)):
     if os.path.isdir(out):
       shutil.rmtree(out)
-    values = dict(overrides, out=out, steps=steps, eval_every=eval_every,
-                  eval_batches=eval_batches, checkpoint_every=10 * steps, num_layers=4,
-                  seed=seed)
+    values = dict(
+      overrides,
+      out=out,
+      steps=steps,
+      eval_every=eval_every,
+      eval_batches=eval_batches,
+      checkpoint_every=10 * steps,
+      num_layers=4,
+      seed=seed,
+    )
     values[rate_field(overrides)] = rate
     loop.train(config.override(base, values), quiet=True)
   rows = []
@@ -166,15 +212,17 @@ def run_phase(phase, names, args, base, best=None):
     overrides, grid = RECIPES[name]
     rates = grid if phase == 'grid' else (best[name],)
     if (phase == 'grid' and len(grid) == 1 and name in FINALISTS) or (
-        phase == 'final' and name not in FINALISTS):
+      phase == 'final' and name not in FINALISTS
+    ):
       continue
     for rate in rates:
       steps = args.grid_steps if phase == 'grid' else args.final_steps
       every = steps if phase == 'grid' else args.eval_every
       out = os.path.join(args.out, phase, f'{name}@{rate:g}')
       print(f'== {phase} {name} rate {rate:g}', flush=True)
-      for step, bpb in train_one(base, overrides, rate, steps, every, args.eval_batches, out,
-                                 args.reuse, args.seed):
+      for step, bpb in train_one(
+        base, overrides, rate, steps, every, args.eval_batches, out, args.reuse, args.seed
+      ):
         rows.append({'recipe': name, 'rate': rate, 'step': step, 'bpb': bpb})
   with open(os.path.join(args.out, f'{phase}.csv'), 'w', newline='') as f:
     writer = csv.DictWriter(f, fieldnames=['recipe', 'rate', 'step', 'bpb'])
@@ -185,8 +233,10 @@ def run_phase(phase, names, args, base, best=None):
 
 def read_csv(path):
   with open(path) as f:
-    return [dict(r, rate=float(r['rate']), step=int(r['step']), bpb=float(r['bpb']))
-            for r in csv.DictReader(f)]
+    return [
+      dict(r, rate=float(r['rate']), step=int(r['step']), bpb=float(r['bpb']))
+      for r in csv.DictReader(f)
+    ]
 
 
 def best_rates(grid_rows, names):
@@ -245,8 +295,11 @@ def report(args, names, grid_rows, final_rows, best):
 
   def seconds(name):
     overrides = RECIPES[name][0]
-    key = ('backprop' if overrides['schedule'] == 'backprop' else
-           (overrides['stages'], overrides.get('forward', 'locked')))
+    key = (
+      'backprop'
+      if overrides['schedule'] == 'backprop'
+      else (overrides['stages'], overrides.get('forward', 'locked'))
+    )
     return times.get(key, math.nan)
 
   def time_to(name, reference):
@@ -259,15 +312,19 @@ def report(args, names, grid_rows, final_rows, best):
       return 'not reached', '-'
     return f'{steps:.0f}', '-' if math.isnan(ratio) else f'{steps * ratio / own:.2f}x'
 
-  lines = [f'Final validation bpb after {args.final_steps} steps at each recipe\'s best rate '
-           f'(grid: {args.grid_steps}-step runs). Best synchronous run: {best_sync} '
-           f'({finals.get(best_sync, math.nan):.4f}). Time to quality = the steps a recipe needs '
-           'to reach a reference\'s final bpb (interpolated between evaluations) x its step time, '
-           'over the reference\'s; step times of each schedule measured by `ouroboros bench` on 2 '
-           f'pinned processes ({args.bench}, AdamW; Muon\'s own cost is not included).', '',
-           '| recipe | best rate | final val bpb | vs best sync | step time vs backprop-adamw | '
-           'steps to backprop-adamw\'s bpb | time vs backprop-adamw | steps to best sync\'s bpb '
-           '| time vs best sync |', '|---|---|---|---|---|---|---|---|---|']
+  lines = [
+    f"Final validation bpb after {args.final_steps} steps at each recipe's best rate "
+    f'(grid: {args.grid_steps}-step runs). Best synchronous run: {best_sync} '
+    f'({finals.get(best_sync, math.nan):.4f}). Time to quality = the steps a recipe needs '
+    "to reach a reference's final bpb (interpolated between evaluations) x its step time, "
+    "over the reference's; step times of each schedule measured by `ouroboros bench` on 2 "
+    f"pinned processes ({args.bench}, AdamW; Muon's own cost is not included).",
+    '',
+    '| recipe | best rate | final val bpb | vs best sync | step time vs backprop-adamw | '
+    "steps to backprop-adamw's bpb | time vs backprop-adamw | steps to best sync's bpb "
+    '| time vs best sync |',
+    '|---|---|---|---|---|---|---|---|---|',
+  ]
   for name in names:
     if name not in finals:
       continue
@@ -275,31 +332,42 @@ def report(args, names, grid_rows, final_rows, best):
     ratio = seconds(name) / seconds('backprop-adamw') if 'backprop-adamw' in finals else math.nan
     to_adamw = time_to(name, 'backprop-adamw') if 'backprop-adamw' in finals else ('-', '-')
     to_best = time_to(name, best_sync) if best_sync else ('-', '-')
-    lines.append(f'| {name} | {best[name]:g} | {finals[name]:.4f} | {gap:+.1%} | '
-                 f'{"-" if math.isnan(ratio) else f"{ratio:.2f}x"} | {to_adamw[0]} | '
-                 f'{to_adamw[1]} | {to_best[0]} | {to_best[1]} |')
+    lines.append(
+      f'| {name} | {best[name]:g} | {finals[name]:.4f} | {gap:+.1%} | '
+      f'{"-" if math.isnan(ratio) else f"{ratio:.2f}x"} | {to_adamw[0]} | '
+      f'{to_adamw[1]} | {to_best[0]} | {to_best[1]} |'
+    )
   # Every recipe at grid length, at its best rate: the ablation of each compensation.
   at_grid = {}
   for r in grid_rows:
     if r['rate'] == best.get(r['recipe']):
       at_grid[r['recipe']] = r['bpb']
   grid_sync = min((at_grid[n] for n in SYNCHRONOUS if n in at_grid), default=math.nan)
-  lines += ['', f'Grid ({args.grid_steps} steps, each recipe at its best rate of the grid; '
-            'one rate where the grid lists one):', '',
-            '| recipe | rates tried | best rate | val bpb | vs best sync |', '|---|---|---|---|---|']
+  lines += [
+    '',
+    f'Grid ({args.grid_steps} steps, each recipe at its best rate of the grid; '
+    'one rate where the grid lists one):',
+    '',
+    '| recipe | rates tried | best rate | val bpb | vs best sync |',
+    '|---|---|---|---|---|',
+  ]
   for name in names:
     if name in at_grid:
       rates = ', '.join(f'{r:g}' for r in RECIPES[name][1])
-      lines.append(f'| {name} | {rates} | {best[name]:g} | {at_grid[name]:.4f} | '
-                   f'{at_grid[name] / grid_sync - 1:+.1%} |')
+      lines.append(
+        f'| {name} | {rates} | {best[name]:g} | {at_grid[name]:.4f} | '
+        f'{at_grid[name] / grid_sync - 1:+.1%} |'
+      )
   text = '\n'.join(lines)
   with open(os.path.join(args.out, 'summary.md'), 'w') as f:
     f.write(text + '\n')
   print(text)
 
   import matplotlib
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
+
   fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
   for name in names:
     pts = sorted((r['rate'], r['bpb']) for r in grid_rows if r['recipe'] == name)
@@ -326,8 +394,10 @@ def report(args, names, grid_rows, final_rows, best):
 def main(argv=None):
   args = parse_args(argv)
   import jax
+
   from ouroboros_jax.runtime import host
   from ouroboros_jax.training import config
+
   host.configure_cpu_runtime()
   jax.config.update('jax_num_cpu_devices', 4)
   names = [n for n in args.recipes.split(',') if n]
@@ -338,12 +408,22 @@ def main(argv=None):
   base = config.get_preset('tiny')
   phases = args.phases.split(',')
   grid_path = os.path.join(args.out, 'grid.csv')
-  grid_rows = (run_phase('grid', names, args, base) if 'grid' in phases else
-               read_csv(grid_path) if os.path.exists(grid_path) else [])
+  grid_rows = (
+    run_phase('grid', names, args, base)
+    if 'grid' in phases
+    else read_csv(grid_path)
+    if os.path.exists(grid_path)
+    else []
+  )
   best = best_rates(grid_rows, names)
   final_path = os.path.join(args.out, 'final.csv')
-  final_rows = (run_phase('final', names, args, base, best) if 'final' in phases else
-                read_csv(final_path) if os.path.exists(final_path) else [])
+  final_rows = (
+    run_phase('final', names, args, base, best)
+    if 'final' in phases
+    else read_csv(final_path)
+    if os.path.exists(final_path)
+    else []
+  )
   report(args, names, grid_rows, final_rows, best)
 
 

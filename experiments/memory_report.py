@@ -24,26 +24,39 @@ def main(argv=None):
   parser.add_argument('--seq-len', type=int, default=128)
   parser.add_argument('--batch', type=int, default=32)
   parser.add_argument('--stages', default='2,4')
-  parser.add_argument('--policies', default='all,dots,nothing',
-                      help='graph stash policies to report (see --stash-policy)')
+  parser.add_argument(
+    '--policies',
+    default='all,dots,nothing',
+    help='graph stash policies to report (see --stash-policy)',
+  )
   parser.add_argument('--out', default='experiments/results/memory')
   args = parser.parse_args(argv)
   stages = [int(g) for g in args.stages.split(',')]
   import jax
-  from ouroboros_jax.runtime import host
-  from ouroboros_jax.perf import memory
+
   from ouroboros_jax import model
+  from ouroboros_jax.perf import memory
+  from ouroboros_jax.runtime import host
+
   host.configure_cpu_runtime()  # before any device is touched
   jax.config.update('jax_num_cpu_devices', max(stages))
 
-  cfg = model.ModelConfig(d_model=args.d_model, num_heads=args.num_heads,
-                          num_layers=args.num_layers, d_ff=args.d_ff, seq_len=args.seq_len)
+  cfg = model.ModelConfig(
+    d_model=args.d_model,
+    num_heads=args.num_heads,
+    num_layers=args.num_layers,
+    d_ff=args.d_ff,
+    seq_len=args.seq_len,
+  )
   sections = []
   for g in stages:
-    table = memory.format_table(memory.stash_comparison(cfg, g, args.batch,
-                                                             args.policies.split(',')))
-    sections.append(f'### G = {g}, {cfg.num_layers} layers, d_model {cfg.d_model}, '
-                    f'batch {args.batch} x {cfg.seq_len}\n\n{table}\n')
+    table = memory.format_table(
+      memory.stash_comparison(cfg, g, args.batch, args.policies.split(','))
+    )
+    sections.append(
+      f'### G = {g}, {cfg.num_layers} layers, d_model {cfg.d_model}, '
+      f'batch {args.batch} x {cfg.seq_len}\n\n{table}\n'
+    )
     print(sections[-1], flush=True)
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, 'memory.md'), 'w') as f:

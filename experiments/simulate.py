@@ -66,17 +66,29 @@ from ouroboros_jax.perf import simulate as sim
 STAGES = (1, 2, 4, 8, 16, 32, 64)
 # label -> (schedule, simulate() keywords); data_parallel gets D = G at run time.
 VARIANTS = {
-    'data_parallel': ('data_parallel', {}),
-    'model_parallel': ('model_parallel', {}),
-    'gpipe M=4': ('gpipe', {'microbatches': 4}),
-    'gpipe M=8': ('gpipe', {'microbatches': 8}),
-    'ouroboros locked': ('ouroboros', {'forward': 'locked'}),
-    'ouroboros locked replay': ('ouroboros', {'forward': 'locked', 'stash': 'replay'}),
-    'ouroboros pipelined': ('ouroboros', {'forward': 'pipelined'}),
-    'ouroboros pipelined replay': ('ouroboros', {'forward': 'pipelined', 'stash': 'replay'}),
+  'data_parallel': ('data_parallel', {}),
+  'model_parallel': ('model_parallel', {}),
+  'gpipe M=4': ('gpipe', {'microbatches': 4}),
+  'gpipe M=8': ('gpipe', {'microbatches': 8}),
+  'ouroboros locked': ('ouroboros', {'forward': 'locked'}),
+  'ouroboros locked replay': ('ouroboros', {'forward': 'locked', 'stash': 'replay'}),
+  'ouroboros pipelined': ('ouroboros', {'forward': 'pipelined'}),
+  'ouroboros pipelined replay': ('ouroboros', {'forward': 'pipelined', 'stash': 'replay'}),
 }
-COLUMNS = ['model', 'hardware', 'label', 'schedule', 'devices', 'microbatches', 'stash', 'forward',
-           'step_time_s', 'speedup', 'idle_fraction', 'backprop_step_s']
+COLUMNS = [
+  'model',
+  'hardware',
+  'label',
+  'schedule',
+  'devices',
+  'microbatches',
+  'stash',
+  'forward',
+  'step_time_s',
+  'speedup',
+  'idle_fraction',
+  'backprop_step_s',
+]
 
 
 def parse_args(argv=None):
@@ -101,14 +113,22 @@ def predict(model: sim.ModelShape, hardware: sim.Hardware, stages) -> tuple[list
     for label, (schedule, kwargs) in VARIANTS.items():
       kwargs = dict(kwargs, data_parallel=num_stages) if schedule == 'data_parallel' else kwargs
       result = sim.simulate(schedule, costs, **kwargs)
-      rows.append({'model': model.name, 'hardware': hardware.name, 'label': label,
-                   'schedule': schedule, 'devices': result.num_devices,
-                   'microbatches': kwargs.get('microbatches', ''),
-                   'stash': kwargs.get('stash', 'graph') if schedule == 'ouroboros' else '',
-                   'forward': kwargs.get('forward', '') if schedule == 'ouroboros' else '',
-                   'step_time_s': result.step_time, 'speedup': result.speedup,
-                   'idle_fraction': result.idle_fraction,
-                   'backprop_step_s': result.backprop_time})
+      rows.append(
+        {
+          'model': model.name,
+          'hardware': hardware.name,
+          'label': label,
+          'schedule': schedule,
+          'devices': result.num_devices,
+          'microbatches': kwargs.get('microbatches', ''),
+          'stash': kwargs.get('stash', 'graph') if schedule == 'ouroboros' else '',
+          'forward': kwargs.get('forward', '') if schedule == 'ouroboros' else '',
+          'step_time_s': result.step_time,
+          'speedup': result.speedup,
+          'idle_fraction': result.idle_fraction,
+          'backprop_step_s': result.backprop_time,
+        }
+      )
   return rows, skipped
 
 
@@ -117,9 +137,11 @@ def format_table(rows: list[dict]) -> str:
   stages = sorted({r['devices'] for r in rows})
   speedup = {(r['label'], r['devices']): r['speedup'] for r in rows}
   backprop_ms = rows[0]['backprop_step_s'] * 1e3
-  lines = [' | '.join(['speedup', *(f'G={g}' for g in stages)]),
-           ' | '.join(['---'] * (len(stages) + 1)),
-           ' | '.join([f'(backprop {backprop_ms:.1f} ms/step)', *('1.00' for _ in stages)])]
+  lines = [
+    ' | '.join(['speedup', *(f'G={g}' for g in stages)]),
+    ' | '.join(['---'] * (len(stages) + 1)),
+    ' | '.join([f'(backprop {backprop_ms:.1f} ms/step)', *('1.00' for _ in stages)]),
+  ]
   for label in VARIANTS:
     lines.append(' | '.join([label, *(f'{speedup[label, g]:.2f}' for g in stages)]))
   return '\n'.join(lines)
@@ -134,16 +156,20 @@ def write_csv(path: str, rows: list[dict], columns: list[str]) -> None:
 
 def plot_speedup(rows: list[dict], path: str) -> None:
   import matplotlib
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
-  panels = sorted({(r['hardware'], r['model']) for r in rows}, key=lambda p: (
-      list(sim.HARDWARE).index(p[0]), list(sim.MODELS).index(p[1])))
+  panels = sorted(
+    {(r['hardware'], r['model']) for r in rows},
+    key=lambda p: (list(sim.HARDWARE).index(p[0]), list(sim.MODELS).index(p[1])),
+  )
   hardware = sorted({p[0] for p in panels}, key=list(sim.HARDWARE).index)
   models = sorted({p[1] for p in panels}, key=list(sim.MODELS).index)
-  fig, axes = plt.subplots(len(hardware), len(models), squeeze=False,
-                           figsize=(5.5 * len(models), 4.2 * len(hardware)))
-  for (hw, model) in panels:
+  fig, axes = plt.subplots(
+    len(hardware), len(models), squeeze=False, figsize=(5.5 * len(models), 4.2 * len(hardware))
+  )
+  for hw, model in panels:
     ax = axes[hardware.index(hw)][models.index(model)]
     mine = [r for r in rows if r['hardware'] == hw and r['model'] == model]
     stages = sorted({r['devices'] for r in mine})
@@ -167,35 +193,57 @@ def plot_speedup(rows: list[dict], path: str) -> None:
 def plot_gantt(path: str, num_stages: int = 4, steps_shown: int = 3) -> None:
   """A steady-state stretch of model_parallel, gpipe, and both Ouroboros forwards."""
   import matplotlib
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
   costs = sim.preset_costs(sim.GPT2_SMALL, sim.NVLINK, num_stages)
-  runs = [('model_parallel', 'model_parallel', {}), ('gpipe M=4', 'gpipe', {'microbatches': 4}),
-          ('ouroboros locked', 'ouroboros', {}),
-          ('ouroboros pipelined', 'ouroboros', {'forward': 'pipelined'})]
-  colors = {'fwd': 'tab:blue', 'bwd': 'tab:orange', 'head': 'tab:green', 'embed_fwd': 'tab:gray',
-            'embed_bwd': 'tab:gray', 'act': 'tab:cyan', 'grad': 'tab:red'}
+  runs = [
+    ('model_parallel', 'model_parallel', {}),
+    ('gpipe M=4', 'gpipe', {'microbatches': 4}),
+    ('ouroboros locked', 'ouroboros', {}),
+    ('ouroboros pipelined', 'ouroboros', {'forward': 'pipelined'}),
+  ]
+  colors = {
+    'fwd': 'tab:blue',
+    'bwd': 'tab:orange',
+    'head': 'tab:green',
+    'embed_fwd': 'tab:gray',
+    'embed_bwd': 'tab:gray',
+    'act': 'tab:cyan',
+    'grad': 'tab:red',
+  }
   fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.2 * len(runs)))
   for ax, (title, schedule, kwargs) in zip(axes, runs):
     result = sim.simulate(schedule, costs, **kwargs)
     t1 = result.step_ends[-1]
     t0 = result.step_ends[-1 - steps_shown]
     lanes = list(range(num_stages)) + sorted(
-        {s.device for s in result.timeline if isinstance(s.device, str)})
+      {s.device for s in result.timeline if isinstance(s.device, str)}
+    )
     for span in result.timeline:
       if span.end <= t0 or span.start >= t1 or span.end == span.start:
         continue
       row = lanes.index(span.device)
-      ax.barh(row, (span.end - span.start) * 1e3, left=(span.start - t0) * 1e3, height=0.8,
-              color=colors.get(span.kind, 'k'), edgecolor='white', linewidth=0.3)
+      ax.barh(
+        row,
+        (span.end - span.start) * 1e3,
+        left=(span.start - t0) * 1e3,
+        height=0.8,
+        color=colors.get(span.kind, 'k'),
+        edgecolor='white',
+        linewidth=0.3,
+      )
     ax.set_yticks(range(len(lanes)), [f'dev {l}' if isinstance(l, int) else l for l in lanes])
     ax.invert_yaxis()
     ax.set_xlim(0, (t1 - t0) * 1e3)
-    ax.set_title(f'{title}: {result.step_time * 1e3:.1f} ms/step, '
-                 f'speedup {result.speedup:.2f}', fontsize=9)
-  axes[-1].set_xlabel(f'ms ({steps_shown} steady-state steps, gpt2-small, G={num_stages}, NVLink);'
-                      ' blue fwd, orange bwd, green head, cyan/red activation/gradient hops')
+    ax.set_title(
+      f'{title}: {result.step_time * 1e3:.1f} ms/step, speedup {result.speedup:.2f}', fontsize=9
+    )
+  axes[-1].set_xlabel(
+    f'ms ({steps_shown} steady-state steps, gpt2-small, G={num_stages}, NVLink);'
+    ' blue fwd, orange bwd, green head, cyan/red activation/gradient hops'
+  )
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
@@ -221,8 +269,10 @@ def _per_stage(text: str, num_stages: int, schedule: str) -> list[float]:
   if len(values) == 1:
     return values * num_stages
   if len(values) != num_stages:
-    raise ValueError(f'{schedule} with {num_stages} stages needs {num_stages} per-stage times '
-                     f'(or one), got {len(values)}: {text!r}.')
+    raise ValueError(
+      f'{schedule} with {num_stages} stages needs {num_stages} per-stage times '
+      f'(or one), got {len(values)}: {text!r}.'
+    )
   return values
 
 
@@ -234,19 +284,27 @@ def measured_setting(row: dict) -> tuple[str, sim.StageCosts, dict]:
   micro = int(_number(row.get('microbatches'), 1)) if schedule == 'gpipe' else 1
   link, latency = _number(row.get('link_s')), _number(row.get('link_latency_s'))
   costs = sim.StageCosts(
-      forward_s=_per_stage(row['fwd_s_per_stage'], num_stages, schedule),
-      backward_s=_per_stage(row['bwd_s_per_stage'], num_stages, schedule),
-      head_s=_number(row.get('head_s')),
-      # One whole-batch hop costs link_s: a 1-"byte" activation at 1 / (link_s - latency) B/s.
-      activation_bytes=1.0, latency=latency,
-      bandwidth=1.0 / (link - latency) if link > latency else math.inf,
-      allreduce_s=_number(row.get('allreduce_s')),
-      microbatch_overhead_s=_number(row.get('microbatch_overhead_s')),
-      update_s=(_per_stage(row['update_s_per_stage'], num_stages, schedule)
-                if (row.get('update_s_per_stage') or '').strip() else ()))
-  kwargs = {'microbatches': micro, 'data_parallel': devices if schedule == 'data_parallel' else 1,
-            'stash': _mode(row.get('stash'), 'graph'), 'forward': _mode(row.get('forward'),
-                                                                        'locked')}
+    forward_s=_per_stage(row['fwd_s_per_stage'], num_stages, schedule),
+    backward_s=_per_stage(row['bwd_s_per_stage'], num_stages, schedule),
+    head_s=_number(row.get('head_s')),
+    # One whole-batch hop costs link_s: a 1-"byte" activation at 1 / (link_s - latency) B/s.
+    activation_bytes=1.0,
+    latency=latency,
+    bandwidth=1.0 / (link - latency) if link > latency else math.inf,
+    allreduce_s=_number(row.get('allreduce_s')),
+    microbatch_overhead_s=_number(row.get('microbatch_overhead_s')),
+    update_s=(
+      _per_stage(row['update_s_per_stage'], num_stages, schedule)
+      if (row.get('update_s_per_stage') or '').strip()
+      else ()
+    ),
+  )
+  kwargs = {
+    'microbatches': micro,
+    'data_parallel': devices if schedule == 'data_parallel' else 1,
+    'stash': _mode(row.get('stash'), 'graph'),
+    'forward': _mode(row.get('forward'), 'locked'),
+  }
   return schedule, costs, kwargs
 
 
@@ -259,23 +317,33 @@ def compare_measured(path: str) -> list[dict]:
     schedule, costs, kwargs = measured_setting(row)
     result = sim.simulate(schedule, costs, **kwargs)
     measured = float(row['step_time_s'])
-    out.append({'schedule': schedule, 'stages': int(row['stages']),
-                'microbatches': kwargs['microbatches'] if schedule == 'gpipe' else '',
-                'stash': kwargs['stash'] if schedule == 'ouroboros' else '',
-                'forward': kwargs['forward'] if schedule == 'ouroboros' else '',
-                'measured_s': measured, 'predicted_s': result.step_time,
-                'rel_error': (result.step_time - measured) / measured,
-                'predicted_speedup': result.speedup})
+    out.append(
+      {
+        'schedule': schedule,
+        'stages': int(row['stages']),
+        'microbatches': kwargs['microbatches'] if schedule == 'gpipe' else '',
+        'stash': kwargs['stash'] if schedule == 'ouroboros' else '',
+        'forward': kwargs['forward'] if schedule == 'ouroboros' else '',
+        'measured_s': measured,
+        'predicted_s': result.step_time,
+        'rel_error': (result.step_time - measured) / measured,
+        'predicted_speedup': result.speedup,
+      }
+    )
   return out
 
 
 def format_comparison(rows: list[dict]) -> str:
-  lines = ['schedule | G | M | stash | forward | measured ms | predicted ms | error',
-           '--- | --- | --- | --- | --- | --- | --- | ---']
+  lines = [
+    'schedule | G | M | stash | forward | measured ms | predicted ms | error',
+    '--- | --- | --- | --- | --- | --- | --- | ---',
+  ]
   for r in rows:
-    lines.append(f"{r['schedule']} | {r['stages']} | {r['microbatches']} | {r['stash']} | "
-                 f"{r['forward']} | {r['measured_s'] * 1e3:.3f} | {r['predicted_s'] * 1e3:.3f} | "
-                 f"{r['rel_error']:+.1%}")
+    lines.append(
+      f'{r["schedule"]} | {r["stages"]} | {r["microbatches"]} | {r["stash"]} | '
+      f'{r["forward"]} | {r["measured_s"] * 1e3:.3f} | {r["predicted_s"] * 1e3:.3f} | '
+      f'{r["rel_error"]:+.1%}'
+    )
   return '\n'.join(lines)
 
 
@@ -302,9 +370,11 @@ def main(argv=None):
       print(f'\n## {model.name} ({model.params / 1e6:.0f}M parameters), {hardware.name}\n')
       print(format_table(mine))
       if skipped:
-        print(f'\nG = {", ".join(map(str, skipped))} not predicted: {model.name} has '
-              f'{model.num_layers} layers, at most one stage per layer (prediction stops at '
-              f'G = {model.num_layers}).')
+        print(
+          f'\nG = {", ".join(map(str, skipped))} not predicted: {model.name} has '
+          f'{model.num_layers} layers, at most one stage per layer (prediction stops at '
+          f'G = {model.num_layers}).'
+        )
   write_csv(os.path.join(args.out, 'simulate.csv'), rows, COLUMNS)
   if not args.no_plot:
     plot_speedup(rows, os.path.join(args.out, 'simulate.png'))

@@ -20,25 +20,40 @@ from __future__ import annotations
 import importlib
 
 from ouroboros_jax.errors import ConfigError, UserError
-from ouroboros_jax.staged import Schedule, StagedModel, TrainState, adamw
-from ouroboros_jax.schedules.compensation import Compensation, make_optimizer
 from ouroboros_jax.schedules import SCHEDULES, ScheduleConfig, build_schedule
+from ouroboros_jax.schedules.compensation import Compensation, make_optimizer
+from ouroboros_jax.staged import Schedule, StagedModel, TrainState, adamw
 
 # Loaded on first use: the training stack imports Orbax, Grain and TFDS.
-_LAZY = {'TrainConfig': 'ouroboros_jax.training.config',
-         'get_preset': 'ouroboros_jax.training.config',
-         'override': 'ouroboros_jax.training.config'}
+_LAZY = {
+  'TrainConfig': 'ouroboros_jax.training.config',
+  'get_preset': 'ouroboros_jax.training.config',
+  'override': 'ouroboros_jax.training.config',
+}
 # Where the modules of the old flat layout went: `from ouroboros_jax import presets` still works.
 MOVED_MODULES = {
-    'presets': 'training.config', 'checkpoint': 'training.checkpoint', 'data': 'training.data',
-    'rundir': 'training.rundir', 'sample': 'training.sample', 'train': 'training.loop',
-    'ring': 'schedules.ring',
-    'ouroboros': 'schedules.ouroboros', 'reference': 'schedules.reference',
-    'delays': 'schedules.delays', 'compensation': 'schedules.compensation',
-    'pld': 'accelerators.pld', 'growth': 'accelerators.growth', 'vcycle': 'accelerators.vcycle',
-    'stdloss': 'accelerators.stdloss', 'bench': 'perf.bench', 'simulate': 'perf.simulate',
-    'memory': 'perf.memory', 'launch': 'runtime.launch', 'distributed': 'runtime.distributed',
-    'host': 'runtime.host'}
+  'presets': 'training.config',
+  'checkpoint': 'training.checkpoint',
+  'data': 'training.data',
+  'rundir': 'training.rundir',
+  'sample': 'training.sample',
+  'train': 'training.loop',
+  'ring': 'schedules.ring',
+  'ouroboros': 'schedules.ouroboros',
+  'reference': 'schedules.reference',
+  'delays': 'schedules.delays',
+  'compensation': 'schedules.compensation',
+  'pld': 'accelerators.pld',
+  'growth': 'accelerators.growth',
+  'vcycle': 'accelerators.vcycle',
+  'stdloss': 'accelerators.stdloss',
+  'bench': 'perf.bench',
+  'simulate': 'perf.simulate',
+  'memory': 'perf.memory',
+  'launch': 'runtime.launch',
+  'distributed': 'runtime.distributed',
+  'host': 'runtime.host',
+}
 
 
 def __getattr__(name: str):
@@ -49,6 +64,19 @@ def __getattr__(name: str):
   raise AttributeError(f'module ouroboros_jax has no attribute {name!r}')
 
 
-__all__ = ['SCHEDULES', 'Compensation', 'ConfigError', 'Schedule', 'ScheduleConfig',
-           'StagedModel', 'TrainConfig', 'TrainState', 'UserError', 'adamw', 'build_schedule',
-           'get_preset', 'make_optimizer', 'override']
+__all__ = [
+  'SCHEDULES',
+  'Compensation',
+  'ConfigError',
+  'Schedule',
+  'ScheduleConfig',
+  'StagedModel',
+  'TrainConfig',
+  'TrainState',
+  'UserError',
+  'adamw',
+  'build_schedule',
+  'get_preset',
+  'make_optimizer',
+  'override',
+]

@@ -72,6 +72,7 @@ def _bool(text: str) -> bool:
 def _optional(kind):
   def parse(text: str):
     return None if text.lower() in ('none', '') else kind(text)
+
   parse.__name__ = kind.__name__
   return parse
 
@@ -83,129 +84,196 @@ def _add_field_flags(parser: argparse.ArgumentParser) -> None:
   schedule_group = parser.add_argument_group('schedule (ScheduleConfig)')
   tiny = config.flat(config.get_preset('tiny'))
   special = {
-      'preset': f'starting point: {", ".join(config.PRESETS)} (default tiny)',
-      'out': 'output directory (default runs/<preset>-<schedule>)',
-      'data': "'default' (embedded Shakespeare), 'text:PATH[,PATH]' or 'tfds:NAME[:FEATURE]'",
-      'download': 'tfds: let TFDS download and prepare a dataset that is not prepared yet '
-                  '(default: never touch the network, fail in seconds)',
-      'data_dir': 'TFDS data dir (default $OUROBOROS_DATA_DIR or ~/.cache/ouroboros_jax/tfds)',
-      'schedule': f'one of {", ".join(schedules.SCHEDULES)} (tiny: backprop)',
-      'stash': 'ouroboros: graph or replay (tiny: graph)',
-      'stash_policy': 'ouroboros graph stash: all (every VJP residual), dots (matmul outputs), '
-                      'dots_no_batch, nothing (inputs and weights only); less kept = less memory '
-                      'traffic, more recompute, same gradient',
-      'layers_per_stage': "e.g. '2,4,4,4' (default: balanced by FLOPs)",
-      'pld': 'progressive layer dropping: THETA_BAR,GAMMA (e.g. 0.5,0.001, or default); keep '
-             'prob. of layer l: 1-(l/L)(1-theta(t)), theta(t)=(1-theta_bar)exp(-gamma t)'
-             '+theta_bar; pre-LN only; any schedule (default: off)',
-      'growth': 'MSLT / progressive stacking plan: METHOD:DEPTHxSTEPS,...[,all:STEPS]'
-                '[,init=copy_top|random][,embed=train], METHOD mslt (train only the new top '
-                'layers, the rest forward only) or stacking (train all); one STEPS may be * '
-                '(the rest); steps add up to --steps; e.g. mslt:1x300,2x300,4x*; backprop only '
-                '(default: off)',
-      'vcycle': 'multi-level V-cycle plan: down=N[/N..],coarse=N[,up=N[/N..]][,levels=K]'
-                '[,alpha=0.5][,width=1][,depth=1][,lr_scale=1][,opt=carry|reset]; up[0] '
-                'defaults to the rest of --steps; e.g. down=200,coarse=400 (default: off)',
-      'std_loss': 'weight of the standardization loss on the GELU pre-activations (e.g. '
-                  '1e-3; default 0: off)',
-      'std_loss_layers': "layers the standardization loss regularises: 'all' or e.g. '0,2'",
-      'optimizer': 'auto (Ouroboros with --compensation auto: muon; otherwise adamw), adamw '
-                   '(the paper), nadamw (Nesterov, b1 0.99) or muon (orthogonalised momentum on '
-                   'the layer kernels, Adam at --learning-rate elsewhere)',
-      'muon_learning_rate': 'muon: peak rate of the layer kernels (tiny: 0.02)',
-      'momentum': "the optimizer's first-moment decay (AdamW/NAdamW b1, Muon's beta); default "
-                  'none: its own (0.9, 0.99, 0.95)',
-      'compensation': 'ouroboros staleness compensation: auto (default, G > 1: the measured '
-                      'recipe, Muon + predict + dc (replay: Muon + predict); G=2, 1000 steps: '
-                      '2.44 val bpb against 3.48 for the paper\'s AdamW at its best rate and '
-                      '2.40 for backprop; README "Training quality"), none (the '
-                      'paper: AdamW, no compensation) or a comma list of predict (forward at w + '
-                      'gap * last update), pipemare (rate / gap^(1-t/T)), dc (DC-ASGD-a, graph '
-                      'stash), shrink (delayed gradients x --shrink)',
-      'dc_lambda': 'dc: strength lambda_0 of DC-ASGD-a (tiny: 1.0)',
-      'shrink': 'shrink: factor on delayed gradients, in (0, 1] (tiny: 0.5)',
-      'pipemare_steps': 'pipemare: steps to reach the full rate (0: a quarter of --steps)',
+    'preset': f'starting point: {", ".join(config.PRESETS)} (default tiny)',
+    'out': 'output directory (default runs/<preset>-<schedule>)',
+    'data': "'default' (embedded Shakespeare), 'text:PATH[,PATH]' or 'tfds:NAME[:FEATURE]'",
+    'download': 'tfds: let TFDS download and prepare a dataset that is not prepared yet '
+    '(default: never touch the network, fail in seconds)',
+    'data_dir': 'TFDS data dir (default $OUROBOROS_DATA_DIR or ~/.cache/ouroboros_jax/tfds)',
+    'schedule': f'one of {", ".join(schedules.SCHEDULES)} (tiny: backprop)',
+    'stash': 'ouroboros: graph or replay (tiny: graph)',
+    'stash_policy': 'ouroboros graph stash: all (every VJP residual), dots (matmul outputs), '
+    'dots_no_batch, nothing (inputs and weights only); less kept = less memory '
+    'traffic, more recompute, same gradient',
+    'layers_per_stage': "e.g. '2,4,4,4' (default: balanced by FLOPs)",
+    'pld': 'progressive layer dropping: THETA_BAR,GAMMA (e.g. 0.5,0.001, or default); keep '
+    'prob. of layer l: 1-(l/L)(1-theta(t)), theta(t)=(1-theta_bar)exp(-gamma t)'
+    '+theta_bar; pre-LN only; any schedule (default: off)',
+    'growth': 'MSLT / progressive stacking plan: METHOD:DEPTHxSTEPS,...[,all:STEPS]'
+    '[,init=copy_top|random][,embed=train], METHOD mslt (train only the new top '
+    'layers, the rest forward only) or stacking (train all); one STEPS may be * '
+    '(the rest); steps add up to --steps; e.g. mslt:1x300,2x300,4x*; backprop only '
+    '(default: off)',
+    'vcycle': 'multi-level V-cycle plan: down=N[/N..],coarse=N[,up=N[/N..]][,levels=K]'
+    '[,alpha=0.5][,width=1][,depth=1][,lr_scale=1][,opt=carry|reset]; up[0] '
+    'defaults to the rest of --steps; e.g. down=200,coarse=400 (default: off)',
+    'std_loss': 'weight of the standardization loss on the GELU pre-activations (e.g. '
+    '1e-3; default 0: off)',
+    'std_loss_layers': "layers the standardization loss regularises: 'all' or e.g. '0,2'",
+    'optimizer': 'auto (Ouroboros with --compensation auto: muon; otherwise adamw), adamw '
+    '(the paper), nadamw (Nesterov, b1 0.99) or muon (orthogonalised momentum on '
+    'the layer kernels, Adam at --learning-rate elsewhere)',
+    'muon_learning_rate': 'muon: peak rate of the layer kernels (tiny: 0.02)',
+    'momentum': "the optimizer's first-moment decay (AdamW/NAdamW b1, Muon's beta); default "
+    'none: its own (0.9, 0.99, 0.95)',
+    'compensation': 'ouroboros staleness compensation: auto (default, G > 1: the measured '
+    'recipe, Muon + predict + dc (replay: Muon + predict); G=2, 1000 steps: '
+    "2.44 val bpb against 3.48 for the paper's AdamW at its best rate and "
+    '2.40 for backprop; README "Training quality"), none (the '
+    'paper: AdamW, no compensation) or a comma list of predict (forward at w + '
+    'gap * last update), pipemare (rate / gap^(1-t/T)), dc (DC-ASGD-a, graph '
+    'stash), shrink (delayed gradients x --shrink)',
+    'dc_lambda': 'dc: strength lambda_0 of DC-ASGD-a (tiny: 1.0)',
+    'shrink': 'shrink: factor on delayed gradients, in (0, 1] (tiny: 0.5)',
+    'pipemare_steps': 'pipemare: steps to reach the full rate (0: a quarter of --steps)',
   }
   for name, (kind, optional, owner, _) in config.fields().items():
     group = {config.ModelConfig: model_group, config.ScheduleConfig: schedule_group}.get(
-        owner, train_group)
+      owner, train_group
+    )
     help_text = special.get(name, f'(tiny: {tiny[name]})')
     if kind is bool:  # --pre-ln, --pre-ln false, --no-pre-ln
-      group.add_argument(config.flag(name), dest=name, nargs='?', const=True, type=_bool,
-                         default=argparse.SUPPRESS, metavar='true|false', help=help_text)
-      group.add_argument('--no-' + config.flag(name)[2:], dest=name, action='store_false',
-                         default=argparse.SUPPRESS, help=f'same as {config.flag(name)} false')
+      group.add_argument(
+        config.flag(name),
+        dest=name,
+        nargs='?',
+        const=True,
+        type=_bool,
+        default=argparse.SUPPRESS,
+        metavar='true|false',
+        help=help_text,
+      )
+      group.add_argument(
+        '--no-' + config.flag(name)[2:],
+        dest=name,
+        action='store_false',
+        default=argparse.SUPPRESS,
+        help=f'same as {config.flag(name)} false',
+      )
     else:
       parse = _optional(kind) if optional else kind
-      group.add_argument(config.flag(name), dest=name, type=parse, default=argparse.SUPPRESS,
-                         metavar=kind.__name__.upper(), help=help_text)
+      group.add_argument(
+        config.flag(name),
+        dest=name,
+        type=parse,
+        default=argparse.SUPPRESS,
+        metavar=kind.__name__.upper(),
+        help=help_text,
+      )
 
 
 def _cpu_devices_flag(parser):
-  parser.add_argument('--cpu-devices', type=int, default=None, metavar='N',
-                      help='simulate N CPU devices (for multi-stage schedules on a CPU machine)')
+  parser.add_argument(
+    '--cpu-devices',
+    type=int,
+    default=None,
+    metavar='N',
+    help='simulate N CPU devices (for multi-stage schedules on a CPU machine)',
+  )
 
 
 def _process_flags(parser):
   group = parser.add_argument_group('multi-process / multi-host (see distributed.py)')
-  group.add_argument('--coordinator', default=None, metavar='HOST:PORT',
-                     help="process 0's address, or 'auto' for JAX's cluster detection")
+  group.add_argument(
+    '--coordinator',
+    default=None,
+    metavar='HOST:PORT',
+    help="process 0's address, or 'auto' for JAX's cluster detection",
+  )
   group.add_argument('--num-processes', type=int, default=None, metavar='N')
   group.add_argument('--process-id', type=int, default=None, metavar='I')
-  group.add_argument('--init-timeout', type=int, default=120, metavar='S',
-                     help='seconds to wait for the coordinator and every process (default 120)')
+  group.add_argument(
+    '--init-timeout',
+    type=int,
+    default=120,
+    metavar='S',
+    help='seconds to wait for the coordinator and every process (default 120)',
+  )
 
 
 def make_parser() -> argparse.ArgumentParser:
   """The root parser; `parser.commands` maps each subcommand to its own parser."""
-  parser = _Parser(prog='ouroboros', allow_abbrev=False,
-                   description='Ouroboros delayed-gradient model parallelism for Transformer LMs.')
-  sub = parser.add_subparsers(dest='command', metavar='{train,sample,bench,launch}',
-                              parser_class=_Parser)
+  parser = _Parser(
+    prog='ouroboros',
+    allow_abbrev=False,
+    description='Ouroboros delayed-gradient model parallelism for Transformer LMs.',
+  )
+  sub = parser.add_subparsers(
+    dest='command', metavar='{train,sample,bench,launch}', parser_class=_Parser
+  )
   sub.required = True
 
-  train = sub.add_parser('train', help='train a byte-level Transformer LM', allow_abbrev=False,
-                         description='Train a preset; any field can be overridden by its flag.')
-  train.add_argument('--resume', action='store_true',
-                     help="continue from OUT's newest readable checkpoint, exactly where it "
-                          'stopped (an unreadable newer one is reported and set aside)')
-  train.add_argument('--resume-from', type=int, default=None, metavar='STEP',
-                     help='resume from the checkpoint of this step (implies --resume; newer '
-                          'checkpoints are moved to OUT/checkpoints-set-aside)')
+  train = sub.add_parser(
+    'train',
+    help='train a byte-level Transformer LM',
+    allow_abbrev=False,
+    description='Train a preset; any field can be overridden by its flag.',
+  )
+  train.add_argument(
+    '--resume',
+    action='store_true',
+    help="continue from OUT's newest readable checkpoint, exactly where it "
+    'stopped (an unreadable newer one is reported and set aside)',
+  )
+  train.add_argument(
+    '--resume-from',
+    type=int,
+    default=None,
+    metavar='STEP',
+    help='resume from the checkpoint of this step (implies --resume; newer '
+    'checkpoints are moved to OUT/checkpoints-set-aside)',
+  )
   train.add_argument('--quiet', action='store_true', help='no progress bar or eval lines')
   _cpu_devices_flag(train)
   _process_flags(train)
   _add_field_flags(train)
 
   sample = sub.add_parser('sample', help='generate text from a checkpoint', allow_abbrev=False)
-  sample.add_argument('--ckpt', required=True, metavar='OUT',
-                      help='the OUT directory of a training run (its latest checkpoint is used)')
+  sample.add_argument(
+    '--ckpt',
+    required=True,
+    metavar='OUT',
+    help='the OUT directory of a training run (its latest checkpoint is used)',
+  )
   sample.add_argument('--prompt', default='', help='text to continue (default: a new line)')
   sample.add_argument('--length', type=int, default=500, help='bytes to generate')
   sample.add_argument('--temperature', type=float, default=0.8, help='0 means greedy')
   sample.add_argument('--seed', type=int, default=0)
   sample.add_argument('--step', type=int, default=None, help='checkpoint step (default latest)')
   _cpu_devices_flag(sample)
-  bench = sub.add_parser('bench', help='steady-state speed of every schedule vs its ideal',
-                         allow_abbrev=False, description='See ouroboros_jax/bench.py. Model and '
-                         'batch come from --preset and the field flags; --stages sets G.')
+  bench = sub.add_parser(
+    'bench',
+    help='steady-state speed of every schedule vs its ideal',
+    allow_abbrev=False,
+    description='See ouroboros_jax/perf/bench.py. Model and '
+    'batch come from --preset and the field flags; --stages sets G.',
+  )
   bench.add_argument('--bench-steps', type=int, default=20, help='timed steps per setting')
   bench.add_argument('--warmup', type=int, default=3, help='untimed steps before timing')
-  bench.add_argument('--only', default=None, metavar='LABELS',
-                     help='comma-separated settings to run, by label prefix (e.g. '
-                          '"backprop,model_parallel,ouroboros pipelined/graph"); default all')
+  bench.add_argument(
+    '--only',
+    default=None,
+    metavar='LABELS',
+    help='comma-separated settings to run, by label prefix (e.g. '
+    '"backprop,model_parallel,ouroboros pipelined/graph"); default all',
+  )
   _cpu_devices_flag(bench)
   _process_flags(bench)
   _add_field_flags(bench)
 
-  launch = sub.add_parser('launch', help='run N local processes as one multi-host job',
-                          allow_abbrev=False)
+  launch = sub.add_parser(
+    'launch', help='run N local processes as one multi-host job', allow_abbrev=False
+  )
   launch.add_argument('--processes', type=int, required=True, metavar='N')
   launch.add_argument('--pin-cpus', action='store_true', help='pin process i to core i')
-  launch.add_argument('--timeout', type=float, default=None, metavar='S',
-                      help='stop every process after S seconds')
-  launch.add_argument('rest', nargs=argparse.REMAINDER,
-                      help='-- then the command for each process, e.g. -- train --stages 2')
+  launch.add_argument(
+    '--timeout', type=float, default=None, metavar='S', help='stop every process after S seconds'
+  )
+  launch.add_argument(
+    'rest',
+    nargs=argparse.REMAINDER,
+    help='-- then the command for each process, e.g. -- train --stages 2',
+  )
   parser.commands = {'train': train, 'sample': sample, 'bench': bench, 'launch': launch}
   return parser
 
@@ -230,9 +298,15 @@ def to_flags(cfg: config.TrainConfig) -> list[str]:
 
 def _join_process_group(args) -> None:
   from ouroboros_jax.runtime import distributed
-  distributed.initialize(distributed.ProcessConfig(
-      coordinator=args.coordinator, num_processes=args.num_processes,
-      process_id=args.process_id, init_timeout_s=args.init_timeout))
+
+  distributed.initialize(
+    distributed.ProcessConfig(
+      coordinator=args.coordinator,
+      num_processes=args.num_processes,
+      process_id=args.process_id,
+      init_timeout_s=args.init_timeout,
+    )
+  )
 
 
 def _run_train(args) -> None:
@@ -252,8 +326,15 @@ def _run_sample(args) -> None:
 
   # Streamed: the bytes appear as they are generated, whatever --length is.
   sys.stdout.flush()
-  sample.write_sample(args.ckpt, sys.stdout.buffer, prompt=args.prompt, length=args.length,
-                      temperature=args.temperature, seed=args.seed, step=args.step)
+  sample.write_sample(
+    args.ckpt,
+    sys.stdout.buffer,
+    prompt=args.prompt,
+    length=args.length,
+    temperature=args.temperature,
+    seed=args.seed,
+    step=args.step,
+  )
   sys.stdout.buffer.write(b'\n')
   sys.stdout.buffer.flush()
 
@@ -268,22 +349,32 @@ def _run_bench(args) -> None:
   stages = max(cfg.schedule.num_stages, 2)
   config.override(cfg, {'schedule': 'ouroboros', 'stages': stages}).validate()
   if cfg.data != config.TrainConfig().data:
-    raise errors.ConfigError(f'`bench` times the schedules on synthetic batches and reads no data; '
-                             f'drop --data {cfg.data} (`train` reads it).')
+    raise errors.ConfigError(
+      f'`bench` times the schedules on synthetic batches and reads no data; '
+      f'drop --data {cfg.data} (`train` reads it).'
+    )
   given = [config.flag(n) for n in ('pld', 'growth', 'vcycle', 'std_loss') if getattr(cfg, n)]
   if given:
-    raise errors.ConfigError(f'`bench` times the schedules alone; {", ".join(given)} apply to '
-                             '`train` (experiments/accelerators.py compares the accelerators).')
+    raise errors.ConfigError(
+      f'`bench` times the schedules alone; {", ".join(given)} apply to '
+      '`train` (experiments/accelerators.py compares the accelerators).'
+    )
   _join_process_group(args)
   from ouroboros_jax.perf import bench
 
-  bench.run(cfg.model, batch_size=cfg.batch_size, stages=stages,
-            out_dir=cfg.out or 'runs/bench', steps=args.bench_steps, warmup=args.warmup,
-            settings=bench.select_settings(stages, args.only),
-            stash_policy=cfg.schedule.stash_policy, optimizer=optimizer,
-            compensation=cfg.resolved_compensation(),
-            layers_per_stage=cfg.layers_per_stage and [int(c) for c in
-                                                        cfg.layers_per_stage.split(',')])
+  bench.run(
+    cfg.model,
+    batch_size=cfg.batch_size,
+    stages=stages,
+    out_dir=cfg.out or 'runs/bench',
+    steps=args.bench_steps,
+    warmup=args.warmup,
+    settings=bench.select_settings(stages, args.only),
+    stash_policy=cfg.schedule.stash_policy,
+    optimizer=optimizer,
+    compensation=cfg.resolved_compensation(),
+    layers_per_stage=cfg.layers_per_stage and [int(c) for c in cfg.layers_per_stage.split(',')],
+  )
 
 
 def _run_launch(args) -> None:
@@ -291,8 +382,9 @@ def _run_launch(args) -> None:
 
   rest = args.rest[1:] if args.rest[:1] == ['--'] else args.rest
   reasons = []
-  code = launch.launch(args.processes, rest, pin_cpus=args.pin_cpus, timeout_s=args.timeout,
-                       reasons=reasons)
+  code = launch.launch(
+    args.processes, rest, pin_cpus=args.pin_cpus, timeout_s=args.timeout, reasons=reasons
+  )
   if code:  # the children's output is above, on stdout; one line on stderr says why
     raise launch.LaunchFailed(code, reasons[0] if reasons else f'exit status {code}')
 
@@ -305,8 +397,7 @@ def exit_code(exc: BaseException) -> int | None:
 def out_of_memory(exc: BaseException) -> bool:
   """Host or device memory ran out (a size the machine cannot hold, not a bug)."""
   text = str(exc)
-  return isinstance(exc, MemoryError) or 'RESOURCE_EXHAUSTED' in text or (
-      'Out of memory' in text)
+  return isinstance(exc, MemoryError) or 'RESOURCE_EXHAUSTED' in text or ('Out of memory' in text)
 
 
 def main(argv=None) -> int:
@@ -320,25 +411,32 @@ def main(argv=None) -> int:
       _fail(f'--cpu-devices must be >= 1, got {args.cpu_devices}.', EXIT_USAGE)
     # Must happen before anything initialises a JAX backend (nothing above does).
     import jax
+
     jax.config.update('jax_num_cpu_devices', args.cpu_devices)
 
   from ouroboros_jax.training import rundir
+
   handlers = {}
   if args.command != 'launch':  # the launcher passes these signals on to its children itself
-    stopping = (signal.SIGTERM, signal.SIGHUP) + ((signal.SIGINT,) if args.command == 'train'
-                                                  else ())
+    stopping = (signal.SIGTERM, signal.SIGHUP) + (
+      (signal.SIGINT,) if args.command == 'train' else ()
+    )
     handlers = {sig: signal.signal(sig, _terminate) for sig in stopping}
   try:
-    {'train': _run_train, 'sample': _run_sample, 'bench': _run_bench,
-     'launch': _run_launch}[args.command](args)
+    {'train': _run_train, 'sample': _run_sample, 'bench': _run_bench, 'launch': _run_launch}[
+      args.command
+    ](args)
   except KeyboardInterrupt as e:
     signum = e.signum if isinstance(e, rundir.Terminated) else signal.SIGINT
     _fail(_stopped_message(args, signum), 128 + signum)
   except Exception as e:  # pylint: disable=broad-exception-caught
     code = exit_code(e)
     if code is None and out_of_memory(e):
-      _fail(f'out of memory ({_one_line(e)[:200]}); make the model or batch smaller (--batch-size, '
-            '--d-model, --d-ff, --num-layers, --vocab-size) or use more devices.', EXIT_USAGE)
+      _fail(
+        f'out of memory ({_one_line(e)[:200]}); make the model or batch smaller (--batch-size, '
+        '--d-model, --d-ff, --num-layers, --vocab-size) or use more devices.',
+        EXIT_USAGE,
+      )
     if code is None:
       raise
     _fail(_one_line(e), code)
@@ -350,6 +448,7 @@ def main(argv=None) -> int:
 
 def _terminate(signum, _frame):
   from ouroboros_jax.training import rundir
+
   rundir.request_stop(signum)  # a running loop stops at its next step; otherwise raises now
 
 
@@ -359,6 +458,7 @@ def _stopped_message(args, signum: int) -> str:
   if args.command != 'train':
     return f'{what}.'
   from ouroboros_jax.training import checkpoint
+
   try:
     out = config_from_args(args).out_dir
     step = checkpoint.latest_step(out)
@@ -367,8 +467,9 @@ def _stopped_message(args, signum: int) -> str:
   where = checkpoint.checkpoint_dir(out)
   if step is None:
     return f'{what} before the first checkpoint; nothing to resume in {where}, start again.'
-  return (f'{what}; the latest complete checkpoint is step {step} in {where}; continue with '
-          '--resume.')
+  return (
+    f'{what}; the latest complete checkpoint is step {step} in {where}; continue with --resume.'
+  )
 
 
 def _one_line(exc: BaseException) -> str:

@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import Callable
 
 from ouroboros_jax.errors import ConfigError  # standard library only, like this module: the
-                                              # simulator reads the costs without JAX or NumPy
+
+# simulator reads the costs without JAX or NumPy
 
 
 def layer_flops(d_model: int, d_ff: int, seq_len: int) -> float:
@@ -34,12 +35,10 @@ def head_flops(d_model: int, vocab: int) -> float:
 
 def model_flops(cfg) -> tuple[float, float]:
   """(F, H) of a `ModelConfig`."""
-  return (layer_flops(cfg.d_model, cfg.d_ff, cfg.seq_len),
-          head_flops(cfg.d_model, cfg.vocab_size))
+  return (layer_flops(cfg.d_model, cfg.d_ff, cfg.seq_len), head_flops(cfg.d_model, cfg.vocab_size))
 
 
-def step_flops(cfg, tokens: int, trained_layers=None,
-               frozen_layers: int = 0):
+def step_flops(cfg, tokens: int, trained_layers=None, frozen_layers: int = 0):
   """FLOPs of one training step on `tokens` tokens: 3F per trained layer (all of cfg's by
   default; PLD passes the layers it kept, a number or an array of them), F per frozen one, 3H
   for the head."""
@@ -53,13 +52,16 @@ def check_stages(num_layers: int, num_stages: int) -> None:
   if num_stages < 1:
     raise ConfigError(f'--stages must be >= 1, got {num_stages}.')
   if num_stages > num_layers:
-    raise ConfigError(f'{num_stages} stages need at least {num_stages} layers but the model has '
-                      f'{num_layers}; use --stages <= {num_layers} or more --num-layers (a '
-                      f'prediction stops at G = {num_layers}).')
+    raise ConfigError(
+      f'{num_stages} stages need at least {num_stages} layers but the model has '
+      f'{num_layers}; use --stages <= {num_layers} or more --num-layers (a '
+      f'prediction stops at G = {num_layers}).'
+    )
 
 
-def balance_layers(num_layers: int, num_stages: int, layer_cost: float,
-                   device0_extra: float) -> tuple[int, ...]:
+def balance_layers(
+  num_layers: int, num_stages: int, layer_cost: float, device0_extra: float
+) -> tuple[int, ...]:
   """Contiguous layers per stage minimising the busiest device. Device 0 of the ring holds the
   embedding and the head as well as the first group, so it pays `device0_extra` and gets fewer
   layers than the others."""

@@ -53,29 +53,34 @@ class ModelConfig:
   d_ff: int = 512
   seq_len: int = 128
   dropout: float = 0.0
-  pre_ln: bool = True          # pre-LN (GPT-2) blocks; False gives the original post-LN blocks
+  pre_ln: bool = True  # pre-LN (GPT-2) blocks; False gives the original post-LN blocks
   tie_embeddings: bool = True  # the output projection is V^T, V the input embedding
   init_std: float = 0.02
-  layer_unroll: int = 1        # layers per iteration of the layer scan; 0 unrolls the stack
-                               # (faster on CPU, above all with PLD's skipped layers; longer
-                               # compiles for deep models)
+  layer_unroll: int = 1  # layers per iteration of the layer scan; 0 unrolls the stack
+  # (faster on CPU, above all with PLD's skipped layers; longer
+  # compiles for deep models)
 
   def validate(self) -> None:
     for name in ('vocab_size', 'd_model', 'num_heads', 'num_layers', 'd_ff', 'seq_len'):
       if getattr(self, name) <= 0:
-        raise ConfigError(f'{name} must be positive, got {getattr(self, name)}; '
-                          f'set --{name.replace("_", "-")} to a positive integer.')
+        raise ConfigError(
+          f'{name} must be positive, got {getattr(self, name)}; '
+          f'set --{name.replace("_", "-")} to a positive integer.'
+        )
     if self.d_model % self.num_heads:
-      raise ConfigError(f'd_model={self.d_model} is not divisible by num_heads={self.num_heads}; '
-                        'choose --d-model as a multiple of --num-heads.')
+      raise ConfigError(
+        f'd_model={self.d_model} is not divisible by num_heads={self.num_heads}; '
+        'choose --d-model as a multiple of --num-heads.'
+      )
     if self.layer_unroll < 0:
-      raise ConfigError(f'layer_unroll must be >= 0 (0: unroll every layer), got '
-                        f'{self.layer_unroll}; fix --layer-unroll.')
+      raise ConfigError(
+        f'layer_unroll must be >= 0 (0: unroll every layer), got '
+        f'{self.layer_unroll}; fix --layer-unroll.'
+      )
     if not 0.0 <= self.dropout < 1.0:
       raise ConfigError(f'dropout must be in [0, 1), got {self.dropout}; fix --dropout.')
     if not 0.0 < self.init_std < float('inf'):
-      raise ConfigError(f'init_std must be a positive number, got {self.init_std}; fix '
-                        '--init-std.')
+      raise ConfigError(f'init_std must be a positive number, got {self.init_std}; fix --init-std.')
 
   @property
   def head_dim(self) -> int:
@@ -147,15 +152,21 @@ class Head(nnx.Module):
     if cfg.pre_ln:
       self.ln_final = nnx.LayerNorm(cfg.d_model, rngs=rngs)
     if not cfg.tie_embeddings:
-      self.unembed = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False,
-                                kernel_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
+      self.unembed = nnx.Linear(
+        cfg.d_model,
+        cfg.vocab_size,
+        use_bias=False,
+        kernel_init=nnx.initializers.normal(cfg.init_std),
+        rngs=rngs,
+      )
 
 
 # The graph definitions depend only on the config; cached so tracing never rebuilds modules.
 @functools.lru_cache(maxsize=32)
 def _graphdefs(cfg: ModelConfig):
-  return tuple(nnx.graphdef(nnx.eval_shape(lambda: cls(cfg, nnx.Rngs(0))))
-               for cls in (Embedder, Block, Head))
+  return tuple(
+    nnx.graphdef(nnx.eval_shape(lambda: cls(cfg, nnx.Rngs(0)))) for cls in (Embedder, Block, Head)
+  )
 
 
 def _merge(graphdef, params: Params):
@@ -180,9 +191,9 @@ def _init_params(cfg: ModelConfig, key: jax.Array) -> Params:
     return nnx.state(module, nnx.Param).to_pure_dict()
 
   return {
-      'embed': pure(Embedder(cfg, nnx.Rngs(key_embed))),
-      'layers': pure(stacked_blocks(jax.random.split(key_layers, cfg.num_layers))),
-      'head': pure(Head(cfg, nnx.Rngs(key_head))),
+    'embed': pure(Embedder(cfg, nnx.Rngs(key_embed))),
+    'layers': pure(stacked_blocks(jax.random.split(key_layers, cfg.num_layers))),
+    'head': pure(Head(cfg, nnx.Rngs(key_head))),
   }
 
 
@@ -192,8 +203,9 @@ def embed(cfg: ModelConfig, embed_params: Params, tokens_BxL, rng=None):
   return _dropout(x_BxLxD, cfg.dropout, rng)
 
 
-def layers(cfg: ModelConfig, layer_params: Params, x_BxLxD, rng=None, *, active_N=None,
-           scale_N=None):
+def layers(
+  cfg: ModelConfig, layer_params: Params, x_BxLxD, rng=None, *, active_N=None, scale_N=None
+):
   """Runs a stack of N layers (params with a leading axis N) over x by `lax.scan`.
 
   active_N: optional bool per layer; an inactive layer is skipped by `lax.cond` (no FLOPs), which
@@ -213,8 +225,9 @@ def layers(cfg: ModelConfig, layer_params: Params, x_BxLxD, rng=None, *, active_
       return run(x), None
     return jax.lax.cond(active, run, lambda x: x, x), None
 
-  x_BxLxD, _ = jax.lax.scan(body, x_BxLxD, (layer_params, rngs_N, active_N, scale_N),
-                            unroll=cfg.layer_unroll or True)
+  x_BxLxD, _ = jax.lax.scan(
+    body, x_BxLxD, (layer_params, rngs_N, active_N, scale_N), unroll=cfg.layer_unroll or True
+  )
   return x_BxLxD
 
 

@@ -27,22 +27,28 @@ def balance_layers(cfg: ModelConfig, num_stages: int) -> tuple[int, ...]:
   return costs.balance_layers(cfg.num_layers, num_stages, *costs.model_flops(cfg))
 
 
-def parse_layers_per_stage(text: str | Sequence[int], num_layers: int,
-                           num_stages: int | None = None) -> tuple[int, ...]:
+def parse_layers_per_stage(
+  text: str | Sequence[int], num_layers: int, num_stages: int | None = None
+) -> tuple[int, ...]:
   """'2,4,4,4' -> (2, 4, 4, 4), checked against the model depth and the stage count."""
   try:
     counts = tuple(int(c) for c in (text.split(',') if isinstance(text, str) else text))
   except ValueError:
     raise ConfigError(f'--layers-per-stage must be comma-separated integers, got {text!r}.')
   if any(c < 1 for c in counts):
-    raise ConfigError(f'--layers-per-stage {text} has a stage with no layers; every stage needs '
-                      'at least one.')
+    raise ConfigError(
+      f'--layers-per-stage {text} has a stage with no layers; every stage needs at least one.'
+    )
   if sum(counts) != num_layers:
-    raise ConfigError(f'--layers-per-stage {text} sums to {sum(counts)} but the model has '
-                      f'{num_layers} layers; make them add up.')
+    raise ConfigError(
+      f'--layers-per-stage {text} sums to {sum(counts)} but the model has '
+      f'{num_layers} layers; make them add up.'
+    )
   if num_stages is not None and len(counts) != num_stages:
-    raise ConfigError(f'--layers-per-stage {text} gives {len(counts)} stages but --stages is '
-                      f'{num_stages}; make them agree.')
+    raise ConfigError(
+      f'--layers-per-stage {text} gives {len(counts)} stages but --stages is '
+      f'{num_stages}; make them agree.'
+    )
   return counts
 
 
@@ -73,17 +79,22 @@ def to_staged(params: dict, layers_per_stage: Sequence[int]) -> dict:
     picked = a[index_GxN]
     return jnp.where(mask_GxN.reshape(mask_GxN.shape + (1,) * (a.ndim - 1)), picked, 0)
 
-  return {'embed': params['embed'], 'stages': jax.tree.map(gather, params['layers']),
-          'head': params['head']}
+  return {
+    'embed': params['embed'],
+    'stages': jax.tree.map(gather, params['layers']),
+    'head': params['head'],
+  }
 
 
 def from_staged(staged: dict, layers_per_stage: Sequence[int]) -> dict:
   """Inverse of `to_staged`: drop the padding, stack the layers back on one axis."""
   mask_GxN = stage_mask(layers_per_stage)
   rows, cols = np.nonzero(mask_GxN)  # row-major: stage by stage, layer by layer
-  return {'embed': staged['embed'],
-          'layers': jax.tree.map(lambda a: a[rows, cols], staged['stages']),
-          'head': staged['head']}
+  return {
+    'embed': staged['embed'],
+    'layers': jax.tree.map(lambda a: a[rows, cols], staged['stages']),
+    'head': staged['head'],
+  }
 
 
 def with_side_channel(x_BxLxD, value):
@@ -115,7 +126,8 @@ def transformer_stages(cfg: ModelConfig, layers_per_stage: Sequence[int]) -> Sta
     return transformer.layers(cfg, stage_params, x_BxLxD, rng, active_N=active_N)
 
   return StagedModel(
-      embed=lambda p, tokens_BxL, rng: transformer.embed(cfg, p, tokens_BxL, rng),
-      stage=stage,
-      loss=lambda head, emb, x, targets: transformer.head_loss(cfg, head, emb, x, targets),
-      tied_embedding=cfg.tie_embeddings)
+    embed=lambda p, tokens_BxL, rng: transformer.embed(cfg, p, tokens_BxL, rng),
+    stage=stage,
+    loss=lambda head, emb, x, targets: transformer.head_loss(cfg, head, emb, x, targets),
+    tied_embedding=cfg.tie_embeddings,
+  )

@@ -24,7 +24,6 @@ that has no gradient yet (Ouroboros' first K-k steps) is left exactly as it is.
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Any, Callable, NamedTuple
 
 import flax.struct
@@ -32,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ouroboros_jax.errors import ConfigError
 
@@ -105,13 +105,25 @@ class Schedule(NamedTuple):
 
 
 def init_opt_state(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
-  return {'embed': tx.init(params['embed']),
-          'stages': jax.vmap(tx.init)(params['stages']),
-          'head': tx.init(params['head'])}
+  return {
+    'embed': tx.init(params['embed']),
+    'stages': jax.vmap(tx.init)(params['stages']),
+    'head': tx.init(params['head']),
+  }
 
 
-def apply_gradients(tx, params, opt_state, grads, *, clip_norm: float | None,
-                    embed_ready=True, stages_ready_G=None, head_ready=True, delays=None):
+def apply_gradients(
+  tx,
+  params,
+  opt_state,
+  grads,
+  *,
+  clip_norm: float | None,
+  embed_ready=True,
+  stages_ready_G=None,
+  head_ready=True,
+  delays=None,
+):
   """One optimizer step per module group; a group that is not ready stays exactly as it was.
 
   Returns (params, opt_state, grad_norm). `clip_norm` clips the global norm of the whole gradient
@@ -130,14 +142,20 @@ def apply_gradients(tx, params, opt_state, grads, *, clip_norm: float | None,
   num_stages = stage_count(params)
   stages_ready_G = jnp.ones((num_stages,), bool) if stages_ready_G is None else stages_ready_G
   delays = delays or {'embed': None, 'stages': None, 'head': None}  # None: no delay anywhere
-  embed_p, embed_s = update(params['embed'], opt_state['embed'], grads['embed'], embed_ready,
-                            delays['embed'])
-  head_p, head_s = update(params['head'], opt_state['head'], grads['head'], head_ready,
-                          delays['head'])
-  stages_p, stages_s = jax.vmap(update)(params['stages'], opt_state['stages'], grads['stages'],
-                                        stages_ready_G, delays['stages'])
-  return ({'embed': embed_p, 'stages': stages_p, 'head': head_p},
-          {'embed': embed_s, 'stages': stages_s, 'head': head_s}, grad_norm)
+  embed_p, embed_s = update(
+    params['embed'], opt_state['embed'], grads['embed'], embed_ready, delays['embed']
+  )
+  head_p, head_s = update(
+    params['head'], opt_state['head'], grads['head'], head_ready, delays['head']
+  )
+  stages_p, stages_s = jax.vmap(update)(
+    params['stages'], opt_state['stages'], grads['stages'], stages_ready_G, delays['stages']
+  )
+  return (
+    {'embed': embed_p, 'stages': stages_p, 'head': head_p},
+    {'embed': embed_s, 'stages': stages_s, 'head': head_s},
+    grad_norm,
+  )
 
 
 def clip_by_global_norm(grads, clip_norm: float | None):
@@ -152,23 +170,32 @@ def clip_by_global_norm(grads, clip_norm: float | None):
 def update_group(tx, params, opt_state, grads, delay=None):
   """One optimizer step of one module group: (new params, new optimizer state). `delay` is
   passed to tx as the Optax extra argument (see apply_gradients)."""
-  updates, opt_state = optax.with_extra_args_support(tx).update(grads, opt_state, params,
-                                                                 delay=delay)
+  updates, opt_state = optax.with_extra_args_support(tx).update(
+    grads, opt_state, params, delay=delay
+  )
   return optax.apply_updates(params, updates), opt_state
 
 
 def kernel_mask(tree):
   """True on matrices named 'kernel' (the layers' weights), False on embeddings, norms, biases."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, _: getattr(path[-1], 'key', None) == 'kernel', tree)
+    lambda path, _: getattr(path[-1], 'key', None) == 'kernel', tree
+  )
 
 
-def adamw(learning_rate: float | optax.Schedule, *, weight_decay: float = 0.0,
-          b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8):
+def adamw(
+  learning_rate: float | optax.Schedule,
+  *,
+  weight_decay: float = 0.0,
+  b1: float = 0.9,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+):
   """AdamW as the paper uses it; decay only on matrices named 'kernel' (not embeddings, norms or
   biases), so a parameter with a zero gradient does not move at all."""
-  return optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay,
-                     mask=kernel_mask)
+  return optax.adamw(
+    learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=kernel_mask
+  )
 
 
 def jit_step(step_fn: Callable) -> Callable:
@@ -189,28 +216,35 @@ def make_mesh(num_stages: int, data_parallel: int = 1, devices=None) -> Mesh:
   devices = jax.devices() if devices is None else devices
   needed = num_stages * data_parallel
   if num_stages < 1 or data_parallel < 1:
-    raise ConfigError(f'stages ({num_stages}) and data parallel degree ({data_parallel}) must be '
-                      '>= 1; fix --stages / --data-parallel.')
+    raise ConfigError(
+      f'stages ({num_stages}) and data parallel degree ({data_parallel}) must be '
+      '>= 1; fix --stages / --data-parallel.'
+    )
   if needed > len(devices):
     raise ConfigError(
-        f'{num_stages} stages x {data_parallel} data replicas need {needed} devices but only '
-        f'{len(devices)} are visible; use fewer --stages/--data-parallel, or on a CPU machine '
-        f'simulate more with --cpu-devices {needed}.')
+      f'{num_stages} stages x {data_parallel} data replicas need {needed} devices but only '
+      f'{len(devices)} are visible; use fewer --stages/--data-parallel, or on a CPU machine '
+      f'simulate more with --cpu-devices {needed}.'
+    )
   grid = np.asarray(devices[:needed]).reshape(num_stages, data_parallel)
   return Mesh(grid, (STAGE, DATA))
 
 
 def param_specs(params: PyTree) -> PyTree:
   """Stage parameters sharded over `stage` on their leading axis; embed and head replicated."""
-  return {'embed': jax.tree.map(lambda _: P(), params['embed']),
-          'stages': jax.tree.map(lambda _: P(STAGE), params['stages']),
-          'head': jax.tree.map(lambda _: P(), params['head'])}
+  return {
+    'embed': jax.tree.map(lambda _: P(), params['embed']),
+    'stages': jax.tree.map(lambda _: P(STAGE), params['stages']),
+    'head': jax.tree.map(lambda _: P(), params['head']),
+  }
 
 
 def opt_state_specs(opt_state: PyTree) -> PyTree:
-  return {'embed': jax.tree.map(lambda _: P(), opt_state['embed']),
-          'stages': jax.tree.map(lambda _: P(STAGE), opt_state['stages']),
-          'head': jax.tree.map(lambda _: P(), opt_state['head'])}
+  return {
+    'embed': jax.tree.map(lambda _: P(), opt_state['embed']),
+    'stages': jax.tree.map(lambda _: P(STAGE), opt_state['stages']),
+    'head': jax.tree.map(lambda _: P(), opt_state['head']),
+  }
 
 
 def ring_specs(ring: PyTree) -> PyTree:
@@ -218,20 +252,32 @@ def ring_specs(ring: PyTree) -> PyTree:
   return jax.tree.map(lambda _: P(STAGE, DATA), ring)
 
 
-def init_state(tx: optax.GradientTransformation, params: PyTree, mesh: Mesh,
-               ring: Callable[[], PyTree] | None = None) -> TrainState:
+def init_state(
+  tx: optax.GradientTransformation,
+  params: PyTree,
+  mesh: Mesh,
+  ring: Callable[[], PyTree] | None = None,
+) -> TrainState:
   """The fresh TrainState of every schedule: step 0, the params, one optimizer state per group,
   and the schedule's ring buffers (`ring()`, leaves [G, R, ...] sharded over (stage, data)), on
   `mesh` with the stage groups sharded over `stage`. Built under jit, so the state owns its
   buffers (the step donates them; the caller's params stay)."""
+
   def fresh_state(params):
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=init_opt_state(tx, params), ring=ring() if ring else {})
+    return TrainState(
+      step=jnp.zeros((), jnp.int32),
+      params=params,
+      opt_state=init_opt_state(tx, params),
+      ring=ring() if ring else {},
+    )
 
   abstract = jax.eval_shape(fresh_state, params)
-  specs = TrainState(step=P(), params=param_specs(params),
-                     opt_state=opt_state_specs(abstract.opt_state),
-                     ring=ring_specs(abstract.ring))
+  specs = TrainState(
+    step=P(),
+    params=param_specs(params),
+    opt_state=opt_state_specs(abstract.opt_state),
+    ring=ring_specs(abstract.ring),
+  )
   return jax.jit(fresh_state, out_shardings=named(specs, mesh))(params)
 
 
@@ -242,8 +288,7 @@ def batch_spec(batch: PyTree) -> PyTree:
 
 def named(specs: PyTree, mesh: Mesh) -> PyTree:
   """PartitionSpecs -> NamedShardings on `mesh` (PartitionSpecs are leaves here)."""
-  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                      is_leaf=lambda s: isinstance(s, P))
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
 
 
 def shard(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
@@ -272,8 +317,10 @@ def onto_mesh(tree: PyTree, mesh: Mesh) -> PyTree:
 def check_batch(batch: dict, divisor: int, what: str) -> None:
   size = batch['inputs'].shape[0]
   if size % divisor:
-    raise ConfigError(f'batch size {size} is not divisible by {what} = {divisor}; '
-                      f'choose --batch-size as a multiple of {divisor}.')
+    raise ConfigError(
+      f'batch size {size} is not divisible by {what} = {divisor}; '
+      f'choose --batch-size as a multiple of {divisor}.'
+    )
 
 
 EMBED_PIECE = -1

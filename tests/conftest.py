@@ -14,6 +14,7 @@ import pathlib
 NUM_CPU_DEVICES = 8
 os.environ.setdefault('XLA_FLAGS', f'--xla_force_host_platform_device_count={NUM_CPU_DEVICES}')
 from ouroboros_jax.runtime import host  # noqa: E402  (initialises no JAX backend)
+
 host.configure_cpu_runtime()
 
 import jax  # noqa: E402  (after XLA_FLAGS on purpose)
@@ -22,8 +23,10 @@ import pytest  # noqa: E402
 jax.config.update('jax_num_cpu_devices', NUM_CPU_DEVICES)
 # Many tests compile the same tiny programs (the reference's pieces, backprop, the optimizer);
 # a compilation cache shared by the test workers turns the repeats into cache hits.
-_CACHE = os.environ.get('OUROBOROS_TEST_COMPILE_CACHE',
-                        os.path.join(os.path.dirname(__file__), '..', '.pytest_cache', 'xla'))
+_CACHE = os.environ.get(
+  'OUROBOROS_TEST_COMPILE_CACHE',
+  os.path.join(os.path.dirname(__file__), '..', '.pytest_cache', 'xla'),
+)
 jax.config.update('jax_compilation_cache_dir', os.path.abspath(_CACHE))
 jax.config.update('jax_persistent_cache_min_compile_time_secs', 0.5)
 jax.config.update('jax_persistent_cache_min_entry_size_bytes', 0)

@@ -25,17 +25,28 @@ BATCH, SEQ = 4, 8
 
 def random_batches(num, seed=0, batch=BATCH, seq=SEQ, vocab=256):
   rng = np.random.default_rng(seed)
-  return [{'inputs': jnp.asarray(rng.integers(0, vocab, (batch, seq)), jnp.int32),
-           'targets': jnp.asarray(rng.integers(0, vocab, (batch, seq)), jnp.int32)}
-          for _ in range(num)]
+  return [
+    {
+      'inputs': jnp.asarray(rng.integers(0, vocab, (batch, seq)), jnp.int32),
+      'targets': jnp.asarray(rng.integers(0, vocab, (batch, seq)), jnp.int32),
+    }
+    for _ in range(num)
+  ]
 
 
-def tiny_transformer(num_stages, *, pre_ln=True, num_layers=None, dropout=0.0,
-                     layers_per_stage=None):
+def tiny_transformer(
+  num_stages, *, pre_ln=True, num_layers=None, dropout=0.0, layers_per_stage=None
+):
   """(StagedModel, staged params) of a 16-wide Transformer with at least 3 layers."""
-  cfg = transformer.ModelConfig(d_model=16, num_heads=2, num_layers=num_layers or
-                                max(num_stages, 3), d_ff=32, seq_len=SEQ, pre_ln=pre_ln,
-                                dropout=dropout)
+  cfg = transformer.ModelConfig(
+    d_model=16,
+    num_heads=2,
+    num_layers=num_layers or max(num_stages, 3),
+    d_ff=32,
+    seq_len=SEQ,
+    pre_ln=pre_ln,
+    dropout=dropout,
+  )
   layers_per_stage = layers_per_stage or partition.balance_layers(cfg, num_stages)
   params = partition.to_staged(transformer.init_params(cfg, jax.random.key(0)), layers_per_stage)
   return partition.transformer_stages(cfg, layers_per_stage), params
@@ -70,8 +81,12 @@ def max_abs_diff(a, b):
 def host_tree(tree):
   """A TrainState or restored dict as a dict of numpy arrays (dataclass -> dict like Orbax)."""
   if isinstance(tree, staged.TrainState):
-    tree = {'step': tree.step, 'params': tree.params, 'opt_state': tree.opt_state,
-            'ring': tree.ring}
+    tree = {
+      'step': tree.step,
+      'params': tree.params,
+      'opt_state': tree.opt_state,
+      'ring': tree.ring,
+    }
   return jax.tree.map(np.asarray, jax.device_get(tree))
 
 
@@ -87,8 +102,14 @@ def assert_trees_equal(a, b):
 
 
 def run_cli(*args, timeout=90, **kwargs):
-  return subprocess.run([sys.executable, '-m', 'ouroboros_jax', *map(str, args)], cwd=REPO_ROOT,
-                        capture_output=True, text=True, timeout=timeout, **kwargs)
+  return subprocess.run(
+    [sys.executable, '-m', 'ouroboros_jax', *map(str, args)],
+    cwd=REPO_ROOT,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+    **kwargs,
+  )
 
 
 def assert_one_line_error(result, code: int, *words: str):
@@ -103,8 +124,18 @@ def assert_one_line_error(result, code: int, *words: str):
 
 # ----------------------------------------------------------------------------- training runs
 
-TINY = dict(d_model=32, num_heads=2, num_layers=2, d_ff=128, seq_len=64, batch_size=16,
-            learning_rate=1e-2, warmup_steps=5, eval_batches=4, log_every=1)
+TINY = dict(
+  d_model=32,
+  num_heads=2,
+  num_layers=2,
+  d_ff=128,
+  seq_len=64,
+  batch_size=16,
+  learning_rate=1e-2,
+  warmup_steps=5,
+  eval_batches=4,
+  log_every=1,
+)
 
 
 def tiny_config(out, prepared_data_dir, **overrides):

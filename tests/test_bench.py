@@ -8,15 +8,44 @@ import re
 
 from ouroboros_jax.runtime import launch
 
-TINY = ['--d-model', '32', '--num-heads', '2', '--num-layers', '2', '--d-ff', '64',
-        '--seq-len', '16', '--batch-size', '4']
+TINY = [
+  '--d-model',
+  '32',
+  '--num-heads',
+  '2',
+  '--num-layers',
+  '2',
+  '--d-ff',
+  '64',
+  '--seq-len',
+  '16',
+  '--batch-size',
+  '4',
+]
 
 
 def test_two_process_bench_writes_every_row_with_its_ideal(tmp_path):
   out = io.StringIO()
   only = 'backprop,model_parallel,ouroboros pipelined/graph'
-  code = launch.launch(2, ['bench', '--stages', '2', *TINY, '--bench-steps', '3', '--warmup', '1',
-                           '--only', only, '--out', str(tmp_path)], timeout_s=300, out=out)
+  code = launch.launch(
+    2,
+    [
+      'bench',
+      '--stages',
+      '2',
+      *TINY,
+      '--bench-steps',
+      '3',
+      '--warmup',
+      '1',
+      '--only',
+      only,
+      '--out',
+      str(tmp_path),
+    ],
+    timeout_s=300,
+    out=out,
+  )
   log = out.getvalue()
   assert code == 0, log[-3000:]
   # The pieces are timed by process 0 alone and broadcast: both processes print the same ones

@@ -16,14 +16,29 @@ import time
 import pytest
 
 from ouroboros_jax import cli
-from ouroboros_jax.training import config
 from ouroboros_jax.model import ConfigError
+from ouroboros_jax.training import config
 
 from helpers import assert_one_line_error, run_cli
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-SMALL = ['--d-model', '32', '--num-heads', '2', '--num-layers', '2', '--d-ff', '64',
-         '--seq-len', '32', '--batch-size', '8', '--eval-batches', '2', '--quiet']
+SMALL = [
+  '--d-model',
+  '32',
+  '--num-heads',
+  '2',
+  '--num-layers',
+  '2',
+  '--d-ff',
+  '64',
+  '--seq-len',
+  '32',
+  '--batch-size',
+  '8',
+  '--eval-batches',
+  '2',
+  '--quiet',
+]
 
 
 # ----------------------------------------------------------------------------- flags & presets
@@ -39,8 +54,25 @@ def test_every_config_field_has_a_flag():
 
 def test_flags_override_the_preset_and_nothing_else():
   args = cli.make_parser().parse_args(
-      ['train', '--preset', 'small', '--d-model', '96', '--num-layers', '3', '--steps', '10',
-       '--no-pre-ln', '--layers-per-stage', '1,2', '--stages', '2', '--schedule', 'ouroboros'])
+    [
+      'train',
+      '--preset',
+      'small',
+      '--d-model',
+      '96',
+      '--num-layers',
+      '3',
+      '--steps',
+      '10',
+      '--no-pre-ln',
+      '--layers-per-stage',
+      '1,2',
+      '--stages',
+      '2',
+      '--schedule',
+      'ouroboros',
+    ]
+  )
   cfg = cli.config_from_args(args)
   small = config.get_preset('small')
   assert (cfg.model.d_model, cfg.model.num_layers, cfg.model.pre_ln) == (96, 3, False)
@@ -55,11 +87,23 @@ def test_presets_are_valid_and_have_the_documented_shapes():
     assert cfg.preset == name
     cfg.validate()
   base = config.get_preset('enwik8-base').model
-  assert (base.num_layers, base.d_model, base.num_heads, base.d_ff, base.seq_len,
-          base.dropout) == (12, 512, 8, 2048, 512, 0.1)
+  assert (base.num_layers, base.d_model, base.num_heads, base.d_ff, base.seq_len, base.dropout) == (
+    12,
+    512,
+    8,
+    2048,
+    512,
+    0.1,
+  )
   gpt2 = config.get_preset('gpt2-small').model
-  assert (gpt2.num_layers, gpt2.d_model, gpt2.num_heads, gpt2.d_ff, gpt2.seq_len,
-          gpt2.vocab_size) == (12, 768, 12, 3072, 1024, 256)
+  assert (
+    gpt2.num_layers,
+    gpt2.d_model,
+    gpt2.num_heads,
+    gpt2.d_ff,
+    gpt2.seq_len,
+    gpt2.vocab_size,
+  ) == (12, 768, 12, 3072, 1024, 256)
   assert config.get_preset('enwik8-base').batch_size == 22
   with pytest.raises(ConfigError, match='unknown field --nonsense'):
     config.override(config.get_preset('tiny'), {'nonsense': 1})
@@ -68,7 +112,9 @@ def test_presets_are_valid_and_have_the_documented_shapes():
 # ----------------------------------------------------------------------------- user errors
 
 
-@pytest.mark.parametrize('args, words', [
+@pytest.mark.parametrize(
+  'args, words',
+  [
     (['--preset', 'huge'], ['unknown preset', 'huge', 'tiny']),
     (['--nonsense', '1'], ['unknown flag', '--nonsense']),
     (['--d-model', '30', '--num-heads', '4'], ['d_model=30', 'num_heads=4', 'divisible']),
@@ -77,15 +123,17 @@ def test_presets_are_valid_and_have_the_documented_shapes():
     (['--d-model', 'x'], ['--d-model', "invalid int value: 'x'"]),
     (['--schedule', 'ouroboros', '--stages', '3', '--num-layers', '2'], ['3 stages', '--stages']),
     (['--schedule', 'nope'], ['unknown schedule', 'backprop']),
-])
+  ],
+)
 def test_bad_settings_fail_in_one_line(args, words):
   # Settings are checked before any data is read or anything is compiled.
   assert_one_line_error(run_cli('train', *args, '--out', os.devnull + '/x'), 2, *words)
 
 
 def test_missing_data_file(tmp_path):
-  result = run_cli('train', *SMALL, '--data', 'text:/nonexistent/corpus.txt',
-                   '--out', tmp_path / 'run')
+  result = run_cli(
+    'train', *SMALL, '--data', 'text:/nonexistent/corpus.txt', '--out', tmp_path / 'run'
+  )
   assert_one_line_error(result, 2, 'data file not found', '/nonexistent/corpus.txt')
 
 
@@ -97,15 +145,29 @@ def test_corpus_shorter_than_one_window(tmp_path):
 
 
 def test_resume_without_a_checkpoint(tmp_path, text_corpus):
-  result = run_cli('train', *SMALL, '--data', f'text:{text_corpus}', '--resume',
-                   '--out', tmp_path / 'empty')
+  result = run_cli(
+    'train', *SMALL, '--data', f'text:{text_corpus}', '--resume', '--out', tmp_path / 'empty'
+  )
   assert_one_line_error(result, 2, '--resume', 'no checkpoint', str(tmp_path / 'empty'))
 
 
 def test_cpu_devices_sets_the_device_count(tmp_path, text_corpus):
   env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  result = run_cli('train', *SMALL, '--data', f'text:{text_corpus}', '--schedule', 'ouroboros',
-                   '--stages', '2', '--cpu-devices', '1', '--out', tmp_path / 'run', env=env)
+  result = run_cli(
+    'train',
+    *SMALL,
+    '--data',
+    f'text:{text_corpus}',
+    '--schedule',
+    'ouroboros',
+    '--stages',
+    '2',
+    '--cpu-devices',
+    '1',
+    '--out',
+    tmp_path / 'run',
+    env=env,
+  )
   assert_one_line_error(result, 2, 'need 2 devices', 'only 1', '--cpu-devices 2')
 
 
@@ -117,11 +179,28 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, text_corpus
   # A learning rate of 1e30 and no warmup: the first update sends the weights to ~1e30, so the
   # second step's logits overflow and its loss is NaN. The state after step 1 is still finite.
   out = tmp_path / 'nan'
-  result = run_cli('train', *SMALL, '--data', f'text:{text_corpus}', '--learning-rate', '1e30',
-                   '--warmup-steps', '0', '--steps', '10', '--checkpoint-every', '1',
-                   '--out', out)
-  assert_one_line_error(result, 3, 'loss became nan at step 2',
-                        f'the last good checkpoint is step 1 in {out}/checkpoints')
+  result = run_cli(
+    'train',
+    *SMALL,
+    '--data',
+    f'text:{text_corpus}',
+    '--learning-rate',
+    '1e30',
+    '--warmup-steps',
+    '0',
+    '--steps',
+    '10',
+    '--checkpoint-every',
+    '1',
+    '--out',
+    out,
+  )
+  assert_one_line_error(
+    result,
+    3,
+    'loss became nan at step 2',
+    f'the last good checkpoint is step 1 in {out}/checkpoints',
+  )
   assert sorted(os.listdir(out / 'checkpoints')) == ['1']
 
 
@@ -130,28 +209,51 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, text_corpus
 
 def test_train_then_sample(tmp_path, text_corpus):
   out = tmp_path / 'run'
-  result = run_cli('train', *SMALL, '--data', f'text:{text_corpus}', '--steps', '30',
-                   '--eval-every', '15', '--out', out, '--cpu-devices', '2')
+  result = run_cli(
+    'train',
+    *SMALL,
+    '--data',
+    f'text:{text_corpus}',
+    '--steps',
+    '30',
+    '--eval-every',
+    '15',
+    '--out',
+    out,
+    '--cpu-devices',
+    '2',
+  )
   assert result.returncode == 0, result.stderr
   assert 'Traceback' not in result.stderr
   done = result.stdout.strip().splitlines()[-1]
   assert done.startswith('done: val bpb ') and 'test bpb' in done and 'tokens/s' in done
   assert {'config.json', 'metrics.jsonl', 'summary.json', 'tb', 'checkpoints'} <= set(
-      os.listdir(out))
+    os.listdir(out)
+  )
 
-  result = run_cli('sample', '--ckpt', out, '--prompt', 'ROMEO:', '--length', '64',
-                   '--temperature', '0')
+  result = run_cli(
+    'sample', '--ckpt', out, '--prompt', 'ROMEO:', '--length', '64', '--temperature', '0'
+  )
   assert result.returncode == 0, result.stderr
   text = result.stdout[:-1]  # print's newline
   assert text.startswith('ROMEO:')
   # 64 bytes decoded with errors='replace': at most 64 characters, and ASCII after training.
   assert 0 < len(text) - len('ROMEO:') <= 64
-  again = run_cli('sample', '--ckpt', out, '--prompt', 'ROMEO:', '--length', '64',
-                  '--temperature', '0')
+  again = run_cli(
+    'sample', '--ckpt', out, '--prompt', 'ROMEO:', '--length', '64', '--temperature', '0'
+  )
   assert again.stdout == result.stdout  # greedy is deterministic
   # Bytes that are not UTF-8 arrive in argv as surrogates and are passed on as the raw bytes.
-  raw = run_cli('sample', '--ckpt', out, '--prompt', b'\xff\xfe'.decode('utf-8', 'surrogateescape'),
-                '--length', '8', errors='replace')
+  raw = run_cli(
+    'sample',
+    '--ckpt',
+    out,
+    '--prompt',
+    b'\xff\xfe'.decode('utf-8', 'surrogateescape'),
+    '--length',
+    '8',
+    errors='replace',
+  )
   assert raw.returncode == 0 and 'Traceback' not in raw.stderr, raw.stderr
 
 
@@ -169,11 +271,26 @@ def test_one_run_per_out_sigterm_and_resume(tmp_path, text_corpus):
   """A second run on a busy OUT is refused; SIGTERM stops the first cleanly at a complete
   checkpoint; without a terminal it prints status lines and checkpoint sizes; it resumes."""
   out = tmp_path / 'run'
-  common = [*SMALL[:-1], '--data', f'text:{text_corpus}', '--log-every', '10',
-            '--eval-every', '1000000', '--checkpoint-every', '20', '--out', out]
-  first = subprocess.Popen([sys.executable, '-m', 'ouroboros_jax', 'train', *map(str, common),
-                            '--steps', '1000000'], cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+  common = [
+    *SMALL[:-1],
+    '--data',
+    f'text:{text_corpus}',
+    '--log-every',
+    '10',
+    '--eval-every',
+    '1000000',
+    '--checkpoint-every',
+    '20',
+    '--out',
+    out,
+  ]
+  first = subprocess.Popen(
+    [sys.executable, '-m', 'ouroboros_jax', 'train', *map(str, common), '--steps', '1000000'],
+    cwd=REPO_ROOT,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   try:
     _wait_for(lambda: os.path.isdir(out / 'checkpoints' / '20'), 120, 'the first checkpoint')
     second = run_cli('train', *common, '--steps', '40', '--seed', '1')
@@ -184,8 +301,9 @@ def test_one_run_per_out_sigterm_and_resume(tmp_path, text_corpus):
     first.kill()
   assert first.returncode == 128 + signal.SIGTERM, stderr
   lines = stderr.strip().splitlines()
-  assert len(lines) == 1 and lines[0].startswith('error: stopped by SIGTERM; the latest '
-                                                 'complete checkpoint is step '), stderr
+  assert len(lines) == 1 and lines[0].startswith(
+    'error: stopped by SIGTERM; the latest complete checkpoint is step '
+  ), stderr
   step = int(lines[0].split('is step ')[1].split()[0])
   assert step % 20 == 0 and step >= 20 and os.path.isdir(out / 'checkpoints' / str(step))
   assert 'step 10/1000000: loss ' in stdout and 'tokens/s, ETA ' in stdout  # no terminal here
@@ -209,8 +327,18 @@ def test_unwritable_out_is_one_line(tmp_path, where):
 
 
 def test_data_beyond_the_vocabulary_is_one_line(tmp_path, text_corpus):
-  result = run_cli('train', *SMALL, '--data', f'text:{text_corpus}', '--vocab-size', '100',
-                   '--steps', '2', '--out', tmp_path / 'run')
+  result = run_cli(
+    'train',
+    *SMALL,
+    '--data',
+    f'text:{text_corpus}',
+    '--vocab-size',
+    '100',
+    '--steps',
+    '2',
+    '--out',
+    tmp_path / 'run',
+  )
   assert_one_line_error(result, 2, '--vocab-size 100', 'smaller than', '256')
 
 
@@ -226,40 +354,70 @@ def test_silent_settings_are_refused_and_booleans_take_values():
   result = run_cli('train', '--schedule', 'backprop', '--stages', '2')
   assert_one_line_error(result, 2, '--stages 2 does nothing')
   parser = cli.make_parser()
-  for flags, value in ((['--pre-ln', 'false'], False), (['--pre-ln'], True),
-                       (['--no-pre-ln'], False), (['--pre-ln', 'true'], True)):
+  for flags, value in (
+    (['--pre-ln', 'false'], False),
+    (['--pre-ln'], True),
+    (['--no-pre-ln'], False),
+    (['--pre-ln', 'true'], True),
+  ):
     assert cli.config_from_args(parser.parse_args(['train', *flags])).model.pre_ln is value
   result = run_cli('train', '--pre-ln', 'maybe')
   assert_one_line_error(result, 2, "expected true or false, got 'maybe'")
   # A negative number in exponent form is a value, not a flag; an empty value is refused.
   args = parser.parse_args(['train', '--learning-rate', '-1e-3'])
   assert cli.config_from_args(args).learning_rate == -1e-3
-  assert_one_line_error(run_cli('train', '--learning-rate', '-1e-3'), 2,
-                        'learning_rate must be positive')
+  assert_one_line_error(
+    run_cli('train', '--learning-rate', '-1e-3'), 2, 'learning_rate must be positive'
+  )
   assert_one_line_error(run_cli('train', '--compensation', ''), 2, '--compensation is empty')
 
 
 def test_sample_refuses_impossible_lengths_and_temperatures(tmp_path):
-  for flags, words in ((['--length', str(10**12)], ('--length', str(10**12))),
-                       (['--temperature', 'nan'], ('--temperature', 'nan'))):
+  for flags, words in (
+    (['--length', str(10**12)], ('--length', str(10**12))),
+    (['--temperature', 'nan'], ('--temperature', 'nan')),
+  ):
     # Checked before the checkpoint is looked for: an empty OUT is enough.
     assert_one_line_error(run_cli('sample', '--ckpt', tmp_path, *flags), 2, *words)
 
 
 def test_ctrl_c_before_the_first_checkpoint_says_so(tmp_path, text_corpus):
   out = tmp_path / 'run'
-  run = subprocess.Popen([sys.executable, '-m', 'ouroboros_jax', 'train', *SMALL,
-                          '--data', f'text:{text_corpus}', '--log-every', '5',
-                          '--steps', '1000000', '--checkpoint-every', '1000000', '--out', out],
-                         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  run = subprocess.Popen(
+    [
+      sys.executable,
+      '-m',
+      'ouroboros_jax',
+      'train',
+      *SMALL,
+      '--data',
+      f'text:{text_corpus}',
+      '--log-every',
+      '5',
+      '--steps',
+      '1000000',
+      '--checkpoint-every',
+      '1000000',
+      '--out',
+      out,
+    ],
+    cwd=REPO_ROOT,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
   try:
-    _wait_for(lambda: (out / 'metrics.jsonl').exists() and
-              (out / 'metrics.jsonl').stat().st_size > 0, 120, 'the first metrics row')
+    _wait_for(
+      lambda: (out / 'metrics.jsonl').exists() and (out / 'metrics.jsonl').stat().st_size > 0,
+      120,
+      'the first metrics row',
+    )
     run.send_signal(signal.SIGINT)
     _, stderr = run.communicate(timeout=60)
   finally:
     run.kill()
   assert run.returncode == 128 + signal.SIGINT, stderr
   assert stderr.strip().splitlines() == [
-      f'error: interrupted before the first checkpoint; nothing to resume in {out}/checkpoints, '
-      'start again.']
+    f'error: interrupted before the first checkpoint; nothing to resume in {out}/checkpoints, '
+    'start again.'
+  ]

@@ -7,20 +7,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ouroboros_jax.schedules import compensation, reference
 from ouroboros_jax import staged
-from ouroboros_jax.schedules.compensation import Compensation
 from ouroboros_jax.model import ConfigError
-from ouroboros_jax.schedules import ScheduleConfig, build_schedule
+from ouroboros_jax.schedules import ScheduleConfig, build_schedule, compensation, reference
+from ouroboros_jax.schedules.compensation import Compensation
+
 from helpers import adam, max_abs_diff, random_batches, run_schedule, tiny_transformer
 
 EVERY = Compensation(predict=True, pipemare_steps=4, dc_lambda=0.5, shrink=0.7)
 CASES = {
-    'predict': Compensation(predict=True),
-    'pipemare': Compensation(pipemare_steps=4),
-    'dc': Compensation(dc_lambda=0.5),
-    'shrink': Compensation(shrink=0.7),
-    'all': EVERY,
+  'predict': Compensation(predict=True),
+  'pipemare': Compensation(pipemare_steps=4),
+  'dc': Compensation(dc_lambda=0.5),
+  'shrink': Compensation(shrink=0.7),
+  'all': EVERY,
 }
 
 
@@ -34,31 +34,42 @@ def test_matches_slow_restatement(name, num_stages, forward):
   tx = adam()
   steps = 2 * num_stages + 4 if forward == 'pipelined' else 7
   batches = random_batches(steps, seed=3)
-  config = ScheduleConfig(name='ouroboros', num_stages=num_stages, forward=forward,
-                          compensation=comp)
+  config = ScheduleConfig(
+    name='ouroboros', num_stages=num_stages, forward=forward, compensation=comp
+  )
   state, losses = run_schedule(config, model, tx, params, batches)
-  want, want_losses, _ = reference.run(model, tx, params, batches, forward=forward,
-                                       compensation=comp)
+  want, want_losses, _ = reference.run(
+    model, tx, params, batches, forward=forward, compensation=comp
+  )
   plain, _, _ = reference.run(model, tx, params, batches, forward=forward)
   skip = num_stages if forward == 'pipelined' else 0
   np.testing.assert_allclose(losses[skip:], want_losses[skip:], rtol=1e-5)
-  assert max_abs_diff(want, plain) > 1e-4        # the compensation changed the trajectory
+  assert max_abs_diff(want, plain) > 1e-4  # the compensation changed the trajectory
   assert max_abs_diff(state.params, want) < 2e-5  # ... exactly as the formulas say
 
 
 @pytest.mark.parametrize('forward', ['locked', 'pipelined'])
 @pytest.mark.parametrize('stash', ['graph', 'replay'])
 def test_with_data_parallel_warmup_and_replay(stash, forward):
-  comp = Compensation(predict=True, pipemare_steps=5, shrink=0.8,
-                      dc_lambda=0.5 if stash == 'graph' else 0.0)
+  comp = Compensation(
+    predict=True, pipemare_steps=5, shrink=0.8, dc_lambda=0.5 if stash == 'graph' else 0.0
+  )
   model, params = tiny_transformer(2)
   tx = adam()
   batches = random_batches(9, seed=4)
-  config = ScheduleConfig(name='ouroboros', num_stages=2, data_parallel=2, stash=stash,
-                          forward=forward, sync_warmup_steps=2, compensation=comp)
+  config = ScheduleConfig(
+    name='ouroboros',
+    num_stages=2,
+    data_parallel=2,
+    stash=stash,
+    forward=forward,
+    sync_warmup_steps=2,
+    compensation=comp,
+  )
   state, _ = run_schedule(config, model, tx, params, batches)
-  want, _, _ = reference.run(model, tx, params, batches, stash=stash, forward=forward,
-                             sync_warmup_steps=2, compensation=comp)
+  want, _, _ = reference.run(
+    model, tx, params, batches, stash=stash, forward=forward, sync_warmup_steps=2, compensation=comp
+  )
   assert max_abs_diff(state.params, want) < 2e-5
 
 
@@ -67,8 +78,13 @@ def test_none_is_the_paper_exact_method_bit_for_bit():
   batches = random_batches(6, seed=5)
   config = ScheduleConfig(name='ouroboros', num_stages=2)
   a, _ = run_schedule(config, model, adam(), params, batches)
-  b, _ = run_schedule(ScheduleConfig(name='ouroboros', num_stages=2, compensation=Compensation()),
-                      model, adam(), params, batches)
+  b, _ = run_schedule(
+    ScheduleConfig(name='ouroboros', num_stages=2, compensation=Compensation()),
+    model,
+    adam(),
+    params,
+    batches,
+  )
   want, _, _ = reference.run(model, adam(), params, batches)
   assert max_abs_diff(a.params, b.params) == 0.0
   assert max_abs_diff(a.params, want) < 2e-5
@@ -79,10 +95,16 @@ def test_one_stage_with_every_compensation_is_uncompensated_bit_for_bit():
   stage is the paper's, which equals backprop (test_ouroboros.test_one_stage_is_plain_backprop)."""
   model, params = tiny_transformer(1)
   batches = random_batches(5, seed=6)
-  ours, _ = run_schedule(ScheduleConfig(name='ouroboros', num_stages=1, compensation=EVERY),
-                         model, adam(), params, batches)
-  plain, _ = run_schedule(ScheduleConfig(name='ouroboros', num_stages=1), model, adam(), params,
-                          batches)
+  ours, _ = run_schedule(
+    ScheduleConfig(name='ouroboros', num_stages=1, compensation=EVERY),
+    model,
+    adam(),
+    params,
+    batches,
+  )
+  plain, _ = run_schedule(
+    ScheduleConfig(name='ouroboros', num_stages=1), model, adam(), params, batches
+  )
   assert max_abs_diff(ours.params, plain.params) == 0.0
 
 
@@ -103,8 +125,9 @@ def test_prediction_moves_each_group_by_its_gap():
   opt_state = {k: v._replace(last_update=ones[k]) for k, v in opt_state.items()}
   gaps = {'embed': 3, 'stages': jnp.asarray([2, 1]), 'head': 0}
   out = compensation.predict_weights(params, opt_state, gaps)
-  np.testing.assert_allclose(out['embed']['token']['embedding'],
-                             params['embed']['token']['embedding'] + 3)
+  np.testing.assert_allclose(
+    out['embed']['token']['embedding'], params['embed']['token']['embedding'] + 3
+  )
   kernel = out['stages']['qkv']['kernel']
   np.testing.assert_allclose(kernel[0], params['stages']['qkv']['kernel'][0] + 2)
   np.testing.assert_allclose(kernel[1], params['stages']['qkv']['kernel'][1] + 1)
@@ -114,10 +137,13 @@ def test_prediction_moves_each_group_by_its_gap():
 def test_update_side_pieces_are_the_identity_without_delay():
   params = {'kernel': jnp.arange(6.0).reshape(2, 3)}
   grads = {'kernel': jnp.linspace(-1, 1, 6).reshape(2, 3)}
-  for piece in (compensation.shrink_delayed(0.3), compensation.delay_compensation(2.0, 3),
-                compensation.scale_by_delay(10)):
+  for piece in (
+    compensation.shrink_delayed(0.3),
+    compensation.delay_compensation(2.0, 3),
+    compensation.scale_by_delay(10),
+  ):
     state = piece.init(params)
-    for _ in range(3):   # w_then == w_now at delay 0, however much the weights have moved
+    for _ in range(3):  # w_then == w_now at delay 0, however much the weights have moved
       out, state = piece.update(grads, state, params, delay=0)
       assert max_abs_diff(out, grads) == 0.0
       params = jax.tree.map(lambda w: w + 0.1, params)
@@ -147,8 +173,9 @@ def test_muon_treats_the_layer_axis_as_a_batch_axis():
     np.testing.assert_allclose(stacked['kernel'][layer], alone['kernel'], rtol=1e-4, atol=1e-6)
   # Orthogonalised: Newton-Schulz pulls the singular values close together (5 steps leave them
   # within a factor of ~1.6), where the gradient's own spread far more.
-  spread = lambda m: (lambda sv: sv.max() / sv.min())(np.linalg.svd(np.asarray(m),
-                                                                    compute_uv=False))
+  spread = lambda m: (lambda sv: sv.max() / sv.min())(
+    np.linalg.svd(np.asarray(m), compute_uv=False)
+  )
   assert spread(stacked['kernel'][0]) < 2.0 < 4.0 < spread(grads[0])
 
 
@@ -163,11 +190,17 @@ def test_bad_settings_are_one_line_errors():
     compensation.make_optimizer('sgd', 1e-3)
   model, _ = tiny_transformer(2)
   with pytest.raises(ConfigError, match='--stash graph'):
-    build_schedule(ScheduleConfig(name='ouroboros', num_stages=2, stash='replay',
-                                  compensation=Compensation(dc_lambda=1.0)), model, adam())
+    build_schedule(
+      ScheduleConfig(
+        name='ouroboros', num_stages=2, stash='replay', compensation=Compensation(dc_lambda=1.0)
+      ),
+      model,
+      adam(),
+    )
   assert compensation.parse('none', steps=100) == Compensation()
   assert compensation.parse('predict,pipemare', steps=100) == Compensation(
-      predict=True, pipemare_steps=25)
+    predict=True, pipemare_steps=25
+  )
 
 
 def test_checkpoints_carry_the_compensation_state_and_resume_bitwise(tmp_path, prepared_data_dir):
@@ -175,11 +208,18 @@ def test_checkpoints_carry_the_compensation_state_and_resume_bitwise(tmp_path, p
   resumed ends bit for bit where the uninterrupted run ends (last updates, weight history,
   PipeMare's count and the optimizer state are all in the checkpoint)."""
   from ouroboros_jax.training import checkpoint, config, loop
+
   from helpers import assert_trees_equal, host_tree, tiny_config
 
-  recipe = dict(schedule='ouroboros', stages=2, optimizer='muon',
-                compensation='predict,pipemare,dc,shrink', steps=12, checkpoint_every=6,
-                eval_every=6)
+  recipe = dict(
+    schedule='ouroboros',
+    stages=2,
+    optimizer='muon',
+    compensation='predict,pipemare,dc,shrink',
+    steps=12,
+    checkpoint_every=6,
+    eval_every=6,
+  )
   straight = tiny_config(tmp_path / 'a', prepared_data_dir, **recipe)
   loop.train(straight, quiet=True)
   cut = config.override(straight, {'out': str(tmp_path / 'b')})
@@ -204,19 +244,25 @@ def test_checkpoints_carry_the_compensation_state_and_resume_bitwise(tmp_path, p
   # The compensation state is really in the checkpoint (a plain run has no last_update).
   assert 'last_update' in str(jax.tree_util.tree_structure(a['opt_state']))
   with pytest.raises(checkpoint.CheckpointError, match='--compensation'):
-    loop.train(config.override(cut, {'compensation': 'predict', 'steps': 14}), resume=True,
-                quiet=True)
+    loop.train(
+      config.override(cut, {'compensation': 'predict', 'steps': 14}), resume=True, quiet=True
+    )
 
 
 def test_auto_gives_ouroboros_the_recipe_and_everything_else_the_paper():
   from ouroboros_jax.training import config
+
   tiny = config.get_preset('tiny')
   ring = config.override(tiny, {'schedule': 'ouroboros', 'stages': 2})
   assert ring.resolved_optimizer() == config.RECIPE_OPTIMIZER == 'muon'
-  assert ring.resolved_compensation() == compensation.parse(config.RECIPE_COMPENSATION,
-                                                            steps=ring.steps)
+  assert ring.resolved_compensation() == compensation.parse(
+    config.RECIPE_COMPENSATION, steps=ring.steps
+  )
   assert config.override(ring, {'stash': 'replay'}).resolved_compensation().dc_lambda == 0
-  for paper in (tiny, config.override(ring, {'compensation': 'none'}),
-                config.override(ring, {'stages': 1})):
+  for paper in (
+    tiny,
+    config.override(ring, {'compensation': 'none'}),
+    config.override(ring, {'stages': 1}),
+  ):
     assert paper.resolved_optimizer() == 'adamw'
     assert paper.resolved_compensation() == Compensation()

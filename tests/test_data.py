@@ -91,6 +91,7 @@ class _PastDeadline(BaseException):
 @contextlib.contextmanager
 def _deadline(seconds: float):
   """Aborts the block after `seconds`, so a regression fails instead of hanging."""
+
   def expire(signum, frame):
     raise _PastDeadline(f'still running after {seconds} s')
 
@@ -115,8 +116,7 @@ def _assert_same_batches(a, b) -> None:
 # Default corpus through the TFDS builder.
 
 
-def test_default_corpus_splits_through_tfds_array_record(tmp_path, monkeypatch,
-                                                         no_network):
+def test_default_corpus_splits_through_tfds_array_record(tmp_path, monkeypatch, no_network):
   raw = _raw_default_corpus()
   n = len(raw)
   assert n == 5_057_321
@@ -138,7 +138,7 @@ def test_default_corpus_splits_through_tfds_array_record(tmp_path, monkeypatch,
   files = sorted(p.name for p in dataset_dir.iterdir())
   record_files = [f for f in files if '.array_record' in f]
   assert {f.split('.array_record')[0] for f in record_files} == {
-      f'shakespeare_bytes-{s}' for s in data.SPLITS
+    f'shakespeare_bytes-{s}' for s in data.SPLITS
   }
   assert 'dataset_info.json' in files
   mtimes = {p: p.stat().st_mtime_ns for p in dataset_dir.iterdir()}
@@ -159,9 +159,7 @@ def test_prepare_reuses_dataset_from_concurrent_process(tmp_path, monkeypatch):
 
   def lose_race(self, **kwargs):
     # Another process prepares the same dataset and renames first; ours fails.
-    other = data.ShakespeareBytes(
-        data_dir=os.fspath(tmp_path), file_format='array_record'
-    )
+    other = data.ShakespeareBytes(data_dir=os.fspath(tmp_path), file_format='array_record')
     original(other, **kwargs)
     raise OSError(f'[Errno 39] Directory not empty: {self.data_dir}')
 
@@ -187,9 +185,7 @@ def test_default_data_dir_honours_environment(tmp_path, monkeypatch):
   monkeypatch.setenv(data.DEFAULT_DATA_DIR_ENV, os.fspath(tmp_path / 'x'))
   assert data.default_data_dir() == tmp_path / 'x'
   monkeypatch.delenv(data.DEFAULT_DATA_DIR_ENV)
-  assert data.default_data_dir() == (
-      pathlib.Path.home() / '.cache' / 'ouroboros_jax' / 'tfds'
-  )
+  assert data.default_data_dir() == (pathlib.Path.home() / '.cache' / 'ouroboros_jax' / 'tfds')
 
 
 # ----------------------------------------------------------------------------
@@ -244,9 +240,7 @@ def test_windows_are_shifted_by_one_and_equal_raw_bytes():
     assert w['inputs'].dtype == w['targets'].dtype == np.int32
     start = i * SEQ_LEN
     np.testing.assert_array_equal(w['inputs'], tokens[start : start + SEQ_LEN])
-    np.testing.assert_array_equal(
-        w['targets'], tokens[start + 1 : start + SEQ_LEN + 1]
-    )
+    np.testing.assert_array_equal(w['targets'], tokens[start + 1 : start + SEQ_LEN + 1])
     np.testing.assert_array_equal(w['inputs'][1:], w['targets'][:-1])
   # Consecutive windows share exactly one token.
   assert source[1]['inputs'][0] == source[0]['targets'][-1]
@@ -266,9 +260,7 @@ def test_eval_batches_are_windows_in_order():
   tokens = np.frombuffer(_random_bytes(2000, seed=3), np.uint8)
   source = data.WindowSource(tokens, SEQ_LEN)
   batch_size = 8
-  batches = list(
-      data.eval_batches(tokens, seq_len=SEQ_LEN, batch_size=batch_size)
-  )
+  batches = list(data.eval_batches(tokens, seq_len=SEQ_LEN, batch_size=batch_size))
   assert len(batches) == len(source) // batch_size  # Partial batch dropped.
   assert len(source) % batch_size != 0  # ... and there was one to drop.
   for b, batch in enumerate(batches):
@@ -278,26 +270,26 @@ def test_eval_batches_are_windows_in_order():
       w = source[b * batch_size + r]
       np.testing.assert_array_equal(batch['inputs'][r], w['inputs'])
       np.testing.assert_array_equal(batch['targets'][r], w['targets'])
-  limited = list(
-      data.eval_batches(tokens, seq_len=SEQ_LEN, batch_size=batch_size,
-                        max_batches=3)
-  )
+  limited = list(data.eval_batches(tokens, seq_len=SEQ_LEN, batch_size=batch_size, max_batches=3))
   _assert_same_batches(limited, batches[:3])
   # Deterministic: a second pass gives the same batches.
   _assert_same_batches(
-      list(data.eval_batches(tokens, seq_len=SEQ_LEN, batch_size=batch_size)),
-      batches,
+    list(data.eval_batches(tokens, seq_len=SEQ_LEN, batch_size=batch_size)),
+    batches,
   )
   # Process slices of eval batches concatenate to the global batch.
   halves = [
-      list(data.eval_batches(tokens, seq_len=SEQ_LEN, batch_size=batch_size,
-                             process_index=p, process_count=2))
-      for p in range(2)
+    list(
+      data.eval_batches(
+        tokens, seq_len=SEQ_LEN, batch_size=batch_size, process_index=p, process_count=2
+      )
+    )
+    for p in range(2)
   ]
   for b, batch in enumerate(batches):
     np.testing.assert_array_equal(
-        np.concatenate([halves[0][b]['inputs'], halves[1][b]['inputs']]),
-        batch['inputs'],
+      np.concatenate([halves[0][b]['inputs'], halves[1][b]['inputs']]),
+      batch['inputs'],
     )
 
 
@@ -306,8 +298,7 @@ def test_eval_batches_are_windows_in_order():
 
 
 def test_train_batches_have_the_right_format(train_tokens):
-  it = data.make_train_iterator(train_tokens, seq_len=SEQ_LEN, batch_size=4,
-                                seed=0)
+  it = data.make_train_iterator(train_tokens, seq_len=SEQ_LEN, batch_size=4, seed=0)
   ids = _window_ids(train_tokens, SEQ_LEN)
   source = data.WindowSource(train_tokens, SEQ_LEN)
   batch = next(it)
@@ -336,8 +327,7 @@ def test_each_epoch_is_a_new_permutation_of_all_windows(train_tokens):
   n = len(ids)
   batch_size = 7
   assert n % batch_size != 0  # Batches straddle epoch boundaries.
-  it = data.make_train_iterator(train_tokens, seq_len=SEQ_LEN,
-                                batch_size=batch_size, seed=0)
+  it = data.make_train_iterator(train_tokens, seq_len=SEQ_LEN, batch_size=batch_size, seed=0)
   stream = _ids_of(_take(it, -(-3 * n // batch_size)), ids)
   epochs = [stream[e * n : (e + 1) * n] for e in range(3)]
   for epoch in epochs:
@@ -363,14 +353,17 @@ def test_iterator_state_round_trips_through_json(train_tokens):
 
 
 @pytest.mark.parametrize('process_count', [2, 4])
-def test_process_slices_concatenate_to_the_global_batch(train_tokens,
-                                                        process_count):
+def test_process_slices_concatenate_to_the_global_batch(train_tokens, process_count):
   kwargs = dict(seq_len=SEQ_LEN, batch_size=8, seed=5)
   global_batches = _take(data.make_train_iterator(train_tokens, **kwargs), 30)
   per_process = [
-      _take(data.make_train_iterator(train_tokens, process_index=p,
-                                     process_count=process_count, **kwargs), 30)
-      for p in range(process_count)
+    _take(
+      data.make_train_iterator(
+        train_tokens, process_index=p, process_count=process_count, **kwargs
+      ),
+      30,
+    )
+    for p in range(process_count)
   ]
   for step, global_batch in enumerate(global_batches):
     for key in ('inputs', 'targets'):
@@ -379,12 +372,14 @@ def test_process_slices_concatenate_to_the_global_batch(train_tokens,
       np.testing.assert_array_equal(np.concatenate(parts), global_batch[key])
 
   # A process's state restores its own stream.
-  it = data.make_train_iterator(train_tokens, process_index=1,
-                                process_count=process_count, **kwargs)
+  it = data.make_train_iterator(
+    train_tokens, process_index=1, process_count=process_count, **kwargs
+  )
   _take(it, 4)
   state = json.loads(json.dumps(it.get_state()))
-  fresh = data.make_train_iterator(train_tokens, process_index=1,
-                                   process_count=process_count, **kwargs)
+  fresh = data.make_train_iterator(
+    train_tokens, process_index=1, process_count=process_count, **kwargs
+  )
   fresh.set_state(state)
   _assert_same_batches(_take(fresh, 3), per_process[1][4:7])
 
@@ -409,9 +404,7 @@ def test_text_spec_concatenates_plain_and_gz_files(tmp_path):
   assert len(splits['validation']) == len(expected) * 5 // 100
   # Order matters: the files are concatenated in the order given.
   swapped = data.load_splits(f'text:{tmp_path / "c.txt.gz"},{tmp_path / "a.txt"}')
-  assert np.concatenate([swapped[k] for k in data.SPLITS]).tobytes() == (
-      c + b'\n' + a
-  )
+  assert np.concatenate([swapped[k] for k in data.SPLITS]).tobytes() == (c + b'\n' + a)
 
 
 class OuroborosTestDocs(tfds.core.GeneratorBasedBuilder, skip_registration=True):
@@ -423,23 +416,26 @@ class OuroborosTestDocs(tfds.core.GeneratorBasedBuilder, skip_registration=True)
 
   def _info(self):
     return tfds.core.DatasetInfo(
-        builder=self,
-        description='test documents',
-        features=tfds.features.FeaturesDict({
-            'text': tfds.features.Text(),
-            'title': tfds.features.Text(),
-            'id': tfds.features.Scalar(dtype=np.int64),
-        }),
+      builder=self,
+      description='test documents',
+      features=tfds.features.FeaturesDict(
+        {
+          'text': tfds.features.Text(),
+          'title': tfds.features.Text(),
+          'id': tfds.features.Scalar(dtype=np.int64),
+        }
+      ),
     )
 
   def _split_generators(self, dl_manager):
-    return {name: self._generate_examples(name, n)
-            for name, n in self.SPLIT_SIZES.items()}
+    return {name: self._generate_examples(name, n) for name, n in self.SPLIT_SIZES.items()}
 
   def _generate_examples(self, split, n):
     for i in range(n):
-      yield f'{split}{i}', {'text': f'{split} document {i} \u00e9t\u00e9',
-                            'title': f'{split.upper()}-{i}', 'id': i}
+      yield (
+        f'{split}{i}',
+        {'text': f'{split} document {i} \u00e9t\u00e9', 'title': f'{split.upper()}-{i}', 'id': i},
+      )
 
 
 class OuroborosTestTrainOnly(OuroborosTestDocs, skip_registration=True):
@@ -453,8 +449,7 @@ class OuroborosTestDownload(OuroborosTestDocs):
 
 
 def _prepare(builder_cls, data_dir) -> None:
-  builder_cls(data_dir=os.fspath(data_dir)).download_and_prepare(
-      file_format='array_record')
+  builder_cls(data_dir=os.fspath(data_dir)).download_and_prepare(file_format='array_record')
 
 
 def test_tfds_spec_reads_prepared_dataset_and_feature(tmp_path, monkeypatch):
@@ -473,13 +468,11 @@ def test_tfds_spec_reads_prepared_dataset_and_feature(tmp_path, monkeypatch):
   # FEATURE defaults to 'text'; documents are UTF-8.
   text = data.load_splits('tfds:ouroboros_test_docs', data_dir=tmp_path)
   test_text = sorted(text['test'].tobytes().split(b'\n'))
-  assert test_text == sorted(
-      f'test document {i} \u00e9t\u00e9'.encode('utf-8') for i in range(10))
+  assert test_text == sorted(f'test document {i} \u00e9t\u00e9'.encode('utf-8') for i in range(10))
   assert attempts == []
 
 
-def test_tfds_unprepared_dataset_fails_fast_without_network(tmp_path,
-                                                           no_network):
+def test_tfds_unprepared_dataset_fails_fast_without_network(tmp_path, no_network):
   assert tfds.builder_cls('lm1b')  # A real catalog text dataset.
   start = time.monotonic()
   with _deadline(60), pytest.raises(data.DataError) as e:
@@ -492,48 +485,43 @@ def test_tfds_unprepared_dataset_fails_fast_without_network(tmp_path,
   assert '\n' not in message
   assert "'lm1b'" in message and str(tmp_path) in message
   assert '--download' in message
-  assert f'tfds build lm1b --file_format=array_record --data_dir {tmp_path}' in (
-      message)
+  assert f'tfds build lm1b --file_format=array_record --data_dir {tmp_path}' in (message)
   assert list(tmp_path.iterdir()) == []  # Nothing was prepared or downloaded.
 
 
 def test_tfds_download_prepares_only_when_asked(tmp_path, no_network):
   with _deadline(60):
-    message = _error(data.load_splits, 'tfds:ouroboros_test_download',
-                     data_dir=tmp_path)
+    message = _error(data.load_splits, 'tfds:ouroboros_test_download', data_dir=tmp_path)
     assert '--download' in message and 'not prepared' in message
     assert not (tmp_path / 'ouroboros_test_download').exists()
 
-    splits = data.load_splits('tfds:ouroboros_test_download:title',
-                              data_dir=tmp_path, download=True)
+    splits = data.load_splits(
+      'tfds:ouroboros_test_download:title', data_dir=tmp_path, download=True
+    )
   for split, n in OuroborosTestDownload.SPLIT_SIZES.items():
     assert sorted(splits[split].tobytes().split(b'\n')) == sorted(
-        f'{split.upper()}-{i}'.encode() for i in range(n))
-  files = [p.name for p in (tmp_path / 'ouroboros_test_download' / '1.0.0')
-           .iterdir()]
+      f'{split.upper()}-{i}'.encode() for i in range(n)
+    )
+  files = [p.name for p in (tmp_path / 'ouroboros_test_download' / '1.0.0').iterdir()]
   assert any('.array_record' in f for f in files)
   # Once prepared it is read without --download.
-  again = data.load_splits('tfds:ouroboros_test_download:title',
-                           data_dir=tmp_path)
+  again = data.load_splits('tfds:ouroboros_test_download:title', data_dir=tmp_path)
   for k in data.SPLITS:
     np.testing.assert_array_equal(again[k], splits[k])
   assert no_network == []
 
 
 def test_namespaced_tfds_dataset_needs_download(tmp_path, no_network):
-  message = _error(data.load_splits, 'tfds:huggingface:some_ds:text',
-                   data_dir=tmp_path)
+  message = _error(data.load_splits, 'tfds:huggingface:some_ds:text', data_dir=tmp_path)
   assert 'huggingface' in message and '--download' in message
   assert no_network == []
 
 
 def test_tfds_spec_with_only_train_splits_90_5_5(tmp_path):
   _prepare(OuroborosTestTrainOnly, tmp_path)
-  splits = data.load_splits('tfds:ouroboros_test_train_only:title',
-                            data_dir=tmp_path)
+  splits = data.load_splits('tfds:ouroboros_test_train_only:title', data_dir=tmp_path)
   stream = b''.join(splits[k].tobytes() for k in data.SPLITS)
-  assert sorted(stream.split(b'\n')) == sorted(
-      f'TRAIN-{i}'.encode() for i in range(80))
+  assert sorted(stream.split(b'\n')) == sorted(f'TRAIN-{i}'.encode() for i in range(80))
   assert len(splits['train']) == len(stream) * 90 // 100
   assert len(splits['validation']) == len(stream) * 5 // 100
 
@@ -575,24 +563,23 @@ def test_unknown_spec_names_accepted_forms():
 
 
 def test_tfds_errors(tmp_path, no_network):
-  message = _error(data.load_splits, 'tfds:no_such_dataset_ouroboros',
-                   data_dir=tmp_path)
+  message = _error(data.load_splits, 'tfds:no_such_dataset_ouroboros', data_dir=tmp_path)
   assert 'no_such_dataset_ouroboros' in message
   assert no_network == []
   _prepare(OuroborosTestDocs, tmp_path)
-  message = _error(data.load_splits, 'tfds:ouroboros_test_docs:body',
-                   data_dir=tmp_path)
+  message = _error(data.load_splits, 'tfds:ouroboros_test_docs:body', data_dir=tmp_path)
   assert "'body'" in message and 'text' in message and 'title' in message
-  message = _error(data.load_splits, 'tfds:ouroboros_test_docs:id',
-                   data_dir=tmp_path)
+  message = _error(data.load_splits, 'tfds:ouroboros_test_docs:id', data_dir=tmp_path)
   assert "'id'" in message and 'not text' in message
   assert 'tfds:' in _error(data.load_splits, 'tfds:', data_dir=tmp_path)
 
 
 def test_check_vocab_names_the_vocabulary_and_the_byte_range():
-  splits = {'train': np.array([0, 65, 200], np.uint8),
-            'validation': np.array([10], np.uint8),
-            'test': np.zeros(0, np.uint8)}
+  splits = {
+    'train': np.array([0, 65, 200], np.uint8),
+    'validation': np.array([10], np.uint8),
+    'test': np.zeros(0, np.uint8),
+  }
   data.check_vocab(splits, 256)
   data.check_vocab(splits, 201)  # Largest token 200 < 201.
   message = _error(data.check_vocab, splits, 200)
@@ -607,8 +594,7 @@ def test_check_vocab_names_the_vocabulary_and_the_byte_range():
 
 def test_split_shorter_than_one_window(tmp_path):
   tokens = np.zeros(10, np.uint8)
-  message = _error(data.make_train_iterator, tokens, seq_len=SEQ_LEN,
-                   batch_size=1, seed=0)
+  message = _error(data.make_train_iterator, tokens, seq_len=SEQ_LEN, batch_size=1, seed=0)
   assert 'seq_len' in message and '10' in message and str(SEQ_LEN + 1) in message
   assert '--seq-len' in message
   message = _error(data.eval_batches, tokens, seq_len=SEQ_LEN, batch_size=1)
@@ -618,38 +604,46 @@ def test_split_shorter_than_one_window(tmp_path):
   path.write_bytes(b'a' * 200)
   splits = data.load_splits(f'text:{path}')
   assert len(splits['validation']) == 10
-  message = _error(data.eval_batches, splits['validation'], seq_len=SEQ_LEN,
-                   batch_size=1, split='validation')
+  message = _error(
+    data.eval_batches, splits['validation'], seq_len=SEQ_LEN, batch_size=1, split='validation'
+  )
   assert 'validation split has 10 tokens' in message
 
 
 def test_fewer_windows_than_batch_size(train_tokens):
   n = data.num_windows(train_tokens, SEQ_LEN)
-  message = _error(data.make_train_iterator, train_tokens, seq_len=SEQ_LEN,
-                   batch_size=n + 1, seed=0)
+  message = _error(
+    data.make_train_iterator, train_tokens, seq_len=SEQ_LEN, batch_size=n + 1, seed=0
+  )
   assert 'batch' in message and str(n) in message
   # Exactly n windows is enough.
-  it = data.make_train_iterator(train_tokens, seq_len=SEQ_LEN, batch_size=n,
-                                seed=0)
+  it = data.make_train_iterator(train_tokens, seq_len=SEQ_LEN, batch_size=n, seed=0)
   assert next(it)['inputs'].shape == (n, SEQ_LEN)
 
 
 def test_non_positive_sizes(train_tokens):
   for bad in [0, -3]:
-    assert 'seq_len' in _error(data.make_train_iterator, train_tokens,
-                               seq_len=bad, batch_size=2, seed=0)
-    assert 'batch_size' in _error(data.make_train_iterator, train_tokens,
-                                  seq_len=SEQ_LEN, batch_size=bad, seed=0)
-    assert 'seq_len' in _error(data.eval_batches, train_tokens, seq_len=bad,
-                               batch_size=2)
-    assert 'batch_size' in _error(data.eval_batches, train_tokens,
-                                  seq_len=SEQ_LEN, batch_size=bad)
+    assert 'seq_len' in _error(
+      data.make_train_iterator, train_tokens, seq_len=bad, batch_size=2, seed=0
+    )
+    assert 'batch_size' in _error(
+      data.make_train_iterator, train_tokens, seq_len=SEQ_LEN, batch_size=bad, seed=0
+    )
+    assert 'seq_len' in _error(data.eval_batches, train_tokens, seq_len=bad, batch_size=2)
+    assert 'batch_size' in _error(data.eval_batches, train_tokens, seq_len=SEQ_LEN, batch_size=bad)
     assert 'seq_len' in _error(data.num_windows, train_tokens, bad)
   assert 'process_count' in _error(
-      data.make_train_iterator, train_tokens, seq_len=SEQ_LEN, batch_size=6,
-      seed=0, process_count=4)
+    data.make_train_iterator, train_tokens, seq_len=SEQ_LEN, batch_size=6, seed=0, process_count=4
+  )
   assert 'process_index' in _error(
-      data.make_train_iterator, train_tokens, seq_len=SEQ_LEN, batch_size=8,
-      seed=0, process_index=2, process_count=2)
-  assert 'seed' in _error(data.make_train_iterator, train_tokens,
-                          seq_len=SEQ_LEN, batch_size=2, seed=-1)
+    data.make_train_iterator,
+    train_tokens,
+    seq_len=SEQ_LEN,
+    batch_size=8,
+    seed=0,
+    process_index=2,
+    process_count=2,
+  )
+  assert 'seed' in _error(
+    data.make_train_iterator, train_tokens, seq_len=SEQ_LEN, batch_size=2, seed=-1
+  )

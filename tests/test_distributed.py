@@ -13,12 +13,12 @@ import time
 import numpy as np
 import pytest
 
-from ouroboros_jax.runtime import distributed, launch
 from ouroboros_jax.model import ConfigError
+from ouroboros_jax.runtime import distributed, launch
 
 # The same 5 Ouroboros steps, run either as 2 processes (1 CPU device each) or as 1 process with
 # 2 simulated devices; the script writes the final parameters of process 0 to argv[2].
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import sys
     import jax
     from ouroboros_jax.runtime import distributed
@@ -45,7 +45,7 @@ SCRIPT = textwrap.dedent('''
     if jax.process_index() == 0:
       np.save(sys.argv[2], np.concatenate([np.ravel(x) for x in jax.tree.leaves(gathered)]))
     print('processes', jax.process_count(), 'loss', float(metrics['loss']))
-''')
+""")
 
 
 @pytest.mark.parametrize('stash', ['graph', 'replay'])
@@ -53,14 +53,22 @@ def test_two_processes_equal_two_simulated_devices(tmp_path, stash):
   script = tmp_path / 'run.py'
   script.write_text(SCRIPT)
   out = io.StringIO()
-  code = launch.launch(2, [stash, str(tmp_path / 'multi.npy')], timeout_s=240, out=out,
-                       program=[sys.executable, str(script)])
+  code = launch.launch(
+    2,
+    [stash, str(tmp_path / 'multi.npy')],
+    timeout_s=240,
+    out=out,
+    program=[sys.executable, str(script)],
+  )
   assert code == 0, out.getvalue()[-3000:]
   assert out.getvalue().count('processes 2 loss') == 2
-  single = subprocess.run([sys.executable, str(script), stash, str(tmp_path / 'single.npy')],
-                          capture_output=True, text=True, timeout=240,
-                          env={**launch.child_env(0, 1, 0), 'OUROBOROS_COORDINATOR': '',
-                               'XLA_FLAGS': ''})
+  single = subprocess.run(
+    [sys.executable, str(script), stash, str(tmp_path / 'single.npy')],
+    capture_output=True,
+    text=True,
+    timeout=240,
+    env={**launch.child_env(0, 1, 0), 'OUROBOROS_COORDINATOR': '', 'XLA_FLAGS': ''},
+  )
   assert single.returncode == 0, single.stderr[-3000:]
   assert 'processes 1 loss' in single.stdout
   multi, one = np.load(tmp_path / 'multi.npy'), np.load(tmp_path / 'single.npy')
@@ -71,7 +79,8 @@ def test_two_processes_equal_two_simulated_devices(tmp_path, stash):
 def test_a_killed_process_makes_launch_fail_fast(tmp_path):
   # Process 1 dies at once; process 0 would wait forever in a collective without the timeouts.
   script = tmp_path / 'die.py'
-  script.write_text(textwrap.dedent('''
+  script.write_text(
+    textwrap.dedent("""
       import os, sys
       from ouroboros_jax.runtime import distributed
       distributed.initialize(distributed.ProcessConfig(heartbeat_timeout_s=10))
@@ -80,37 +89,57 @@ def test_a_killed_process_makes_launch_fail_fast(tmp_path):
       if jax.process_index() == 1:
         os._exit(17)
       multihost_utils.sync_global_devices('never reached by process 1')
-  '''))
+  """)
+  )
   out = io.StringIO()
   start = time.monotonic()
-  code = launch.launch(2, [], grace_s=60, timeout_s=180, out=out,
-                       program=[sys.executable, str(script)])
+  code = launch.launch(
+    2, [], grace_s=60, timeout_s=180, out=out, program=[sys.executable, str(script)]
+  )
   assert code == 17, out.getvalue()[-2000:]
   assert time.monotonic() - start < 120
   assert '[launch] process 1 exited with status 17;' in out.getvalue()  # the dead peer, named
-  assert not any(launch._CPP_FRAME.match(line.split(' ', 1)[-1])  # pylint: disable=protected-access
-                 for line in out.getvalue().splitlines())
+  assert not any(
+    launch._CPP_FRAME.match(line.split(' ', 1)[-1])  # pylint: disable=protected-access
+    for line in out.getvalue().splitlines()
+  )
 
 
 def test_an_unreachable_coordinator_is_one_line():
   port = launch.free_port()  # nothing listens there
   result = subprocess.run(
-      [sys.executable, '-m', 'ouroboros_jax', 'train', '--coordinator', f'127.0.0.1:{port}',
-       '--num-processes', '2', '--process-id', '1', '--init-timeout', '2'],
-      capture_output=True, text=True, timeout=60)
+    [
+      sys.executable,
+      '-m',
+      'ouroboros_jax',
+      'train',
+      '--coordinator',
+      f'127.0.0.1:{port}',
+      '--num-processes',
+      '2',
+      '--process-id',
+      '1',
+      '--init-timeout',
+      '2',
+    ],
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
   assert result.returncode == 2, result.stderr
   assert result.stderr.strip().splitlines() == [
-      f'error: cannot reach the coordinator 127.0.0.1:{port} within 2 s (Connection refused); '
-      'start process 0 there first, fix --coordinator, or wait longer with --init-timeout.']
+    f'error: cannot reach the coordinator 127.0.0.1:{port} within 2 s (Connection refused); '
+    'start process 0 there first, fix --coordinator, or wait longer with --init-timeout.'
+  ]
 
 
 # A launcher whose two children print their PID and sleep: killing the launcher must kill them.
-LAUNCHER = textwrap.dedent('''
+LAUNCHER = textwrap.dedent("""
     import sys
     from ouroboros_jax.runtime import launch
     child = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(300)"
     sys.exit(launch.launch(2, [], grace_s=5, program=[sys.executable, '-c', child]))
-''')
+""")
 
 
 def _alive(pid: int) -> bool:
@@ -152,14 +181,18 @@ def test_launch_and_process_config_errors(monkeypatch):
     launch.launch(2, [])
   with pytest.raises(ConfigError, match='--processes'):
     launch.launch(0, ['train'])
-  for name in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES,
-               distributed.ENV_PROCESS_ID):
+  for name in (
+    distributed.ENV_COORDINATOR,
+    distributed.ENV_NUM_PROCESSES,
+    distributed.ENV_PROCESS_ID,
+  ):
     monkeypatch.delenv(name, raising=False)
   assert distributed.initialize(distributed.ProcessConfig()) is False  # plain single process
   with pytest.raises(ConfigError, match='--num-processes'):
     distributed.initialize(distributed.ProcessConfig(coordinator='127.0.0.1:1'))
   with pytest.raises(ConfigError, match='outside'):
-    distributed.initialize(distributed.ProcessConfig(coordinator='127.0.0.1:1',
-                                                     num_processes=2, process_id=5))
+    distributed.initialize(
+      distributed.ProcessConfig(coordinator='127.0.0.1:1', num_processes=2, process_id=5)
+    )
   with pytest.raises(ConfigError, match='--coordinator'):
     distributed.initialize(distributed.ProcessConfig(num_processes=2, process_id=1))

@@ -9,15 +9,17 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import assert_trees_equal, random_batches
 from ouroboros_jax import costs
-from ouroboros_jax.accelerators import growth
 from ouroboros_jax import model as transformer
+from ouroboros_jax.accelerators import growth
 from ouroboros_jax.model import ConfigError
 
+from helpers import assert_trees_equal, random_batches
+
 SEQ, VOCAB = 8, 32
-CFG = transformer.ModelConfig(vocab_size=VOCAB, d_model=16, num_heads=2, num_layers=4, d_ff=32,
-                              seq_len=SEQ)
+CFG = transformer.ModelConfig(
+  vocab_size=VOCAB, d_model=16, num_heads=2, num_layers=4, d_ff=32, seq_len=SEQ
+)
 
 
 def batch_of(seed=0, size=2):
@@ -40,7 +42,7 @@ def test_grow_copies_the_top_layers_and_stacking_doubles(params):
     assert_trees_equal(layer(grown, i), layer(three, source))
   assert_trees_equal(grown['embed'], three['embed'])
   two = {**params, 'layers': jax.tree.map(lambda a: a[:2], params['layers'])}
-  stacked = growth.stack(two)   # layers 1..L -> L+1..2L
+  stacked = growth.stack(two)  # layers 1..L -> L+1..2L
   assert jax.tree.leaves(stacked['layers'])[0].shape[0] == 4
   for i, source in enumerate([0, 1, 0, 1]):
     assert_trees_equal(layer(stacked, i), layer(two, source))
@@ -60,11 +62,15 @@ def test_frozen_layers_have_no_backward(params):
   than a trained one (F + 2F): no backward is computed for it."""
   batch = batch_of()
   one_layer = {**params, 'layers': jax.tree.map(lambda a: a[:1], params['layers'])}
-  forward = costs.matmul_flops(lambda p: transformer.layers(
-      CFG, p['layers'], transformer.embed(CFG, p['embed'], batch['inputs'])), one_layer)
+  forward = costs.matmul_flops(
+    lambda p: transformer.layers(
+      CFG, p['layers'], transformer.embed(CFG, p['embed'], batch['inputs'])
+    ),
+    one_layer,
+  )
   step = lambda num_frozen: costs.matmul_flops(
-      lambda p: growth.mslt_grads(CFG, p, batch, None, num_frozen, train_embedding=True)[:2],
-      params)
+    lambda p: growth.mslt_grads(CFG, p, batch, None, num_frozen, train_embedding=True)[:2], params
+  )
   full = step(0)
   assert full == 3 * costs.matmul_flops(lambda p: transformer.loss_fn(CFG, p, batch)[0], params)
   for num_frozen in (1, 3):
@@ -72,25 +78,32 @@ def test_frozen_layers_have_no_backward(params):
 
 
 def test_train_growth_runs_a_plan(params):
-  """MSLT 1 -> 2 layers: the log, the FLOP accounting, and in stage 1 layer 0 and the embedding
+  """MSLT 1 -> 2 layers: the log, the FLOP accounting, and in phase 1 layer 0 and the embedding
   frozen (bit for bit, although the optimizer's weight decay would move any parameter it
   updates) while the new layer 1 (a copy of layer 0) and the head train."""
-  cfg = transformer.ModelConfig(vocab_size=VOCAB, d_model=16, num_heads=2, num_layers=2,
-                                d_ff=32, seq_len=SEQ)
+  cfg = transformer.ModelConfig(
+    vocab_size=VOCAB, d_model=16, num_heads=2, num_layers=2, d_ff=32, seq_len=SEQ
+  )
   batches = [batch_of(seed) for seed in range(4)]
   plan = growth.GrowthPlan(depths=(1, 2), steps=(2, 2), opt_state='carry')
   start = {**params, 'layers': jax.tree.map(lambda a: a[:1], params['layers'])}
   ends = {}
   grown, log = growth.train_growth(
-      plan, cfg, iter(batches),
-      lambda stage: optax.chain(optax.add_decayed_weights(0.1), optax.sgd(1e-2)),
-      params=start, on_stage_end=lambda i, p: ends.setdefault(i, p))
-  assert [r['stage'] for r in log] == [0, 0, 1, 1]
+    plan,
+    cfg,
+    iter(batches),
+    lambda phase: optax.chain(optax.add_decayed_weights(0.1), optax.sgd(1e-2)),
+    params=start,
+    on_phase_end=lambda i, p: ends.setdefault(i, p),
+  )
+  assert [r['phase'] for r in log] == [0, 0, 1, 1]
   assert [r['frozen'] for r in log] == [0, 0, 1, 1]
   assert [r['step'] for r in log] == list(range(4))
   tokens = 2 * SEQ
-  per_step = [costs.step_flops(dataclasses.replace(cfg, num_layers=d), tokens, frozen_layers=f)
-              for d, f in [(1, 0)] * 2 + [(2, 1)] * 2]
+  per_step = [
+    costs.step_flops(dataclasses.replace(cfg, num_layers=d), tokens, frozen_layers=f)
+    for d, f in [(1, 0)] * 2 + [(2, 1)] * 2
+  ]
   np.testing.assert_allclose([r['flops'] for r in log], np.cumsum(per_step))
   assert per_step[2] < costs.step_flops(dataclasses.replace(cfg, num_layers=2), tokens)
   assert all(np.isfinite(r['loss']) for r in log)
@@ -100,8 +113,9 @@ def test_train_growth_runs_a_plan(params):
   assert_trees_equal(grown['embed'], ends[0]['embed'])
   for name in ('qkv', 'mlp_out'):
     assert not np.array_equal(layer(grown, 1)[name]['kernel'], layer(ends[0], 0)[name]['kernel'])
-  assert not np.array_equal(grown['head']['ln_final']['scale'],
-                            ends[0]['head']['ln_final']['scale'])
+  assert not np.array_equal(
+    grown['head']['ln_final']['scale'], ends[0]['head']['ln_final']['scale']
+  )
 
 
 def test_plan_validation():
@@ -111,6 +125,7 @@ def test_plan_validation():
     growth.GrowthPlan(depths=(1, 2), steps=(1, 1)).validate(CFG)
   plan = growth.stacking_plan(3, 2, (5, 7, 9))
   assert plan.depths == (3, 6, 12) and plan.method == 'stacking'
-  assert [f for _, _, f in plan.stages()] == [0, 0, 0]
-  assert [f for _, _, f in growth.GrowthPlan(depths=(1, 2, 4), steps=(1, 1, 1),
-                                             final_steps=3).stages()] == [0, 1, 2, 0]
+  assert [f for _, _, f in plan.phases()] == [0, 0, 0]
+  assert [
+    f for _, _, f in growth.GrowthPlan(depths=(1, 2, 4), steps=(1, 1, 1), final_steps=3).phases()
+  ] == [0, 1, 2, 0]

@@ -19,7 +19,7 @@ REGION = host.CPU_XLA_FLAGS[0].split('=')[0]
 
 # Runs configure_cpu_runtime() in a fresh process, then mallocs 256 MiB: glibc serves a block that
 # large with its own mmap unless keep_freed_memory() ran (mallinfo2's hblks counts those).
-_CONFIGURE = '''
+_CONFIGURE = """
 import ctypes, os
 from ouroboros_jax.runtime import host
 fields = ('arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost').split()
@@ -34,11 +34,12 @@ block = libc.malloc(256 << 20)
 mmapped = libc.mallinfo2().hblks - before
 libc.free(ctypes.c_void_p(block))
 print(applied, mmapped, repr(os.environ.get('XLA_FLAGS', '')))
-'''
+"""
 
 
 def _has_mallinfo2() -> bool:
   import ctypes  # pylint: disable=import-outside-toplevel
+
   try:
     return hasattr(ctypes.CDLL('libc.so.6'), 'mallinfo2')
   except OSError:
@@ -47,8 +48,18 @@ def _has_mallinfo2() -> bool:
 
 def _configure_in_subprocess(platforms: str) -> list[str]:
   env = {**os.environ, 'JAX_PLATFORMS': platforms, 'XLA_FLAGS': '--xla_dump_to=/tmp/x'}
-  return subprocess.run([sys.executable, '-c', _CONFIGURE], capture_output=True, text=True,
-                        env=env, timeout=120, check=True).stdout.strip().split(maxsplit=2)
+  return (
+    subprocess.run(
+      [sys.executable, '-c', _CONFIGURE],
+      capture_output=True,
+      text=True,
+      env=env,
+      timeout=120,
+      check=True,
+    )
+    .stdout.strip()
+    .split(maxsplit=2)
+  )
 
 
 @pytest.fixture
@@ -61,22 +72,23 @@ def platforms_from_env(monkeypatch):
   return monkeypatch
 
 
-@pytest.mark.parametrize('platforms, expected', [('cuda', False), ('tpu,cpu', False),
-                                                 ('cpu', True), ('CPU,cuda', True)])
+@pytest.mark.parametrize(
+  'platforms, expected', [('cuda', False), ('tpu,cpu', False), ('cpu', True), ('CPU,cuda', True)]
+)
 def test_the_backend_named_by_jax_platforms_decides(platforms_from_env, platforms, expected):
   platforms_from_env.setenv('JAX_PLATFORMS', platforms)
   assert host.cpu_backend_expected() is expected
 
 
 def test_jax_config_wins_over_a_later_environment(platforms_from_env):
-  platforms_from_env.setitem(sys.modules, 'jax', types.SimpleNamespace(
-      config=types.SimpleNamespace(jax_platforms='cuda')))
+  platforms_from_env.setitem(
+    sys.modules, 'jax', types.SimpleNamespace(config=types.SimpleNamespace(jax_platforms='cuda'))
+  )
   platforms_from_env.setenv('JAX_PLATFORMS', 'cpu')
   assert host.cpu_backend_expected() is False
 
 
-def test_with_no_platforms_named_an_installed_accelerator_plugin_means_not_cpu(
-    platforms_from_env):
+def test_with_no_platforms_named_an_installed_accelerator_plugin_means_not_cpu(platforms_from_env):
   monkeypatch = platforms_from_env
   monkeypatch.setattr(host, '_ACCELERATOR_MODULES', ())
   monkeypatch.setattr(host, '_LEGACY_GPU_JAXLIB_DIRS', ())
@@ -85,16 +97,21 @@ def test_with_no_platforms_named_an_installed_accelerator_plugin_means_not_cpu(
 
   real = host.importlib.util.find_spec
   monkeypatch.setattr(host, '_ACCELERATOR_MODULES', ('jax_cuda12_plugin',))
-  monkeypatch.setattr(host.importlib.util, 'find_spec',
-                      lambda name, *a: object() if name == 'jax_cuda12_plugin' else real(name, *a))
+  monkeypatch.setattr(
+    host.importlib.util,
+    'find_spec',
+    lambda name, *a: object() if name == 'jax_cuda12_plugin' else real(name, *a),
+  )
   assert host.cpu_backend_expected() is False
 
 
 def test_with_no_platforms_a_plugin_entry_point_means_not_cpu(platforms_from_env):
   platforms_from_env.setattr(host, '_ACCELERATOR_MODULES', ())
-  platforms_from_env.setattr(host.importlib.metadata, 'entry_points',
-                             lambda **kw: ['xla_cuda12'] if kw.get('group') == 'jax_plugins'
-                             else [])
+  platforms_from_env.setattr(
+    host.importlib.metadata,
+    'entry_points',
+    lambda **kw: ['xla_cuda12'] if kw.get('group') == 'jax_plugins' else [],
+  )
   assert host.cpu_backend_expected() is False
 
 
@@ -116,7 +133,10 @@ def test_on_an_accelerator_neither_flags_nor_allocator_change():
 @pytest.mark.skipif(not _has_mallinfo2(), reason='needs glibc >= 2.33 (mallinfo2)')
 def test_on_the_cpu_the_flag_is_added_and_the_allocator_keeps_memory():
   assert _configure_in_subprocess('cpu') == [
-      'True', '0', repr(f'--xla_dump_to=/tmp/x {host.CPU_XLA_FLAGS[0]}')]
+    'True',
+    '0',
+    repr(f'--xla_dump_to=/tmp/x {host.CPU_XLA_FLAGS[0]}'),
+  ]
 
 
 def test_the_real_flag_is_known_to_the_installed_xla():
@@ -133,8 +153,9 @@ def test_without_jaxlib_no_flag_is_known(monkeypatch):
 
 
 def test_an_unknown_flag_is_skipped_with_one_warning(monkeypatch, capsys):
-  monkeypatch.setattr(host, 'CPU_XLA_FLAGS',
-                      ('--xla_cpu_renamed_away_flag=true', *host.CPU_XLA_FLAGS))
+  monkeypatch.setattr(
+    host, 'CPU_XLA_FLAGS', ('--xla_cpu_renamed_away_flag=true', *host.CPU_XLA_FLAGS)
+  )
   monkeypatch.setenv('XLA_FLAGS', '')
   host._supported_xla_flags.cache_clear()  # pylint: disable=protected-access
   host.use_cpu_xla_flags()
@@ -142,8 +163,10 @@ def test_an_unknown_flag_is_skipped_with_one_warning(monkeypatch, capsys):
   assert os.environ['XLA_FLAGS'].split() == list(host.CPU_XLA_FLAGS[1:])
   assert host.supported_cpu_xla_flags() == host.CPU_XLA_FLAGS[1:]
   warning = capsys.readouterr().err.strip().splitlines()
-  assert warning == ['warning: this XLA does not know --xla_cpu_renamed_away_flag; skipped that '
-                     'speed setting (results are unchanged).']
+  assert warning == [
+    'warning: this XLA does not know --xla_cpu_renamed_away_flag; skipped that '
+    'speed setting (results are unchanged).'
+  ]
 
 
 def test_a_flag_the_user_set_wins(monkeypatch):

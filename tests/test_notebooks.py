@@ -34,8 +34,11 @@ def code_cells(nb):
 
 def test_there_are_notebooks():
   names = {p.name for p in NOTEBOOKS}
-  assert {'01_quickstart.ipynb', '02_how_ouroboros_works.ipynb',
-          '03_bring_your_own_model.ipynb'} <= names
+  assert {
+    '01_quickstart.ipynb',
+    '02_how_ouroboros_works.ipynb',
+    '03_bring_your_own_model.ipynb',
+  } <= names
 
 
 @pytest.mark.parametrize('path', NOTEBOOKS, ids=lambda p: p.stem)
@@ -45,22 +48,29 @@ def test_notebook_is_stored_clean_and_starts_right(path):
   assert nb.metadata.get('kernelspec', {}).get('name') == 'python3'
   for cell in code_cells(nb):
     assert not cell.get('outputs') and cell.get('execution_count') is None, (
-        f'{path.name} is stored with outputs; clear them before committing')
+      f'{path.name} is stored with outputs; clear them before committing'
+    )
   first = nb.cells[0]
-  badge = (f'https://colab.research.google.com/github/ouroboros-jax/ouroboros_jax/blob/main/'
-           f'colab/{path.name}')
+  badge = (
+    f'https://colab.research.google.com/github/ouroboros-jax/ouroboros_jax/blob/main/'
+    f'colab/{path.name}'
+  )
   assert first.cell_type == 'markdown' and badge in first.source, (
-      f'{path.name} must start with its "Open in Colab" badge')
+    f'{path.name} must start with its "Open in Colab" badge'
+  )
   install, setup = code_cells(nb)[:2]
   assert "'google.colab' in sys.modules" in install.source and REPO_URL in install.source, (
-      f'{path.name}: the first code cell must install the package on Colab only')
+    f'{path.name}: the first code cell must install the package on Colab only'
+  )
   assert 'pip' in install.source and 'install' in install.source
   # A notebook that simulates devices does so in the next code cell, before JAX touches one.
   if any('jax_num_cpu_devices' in c.source for c in code_cells(nb)):
     assert 'jax_num_cpu_devices' in setup.source, (
-        f'{path.name}: set up the (simulated) devices in the code cell after the install cell')
+      f'{path.name}: set up the (simulated) devices in the code cell after the install cell'
+    )
   assert SMOKE_ENV in '\n'.join(c.source for c in code_cells(nb)), (
-      f'{path.name} must shrink its settings when ${SMOKE_ENV} is set, to keep CI fast')
+    f'{path.name} must shrink its settings when ${SMOKE_ENV} is set, to keep CI fast'
+  )
 
 
 @pytest.mark.parametrize('path', NOTEBOOKS, ids=lambda p: p.stem)
@@ -69,15 +79,23 @@ def test_notebook_runs(path, tmp_path, monkeypatch, prepared_data_dir):
   # already in $OUROBOROS_DATA_DIR), this checkout first on the path, and none of the test
   # suite's XLA_FLAGS (the notebook sets its own devices, as it does for a user).
   monkeypatch.setenv(SMOKE_ENV, '1')
-  monkeypatch.setenv('PYTHONPATH', os.pathsep.join(
-      [str(REPO_ROOT)] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]))
+  monkeypatch.setenv(
+    'PYTHONPATH',
+    os.pathsep.join(
+      [str(REPO_ROOT)] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]
+    ),
+  )
   monkeypatch.delenv('XLA_FLAGS', raising=False)
   nb = read(path)
   # One extra cell at the end says which interpreter the kernel ran: this one (ipykernel's
   # `python3` kernelspec resolves to the interpreter that starts it).
   nb.cells.append(nbformat.v4.new_code_cell('import sys; print(sys.executable)'))
-  client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name='python3',
-                                   resources={'metadata': {'path': str(tmp_path)}})
+  client = nbclient.NotebookClient(
+    nb,
+    timeout=CELL_TIMEOUT_S,
+    kernel_name='python3',
+    resources={'metadata': {'path': str(tmp_path)}},
+  )
   client.execute()  # raises CellExecutionError (with the cell's traceback) when a cell fails
   executable = nb.cells[-1].outputs[0]['text'].strip()
   assert pathlib.Path(executable).resolve() == pathlib.Path(sys.executable).resolve()

@@ -8,18 +8,15 @@ import numpy as np
 import optax
 import pytest
 
-from ouroboros_jax.training import checkpoint
-from ouroboros_jax import partition, staged
-from ouroboros_jax.schedules import reference
 from ouroboros_jax import model as transformer
+from ouroboros_jax import partition, staged
 from ouroboros_jax.model import ConfigError
+from ouroboros_jax.schedules import ScheduleConfig, build_schedule, reference
 from ouroboros_jax.schedules.delays import staleness
-from ouroboros_jax.schedules import ScheduleConfig, build_schedule
 from ouroboros_jax.staged import StagedModel
+from ouroboros_jax.training import checkpoint
 
-from helpers import (SEQ, adam, max_abs_diff, random_batches, run_schedule,
-                     tiny_transformer)
-
+from helpers import SEQ, adam, max_abs_diff, random_batches, run_schedule, tiny_transformer
 
 
 @pytest.mark.parametrize('pre_ln', [True, False], ids=['preLN', 'postLN'])
@@ -33,8 +30,8 @@ def test_matches_slow_reference(num_stages, stash, pre_ln):
   state, losses = run_schedule(config, model, tx, params, batches)
   want, want_losses, _ = reference.run(model, tx, params, batches, stash=stash)
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
-  assert max_abs_diff(params, want) > 1e-2          # training really moved the weights
-  assert max_abs_diff(state.params, want) < 2e-5    # ... and to the reference's values
+  assert max_abs_diff(params, want) > 1e-2  # training really moved the weights
+  assert max_abs_diff(state.params, want) < 2e-5  # ... and to the reference's values
 
 
 @pytest.mark.parametrize('stash', ['graph', 'replay'])
@@ -43,11 +40,13 @@ def test_uneven_split_dropout_warmup_and_mean_tie_match_reference(stash):
   model, params = tiny_transformer(3, num_layers=5, dropout=0.1, layers_per_stage=(1, 3, 1))
   tx = adam()
   batches = random_batches(7, seed=1)
-  config = ScheduleConfig(name='ouroboros', num_stages=3, stash=stash, sync_warmup_steps=2,
-                          tied_grad='mean', seed=5)
+  config = ScheduleConfig(
+    name='ouroboros', num_stages=3, stash=stash, sync_warmup_steps=2, tied_grad='mean', seed=5
+  )
   state, losses = run_schedule(config, model, tx, params, batches)
-  want, want_losses, _ = reference.run(model, tx, params, batches, stash=stash,
-                                       sync_warmup_steps=2, tied_grad='mean', seed=5)
+  want, want_losses, _ = reference.run(
+    model, tx, params, batches, stash=stash, sync_warmup_steps=2, tied_grad='mean', seed=5
+  )
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
   assert max_abs_diff(state.params, want) < 2e-5
 
@@ -57,10 +56,9 @@ def test_uneven_split_dropout_warmup_and_mean_tie_match_reference(stash):
 def test_pipelined_forward_matches_slow_reference(num_stages, stash):
   model, params = tiny_transformer(num_stages, dropout=0.1)
   tx = adam()
-  steps = 2 * num_stages + 4                        # past the pipe fill of 2G steps
+  steps = 2 * num_stages + 4  # past the pipe fill of 2G steps
   batches = random_batches(steps, seed=2)
-  config = ScheduleConfig(name='ouroboros', num_stages=num_stages, stash=stash,
-                          forward='pipelined')
+  config = ScheduleConfig(name='ouroboros', num_stages=num_stages, stash=stash, forward='pipelined')
   schedule = build_schedule(config, model, tx)
   state = schedule.init(params, batches[0])
   losses, loss_batches = [], []
@@ -68,15 +66,18 @@ def test_pipelined_forward_matches_slow_reference(num_stages, stash):
     state, metrics = schedule.step(state, batch)
     losses.append(float(metrics['loss']))
     loss_batches.append(int(metrics['loss_batch']))
-  want, want_losses, updated = reference.run(model, tx, params, batches, stash=stash,
-                                             forward='pipelined')
+  want, want_losses, updated = reference.run(
+    model, tx, params, batches, stash=stash, forward='pipelined'
+  )
   assert loss_batches == [t - num_stages for t in range(steps)]  # the head lags G steps
   np.testing.assert_allclose(losses[num_stages:], want_losses[num_stages:], rtol=1e-5)
   assert max_abs_diff(state.params, want) < 2e-5
-  for t, groups in enumerate(updated):                # group s starts at 2G - s, the head at G
-    assert groups == ((['embed'] if t >= num_stages else []) +
-                      [s for s in range(num_stages) if t >= 2 * num_stages - s] +
-                      (['head'] if t >= num_stages else []))
+  for t, groups in enumerate(updated):  # group s starts at 2G - s, the head at G
+    assert groups == (
+      (['embed'] if t >= num_stages else [])
+      + [s for s in range(num_stages) if t >= 2 * num_stages - s]
+      + (['head'] if t >= num_stages else [])
+    )
 
 
 def test_one_stage_is_plain_backprop():
@@ -99,48 +100,55 @@ def probe_model():
   embed = lambda p, inputs, rng: p['scale'] * jnp.ones(inputs.shape + (WIDTH,))
   stage = lambda p, x, stage_index, rng: x + p['bias']
   loss = lambda head, embed_p, x, targets: (
-      jnp.sum(x * (targets[..., None].astype(jnp.float32) - 127.5)) * head['w'][0], {})
+    jnp.sum(x * (targets[..., None].astype(jnp.float32) - 127.5)) * head['w'][0],
+    {},
+  )
   return StagedModel(embed=embed, stage=stage, loss=loss, tied_embedding=False)
 
 
 def test_delays_are_exactly_K_minus_k_and_no_early_updates():
   num_stages, steps = 3, 7
-  params = {'embed': {'scale': jnp.ones(())},
-            'stages': {'bias': jnp.zeros((num_stages, WIDTH))}, 'head': {'w': jnp.ones((1,))}}
+  params = {
+    'embed': {'scale': jnp.ones(())},
+    'stages': {'bias': jnp.zeros((num_stages, WIDTH))},
+    'head': {'w': jnp.ones((1,))},
+  }
   batches = random_batches(steps, seed=3)
   per_batch_c = [float(jnp.sum(b['targets'].astype(jnp.float32) - 127.5)) for b in batches]
   # The head's weight moves (fresh gradient), which must not leak into the stages' gradient:
   # the stages see delta = c_t * w_head(t), so use w fixed by a zero learning rate on the head.
-  tx = optax.multi_transform({'sgd': optax.sgd(1.0), 'frozen': optax.set_to_zero()},
-                             lambda tree: jax.tree.map(
-                                 lambda _: 'frozen' if 'w' in tree else 'sgd', tree))
-  schedule = build_schedule(ScheduleConfig(name='ouroboros', num_stages=num_stages,
-                                           clip_norm=None), probe_model(), tx)
+  tx = optax.multi_transform(
+    {'sgd': optax.sgd(1.0), 'frozen': optax.set_to_zero()},
+    lambda tree: jax.tree.map(lambda _: 'frozen' if 'w' in tree else 'sgd', tree),
+  )
+  schedule = build_schedule(
+    ScheduleConfig(name='ouroboros', num_stages=num_stages, clip_norm=None), probe_model(), tx
+  )
   state = schedule.init(params, batches[0])
   for t, batch in enumerate(batches):
     state, _ = schedule.step(state, batch)
     bias_G = np.asarray(state.params['stages']['bias'][:, 0])
     for s, delay in enumerate(staleness(num_stages)):
-      seen = range(0, t - delay + 1)                  # batches stage s has back-propagated
+      seen = range(0, t - delay + 1)  # batches stage s has back-propagated
       expected = -sum(per_batch_c[b] for b in seen)
       np.testing.assert_allclose(bias_G[s], expected, rtol=1e-5)
       if t < delay:
-        assert bias_G[s] == 0.0                       # no update before its first gradient
-      for wrong in (delay - 1, delay + 1):            # a delay off by one gives other numbers
+        assert bias_G[s] == 0.0  # no update before its first gradient
+      for wrong in (delay - 1, delay + 1):  # a delay off by one gives other numbers
         other = -sum(per_batch_c[b] for b in range(0, t - wrong + 1))
         if t >= min(delay, wrong):
           assert abs(other - expected) > 1.0
-  assert staleness(num_stages) == [3, 2, 1]           # K - k for modules k = 1, 2, 3 (K = 4)
+  assert staleness(num_stages) == [3, 2, 1]  # K - k for modules k = 1, 2, 3 (K = 4)
 
 
 def test_data_parallel_ring_equals_whole_batch_ring():
   model, params = tiny_transformer(2)
   tx = adam()
   batches = random_batches(5, batch=8)
-  one, _ = run_schedule(ScheduleConfig(name='ouroboros', num_stages=2), model, tx, params,
-                        batches)
-  two, _ = run_schedule(ScheduleConfig(name='ouroboros', num_stages=2, data_parallel=2), model,
-                        tx, params, batches)
+  one, _ = run_schedule(ScheduleConfig(name='ouroboros', num_stages=2), model, tx, params, batches)
+  two, _ = run_schedule(
+    ScheduleConfig(name='ouroboros', num_stages=2, data_parallel=2), model, tx, params, batches
+  )
   assert max_abs_diff(one.params, two.params) < 2e-5
 
 
@@ -164,7 +172,7 @@ def test_checkpoint_resume_is_bitwise_identical(tmp_path, stash):
   restored, data_state, _ = checkpoint.restore(manager, abstract)
   manager.close()
   assert int(restored.step) == 4 and data_state == {'position': 4}
-  assert jax.tree.leaves(restored.ring)                # the in-flight buffers were saved
+  assert jax.tree.leaves(restored.ring)  # the in-flight buffers were saved
   for batch in batches[4:]:
     restored, _ = schedule.step(restored, batch)
   for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(restored)):
@@ -176,23 +184,27 @@ def test_impossible_layouts_are_clear_errors():
   with pytest.raises(ConfigError, match='at least 3 layers'):
     partition.balance_layers(cfg, 3)
   with pytest.raises(ConfigError, match='devices'):
-    build_schedule(ScheduleConfig(name='ouroboros', num_stages=16), *tiny_transformer(2)[:1],
-                   staged.adamw(1e-3))
+    build_schedule(
+      ScheduleConfig(name='ouroboros', num_stages=16), *tiny_transformer(2)[:1], staged.adamw(1e-3)
+    )
   model, params = tiny_transformer(2)
-  schedule = build_schedule(ScheduleConfig(name='ouroboros', num_stages=2, data_parallel=2),
-                            model, staged.adamw(1e-3))
+  schedule = build_schedule(
+    ScheduleConfig(name='ouroboros', num_stages=2, data_parallel=2), model, staged.adamw(1e-3)
+  )
   with pytest.raises(ConfigError, match='divisible'):
     schedule.init(params, random_batches(1, batch=3)[0])
   with pytest.raises(ConfigError, match='sums to'):
     partition.parse_layers_per_stage('1,2', num_layers=4)
   with pytest.raises(ConfigError, match='stash'):
-    build_schedule(ScheduleConfig(name='ouroboros', num_stages=2, stash='nope'), model,
-                   staged.adamw(1e-3))
+    build_schedule(
+      ScheduleConfig(name='ouroboros', num_stages=2, stash='nope'), model, staged.adamw(1e-3)
+    )
 
 
 def test_cost_model_gives_device_zero_fewer_layers():
-  cfg = transformer.ModelConfig(d_model=64, num_heads=2, num_layers=13, d_ff=128, seq_len=64,
-                                vocab_size=50000)
+  cfg = transformer.ModelConfig(
+    d_model=64, num_heads=2, num_layers=13, d_ff=128, seq_len=64, vocab_size=50000
+  )
   counts = partition.balance_layers(cfg, 4)
   assert sum(counts) == 13 and counts[0] < max(counts[1:])
 
@@ -206,8 +218,9 @@ def test_graph_stash_policies_keep_the_forward_time_gradient(forward):
   batches = random_batches(6, seed=2)
   want, _, _ = reference.run(model, tx, params, batches, stash='graph', forward=forward)
   for policy in ('dots', 'nothing'):
-    config = ScheduleConfig(name='ouroboros', num_stages=2, stash='graph', forward=forward,
-                            stash_policy=policy)
+    config = ScheduleConfig(
+      name='ouroboros', num_stages=2, stash='graph', forward=forward, stash_policy=policy
+    )
     state, _ = run_schedule(config, model, tx, params, batches)
     assert max_abs_diff(state.params, want) < 2e-5, policy
 
@@ -215,14 +228,16 @@ def test_graph_stash_policies_keep_the_forward_time_gradient(forward):
 def test_unknown_stash_policy_is_a_clear_error():
   model, params = tiny_transformer(2)
   with pytest.raises(ConfigError, match='stash policy'):
-    build_schedule(ScheduleConfig(name='ouroboros', num_stages=2, stash_policy='most'), model,
-                   adam())
+    build_schedule(
+      ScheduleConfig(name='ouroboros', num_stages=2, stash_policy='most'), model, adam()
+    )
 
 
 def delayed_exact_gradients(model, tx, params, batches, num_stages):
   """Graph-mode Ouroboros restated without a ring, stash or deque: every batch's exact gradient
   at the weights of the step that drew it, and module k applies the one of batch t - (K - k)
   (the head: batch t; stage s: t - (G - s); the input side of the tied embedding: t - G)."""
+
   def split_loss(p, batch):  # the embedding's input side and head side as separate arguments
     x = model.embed(p['embed'], batch['inputs'], None)
     for s in range(num_stages):
@@ -235,15 +250,19 @@ def delayed_exact_gradients(model, tx, params, batches, num_stages):
     history.append(grad_of({**params, 'embed_out': params['embed']}, batch))
     at = lambda lag: history[t - lag] if t >= lag else None
     zeros = jax.tree.map(jnp.zeros_like, history[-1])
-    stage_grads = [jax.tree.map(lambda a: a[s], (at(num_stages - s) or zeros)['stages'])
-                   for s in range(num_stages)]
-    grads = {'embed': jax.tree.map(jnp.add, history[t]['embed_out'],
-                                   (at(num_stages) or zeros)['embed']),
-             'stages': jax.tree.map(lambda *g: jnp.stack(g), *stage_grads),
-             'head': history[t]['head']}
+    stage_grads = [
+      jax.tree.map(lambda a: a[s], (at(num_stages - s) or zeros)['stages'])
+      for s in range(num_stages)
+    ]
+    grads = {
+      'embed': jax.tree.map(jnp.add, history[t]['embed_out'], (at(num_stages) or zeros)['embed']),
+      'stages': jax.tree.map(lambda *g: jnp.stack(g), *stage_grads),
+      'head': history[t]['head'],
+    }
     ready = jnp.asarray([t >= num_stages - s for s in range(num_stages)])
-    params, opt_state, _ = staged.apply_gradients(tx, params, opt_state, grads, clip_norm=None,
-                                                  stages_ready_G=ready)
+    params, opt_state, _ = staged.apply_gradients(
+      tx, params, opt_state, grads, clip_norm=None, stages_ready_G=ready
+    )
   return params
 
 

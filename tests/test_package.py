@@ -14,9 +14,22 @@ PACKAGE = pathlib.Path(ouroboros_jax.__file__).resolve().parent
 
 # The layer of each top-level module or sub-package (docs/architecture.md): a module may import
 # from its own layer and the ones below, never from above.
-LAYERS = {'errors': 0, 'choices': 0, 'model': 1, 'staged': 1, 'partition': 1, 'costs': 1,
-          'runtime': 1, 'schedules': 2, 'accelerators': 3, 'perf': 4, 'training': 4, 'cli': 5,
-          '__main__': 5, '__init__': 5}
+LAYERS = {
+  'errors': 0,
+  'choices': 0,
+  'model': 1,
+  'staged': 1,
+  'partition': 1,
+  'costs': 1,
+  'runtime': 1,
+  'schedules': 2,
+  'accelerators': 3,
+  'perf': 4,
+  'training': 4,
+  'cli': 5,
+  '__main__': 5,
+  '__init__': 5,
+}
 
 
 def _part(module: str) -> str:
@@ -28,10 +41,12 @@ def _imports(path: pathlib.Path) -> set[str]:
   tree = ast.parse(path.read_text())
   found = set()
   for node in ast.walk(tree):
-    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(
-        'ouroboros_jax'):
-      found |= ({f'{node.module}.{a.name}' for a in node.names} if node.module == 'ouroboros_jax'
-                else {node.module})
+    if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith('ouroboros_jax'):
+      found |= (
+        {f'{node.module}.{a.name}' for a in node.names}
+        if node.module == 'ouroboros_jax'
+        else {node.module}
+      )
     elif isinstance(node, ast.Import):
       found |= {a.name for a in node.names if a.name.startswith('ouroboros_jax.')}
   return found
@@ -59,8 +74,39 @@ def test_the_modules_of_the_flat_layout_still_import(old, new):
 
 def test_the_documented_imports_work():
   from ouroboros_jax import presets, train  # the README of the flat layout
+
   cfg = presets.override(presets.get_preset('tiny'), {'stages': 2, 'schedule': 'ouroboros'})
   assert callable(train.train) and cfg.schedule.num_stages == 2
   assert ouroboros_jax.TrainConfig is presets.TrainConfig
   with pytest.raises(AttributeError, match='no attribute'):
     ouroboros_jax.not_a_module  # noqa: B018
+
+
+def test_a_config_written_before_the_schedule_was_nested_still_reads():
+  """config.json and checkpoint metadata of older runs hold the schedule settings flat."""
+  from ouroboros_jax.training import config
+
+  cfg = config.override(
+    config.get_preset('tiny'),
+    {
+      'schedule': 'ouroboros',
+      'stages': 2,
+      'stash': 'replay',
+      'clip_norm': 0.5,
+      'microbatches': 2,
+      'data_parallel': 1,
+      'forward': 'pipelined',
+    },
+  )
+  flat = cfg.to_dict()
+  schedule = flat.pop('schedule')
+  flat.update(
+    {
+      'schedule': schedule['name'],
+      'stages': schedule['num_stages'],
+      **{k: v for k, v in schedule.items() if k not in ('name', 'num_stages')},
+    }
+  )
+  assert config.TrainConfig.from_dict(flat) == cfg
+  assert config.TrainConfig.from_dict(cfg.to_dict()) == cfg
+  assert 'seed' not in cfg.to_dict()['schedule']  # TrainConfig's --seed gives it

@@ -10,16 +10,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import random_batches
+from ouroboros_jax import model as transformer
 from ouroboros_jax import partition, staged
 from ouroboros_jax.accelerators import pld
-from ouroboros_jax import model as transformer
 from ouroboros_jax.model import ConfigError
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule
 
+from helpers import random_batches
+
 SEQ, VOCAB = 8, 32
-CFG = transformer.ModelConfig(vocab_size=VOCAB, d_model=16, num_heads=2, num_layers=4, d_ff=32,
-                              seq_len=SEQ)
+CFG = transformer.ModelConfig(
+  vocab_size=VOCAB, d_model=16, num_heads=2, num_layers=4, d_ff=32, seq_len=SEQ
+)
 LAYERS_PER_STAGE = (1, 3)  # uneven on purpose: padding slots and global layer indices
 
 
@@ -40,8 +42,11 @@ def test_schedules_follow_the_formulas():
   theta = 0.5 * np.exp(-1.0) + 0.5
   np.testing.assert_allclose(p, 1 - np.arange(1, 5) / 4 * (1 - theta), rtol=1e-6)
   np.testing.assert_allclose(pld.keep_probs(0, 4, 0.5, 0.01), np.ones(4))
-  np.testing.assert_allclose(pld.expected_layer_fraction(1e6, 4, 0.5, 0.01),
-                             np.mean(1 - np.arange(1, 5) / 4 * 0.5), rtol=1e-6)
+  np.testing.assert_allclose(
+    pld.expected_layer_fraction(1e6, 4, 0.5, 0.01),
+    np.mean(1 - np.arange(1, 5) / 4 * 0.5),
+    rtol=1e-6,
+  )
 
 
 @pytest.mark.parametrize('t', [50, 400])
@@ -78,7 +83,7 @@ def test_stage_draws_the_gates_of_its_global_layers(params):
   dropped_any = False
   for seed in range(6):
     got, want, active_N = both(jax.random.key(seed))
-    np.testing.assert_array_equal(got[..., :CFG.d_model], want)
+    np.testing.assert_array_equal(got[..., : CFG.d_model], want)
     np.testing.assert_array_equal(got[..., CFG.d_model], float(t))  # the step travels on
     dropped_any |= not bool(np.all(active_N))
   assert dropped_any
@@ -103,8 +108,12 @@ def test_a_dropped_layer_costs_no_compute(params):
   model = pld.pld_stages(CFG, LAYERS_PER_STAGE, 0.5, 0.01)
   stage1 = jax.tree.map(lambda a: a[1], partition.to_staged(params, LAYERS_PER_STAGE)['stages'])
   x = jnp.zeros((2, SEQ, CFG.d_model + 1))
-  hlo = jax.jit(lambda p, x, k: model.stage(p, x, 1, k)).lower(
-      stage1, x, jax.random.key(0)).compile().as_text()
+  hlo = (
+    jax.jit(lambda p, x, k: model.stage(p, x, 1, k))
+    .lower(stage1, x, jax.random.key(0))
+    .compile()
+    .as_text()
+  )
   comps = _computations(hlo)
   entry = next(n for n in comps if re.search(rf'^ENTRY %?{re.escape(n)} ', hlo, re.M))
   # Walk the call graph from ENTRY without entering conditional branches.
@@ -117,8 +126,9 @@ def test_a_dropped_layer_costs_no_compute(params):
     for line in comps[name].splitlines():
       if ' conditional(' in line:
         continue
-      todo += [c for c in re.findall(r'(?:calls|to_apply|body|condition)=%?([\w.\-]+)', line)
-               if c in comps]
+      todo += [
+        c for c in re.findall(r'(?:calls|to_apply|body|condition)=%?([\w.\-]+)', line) if c in comps
+      ]
   dots_outside = [n for n in reach if re.search(r' (dot|convolution)\(', comps[n])]
   dots_anywhere = [n for n in comps if re.search(r' (dot|convolution)\(', comps[n])]
   assert ' conditional(' in hlo and dots_anywhere
@@ -133,15 +143,18 @@ def test_dropped_layer_is_skipped_exactly(params):
   p_L = pld.keep_probs(t, 4, theta_bar, gamma)
   # A batch key whose draw keeps layers 1-3 and drops layer 4 (the loss draws from rng_layers).
   keys = jax.random.split(jax.random.key(7), 200)
-  gates = jax.jit(jax.vmap(lambda k: pld.draw_gates(
-      pld.gate_key(jax.random.split(k)[1]), p_L)[0]))(keys)
+  gates = jax.jit(jax.vmap(lambda k: pld.draw_gates(pld.gate_key(jax.random.split(k)[1]), p_L)[0]))(
+    keys
+  )
   wanted = np.flatnonzero(np.all(np.asarray(gates) == [True, True, True, False], axis=1))
   assert wanted.size, 'no key drops exactly layer 4'
   key, batch = keys[wanted[0]], batch_of()
-  loss_and_grads = jax.jit(jax.value_and_grad(
-      lambda p: pld.pld_loss_fn(CFG, p, batch, key, t, theta_bar=theta_bar, gamma=gamma)[0]))
-  nan_params = {**params, 'layers': jax.tree.map(lambda a: a.at[3].set(jnp.nan),
-                                                 params['layers'])}
+  loss_and_grads = jax.jit(
+    jax.value_and_grad(
+      lambda p: pld.pld_loss_fn(CFG, p, batch, key, t, theta_bar=theta_bar, gamma=gamma)[0]
+    )
+  )
+  nan_params = {**params, 'layers': jax.tree.map(lambda a: a.at[3].set(jnp.nan), params['layers'])}
   value, grads = loss_and_grads(nan_params)
   clean_value, clean_grads = loss_and_grads(params)
   assert float(value) == float(clean_value) and np.isfinite(float(value))
@@ -158,10 +171,12 @@ def test_evaluation_is_the_plain_model(params):
   @jax.jit
   def losses(staged_params, params):
     late = pld.with_step(batch, 10_000)
-    return (model.forward_loss(staged_params, batch)[0],       # evaluation, plain batch
-            model.forward_loss(staged_params, late)[0],        # evaluation, step carried
-            model.forward_loss(staged_params, late, jax.random.key(3))[0],  # training
-            transformer.loss_fn(CFG, params, batch)[0])        # the plain model
+    return (
+      model.forward_loss(staged_params, batch)[0],  # evaluation, plain batch
+      model.forward_loss(staged_params, late)[0],  # evaluation, step carried
+      model.forward_loss(staged_params, late, jax.random.key(3))[0],  # training
+      transformer.loss_fn(CFG, params, batch)[0],
+    )  # the plain model
 
   plain, with_step, train, want = map(float, losses(staged_params, params))
   assert plain == with_step
@@ -172,8 +187,7 @@ def test_evaluation_is_the_plain_model(params):
 def test_training_without_the_step_and_post_ln_are_errors(params):
   model = pld.pld_stages(CFG, LAYERS_PER_STAGE)
   with pytest.raises(ConfigError, match='with_step'):
-    model.forward_loss(partition.to_staged(params, LAYERS_PER_STAGE), batch_of(),
-                       jax.random.key(0))
+    model.forward_loss(partition.to_staged(params, LAYERS_PER_STAGE), batch_of(), jax.random.key(0))
   with pytest.raises(ConfigError, match='pre-LN'):
     pld.pld_stages(transformer.ModelConfig(pre_ln=False), (4,))
 
@@ -185,8 +199,9 @@ def test_runs_inside_a_ring_schedule(params):
   model = pld.pld_stages(CFG, LAYERS_PER_STAGE, 0.5, 0.05)
   staged_params = partition.to_staged(params, LAYERS_PER_STAGE)
   batch = pld.with_step(batch_of(0, 4), 1000)
-  schedule = build_schedule(ScheduleConfig(name='model_parallel', num_stages=2), model,
-                            staged.adamw(1e-2))
+  schedule = build_schedule(
+    ScheduleConfig(name='model_parallel', num_stages=2), model, staged.adamw(1e-2)
+  )
   state, metrics = schedule.step(schedule.init(staged_params, batch), batch)
   key = staged.batch_key(0, 0)  # the schedule's dropout key of batch 0
   want = jax.jit(lambda p: model.forward_loss(p, batch, key)[0])(staged_params)
@@ -195,8 +210,9 @@ def test_runs_inside_a_ring_schedule(params):
   dropped = 0
   for s, first in enumerate((0, 1)):
     ids = jnp.arange(LAYERS_PER_STAGE[s]) + first + 1
-    active, _ = pld.draw_gates(pld.gate_key(staged.piece_rng(key, s)),
-                               pld.keep_probs(1000, 4, 0.5, 0.05, ids))
+    active, _ = pld.draw_gates(
+      pld.gate_key(staged.piece_rng(key, s)), pld.keep_probs(1000, 4, 0.5, 0.05, ids)
+    )
     dropped += int(np.sum(~np.asarray(active)))
   assert dropped > 0
 
@@ -228,13 +244,14 @@ def test_stage_keep_rate_and_scale_match_p_l():
     for s in range(2):
       stage_params = jax.tree.map(lambda a: a[s], staged_params['stages'])
       h = model.stage(stage_params, h, s, staged.piece_rng(key, s))
-    return h[0, 0, :CFG.num_layers]
+    return h[0, 0, : CFG.num_layers]
 
   added_nL = np.asarray(jax.vmap(read)(jnp.arange(n)))
   p_L = np.asarray(pld.keep_probs(t, 4, theta_bar, gamma))
   kept_nL = added_nL > 0
-  np.testing.assert_allclose(added_nL[kept_nL], np.broadcast_to(1 / p_L, added_nL.shape)[kept_nL],
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    added_nL[kept_nL], np.broadcast_to(1 / p_L, added_nL.shape)[kept_nL], rtol=1e-5
+  )
   assert np.all(added_nL[~kept_nL] == 0)
   rate_L = kept_nL.mean(0)
   assert np.all(np.abs(rate_L - p_L) <= 3 * np.sqrt(p_L * (1 - p_L) / n)), (rate_L, p_L)
@@ -257,14 +274,20 @@ def test_ouroboros_with_pld_matches_the_slow_reference(params, stash='replay'):
   staged_params = partition.to_staged(params, LAYERS_PER_STAGE)
   batches = [pld.with_step(batch_of(seed, 4), t) for t, seed in enumerate(range(6))]
   tx = staged.adamw(1e-2, eps=1e-6)
-  schedule = build_schedule(ScheduleConfig(name='ouroboros', num_stages=2, stash=stash), model,
-                            tx)
+  schedule = build_schedule(ScheduleConfig(name='ouroboros', num_stages=2, stash=stash), model, tx)
   state = schedule.init(staged_params, batches[0])
   for batch in batches:
     state, metrics = schedule.step(state, batch)
   want, _, _ = reference.run(model, tx, staged_params, batches, stash=stash)
-  diff = max(jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))),
-                                          jax.device_get(state.params), jax.device_get(want))))
+  diff = max(
+    jax.tree.leaves(
+      jax.tree.map(
+        lambda a, b: float(np.max(np.abs(a - b))),
+        jax.device_get(state.params),
+        jax.device_get(want),
+      )
+    )
+  )
   assert diff < 2e-5
   kept = np.asarray(pld.kept_layers(0, np.arange(6), LAYERS_PER_STAGE, 4, theta_bar, gamma))
   assert kept.min() < 4

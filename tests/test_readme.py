@@ -12,15 +12,20 @@ README = pathlib.Path(__file__).resolve().parent.parent / 'README.md'
 
 def test_readme_example_runs_and_learns(tmp_path):
   text = README.read_text()
-  block = re.search(r'<!-- example:begin -->\n```python\n(.*?)```\n<!-- example:end -->', text,
-                    re.S)
+  block = re.search(
+    r'<!-- example:begin -->\n```python\n(.*?)```\n<!-- example:end -->', text, re.S
+  )
   assert block, 'the README lost its example block'
   script = tmp_path / 'example.py'
   script.write_text(block.group(1))
   # Its own process: the example sets the simulated device count before JAX starts.
-  result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=300, env={'XLA_FLAGS': '', 'PATH': '/usr/bin:/bin',
-                                            'HOME': str(tmp_path)})
+  result = subprocess.run(
+    [sys.executable, str(script)],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={'XLA_FLAGS': '', 'PATH': '/usr/bin:/bin', 'HOME': str(tmp_path)},
+  )
   assert result.returncode == 0, result.stderr[-2000:]
   loss = float(re.search(r'loss of batch 49: ([0-9.]+)', result.stdout).group(1))
   assert loss < 4.0  # started at log(256) = 5.55; a 16-symbol toy corpus is learnable

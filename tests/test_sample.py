@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 
 from ouroboros_jax import model as transformer
-from ouroboros_jax.training import sample
 from ouroboros_jax.model import ConfigError, ModelConfig
+from ouroboros_jax.training import sample
 
 # A large init_std gives peaked logits: greedy text varies (no fixed point) and has no near-ties.
-CFG = ModelConfig(vocab_size=256, d_model=16, num_heads=2, num_layers=1, d_ff=32, seq_len=16,
-                  init_std=1.0)
+CFG = ModelConfig(
+  vocab_size=256, d_model=16, num_heads=2, num_layers=1, d_ff=32, seq_len=16, init_std=1.0
+)
 LONG_PROMPT = b'KING RICHARD III:\n'  # 18 bytes, longer than the 16-byte window
 
 
@@ -33,13 +34,14 @@ def params():
 
 
 @functools.partial(jax.jit, static_argnames=('cfg', 'prompt_len', 'length'))
-def _reference_generate(cfg: ModelConfig, params, buffer_T, prompt_len: int, length: int,
-                        temperature, key):
+def _reference_generate(
+  cfg: ModelConfig, params, buffer_T, prompt_len: int, length: int, temperature, key
+):
   """The pre-streaming `_generate`, verbatim: one fori_loop over a prompt+length buffer."""
   window = cfg.seq_len
 
   def next_token(i, buffer_T):
-    pos = prompt_len + i                        # index of the token being generated
+    pos = prompt_len + i  # index of the token being generated
     start = jnp.maximum(0, pos - window)
     window_1xL = jax.lax.dynamic_slice(buffer_T, (start,), (window,))[None]
     x_1xLxD = transformer.embed(cfg, params['embed'], window_1xL)
@@ -60,32 +62,41 @@ def reference(cfg, params, prompt: bytes, *, length, temperature, seed) -> bytes
   prompt = prompt or b'\n'
   prompt_P = np.frombuffer(prompt, np.uint8).astype(np.int32)
   buffer_T = np.zeros(max(len(prompt_P) + length, cfg.seq_len), np.int32)
-  buffer_T[:len(prompt_P)] = prompt_P
-  out_T = _reference_generate(cfg, params, jnp.asarray(buffer_T), len(prompt_P), length,
-                              jnp.float32(temperature), jax.random.key(seed))
+  buffer_T[: len(prompt_P)] = prompt_P
+  out_T = _reference_generate(
+    cfg,
+    params,
+    jnp.asarray(buffer_T),
+    len(prompt_P),
+    length,
+    jnp.float32(temperature),
+    jax.random.key(seed),
+  )
   out_T = np.asarray(jax.device_get(out_T))
-  return out_T[len(prompt_P):len(prompt_P) + length].astype(np.uint8).tobytes()
+  return out_T[len(prompt_P) : len(prompt_P) + length].astype(np.uint8).tobytes()
 
 
 @pytest.mark.parametrize('prompt', [b'', b'To be', LONG_PROMPT], ids=['empty', 'short', 'long'])
-@pytest.mark.parametrize('temperature,seed', [(0.0, 0), (0.8, 3), (1.7, 2**32 - 1)],
-                         ids=['greedy', 'sampled', 'hot-max-seed'])
+@pytest.mark.parametrize(
+  'temperature,seed',
+  [(0.0, 0), (0.8, 3), (1.7, 2**32 - 1)],
+  ids=['greedy', 'sampled', 'hot-max-seed'],
+)
 def test_stream_equals_the_one_buffer_algorithm(params, prompt, temperature, seed):
   # 45 bytes: past the window (16) and not a multiple of the chunk (8); the window slides.
   want = reference(CFG, params, prompt, length=45, temperature=temperature, seed=seed)
-  chunks = list(sample.stream_bytes(CFG, params, prompt, length=45, temperature=temperature,
-                                    seed=seed, chunk=8))
+  chunks = list(
+    sample.stream_bytes(CFG, params, prompt, length=45, temperature=temperature, seed=seed, chunk=8)
+  )
   assert [len(c) for c in chunks] == [8] * 5 + [5]
   assert b''.join(chunks) == want
-  assert sample.generate(CFG, params, prompt, length=45, temperature=temperature,
-                         seed=seed) == want
+  assert sample.generate(CFG, params, prompt, length=45, temperature=temperature, seed=seed) == want
 
 
 def test_generate_across_default_chunks_equals_the_reference(params):
   length = sample.DEFAULT_CHUNK + 19
   want = reference(CFG, params, LONG_PROMPT, length=length, temperature=0.9, seed=7)
-  assert sample.generate(CFG, params, LONG_PROMPT, length=length, temperature=0.9,
-                         seed=7) == want
+  assert sample.generate(CFG, params, LONG_PROMPT, length=length, temperature=0.9, seed=7) == want
 
 
 def test_zero_length_yields_nothing(params):
@@ -97,8 +108,7 @@ def test_one_program_per_chunk_size(params):
   list(sample.stream_bytes(CFG, params, b'a', length=3, chunk=8))
   compiled = sample._generate_chunk._cache_size()
   for prompt, length in ((b'', 5), (LONG_PROMPT, 20), (b'xy', 37)):
-    list(sample.stream_bytes(CFG, params, prompt, length=length, temperature=0.5, seed=1,
-                             chunk=8))
+    list(sample.stream_bytes(CFG, params, prompt, length=length, temperature=0.5, seed=1, chunk=8))
   assert sample._generate_chunk._cache_size() == compiled
 
 
@@ -107,8 +117,9 @@ def test_a_huge_length_streams_its_first_chunk_in_bounded_memory(params, length)
   list(sample.stream_bytes(CFG, params, b'', length=3, chunk=32))  # compile outside the trace
   tracemalloc.start()
   try:
-    first = list(itertools.islice(
-        sample.stream_bytes(CFG, params, LONG_PROMPT, length=length, chunk=32), 1))
+    first = list(
+      itertools.islice(sample.stream_bytes(CFG, params, LONG_PROMPT, length=length, chunk=32), 1)
+    )
     _, peak = tracemalloc.get_traced_memory()
   finally:
     tracemalloc.stop()
@@ -118,10 +129,19 @@ def test_a_huge_length_streams_its_first_chunk_in_bounded_memory(params, length)
 
 
 BAD_ARGS = [
-    ('length', -1), ('length', sample.MAX_LENGTH + 1), ('length', 2 * 10**10), ('length', 1e9),
-    ('length', 10.0), ('temperature', math.nan), ('temperature', math.inf),
-    ('temperature', -math.inf), ('temperature', -0.1), ('temperature', '0.8'),
-    ('seed', -1), ('seed', 2**32), ('seed', 1.5),
+  ('length', -1),
+  ('length', sample.MAX_LENGTH + 1),
+  ('length', 2 * 10**10),
+  ('length', 1e9),
+  ('length', 10.0),
+  ('temperature', math.nan),
+  ('temperature', math.inf),
+  ('temperature', -math.inf),
+  ('temperature', -0.1),
+  ('temperature', '0.8'),
+  ('seed', -1),
+  ('seed', 2**32),
+  ('seed', 1.5),
 ]
 
 
@@ -140,8 +160,9 @@ def test_bad_arguments_raise_one_line_config_errors(params, flag, value):
     sample.generate(CFG, params, b'x', **_kwargs(flag, value))
 
 
-@pytest.mark.parametrize('flag,value', [('length', 2 * 10**10), ('temperature', math.nan),
-                                        ('seed', 2**32)])
+@pytest.mark.parametrize(
+  'flag,value', [('length', 2 * 10**10), ('temperature', math.nan), ('seed', 2**32)]
+)
 def test_checkpoint_functions_check_before_loading(monkeypatch, flag, value):
   def no_load(*args, **kwargs):
     raise AssertionError('loaded a checkpoint before checking the arguments')
@@ -173,8 +194,9 @@ class _FlushLog(io.BytesIO):
 def test_write_sample_writes_the_prompt_then_each_chunk_flushed(params, monkeypatch):
   monkeypatch.setattr(sample, 'load', lambda out_dir, step=None: (CFG, params, 7))
   out = _FlushLog()
-  step = sample.write_sample('run', out, prompt='Wie? ', length=20, temperature=0.6, seed=4,
-                             chunk=8)
+  step = sample.write_sample(
+    'run', out, prompt='Wie? ', length=20, temperature=0.6, seed=4, chunk=8
+  )
   want = b'Wie? ' + reference(CFG, params, b'Wie? ', length=20, temperature=0.6, seed=4)
   assert step == 7 and out.getvalue() == want
   assert [len(f) for f in out.flushed] == [5, 13, 21, 25]  # prompt, then 8 + 8 + 4 bytes

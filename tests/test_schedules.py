@@ -27,21 +27,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ouroboros_jax import model as transformer
-from ouroboros_jax.schedules import ouroboros
 from ouroboros_jax import partition, schedules, staged
 from ouroboros_jax.model import ConfigError
-from ouroboros_jax.schedules import ScheduleConfig, build_schedule
+from ouroboros_jax.schedules import ScheduleConfig, build_schedule, ouroboros
 
 BATCH, SEQ, STEPS = 8, 8, 5
 ATOL = 2e-5
 
 
 def model_config(dropout=0.0):
-  return transformer.ModelConfig(d_model=16, num_heads=2, num_layers=4, d_ff=32, seq_len=SEQ,
-                                 dropout=dropout)
+  return transformer.ModelConfig(
+    d_model=16, num_heads=2, num_layers=4, d_ff=32, seq_len=SEQ, dropout=dropout
+  )
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,9 +53,13 @@ def initial_params():
 @functools.lru_cache(maxsize=None)
 def batches():
   rng = np.random.default_rng(0)
-  return tuple({'inputs': jnp.asarray(rng.integers(0, 256, (BATCH, SEQ)), jnp.int32),
-                'targets': jnp.asarray(rng.integers(0, 256, (BATCH, SEQ)), jnp.int32)}
-               for _ in range(STEPS))
+  return tuple(
+    {
+      'inputs': jnp.asarray(rng.integers(0, 256, (BATCH, SEQ)), jnp.int32),
+      'targets': jnp.asarray(rng.integers(0, 256, (BATCH, SEQ)), jnp.int32),
+    }
+    for _ in range(STEPS)
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,8 +69,8 @@ class Run:
   name: str
   layers_per_stage: tuple[int, ...]
   dropout: float = 0.0
-  bubbles: str = 'zeros'          # gpipe's bubble fill: 'zeros' (the default) or 'nan'
-  fields: tuple = ()              # other ScheduleConfig fields, as sorted (name, value) pairs
+  bubbles: str = 'zeros'  # gpipe's bubble fill: 'zeros' (the default) or 'nan'
+  fields: tuple = ()  # other ScheduleConfig fields, as sorted (name, value) pairs
 
 
 def run(name, layers_per_stage, *, dropout=0.0, bubbles='zeros', **fields):
@@ -92,8 +97,9 @@ def trajectories(*runs):
     params, metrics = [], []
     for batch in batches():
       state, m = step(state, jax.device_put(batch, batch_sharding))
-      params.append(partition.from_staged(jax.tree.map(np.asarray, state.params),
-                                          r.layers_per_stage))
+      params.append(
+        partition.from_staged(jax.tree.map(np.asarray, state.params), r.layers_per_stage)
+      )
       metrics.append({k: float(v) for k, v in m.items()})
     _RESULTS[r] = params, metrics
   return [_RESULTS[r] for r in runs]
@@ -101,8 +107,7 @@ def trajectories(*runs):
 
 def _prepare(r: Run):
   """(initial state on the mesh, batch sharding, the lowered step with its shardings pinned)."""
-  config = ScheduleConfig(name=r.name, num_stages=len(r.layers_per_stage), seed=3,
-                          **dict(r.fields))
+  config = ScheduleConfig(name=r.name, num_stages=len(r.layers_per_stage), seed=3, **dict(r.fields))
   model = partition.transformer_stages(model_config(r.dropout), r.layers_per_stage)
   tx = staged.adamw(1e-2)
   if r.bubbles == 'zeros':
@@ -117,8 +122,11 @@ def _prepare(r: Run):
   state_sharding = jax.tree.map(lambda x: x.sharding, state)
   batch_sharding = staged.named(staged.batch_spec(batches()[0]), mesh)
   # Pinned shardings, so the compiled step takes its own output as its next input.
-  step = jax.jit(schedule.step, in_shardings=(state_sharding, batch_sharding),
-                 out_shardings=(state_sharding, replicated))
+  step = jax.jit(
+    schedule.step,
+    in_shardings=(state_sharding, batch_sharding),
+    out_shardings=(state_sharding, replicated),
+  )
   return state, batch_sharding, step.lower(state, batches()[0])
 
 
@@ -133,15 +141,18 @@ def assert_same_training(got, want, what, *, steps=STEPS):
   diff = max_abs_diff(params[steps - 1], want_params[steps - 1])
   assert diff < ATOL, f'{what}: parameters differ by {diff}'
   for key in ('loss', 'grad_norm'):
-    np.testing.assert_allclose([m[key] for m in metrics[:steps]],
-                               [m[key] for m in want_metrics[:steps]], rtol=1e-5,
-                               err_msg=f'{what}: {key}')
+    np.testing.assert_allclose(
+      [m[key] for m in metrics[:steps]],
+      [m[key] for m in want_metrics[:steps]],
+      rtol=1e-5,
+      err_msg=f'{what}: {key}',
+    )
   assert [m['loss_batch'] for m in metrics] == list(range(STEPS)), what
 
 
 def assert_all_match_backprop(*runs):
   (want, *results) = trajectories(BACKPROP, *runs)
-  assert max_abs_diff(want[0][-1], initial_params()) > 1e-2       # training really moved them
+  assert max_abs_diff(want[0][-1], initial_params()) > 1e-2  # training really moved them
   for r, got in zip(runs, results):
     assert_same_training(got, want, r)
 
@@ -150,15 +161,17 @@ def assert_all_match_backprop(*runs):
 
 
 def test_data_parallel_matches_backprop():
-  assert_all_match_backprop(run('data_parallel', (4,), data_parallel=2),
-                            run('data_parallel', (4,), data_parallel=4))
+  assert_all_match_backprop(
+    run('data_parallel', (4,), data_parallel=2), run('data_parallel', (4,), data_parallel=4)
+  )
 
 
 def test_model_parallel_matches_backprop():
   """G = 4, and G = 2 split unevenly (1, 3) on a stage 2 x data 2 mesh (and G = 2 alone in the
   dropout test below)."""
-  assert_all_match_backprop(run('model_parallel', (1, 1, 1, 1)),
-                            run('model_parallel', (1, 3), data_parallel=2))
+  assert_all_match_backprop(
+    run('model_parallel', (1, 1, 1, 1)), run('model_parallel', (1, 3), data_parallel=2)
+  )
 
 
 def test_gpipe_matches_backprop_even_with_nan_in_its_bubbles():
@@ -180,9 +193,12 @@ def test_ring_schedules_draw_backprops_dropout_masks():
   micro-batch still give exactly backprop's training (with the same layer split, since a
   stage splits its key over its layer slots)."""
   want, no_dropout, mp, gpipe = trajectories(
-      run('backprop', (1, 3), dropout=0.1), BACKPROP, run('model_parallel', (1, 3), dropout=0.1),
-      run('gpipe', (1, 3), dropout=0.1, microbatches=1))
-  assert max_abs_diff(want[0][-1], no_dropout[0][-1]) > 1e-3       # dropout is really on
+    run('backprop', (1, 3), dropout=0.1),
+    BACKPROP,
+    run('model_parallel', (1, 3), dropout=0.1),
+    run('gpipe', (1, 3), dropout=0.1, microbatches=1),
+  )
+  assert max_abs_diff(want[0][-1], no_dropout[0][-1]) > 1e-3  # dropout is really on
   assert_same_training(mp, want, 'model_parallel')
   assert_same_training(gpipe, want, 'gpipe M=1')
 
@@ -192,11 +208,13 @@ def test_ouroboros_warmup_is_backprop_and_data_parallel_ring_is_whole_batch_ring
   ones: the warm-up steps give backprop's training (they use model_parallel's gradient), the
   delayed steps do not, and splitting the batch over two rings changes nothing."""
   warmup = 2
-  one, two, plain = trajectories(run('ouroboros', (2, 2), sync_warmup_steps=warmup),
-                                 run('ouroboros', (2, 2), sync_warmup_steps=warmup,
-                                     data_parallel=2), BACKPROP)
+  one, two, plain = trajectories(
+    run('ouroboros', (2, 2), sync_warmup_steps=warmup),
+    run('ouroboros', (2, 2), sync_warmup_steps=warmup, data_parallel=2),
+    BACKPROP,
+  )
   assert_same_training(one, plain, 'ouroboros warm-up', steps=warmup)
-  assert max_abs_diff(one[0][-1], plain[0][-1]) > 1e-3             # delayed: other gradients
+  assert max_abs_diff(one[0][-1], plain[0][-1]) > 1e-3  # delayed: other gradients
   assert_same_training(two, one, 'ouroboros stage 2 x data 2')
 
 
@@ -212,7 +230,8 @@ def test_idle_fractions(num_stages):
   model = partition.transformer_stages(model_config(), (4 // num_stages,) * num_stages)
   tx = staged.adamw(1e-3)
   build = lambda name, **kw: build_schedule(
-      ScheduleConfig(name=name, num_stages=num_stages, **kw), model, tx)
+    ScheduleConfig(name=name, num_stages=num_stages, **kw), model, tx
+  )
   G = num_stages
   assert build('backprop').idle_fraction == 0.0
   assert build('data_parallel', data_parallel=2).idle_fraction == 0.0
@@ -229,7 +248,8 @@ def test_idle_fractions(num_stages):
     assert idle == pytest.approx(simulated_idle(M, iterations))
     assert idle == pytest.approx((G - 1) / (M + G - 1))
   assert build('gpipe', microbatches=1).idle_fraction == pytest.approx(
-      build('model_parallel').idle_fraction)                     # one micro-batch: no pipeline
+    build('model_parallel').idle_fraction
+  )  # one micro-batch: no pipeline
   # Ouroboros: G locked forward rounds, then one backward everywhere at once.
   assert build('ouroboros').idle_fraction == pytest.approx(simulated_idle(1 + 2, G * 1 + 2))
   assert build('ouroboros').idle_fraction == pytest.approx(ouroboros.idle_fraction(G))
@@ -248,8 +268,9 @@ def test_batch_not_divisible_by_replicas_times_microbatches_is_a_clear_error():
   tx = staged.adamw(1e-3)
   good, bad = batches()[0], {k: v[:6] for k, v in batches()[0].items()}
 
-  gpipe = build_schedule(ScheduleConfig(name='gpipe', num_stages=2, data_parallel=2,
-                                        microbatches=4), model, tx)
+  gpipe = build_schedule(
+    ScheduleConfig(name='gpipe', num_stages=2, data_parallel=2, microbatches=4), model, tx
+  )
   with pytest.raises(ConfigError) as error:
     gpipe.init(params, bad)
   message = str(error.value)
@@ -257,15 +278,15 @@ def test_batch_not_divisible_by_replicas_times_microbatches_is_a_clear_error():
   for part in ('batch size 6', '2 x 4 = 8', '--batch-size', '--data-parallel', '--microbatches'):
     assert part in message
   state = gpipe.init(params, good)
-  with pytest.raises(ConfigError, match='2 x 4 = 8'):          # the step checks too
+  with pytest.raises(ConfigError, match='2 x 4 = 8'):  # the step checks too
     gpipe.step(state, bad)
 
   with pytest.raises(ConfigError, match='1 x 3 = 3'):
-    build_schedule(ScheduleConfig(name='gpipe', num_stages=2, microbatches=3), model,
-                   tx).init(params, good)
+    build_schedule(ScheduleConfig(name='gpipe', num_stages=2, microbatches=3), model, tx).init(
+      params, good
+    )
   for name in ('data_parallel', 'model_parallel'):
-    schedule = build_schedule(ScheduleConfig(name=name, num_stages=2, data_parallel=3),
-                              model, tx)
+    schedule = build_schedule(ScheduleConfig(name=name, num_stages=2, data_parallel=3), model, tx)
     with pytest.raises(ConfigError, match=r'batch size 8 is not divisible by --data-parallel = 3'):
       schedule.init(params, good)
 
@@ -277,12 +298,19 @@ def test_impossible_settings_are_clear_errors():
     build_schedule(ScheduleConfig(name='gpipe', num_stages=2, microbatches=0), model, tx)
   with pytest.raises(ConfigError, match="unknown schedule 'pipedream'.*gpipe"):
     build_schedule(ScheduleConfig(name='pipedream'), model, tx)
-  for name, fields in (('model_parallel', {'num_stages': 16}),
-                       ('gpipe', {'num_stages': 4, 'data_parallel': 4})):
+  for name, fields in (
+    ('model_parallel', {'num_stages': 16}),
+    ('gpipe', {'num_stages': 4, 'data_parallel': 4}),
+  ):
     with pytest.raises(ConfigError, match='need 16 devices'):
       build_schedule(ScheduleConfig(name=name, **fields), model, tx)
   schedule = build_schedule(ScheduleConfig(name='model_parallel', num_stages=4), model, tx)
   with pytest.raises(ConfigError, match='2 stage groups but model_parallel has --stages 4'):
     schedule.init(partition.to_staged(initial_params(), (2, 2)), batches()[0])
-  assert schedules.SCHEDULES == ('backprop', 'data_parallel', 'model_parallel', 'gpipe',
-                                 'ouroboros')
+  assert schedules.SCHEDULES == (
+    'backprop',
+    'data_parallel',
+    'model_parallel',
+    'gpipe',
+    'ouroboros',
+  )

@@ -31,7 +31,6 @@ def _load(name: str, path: pathlib.Path):
   return sys.modules[name]
 
 
-
 TOL = 1e-9
 
 
@@ -40,10 +39,14 @@ def costs(forward, backward, **kwargs):
 
 
 def random_costs(rng: random.Random, num_stages: int, **kwargs):
-  return costs([rng.uniform(0.5, 2.0) for _ in range(num_stages)],
-               [rng.uniform(1.0, 4.0) for _ in range(num_stages)],
-               head_s=rng.uniform(0.0, 1.5), embed_forward_s=rng.uniform(0.0, 0.2),
-               embed_backward_s=rng.uniform(0.0, 0.2), **kwargs)
+  return costs(
+    [rng.uniform(0.5, 2.0) for _ in range(num_stages)],
+    [rng.uniform(1.0, 4.0) for _ in range(num_stages)],
+    head_s=rng.uniform(0.0, 1.5),
+    embed_forward_s=rng.uniform(0.0, 0.2),
+    embed_backward_s=rng.uniform(0.0, 0.2),
+    **kwargs,
+  )
 
 
 # ----------------------------------------------------------------------------- closed forms
@@ -96,8 +99,7 @@ def test_model_parallel_is_the_sum_of_everything(num_stages):
 def test_pipelined_ouroboros_is_the_busiest_device(num_stages):
   c = random_costs(random.Random(10 + num_stages), num_stages)
   result = sim.simulate('ouroboros', c, forward='pipelined')
-  device0 = (c.embed_forward_s + c.forward_s[0] + c.head_s + c.backward_s[0]
-             + c.embed_backward_s)
+  device0 = c.embed_forward_s + c.forward_s[0] + c.head_s + c.backward_s[0] + c.embed_backward_s
   others = [f + b for f, b in zip(c.forward_s[1:], c.backward_s[1:])]
   assert result.step_time == pytest.approx(max(device0, *others), abs=TOL)
   # Hops that fit inside a step are hidden: only what reads them waits, a step later.
@@ -118,8 +120,7 @@ def test_pipelined_equal_stages_reach_the_g_fold_speedup():
 def test_replay_adds_the_forward_to_every_backward(forward):
   c = random_costs(random.Random(3), 4)
   replay = sim.simulate('ouroboros', c, forward=forward, stash='replay')
-  recompute = dataclasses.replace(
-      c, backward_s=[f + b for f, b in zip(c.forward_s, c.backward_s)])
+  recompute = dataclasses.replace(c, backward_s=[f + b for f, b in zip(c.forward_s, c.backward_s)])
   graph = sim.simulate('ouroboros', recompute, forward=forward, stash='graph')
   assert replay.step_time == pytest.approx(graph.step_time, abs=TOL)
   assert replay.step_time > sim.simulate('ouroboros', c, forward=forward).step_time
@@ -134,14 +135,16 @@ def test_link_latency_adds_g_hops_to_the_locked_forward():
   assert sim.simulate('ouroboros', linked).step_time == pytest.approx(free + G * hop, abs=TOL)
   # model_parallel pays G hops forward and G back (the head's delta to G-1 included)
   assert sim.simulate('model_parallel', linked).step_time == pytest.approx(
-      c.total_compute_s() + 2 * G * hop, abs=TOL)
+    c.total_compute_s() + 2 * G * hop, abs=TOL
+  )
 
 
 @pytest.mark.parametrize('replicas', [1, 2, 4, 8])
 def test_data_parallel_all_reduce(replicas):
   D, grad_bytes, bandwidth, latency = replicas, 4e9, 1e11, 1e-5
-  c = random_costs(random.Random(replicas), 3, grad_bytes=grad_bytes, bandwidth=bandwidth,
-                   latency=latency)
+  c = random_costs(
+    random.Random(replicas), 3, grad_bytes=grad_bytes, bandwidth=bandwidth, latency=latency
+  )
   result = sim.simulate('data_parallel', c, data_parallel=D)
   all_reduce = 2 * (D - 1) / D * grad_bytes / bandwidth + 2 * (D - 1) * latency
   assert result.step_time == pytest.approx(c.total_compute_s() / D + all_reduce, abs=TOL)
@@ -149,17 +152,25 @@ def test_data_parallel_all_reduce(replicas):
   measured = dataclasses.replace(c, allreduce_s=0.5)
   expected = c.total_compute_s() / D + (0.5 if D > 1 else 0.0)
   assert sim.simulate('data_parallel', measured, data_parallel=D).step_time == pytest.approx(
-      expected, abs=TOL)
+    expected, abs=TOL
+  )
 
 
 def test_one_device_is_backprop_for_every_schedule():
   c = random_costs(random.Random(0), 1, latency=0.01, activation_bytes=1.0, bandwidth=10.0)
   expected = c.total_compute_s()
-  for schedule, kwargs in [('backprop', {}), ('model_parallel', {}), ('gpipe', {'microbatches': 4}),
-                           ('ouroboros', {}), ('ouroboros', {'forward': 'pipelined'}),
-                           ('data_parallel', {})]:
+  for schedule, kwargs in [
+    ('backprop', {}),
+    ('model_parallel', {}),
+    ('gpipe', {'microbatches': 4}),
+    ('ouroboros', {}),
+    ('ouroboros', {'forward': 'pipelined'}),
+    ('data_parallel', {}),
+  ]:
     assert sim.simulate(schedule, c, **kwargs).step_time == pytest.approx(expected, abs=TOL), (
-        schedule, kwargs)
+      schedule,
+      kwargs,
+    )
 
 
 def test_the_idle_fractions_the_schedules_advertise():
@@ -179,13 +190,18 @@ def test_the_simulator_needs_only_the_standard_library():
     name = todo.pop()
     seen.add(name)
     tree = ast.parse((ROOT / 'ouroboros_jax' / f'{name.replace(".", "/")}.py').read_text())
-    imported = {alias.name for node in tree.body
-                if isinstance(node, ast.Import) for alias in node.names}
-    imported |= {node.module for node in tree.body
-                 if isinstance(node, ast.ImportFrom) and node.module}
-    imported |= {f'{node.module}.{alias.name}' for node in tree.body
-                 if isinstance(node, ast.ImportFrom) and node.module == 'ouroboros_jax'
-                 for alias in node.names}
+    imported = {
+      alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names
+    }
+    imported |= {
+      node.module for node in tree.body if isinstance(node, ast.ImportFrom) and node.module
+    }
+    imported |= {
+      f'{node.module}.{alias.name}'
+      for node in tree.body
+      if isinstance(node, ast.ImportFrom) and node.module == 'ouroboros_jax'
+      for alias in node.names
+    }
     own = {m.split('.', 1)[1] for m in imported if m.startswith('ouroboros_jax.')}
     others = {m.split('.')[0] for m in imported if not m.startswith('ouroboros_jax')}
     assert others <= set(sys.stdlib_module_names) | {'__future__'}, (name, others)
@@ -196,30 +212,44 @@ def test_the_simulator_needs_only_the_standard_library():
 # ----------------------------------------------------------------------------- invariants
 
 
-ALL_SETTINGS = [('backprop', {}), ('model_parallel', {}), ('gpipe', {'microbatches': 1}),
-                ('gpipe', {'microbatches': 4}), ('ouroboros', {}),
-                ('ouroboros', {'stash': 'replay'}), ('ouroboros', {'forward': 'pipelined'}),
-                ('ouroboros', {'forward': 'pipelined', 'stash': 'replay'})]
+ALL_SETTINGS = [
+  ('backprop', {}),
+  ('model_parallel', {}),
+  ('gpipe', {'microbatches': 1}),
+  ('gpipe', {'microbatches': 4}),
+  ('ouroboros', {}),
+  ('ouroboros', {'stash': 'replay'}),
+  ('ouroboros', {'forward': 'pipelined'}),
+  ('ouroboros', {'forward': 'pipelined', 'stash': 'replay'}),
+]
 
 
 @pytest.mark.parametrize('num_stages', [1, 2, 4, 7])
 def test_no_schedule_beats_the_physical_limit(num_stages):
   rng = random.Random(100 + num_stages)
   for trial in range(3):
-    c = random_costs(rng, num_stages, latency=rng.choice([0.0, 1e-3]), activation_bytes=1e6,
-                     bandwidth=rng.choice([math.inf, 1e9]), grad_bytes=1e8,
-                     microbatch_overhead_s=rng.choice([0.0, 0.01]))
+    c = random_costs(
+      rng,
+      num_stages,
+      latency=rng.choice([0.0, 1e-3]),
+      activation_bytes=1e6,
+      bandwidth=rng.choice([math.inf, 1e9]),
+      grad_bytes=1e8,
+      microbatch_overhead_s=rng.choice([0.0, 0.01]),
+    )
     for schedule, kwargs in ALL_SETTINGS + [('data_parallel', {'data_parallel': num_stages})]:
       result = sim.simulate(schedule, c, **kwargs)
       assert result.speedup <= result.num_devices + TOL, (schedule, kwargs, result.speedup)
       assert all(-TOL <= i <= 1 + TOL for i in result.per_device_idle)
 
 
-@pytest.mark.parametrize('schedule,kwargs', ALL_SETTINGS + [('data_parallel',
-                                                             {'data_parallel': 3})])
+@pytest.mark.parametrize(
+  'schedule,kwargs', ALL_SETTINGS + [('data_parallel', {'data_parallel': 3})]
+)
 def test_timeline_never_overlaps_on_a_device_or_a_link(schedule, kwargs):
-  c = random_costs(random.Random(7), 3, latency=0.05, activation_bytes=1e6, bandwidth=1e7,
-                   grad_bytes=1e6)
+  c = random_costs(
+    random.Random(7), 3, latency=0.05, activation_bytes=1e6, bandwidth=1e7, grad_bytes=1e6
+  )
   result = sim.simulate(schedule, c, **kwargs)
   lanes = {}
   for span in result.timeline:
@@ -265,8 +295,20 @@ def test_bad_settings_are_refused():
 
 def test_transformer_costs_from_flops():
   L, d, f, seq, V, batch, G = 4, 64, 256, 32, 100, 2, 2
-  c = sim.transformer_costs(L, d, f, seq, V, batch, G, flops_per_s=1e9, bandwidth=1e9,
-                            latency=0.0, layers_per_stage=(1, 3), bytes_per_value=4)
+  c = sim.transformer_costs(
+    L,
+    d,
+    f,
+    seq,
+    V,
+    batch,
+    G,
+    flops_per_s=1e9,
+    bandwidth=1e9,
+    latency=0.0,
+    layers_per_stage=(1, 3),
+    bytes_per_value=4,
+  )
   tokens = batch * seq
   layer = (2 * (4 * d * d + 2 * d * f) + 2 * seq * d) * tokens / 1e9
   assert c.forward_s == pytest.approx((layer, 3 * layer))
@@ -319,8 +361,14 @@ def test_measured_option_compares_with_the_simulator(experiment, tmp_path, capsy
   path = tmp_path / 'bench.csv'
   path.write_text(MEASURED)
   rows = experiment.main(['--measured', str(path), '--out', str(tmp_path / 'out')])
-  assert [r['schedule'] for r in rows] == ['backprop', 'model_parallel', 'gpipe', 'ouroboros',
-                                           'ouroboros', 'data_parallel']
+  assert [r['schedule'] for r in rows] == [
+    'backprop',
+    'model_parallel',
+    'gpipe',
+    'ouroboros',
+    'ouroboros',
+    'data_parallel',
+  ]
   backprop, model_parallel, gpipe, locked, pipelined, data_parallel = rows
   assert backprop['predicted_s'] == pytest.approx(0.0325)
   assert model_parallel['predicted_s'] == pytest.approx(0.0325 + 8 * 0.00005)
@@ -329,8 +377,9 @@ def test_measured_option_compares_with_the_simulator(experiment, tmp_path, capsy
   assert gpipe['predicted_s'] > 7 * 0.0075 / 4 + 0.0025
   assert locked['predicted_s'] == pytest.approx(4 * 0.0025 + 0.0025 + 0.005)
   assert locked['rel_error'] == pytest.approx(0.0175 / 0.0200 - 1)
-  assert pipelined['predicted_s'] == pytest.approx(max(0.002 + 0.001 + 0.004 + 0.002,
-                                                       0.003 + 0.006 + 0.003))
+  assert pipelined['predicted_s'] == pytest.approx(
+    max(0.002 + 0.001 + 0.004 + 0.002, 0.003 + 0.006 + 0.003)
+  )
   assert pipelined['stash'] == 'replay' and pipelined['forward'] == 'pipelined'
   assert data_parallel['predicted_s'] == pytest.approx(0.015)
   printed = capsys.readouterr().out
@@ -346,8 +395,19 @@ def test_measured_rows_need_one_time_per_stage(experiment, tmp_path):
 
 
 def test_prediction_table_and_csv(experiment, tmp_path, capsys):
-  rows = experiment.main(['--stages', '1,2,4,16', '--models', 'gpt2-small',
-                          '--hardware', 'nvlink-300GBps', '--no-plot', '--out', str(tmp_path)])
+  rows = experiment.main(
+    [
+      '--stages',
+      '1,2,4,16',
+      '--models',
+      'gpt2-small',
+      '--hardware',
+      'nvlink-300GBps',
+      '--no-plot',
+      '--out',
+      str(tmp_path),
+    ]
+  )
   printed = capsys.readouterr().out
   assert 'G = 16 not predicted' in printed and 'ouroboros pipelined' in printed
   assert {r['devices'] for r in rows} == {1, 2, 4}

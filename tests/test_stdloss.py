@@ -7,14 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ouroboros_jax import model as transformer
 from ouroboros_jax import partition
 from ouroboros_jax.accelerators import stdloss
-from ouroboros_jax import model as transformer
 from ouroboros_jax.model import ConfigError
 
 SEQ, VOCAB = 8, 32
-CFG = transformer.ModelConfig(vocab_size=VOCAB, d_model=16, num_heads=2, num_layers=4, d_ff=32,
-                              seq_len=SEQ)
+CFG = transformer.ModelConfig(
+  vocab_size=VOCAB, d_model=16, num_heads=2, num_layers=4, d_ff=32, seq_len=SEQ
+)
 
 
 @pytest.fixture(scope='module')
@@ -24,8 +25,10 @@ def params():
 
 def batch_of(seed=0, size=2):
   rng = np.random.default_rng(seed)
-  return {'inputs': jnp.asarray(rng.integers(0, VOCAB, (size, SEQ)), jnp.int32),
-          'targets': jnp.asarray(rng.integers(0, VOCAB, (size, SEQ)), jnp.int32)}
+  return {
+    'inputs': jnp.asarray(rng.integers(0, VOCAB, (size, SEQ)), jnp.int32),
+    'targets': jnp.asarray(rng.integers(0, VOCAB, (size, SEQ)), jnp.int32),
+  }
 
 
 def test_formula_on_known_statistics():
@@ -35,15 +38,17 @@ def test_formula_on_known_statistics():
   sigma_C = np.array([1.0, 0.5, 2.0, 3.0], np.float32)
   signs_BxL = np.where(np.arange(6 * 4).reshape(6, 4) % 2 == 0, 1.0, -1.0).astype(np.float32)
   x_BxLxC = mu_C + signs_BxL[..., None] * sigma_C
-  want = 0.5 * np.sum(mu_C ** 2 + sigma_C ** 2 - np.log(sigma_C ** 2) - 1)
+  want = 0.5 * np.sum(mu_C**2 + sigma_C**2 - np.log(sigma_C**2) - 1)
   np.testing.assert_allclose(stdloss.standardization_loss(x_BxLxC, eps=0.0), want, rtol=1e-6)
   # Per channel it is KL(N(mu, sigma^2) || N(0, 1)): zero exactly for standard statistics.
   standard = signs_BxL[..., None] * np.ones(3, np.float32)
   assert abs(float(stdloss.standardization_loss(standard, eps=0.0))) < 1e-7
   # eps enters as the variance offset.
   np.testing.assert_allclose(
-      stdloss.standardization_loss(x_BxLxC, eps=0.1),
-      0.5 * np.sum(mu_C ** 2 + sigma_C ** 2 + 0.1 - np.log(sigma_C ** 2 + 0.1) - 1), rtol=1e-6)
+    stdloss.standardization_loss(x_BxLxC, eps=0.1),
+    0.5 * np.sum(mu_C**2 + sigma_C**2 + 0.1 - np.log(sigma_C**2 + 0.1) - 1),
+    rtol=1e-6,
+  )
   # Large samples of N(0, 1) give nearly zero; of N(2, 3^2) nearly its KL per channel.
   z = np.random.default_rng(0).standard_normal((64, 64, 2)).astype(np.float32)
   assert float(stdloss.standardization_loss(z, eps=0.0)) < 2e-3
@@ -59,11 +64,13 @@ def single_device(params, batch, weight):
   """(total, aux), grads of `loss_with_stdloss`; the plain loss; layer WHICH's GELU input by
   hand (its input, then the attention half and mlp_in(LN(h)))."""
   (total, aux), grads = jax.value_and_grad(
-      lambda p: stdloss.loss_with_stdloss(CFG, p, batch, weight, WHICH), has_aux=True)(params)
+    lambda p: stdloss.loss_with_stdloss(CFG, p, batch, weight, WHICH), has_aux=True
+  )(params)
   x = transformer.embed(CFG, params['embed'], batch['inputs'])
   x = transformer.layers(CFG, jax.tree.map(lambda a: a[:WHICH], params['layers']), x)
-  block = transformer._merge(transformer._graphdefs(CFG)[1],
-                             jax.tree.map(lambda a: a[WHICH], params['layers']))
+  block = transformer._merge(
+    transformer._graphdefs(CFG)[1], jax.tree.map(lambda a: a[WHICH], params['layers'])
+  )
   h = x + block.attention(block.ln_attn(x))
   pre = block.mlp_in(block.ln_mlp(h))
   _, eval_aux = stdloss.loss_with_stdloss(CFG, params, batch, weight, WHICH, training=False)
@@ -81,20 +88,27 @@ def test_added_to_the_transformer_loss(params):
   np.testing.assert_allclose(total, task + weight * aux['stdloss'], rtol=1e-6)
   np.testing.assert_allclose(evaluated, task, rtol=1e-6)
   assert float(aux['stdloss']) > 1.0  # initial pre-activations are far from standard
-  per_layer = np.max(np.stack([np.max(np.abs(np.asarray(a - b)).reshape(a.shape[0], -1), axis=1)
-                               for a, b in zip(jax.tree.leaves(grads['layers']),
-                                               jax.tree.leaves(task_grads['layers']))]), axis=0)
+  per_layer = np.max(
+    np.stack(
+      [
+        np.max(np.abs(np.asarray(a - b)).reshape(a.shape[0], -1), axis=1)
+        for a, b in zip(jax.tree.leaves(grads['layers']), jax.tree.leaves(task_grads['layers']))
+      ]
+    ),
+    axis=0,
+  )
   assert per_layer[0] > 1e-6 and per_layer[1] > 1e-6
   assert np.all(per_layer[2:] < 1e-6)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), grads['head'],
-               task_grads['head'])
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), grads['head'], task_grads['head']
+  )
 
 
 def test_inside_pipeline_stages(params):
   """stdloss_stages (uneven 3 + 1 split): the training loss and its gradient, which reaches
   the regularised layer through the extra channel, equal the single-device ones; evaluation is
   the plain task loss."""
-  layers_per_stage, weight = (3, 1), 0.3   # layer 1 lives in stage 0, with layers 0 and 2
+  layers_per_stage, weight = (3, 1), 0.3  # layer 1 lives in stage 0, with layers 0 and 2
   model = stdloss.stdloss_stages(CFG, layers_per_stage, weight, WHICH)
   staged_params = partition.to_staged(params, layers_per_stage)
   batch = batch_of()
@@ -102,7 +116,8 @@ def test_inside_pipeline_stages(params):
   @jax.jit
   def run(staged_params):
     staged_loss, staged_grads = jax.value_and_grad(
-        lambda p: model.forward_loss(p, batch, jax.random.key(0))[0])(staged_params)
+      lambda p: model.forward_loss(p, batch, jax.random.key(0))[0]
+    )(staged_params)
     return staged_loss, staged_grads, model.forward_loss(staged_params, batch)[0]
 
   staged_loss, staged_grads, evaluated = run(staged_params)
@@ -118,14 +133,24 @@ def test_inside_pipeline_stages(params):
 def test_written_out_block_is_the_models_post_ln_with_dropout():
   """`block_with_site` against `model.Block` where it differs most: post-LN, dropout on, same
   keys; the task loss of `loss_with_stdloss` is then `model.loss_fn`'s exactly."""
-  cfg = transformer.ModelConfig(vocab_size=VOCAB, d_model=16, num_heads=2, num_layers=2,
-                                d_ff=32, seq_len=SEQ, pre_ln=False, dropout=0.2)
+  cfg = transformer.ModelConfig(
+    vocab_size=VOCAB,
+    d_model=16,
+    num_heads=2,
+    num_layers=2,
+    d_ff=32,
+    seq_len=SEQ,
+    pre_ln=False,
+    dropout=0.2,
+  )
   shapes = jax.eval_shape(lambda: transformer.init_params(cfg, jax.random.key(0)))
   rng = np.random.default_rng(0)
-  params = jax.tree.map(lambda a: jnp.asarray(0.3 * rng.standard_normal(a.shape), a.dtype),
-                        shapes)
+  params = jax.tree.map(lambda a: jnp.asarray(0.3 * rng.standard_normal(a.shape), a.dtype), shapes)
   batch, key = batch_of(2), jax.random.key(4)
-  got, want = jax.jit(lambda p: (
+  got, want = jax.jit(
+    lambda p: (
       stdloss.loss_with_stdloss(cfg, p, batch, 0.5, 1, key, site='mlp_input')[1]['loss'],
-      transformer.loss_fn(cfg, p, batch, key)[0]))(params)
+      transformer.loss_fn(cfg, p, batch, key)[0],
+    )
+  )(params)
   np.testing.assert_allclose(got, want, rtol=1e-6)

@@ -76,7 +76,8 @@ def test_metrics_rows_and_files(short_run):
   with open(os.path.join(cfg.out_dir, 'config.json')) as f:
     # The resolved config: the balanced layer split is written out.
     assert config.TrainConfig.from_dict(json.load(f)) == config.override(
-        cfg, {'layers_per_stage': '2'})
+      cfg, {'layers_per_stage': '2'}
+    )
   with open(os.path.join(cfg.out_dir, 'summary.json')) as f:
     assert json.load(f)['val_bpb'] == summary['val_bpb']
 
@@ -100,8 +101,9 @@ def test_checkpoint_round_trip(short_run):
     assert restored.sharding.is_equivalent_to(new.sharding, restored.ndim)
   # The data position: a fresh iterator advanced by 100 batches is where the saved one is.
   splits = data.load_splits(cfg.data, data_dir=cfg.data_dir)
-  it = data.make_train_iterator(splits['train'], seq_len=cfg.model.seq_len,
-                                batch_size=cfg.batch_size, seed=cfg.seed)
+  it = data.make_train_iterator(
+    splits['train'], seq_len=cfg.model.seq_len, batch_size=cfg.batch_size, seed=cfg.seed
+  )
   crc = 0
   for _ in range(100):
     crc = metrics.batch_crc32(next(it), crc)
@@ -110,7 +112,8 @@ def test_checkpoint_round_trip(short_run):
   assert meta['layers_per_stage'] == list(layers_per_stage)
   assert meta['schedule'] == 'backprop' and meta['stages'] == 1
   assert config.TrainConfig.from_dict(meta['config']) == config.override(
-      cfg, {'layers_per_stage': '2'})
+    cfg, {'layers_per_stage': '2'}
+  )
 
 
 def test_interrupted_save_is_never_the_latest(short_run, tmp_path):
@@ -132,14 +135,20 @@ def test_interrupted_save_is_never_the_latest(short_run, tmp_path):
 
 
 def _run_cli(*args, timeout=120):
-  return subprocess.run([sys.executable, '-m', 'ouroboros_jax', *args], cwd=REPO_ROOT,
-                        capture_output=True, text=True, timeout=timeout)
+  return subprocess.run(
+    [sys.executable, '-m', 'ouroboros_jax', *args],
+    cwd=REPO_ROOT,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
 
 
 def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path, prepared_data_dir):
   steps = 20
-  straight = tiny_config(tmp_path / 'a', prepared_data_dir, steps=steps, checkpoint_every=10,
-                         eval_every=10, dropout=0.1)
+  straight = tiny_config(
+    tmp_path / 'a', prepared_data_dir, steps=steps, checkpoint_every=10, eval_every=10, dropout=0.1
+  )
   summary_a = loop.train(straight, quiet=True)
 
   # Run B stops (like a crash) two steps after its step-10 checkpoint...
@@ -153,8 +162,9 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path, prepared_
     loop.train(cfg_b, quiet=True, on_step=crash)
   assert checkpoint.latest_step(cfg_b.out_dir) == 10
   # ... and a new process resumes it from the command line.
-  assert cli.config_from_args(cli.make_parser().parse_args(['train', *cli.to_flags(cfg_b)])) \
-      == cfg_b
+  assert (
+    cli.config_from_args(cli.make_parser().parse_args(['train', *cli.to_flags(cfg_b)])) == cfg_b
+  )
   result = _run_cli('train', '--resume', '--quiet', *cli.to_flags(cfg_b))
   assert result.returncode == 0, result.stderr
   assert result.stdout.strip().splitlines()[-1].startswith('done: val bpb')
@@ -169,10 +179,16 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path, prepared_
 
   assert_trees_equal(final_state(straight.out_dir), final_state(cfg_b.out_dir))
   # Same batches in the same order, and the same loss at every step.
-  rows_a = [(r['step'], r['data_crc32'], r['loss']) for r in read_rows(straight.out_dir)
-            if r['split'] == 'train']
-  rows_b = [(r['step'], r['data_crc32'], r['loss']) for r in read_rows(cfg_b.out_dir)
-            if r['split'] == 'train']
+  rows_a = [
+    (r['step'], r['data_crc32'], r['loss'])
+    for r in read_rows(straight.out_dir)
+    if r['split'] == 'train'
+  ]
+  rows_b = [
+    (r['step'], r['data_crc32'], r['loss'])
+    for r in read_rows(cfg_b.out_dir)
+    if r['split'] == 'train'
+  ]
   # Every step logged once (the resume dropped the rows of the crashed steps 11-12), with the
   # same loss and the same data fingerprint as the uninterrupted run.
   assert rows_b == rows_a
@@ -232,16 +248,24 @@ def test_sampling_matches_the_models_own_next_byte(short_run):
   tokens = list(prompt)
   for _ in range(5):
     padded = np.zeros(model_cfg.seq_len, np.int32)
-    padded[:len(tokens)] = tokens
+    padded[: len(tokens)] = tokens
     tokens.append(int(np.argmax(np.asarray(logits_L(padded)[len(tokens) - 1]))))
-  assert out == bytes(tokens[len(prompt):])
+  assert out == bytes(tokens[len(prompt) :])
 
 
 def test_ouroboros_state_round_trips_sharded(tmp_path, prepared_data_dir):
   """A 2-stage Ouroboros run: its sharded TrainState (ring buffers included) checkpoints and
   restores onto the same devices, and the run resumes."""
-  cfg = tiny_config(tmp_path / 'ring', prepared_data_dir, steps=6, schedule='ouroboros',
-                    stages=2, checkpoint_every=3, eval_every=3, log_every=3)
+  cfg = tiny_config(
+    tmp_path / 'ring',
+    prepared_data_dir,
+    steps=6,
+    schedule='ouroboros',
+    stages=2,
+    checkpoint_every=3,
+    eval_every=3,
+    log_every=3,
+  )
   final = {}
   loop.train(cfg, quiet=True, on_step=lambda s, st: final.update(state=host_tree(st)))
   schedule, params, _ = loop.build(cfg)
@@ -266,8 +290,9 @@ def test_ouroboros_state_round_trips_sharded(tmp_path, prepared_data_dir):
 def three_checkpoints(tmp_path_factory, prepared_data_dir):
   """30 steps with checkpoints at 10, 20 and 30; the state of step 30 as saved."""
   out = tmp_path_factory.mktemp('three_checkpoints')
-  cfg = tiny_config(out, prepared_data_dir, steps=30, checkpoint_every=10, eval_every=30,
-                    log_every=5)
+  cfg = tiny_config(
+    out, prepared_data_dir, steps=30, checkpoint_every=10, eval_every=30, log_every=5
+  )
   loop.train(cfg, quiet=True)
   manager = checkpoint.make_manager(out, read_only=True)
   try:
@@ -299,10 +324,12 @@ def _damage(step_dir: pathlib.Path, how: str) -> None:
     (step_dir / 'meta' / 'metadata').write_text('')
 
 
-@pytest.mark.parametrize('how', ['truncated', 'flipped', 'no_manifest', 'empty_metadata',
-                                 'empty_meta', 'resume_from'])
-def test_a_damaged_checkpoint_falls_back_and_resumes_exactly(three_checkpoints, tmp_path, how,
-                                                             capsys):
+@pytest.mark.parametrize(
+  'how', ['truncated', 'flipped', 'no_manifest', 'empty_metadata', 'empty_meta', 'resume_from']
+)
+def test_a_damaged_checkpoint_falls_back_and_resumes_exactly(
+  three_checkpoints, tmp_path, how, capsys
+):
   cfg, saved_30 = three_checkpoints
   out = tmp_path / 'run'
   shutil.copytree(cfg.out_dir, out)
@@ -341,8 +368,9 @@ def test_no_readable_checkpoint_is_one_clear_error(three_checkpoints, tmp_path):
   shutil.copytree(cfg.out_dir, out)
   for step in (10, 20, 30):
     _damage(out / 'checkpoints' / str(step), 'empty_meta')
-  with pytest.raises(checkpoint.CorruptCheckpointError,
-                     match=r'no readable checkpoint .* steps \[10, 20, 30\]'):
+  with pytest.raises(
+    checkpoint.CorruptCheckpointError, match=r'no readable checkpoint .* steps \[10, 20, 30\]'
+  ):
     loop.train(config.override(cfg, {'out': os.fspath(out)}), resume=True, quiet=True)
   assert sorted(os.listdir(out / 'checkpoints')) == ['10', '20', '30']  # nothing moved
   with pytest.raises(checkpoint.CheckpointError, match='--resume-from 25: no checkpoint'):

@@ -1,7 +1,7 @@
 """Growing the depth while training: multi-stage layerwise training (MSLT) and progressive stacking.
 
 MSLT ("Progressively Stacking 2.0", arXiv 2011.13635): training starts from a shallow model and
-the depth grows stage by stage by adding layers on top. In every stage after the first only the
+the depth grows phase by phase by adding layers on top. In every phase after the first only the
 newly added top layers (and the head) are trained; the earlier layers are frozen and run
 *forward only*: no backward pass, no gradient, no optimizer update for them.
 Progressive stacking (Gong et al., ICML 2019), its ancestor: train L layers, copy the whole stack
@@ -13,14 +13,14 @@ leave open is an option here, with these defaults:
   init         'copy_top' (default): the k new layers copy the current top k layers, in order
                (k = L copies the whole stack: stacking); 'random': fresh layers, initialised as
                `model.init_params` would for the new depth.
-  final_steps  0 (default): no final stage; > 0: a last stage at full depth training everything.
-  opt_state    'reset' (default): every stage starts with a fresh optimizer state (the new
-               stage's `tx_factory(stage)`); 'carry': layers that already existed keep their
-               optimizer state (Adam moments and step count) from the last stage that trained
+  final_steps  0 (default): no final phase; > 0: a last phase at full depth training everything.
+  opt_state    'reset' (default): every phase starts with a fresh optimizer state (the new
+               phase's `tx_factory(phase)`); 'carry': layers that already existed keep their
+               optimizer state (Adam moments and step count) from the last phase that trained
                them, new layers start fresh. The optimizer state is kept *per layer* (vmapped
                over the layer axis, as `staged` does per pipeline stage), which is what makes
                'carry' a slice-and-concatenate; for Adam it is the same update as one state.
-  train_embedding  False (default): in MSLT stages after the first the embedding V is frozen
+  train_embedding  False (default): in MSLT phases after the first the embedding V is frozen
                with the bottom layers. With a tied embedding the output projection V^T is then
                frozen too, and only the new layers and the head's own parameters (final
                LayerNorm, untied unembedding) train. True: V also trains, through the head only
@@ -54,9 +54,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ouroboros_jax import costs
+from ouroboros_jax import costs, staged
 from ouroboros_jax import model as transformer
-from ouroboros_jax import staged
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.model import ModelConfig
 
@@ -67,10 +66,10 @@ OPT_STATES = ('reset', 'carry')
 
 @dataclasses.dataclass(frozen=True)
 class GrowthPlan:
-  """Depth and length of every stage; see the module docstring for the options.
+  """Depth and length of every phase; see the module docstring for the options.
 
-  depths: the model depth in each stage, strictly increasing; the last one is the full depth.
-  steps: training steps of each stage (same length as depths).
+  depths: the model depth in each phase, strictly increasing; the last one is the full depth.
+  steps: training steps of each phase (same length as depths).
   method: 'mslt' (train the new top layers only) or 'stacking' (train all layers).
   """
 
@@ -90,20 +89,23 @@ class GrowthPlan:
     if self.opt_state not in OPT_STATES:
       raise ConfigError(f'unknown growth opt_state {self.opt_state!r}; choose reset or carry.')
     if not self.depths or len(self.depths) != len(self.steps):
-      raise ConfigError(f'a growth plan needs one step count per stage: depths {self.depths}, '
-                        f'steps {self.steps}.')
-    if any(d < 1 for d in self.depths) or any(b <= a for a, b in zip(self.depths,
-                                                                       self.depths[1:])):
-      raise ConfigError(f'growth depths must be positive and strictly increasing, got '
-                        f'{self.depths}.')
+      raise ConfigError(
+        f'a growth plan needs one step count per phase: depths {self.depths}, steps {self.steps}.'
+      )
+    if any(d < 1 for d in self.depths) or any(b <= a for a, b in zip(self.depths, self.depths[1:])):
+      raise ConfigError(
+        f'growth depths must be positive and strictly increasing, got {self.depths}.'
+      )
     if any(s < 0 for s in self.steps) or self.final_steps < 0:
       raise ConfigError('growth step counts must be >= 0.')
     if cfg is not None and self.depths[-1] != cfg.num_layers:
-      raise ConfigError(f'the growth plan ends at depth {self.depths[-1]} but the model has '
-                        f'{cfg.num_layers} layers; make the last depth --num-layers.')
+      raise ConfigError(
+        f'the growth plan ends at depth {self.depths[-1]} but the model has '
+        f'{cfg.num_layers} layers; make the last depth --num-layers.'
+      )
 
-  def stages(self) -> list[tuple[int, int, int]]:
-    """[(depth, steps, number of frozen bottom layers)] including the final stage, if any."""
+  def phases(self) -> list[tuple[int, int, int]]:
+    """[(depth, steps, number of frozen bottom layers)] including the final phase, if any."""
     out = []
     for i, (depth, steps) in enumerate(zip(self.depths, self.steps)):
       frozen = self.depths[i - 1] if (self.method == 'mslt' and i > 0) else 0
@@ -113,19 +115,27 @@ class GrowthPlan:
     return out
 
 
-def stacking_plan(start_depth: int, num_doublings: int, steps: tuple[int, ...],
-                  opt_state: str = 'reset') -> GrowthPlan:
+def stacking_plan(
+  start_depth: int, num_doublings: int, steps: tuple[int, ...], opt_state: str = 'reset'
+) -> GrowthPlan:
   """Progressive stacking: depth start, 2 start, 4 start, ... (e.g. 3 -> 6 -> 12)."""
-  depths = tuple(start_depth * 2 ** i for i in range(num_doublings + 1))
-  return GrowthPlan(depths=depths, steps=steps, method='stacking', init='copy_top',
-                    opt_state=opt_state)
+  depths = tuple(start_depth * 2**i for i in range(num_doublings + 1))
+  return GrowthPlan(
+    depths=depths, steps=steps, method='stacking', init='copy_top', opt_state=opt_state
+  )
 
 
 # ----------------------------------------------------------------------------- growing
 
 
-def grow(params: dict, new_depth: int, init: str = 'copy_top', *, cfg: ModelConfig | None = None,
-         key: jax.Array | None = None) -> dict:
+def grow(
+  params: dict,
+  new_depth: int,
+  init: str = 'copy_top',
+  *,
+  cfg: ModelConfig | None = None,
+  key: jax.Array | None = None,
+) -> dict:
   """{'embed','layers' [L,...],'head'} -> the same with layers [new_depth, ...].
 
   'copy_top': new layer L + j (j = 0..k-1, k = new_depth - L) copies old layer (L - k + j) mod L,
@@ -167,8 +177,11 @@ def stack(params: dict) -> dict:
 
 def init_opt_state(tx: optax.GradientTransformation, params: dict) -> dict:
   """One optimizer state per group, the layers' vmapped over the layer axis (one per layer)."""
-  return {'embed': tx.init(params['embed']), 'layers': jax.vmap(tx.init)(params['layers']),
-          'head': tx.init(params['head'])}
+  return {
+    'embed': tx.init(params['embed']),
+    'layers': jax.vmap(tx.init)(params['layers']),
+    'head': tx.init(params['head']),
+  }
 
 
 def _slice(tree, start, stop=None):
@@ -199,8 +212,9 @@ def top_loss(cfg: ModelConfig, trainable: dict, embed_params: dict, x_BxLxD, tar
   return transformer.head_loss(cfg, trainable['head'], embed_params, x_BxLxD, targets)[0]
 
 
-def mslt_grads(cfg: ModelConfig, params: dict, batch: dict, rng, num_frozen: int,
-               train_embedding: bool = False):
+def mslt_grads(
+  cfg: ModelConfig, params: dict, batch: dict, rng, num_frozen: int, train_embedding: bool = False
+):
   """(loss, grads of the trainable groups, the trainable groups) of one batch.
 
   num_frozen = 0: plain backprop of `model.loss_fn` (same keys), every group trainable.
@@ -218,12 +232,20 @@ def mslt_grads(cfg: ModelConfig, params: dict, batch: dict, rng, num_frozen: int
   if train_embedding:
     trainable['embed'] = params['embed']
   loss, grads = jax.value_and_grad(top_loss, argnums=1)(
-      cfg, trainable, params['embed'], x_BxLxD, batch['targets'], rng_top)
+    cfg, trainable, params['embed'], x_BxLxD, batch['targets'], rng_top
+  )
   return loss, grads, trainable
 
 
-def make_step(cfg: ModelConfig, tx: optax.GradientTransformation, num_frozen: int, *,
-              train_embedding: bool = False, clip_norm: float | None = 1.0, seed: int = 0):
+def make_step(
+  cfg: ModelConfig,
+  tx: optax.GradientTransformation,
+  num_frozen: int,
+  *,
+  train_embedding: bool = False,
+  clip_norm: float | None = 1.0,
+  seed: int = 0,
+):
   """A jitted `step(params, opt_state, batch, t) -> (params, opt_state, loss)`.
 
   The gradient is `mslt_grads` of batch t (dropout key `staged.batch_key(seed, t)`); the global
@@ -231,19 +253,21 @@ def make_step(cfg: ModelConfig, tx: optax.GradientTransformation, num_frozen: in
   trained layer) takes an optimizer step with its own state. Frozen parameters and their
   optimizer states are passed through untouched.
   """
+
   @jax.jit
   def step(params, opt_state, batch, t):
-    loss, grads, trainable = mslt_grads(cfg, params, batch, staged.batch_key(seed, t),
-                                        num_frozen, train_embedding)
+    loss, grads, trainable = mslt_grads(
+      cfg, params, batch, staged.batch_key(seed, t), num_frozen, train_embedding
+    )
     grads, _ = staged.clip_by_global_norm(grads, clip_norm)
     update = functools.partial(staged.update_group, tx)
     new_params, new_opt = dict(params), dict(opt_state)
     for group in ('embed', 'head'):
       if group in trainable:
-        new_params[group], new_opt[group] = update(params[group], opt_state[group],
-                                                   grads[group])
-    top_p, top_s = jax.vmap(update)(trainable['layers'], _slice(opt_state['layers'], num_frozen),
-                                    grads['layers'])
+        new_params[group], new_opt[group] = update(params[group], opt_state[group], grads[group])
+    top_p, top_s = jax.vmap(update)(
+      trainable['layers'], _slice(opt_state['layers'], num_frozen), grads['layers']
+    )
     new_params['layers'] = _concat(_slice(params['layers'], 0, num_frozen), top_p)
     new_opt['layers'] = _concat(_slice(opt_state['layers'], 0, num_frozen), top_s)
     return new_params, new_opt, loss
@@ -254,20 +278,27 @@ def make_step(cfg: ModelConfig, tx: optax.GradientTransformation, num_frozen: in
 # ----------------------------------------------------------------------------- the driver
 
 
-def train_growth(plan: GrowthPlan, cfg: ModelConfig, batches: Iterable[dict],
-                 tx_factory: Callable[[int], optax.GradientTransformation], *,
-                 key: jax.Array | None = None, params: dict | None = None,
-                 clip_norm: float | None = 1.0, seed: int = 0,
-                 on_stage_end: Callable[[int, dict], None] | None = None,
-                 on_step: Callable[[dict, dict], None] | None = None):
+def train_growth(
+  plan: GrowthPlan,
+  cfg: ModelConfig,
+  batches: Iterable[dict],
+  tx_factory: Callable[[int], optax.GradientTransformation],
+  *,
+  key: jax.Array | None = None,
+  params: dict | None = None,
+  clip_norm: float | None = 1.0,
+  seed: int = 0,
+  on_phase_end: Callable[[int, dict], None] | None = None,
+  on_step: Callable[[dict, dict], None] | None = None,
+):
   """Runs a whole plan with plain backprop (one device). Returns (params, log).
 
-  cfg: the full-size model (num_layers = plan.depths[-1]); the stages run the same config with
+  cfg: the full-size model (num_layers = plan.depths[-1]); the phases run the same config with
     fewer layers. params: optional starting parameters of depth plan.depths[0] (else
-    `init_params` with `key`, default key(seed)). tx_factory(stage_index) -> the stage's
-    optimizer. log: one dict per step {'stage', 'step' (global, from 0), 'depth', 'frozen',
+    `init_params` with `key`, default key(seed)). tx_factory(phase_index) -> the phase's
+    optimizer. log: one dict per step {'phase', 'step' (global, from 0), 'depth', 'frozen',
     'loss' (of that step's batch), 'flops' (cumulative estimate, `costs.step_flops`)}.
-  on_stage_end: optional callback(stage_index, params) after every stage (evaluation,
+  on_phase_end: optional callback(phase_index, params) after every phase (evaluation,
     checkpoints, tests).
   on_step: optional callback(log row, params) after every step (the loss is then still on the
     device: row['loss'] is a jax scalar; the log keeps floats).
@@ -278,47 +309,64 @@ def train_growth(plan: GrowthPlan, cfg: ModelConfig, batches: Iterable[dict],
   key = jax.random.key(seed) if key is None else key
   key_init, key_grow = jax.random.split(key)
   if params is None:
-    params = transformer.init_params(dataclasses.replace(cfg, num_layers=plan.depths[0]),
-                                     key_init)
+    params = transformer.init_params(dataclasses.replace(cfg, num_layers=plan.depths[0]), key_init)
   log, t, flops, opt_state = [], 0, 0.0, None
-  for stage_index, (depth, steps, num_frozen) in enumerate(plan.stages()):
+  for phase_index, (depth, steps, num_frozen) in enumerate(plan.phases()):
     current = jax.tree.leaves(params['layers'])[0].shape[0]
     if depth > current:
-      params = grow(params, depth, plan.init, cfg=cfg,
-                    key=jax.random.fold_in(key_grow, stage_index))
-    tx = tx_factory(stage_index)
-    opt_state = jax.jit(functools.partial(_stage_opt_state, plan.opt_state, tx,
-                                          previous_depth=current))(params, opt_state)
-    step = make_step(dataclasses.replace(cfg, num_layers=depth), tx, num_frozen,
-                     train_embedding=plan.train_embedding, clip_norm=clip_norm, seed=seed)
+      params = grow(
+        params, depth, plan.init, cfg=cfg, key=jax.random.fold_in(key_grow, phase_index)
+      )
+    tx = tx_factory(phase_index)
+    opt_state = jax.jit(
+      functools.partial(_phase_opt_state, plan.opt_state, tx, previous_depth=current)
+    )(params, opt_state)
+    step = make_step(
+      dataclasses.replace(cfg, num_layers=depth),
+      tx,
+      num_frozen,
+      train_embedding=plan.train_embedding,
+      clip_norm=clip_norm,
+      seed=seed,
+    )
     for _ in range(steps):
       batch = next(batches)
       params, opt_state, loss = step(params, opt_state, batch, t)
       tokens = batch['inputs'].shape[0] * batch['inputs'].shape[1]
-      flops += costs.step_flops(dataclasses.replace(cfg, num_layers=depth), tokens,
-                                frozen_layers=num_frozen)
-      row = {'stage': stage_index, 'step': t, 'depth': depth, 'frozen': num_frozen,
-             'loss': loss, 'flops': flops}
+      flops += costs.step_flops(
+        dataclasses.replace(cfg, num_layers=depth), tokens, frozen_layers=num_frozen
+      )
+      row = {
+        'phase': phase_index,
+        'step': t,
+        'depth': depth,
+        'frozen': num_frozen,
+        'loss': loss,
+        'flops': flops,
+      }
       if on_step is not None:
         on_step(row, params)
       log.append({**row, 'loss': float(loss)})
       t += 1
-    if on_stage_end is not None:
-      on_stage_end(stage_index, params)
+    if on_phase_end is not None:
+      on_phase_end(phase_index, params)
   return params, log
 
 
-def _stage_opt_state(mode: str, tx, params: dict, previous: dict | None,
-                     previous_depth: int) -> dict:
+def _phase_opt_state(
+  mode: str, tx, params: dict, previous: dict | None, previous_depth: int
+) -> dict:
   """'reset': a fresh state; 'carry': the previous state for the groups and the layers it has
   (the first `previous_depth`)."""
   fresh = init_opt_state(tx, params)
   if mode == 'reset' or previous is None:
     return fresh
   if jax.tree.structure(fresh) != jax.tree.structure(previous):
-    raise ConfigError("growth opt_state='carry' needs the same optimizer in every stage (its "
-                      "state changed structure); use opt_state='reset' or one tx_factory "
-                      'result.')
+    raise ConfigError(
+      "growth opt_state='carry' needs the same optimizer in every phase (its "
+      "state changed structure); use opt_state='reset' or one tx_factory "
+      'result.'
+    )
   layers = _concat(previous['layers'], _slice(fresh['layers'], previous_depth))
   return {'embed': previous['embed'], 'layers': layers, 'head': previous['head']}
 
@@ -333,15 +381,18 @@ def parse_plan(text: str, num_layers: int, total_steps: int) -> GrowthPlan:
 
   METHOD is mslt (train only the new top layers; the lower ones run forward only) or stacking
   (grow and train everything). One STEPS may be `*`: the rest of `total_steps`. The step counts
-  (with the final all-layer stage `all:STEPS`, MSLT only) must add up to `total_steps`, and the
+  (with the final all-layer phase `all:STEPS`, MSLT only) must add up to `total_steps`, and the
   last depth must be `num_layers`. Examples for a 4-layer model and --steps 1000:
 
       mslt:1x250,2x250,4x250,all:250     stacking:2x400,4x*     mslt:2x300,4x*,init=random
   """
+
   def bad(why: str):
-    return ConfigError(f'--growth {text!r}: {why}; the syntax is METHOD:DEPTHxSTEPS,...'
-                       '[,all:STEPS][,init=copy_top|random] with METHOD mslt or stacking, e.g. '
-                       f'--growth mslt:{max(num_layers // 2, 1)}x300,{num_layers}x*.')
+    return ConfigError(
+      f'--growth {text!r}: {why}; the syntax is METHOD:DEPTHxSTEPS,...'
+      '[,all:STEPS][,init=copy_top|random] with METHOD mslt or stacking, e.g. '
+      f'--growth mslt:{max(num_layers // 2, 1)}x300,{num_layers}x*.'
+    )
 
   method, sep, rest = text.partition(':')
   method = method.strip().lower()
@@ -363,32 +414,38 @@ def parse_plan(text: str, num_layers: int, total_steps: int) -> GrowthPlan:
     else:
       raise bad(f'{item!r} is not DEPTHxSTEPS, all:STEPS or an option')
   if not depths:
-    raise bad('it has no DEPTHxSTEPS stage')
+    raise bad('it has no DEPTHxSTEPS phase')
   if final is not None and method != 'mslt':
-    raise bad('a final all:STEPS stage belongs to mslt (stacking trains every layer anyway)')
+    raise bad('a final all:STEPS phase belongs to mslt (stacking trains every layer anyway)')
   counts = steps + ([final] if final is not None else [])
   if sum(c == '*' for c in counts) > 1:
-    raise bad('only one stage may take the rest of the steps (*)')
+    raise bad('only one phase may take the rest of the steps (*)')
   if any(c != '*' and not c.isdigit() for c in counts):
     raise bad('every STEPS must be a non-negative integer or *')
   known = sum(int(c) for c in counts if c != '*')
   if '*' in counts:
     if known > total_steps:
-      raise bad(f'its stages take {known} steps but --steps is {total_steps}')
+      raise bad(f'its phases take {known} steps but --steps is {total_steps}')
     counts = [str(total_steps - known) if c == '*' else c for c in counts]
   elif known != total_steps:
-    raise bad(f'its stages take {known} steps but --steps is {total_steps}; make them add up '
-              'or end with DEPTHx*')
+    raise bad(
+      f'its phases take {known} steps but --steps is {total_steps}; make them add up '
+      'or end with DEPTHx*'
+    )
   unknown = set(options) - {'init', 'embed'}
   if unknown:
     raise bad(f'unknown option {sorted(unknown)[0]!r} (options: init, embed)')
   if options.get('embed', 'frozen') not in ('frozen', 'train'):
     raise bad('embed= takes frozen or train')
   counts = [int(c) for c in counts]
-  plan = GrowthPlan(depths=tuple(depths), steps=tuple(counts[:len(depths)]), method=method,
-                    init=options.get('init', 'copy_top'),
-                    final_steps=counts[-1] if final is not None else 0,
-                    train_embedding=options.get('embed') == 'train')
+  plan = GrowthPlan(
+    depths=tuple(depths),
+    steps=tuple(counts[: len(depths)]),
+    method=method,
+    init=options.get('init', 'copy_top'),
+    final_steps=counts[-1] if final is not None else 0,
+    train_embedding=options.get('embed') == 'train',
+  )
   try:
     plan.validate(dataclasses.replace(ModelConfig(), num_layers=num_layers))
   except ConfigError as e:

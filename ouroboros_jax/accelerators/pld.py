@@ -57,8 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ouroboros_jax import model as transformer
-from ouroboros_jax import partition
-from ouroboros_jax import staged
+from ouroboros_jax import partition, staged
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.model import ModelConfig
 from ouroboros_jax.staged import StagedModel
@@ -77,11 +76,16 @@ def theta(t, theta_bar: float = DEFAULT_THETA_BAR, gamma: float = DEFAULT_GAMMA)
   return (1.0 - theta_bar) * jnp.exp(-gamma * t) + theta_bar
 
 
-def keep_probs(t, num_layers: int, theta_bar: float = DEFAULT_THETA_BAR,
-               gamma: float = DEFAULT_GAMMA, layer_ids=None):
+def keep_probs(
+  t,
+  num_layers: int,
+  theta_bar: float = DEFAULT_THETA_BAR,
+  gamma: float = DEFAULT_GAMMA,
+  layer_ids=None,
+):
   """p_l(t) = 1 - (l / L)(1 - theta(t)) for the 1-based global layer indices `layer_ids`
   (default 1..L)."""
-  layer_ids = (jnp.arange(1, num_layers + 1) if layer_ids is None else jnp.asarray(layer_ids))
+  layer_ids = jnp.arange(1, num_layers + 1) if layer_ids is None else jnp.asarray(layer_ids)
   return 1.0 - layer_ids.astype(jnp.float32) / num_layers * (1.0 - theta(t, theta_bar, gamma))
 
 
@@ -97,30 +101,48 @@ def draw_gates(key, p_N):
   return u_N < p_N, 1.0 / p_N
 
 
-def sample_gates(key, t, num_layers: int, theta_bar: float = DEFAULT_THETA_BAR,
-                 gamma: float = DEFAULT_GAMMA, layer_ids=None):
+def sample_gates(
+  key,
+  t,
+  num_layers: int,
+  theta_bar: float = DEFAULT_THETA_BAR,
+  gamma: float = DEFAULT_GAMMA,
+  layer_ids=None,
+):
   """The gates of layers `layer_ids` (1-based, default 1..L) at step t -> (active, 1 / p)."""
   return draw_gates(key, keep_probs(t, num_layers, theta_bar, gamma, layer_ids))
 
 
 def check_config(cfg: ModelConfig, theta_bar: float, gamma: float) -> None:
   if not cfg.pre_ln:
-    raise ConfigError('progressive layer dropping needs pre-LN blocks (a skipped post-LN layer '
-                      'would skip its LayerNorms too); use --pre-ln (not --no-pre-ln) or turn '
-                      'PLD off.')
+    raise ConfigError(
+      'progressive layer dropping needs pre-LN blocks (a skipped post-LN layer '
+      'would skip its LayerNorms too); use --pre-ln (not --no-pre-ln) or turn '
+      'PLD off.'
+    )
   if not 0.0 < theta_bar <= 1.0:
     raise ConfigError(f'PLD theta_bar must be in (0, 1], got {theta_bar}; 0.5 is the default.')
   if gamma < 0.0:
-    raise ConfigError(f'PLD gamma must be >= 0, got {gamma}; 0.001 is the default '
-                      '(or about 100 / total steps).')
+    raise ConfigError(
+      f'PLD gamma must be >= 0, got {gamma}; 0.001 is the default (or about 100 / total steps).'
+    )
 
 
 # ----------------------------------------------------------------------------- single device
 
 
-def pld_layers(cfg: ModelConfig, layer_params, x_BxLxD, rng, step, *,
-               theta_bar: float = DEFAULT_THETA_BAR, gamma: float = DEFAULT_GAMMA,
-               first_layer: int = 0, active_N=None):
+def pld_layers(
+  cfg: ModelConfig,
+  layer_params,
+  x_BxLxD,
+  rng,
+  step,
+  *,
+  theta_bar: float = DEFAULT_THETA_BAR,
+  gamma: float = DEFAULT_GAMMA,
+  first_layer: int = 0,
+  active_N=None,
+):
   """`model.layers` with PLD gates for layers first_layer+1 .. first_layer+N (global, 1-based).
 
   rng None (evaluation): every layer (of `active_N`, when given) runs, unscaled. Otherwise the
@@ -130,24 +152,35 @@ def pld_layers(cfg: ModelConfig, layer_params, x_BxLxD, rng, step, *,
   if rng is None:
     return transformer.layers(cfg, layer_params, x_BxLxD, None, active_N=active_N)
   num = jax.tree.leaves(layer_params)[0].shape[0]
-  p_N = keep_probs(jax.lax.stop_gradient(step), cfg.num_layers, theta_bar, gamma,
-                   first_layer + 1 + jnp.arange(num))
+  p_N = keep_probs(
+    jax.lax.stop_gradient(step), cfg.num_layers, theta_bar, gamma, first_layer + 1 + jnp.arange(num)
+  )
   gate_N, scale_N = draw_gates(gate_key(rng), p_N)
   if active_N is not None:
     gate_N = gate_N & active_N
-  return transformer.layers(cfg, layer_params, x_BxLxD, rng, active_N=gate_N,
-                            scale_N=scale_N.astype(x_BxLxD.dtype))
+  return transformer.layers(
+    cfg, layer_params, x_BxLxD, rng, active_N=gate_N, scale_N=scale_N.astype(x_BxLxD.dtype)
+  )
 
 
-def pld_loss_fn(cfg: ModelConfig, params, batch: dict, rng, step, *,
-                theta_bar: float = DEFAULT_THETA_BAR, gamma: float = DEFAULT_GAMMA):
+def pld_loss_fn(
+  cfg: ModelConfig,
+  params,
+  batch: dict,
+  rng,
+  step,
+  *,
+  theta_bar: float = DEFAULT_THETA_BAR,
+  gamma: float = DEFAULT_GAMMA,
+):
   """`model.loss_fn` with PLD on {'embed', 'layers', 'head'} params (plain [B, L] inputs; the
   step is an argument). Same key use as `model.loss_fn`, so theta = 1 gives its value."""
   check_config(cfg, theta_bar, gamma)
   rng_embed, rng_layers = (None, None) if rng is None else jax.random.split(rng)
   x_BxLxD = transformer.embed(cfg, params['embed'], batch['inputs'], rng_embed)
-  x_BxLxD = pld_layers(cfg, params['layers'], x_BxLxD, rng_layers, step, theta_bar=theta_bar,
-                       gamma=gamma)
+  x_BxLxD = pld_layers(
+    cfg, params['layers'], x_BxLxD, rng_layers, step, theta_bar=theta_bar, gamma=gamma
+  )
   return transformer.head_loss(cfg, params['head'], params['embed'], x_BxLxD, batch['targets'])
 
 
@@ -176,14 +209,19 @@ def _join_channel(x_BxLxD, step):
   if step is None:
     return x_BxLxD
   if x_BxLxD.dtype != jnp.float32:
-    raise ConfigError(f'the PLD step channel is stored in the activations, which are '
-                      f'{x_BxLxD.dtype}; it needs float32 (exact steps up to 2^24).')
+    raise ConfigError(
+      f'the PLD step channel is stored in the activations, which are '
+      f'{x_BxLxD.dtype}; it needs float32 (exact steps up to 2^24).'
+    )
   return partition.with_side_channel(x_BxLxD, jax.lax.stop_gradient(step))
 
 
-def pld_stages(cfg: ModelConfig, layers_per_stage: Sequence[int],
-               theta_bar: float = DEFAULT_THETA_BAR, gamma: float = DEFAULT_GAMMA
-               ) -> StagedModel:
+def pld_stages(
+  cfg: ModelConfig,
+  layers_per_stage: Sequence[int],
+  theta_bar: float = DEFAULT_THETA_BAR,
+  gamma: float = DEFAULT_GAMMA,
+) -> StagedModel:
   """`partition.transformer_stages` with progressive layer dropping in every stage.
 
   Feed training batches through `with_step(batch, t)` (and build a schedule's state from a
@@ -211,12 +249,23 @@ def pld_stages(cfg: ModelConfig, layers_per_stage: Sequence[int],
       y = transformer.layers(cfg, stage_params, x_BxLxD, None, active_N=active_N)
     else:
       if step is None:
-        raise ConfigError('a PLD stage is training (it has an rng) but does not know the step: '
-                          'feed batches through pld.with_step(batch, step) (and build the '
-                          'schedule state from a with_step example batch).')
+        raise ConfigError(
+          'a PLD stage is training (it has an rng) but does not know the step: '
+          'feed batches through pld.with_step(batch, step) (and build the '
+          'schedule state from a with_step example batch).'
+        )
       first = jnp.asarray(first_G)[stage_index]
-      y = pld_layers(cfg, stage_params, x_BxLxD, rng, step, theta_bar=theta_bar, gamma=gamma,
-                     first_layer=first, active_N=active_N)
+      y = pld_layers(
+        cfg,
+        stage_params,
+        x_BxLxD,
+        rng,
+        step,
+        theta_bar=theta_bar,
+        gamma=gamma,
+        first_layer=first,
+        active_N=active_N,
+      )
     return _join_channel(y, carried)
 
   def loss(head_params, embed_params, x, targets):
@@ -226,8 +275,9 @@ def pld_stages(cfg: ModelConfig, layers_per_stage: Sequence[int],
   return StagedModel(embed=embed, stage=stage, loss=loss, tied_embedding=cfg.tie_embeddings)
 
 
-def expected_layer_fraction(t, num_layers: int, theta_bar: float = DEFAULT_THETA_BAR,
-                            gamma: float = DEFAULT_GAMMA) -> float:
+def expected_layer_fraction(
+  t, num_layers: int, theta_bar: float = DEFAULT_THETA_BAR, gamma: float = DEFAULT_GAMMA
+) -> float:
   """Expected fraction of layers run at step t: mean_l p_l(t) (the FLOP saving is 1 - this)."""
   return float(jnp.mean(keep_probs(t, num_layers, theta_bar, gamma)))
 
@@ -246,19 +296,27 @@ def parse(text: str) -> tuple[float, float]:
       raise ValueError
     theta_bar, gamma = float(parts[0]), float(parts[1])
   except ValueError:
-    raise ConfigError(f'--pld takes THETA_BAR,GAMMA (e.g. --pld 0.5,0.001, or --pld default), '
-                      f'got {text!r}.') from None
+    raise ConfigError(
+      f'--pld takes THETA_BAR,GAMMA (e.g. --pld 0.5,0.001, or --pld default), got {text!r}.'
+    ) from None
   if not 0.0 < theta_bar <= 1.0:
     raise ConfigError(f'--pld theta_bar must be in (0, 1], got {theta_bar}; 0.5 is the default.')
   if not gamma >= 0.0:
-    raise ConfigError(f'--pld gamma must be >= 0, got {gamma}; 0.001 is the default '
-                      '(or about 100 / --steps).')
+    raise ConfigError(
+      f'--pld gamma must be >= 0, got {gamma}; 0.001 is the default (or about 100 / --steps).'
+    )
   return theta_bar, gamma
 
 
 @functools.partial(jax.jit, static_argnames=('layers_per_stage', 'num_layers'))
-def kept_layers(seed: int, steps, layers_per_stage: tuple[int, ...], num_layers: int,
-                theta_bar: float, gamma: float):
+def kept_layers(
+  seed: int,
+  steps,
+  layers_per_stage: tuple[int, ...],
+  num_layers: int,
+  theta_bar: float,
+  gamma: float,
+):
   """[T] number of layers a `pld_stages` model really ran at each training step in `steps`.
 
   Re-draws the gates on the host exactly as the stages draw them when stage s of batch t gets
@@ -276,8 +334,9 @@ def kept_layers(seed: int, steps, layers_per_stage: tuple[int, ...], num_layers:
       # pld_layers draws one gate per padded slot; only the stage's real layers count.
       width = max(layers_per_stage)
       ids = first + 1 + jnp.arange(width)
-      active, _ = sample_gates(gate_key(staged.piece_rng(key, s)), t, num_layers, theta_bar,
-                               gamma, ids)
+      active, _ = sample_gates(
+        gate_key(staged.piece_rng(key, s)), t, num_layers, theta_bar, gamma, ids
+      )
       total += jnp.sum(active[:count])
     return total
 

@@ -79,8 +79,17 @@ def block_with_site(cfg: ModelConfig, block_params, x_BxLxD, rng=None, site: str
   return out.astype(x_BxLxD.dtype), (pre if site == 'mlp_preact' else u)
 
 
-def layers_with_stdloss(cfg: ModelConfig, layer_params, x_BxLxD, rng, weight_N, *,
-                        site: str = 'mlp_preact', eps: float = 1e-5, active_N=None):
+def layers_with_stdloss(
+  cfg: ModelConfig,
+  layer_params,
+  x_BxLxD,
+  rng,
+  weight_N,
+  *,
+  site: str = 'mlp_preact',
+  eps: float = 1e-5,
+  active_N=None,
+):
   """`model.layers` (same scan, same per-layer dropout keys, same `lax.cond` skip of inactive
   layers) that also returns sum_l weight_N[l] * L_std(layer l's `site` activation).
 
@@ -106,9 +115,12 @@ def layers_with_stdloss(cfg: ModelConfig, layer_params, x_BxLxD, rng, weight_N, 
       y, l_std = jax.lax.cond(active, run, lambda x: (x, jnp.zeros((), jnp.float32)), x)
     return (y, aux + weight * l_std), None
 
-  (x_BxLxD, aux), _ = jax.lax.scan(body, (x_BxLxD, jnp.zeros((), jnp.float32)),
-                                   (layer_params, rngs_N, active_N, weight_N),
-                                   unroll=cfg.layer_unroll or True)
+  (x_BxLxD, aux), _ = jax.lax.scan(
+    body,
+    (x_BxLxD, jnp.zeros((), jnp.float32)),
+    (layer_params, rngs_N, active_N, weight_N),
+    unroll=cfg.layer_unroll or True,
+  )
   return x_BxLxD, aux
 
 
@@ -116,15 +128,27 @@ def _layer_weights(num_layers: int, weight: float, layer) -> np.ndarray:
   """[L] weights: `weight` at the regularised layer(s) (an int or a sequence), 0 elsewhere."""
   chosen = [layer] if isinstance(layer, (int, np.integer)) else list(layer)
   if not chosen or any(not 0 <= int(l) < num_layers for l in chosen):
-    raise ConfigError(f'standardization-loss layer {layer} is outside the model\'s '
-                      f'{num_layers} layers; choose 0 .. {num_layers - 1}.')
+    raise ConfigError(
+      f"standardization-loss layer {layer} is outside the model's "
+      f'{num_layers} layers; choose 0 .. {num_layers - 1}.'
+    )
   weight_N = np.zeros(num_layers, np.float32)
   weight_N[np.asarray(chosen, int)] = weight
   return weight_N
 
 
-def loss_with_stdloss(cfg: ModelConfig, params, batch: dict, weight: float, layer, rng=None, *,
-                      site: str = 'mlp_preact', training: bool = True, eps: float = 1e-5):
+def loss_with_stdloss(
+  cfg: ModelConfig,
+  params,
+  batch: dict,
+  weight: float,
+  layer,
+  rng=None,
+  *,
+  site: str = 'mlp_preact',
+  training: bool = True,
+  eps: float = 1e-5,
+):
   """Task loss + weight * standardization loss of `layer`'s (0-based; or a sequence of layers)
   `site` activation, composed like `model.loss_fn` (same dropout keys: the task loss is its).
 
@@ -136,16 +160,23 @@ def loss_with_stdloss(cfg: ModelConfig, params, batch: dict, weight: float, laye
   chosen_L = _layer_weights(cfg.num_layers, 1.0, layer)
   rng_embed, rng_layers = (None, None) if rng is None else jax.random.split(rng)
   x_BxLxD = transformer.embed(cfg, params['embed'], batch['inputs'], rng_embed)
-  x_BxLxD, std = layers_with_stdloss(cfg, params['layers'], x_BxLxD, rng_layers, chosen_L,
-                                     site=site, eps=eps)
-  task, _ = transformer.head_loss(cfg, params['head'], params['embed'], x_BxLxD,
-                                  batch['targets'])
+  x_BxLxD, std = layers_with_stdloss(
+    cfg, params['layers'], x_BxLxD, rng_layers, chosen_L, site=site, eps=eps
+  )
+  task, _ = transformer.head_loss(cfg, params['head'], params['embed'], x_BxLxD, batch['targets'])
   total = task + weight * std if training else task
   return total, {'loss': task, 'stdloss': std, 'total': total}
 
 
-def stdloss_stages(cfg: ModelConfig, layers_per_stage: Sequence[int], weight: float, layer, *,
-                   site: str = 'mlp_preact', eps: float = 1e-5) -> StagedModel:
+def stdloss_stages(
+  cfg: ModelConfig,
+  layers_per_stage: Sequence[int],
+  weight: float,
+  layer,
+  *,
+  site: str = 'mlp_preact',
+  eps: float = 1e-5,
+) -> StagedModel:
   """`partition.transformer_stages` plus the standardization loss of global layer `layer`
   (0-based; or a sequence of layers), carried to the head in an extra activation channel (see
   the module docstring). Every stage runs the same code (`layers_with_stdloss` with its slice of
@@ -176,8 +207,16 @@ def stdloss_stages(cfg: ModelConfig, layers_per_stage: Sequence[int], weight: fl
     if rng is None:  # evaluation: plain layers, nothing added
       y = transformer.layers(cfg, stage_params, x_BxLxD, None, active_N=active_N)
       return partition.with_side_channel(y, so_far)
-    y, std = layers_with_stdloss(cfg, stage_params, x_BxLxD, rng, weight_GxN[stage_index],
-                                 site=site, eps=eps, active_N=active_N)
+    y, std = layers_with_stdloss(
+      cfg,
+      stage_params,
+      x_BxLxD,
+      rng,
+      weight_GxN[stage_index],
+      site=site,
+      eps=eps,
+      active_N=active_N,
+    )
     return partition.with_side_channel(y, so_far + std.astype(so_far.dtype))
 
   def loss(head_params, embed_params, x, targets):

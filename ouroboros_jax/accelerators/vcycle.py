@@ -61,9 +61,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ouroboros_jax import costs
+from ouroboros_jax import costs, partition, schedules, staged
 from ouroboros_jax import model as transformer
-from ouroboros_jax import partition, schedules, staged
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.model import ModelConfig
 
@@ -76,20 +75,25 @@ def coarser_config(cfg: ModelConfig, *, width: bool = True, depth: bool = True) 
   if width:
     for name in ('d_model', 'num_heads', 'd_ff'):
       if getattr(cfg, name) % 2:
-        raise ConfigError(f'width coalescing halves {name} but {name}={getattr(cfg, name)} is '
-                          'odd; choose even --d-model/--num-heads/--d-ff or turn width '
-                          'coalescing off.')
+        raise ConfigError(
+          f'width coalescing halves {name} but {name}={getattr(cfg, name)} is '
+          'odd; choose even --d-model/--num-heads/--d-ff or turn width '
+          'coalescing off.'
+        )
     changes.update(d_model=cfg.d_model // 2, num_heads=cfg.num_heads // 2, d_ff=cfg.d_ff // 2)
   if depth:
     if cfg.num_layers % 2:
-      raise ConfigError(f'depth coalescing halves num_layers={cfg.num_layers}, which is odd; '
-                        'choose an even --num-layers or turn depth coalescing off.')
+      raise ConfigError(
+        f'depth coalescing halves num_layers={cfg.num_layers}, which is odd; '
+        'choose an even --num-layers or turn depth coalescing off.'
+      )
     changes.update(num_layers=cfg.num_layers // 2)
   return dataclasses.replace(cfg, **changes)
 
 
-def level_configs(cfg: ModelConfig, levels: int, *, width: bool = True,
-                  depth: bool = True) -> list[ModelConfig]:
+def level_configs(
+  cfg: ModelConfig, levels: int, *, width: bool = True, depth: bool = True
+) -> list[ModelConfig]:
   """[M1, M2, ..., M_levels]: each one the coalescing of the one before."""
   out = [cfg]
   for _ in range(levels - 1):
@@ -143,17 +147,25 @@ def _blocks(fn, a, axis: int, num_blocks: int, how: str):
 # ('out', axis) is an output side (merge 'avg' / split 'copy'), ('in', axis) an input side
 # (merge 'sum' / split 'half'); 'blocks' gives the number of equal blocks on that axis.
 _LAYER_ROLES = {
-    ('ln_attn', 'scale'): [('out', 1, 1)], ('ln_attn', 'bias'): [('out', 1, 1)],
-    ('ln_mlp', 'scale'): [('out', 1, 1)], ('ln_mlp', 'bias'): [('out', 1, 1)],
-    ('qkv', 'kernel'): [('in', 1, 1), ('out', 2, 3)], ('qkv', 'bias'): [('out', 1, 3)],
-    ('attn_out', 'kernel'): [('in', 1, 1), ('out', 2, 1)], ('attn_out', 'bias'): [('out', 1, 1)],
-    ('mlp_in', 'kernel'): [('in', 1, 1), ('out', 2, 1)], ('mlp_in', 'bias'): [('out', 1, 1)],
-    ('mlp_out', 'kernel'): [('in', 1, 1), ('out', 2, 1)], ('mlp_out', 'bias'): [('out', 1, 1)],
+  ('ln_attn', 'scale'): [('out', 1, 1)],
+  ('ln_attn', 'bias'): [('out', 1, 1)],
+  ('ln_mlp', 'scale'): [('out', 1, 1)],
+  ('ln_mlp', 'bias'): [('out', 1, 1)],
+  ('qkv', 'kernel'): [('in', 1, 1), ('out', 2, 3)],
+  ('qkv', 'bias'): [('out', 1, 3)],
+  ('attn_out', 'kernel'): [('in', 1, 1), ('out', 2, 1)],
+  ('attn_out', 'bias'): [('out', 1, 1)],
+  ('mlp_in', 'kernel'): [('in', 1, 1), ('out', 2, 1)],
+  ('mlp_in', 'bias'): [('out', 1, 1)],
+  ('mlp_out', 'kernel'): [('in', 1, 1), ('out', 2, 1)],
+  ('mlp_out', 'bias'): [('out', 1, 1)],
 }
-_EMBED_ROLES = {('token', 'embedding'): [('out', 1, 1)],
-                ('position', 'embedding'): [('out', 1, 1)]}
-_HEAD_ROLES = {('ln_final', 'scale'): [('out', 0, 1)], ('ln_final', 'bias'): [('out', 0, 1)],
-               ('unembed', 'kernel'): [('in', 0, 1)]}
+_EMBED_ROLES = {('token', 'embedding'): [('out', 1, 1)], ('position', 'embedding'): [('out', 1, 1)]}
+_HEAD_ROLES = {
+  ('ln_final', 'scale'): [('out', 0, 1)],
+  ('ln_final', 'bias'): [('out', 0, 1)],
+  ('unembed', 'kernel'): [('in', 0, 1)],
+}
 
 
 def _map_group(tree: dict, roles: dict, coalescing: bool) -> dict:
@@ -174,34 +186,38 @@ def _map_group(tree: dict, roles: dict, coalescing: bool) -> dict:
 def _tied_norm(cfg: ModelConfig, params: dict, factor: float) -> dict:
   """Multiplies the LayerNorm that feeds the tied projection by `factor` (see module doc)."""
   if cfg.pre_ln:
-    head = {**params['head'],
-            'ln_final': jax.tree.map(lambda a: a * factor, params['head']['ln_final'])}
+    head = {
+      **params['head'],
+      'ln_final': jax.tree.map(lambda a: a * factor, params['head']['ln_final']),
+    }
     return {**params, 'head': head}
   ln = jax.tree.map(lambda a: a.at[-1].multiply(factor), params['layers']['ln_mlp'])
   return {**params, 'layers': {**params['layers'], 'ln_mlp': ln}}
 
 
+def _map_width(cfg: ModelConfig, params: dict, coalescing: bool, tied_compensation: bool):
+  """Every group through its role table; the tied embedding's norm compensated (x2 or x1/2)."""
+  out = {
+    'embed': _map_group(params['embed'], _EMBED_ROLES, coalescing),
+    'layers': _map_group(params['layers'], _LAYER_ROLES, coalescing),
+    'head': _map_group(params['head'], _HEAD_ROLES, coalescing),
+  }
+  if tied_compensation and cfg.tie_embeddings:
+    out = _tied_norm(cfg, out, 2.0 if coalescing else 0.5)
+  return out
+
+
 # The maps are jitted (cfg static): one compiled program instead of hundreds of eager ops.
 @functools.partial(jax.jit, static_argnums=0, static_argnames='tied_compensation')
 def coalesce_width(cfg: ModelConfig, params: dict, *, tied_compensation: bool = True) -> dict:
-  """Width coalescing of {'embed', 'layers' [L, ...], 'head'} (D, H, F halved)."""
-  small = {'embed': _map_group(params['embed'], _EMBED_ROLES, True),
-           'layers': _map_group(params['layers'], _LAYER_ROLES, True),
-           'head': _map_group(params['head'], _HEAD_ROLES, True)}
-  if tied_compensation and cfg.tie_embeddings:
-    small = _tied_norm(cfg, small, 2.0)
-  return small
+  """Width coalescing of {'embed', 'layers' [N, ...], 'head'} (D, H, F halved)."""
+  return _map_width(cfg, params, True, tied_compensation)
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames='tied_compensation')
 def decoalesce_width(cfg: ModelConfig, params: dict, *, tied_compensation: bool = True) -> dict:
   """Width de-coalescing (D, H, F doubled): function-preserving, see the module docstring."""
-  large = {'embed': _map_group(params['embed'], _EMBED_ROLES, False),
-           'layers': _map_group(params['layers'], _LAYER_ROLES, False),
-           'head': _map_group(params['head'], _HEAD_ROLES, False)}
-  if tied_compensation and cfg.tie_embeddings:
-    large = _tied_norm(cfg, large, 0.5)
-  return large
+  return _map_width(cfg, params, False, tied_compensation)
 
 
 @jax.jit
@@ -214,12 +230,17 @@ def coalesce_depth(params: dict) -> dict:
 @jax.jit
 def decoalesce_depth(params: dict) -> dict:
   """Each layer copied into the two it was merged from: layer_2i = layer_2i+1 = layer'_i."""
-  return {**params, 'layers': jax.tree.map(lambda a: jnp.repeat(a, 2, axis=0),
-                                           params['layers'])}
+  return {**params, 'layers': jax.tree.map(lambda a: jnp.repeat(a, 2, axis=0), params['layers'])}
 
 
-def coalesce(cfg: ModelConfig, params: dict, *, width: bool = True, depth: bool = True,
-             tied_compensation: bool = True) -> tuple[ModelConfig, dict]:
+def coalesce(
+  cfg: ModelConfig,
+  params: dict,
+  *,
+  width: bool = True,
+  depth: bool = True,
+  tied_compensation: bool = True,
+) -> tuple[ModelConfig, dict]:
   """M1 -> (M2's config, M2's params): width first, then depth."""
   small_cfg = coarser_config(cfg, width=width, depth=depth)
   if width:
@@ -229,8 +250,9 @@ def coalesce(cfg: ModelConfig, params: dict, *, width: bool = True, depth: bool 
   return small_cfg, params
 
 
-def decoalesce(small_cfg: ModelConfig, params: dict, large_cfg: ModelConfig, *,
-               tied_compensation: bool = True) -> dict:
+def decoalesce(
+  small_cfg: ModelConfig, params: dict, large_cfg: ModelConfig, *, tied_compensation: bool = True
+) -> dict:
   """M2 -> M1-shaped params: depth first, then width (the inverse order of `coalesce`)."""
   width = large_cfg.d_model != small_cfg.d_model
   depth = large_cfg.num_layers != small_cfg.num_layers
@@ -283,22 +305,30 @@ class VCyclePlan:
     if self.levels < 1:
       raise ConfigError(f'a V-cycle needs >= 1 level, got {self.levels}.')
     if len(self.down_steps) != self.levels - 1 or len(self.up_steps) != self.levels - 1:
-      raise ConfigError(f'a {self.levels}-level V-cycle needs {self.levels - 1} down_steps and '
-                        f'up_steps, got {self.down_steps} and {self.up_steps}.')
+      raise ConfigError(
+        f'a {self.levels}-level V-cycle needs {self.levels - 1} down_steps and '
+        f'up_steps, got {self.down_steps} and {self.up_steps}.'
+      )
     if not (self.width or self.depth) and self.levels > 1:
       raise ConfigError('a V-cycle needs width or depth coalescing (or both).')
     if not 0.0 <= self.alpha <= 1.0:
       raise ConfigError(f'V-cycle alpha must be in [0, 1], got {self.alpha}.')
     if self.opt_state not in ('carry', 'reset'):
-      raise ConfigError(f"unknown V-cycle opt_state {self.opt_state!r}; choose carry or reset.")
+      raise ConfigError(f'unknown V-cycle opt_state {self.opt_state!r}; choose carry or reset.')
 
 
-def train_vcycle(plan: VCyclePlan, cfg: ModelConfig, batches: Iterable[dict],
-                 tx_factory: Callable[[int], optax.GradientTransformation], *,
-                 schedule_config: schedules.ScheduleConfig | None = None,
-                 key: jax.Array | None = None, params: dict | None = None,
-                 on_phase_end: Callable[[int, str, dict], None] | None = None,
-                 on_step: Callable[[dict, Callable[[], dict]], None] | None = None):
+def train_vcycle(
+  plan: VCyclePlan,
+  cfg: ModelConfig,
+  batches: Iterable[dict],
+  tx_factory: Callable[[int], optax.GradientTransformation],
+  *,
+  schedule_config: schedules.ScheduleConfig | None = None,
+  key: jax.Array | None = None,
+  params: dict | None = None,
+  on_phase_end: Callable[[int, str, dict], None] | None = None,
+  on_step: Callable[[dict, Callable[[], dict]], None] | None = None,
+):
   """Runs one (multi-level) V-cycle. Returns (params of M1, log, the level configs).
 
   tx_factory(level) -> that level's optimizer (give smaller levels a larger lr).
@@ -322,8 +352,9 @@ def train_vcycle(plan: VCyclePlan, cfg: ModelConfig, batches: Iterable[dict],
   batches = itertools.chain([first], batches)
   example = jax.tree.map(np.zeros_like, jax.device_get(first))  # fixes the state's shapes
   if params is None:
-    params = transformer.init_params(cfg, jax.random.key(schedule_config.seed)
-                                     if key is None else key)
+    params = transformer.init_params(
+      cfg, jax.random.key(schedule_config.seed) if key is None else key
+    )
   log, counter = [], {'t': 0, 'flops': 0.0}
   layers_per_stage = [partition.balance_layers(c, schedule_config.num_stages) for c in configs]
 
@@ -333,8 +364,13 @@ def train_vcycle(plan: VCyclePlan, cfg: ModelConfig, batches: Iterable[dict],
       state, metrics = schedule.step(state, staged.place_batch(batch, schedule.mesh))
       tokens = batch['inputs'].shape[0] * batch['inputs'].shape[1]
       counter['flops'] += costs.step_flops(configs[level], tokens)
-      row = {'level': level, 'phase': phase, 'step': counter['t'], 'loss': metrics['loss'],
-             'flops': counter['flops']}
+      row = {
+        'level': level,
+        'phase': phase,
+        'step': counter['t'],
+        'loss': metrics['loss'],
+        'flops': counter['flops'],
+      }
       if on_step is not None:
         on_step(row, lambda: _layout(tuple(layers_per_stage[level]))[1](state.params))
       log.append({**row, 'loss': float(metrics['loss'])})
@@ -351,15 +387,24 @@ def train_vcycle(plan: VCyclePlan, cfg: ModelConfig, batches: Iterable[dict],
     init = lambda p, b: staged.onto_mesh(jax.jit(schedule.init)(p, b), schedule.mesh)
     state = init(to_staged(params), example)
     last = level == plan.levels - 1
-    state = train(level, state, schedule,
-                  plan.coarse_steps if last else plan.down_steps[level],
-                  'coarse' if last else 'down')
+    state = train(
+      level,
+      state,
+      schedule,
+      plan.coarse_steps if last else plan.down_steps[level],
+      'coarse' if last else 'down',
+    )
     before = from_staged(state.params)
     report(level, 'coarse' if last else 'down', before)
     if last:
       return before
-    small_cfg, small = coalesce(level_cfg, before, width=plan.width, depth=plan.depth,
-                                tied_compensation=plan.tied_compensation)
+    small_cfg, small = coalesce(
+      level_cfg,
+      before,
+      width=plan.width,
+      depth=plan.depth,
+      tied_compensation=plan.tied_compensation,
+    )
     small = run_level(level + 1, small)
     back = decoalesce(small_cfg, small, level_cfg, tied_compensation=plan.tied_compensation)
     merged = interpolate(before, back, plan.alpha)
@@ -376,12 +421,13 @@ def train_vcycle(plan: VCyclePlan, cfg: ModelConfig, batches: Iterable[dict],
   return run_level(0, params), log, configs
 
 
-
 @functools.lru_cache(maxsize=None)
 def _layout(layers_per_stage: tuple[int, ...]):
   """Jitted (to_staged, from_staged) for one stage layout."""
-  return (jax.jit(lambda p: partition.to_staged(p, layers_per_stage)),
-          jax.jit(lambda p: partition.from_staged(p, layers_per_stage)))
+  return (
+    jax.jit(lambda p: partition.to_staged(p, layers_per_stage)),
+    jax.jit(lambda p: partition.from_staged(p, layers_per_stage)),
+  )
 
 
 # ----------------------------------------------------------------------------- the flag
@@ -400,10 +446,13 @@ def parse_plan(text: str, total_steps: int) -> tuple[VCyclePlan, float]:
   rate times lr_scale^k (default 1; the paper gives the small model a larger one). The steps
   must add up to `total_steps`. E.g. --vcycle down=200,coarse=400 for --steps 1000.
   """
+
   def bad(why: str):
-    return ConfigError(f'--vcycle {text!r}: {why}; the syntax is down=N[/N..],coarse=N'
-                       '[,up=N[/N..]][,levels=K][,alpha=A][,width=0|1][,depth=0|1]'
-                       '[,lr_scale=S][,opt=carry|reset], e.g. --vcycle down=200,coarse=400.')
+    return ConfigError(
+      f'--vcycle {text!r}: {why}; the syntax is down=N[/N..],coarse=N'
+      '[,up=N[/N..]][,levels=K][,alpha=A][,width=0|1][,depth=0|1]'
+      '[,lr_scale=S][,opt=carry|reset], e.g. --vcycle down=200,coarse=400.'
+    )
 
   options = {}
   for item in filter(None, (i.strip() for i in text.split(','))):
@@ -411,8 +460,17 @@ def parse_plan(text: str, total_steps: int) -> tuple[VCyclePlan, float]:
     if not sep:
       raise bad(f'{item!r} is not KEY=VALUE')
     options[key.strip()] = value.strip()
-  unknown = set(options) - {'levels', 'down', 'coarse', 'up', 'alpha', 'width', 'depth',
-                            'lr_scale', 'opt'}
+  unknown = set(options) - {
+    'levels',
+    'down',
+    'coarse',
+    'up',
+    'alpha',
+    'width',
+    'depth',
+    'lr_scale',
+    'opt',
+  }
   if unknown:
     raise bad(f'unknown option {sorted(unknown)[0]!r}')
   try:
@@ -453,8 +511,16 @@ def parse_plan(text: str, total_steps: int) -> tuple[VCyclePlan, float]:
     raise bad('step counts must be >= 0')
   if not lr_scale > 0:
     raise bad(f'lr_scale must be positive, got {lr_scale}')
-  plan = VCyclePlan(levels=levels, down_steps=down, coarse_steps=coarse, up_steps=up,
-                    alpha=alpha, width=width, depth=depth, opt_state=options.get('opt', 'carry'))
+  plan = VCyclePlan(
+    levels=levels,
+    down_steps=down,
+    coarse_steps=coarse,
+    up_steps=up,
+    alpha=alpha,
+    width=width,
+    depth=depth,
+    opt_state=options.get('opt', 'carry'),
+  )
   try:
     plan.validate()
   except ConfigError as e:
@@ -465,4 +531,5 @@ def parse_plan(text: str, total_steps: int) -> tuple[VCyclePlan, float]:
 def level_steps(plan: VCyclePlan) -> list[int]:
   """Steps each level trains in the whole cycle (down + up; the coarsest: coarse)."""
   return [plan.down_steps[k] + plan.up_steps[k] for k in range(plan.levels - 1)] + [
-      plan.coarse_steps]
+    plan.coarse_steps
+  ]

@@ -37,51 +37,55 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ouroboros_jax import model as transformer
 from ouroboros_jax import partition, staged
-from ouroboros_jax.schedules import ring
-from ouroboros_jax.perf import simulate
 from ouroboros_jax.choices import FORWARD_MODES, STASH_MODES
-from ouroboros_jax.schedules.compensation import Compensation, make_optimizer
 from ouroboros_jax.errors import ConfigError
-from ouroboros_jax.schedules import ScheduleConfig, build_schedule
+from ouroboros_jax.perf import simulate
+from ouroboros_jax.schedules import ScheduleConfig, build_schedule, ring
+from ouroboros_jax.schedules.compensation import Compensation, make_optimizer
 
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
   schedule: str
-  devices: int              # G for stage schedules, D for data_parallel, 1 for backprop
+  devices: int  # G for stage schedules, D for data_parallel, 1 for backprop
   microbatches: int = 1
   stash: str = '-'
   forward: str = '-'
 
   @property
   def label(self) -> str:
-    extra = {'gpipe': f' M={self.microbatches}',
-             'ouroboros': f' {self.forward}/{self.stash}'}.get(self.schedule, '')
+    extra = {'gpipe': f' M={self.microbatches}', 'ouroboros': f' {self.forward}/{self.stash}'}.get(
+      self.schedule, ''
+    )
     return f'{self.schedule}{extra}'
 
-  def schedule_config(self, seed=0, stash_policy='all',
-                      compensation: Compensation = Compensation()) -> ScheduleConfig:
+  def schedule_config(
+    self, seed=0, stash_policy='all', compensation: Compensation = Compensation()
+  ) -> ScheduleConfig:
     if self.schedule == 'data_parallel':
       return ScheduleConfig(name=self.schedule, data_parallel=self.devices, seed=seed)
-    return ScheduleConfig(name=self.schedule, num_stages=self.devices, seed=seed,
-                          microbatches=self.microbatches,
-                          stash=self.stash if self.stash != '-' else 'graph',
-                          stash_policy=stash_policy,
-                          forward=self.forward if self.forward != '-' else 'locked',
-                          compensation=(compensation if self.schedule == 'ouroboros'
-                                        else Compensation()))
+    return ScheduleConfig(
+      name=self.schedule,
+      num_stages=self.devices,
+      seed=seed,
+      microbatches=self.microbatches,
+      stash=self.stash if self.stash != '-' else 'graph',
+      stash_policy=stash_policy,
+      forward=self.forward if self.forward != '-' else 'locked',
+      compensation=(compensation if self.schedule == 'ouroboros' else Compensation()),
+    )
 
 
 def default_settings(devices: int) -> list[Setting]:
   g = devices
   out = [Setting('backprop', 1), Setting('data_parallel', g), Setting('model_parallel', g)]
   out += [Setting('gpipe', g, microbatches=m) for m in (2, 4, 8)]
-  out += [Setting('ouroboros', g, stash=s, forward=f)
-          for f in FORWARD_MODES for s in STASH_MODES]
+  out += [Setting('ouroboros', g, stash=s, forward=f) for f in FORWARD_MODES for s in STASH_MODES]
   return out
 
 
@@ -93,8 +97,11 @@ def select_settings(devices: int, only: str | None) -> list[Setting]:
   prefixes = [p.strip() for p in only.split(',') if p.strip()]
   chosen = [s for s in settings if any(s.label.startswith(p) for p in prefixes)]
   if not chosen:
-    raise ConfigError(f'--only {only!r} matches no setting; labels are: '
-                      + ', '.join(s.label for s in settings) + '.')
+    raise ConfigError(
+      f'--only {only!r} matches no setting; labels are: '
+      + ', '.join(s.label for s in settings)
+      + '.'
+    )
   return chosen
 
 
@@ -113,8 +120,16 @@ def bench_optimizer(name: str = 'adamw'):
   return make_optimizer(name, 1e-4, weight_decay=0.1, muon_learning_rate=1e-3)
 
 
-def measure_pieces(cfg, model, params, batch, layers_per_stage, repeats: int = 10,
-                   stash_policy: str = 'all', optimizer: str = 'adamw') -> dict:
+def measure_pieces(
+  cfg,
+  model,
+  params,
+  batch,
+  layers_per_stage,
+  repeats: int = 10,
+  stash_policy: str = 'all',
+  optimizer: str = 'adamw',
+) -> dict:
   """Seconds of each piece alone on this process's first device: per-group forward and backward
   (from a kept graph), and device 0's extra work (embedding and head, forward + backward)."""
   device = jax.local_devices()[0]
@@ -144,14 +159,21 @@ def measure_pieces(cfg, model, params, batch, layers_per_stage, repeats: int = 1
   apply = jax.jit(lambda p, o, g: staged.apply_gradients(tx, p, o, g, clip_norm=1.0))
   update = []
   for s in range(len(layers_per_stage)):
-    own = {'embed': params['embed'] if s == 0 else {}, 'head': params['head'] if s == 0 else {},
-           'stages': jax.tree.map(lambda a: a[s:s + 1], params['stages'])}
+    own = {
+      'embed': params['embed'] if s == 0 else {},
+      'head': params['head'] if s == 0 else {},
+      'stages': jax.tree.map(lambda a: a[s : s + 1], params['stages']),
+    }
     grads = jax.tree.map(jnp.ones_like, own)
-    update.append(_median_time(apply, own, staged.init_opt_state(tx, own), grads,
-                               repeats=repeats))
-  return {'fwd': fwd, 'bwd': bwd, 'head': head_s, 'update': update,
-          'activation_bytes': x.nbytes,
-          'grad_bytes': sum(a.nbytes for a in jax.tree.leaves(params))}
+    update.append(_median_time(apply, own, staged.init_opt_state(tx, own), grads, repeats=repeats))
+  return {
+    'fwd': fwd,
+    'bwd': bwd,
+    'head': head_s,
+    'update': update,
+    'activation_bytes': x.nbytes,
+    'grad_bytes': sum(a.nbytes for a in jax.tree.leaves(params)),
+  }
 
 
 def on_process0_alone(measure: Callable[[], dict], max_bytes: int = 1 << 16) -> dict:
@@ -171,7 +193,7 @@ def on_process0_alone(measure: Callable[[], dict], max_bytes: int = 1 << 16) -> 
     text = json.dumps(measure()).encode()
     if len(text) > max_bytes:
       raise ValueError(f'measured result of {len(text)} bytes does not fit max_bytes={max_bytes}')
-    encoded[:len(text)] = np.frombuffer(text, np.uint8)
+    encoded[: len(text)] = np.frombuffer(text, np.uint8)
   encoded = np.asarray(multihost_utils.broadcast_one_to_all(encoded))
   return json.loads(encoded[encoded != 0].tobytes())
 
@@ -181,34 +203,60 @@ def measure_links(activation_shape, grad_elems: int, repeats: int = 10) -> tuple
   if jax.device_count() < 2:
     return 0.0, 0.0
   mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]), ('x',))
-  hop = jax.jit(jax.shard_map(lambda a: jax.lax.ppermute(a, 'x', [(0, 1), (1, 0)]), mesh=mesh,
-                              in_specs=P('x'), out_specs=P('x')))
-  allreduce = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, 'x'), mesh=mesh, in_specs=P('x'),
-                                    out_specs=P('x')))
+  hop = jax.jit(
+    jax.shard_map(
+      lambda a: jax.lax.ppermute(a, 'x', [(0, 1), (1, 0)]),
+      mesh=mesh,
+      in_specs=P('x'),
+      out_specs=P('x'),
+    )
+  )
+  allreduce = jax.jit(
+    jax.shard_map(lambda a: jax.lax.psum(a, 'x'), mesh=mesh, in_specs=P('x'), out_specs=P('x'))
+  )
   put = lambda shape: jax.make_array_from_callback(
-      shape, NamedSharding(mesh, P('x')), lambda idx: np.ones(shape, np.float32)[idx])
+    shape, NamedSharding(mesh, P('x')), lambda idx: np.ones(shape, np.float32)[idx]
+  )
   link = _median_time(hop, put((2, *activation_shape)), repeats=repeats)
   reduce = _median_time(allreduce, put((2, grad_elems)), repeats=repeats)
   return link, reduce
 
 
-def time_setting(setting: Setting, cfg, params, batch, layers_per_stage, *, steps: int,
-                 warmup: int, stash_policy: str = 'all', optimizer: str = 'adamw',
-                 compensation: Compensation = Compensation()) -> dict | None:
+def time_setting(
+  setting: Setting,
+  cfg,
+  params,
+  batch,
+  layers_per_stage,
+  *,
+  steps: int,
+  warmup: int,
+  stash_policy: str = 'all',
+  optimizer: str = 'adamw',
+  compensation: Compensation = Compensation(),
+) -> dict | None:
   """Compile and time one setting; None on processes whose devices it does not use."""
   needed = setting.devices
   if needed > jax.device_count():
-    raise ConfigError(f'{setting.label} needs {needed} devices but {jax.device_count()} exist; '
-                      'use fewer --stages or launch more processes.')
+    raise ConfigError(
+      f'{setting.label} needs {needed} devices but {jax.device_count()} exist; '
+      'use fewer --stages or launch more processes.'
+    )
   devices = jax.devices()[:needed]
   if not any(d.process_index == jax.process_index() for d in devices):
     return None
-  split = layers_per_stage if setting.schedule not in ('backprop', 'data_parallel') else (
-      (cfg.num_layers,))
+  split = (
+    layers_per_stage
+    if setting.schedule not in ('backprop', 'data_parallel')
+    else ((cfg.num_layers,))
+  )
   model = partition.transformer_stages(cfg, split)
   schedule = build_schedule(
-      setting.schedule_config(stash_policy=stash_policy, compensation=compensation), model,
-      bench_optimizer(optimizer), devices=devices)
+    setting.schedule_config(stash_policy=stash_policy, compensation=compensation),
+    model,
+    bench_optimizer(optimizer),
+    devices=devices,
+  )
   state = schedule.init(partition.to_staged(params, split), batch)
   placed = staged.place_batch(batch, schedule.mesh)
   start = time.perf_counter()
@@ -230,8 +278,13 @@ def time_setting(setting: Setting, cfg, params, batch, layers_per_stage, *, step
   busy_s = statistics.median(busy)
   if jax.process_count() > 1 and len({d.process_index for d in devices}) == jax.process_count():
     busy_s = float(np.max(multihost_utils.process_allgather(np.float64(busy_s))))
-  return {'step_time_s': step_s, 'busy_s': busy_s, 'compile_s': compile_s,
-          'tokens_per_s': batch['inputs'].size / step_s, 'idle_fraction': schedule.idle_fraction}
+  return {
+    'step_time_s': step_s,
+    'busy_s': busy_s,
+    'compile_s': compile_s,
+    'tokens_per_s': batch['inputs'].size / step_s,
+    'idle_fraction': schedule.idle_fraction,
+  }
 
 
 def simulated(setting: Setting, pieces: dict, link_s: float, allreduce_s: float) -> float:
@@ -240,20 +293,39 @@ def simulated(setting: Setting, pieces: dict, link_s: float, allreduce_s: float)
   if len(fwd) != stages:  # pieces were measured on the G-stage split: merge for one device
     fwd, bwd, update = [sum(fwd)], [sum(bwd)], [sum(update)]
   costs = simulate.StageCosts(
-      forward_s=fwd, backward_s=bwd, head_s=pieces['head'], update_s=update,
-      activation_bytes=1.0 if link_s else 0.0, bandwidth=1.0 / link_s if link_s else np.inf,
-      allreduce_s=allreduce_s)
+    forward_s=fwd,
+    backward_s=bwd,
+    head_s=pieces['head'],
+    update_s=update,
+    activation_bytes=1.0 if link_s else 0.0,
+    bandwidth=1.0 / link_s if link_s else np.inf,
+    allreduce_s=allreduce_s,
+  )
   return simulate.simulate(
-      setting.schedule, costs, microbatches=setting.microbatches,
-      data_parallel=setting.devices if setting.schedule == 'data_parallel' else 1,
-      stash=setting.stash if setting.stash != '-' else 'graph',
-      forward=setting.forward if setting.forward != '-' else 'locked').step_time
+    setting.schedule,
+    costs,
+    microbatches=setting.microbatches,
+    data_parallel=setting.devices if setting.schedule == 'data_parallel' else 1,
+    stash=setting.stash if setting.stash != '-' else 'graph',
+    forward=setting.forward if setting.forward != '-' else 'locked',
+  ).step_time
 
 
-def run(cfg: transformer.ModelConfig, *, batch_size: int, stages: int, out_dir: str,
-        steps: int = 20, warmup: int = 3, settings: list[Setting] | None = None,
-        layers_per_stage=None, stash_policy: str = 'all', optimizer: str = 'adamw',
-        compensation: Compensation = Compensation(), log=print) -> list[dict]:
+def run(
+  cfg: transformer.ModelConfig,
+  *,
+  batch_size: int,
+  stages: int,
+  out_dir: str,
+  steps: int = 20,
+  warmup: int = 3,
+  settings: list[Setting] | None = None,
+  layers_per_stage=None,
+  stash_policy: str = 'all',
+  optimizer: str = 'adamw',
+  compensation: Compensation = Compensation(),
+  log=print,
+) -> list[dict]:
   """Benchmarks every setting; process 0 writes the outputs and returns the rows.
 
   `optimizer` and `compensation` (Ouroboros settings only) time a training recipe's own costs:
@@ -264,71 +336,122 @@ def run(cfg: transformer.ModelConfig, *, batch_size: int, stages: int, out_dir: 
   settings = settings or default_settings(stages)
   layers_per_stage = tuple(layers_per_stage or partition.balance_layers(cfg, stages))
   rng = np.random.default_rng(0)
-  batch = {k: rng.integers(0, cfg.vocab_size, (batch_size, cfg.seq_len)).astype(np.int32)
-           for k in ('inputs', 'targets')}
+  batch = {
+    k: rng.integers(0, cfg.vocab_size, (batch_size, cfg.seq_len)).astype(np.int32)
+    for k in ('inputs', 'targets')
+  }
   params = jax.device_get(transformer.init_params(cfg, jax.random.key(0)))
   staged_params = partition.to_staged(params, layers_per_stage)
   staged_model = partition.transformer_stages(cfg, layers_per_stage)
-  pieces = on_process0_alone(lambda: measure_pieces(
-      cfg, staged_model, staged_params, batch, layers_per_stage, optimizer=optimizer))
+  pieces = on_process0_alone(
+    lambda: measure_pieces(
+      cfg, staged_model, staged_params, batch, layers_per_stage, optimizer=optimizer
+    )
+  )
   # A graph stash that keeps less (--stash-policy) has its own, slower, backward: measured apart,
   # for the Ouroboros graph settings only; everything else is measured with plain backward.
-  policy_pieces = pieces if stash_policy == 'all' else on_process0_alone(lambda: measure_pieces(
-      cfg, staged_model, staged_params, batch, layers_per_stage, stash_policy=stash_policy,
-      optimizer=optimizer))
+  policy_pieces = (
+    pieces
+    if stash_policy == 'all'
+    else on_process0_alone(
+      lambda: measure_pieces(
+        cfg,
+        staged_model,
+        staged_params,
+        batch,
+        layers_per_stage,
+        stash_policy=stash_policy,
+        optimizer=optimizer,
+      )
+    )
+  )
   activation_shape = (batch_size, cfg.seq_len, cfg.d_model)
   link_s, allreduce_s = measure_links(activation_shape, pieces['grad_bytes'] // 4)
-  log(f'pieces: forward {np.round(pieces["fwd"], 4)} s, backward {np.round(pieces["bwd"], 4)} s, '
-      f'update {np.round(pieces["update"], 4)} s, head+embed {pieces["head"]:.4f} s, '
-      f'hop {link_s:.4f} s, all-reduce {allreduce_s:.4f} s')
+  log(
+    f'pieces: forward {np.round(pieces["fwd"], 4)} s, backward {np.round(pieces["bwd"], 4)} s, '
+    f'update {np.round(pieces["update"], 4)} s, head+embed {pieces["head"]:.4f} s, '
+    f'hop {link_s:.4f} s, all-reduce {allreduce_s:.4f} s'
+  )
   rows = []
   for setting in settings:
-    measured = time_setting(setting, cfg, params, batch, layers_per_stage, steps=steps,
-                            warmup=warmup, stash_policy=stash_policy, optimizer=optimizer,
-                            compensation=compensation)
+    measured = time_setting(
+      setting,
+      cfg,
+      params,
+      batch,
+      layers_per_stage,
+      steps=steps,
+      warmup=warmup,
+      stash_policy=stash_policy,
+      optimizer=optimizer,
+      compensation=compensation,
+    )
     multihost_utils.sync_global_devices(f'bench {setting.label}')
     if measured is None:
       continue
     own = policy_pieces if setting.schedule == 'ouroboros' and setting.stash == 'graph' else pieces
-    row = {'schedule': setting.schedule, 'label': setting.label, 'stages': setting.devices,
-           'microbatches': setting.microbatches if setting.schedule == 'gpipe' else '',
-           'stash': setting.stash, 'forward': setting.forward, **measured,
-           'fwd_s_per_stage': ';'.join(f'{f:.6g}' for f in own['fwd']),
-           'bwd_s_per_stage': ';'.join(f'{b:.6g}' for b in own['bwd']),
-           'head_s': own['head'],
-           'update_s_per_stage': ';'.join(f'{u:.6g}' for u in own['update']),
-           'link_s': link_s, 'allreduce_s': allreduce_s,
-           'ideal_s': simulated(setting, own, 0.0, 0.0),
-           'predicted_s': simulated(setting, own, link_s, allreduce_s)}
+    row = {
+      'schedule': setting.schedule,
+      'label': setting.label,
+      'stages': setting.devices,
+      'microbatches': setting.microbatches if setting.schedule == 'gpipe' else '',
+      'stash': setting.stash,
+      'forward': setting.forward,
+      **measured,
+      'fwd_s_per_stage': ';'.join(f'{f:.6g}' for f in own['fwd']),
+      'bwd_s_per_stage': ';'.join(f'{b:.6g}' for b in own['bwd']),
+      'head_s': own['head'],
+      'update_s_per_stage': ';'.join(f'{u:.6g}' for u in own['update']),
+      'link_s': link_s,
+      'allreduce_s': allreduce_s,
+      'ideal_s': simulated(setting, own, 0.0, 0.0),
+      'predicted_s': simulated(setting, own, link_s, allreduce_s),
+    }
     rows.append(row)
-    log(f"{setting.label:28s} {row['step_time_s'] * 1e3:9.1f} ms/step  "
-        f"{row['tokens_per_s']:9.0f} tok/s  ideal {row['ideal_s'] * 1e3:8.1f} ms  "
-        f"compile {row['compile_s']:.1f} s")
+    log(
+      f'{setting.label:28s} {row["step_time_s"] * 1e3:9.1f} ms/step  '
+      f'{row["tokens_per_s"]:9.0f} tok/s  ideal {row["ideal_s"] * 1e3:8.1f} ms  '
+      f'compile {row["compile_s"]:.1f} s'
+    )
   if jax.process_index() == 0:
-    write_outputs(rows, out_dir, {'model': dataclasses.asdict(cfg), 'batch_size': batch_size,
-                                  'stages': stages, 'layers_per_stage': layers_per_stage,
-                                  'processes': jax.process_count(),
-                                  'devices': [str(d) for d in jax.devices()],
-                                  'steps': steps, 'warmup': warmup,
-                                  'stash_policy': stash_policy, 'optimizer': optimizer,
-                                  'compensation': ','.join(compensation.names()) or 'none'},
-                  log)
+    write_outputs(
+      rows,
+      out_dir,
+      {
+        'model': dataclasses.asdict(cfg),
+        'batch_size': batch_size,
+        'stages': stages,
+        'layers_per_stage': layers_per_stage,
+        'processes': jax.process_count(),
+        'devices': [str(d) for d in jax.devices()],
+        'steps': steps,
+        'warmup': warmup,
+        'stash_policy': stash_policy,
+        'optimizer': optimizer,
+        'compensation': ','.join(compensation.names()) or 'none',
+      },
+      log,
+    )
   return rows
 
 
 def table(rows: list[dict]) -> str:
   base = next((r['step_time_s'] for r in rows if r['schedule'] == 'backprop'), None)
   mp = next((r['step_time_s'] for r in rows if r['schedule'] == 'model_parallel'), None)
-  lines = ['| setting | devices | step ms | tokens/s | vs backprop | vs model_parallel | '
-           'ideal ms | measured / ideal | simulator error |',
-           '|---|---|---|---|---|---|---|---|---|']
+  lines = [
+    '| setting | devices | step ms | tokens/s | vs backprop | vs model_parallel | '
+    'ideal ms | measured / ideal | simulator error |',
+    '|---|---|---|---|---|---|---|---|---|',
+  ]
   for r in rows:
-    ratio = lambda ref: f"{ref / r['step_time_s']:.2f}x" if ref else '-'
+    ratio = lambda ref: f'{ref / r["step_time_s"]:.2f}x' if ref else '-'
     error = (r['predicted_s'] - r['step_time_s']) / r['step_time_s']
-    lines.append(f"| {r['label']} | {r['stages']} | {r['step_time_s'] * 1e3:.1f} | "
-                 f"{r['tokens_per_s']:.0f} | {ratio(base)} | {ratio(mp)} | "
-                 f"{r['ideal_s'] * 1e3:.1f} | {r['step_time_s'] / r['ideal_s']:.2f} | "
-                 f"{error:+.1%} |")
+    lines.append(
+      f'| {r["label"]} | {r["stages"]} | {r["step_time_s"] * 1e3:.1f} | '
+      f'{r["tokens_per_s"]:.0f} | {ratio(base)} | {ratio(mp)} | '
+      f'{r["ideal_s"] * 1e3:.1f} | {r["step_time_s"] / r["ideal_s"]:.2f} | '
+      f'{error:+.1%} |'
+    )
   return '\n'.join(lines)
 
 
@@ -346,18 +469,28 @@ def write_outputs(rows: list[dict], out_dir: str, meta: dict, log=print) -> None
   log(text)
 
   import matplotlib
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
+
   fig, ax = plt.subplots(figsize=(9, 4.5))
   labels = [r['label'] for r in rows]
   xs = np.arange(len(rows))
   ax.bar(xs, [r['tokens_per_s'] for r in rows], color='tab:blue', label='measured')
-  ax.scatter(xs, [r['tokens_per_s'] * r['step_time_s'] / r['ideal_s'] for r in rows],
-             color='tab:red', marker='_', s=400, label='ideal (simulator, free links)')
+  ax.scatter(
+    xs,
+    [r['tokens_per_s'] * r['step_time_s'] / r['ideal_s'] for r in rows],
+    color='tab:red',
+    marker='_',
+    s=400,
+    label='ideal (simulator, free links)',
+  )
   ax.set_xticks(xs, labels, rotation=30, ha='right')
   ax.set_ylabel('tokens / s')
-  ax.set_title(f"{meta['processes']} process(es), {meta['stages']} stages, "
-               f"batch {meta['batch_size']} x {meta['model']['seq_len']}")
+  ax.set_title(
+    f'{meta["processes"]} process(es), {meta["stages"]} stages, '
+    f'batch {meta["batch_size"]} x {meta["model"]["seq_len"]}'
+  )
   ax.legend()
   ax.grid(axis='y', alpha=0.3)
   fig.tight_layout()

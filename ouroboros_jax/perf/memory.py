@@ -32,50 +32,90 @@ def per_device_bytes(tree) -> int:
   return total
 
 
-def memory_report(cfg: transformer.ModelConfig, schedule_config: ScheduleConfig,
-                  batch_size: int, layers_per_stage=None) -> dict:
+def memory_report(
+  cfg: transformer.ModelConfig,
+  schedule_config: ScheduleConfig,
+  batch_size: int,
+  layers_per_stage=None,
+) -> dict:
   layers_per_stage = layers_per_stage or partition.balance_layers(cfg, schedule_config.num_stages)
   model = partition.transformer_stages(cfg, layers_per_stage)
   params = partition.to_staged(transformer.init_params(cfg, jax.random.key(0)), layers_per_stage)
   schedule = build_schedule(schedule_config, model, staged.adamw(1e-3))
-  batch = {'inputs': jnp.zeros((batch_size, cfg.seq_len), jnp.int32),
-           'targets': jnp.zeros((batch_size, cfg.seq_len), jnp.int32)}
+  batch = {
+    'inputs': jnp.zeros((batch_size, cfg.seq_len), jnp.int32),
+    'targets': jnp.zeros((batch_size, cfg.seq_len), jnp.int32),
+  }
   state = schedule.init(params, batch)
   stats = schedule.step.lower(state, batch).compile().memory_analysis()
-  report = {'schedule': schedule_config.name, 'stages': schedule_config.num_stages,
-            'stash': (('graph/' + schedule_config.stash_policy
-                       if schedule_config.stash == 'graph' else schedule_config.stash)
-                      if schedule_config.name == 'ouroboros' else '-'),
-            'params_bytes': per_device_bytes(state.params),
-            'ring_bytes': per_device_bytes(state.ring)}
+  report = {
+    'schedule': schedule_config.name,
+    'stages': schedule_config.num_stages,
+    'stash': (
+      (
+        'graph/' + schedule_config.stash_policy
+        if schedule_config.stash == 'graph'
+        else schedule_config.stash
+      )
+      if schedule_config.name == 'ouroboros'
+      else '-'
+    ),
+    'params_bytes': per_device_bytes(state.params),
+    'ring_bytes': per_device_bytes(state.ring),
+  }
   if stats is not None:  # some backends do not report
-    report.update(argument_bytes=stats.argument_size_in_bytes,
-                  temp_bytes=stats.temp_size_in_bytes,
-                  peak_estimate=(stats.argument_size_in_bytes + stats.output_size_in_bytes +
-                                 stats.temp_size_in_bytes - stats.alias_size_in_bytes))
+    report.update(
+      argument_bytes=stats.argument_size_in_bytes,
+      temp_bytes=stats.temp_size_in_bytes,
+      peak_estimate=(
+        stats.argument_size_in_bytes
+        + stats.output_size_in_bytes
+        + stats.temp_size_in_bytes
+        - stats.alias_size_in_bytes
+      ),
+    )
   return report
 
 
 def format_table(rows: list[dict]) -> str:
-  columns = ['schedule', 'stages', 'stash', 'params_bytes', 'ring_bytes', 'argument_bytes',
-             'temp_bytes', 'peak_estimate']
-  mib = lambda v: f'{v / 2**20:.2f}' if isinstance(v, (int, np.integer)) and not isinstance(
-      v, bool) else str(v)
+  columns = [
+    'schedule',
+    'stages',
+    'stash',
+    'params_bytes',
+    'ring_bytes',
+    'argument_bytes',
+    'temp_bytes',
+    'peak_estimate',
+  ]
+  mib = lambda v: (
+    f'{v / 2**20:.2f}' if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else str(v)
+  )
   header = ' | '.join(c.replace('_bytes', ' MiB') for c in columns)
   lines = [header, ' | '.join('---' for _ in columns)]
   for row in rows:
-    lines.append(' | '.join(str(row.get(c, '')) if c in ('schedule', 'stages', 'stash')
-                            else mib(row.get(c, '')) for c in columns))
+    lines.append(
+      ' | '.join(
+        str(row.get(c, '')) if c in ('schedule', 'stages', 'stash') else mib(row.get(c, ''))
+        for c in columns
+      )
+    )
   return '\n'.join(lines)
 
 
-def stash_comparison(cfg: transformer.ModelConfig, num_stages: int, batch_size: int,
-                     policies=('all',)) -> list[dict]:
+def stash_comparison(
+  cfg: transformer.ModelConfig, num_stages: int, batch_size: int, policies=('all',)
+) -> list[dict]:
   """Backprop and Ouroboros with each stash mode (and each graph stash policy), for the same
   model and batch."""
   rows = [memory_report(cfg, ScheduleConfig(name='backprop'), batch_size)]
   modes = [('graph', policy) for policy in policies] + [('replay', 'all')]
   for stash, policy in modes:
-    rows.append(memory_report(cfg, ScheduleConfig(name='ouroboros', num_stages=num_stages,
-                                                  stash=stash, stash_policy=policy), batch_size))
+    rows.append(
+      memory_report(
+        cfg,
+        ScheduleConfig(name='ouroboros', num_stages=num_stages, stash=stash, stash_policy=policy),
+        batch_size,
+      )
+    )
   return rows

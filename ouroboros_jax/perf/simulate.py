@@ -74,8 +74,6 @@ from ouroboros_jax import costs
 from ouroboros_jax.choices import FORWARD_MODES, SCHEDULES, STASH_MODES
 from ouroboros_jax.schedules.delays import backward_batch, forward_batch, lags
 
-
-
 # ----------------------------------------------------------------------------- costs
 
 
@@ -83,20 +81,20 @@ from ouroboros_jax.schedules.delays import backward_batch, forward_batch, lags
 class StageCosts:
   """Seconds and bytes of one training step's pieces; every time is for the whole batch."""
 
-  forward_s: Sequence[float]             # per stage s: its layer group's forward
-  backward_s: Sequence[float]            # per stage s: backward from a kept graph, no recompute
-  head_s: float = 0.0                    # device 0: final norm, output projection, loss; f + b
-  embed_forward_s: float = 0.0           # device 0: embedding lookup
-  embed_backward_s: float = 0.0          # device 0: embedding gradient
-  activation_bytes: float = 0.0          # one batch's activation (= error gradient) between stages
-  grad_bytes: float = 0.0                # every parameter's gradient (the data-parallel all-reduce)
-  bandwidth: float = math.inf            # bytes / s, per link and direction
-  latency: float = 0.0                   # seconds per transfer
-  microbatch_overhead_s: float = 0.0     # gpipe: fixed cost added to every micro-batch task
-  allreduce_s: float | None = None       # a measured all-reduce time; overrides the ring formula
-  update_s: Sequence[float] = ()         # per stage s: the optimizer update of its parameters
-                                         # (device 0's includes embedding and head); () = free
-  batch_size: int | None = None          # when known, checked against R and M
+  forward_s: Sequence[float]  # per stage s: its layer group's forward
+  backward_s: Sequence[float]  # per stage s: backward from a kept graph, no recompute
+  head_s: float = 0.0  # device 0: final norm, output projection, loss; f + b
+  embed_forward_s: float = 0.0  # device 0: embedding lookup
+  embed_backward_s: float = 0.0  # device 0: embedding gradient
+  activation_bytes: float = 0.0  # one batch's activation (= error gradient) between stages
+  grad_bytes: float = 0.0  # every parameter's gradient (the data-parallel all-reduce)
+  bandwidth: float = math.inf  # bytes / s, per link and direction
+  latency: float = 0.0  # seconds per transfer
+  microbatch_overhead_s: float = 0.0  # gpipe: fixed cost added to every micro-batch task
+  allreduce_s: float | None = None  # a measured all-reduce time; overrides the ring formula
+  update_s: Sequence[float] = ()  # per stage s: the optimizer update of its parameters
+  # (device 0's includes embedding and head); () = free
+  batch_size: int | None = None  # when known, checked against R and M
 
   def __post_init__(self):
     object.__setattr__(self, 'forward_s', tuple(float(f) for f in self.forward_s))
@@ -105,10 +103,19 @@ class StageCosts:
     if self.update_s and len(self.update_s) != len(self.forward_s):
       raise ValueError(f'update_s needs one entry per stage; got {len(self.update_s)}.')
     if not self.forward_s or len(self.forward_s) != len(self.backward_s):
-      raise ValueError(f'forward_s and backward_s need one entry per stage; got '
-                       f'{len(self.forward_s)} and {len(self.backward_s)}.')
-    scalars = (self.head_s, self.embed_forward_s, self.embed_backward_s, self.activation_bytes,
-               self.grad_bytes, self.latency, self.microbatch_overhead_s)
+      raise ValueError(
+        f'forward_s and backward_s need one entry per stage; got '
+        f'{len(self.forward_s)} and {len(self.backward_s)}.'
+      )
+    scalars = (
+      self.head_s,
+      self.embed_forward_s,
+      self.embed_backward_s,
+      self.activation_bytes,
+      self.grad_bytes,
+      self.latency,
+      self.microbatch_overhead_s,
+    )
     if min(*self.forward_s, *self.backward_s, *self.update_s, *scalars) < 0 or self.bandwidth <= 0:
       raise ValueError('costs must be >= 0 and the bandwidth > 0.')
 
@@ -126,13 +133,21 @@ class StageCosts:
       return 0.0
     if self.allreduce_s is not None:
       return self.allreduce_s
-    return (2 * (replicas - 1) / replicas * self.grad_bytes / self.bandwidth
-            + 2 * (replicas - 1) * self.latency)
+    return (
+      2 * (replicas - 1) / replicas * self.grad_bytes / self.bandwidth
+      + 2 * (replicas - 1) * self.latency
+    )
 
   def total_compute_s(self) -> float:
     """One device doing everything: the backprop step."""
-    return (self.embed_forward_s + sum(self.forward_s) + self.head_s + sum(self.backward_s)
-            + self.embed_backward_s + sum(self.update_s))
+    return (
+      self.embed_forward_s
+      + sum(self.forward_s)
+      + self.head_s
+      + sum(self.backward_s)
+      + self.embed_backward_s
+      + sum(self.update_s)
+    )
 
 
 def backprop_time(costs: StageCosts) -> float:
@@ -145,17 +160,18 @@ def backprop_time(costs: StageCosts) -> float:
 
 @dataclasses.dataclass
 class Task:
-  resource: tuple | None    # ('device', s), ('link', src, dst), ('net', d); None: a barrier
-  kind: str                 # fwd, bwd, head, embed_fwd, embed_bwd, act, grad, allreduce, barrier
-  step: int                 # the training step whose program runs it
-  batch: int                # the batch (or micro-batch index, for gpipe) it works on
+  resource: tuple | None  # ('device', s), ('link', src, dst), ('net', d); None: a barrier
+  kind: str  # fwd, bwd, head, embed_fwd, embed_bwd, act, grad, allreduce, barrier
+  step: int  # the training step whose program runs it
+  batch: int  # the batch (or micro-batch index, for gpipe) it works on
   duration: float
-  deps: tuple[int, ...]     # tasks that must have ended first (indices into the graph)
-  sync: bool                # the end-of-step barrier waits for it (compute and all-reduce)
+  deps: tuple[int, ...]  # tasks that must have ended first (indices into the graph)
+  sync: bool  # the end-of-step barrier waits for it (compute and all-reduce)
 
 
 class Span(NamedTuple):
   """One row of a Gantt chart. `device` is an int for compute, 'src->dst' for a link."""
+
   device: int | str
   kind: str
   batch: int
@@ -168,8 +184,8 @@ class Graph:
 
   def __init__(self, costs: StageCosts):
     self.costs, self.tasks = costs, []
-    self.barrier: int | None = None   # the previous step's barrier, a dep of every compute task
-    self.step_tasks: list[int] = []   # sync tasks of the step being emitted
+    self.barrier: int | None = None  # the previous step's barrier, a dep of every compute task
+    self.step_tasks: list[int] = []  # sync tasks of the step being emitted
     self.step_end: dict[int, int] = {}
     self.update_s: Sequence[float] = ()  # per device: its optimizer update, ending every step
 
@@ -177,23 +193,35 @@ class Graph:
     self.tasks.append(task)
     return len(self.tasks) - 1
 
-  def compute(self, device: int, kind: str, step: int, batch: int, duration: float,
-              deps: Sequence[int | None] = ()) -> int:
+  def compute(
+    self,
+    device: int,
+    kind: str,
+    step: int,
+    batch: int,
+    duration: float,
+    deps: Sequence[int | None] = (),
+  ) -> int:
     deps = tuple(d for d in (*deps, self.barrier) if d is not None)
     index = self._add(Task(('device', device), kind, step, batch, duration, deps, sync=True))
     self.step_tasks.append(index)
     return index
 
-  def send(self, src: int, dst: int, kind: str, step: int, batch: int, nbytes: float,
-           after: int) -> int:
+  def send(
+    self, src: int, dst: int, kind: str, step: int, batch: int, nbytes: float, after: int
+  ) -> int:
     """A transfer of `after`'s output; a device sending to itself costs nothing."""
     if src == dst:
       return after
-    return self._add(Task(('link', src, dst), kind, step, batch, self.costs.transfer_s(nbytes),
-                          (after,), sync=False))
+    return self._add(
+      Task(
+        ('link', src, dst), kind, step, batch, self.costs.transfer_s(nbytes), (after,), sync=False
+      )
+    )
 
-  def collective(self, device: int, kind: str, step: int, duration: float,
-                 deps: Sequence[int]) -> int:
+  def collective(
+    self, device: int, kind: str, step: int, duration: float, deps: Sequence[int]
+  ) -> int:
     index = self._add(Task(('net', device), kind, step, step, duration, tuple(deps), sync=True))
     self.step_tasks.append(index)
     return index
@@ -205,8 +233,9 @@ class Graph:
     for device, seconds in enumerate(self.update_s):
       if seconds:
         self.compute(device, 'update', step, step, seconds, clipped)
-    self.barrier = self._add(Task(None, 'barrier', step, step, 0.0, tuple(self.step_tasks),
-                                  sync=False))
+    self.barrier = self._add(
+      Task(None, 'barrier', step, step, 0.0, tuple(self.step_tasks), sync=False)
+    )
     self.step_end[step], self.step_tasks = self.barrier, []
 
 
@@ -265,15 +294,21 @@ def emit_data_parallel(g: Graph, t: int, state: dict, *, replicas: int, **_) -> 
   g.end_step(t)
 
 
-def emit_model_parallel(g: Graph, t: int, state: dict, **_) -> None:
+def _locked_forward(g: Graph, t: int) -> int:
+  """Batch t round the ring, one device computing per round: device s waits for s-1, and the
+  last output goes back to device 0. Returns that arrival."""
   c, G = g.costs, g.costs.num_stages
-  nbytes = c.activation_bytes
-  # Locked forward: device s waits for s-1; the last output goes back to device 0.
   x = g.compute(0, 'embed_fwd', t, t, c.embed_forward_s)
   for s in range(G):
     x = g.compute(s, 'fwd', t, t, c.forward_s[s], [x])
-    x = g.send(s, (s + 1) % G, 'act', t, t, nbytes, x)
-  x = g.compute(0, 'head', t, t, c.head_s, [x])
+    x = g.send(s, (s + 1) % G, 'act', t, t, c.activation_bytes, x)
+  return x
+
+
+def emit_model_parallel(g: Graph, t: int, state: dict, **_) -> None:
+  c, G = g.costs, g.costs.num_stages
+  nbytes = c.activation_bytes
+  x = g.compute(0, 'head', t, t, c.head_s, [_locked_forward(g, t)])
   # Locked backward: the head's delta goes to G-1, then each device hands dx to s-1.
   delta = g.send(0, G - 1, 'grad', t, t, nbytes, x)
   for s in reversed(range(G)):
@@ -312,11 +347,7 @@ def emit_ouroboros_locked(g: Graph, t: int, state: dict, *, stash: str, **_) -> 
   c, G = g.costs, g.costs.num_stages
   nbytes = c.activation_bytes
   # 1. Forward, locked: batch t goes round the ring, one device computing per round.
-  x = g.compute(0, 'embed_fwd', t, t, c.embed_forward_s)
-  for s in range(G):
-    x = g.compute(s, 'fwd', t, t, c.forward_s[s], [x])
-    x = g.send(s, (s + 1) % G, 'act', t, t, nbytes, x)
-  forward_done = x
+  forward_done = _locked_forward(g, t)
   # 2. Head on device 0: fresh loss and delta_{G-1}^t, which reaches G-1 for step t+1.
   head = g.compute(0, 'head', t, t, c.head_s, [forward_done])
   state[('delta', t, G - 1)] = g.send(0, G - 1, 'grad', t, t, nbytes, head)
@@ -326,8 +357,9 @@ def emit_ouroboros_locked(g: Graph, t: int, state: dict, *, stash: str, **_) -> 
     batch = backward_batch(t, s, G, 'locked')
     if batch < 0:  # the pipe has not filled yet
       continue
-    y = g.compute(s, 'bwd', t, batch, _backward_s(c, s, stash),
-                  [forward_done, state.pop(('delta', t - 1, s))])
+    y = g.compute(
+      s, 'bwd', t, batch, _backward_s(c, s, stash), [forward_done, state.pop(('delta', t - 1, s))]
+    )
     if s > 0:
       state[('delta', t, s - 1)] = g.send(s, s - 1, 'grad', t, batch, nbytes, y)
     else:
@@ -344,8 +376,11 @@ def emit_ouroboros_pipelined(g: Graph, t: int, state: dict, *, stash: str, **_) 
     # Forward of batch t - s on what s-1 sent during step t-1 (device 0 embeds a fresh batch).
     batch = forward_batch(t, s, G, 'pipelined')
     if batch >= 0:
-      x = (g.compute(0, 'embed_fwd', t, batch, c.embed_forward_s) if s == 0
-           else state.pop(('act', t - 1, s - 1)))
+      x = (
+        g.compute(0, 'embed_fwd', t, batch, c.embed_forward_s)
+        if s == 0
+        else state.pop(('act', t - 1, s - 1))
+      )
       y = g.compute(s, 'fwd', t, batch, c.forward_s[s], [x])
       state[('act', t, s)] = g.send(s, (s + 1) % G, 'act', t, batch, nbytes, y)
     head_batch = t - lags(G, 'pipelined')[0]
@@ -356,8 +391,7 @@ def emit_ouroboros_pipelined(g: Graph, t: int, state: dict, *, stash: str, **_) 
     # Backward of batch t - 2G + s with the error gradient s+1 (or the head) sent at step t-1.
     batch = backward_batch(t, s, G, 'pipelined')
     if batch >= 0:
-      y = g.compute(s, 'bwd', t, batch, _backward_s(c, s, stash),
-                    [state.pop(('delta', t - 1, s))])
+      y = g.compute(s, 'bwd', t, batch, _backward_s(c, s, stash), [state.pop(('delta', t - 1, s))])
       if s > 0:
         state[('delta', t, s - 1)] = g.send(s, s - 1, 'grad', t, batch, nbytes, y)
       else:
@@ -372,12 +406,12 @@ def emit_ouroboros_pipelined(g: Graph, t: int, state: dict, *, stash: str, **_) 
 class SimResult:
   schedule: str
   num_devices: int
-  step_time: float               # steady-state seconds per training step (one batch per step)
-  idle_fraction: float           # mean over devices of 1 - busy / step_time
-  per_device_busy: list[float]   # compute seconds per step, per device
-  timeline: list[Span]           # every task of every simulated step, for a Gantt chart
-  backprop_time: float           # the one-device reference step
-  step_ends: list[float]         # when each simulated step's barrier fell
+  step_time: float  # steady-state seconds per training step (one batch per step)
+  idle_fraction: float  # mean over devices of 1 - busy / step_time
+  per_device_busy: list[float]  # compute seconds per step, per device
+  timeline: list[Span]  # every task of every simulated step, for a Gantt chart
+  backprop_time: float  # the one-device reference step
+  step_ends: list[float]  # when each simulated step's barrier fell
 
   @property
   def speedup(self) -> float:
@@ -389,8 +423,16 @@ class SimResult:
     return [1.0 - busy / self.step_time for busy in self.per_device_busy]
 
 
-def simulate(schedule: str, costs: StageCosts, *, microbatches: int = 4, data_parallel: int = 1,
-             stash: str = 'graph', forward: str = 'locked', steps: int | None = None) -> SimResult:
+def simulate(
+  schedule: str,
+  costs: StageCosts,
+  *,
+  microbatches: int = 4,
+  data_parallel: int = 1,
+  stash: str = 'graph',
+  forward: str = 'locked',
+  steps: int | None = None,
+) -> SimResult:
   """Run `schedule` on `costs` for `steps` steps (default 3G + 10) and measure its steady state.
 
   `microbatches` is gpipe's M; `data_parallel` is data_parallel's replica count R (the stage
@@ -400,12 +442,21 @@ def simulate(schedule: str, costs: StageCosts, *, microbatches: int = 4, data_pa
   G = costs.num_stages
   _check(schedule, costs, microbatches, data_parallel, stash, forward)
   devices = {'backprop': 1, 'data_parallel': data_parallel}.get(schedule, G)
-  emit = {'backprop': emit_backprop, 'data_parallel': emit_data_parallel,
-          'model_parallel': emit_model_parallel, 'gpipe': emit_gpipe}.get(schedule)
+  emit = {
+    'backprop': emit_backprop,
+    'data_parallel': emit_data_parallel,
+    'model_parallel': emit_model_parallel,
+    'gpipe': emit_gpipe,
+  }.get(schedule)
   if schedule == 'ouroboros':  # G = 1 has no delay: Ouroboros is backprop there
-    emit = (emit_backprop if G == 1 else
-            emit_ouroboros_locked if forward == 'locked' else emit_ouroboros_pipelined)
-  warmup = 2 * max(G, devices) + 2          # the pipelined forward fills in 2G steps
+    emit = (
+      emit_backprop
+      if G == 1
+      else emit_ouroboros_locked
+      if forward == 'locked'
+      else emit_ouroboros_pipelined
+    )
+  warmup = 2 * max(G, devices) + 2  # the pipelined forward fills in 2G steps
   steps = steps if steps is not None else 3 * max(G, devices) + 10
   if steps < warmup + 3:
     raise ValueError(f'steps={steps} leaves no steady state; use at least {warmup + 3}.')
@@ -413,8 +464,11 @@ def simulate(schedule: str, costs: StageCosts, *, microbatches: int = 4, data_pa
   graph, state = Graph(costs), {}
   if costs.update_s:  # one device updates every parameter; a ring device, its own stage's
     whole = sum(costs.update_s)
-    graph.update_s = ([whole] * devices if schedule in ('backprop', 'data_parallel') or G == 1
-                      else list(costs.update_s))
+    graph.update_s = (
+      [whole] * devices
+      if schedule in ('backprop', 'data_parallel') or G == 1
+      else list(costs.update_s)
+    )
   for t in range(steps):
     emit(graph, t, state, microbatches=microbatches, replicas=data_parallel, stash=stash)
   times = execute(graph.tasks)
@@ -430,12 +484,25 @@ def simulate(schedule: str, costs: StageCosts, *, microbatches: int = 4, data_pa
     kind, *where = task.resource
     if kind == 'device' and task.step in window:
       busy[where[0]] += task.duration / len(window)
-    lane = where[0] if kind == 'device' else f'{where[0]}->{where[-1]}' if kind == 'link' else (
-        f'net{where[0]}')
+    lane = (
+      where[0]
+      if kind == 'device'
+      else f'{where[0]}->{where[-1]}'
+      if kind == 'link'
+      else (f'net{where[0]}')
+    )
     timeline.append(Span(lane, task.kind, task.batch, start, end))
   idle = [1.0 - b / step_time for b in busy] if step_time > 0 else [0.0] * devices
-  return SimResult(schedule, devices, step_time, sum(idle) / devices, busy, timeline,
-                   backprop_time(costs), step_ends)
+  return SimResult(
+    schedule,
+    devices,
+    step_time,
+    sum(idle) / devices,
+    busy,
+    timeline,
+    backprop_time(costs),
+    step_ends,
+  )
 
 
 def _check(schedule, costs, microbatches, data_parallel, stash, forward) -> None:
@@ -450,8 +517,10 @@ def _check(schedule, costs, microbatches, data_parallel, stash, forward) -> None
   if data_parallel > 1 and schedule != 'data_parallel':
     raise ValueError('hybrid stage x data meshes are not modelled; use data_parallel alone.')
   batch = costs.batch_size
-  for name, parts, applies in (('data_parallel', data_parallel, schedule == 'data_parallel'),
-                               ('microbatches', microbatches, schedule == 'gpipe')):
+  for name, parts, applies in (
+    ('data_parallel', data_parallel, schedule == 'data_parallel'),
+    ('microbatches', microbatches, schedule == 'gpipe'),
+  ):
     if applies and batch is not None and batch % parts:
       raise ValueError(f'batch {batch} cannot be cut into {name}={parts} equal parts.')
 
@@ -459,10 +528,20 @@ def _check(schedule, costs, microbatches, data_parallel, stash, forward) -> None
 # ----------------------------------------------------------------------------- cost model
 
 
-def transformer_costs(num_layers: int, d_model: int, d_ff: int, seq_len: int, vocab: int,
-                      batch: int, num_stages: int, flops_per_s: float, bandwidth: float,
-                      latency: float, layers_per_stage: Sequence[int] | None = None,
-                      bytes_per_value: int = 2) -> StageCosts:
+def transformer_costs(
+  num_layers: int,
+  d_model: int,
+  d_ff: int,
+  seq_len: int,
+  vocab: int,
+  batch: int,
+  num_stages: int,
+  flops_per_s: float,
+  bandwidth: float,
+  latency: float,
+  layers_per_stage: Sequence[int] | None = None,
+  bytes_per_value: int = 2,
+) -> StageCosts:
   """StageCosts of a decoder-only Transformer with tied embeddings cut into `num_stages` groups.
 
   `flops_per_s` is the *effective* rate (peak x utilisation). Backward = 2 x forward. The
@@ -477,17 +556,24 @@ def transformer_costs(num_layers: int, d_model: int, d_ff: int, seq_len: int, vo
     # Forward costs on both sides: the backward is 2x either way, so the balance is the same.
     layers_per_stage = costs.balance_layers(num_layers, num_stages, per_layer, head)
   if len(layers_per_stage) != num_stages or sum(layers_per_stage) != num_layers:
-    raise ValueError(f'layers_per_stage {tuple(layers_per_stage)} must give {num_stages} stages '
-                     f'summing to {num_layers} layers.')
-  params = num_layers * (4 * d_model ** 2 + 2 * d_model * d_ff) + vocab * d_model
+    raise ValueError(
+      f'layers_per_stage {tuple(layers_per_stage)} must give {num_stages} stages '
+      f'summing to {num_layers} layers.'
+    )
+  params = num_layers * (4 * d_model**2 + 2 * d_model * d_ff) + vocab * d_model
   embed = 2 * d_model * tokens / flops_per_s
   return StageCosts(
-      forward_s=[n * per_layer for n in layers_per_stage],
-      backward_s=[2 * n * per_layer for n in layers_per_stage],
-      head_s=3 * head, embed_forward_s=embed, embed_backward_s=embed,
-      activation_bytes=tokens * d_model * bytes_per_value,
-      grad_bytes=params * bytes_per_value, bandwidth=bandwidth, latency=latency,
-      batch_size=batch)
+    forward_s=[n * per_layer for n in layers_per_stage],
+    backward_s=[2 * n * per_layer for n in layers_per_stage],
+    head_s=3 * head,
+    embed_forward_s=embed,
+    embed_backward_s=embed,
+    activation_bytes=tokens * d_model * bytes_per_value,
+    grad_bytes=params * bytes_per_value,
+    bandwidth=bandwidth,
+    latency=latency,
+    batch_size=batch,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -505,26 +591,28 @@ class ModelShape:
 
   @property
   def params(self) -> int:
-    return self.num_layers * (4 * self.d_model ** 2 + 2 * self.d_model * self.d_ff) + (
-        self.vocab * self.d_model)
+    return self.num_layers * (4 * self.d_model**2 + 2 * self.d_model * self.d_ff) + (
+      self.vocab * self.d_model
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class Hardware:
   name: str
-  flops_per_s: float   # effective: peak x utilisation
-  bandwidth: float     # bytes / s per link direction
-  latency: float       # seconds per message
+  flops_per_s: float  # effective: peak x utilisation
+  bandwidth: float  # bytes / s per link direction
+  latency: float  # seconds per message
 
   def rates(self) -> dict:
-    return {'flops_per_s': self.flops_per_s, 'bandwidth': self.bandwidth,
-            'latency': self.latency}
+    return {'flops_per_s': self.flops_per_s, 'bandwidth': self.bandwidth, 'latency': self.latency}
 
 
-GPT2_SMALL = ModelShape('gpt2-small', num_layers=12, d_model=768, d_ff=3072, seq_len=1024,
-                        vocab=50257, batch=32)
-ONE_B = ModelShape('1b', num_layers=24, d_model=2048, d_ff=8192, seq_len=2048, vocab=50257,
-                   batch=32)
+GPT2_SMALL = ModelShape(
+  'gpt2-small', num_layers=12, d_model=768, d_ff=3072, seq_len=1024, vocab=50257, batch=32
+)
+ONE_B = ModelShape(
+  '1b', num_layers=24, d_model=2048, d_ff=8192, seq_len=2048, vocab=50257, batch=32
+)
 # A 300 TFLOP/s (bf16) accelerator at 40% utilisation, NVLink-class links or a 25 GB/s network.
 NVLINK = Hardware('nvlink-300GBps', flops_per_s=0.4 * 300e12, bandwidth=300e9, latency=5e-6)
 NETWORK = Hardware('network-25GBps', flops_per_s=0.4 * 300e12, bandwidth=25e9, latency=5e-6)

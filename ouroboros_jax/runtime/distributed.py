@@ -34,7 +34,7 @@ ENV_PROCESS_ID = 'OUROBOROS_PROCESS_ID'
 
 @dataclasses.dataclass(frozen=True)
 class ProcessConfig:
-  coordinator: str | None = None      # 'host:port', 'auto', or None (single process)
+  coordinator: str | None = None  # 'host:port', 'auto', or None (single process)
   num_processes: int | None = None
   process_id: int | None = None
   init_timeout_s: int = 120
@@ -44,16 +44,20 @@ class ProcessConfig:
 def from_env(config: ProcessConfig) -> ProcessConfig:
   """Fills what the flags left empty from the OUROBOROS_* environment variables."""
   env = os.environ
-  pick = lambda value, name, kind: value if value is not None else (
-      kind(env[name]) if env.get(name) else None)
+  pick = lambda value, name, kind: (
+    value if value is not None else (kind(env[name]) if env.get(name) else None)
+  )
   try:
     return dataclasses.replace(
-        config, coordinator=pick(config.coordinator, ENV_COORDINATOR, str),
-        num_processes=pick(config.num_processes, ENV_NUM_PROCESSES, int),
-        process_id=pick(config.process_id, ENV_PROCESS_ID, int))
+      config,
+      coordinator=pick(config.coordinator, ENV_COORDINATOR, str),
+      num_processes=pick(config.num_processes, ENV_NUM_PROCESSES, int),
+      process_id=pick(config.process_id, ENV_PROCESS_ID, int),
+    )
   except ValueError as e:
-    raise ConfigError(f'bad {ENV_NUM_PROCESSES}/{ENV_PROCESS_ID} in the environment ({e}); '
-                      'they must be integers.') from None
+    raise ConfigError(
+      f'bad {ENV_NUM_PROCESSES}/{ENV_PROCESS_ID} in the environment ({e}); they must be integers.'
+    ) from None
 
 
 def initialize(config: ProcessConfig) -> bool:
@@ -61,34 +65,47 @@ def initialize(config: ProcessConfig) -> bool:
   config = from_env(config)
   if config.coordinator is None:
     if config.num_processes not in (None, 1) or config.process_id not in (None, 0):
-      raise ConfigError('--num-processes/--process-id need --coordinator HOST:PORT (or '
-                        '--coordinator auto on a cluster JAX can detect).')
+      raise ConfigError(
+        '--num-processes/--process-id need --coordinator HOST:PORT (or '
+        '--coordinator auto on a cluster JAX can detect).'
+      )
     return False
   if config.init_timeout_s < 1:
     raise ConfigError(f'--init-timeout must be >= 1 second, got {config.init_timeout_s}.')
   import jax
+
   if config.coordinator != 'auto':
     if config.num_processes is None or config.process_id is None:
-      raise ConfigError(f'--coordinator {config.coordinator} also needs --num-processes and '
-                        '--process-id (or their OUROBOROS_* environment variables).')
+      raise ConfigError(
+        f'--coordinator {config.coordinator} also needs --num-processes and '
+        '--process-id (or their OUROBOROS_* environment variables).'
+      )
     if config.num_processes < 1:
       raise ConfigError(f'--num-processes must be >= 1, got {config.num_processes}.')
     if not 0 <= config.process_id < config.num_processes:
-      raise ConfigError(f'--process-id {config.process_id} is outside 0..'
-                        f'{config.num_processes - 1}; give each process its own id.')
+      raise ConfigError(
+        f'--process-id {config.process_id} is outside 0..'
+        f'{config.num_processes - 1}; give each process its own id.'
+      )
   if (jax.config.jax_platforms or 'cpu').startswith('cpu') or os.environ.get(
-      'JAX_PLATFORMS', '').startswith('cpu'):
+    'JAX_PLATFORMS', ''
+  ).startswith('cpu'):
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
   if config.coordinator != 'auto' and config.process_id != 0:
     wait_for_coordinator(config.coordinator, config.init_timeout_s)
-  kwargs = dict(initialization_timeout=config.init_timeout_s,
-                heartbeat_timeout_seconds=config.heartbeat_timeout_s)
+  kwargs = dict(
+    initialization_timeout=config.init_timeout_s,
+    heartbeat_timeout_seconds=config.heartbeat_timeout_s,
+  )
   if config.coordinator == 'auto':
     jax.distributed.initialize(**kwargs)
   else:
-    jax.distributed.initialize(coordinator_address=config.coordinator,
-                               num_processes=config.num_processes,
-                               process_id=config.process_id, **kwargs)
+    jax.distributed.initialize(
+      coordinator_address=config.coordinator,
+      num_processes=config.num_processes,
+      process_id=config.process_id,
+      **kwargs,
+    )
   return True
 
 
@@ -105,7 +122,9 @@ def wait_for_coordinator(address: str, timeout_s: float) -> None:
     except OSError as e:
       reason = e.strerror or type(e).__name__
     if time.monotonic() >= deadline:
-      raise ConfigError(f'cannot reach the coordinator {address} within {timeout_s:g} s '
-                        f'({reason}); start process 0 there first, fix --coordinator, or wait '
-                        'longer with --init-timeout.')
+      raise ConfigError(
+        f'cannot reach the coordinator {address} within {timeout_s:g} s '
+        f'({reason}); start process 0 there first, fix --coordinator, or wait '
+        'longer with --init-timeout.'
+      )
     time.sleep(0.5)

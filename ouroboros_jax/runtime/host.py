@@ -44,8 +44,14 @@ _M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
 
 
 # Accelerator PJRT plugins and runtimes JAX would pick over the CPU when they are installed.
-_ACCELERATOR_MODULES = ('jax_plugins', 'jax_cuda12_plugin', 'jax_cuda13_plugin',
-                        'jax_rocm60_plugin', 'jax_rocm7_plugin', 'libtpu')
+_ACCELERATOR_MODULES = (
+  'jax_plugins',
+  'jax_cuda12_plugin',
+  'jax_cuda13_plugin',
+  'jax_rocm60_plugin',
+  'jax_rocm7_plugin',
+  'libtpu',
+)
 # Subpackages of a jaxlib built with CUDA or ROCm inside (before the PJRT plugins).
 _LEGACY_GPU_JAXLIB_DIRS = ('cuda', 'rocm')
 
@@ -70,8 +76,11 @@ def _accelerator_installed() -> bool:
     pass
   if any(importlib.util.find_spec(name) is not None for name in _ACCELERATOR_MODULES):
     return True
-  return any((pathlib.Path(root) / name).is_dir() for root in _jaxlib_dirs()
-             for name in _LEGACY_GPU_JAXLIB_DIRS)
+  return any(
+    (pathlib.Path(root) / name).is_dir()
+    for root in _jaxlib_dirs()
+    for name in _LEGACY_GPU_JAXLIB_DIRS
+  )
 
 
 def cpu_backend_expected() -> bool:
@@ -95,8 +104,9 @@ def _jaxlib_dirs() -> list[str]:
 
 def _xla_libraries() -> list[pathlib.Path]:
   """jaxlib's shared libraries, the largest (XLA itself: libjax_common.so today) first."""
-  libraries = [p for root in _jaxlib_dirs() for p in pathlib.Path(root).rglob('*.so*')
-               if p.is_file()]
+  libraries = [
+    p for root in _jaxlib_dirs() for p in pathlib.Path(root).rglob('*.so*') if p.is_file()
+  ]
   return sorted(libraries, key=lambda p: p.stat().st_size, reverse=True)
 
 
@@ -134,8 +144,11 @@ def _supported_xla_flags(flags: tuple[str, ...]) -> tuple[str, ...]:
     if xla_knows_flag(name):
       supported.append(flag)
     else:
-      print(f'warning: this XLA does not know {name}; skipped that speed setting '
-            '(results are unchanged).', file=sys.stderr)
+      print(
+        f'warning: this XLA does not know {name}; skipped that speed setting '
+        '(results are unchanged).',
+        file=sys.stderr,
+      )
   return tuple(supported)
 
 
@@ -167,8 +180,10 @@ def keep_freed_memory() -> bool:
     libc.gnu_get_libc_version  # noqa: B018  (raises AttributeError outside glibc)
   except (OSError, AttributeError):
     return False
-  return all(libc.mallopt(param, value) == 1 for param, value in (
-      (_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1)))
+  return all(
+    libc.mallopt(param, value) == 1
+    for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
+  )
 
 
 def configure_cpu_runtime() -> bool:

@@ -30,8 +30,8 @@ import sys
 import threading
 import time
 
-from ouroboros_jax.runtime import distributed, host
 from ouroboros_jax.errors import ConfigError, UserError
+from ouroboros_jax.runtime import distributed, host
 
 SINGLE_THREADED_XLA = '--xla_cpu_multi_thread_eigen=false --xla_force_host_platform_device_count=1'
 
@@ -44,12 +44,16 @@ _LAUNCHER_FLAGS = ('--coordinator', '--num-processes', '--process-id')
 def check_command(args: list[str]) -> None:
   """A one-line ConfigError unless args is a `train` or `bench` command the launcher can run."""
   if args[0] not in LAUNCHABLE:
-    raise ConfigError(f'launch runs `train` or `bench` in every process, not {args[0]!r}; e.g. '
-                      '`ouroboros launch --processes 2 -- train --stages 2`.')
+    raise ConfigError(
+      f'launch runs `train` or `bench` in every process, not {args[0]!r}; e.g. '
+      '`ouroboros launch --processes 2 -- train --stages 2`.'
+    )
   given = [a.split('=')[0] for a in args if a.split('=')[0] in _LAUNCHER_FLAGS]
   if given:
-    raise ConfigError(f'launch sets {", ".join(given)} for each process itself; drop '
-                      f'{"them" if len(given) > 1 else "it"} from the command after --.')
+    raise ConfigError(
+      f'launch sets {", ".join(given)} for each process itself; drop '
+      f'{"them" if len(given) > 1 else "it"} from the command after --.'
+    )
 
 
 def free_port() -> int:
@@ -60,15 +64,19 @@ def free_port() -> int:
 
 def child_env(process_id: int, num_processes: int, port: int) -> dict:
   env = dict(os.environ)
-  env.update({
+  env.update(
+    {
       distributed.ENV_COORDINATOR: f'127.0.0.1:{port}',
       distributed.ENV_NUM_PROCESSES: str(num_processes),
       distributed.ENV_PROCESS_ID: str(process_id),
       'JAX_PLATFORMS': 'cpu',
       'XLA_FLAGS': ' '.join((SINGLE_THREADED_XLA, *host.supported_cpu_xla_flags())),
-      'OMP_NUM_THREADS': '1', 'OPENBLAS_NUM_THREADS': '1', 'MKL_NUM_THREADS': '1',
+      'OMP_NUM_THREADS': '1',
+      'OPENBLAS_NUM_THREADS': '1',
+      'MKL_NUM_THREADS': '1',
       'PYTHONUNBUFFERED': '1',
-  })
+    }
+  )
   return env
 
 
@@ -114,7 +122,7 @@ def _forward(stream, prefix: str, out, failed: threading.Event, errors: list) ->
     if failed.is_set() and _CPP_FRAME.match(line):
       continue
     if line.startswith('error: '):
-      errors.append(line[len('error: '):].strip())
+      errors.append(line[len('error: ') :].strip())
     out.write(f'{prefix} {line}')
     out.flush()
 
@@ -124,9 +132,17 @@ def _exit_status(code: int) -> int:
   return code if code > 0 else 128 - code
 
 
-def launch(num_processes: int, args: list[str], *, pin_cpus: bool = False, grace_s: float = 45.0,
-           timeout_s: float | None = None, out=None, program: list[str] | None = None,
-           reasons: list | None = None) -> int:
+def launch(
+  num_processes: int,
+  args: list[str],
+  *,
+  pin_cpus: bool = False,
+  grace_s: float = 45.0,
+  timeout_s: float | None = None,
+  out=None,
+  program: list[str] | None = None,
+  reasons: list | None = None,
+) -> int:
   """Runs the N children to completion; returns 0 or the first non-zero exit code.
 
   program: what each child runs before `args` (default `python -m ouroboros_jax`; tests and
@@ -138,8 +154,10 @@ def launch(num_processes: int, args: list[str], *, pin_cpus: bool = False, grace
   if num_processes < 1:
     raise ConfigError(f'--processes must be >= 1, got {num_processes}.')
   if not args and program is None:
-    raise ConfigError('nothing to launch: give the command after --, e.g. '
-                      '`ouroboros launch --processes 2 -- train --schedule ouroboros --stages 2`.')
+    raise ConfigError(
+      'nothing to launch: give the command after --, e.g. '
+      '`ouroboros launch --processes 2 -- train --schedule ouroboros --stages 2`.'
+    )
   if program is None:
     check_command(args)
   if timeout_s is not None and not timeout_s > 0:
@@ -158,13 +176,20 @@ def launch(num_processes: int, args: list[str], *, pin_cpus: bool = False, grace
     if pin_cpus:
       cmd = ['taskset', '-c', str(i % cores), *cmd]
     # Its own session, so a Ctrl-C in the terminal reaches the launcher only, which passes it on.
-    p = subprocess.Popen(cmd, env=child_env(i, num_processes, port), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                         preexec_fn=_die_with_parent if sys.platform.startswith('linux') else None)
+    p = subprocess.Popen(
+      cmd,
+      env=child_env(i, num_processes, port),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+      start_new_session=True,
+      preexec_fn=_die_with_parent if sys.platform.startswith('linux') else None,
+    )
     procs.append(p)
     errors.append([])
-    th = threading.Thread(target=_forward, args=(p.stdout, f'[p{i}]', out, failed, errors[i]),
-                          daemon=True)
+    th = threading.Thread(
+      target=_forward, args=(p.stdout, f'[p{i}]', out, failed, errors[i]), daemon=True
+    )
     th.start()
     threads.append(th)
 
@@ -177,10 +202,15 @@ def launch(num_processes: int, args: list[str], *, pin_cpus: bool = False, grace
         if code not in (None, 0) and not first_failure:
           first_failure, failed_at = _exit_status(code), now
           failed.set()
-          how = (f'was killed by {signal.Signals(-code).name}' if code < 0 else
-                 f'exited with status {code}')
-          out.write(f'[launch] process {i} {how}; the others stop when they next need it '
-                    f'(killed after {grace_s:.0f} s)\n')
+          how = (
+            f'was killed by {signal.Signals(-code).name}'
+            if code < 0
+            else f'exited with status {code}'
+          )
+          out.write(
+            f'[launch] process {i} {how}; the others stop when they next need it '
+            f'(killed after {grace_s:.0f} s)\n'
+          )
           out.flush()
       if failed_at is not None and now - failed_at > grace_s:
         break
@@ -212,10 +242,12 @@ def launch(num_processes: int, args: list[str], *, pin_cpus: bool = False, grace
     out.write(f'[launch] exit codes {codes}; returning {first_failure}\n')
     if reasons is not None:
       first = next((i for i, c in enumerate(codes) if c), 0)
-      reasons.append(next((f'process {i}: {e[0]}' for i, e in enumerate(errors) if e), None) or
-                     f'process {first} exited with status '
-                     f'{_exit_status(codes[first]) if codes[first] else first_failure}; see its '
-                     'output above.')
+      reasons.append(
+        next((f'process {i}: {e[0]}' for i, e in enumerate(errors) if e), None)
+        or f'process {first} exited with status '
+        f'{_exit_status(codes[first]) if codes[first] else first_failure}; see its '
+        'output above.'
+      )
   return first_failure
 
 

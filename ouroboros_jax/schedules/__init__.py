@@ -45,26 +45,50 @@ import optax
 from ouroboros_jax.choices import SCHEDULES
 from ouroboros_jax.schedules.config import ScheduleConfig
 from ouroboros_jax.schedules.synchronous import (
-    build_backprop, build_data_parallel, build_gpipe, build_model_parallel, check_batch,
-    gpipe_idle_fraction, model_parallel_idle_fraction, replica_key, synchronous_update)
+  build_backprop,
+  build_data_parallel,
+  build_gpipe,
+  build_model_parallel,
+  check_batch,
+  gpipe_idle_fraction,
+  model_parallel_idle_fraction,
+  replica_key,
+  synchronous_update,
+)
 from ouroboros_jax.staged import Schedule, StagedModel
 
-__all__ = ['SCHEDULES', 'ScheduleConfig', 'build_schedule', 'build_backprop',
-           'build_data_parallel', 'build_gpipe', 'build_model_parallel', 'check_batch',
-           'gpipe_idle_fraction', 'model_parallel_idle_fraction', 'replica_key',
-           'synchronous_update']
+__all__ = [
+  'SCHEDULES',
+  'ScheduleConfig',
+  'build_schedule',
+  'build_backprop',
+  'build_data_parallel',
+  'build_gpipe',
+  'build_model_parallel',
+  'check_batch',
+  'gpipe_idle_fraction',
+  'model_parallel_idle_fraction',
+  'replica_key',
+  'synchronous_update',
+]
 
 
-def build_schedule(config: ScheduleConfig, model: StagedModel,
-                   tx: optax.GradientTransformation, *, devices=None) -> Schedule:
+def build_schedule(
+  config: ScheduleConfig, model: StagedModel, tx: optax.GradientTransformation, *, devices=None
+) -> Schedule:
   """The builder every caller uses: checks `config` (one-line ConfigErrors), then dispatches on
   `config.name`."""
   config.validate()
-  builders = {'backprop': build_backprop, 'data_parallel': build_data_parallel,
-              'model_parallel': build_model_parallel, 'gpipe': build_gpipe}
+  builders = {
+    'backprop': build_backprop,
+    'data_parallel': build_data_parallel,
+    'model_parallel': build_model_parallel,
+    'gpipe': build_gpipe,
+  }
   if config.name in builders:
     return builders[config.name](config, model, tx, devices=devices)
   if config.name == 'ouroboros':
     from ouroboros_jax.schedules import ouroboros
+
     return ouroboros.build(config, model, tx, devices=devices)
   raise AssertionError(config.name)  # validate() knows SCHEDULES

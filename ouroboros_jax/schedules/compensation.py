@@ -66,13 +66,18 @@ class Compensation:
     return self != Compensation()
 
   def names(self) -> tuple[str, ...]:
-    on = {'predict': self.predict, 'pipemare': self.pipemare_steps > 0,
-          'dc': self.dc_lambda > 0, 'shrink': self.shrink != 1.0}
+    on = {
+      'predict': self.predict,
+      'pipemare': self.pipemare_steps > 0,
+      'dc': self.dc_lambda > 0,
+      'shrink': self.shrink != 1.0,
+    }
     return tuple(name for name in COMPENSATIONS if on[name])
 
 
-def parse(spec: str, *, steps: int, dc_lambda: float = 1.0, shrink: float = 0.5,
-          pipemare_steps: int = 0) -> Compensation:
+def parse(
+  spec: str, *, steps: int, dc_lambda: float = 1.0, shrink: float = 0.5, pipemare_steps: int = 0
+) -> Compensation:
   """'none' or a comma list of COMPENSATIONS ('predict,dc') -> Compensation.
 
   The strengths apply to the names that are listed; pipemare_steps 0 means a quarter of `steps`.
@@ -82,28 +87,34 @@ def parse(spec: str, *, steps: int, dc_lambda: float = 1.0, shrink: float = 0.5,
     return Compensation()
   unknown = [n for n in names if n not in COMPENSATIONS]
   if unknown:
-    raise ConfigError(f'unknown --compensation {",".join(unknown)}; use none or a comma list of '
-                      f'{", ".join(COMPENSATIONS)} (e.g. --compensation predict,dc).')
+    raise ConfigError(
+      f'unknown --compensation {",".join(unknown)}; use none or a comma list of '
+      f'{", ".join(COMPENSATIONS)} (e.g. --compensation predict,dc).'
+    )
   if not dc_lambda > 0:
     raise ConfigError(f'--dc-lambda must be > 0, got {dc_lambda}.')
   if not 0 < shrink <= 1:
     raise ConfigError(f'--shrink must be in (0, 1], got {shrink}.')
   if pipemare_steps < 0:
-    raise ConfigError(f'--pipemare-steps must be >= 0 (0: a quarter of --steps), got '
-                      f'{pipemare_steps}.')
+    raise ConfigError(
+      f'--pipemare-steps must be >= 0 (0: a quarter of --steps), got {pipemare_steps}.'
+    )
   return Compensation(
-      predict='predict' in names,
-      pipemare_steps=(pipemare_steps or max(steps // 4, 1)) if 'pipemare' in names else 0,
-      dc_lambda=dc_lambda if 'dc' in names else 0.0,
-      shrink=shrink if 'shrink' in names else 1.0)
+    predict='predict' in names,
+    pipemare_steps=(pipemare_steps or max(steps // 4, 1)) if 'pipemare' in names else 0,
+    dc_lambda=dc_lambda if 'dc' in names else 0.0,
+    shrink=shrink if 'shrink' in names else 1.0,
+  )
 
 
 def check_fits(compensation: Compensation, stash: str) -> None:
   """One-line ConfigError for a compensation that cannot work with the stash mode."""
   if compensation.dc_lambda and stash != 'graph':
-    raise ConfigError('--compensation dc needs the gradient at the forward\'s weights, which '
-                      'only --stash graph keeps (replay takes it at the current weights); use '
-                      '--stash graph or drop dc.')
+    raise ConfigError(
+      "--compensation dc needs the gradient at the forward's weights, which "
+      'only --stash graph keeps (replay takes it at the current weights); use '
+      '--stash graph or drop dc.'
+    )
 
 
 # ----------------------------------------------------------------------------- optimizers
@@ -113,17 +124,27 @@ def muon_dimensions(tree):
   """Muon's view of each parameter: a layer kernel [..., in, out] is a batch of in x out matrices
   (the stacked layer axis is a batch axis of the orthogonalisation); everything else is None,
   which optax.contrib.muon gives to Adam."""
+
   def dims(path, leaf):
     if getattr(path[-1], 'key', None) != 'kernel' or leaf.ndim < 2:
       return None
-    return optax.contrib.MuonDimensionNumbers(reduction_axis=leaf.ndim - 2,
-                                              output_axis=leaf.ndim - 1)
+    return optax.contrib.MuonDimensionNumbers(
+      reduction_axis=leaf.ndim - 2, output_axis=leaf.ndim - 1
+    )
+
   return jax.tree_util.tree_map_with_path(dims, tree)
 
 
-def make_optimizer(name: str, learning_rate, *, weight_decay: float = 0.0,
-                   muon_learning_rate=None, b1: float | None = None, b2: float = 0.999,
-                   eps: float = 1e-8) -> optax.GradientTransformation:
+def make_optimizer(
+  name: str,
+  learning_rate,
+  *,
+  weight_decay: float = 0.0,
+  muon_learning_rate=None,
+  b1: float | None = None,
+  b2: float = 0.999,
+  eps: float = 1e-8,
+) -> optax.GradientTransformation:
   """The base optimizer by name; weight decay on layer kernels only, in every case.
 
   adamw   optax.adamw (b1 0.9): the paper's optimizer.
@@ -134,17 +155,30 @@ def make_optimizer(name: str, learning_rate, *, weight_decay: float = 0.0,
           (Jordan et al. 2024, github.com/KellerJordan/Muon).
   """
   if name == 'adamw':
-    return adamw(learning_rate, b1=0.9 if b1 is None else b1, b2=b2, eps=eps,
-                 weight_decay=weight_decay)
+    return adamw(
+      learning_rate, b1=0.9 if b1 is None else b1, b2=b2, eps=eps, weight_decay=weight_decay
+    )
   if name == 'nadamw':
-    return optax.nadamw(learning_rate, b1=0.99 if b1 is None else b1, b2=b2, eps=eps,
-                        weight_decay=weight_decay, mask=kernel_mask)
+    return optax.nadamw(
+      learning_rate,
+      b1=0.99 if b1 is None else b1,
+      b2=b2,
+      eps=eps,
+      weight_decay=weight_decay,
+      mask=kernel_mask,
+    )
   if name == 'muon':
     return optax.contrib.muon(
-        learning_rate if muon_learning_rate is None else muon_learning_rate,
-        beta=0.95 if b1 is None else b1, weight_decay=weight_decay, weight_decay_mask=kernel_mask,
-        adam_learning_rate=learning_rate, adam_b1=0.9, adam_b2=b2, eps=eps,
-        muon_weight_dimension_numbers=muon_dimensions)
+      learning_rate if muon_learning_rate is None else muon_learning_rate,
+      beta=0.95 if b1 is None else b1,
+      weight_decay=weight_decay,
+      weight_decay_mask=kernel_mask,
+      adam_learning_rate=learning_rate,
+      adam_b1=0.9,
+      adam_b2=b2,
+      eps=eps,
+      muon_weight_dimension_numbers=muon_dimensions,
+    )
   raise ConfigError(f'unknown optimizer {name!r}; use --optimizer {" or ".join(OPTIMIZERS)}.')
 
 
@@ -161,6 +195,7 @@ def shrink_delayed(factor: float) -> optax.GradientTransformationExtraArgs:
   Huo, Gu, Huang. "Training Neural Networks Using Features Replay", NeurIPS 2018, and the
   delayed-gradient shrinking of FDG (github.com/ZHUANGHP/FDG).
   """
+
   def update(updates, state, params=None, *, delay=None, **extra):
     del params, extra
     stale = _gap(delay) > 0
@@ -170,14 +205,14 @@ def shrink_delayed(factor: float) -> optax.GradientTransformationExtraArgs:
 
 
 class DelayCompensationState(NamedTuple):
-  count: jax.Array          # updates applied so far (n)
-  history: PyTree           # weights after update i, in slot i % depth (all = w_0 at first)
-  mean_square: PyTree       # running mean of g * g, for the adaptive strength
+  count: jax.Array  # updates applied so far (n)
+  history: PyTree  # weights after update i, in slot i % depth (all = w_0 at first)
+  mean_square: PyTree  # running mean of g * g, for the adaptive strength
 
 
-def delay_compensation(strength: float, max_delay: int,
-                       decay: float = 0.95, eps: float = 1e-7
-                       ) -> optax.GradientTransformationExtraArgs:
+def delay_compensation(
+  strength: float, max_delay: int, decay: float = 0.95, eps: float = 1e-7
+) -> optax.GradientTransformationExtraArgs:
   """DC-ASGD-a: g + lambda_t * g * g * (w_now - w_then), lambda_t = strength / sqrt(MS(g)).
 
   Zheng, Meng, Wang, Chen, Yu, Ma, Liu. "Asynchronous Stochastic Gradient Descent with Delay
@@ -190,9 +225,10 @@ def delay_compensation(strength: float, max_delay: int,
 
   def init(params):
     return DelayCompensationState(
-        count=jnp.zeros((), jnp.int32),
-        history=jax.tree.map(lambda p: jnp.broadcast_to(p, (depth, *p.shape)), params),
-        mean_square=jax.tree.map(jnp.zeros_like, params))
+      count=jnp.zeros((), jnp.int32),
+      history=jax.tree.map(lambda p: jnp.broadcast_to(p, (depth, *p.shape)), params),
+      mean_square=jax.tree.map(jnp.zeros_like, params),
+    )
 
   def update(updates, state, params=None, *, delay=None, **extra):
     del extra
@@ -203,11 +239,16 @@ def delay_compensation(strength: float, max_delay: int,
     # Slot (n - tau) % depth holds the weights after update n - tau; when n < tau it was never
     # written and holds w_0, which is what the weights were before this group's first update.
     w_then = jax.tree.map(lambda h: h[(n - tau) % depth], history)
-    mean_square = jax.tree.map(lambda m, g: decay * m + (1 - decay) * g * g,
-                               state.mean_square, updates)
+    mean_square = jax.tree.map(
+      lambda m, g: decay * m + (1 - decay) * g * g, state.mean_square, updates
+    )
     compensated = jax.tree.map(
-        lambda g, w, w0, m: g + strength / jnp.sqrt(m + eps) * g * g * (w - w0),
-        updates, params, w_then, mean_square)
+      lambda g, w, w0, m: g + strength / jnp.sqrt(m + eps) * g * g * (w - w0),
+      updates,
+      params,
+      w_then,
+      mean_square,
+    )
     return compensated, DelayCompensationState(n + 1, history, mean_square)
 
   return optax.GradientTransformationExtraArgs(init, update)
@@ -228,16 +269,20 @@ def scale_by_delay(anneal_steps: int) -> optax.GradientTransformationExtraArgs:
   Yang, Zhang, Sa et al. "PipeMare: Asynchronous Pipeline Parallel DNN Training", MLSys 2021
   (arXiv 1910.05124), section 3.1; as PluralisResearch/AsyncPP's `adjust_learning_rate`.
   """
+
   def update(updates, state, params=None, *, delay=None, **extra):
     del params, extra
     tau = jnp.maximum(_gap(delay), 1).astype(jnp.float32)
     exponent = 1.0 - jnp.minimum(state.count / anneal_steps, 1.0)
-    scale = tau ** -exponent                      # exactly 1 when tau is 1 (and so when fresh)
-    return (jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates),
-            DelayScaleState(state.count + 1))
+    scale = tau**-exponent  # exactly 1 when tau is 1 (and so when fresh)
+    return (
+      jax.tree.map(lambda u: (u * scale).astype(u.dtype), updates),
+      DelayScaleState(state.count + 1),
+    )
 
   return optax.GradientTransformationExtraArgs(
-      lambda params: DelayScaleState(jnp.zeros((), jnp.int32)), update)
+    lambda params: DelayScaleState(jnp.zeros((), jnp.int32)), update
+  )
 
 
 # ----------------------------------------------------------------------------- on the forward
@@ -245,7 +290,7 @@ def scale_by_delay(anneal_steps: int) -> optax.GradientTransformationExtraArgs:
 
 class LastUpdateState(NamedTuple):
   inner: optax.OptState
-  last_update: PyTree      # u(t-1) = w(t) - w(t-1): the group's latest update (0 before any)
+  last_update: PyTree  # u(t-1) = w(t) - w(t-1): the group's latest update (0 before any)
 
 
 def remember_update(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
@@ -270,27 +315,34 @@ def predict_weights(params: PyTree, opt_state: PyTree, gaps: PyTree) -> PyTree:
   `remember_update` optimizer); gaps has one version gap per group: a scalar for 'embed' and
   'head', one per stage ([G]) for 'stages'. A gap of 0 returns the weights unchanged.
   """
+
   def group(p, state, gap):
     gap = jnp.asarray(gap, jnp.float32)
+
     def shift(w, u):
       g = gap.reshape(gap.shape + (1,) * (w.ndim - gap.ndim)).astype(w.dtype)
       return jnp.where(g == 0, w, w + g * u)
+
     return jax.tree.map(shift, p, last_update(state))
+
   return {name: group(params[name], opt_state[name], gaps[name]) for name in params}
 
 
 def last_update(state) -> PyTree:
   if not isinstance(state, LastUpdateState):
-    raise ConfigError('weight prediction needs the optimizer wrapped by compensation.wrap '
-                      '(remember_update); build the schedule with Compensation(predict=True).')
+    raise ConfigError(
+      'weight prediction needs the optimizer wrapped by compensation.wrap '
+      '(remember_update); build the schedule with Compensation(predict=True).'
+    )
   return state.last_update
 
 
 # ----------------------------------------------------------------------------- the whole recipe
 
 
-def wrap(compensation: Compensation, tx: optax.GradientTransformation,
-         max_gap: int) -> optax.GradientTransformation:
+def wrap(
+  compensation: Compensation, tx: optax.GradientTransformation, max_gap: int
+) -> optax.GradientTransformation:
   """tx with the compensations a run asked for, in their order: shrink and DC-ASGD on the gradient
   before tx, PipeMare on tx's update, the latest update remembered for weight prediction.
 

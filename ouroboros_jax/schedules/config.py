@@ -18,51 +18,66 @@ class ScheduleConfig:
   num_stages: int = 1
   data_parallel: int = 1
   clip_norm: float | None = 1.0  # global-norm clipping before the update; None or 0: off
-  seed: int = 0                  # dropout keys from (seed, batch index); TrainConfig sets it
-  microbatches: int = 4          # gpipe: micro-batches per (data replica's) batch
-  stash: str = 'graph'           # ouroboros: 'graph' (DDG) or 'replay' (Features Replay)
-  stash_policy: str = 'all'      # ouroboros graph stash: which residuals (ring.STASH_POLICIES)
-  forward: str = 'locked'        # ouroboros: 'locked' (the paper) or 'pipelined'
-  sync_warmup_steps: int = 0     # ouroboros: plain backprop over the ring first
-  tied_grad: str = 'sum'         # ouroboros: 'sum' or 'mean' of the tied embedding's two grads
+  seed: int = 0  # dropout keys from (seed, batch index); TrainConfig sets it
+  microbatches: int = 4  # gpipe: micro-batches per (data replica's) batch
+  stash: str = 'graph'  # ouroboros: 'graph' (DDG) or 'replay' (Features Replay)
+  stash_policy: str = 'all'  # ouroboros graph stash: which residuals (ring.STASH_POLICIES)
+  forward: str = 'locked'  # ouroboros: 'locked' (the paper) or 'pipelined'
+  sync_warmup_steps: int = 0  # ouroboros: plain backprop over the ring first
+  tied_grad: str = 'sum'  # ouroboros: 'sum' or 'mean' of the tied embedding's two grads
   compensation: Compensation = Compensation()  # ouroboros: staleness compensation (none: paper);
-                                               # TrainConfig resolves it from --compensation
+  # TrainConfig resolves it from --compensation
 
   def validate(self) -> None:
     """One-line ConfigError, naming the flag, for a setting no schedule can run."""
     from ouroboros_jax.schedules.ring import STASH_POLICIES  # late: ring imports JAX's policies
 
-    for name, flag in (('num_stages', 'stages'), ('data_parallel', 'data-parallel'),
-                       ('microbatches', 'microbatches')):
+    for name, flag in (
+      ('num_stages', 'stages'),
+      ('data_parallel', 'data-parallel'),
+      ('microbatches', 'microbatches'),
+    ):
       if getattr(self, name) < 1:
-        raise ConfigError(f'--{flag} must be >= 1, got {getattr(self, name)}; set it to a '
-                          'positive integer.')
+        raise ConfigError(
+          f'--{flag} must be >= 1, got {getattr(self, name)}; set it to a positive integer.'
+        )
     if self.sync_warmup_steps < 0:
-      raise ConfigError(f'sync_warmup_steps must be >= 0, got {self.sync_warmup_steps}; fix '
-                        '--sync-warmup-steps.')
+      raise ConfigError(
+        f'sync_warmup_steps must be >= 0, got {self.sync_warmup_steps}; fix --sync-warmup-steps.'
+      )
     if self.clip_norm is not None and self.clip_norm < 0:
-      raise ConfigError(f'clip_norm must be >= 0 (0 turns clipping off), got {self.clip_norm}; '
-                        'fix --clip-norm.')
-    for value, choices, flag in ((self.name, SCHEDULES, 'schedule'),
-                                 (self.stash, STASH_MODES, 'stash'),
-                                 (self.stash_policy, tuple(STASH_POLICIES), 'stash-policy'),
-                                 (self.forward, FORWARD_MODES, 'forward'),
-                                 (self.tied_grad, TIED_GRAD_MODES, 'tied-grad')):
+      raise ConfigError(
+        f'clip_norm must be >= 0 (0 turns clipping off), got {self.clip_norm}; fix --clip-norm.'
+      )
+    for value, choices, flag in (
+      (self.name, SCHEDULES, 'schedule'),
+      (self.stash, STASH_MODES, 'stash'),
+      (self.stash_policy, tuple(STASH_POLICIES), 'stash-policy'),
+      (self.forward, FORWARD_MODES, 'forward'),
+      (self.tied_grad, TIED_GRAD_MODES, 'tied-grad'),
+    ):
       if value not in choices:
-        raise ConfigError(f'unknown {flag.replace("-", " ")} {value!r}; choose --{flag} from '
-                          f'{", ".join(choices)}.')
+        raise ConfigError(
+          f'unknown {flag.replace("-", " ")} {value!r}; choose --{flag} from {", ".join(choices)}.'
+        )
     if self.name == 'backprop' and self.data_parallel > 1:
-      raise ConfigError(f'backprop runs on one device; for {self.data_parallel} replicas use '
-                        '--schedule data_parallel.')
+      raise ConfigError(
+        f'backprop runs on one device; for {self.data_parallel} replicas use '
+        '--schedule data_parallel.'
+      )
     if self.name != 'ouroboros':  # the Ouroboros-only settings must not pass silently
       defaults = ScheduleConfig()
       for name in ('stash', 'forward', 'sync_warmup_steps'):
         if getattr(self, name) != getattr(defaults, name):
-          raise ConfigError(f'--{name.replace("_", "-")} {getattr(self, name)} applies to '
-                            f'--schedule ouroboros only, not {self.name}; drop it or use '
-                            '--schedule ouroboros.')
+          raise ConfigError(
+            f'--{name.replace("_", "-")} {getattr(self, name)} applies to '
+            f'--schedule ouroboros only, not {self.name}; drop it or use '
+            '--schedule ouroboros.'
+          )
       if self.compensation.active:
-        raise ConfigError(f'--compensation {",".join(self.compensation.names())} compensates '
-                          f'delayed gradients, and --schedule {self.name} has none; use '
-                          '--schedule ouroboros or --compensation none.')
+        raise ConfigError(
+          f'--compensation {",".join(self.compensation.names())} compensates '
+          f'delayed gradients, and --schedule {self.name} has none; use '
+          '--schedule ouroboros or --compensation none.'
+        )
     check_fits(self.compensation, self.stash)

@@ -11,6 +11,7 @@ from here. G = num_stages, s = 0..G-1 the layer group, t the step (batch t enter
 
 from __future__ import annotations
 
+
 def staleness(num_stages: int) -> list[int]:
   """Steps between the forward and the backward of each layer group in the locked forward: G - s
   (0 when G = 1)."""
@@ -42,5 +43,5 @@ def version_gaps(num_stages: int, forward: str = 'locked') -> tuple[int, list[in
   at step b + s and back-propagates it at step b + 2G - s, a gap of 2(G - s); the embedding
   (module 1's first piece) embeds batch t at step t, a gap of 2G. The head is always fresh (0)."""
   head_lag, backward_lags = lags(num_stages, forward)
-  offset = (lambda s: s) if head_lag else (lambda s: 0)   # the step group s forwards batch 0
+  offset = (lambda s: s) if head_lag else (lambda s: 0)  # the step group s forwards batch 0
   return backward_lags[0], [lag - offset(s) for s, lag in enumerate(backward_lags)]

@@ -68,20 +68,25 @@ replica runs its own ring on its share of the batch, and gradients are averaged 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from ouroboros_jax import staged
 from ouroboros_jax.schedules import compensation
 from ouroboros_jax.schedules import ring as ring_lib
-from ouroboros_jax import staged
 from ouroboros_jax.schedules.delays import lags, version_gaps
 from ouroboros_jax.staged import STAGE, Schedule, StagedModel, TrainState
 
 
-def idle_fraction(num_stages: int, backward_over_forward: float = 2.0,
-                  forward: str = 'locked') -> float:
+def idle_fraction(
+  num_stages: int, backward_over_forward: float = 2.0, forward: str = 'locked'
+) -> float:
   """Idle device-time per step with equal stages (B = 2F by default). Locked: G forward rounds,
   each device busy in one, then one backward everywhere at once. Pipelined: every device runs
   one forward and one backward every step, so none idles once the pipe is full."""
@@ -91,161 +96,241 @@ def idle_fraction(num_stages: int, backward_over_forward: float = 2.0,
   return (num_stages - 1) * f / (num_stages * f + b)
 
 
-def build(config, model: StagedModel, tx: optax.GradientTransformation, *,
-          devices=None) -> Schedule:
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+  """What every step of one Ouroboros schedule reads: the settings, and what they imply."""
+
+  config: Any  # the ScheduleConfig
+  model: StagedModel
+  tx: optax.GradientTransformation  # wrapped with the update-side compensations
+  stash: ring_lib.Stash  # what a device keeps of each batch until its delayed backward
+  mesh: Any
+  head_lag: int  # the head computes the loss of batch t - head_lag
+  backward_lags: tuple[int, ...]  # group s back-propagates batch t - backward_lags[s]
+  embed_gap: int  # version gaps (delays.version_gaps), for the compensations
+  stage_gaps: tuple[int, ...]
+  compensation: compensation.Compensation
+
+  @property
+  def num_stages(self) -> int:
+    return self.config.num_stages
+
+  @property
+  def pipelined(self) -> bool:
+    return self.config.forward == 'pipelined' and self.num_stages > 1
+
+  @property
+  def depth(self) -> int:
+    """Stash slots per device: G + 1 locked, 2G + 1 pipelined."""
+    return max(self.backward_lags) + 1
+
+  def key(self, batch_index):
+    return staged.batch_key(self.config.seed, batch_index)
+
+
+def build(
+  config, model: StagedModel, tx: optax.GradientTransformation, *, devices=None
+) -> Schedule:
   """The Ouroboros schedule: `init(params, example_batch)` and a jitted `step(state, batch)`.
 
   `config.compensation` (compensation.py) wraps `tx` with the update-side compensations and,
   with `predict`, runs each module's forward at its predicted weights."""
-  num_stages, replicas = config.num_stages, config.data_parallel
+  num_stages = config.num_stages
   comp = config.compensation
-  mesh = staged.make_mesh(num_stages, replicas, devices)
-  pipelined = config.forward == 'pipelined' and num_stages > 1
-  head_lag, backward_lags = lags(num_stages, config.forward)
-  depth = max(backward_lags) + 1              # stash slots per device (G + 1, or 2G + 1)
-  lag_G = jnp.asarray(backward_lags)
   compensation.check_fits(comp, config.stash)
+  head_lag, backward_lags = lags(num_stages, config.forward)
   embed_gap, stage_gaps = version_gaps(num_stages, config.forward)
-  gap_G = jnp.asarray(stage_gaps)
-  if num_stages == 1:        # no delay, nothing to compensate: exactly the paper's G = 1 step
+  if num_stages == 1:  # no delay, nothing to compensate: exactly the paper's G = 1 step
     comp = compensation.Compensation()
-  tx = compensation.wrap(comp, tx, max([embed_gap, *stage_gaps]))
-  predict = comp.predict
-  # What a device keeps of each batch until its delayed backward.
-  stash = ring_lib.Stash(model, config.stash, config.stash_policy)
+  ring = _Ring(
+    config=config,
+    model=model,
+    tx=compensation.wrap(comp, tx, max([embed_gap, *stage_gaps])),
+    stash=ring_lib.Stash(model, config.stash, config.stash_policy),
+    mesh=staged.make_mesh(num_stages, config.data_parallel, devices),
+    head_lag=head_lag,
+    backward_lags=tuple(backward_lags),
+    embed_gap=embed_gap,
+    stage_gaps=tuple(stage_gaps),
+    compensation=comp,
+  )
+  return Schedule(
+    init=functools.partial(_init, ring),
+    step=staged.jit_step(functools.partial(_step, ring)),
+    evaluate=staged.jit_evaluate(model),
+    mesh=ring.mesh,
+    idle_fraction=idle_fraction(num_stages, forward=config.forward),
+    name='ouroboros',
+  )
 
-  # -- one step on one device of the ring ---------------------------------------------------------
-  def ring_step(params, forward_params, ring, batch, t, t_async):
-    s = jax.lax.axis_index(STAGE)
-    params_s = ring_lib.local_stage_params(params)
-    forward_s = ring_lib.local_stage_params(forward_params)  # = params_s unless predicted
-    stash_S, batches_S = jax.tree.map(lambda a: a[0, 0], (ring['stash'], ring['batches']))
-    key_t = staged.batch_key(config.seed, t)
-    lag = lag_G[s]
-    valid = t_async >= lag                   # no gradient before the pipe has filled
-    batch_index = t - lag                    # the batch group s back-propagates now
-    head_batch = t - head_lag
 
-    # 0. Read what the delayed backward and the head need *before* this step writes its own
-    #    slots. With G > 1 every lag is >= 1, so the slots differ, and reading first lets XLA
-    #    (on CPU with host.CPU_XLA_FLAGS) update the buffers in place instead of copying them.
-    if num_stages > 1:
-      stash_b, inputs_b = ring_lib.read_slot((stash_S, batches_S['inputs']), batch_index, depth)
-    targets_h = (batch['targets'] if head_lag == 0 else
-                 ring_lib.read_slot(batches_S['targets'], head_batch, depth))
-    batches_S = ring_lib.write_slot(batches_S, batch, t, depth)
+# -- one step on one device of the ring: the four steps of the algorithm ---------------------------
 
-    # 1. Forward. Locked: batch t through every group, in G rounds where only device r computes.
-    #    Pipelined: every group at once, each on what its predecessor sent during step t - 1.
-    x = ring_lib.embed(model, forward_params['embed'], batch['inputs'], key_t)
-    if pipelined:                            # x_head: group G-1's output of batch t - G
-      forward_batch = t - s
-      x_head, kept, act_next = ring_lib.pipelined_forward(
-          stash, forward_s, x, ring['act'][0, 0], staged.batch_key(config.seed, forward_batch),
-          num_stages)
-    else:
-      forward_batch = t
-      x_head, kept = ring_lib.locked_forward(stash, forward_s, x, key_t, num_stages)
-    stash_S = ring_lib.write_slot(stash_S, kept, forward_batch, depth)
-    if num_stages == 1:                      # lag 0: the backward needs what was just kept
-      stash_b, inputs_b = kept, batch['inputs']
 
-    # 2. Head (module K, on device 0): fresh loss, head gradient and delta_{G-1} of its batch.
-    loss, g_head, g_embed_fresh, delta_fresh = ring_lib.mask(
-        t_async >= head_lag, ring_lib.head(model, params, x_head, targets_h))
+def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t, t_async):
+  model, stash, num_stages, depth = ring.model, ring.stash, ring.num_stages, ring.depth
+  s = jax.lax.axis_index(STAGE)
+  params_s = ring_lib.local_stage_params(params)
+  forward_s = ring_lib.local_stage_params(forward_params)  # = params_s unless predicted
+  stash_S, batches_S = jax.tree.map(lambda a: a[0, 0], (buffers['stash'], buffers['batches']))
+  lag = jnp.asarray(ring.backward_lags)[s]
+  valid = t_async >= lag  # no gradient before the pipe has filled
+  batch_index = t - lag  # the batch group s back-propagates now
 
-    # 3. Backward, all devices at once: group s finishes batch t - (G - s) (pipelined: 2G - s).
-    delta = delta_fresh if num_stages == 1 else ring['delta'][0, 0]
-    key_b = staged.batch_key(config.seed, batch_index)
-    g_stage, dx = ring_lib.mask(valid, stash.backward(params_s, stash_b, delta, s, key_b))
+  # 0. Read what the delayed backward and the head need *before* this step writes its own
+  #    slots. With G > 1 every lag is >= 1, so the slots differ, and reading first lets XLA
+  #    (on CPU with host.CPU_XLA_FLAGS) update the buffers in place instead of copying them.
+  if num_stages > 1:
+    stash_b, inputs_b = ring_lib.read_slot((stash_S, batches_S['inputs']), batch_index, depth)
+  targets_h = (
+    batch['targets']
+    if ring.head_lag == 0
+    else ring_lib.read_slot(batches_S['targets'], t - ring.head_lag, depth)
+  )
+  batches_S = ring_lib.write_slot(batches_S, batch, t, depth)
 
-    # Module 1 ends at the embedding: device 0 turns dx into V's stale input-side gradient.
-    g_embed_stale = ring_lib.embed_backward(model, params['embed'], inputs_b, key_b, dx)
-    # The one hop of the backward: s hands dx to s - 1; device 0 hands the head's delta to G - 1.
-    delta_next = ring_lib.send_backward(jnp.where(s == 0, delta_fresh, dx), num_stages)
+  # 1. Forward. Locked: batch t through every group, in G rounds where only device r computes.
+  #    Pipelined: every group at once, each on what its predecessor sent during step t - 1.
+  x = ring_lib.embed(model, forward_params['embed'], batch['inputs'], ring.key(t))
+  if ring.pipelined:  # x_head: group G-1's output of batch t - G
+    forward_batch = t - s
+    x_head, kept, act_next = ring_lib.pipelined_forward(
+      stash, forward_s, x, buffers['act'][0, 0], ring.key(forward_batch), num_stages
+    )
+  else:
+    forward_batch = t
+    x_head, kept = ring_lib.locked_forward(stash, forward_s, x, ring.key(t), num_stages)
+  stash_S = ring_lib.write_slot(stash_S, kept, forward_batch, depth)
+  if num_stages == 1:  # lag 0: the backward needs what was just kept
+    stash_b, inputs_b = kept, batch['inputs']
 
-    # 4. Gradients, each on the device that owns it (embed and head live on device 0).
-    g_embed = jax.tree.map(jnp.add, g_embed_fresh, g_embed_stale)
-    if config.tied_grad == 'mean' and model.tied_embedding:
-      both = t_async >= backward_lags[0]
-      g_embed = jax.tree.map(lambda g: jnp.where(both, 0.5 * g, g), g_embed)
-    grads, loss = ring_lib.gather_grads(g_embed, g_head, g_stage, loss)
-    new_ring = {'stash': stash_S, 'batches': batches_S, 'delta': delta_next}
-    if pipelined:
-      new_ring['act'] = act_next
-    return grads, jax.tree.map(lambda a: a[None, None], new_ring), loss
+  # 2. Head (module K, on device 0): fresh loss, head gradient and delta_{G-1} of its batch.
+  loss, g_head, g_embed_fresh, delta_fresh = ring_lib.mask(
+    t_async >= ring.head_lag, ring_lib.head(model, params, x_head, targets_h)
+  )
 
-  def init(params, example_batch):
-    staged.check_batch(example_batch, replicas, 'the data-parallel degree')
-    local = jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] // replicas, *a.shape[1:]),
-                                                        a.dtype), example_batch)
-    params_s = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
-                            params['stages'])
-    x = jax.eval_shape(model.embed, params['embed'], local['inputs'], None)
-    # Stage index and key traced, as in the step: what a graph stash keeps can depend on it.
-    _, kept = jax.eval_shape(stash.forward, params_s, x, jnp.int32(0), jax.random.key(0))
-    buffer = lambda a, *lead: jnp.zeros((num_stages, replicas, *lead, *a.shape), a.dtype)
+  # 3. Backward, all devices at once: group s finishes batch t - (G - s) (pipelined: 2G - s).
+  delta = delta_fresh if num_stages == 1 else buffers['delta'][0, 0]
+  key_b = ring.key(batch_index)
+  g_stage, dx = ring_lib.mask(valid, stash.backward(params_s, stash_b, delta, s, key_b))
+  # Module 1 ends at the embedding: device 0 turns dx into V's stale input-side gradient.
+  g_embed_stale = ring_lib.embed_backward(model, params['embed'], inputs_b, key_b, dx)
+  # The one hop of the backward: s hands dx to s - 1; device 0 hands the head's delta to G - 1.
+  delta_next = ring_lib.send_backward(jnp.where(s == 0, delta_fresh, dx), num_stages)
 
-    def fresh_ring():
-      ring = {'stash': jax.tree.map(lambda a: buffer(a, depth), kept),
-              'batches': jax.tree.map(lambda a: buffer(a, depth), local), 'delta': buffer(x)}
-      if pipelined:                     # the activation in flight to each device
-        ring['act'] = buffer(x)
-      return ring
+  # 4. Gradients, each on the device that owns it (embed and head live on device 0).
+  g_embed = jax.tree.map(jnp.add, g_embed_fresh, g_embed_stale)
+  if ring.config.tied_grad == 'mean' and model.tied_embedding:
+    both = t_async >= ring.backward_lags[0]
+    g_embed = jax.tree.map(lambda g: jnp.where(both, 0.5 * g, g), g_embed)
+  grads, loss = ring_lib.gather_grads(g_embed, g_head, g_stage, loss)
+  new_buffers = {'stash': stash_S, 'batches': batches_S, 'delta': delta_next}
+  if ring.pipelined:
+    new_buffers['act'] = act_next
+  return grads, jax.tree.map(lambda a: a[None, None], new_buffers), loss
 
-    return staged.init_state(tx, params, mesh, fresh_ring)
 
-  def step(state: TrainState, batch: dict):
-    staged.check_batch(batch, replicas, 'the data-parallel degree')
-    t = state.step
-    t_async = t - config.sync_warmup_steps
-    warm = t_async < 0
-    # Each group's version gap, 0 during the synchronous warm-up. The tied embedding counts as
-    # fresh for the update (it gets the head's fresh gradient every step); its forward in module 1
-    # is predicted with module 1's gap.
-    no_gap = lambda gap: jnp.where(warm, 0, gap)
-    delays = {'embed': no_gap(0 if model.tied_embedding else embed_gap),
-              'stages': no_gap(gap_G), 'head': jnp.int32(0)}
-    forward_params = state.params
-    if predict:
-      forward_params = compensation.predict_weights(
-          state.params, state.opt_state,
-          {'embed': no_gap(embed_gap), 'stages': no_gap(gap_G), 'head': 0})
-    param_specs = staged.param_specs(state.params)
-    specs = (param_specs, param_specs, staged.ring_specs(state.ring), staged.batch_spec(batch), P(), P())
-    out_specs = (param_specs, staged.ring_specs(state.ring), P())
-    delayed = jax.shard_map(ring_step, mesh=mesh, in_specs=specs, out_specs=out_specs,
-                            check_vma=False)
+# -- the state and the step --------------------------------------------------------------------
 
-    def ouroboros_grads():
-      return delayed(state.params, forward_params, state.ring, batch, t, t_async)
 
-    def warmup_grads():  # model_parallel's exact gradient over the same ring; pipes stay empty
-      synchronous = jax.shard_map(
-          lambda params, batch, t: ring_lib.locked_grads(
-              model, params, batch, staged.batch_key(config.seed, t), num_stages),
-          mesh=mesh, in_specs=(staged.param_specs(state.params), staged.batch_spec(batch), P()),
-          out_specs=(staged.param_specs(state.params), P()), check_vma=False)
-      grads, loss = synchronous(state.params, batch, t)
-      return grads, state.ring, loss
+def _init(ring: _Ring, params, example_batch):
+  """The fresh TrainState, with zeroed ring buffers [G, R, slots, ...] for the stash, the
+  batches in flight and the error gradient (and, pipelined, the activation) in flight."""
+  replicas, num_stages = ring.config.data_parallel, ring.num_stages
+  staged.check_batch(example_batch, replicas, 'the data-parallel degree')
+  local = jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct((a.shape[0] // replicas, *a.shape[1:]), a.dtype), example_batch
+  )
+  params_s = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params['stages'])
+  x = jax.eval_shape(ring.model.embed, params['embed'], local['inputs'], None)
+  # Stage index and key traced, as in the step: what a graph stash keeps can depend on it.
+  _, kept = jax.eval_shape(ring.stash.forward, params_s, x, jnp.int32(0), jax.random.key(0))
+  buffer = lambda a, *lead: jnp.zeros((num_stages, replicas, *lead, *a.shape), a.dtype)
 
-    if config.sync_warmup_steps:
-      grads, ring, loss = jax.lax.cond(t_async < 0, warmup_grads, ouroboros_grads)
-    else:
-      grads, ring, loss = ouroboros_grads()
+  def fresh_buffers():
+    buffers = {
+      'stash': jax.tree.map(lambda a: buffer(a, ring.depth), kept),
+      'batches': jax.tree.map(lambda a: buffer(a, ring.depth), local),
+      'delta': buffer(x),
+    }
+    if ring.pipelined:  # the activation in flight to each device
+      buffers['act'] = buffer(x)
+    return buffers
 
-    # A module starts updating once its first gradient exists (t_async >= its lag).
-    head_ready = warm | (t_async >= head_lag)
-    params, opt_state, grad_norm = staged.apply_gradients(
-        tx, state.params, state.opt_state, grads, clip_norm=config.clip_norm,
-        embed_ready=(head_ready & model.tied_embedding) | warm | (t_async >= backward_lags[0]),
-        stages_ready_G=warm | (t_async >= lag_G), head_ready=head_ready,
-        delays=delays if comp.active else None)
-    new_state = state.replace(step=t + 1, params=params, opt_state=opt_state, ring=ring)
-    loss_batch = jnp.where(warm, t, t - head_lag)
-    return new_state, {'loss': loss, 'loss_batch': loss_batch, 'grad_norm': grad_norm}
+  return staged.init_state(ring.tx, params, ring.mesh, fresh_buffers)
 
-  return Schedule(init=init, step=staged.jit_step(step),
-                  evaluate=staged.jit_evaluate(model), mesh=mesh,
-                  idle_fraction=idle_fraction(num_stages, forward=config.forward),
-                  name='ouroboros')
+
+def _grads(ring: _Ring, state: TrainState, forward_params, batch, t, t_async):
+  """(grads, ring buffers, loss): the delayed gradients, or during the synchronous warm-up
+  model_parallel's exact ones over the same ring (the pipes stay empty)."""
+  param_specs = staged.param_specs(state.params)
+  buffer_specs = staged.ring_specs(state.ring)
+  delayed = jax.shard_map(
+    functools.partial(_ring_step, ring),
+    mesh=ring.mesh,
+    in_specs=(param_specs, param_specs, buffer_specs, staged.batch_spec(batch), P(), P()),
+    out_specs=(param_specs, buffer_specs, P()),
+    check_vma=False,
+  )
+
+  def ouroboros_grads():
+    return delayed(state.params, forward_params, state.ring, batch, t, t_async)
+
+  def warmup_grads():
+    synchronous = jax.shard_map(
+      lambda params, batch, t: ring_lib.locked_grads(
+        ring.model, params, batch, ring.key(t), ring.num_stages
+      ),
+      mesh=ring.mesh,
+      in_specs=(param_specs, staged.batch_spec(batch), P()),
+      out_specs=(param_specs, P()),
+      check_vma=False,
+    )
+    grads, loss = synchronous(state.params, batch, t)
+    return grads, state.ring, loss
+
+  if ring.config.sync_warmup_steps:
+    return jax.lax.cond(t_async < 0, warmup_grads, ouroboros_grads)
+  return ouroboros_grads()
+
+
+def _step(ring: _Ring, state: TrainState, batch: dict):
+  staged.check_batch(batch, ring.config.data_parallel, 'the data-parallel degree')
+  model, t = ring.model, state.step
+  t_async = t - ring.config.sync_warmup_steps
+  warm = t_async < 0
+  # Each group's version gap, 0 during the synchronous warm-up. The tied embedding counts as
+  # fresh for the update (it gets the head's fresh gradient every step); its forward in module 1
+  # is predicted with module 1's gap.
+  no_gap = lambda gap: jnp.where(warm, 0, gap)
+  gap_G = jnp.asarray(ring.stage_gaps)
+  delays = {
+    'embed': no_gap(0 if model.tied_embedding else ring.embed_gap),
+    'stages': no_gap(gap_G),
+    'head': jnp.int32(0),
+  }
+  forward_params = state.params
+  if ring.compensation.predict:
+    forward_params = compensation.predict_weights(
+      state.params,
+      state.opt_state,
+      {'embed': no_gap(ring.embed_gap), 'stages': no_gap(gap_G), 'head': 0},
+    )
+  grads, buffers, loss = _grads(ring, state, forward_params, batch, t, t_async)
+
+  # A module starts updating once its first gradient exists (t_async >= its lag).
+  head_ready = warm | (t_async >= ring.head_lag)
+  params, opt_state, grad_norm = staged.apply_gradients(
+    ring.tx,
+    state.params,
+    state.opt_state,
+    grads,
+    clip_norm=ring.config.clip_norm,
+    embed_ready=(head_ready & model.tied_embedding) | warm | (t_async >= ring.backward_lags[0]),
+    stages_ready_G=warm | (t_async >= jnp.asarray(ring.backward_lags)),
+    head_ready=head_ready,
+    delays=delays if ring.compensation.active else None,
+  )
+  new_state = state.replace(step=t + 1, params=params, opt_state=opt_state, ring=buffers)
+  loss_batch = jnp.where(warm, t, t - ring.head_lag)
+  return new_state, {'loss': loss, 'loss_batch': loss_batch, 'grad_norm': grad_norm}

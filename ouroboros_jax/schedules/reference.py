@@ -51,7 +51,7 @@ class SlowCompensation:
     self.tx_update = jax.jit(tx.update)
     groups = self.split(params)
     self.opt = {k: tx.init(p) for k, p in groups.items()}
-    self.history = {k: [p] for k, p in groups.items()}     # history[k][n]: after n updates
+    self.history = {k: [p] for k, p in groups.items()}  # history[k][n]: after n updates
     self.mean_square = {k: jax.tree.map(jnp.zeros_like, p) for k, p in groups.items()}
     self.latest = {k: jax.tree.map(jnp.zeros_like, p) for k, p in groups.items()}
 
@@ -64,9 +64,11 @@ class SlowCompensation:
 
   @staticmethod
   def join(groups, num_stages):
-    return {'embed': groups['embed'], 'head': groups['head'],
-            'stages': jax.tree.map(lambda *a: jnp.stack(a), *[groups[s] for s in
-                                                               range(num_stages)])}
+    return {
+      'embed': groups['embed'],
+      'head': groups['head'],
+      'stages': jax.tree.map(lambda *a: jnp.stack(a), *[groups[s] for s in range(num_stages)]),
+    }
 
   def predicted(self, params, gaps):
     """params with group k moved by gaps[k] times its latest step (gaps: group -> int)."""
@@ -89,15 +91,22 @@ class SlowCompensation:
       if delay > 0 and self.comp.shrink != 1.0:
         g = jax.tree.map(lambda x: self.comp.shrink * x, g)
       if self.comp.dc_lambda:
-        self.mean_square[k] = jax.tree.map(lambda m, x: 0.95 * m + 0.05 * x * x,
-                                           self.mean_square[k], g)
+        self.mean_square[k] = jax.tree.map(
+          lambda m, x: 0.95 * m + 0.05 * x * x, self.mean_square[k], g
+        )
         w_then = self.history[k][max(n - delay, 0)]
-        g = jax.tree.map(lambda x, m, a, b: x + self.comp.dc_lambda / jnp.sqrt(m + 1e-7) * x * x
-                         * (a - b), g, self.mean_square[k], w, w_then)
+        g = jax.tree.map(
+          lambda x, m, a, b: x + self.comp.dc_lambda / jnp.sqrt(m + 1e-7) * x * x * (a - b),
+          g,
+          self.mean_square[k],
+          w,
+          w_then,
+        )
       u, self.opt[k] = self.tx_update(g, self.opt[k], w)
       if self.comp.pipemare_steps:
-        u = jax.tree.map(lambda x: x * max(delay, 1) ** -(1 - min(n / self.comp.pipemare_steps,
-                                                                   1.0)), u)
+        u = jax.tree.map(
+          lambda x: x * max(delay, 1) ** -(1 - min(n / self.comp.pipemare_steps, 1.0)), u
+        )
       new_w = jax.tree.map(jnp.add, w, u)
       self.latest[k] = jax.tree.map(jnp.subtract, new_w, w)
       self.history[k].append(new_w)
@@ -105,9 +114,20 @@ class SlowCompensation:
     return self.join(groups, num_stages)
 
 
-def run(model: staged.StagedModel, tx, params, batches, *, stash: str = 'graph',
-        forward: str = 'locked', clip_norm: float | None = 1.0, seed: int = 0,
-        tied_grad: str = 'sum', sync_warmup_steps: int = 0, compensation=None):
+def run(
+  model: staged.StagedModel,
+  tx,
+  params,
+  batches,
+  *,
+  stash: str = 'graph',
+  forward: str = 'locked',
+  clip_norm: float | None = 1.0,
+  seed: int = 0,
+  tied_grad: str = 'sum',
+  sync_warmup_steps: int = 0,
+  compensation=None,
+):
   """Trains on `batches` in order; returns (params, losses, updated).
 
   `compensation` (a compensation.Compensation, default none) applies the staleness compensations
@@ -122,18 +142,26 @@ def run(model: staged.StagedModel, tx, params, batches, *, stash: str = 'graph',
   """
   num_stages = staged.stage_count(params)
   pipelined = forward == 'pipelined' and num_stages > 1
-  model = staged.StagedModel(embed=jax.jit(model.embed), stage=jax.jit(model.stage),
-                             loss=jax.jit(model.loss), tied_embedding=model.tied_embedding)
+  model = staged.StagedModel(
+    embed=jax.jit(model.embed),
+    stage=jax.jit(model.stage),
+    loss=jax.jit(model.loss),
+    tied_embedding=model.tied_embedding,
+  )
   apply_gradients = jax.jit(
-      lambda *args, **kw: staged.apply_gradients(tx, *args, clip_norm=clip_norm, **kw))
+    lambda *args, **kw: staged.apply_gradients(tx, *args, clip_norm=clip_norm, **kw)
+  )
   opt_state = staged.init_opt_state(tx, params)
-  slow = (SlowCompensation(compensation, tx, params, clip_norm)
-          if compensation is not None and compensation.active else None)
+  slow = (
+    SlowCompensation(compensation, tx, params, clip_norm)
+    if compensation is not None and compensation.active
+    else None
+  )
   all_groups = ['embed', *range(num_stages), 'head']
   stashes = [collections.deque() for _ in range(num_stages)]  # (batch, VJP or input) in flight
-  delta_inbox = [None] * num_stages   # error gradient for group s's output, sent last step
-  act_inbox = [None] * num_stages     # pipelined: (batch, activation) for group s, sent last step
-  head_inbox = None                   # pipelined: (batch, group G-1's output), sent last step
+  delta_inbox = [None] * num_stages  # error gradient for group s's output, sent last step
+  act_inbox = [None] * num_stages  # pipelined: (batch, activation) for group s, sent last step
+  head_inbox = None  # pipelined: (batch, group G-1's output), sent last step
   losses, updated = [], []
   zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
   stage_params = lambda p, s: jax.tree.map(lambda a: a[s], p['stages'])
@@ -143,8 +171,9 @@ def run(model: staged.StagedModel, tx, params, batches, *, stash: str = 'graph',
     if t < sync_warmup_steps:
       (loss, _), grads = jax.value_and_grad(model.forward_loss, has_aux=True)(params, batch, key_t)
       if slow:
-        params = slow.apply(params, grads, {k: True for k in all_groups},
-                            {k: 0 for k in all_groups})
+        params = slow.apply(
+          params, grads, {k: True for k in all_groups}, {k: 0 for k in all_groups}
+        )
       else:
         params, opt_state, _ = apply_gradients(params, opt_state, grads)
       losses.append(float(loss))
@@ -155,17 +184,21 @@ def run(model: staged.StagedModel, tx, params, batches, *, stash: str = 'graph',
     # forward will be applied to); every group keeps its VJP (graph) or its input (replay).
     forward_params = params
     if slow and num_stages > 1:
-      gaps = {s: backward_step(t - (s if pipelined else 0), s, num_stages, forward) - t
-              for s in range(num_stages)}
+      gaps = {
+        s: backward_step(t - (s if pipelined else 0), s, num_stages, forward) - t
+        for s in range(num_stages)
+      }
       gaps['embed'] = backward_step(t, 0, num_stages, forward) - t
       forward_params = slow.predicted(params, gaps)
     new_act = [None] * num_stages
-    carried = (t, model.embed(forward_params['embed'], batch['inputs'],
-                              staged.piece_rng(key_t, EMBED_PIECE)))
+    carried = (
+      t,
+      model.embed(forward_params['embed'], batch['inputs'], staged.piece_rng(key_t, EMBED_PIECE)),
+    )
     for s in range(num_stages):
       if pipelined and s > 0:
         carried = act_inbox[s]
-      if carried is None:             # pipelined: nothing has reached this group yet
+      if carried is None:  # pipelined: nothing has reached this group yet
         continue
       b, x = carried
       key_b = staged.batch_key(seed, b)
@@ -191,8 +224,9 @@ def run(model: staged.StagedModel, tx, params, batches, *, stash: str = 'graph',
     else:
       b, x = head_input
       targets = batches[b]['targets']
-      loss, head_vjp = jax.vjp(lambda hp, ep, h: model.loss(hp, ep, h, targets)[0],
-                               params['head'], params['embed'], x)
+      loss, head_vjp = jax.vjp(
+        lambda hp, ep, h: model.loss(hp, ep, h, targets)[0], params['head'], params['embed'], x
+      )
       g_head, g_embed, delta_head = head_vjp(jnp.ones_like(loss))
       losses.append(float(loss))
 
@@ -200,7 +234,7 @@ def run(model: staged.StagedModel, tx, params, batches, *, stash: str = 'graph',
     new_inbox = [None] * num_stages
     g_stages = [zeros(stage_params(params, s)) for s in range(num_stages)]
     ready = [False] * num_stages
-    gap = [0] * num_stages                # steps since the forward of the batch applied now
+    gap = [0] * num_stages  # steps since the forward of the batch applied now
     for s in range(num_stages):
       delta = delta_head if num_stages == 1 else delta_inbox[s]
       if delta is None:
@@ -218,8 +252,9 @@ def run(model: staged.StagedModel, tx, params, batches, *, stash: str = 'graph',
       if s > 0:
         new_inbox[s - 1] = dx
       else:  # module 1 ends at the embedding of batch b
-        embed_b = lambda e: model.embed(e, batches[b]['inputs'],
-                                        staged.piece_rng(key_b, EMBED_PIECE))
+        embed_b = lambda e: model.embed(
+          e, batches[b]['inputs'], staged.piece_rng(key_b, EMBED_PIECE)
+        )
         g_stale = jax.vjp(embed_b, params['embed'])[1](dx)[0]
         g_embed = jax.tree.map(jnp.add, g_embed, g_stale)
         if tied_grad == 'mean' and model.tied_embedding and delta_head is not None:
@@ -228,19 +263,30 @@ def run(model: staged.StagedModel, tx, params, batches, *, stash: str = 'graph',
       new_inbox[num_stages - 1] = delta_head
     delta_inbox = new_inbox
 
-    grads = {'embed': g_embed, 'head': g_head,
-             'stages': jax.tree.map(lambda *g: jnp.stack(g), *g_stages)}
+    grads = {
+      'embed': g_embed,
+      'head': g_head,
+      'stages': jax.tree.map(lambda *g: jnp.stack(g), *g_stages),
+    }
     head_ready = delta_head is not None
     embed_ready = (model.tied_embedding and head_ready) or ready[0]
-    if slow:   # the tied embedding counts as fresh (it gets the head's gradient every step)
-      delays = {'embed': 0 if model.tied_embedding else gap[0], 'head': 0,
-                **dict(enumerate(gap))}
-      params = slow.apply(params, grads, {'embed': embed_ready, 'head': head_ready,
-                                          **dict(enumerate(ready))}, delays)
+    if slow:  # the tied embedding counts as fresh (it gets the head's gradient every step)
+      delays = {'embed': 0 if model.tied_embedding else gap[0], 'head': 0, **dict(enumerate(gap))}
+      params = slow.apply(
+        params, grads, {'embed': embed_ready, 'head': head_ready, **dict(enumerate(ready))}, delays
+      )
     else:
-      params, opt_state, _ = apply_gradients(params, opt_state, grads, embed_ready=embed_ready,
-                                             stages_ready_G=jnp.asarray(ready),
-                                             head_ready=head_ready)
-    updated.append((['embed'] if embed_ready else []) +
-                   [s for s in range(num_stages) if ready[s]] + (['head'] if head_ready else []))
+      params, opt_state, _ = apply_gradients(
+        params,
+        opt_state,
+        grads,
+        embed_ready=embed_ready,
+        stages_ready_G=jnp.asarray(ready),
+        head_ready=head_ready,
+      )
+    updated.append(
+      (['embed'] if embed_ready else [])
+      + [s for s in range(num_stages) if ready[s]]
+      + (['head'] if head_ready else [])
+    )
   return params, losses, updated

@@ -27,7 +27,6 @@ from ouroboros_jax import staged
 from ouroboros_jax.staged import DATA, EMBED_PIECE, STAGE, StagedModel
 
 
-
 def on_stage(stage_index, which, fn):
   """Run fn() on device `which` of the ring only; the others get zeros of the same shapes."""
   zeros = lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(fn))
@@ -62,10 +61,10 @@ def local_stage_params(params):
 # norms and softmax are recomputed); 'nothing' keeps only the group's inputs and weights (the
 # whole forward is recomputed, as in replay, but at the forward-time weights).
 STASH_POLICIES = {
-    'all': None,
-    'dots': jax.checkpoint_policies.dots_saveable,
-    'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    'nothing': jax.checkpoint_policies.nothing_saveable,
+  'all': None,
+  'dots': jax.checkpoint_policies.dots_saveable,
+  'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  'nothing': jax.checkpoint_policies.nothing_saveable,
 }
 
 
@@ -120,7 +119,7 @@ class Stash:
     if self.graph_mode:  # at forward-time weights, from the kept residuals
       treedef = self.vjp_structure(params_s, delta, stage_index, key)
       vjp_fn = jax.tree.unflatten(treedef, kept)
-    else:                # replay: re-run the forward at the given weights
+    else:  # replay: re-run the forward at the given weights
       _, vjp_fn = jax.vjp(lambda p, h: self.run(p, h, stage_index, key), params_s, kept)
     return vjp_fn(delta)
 
@@ -149,8 +148,7 @@ def locked_forward(stash: Stash, params_s, x, key, num_stages: int):
 
   def forward_round(r, carry):
     x, kept = carry
-    y, kept = jax.lax.cond(r == s, lambda: stash.forward(params_s, x, s, key),
-                           lambda: (x, kept))
+    y, kept = jax.lax.cond(r == s, lambda: stash.forward(params_s, x, s, key), lambda: (x, kept))
     return send_forward(y, num_stages), kept
 
   return jax.lax.fori_loop(0, num_stages, forward_round, (x, empty))
@@ -168,6 +166,7 @@ def pipelined_forward(stash: Stash, params_s, x, received, key, num_stages: int)
 def head(model: StagedModel, params, x, targets):
   """Module K on device 0: (loss, head gradient, the head's embed gradient, delta_{G-1}); zeros
   on the other devices."""
+
   def loss_and_grads():
     loss_of = lambda head_p, embed_p, h: model.loss(head_p, embed_p, h, targets)[0]
     loss, vjp_fn = jax.vjp(loss_of, params['head'], params['embed'], x)
@@ -188,8 +187,10 @@ def locked_backward(stash: Stash, params_s, kept, delta, key, num_stages: int):
     send, g_stage = carry
     received = send_backward(send, num_stages)  # device r hears from r + 1 (G-1 from 0)
     g_stage, send = jax.lax.cond(
-        s == num_stages - 1 - i, lambda: stash.backward(params_s, kept, received, s, key),
-        lambda: (g_stage, send))
+      s == num_stages - 1 - i,
+      lambda: stash.backward(params_s, kept, received, s, key),
+      lambda: (g_stage, send),
+    )
     return send, g_stage
 
   dx, g_stage = jax.lax.fori_loop(0, num_stages, backward_round, (delta, no_grad))
@@ -198,6 +199,7 @@ def locked_backward(stash: Stash, params_s, kept, delta, key, num_stages: int):
 
 def embed_backward(model: StagedModel, embed_params, tokens, key, dx):
   """Module 1 ends at the embedding: device 0 turns dx into V's input-side gradient."""
+
   def backward():
     embed_of = lambda e: model.embed(e, tokens, staged.piece_rng(key, EMBED_PIECE))
     return jax.vjp(embed_of, embed_params)[1](dx)[0]
@@ -209,8 +211,11 @@ def gather_grads(g_embed, g_head, g_stage, loss):
   """Each gradient from the device that owns it (embed and head live on device 0, group s on
   device s), then averaged over the data replicas; so is the loss. Returns (grads, loss)."""
   from_device0 = lambda tree: jax.lax.psum(tree, STAGE)
-  grads = {'embed': from_device0(g_embed), 'head': from_device0(g_head),
-           'stages': jax.tree.map(lambda g: g[None], g_stage)}
+  grads = {
+    'embed': from_device0(g_embed),
+    'head': from_device0(g_head),
+    'stages': jax.tree.map(lambda g: g[None], g_stage),
+  }
   return jax.lax.pmean((grads, from_device0(loss)), DATA)
 
 

@@ -15,20 +15,21 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from ouroboros_jax.schedules import ring
 from ouroboros_jax import staged
-from ouroboros_jax.schedules.config import ScheduleConfig
 from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.schedules import ring
+from ouroboros_jax.schedules.config import ScheduleConfig
 from ouroboros_jax.staged import DATA, STAGE, Schedule, StagedModel, TrainState
-
 
 
 def synchronous_update(config: ScheduleConfig, tx, state: TrainState, grads, loss):
   """The optimizer half of every synchronous step: all groups ready, metrics of batch t."""
   params, opt_state, grad_norm = staged.apply_gradients(
-      tx, state.params, state.opt_state, grads, clip_norm=config.clip_norm)
+    tx, state.params, state.opt_state, grads, clip_norm=config.clip_norm
+  )
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
   return new_state, {'loss': loss, 'loss_batch': state.step, 'grad_norm': grad_norm}
 
@@ -40,11 +41,14 @@ def check_batch(batch: dict, replicas: int, microbatches: int = 1) -> None:
     return
   if microbatches > 1:
     raise ConfigError(
-        f'batch size {size} is not divisible by --data-parallel x --microbatches = {replicas} x '
-        f'{microbatches} = {divisor}; choose --batch-size as a multiple of {divisor} or change '
-        '--data-parallel / --microbatches.')
-  raise ConfigError(f'batch size {size} is not divisible by --data-parallel = {replicas}; '
-                    f'choose --batch-size as a multiple of {replicas} or change --data-parallel.')
+      f'batch size {size} is not divisible by --data-parallel x --microbatches = {replicas} x '
+      f'{microbatches} = {divisor}; choose --batch-size as a multiple of {divisor} or change '
+      '--data-parallel / --microbatches.'
+    )
+  raise ConfigError(
+    f'batch size {size} is not divisible by --data-parallel = {replicas}; '
+    f'choose --batch-size as a multiple of {replicas} or change --data-parallel.'
+  )
 
 
 def replica_key(seed: int, t, replicas: int):
@@ -70,20 +74,34 @@ def build_backprop(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
   def step(state: TrainState, batch: dict):
     key = staged.batch_key(config.seed, state.step)
     (loss, _), grads = jax.value_and_grad(model.forward_loss, has_aux=True)(
-        state.params, batch, key)
+      state.params, batch, key
+    )
     return synchronous_update(config, tx, state, grads, loss)
 
-  return Schedule(init=init, step=staged.jit_step(step),
-                  evaluate=staged.jit_evaluate(model), mesh=mesh, idle_fraction=0.0,
-                  name='backprop')
+  return Schedule(
+    init=init,
+    step=staged.jit_step(step),
+    evaluate=staged.jit_evaluate(model),
+    mesh=mesh,
+    idle_fraction=0.0,
+    name='backprop',
+  )
 
 
 # ----------------------------------------------------------------------------- shared plumbing
 
 
-def _synchronous_schedule(config: ScheduleConfig, model: StagedModel, tx, mesh: Mesh,
-                          device_grads: Callable, *, microbatches: int, idle_fraction: float,
-                          name: str) -> Schedule:
+def _synchronous_schedule(
+  config: ScheduleConfig,
+  model: StagedModel,
+  tx,
+  mesh: Mesh,
+  device_grads: Callable,
+  *,
+  microbatches: int,
+  idle_fraction: float,
+  name: str,
+) -> Schedule:
   """A synchronous schedule from its per-device gradient.
 
   device_grads(params, batch, t) -> (grads, loss) runs inside one `jax.shard_map` over the
@@ -98,30 +116,42 @@ def _synchronous_schedule(config: ScheduleConfig, model: StagedModel, tx, mesh: 
     if example_batch is not None:
       check_batch(example_batch, replicas, microbatches)
     if num_stages > 1 and staged.stage_count(params) != num_stages:
-      raise ConfigError(f'the parameters have {staged.stage_count(params)} stage groups but '
-                        f'{name} has --stages {num_stages}; cut them with '
-                        f'partition.to_staged(params, layers_per_stage) for {num_stages} stages.')
+      raise ConfigError(
+        f'the parameters have {staged.stage_count(params)} stage groups but '
+        f'{name} has --stages {num_stages}; cut them with '
+        f'partition.to_staged(params, layers_per_stage) for {num_stages} stages.'
+      )
     return staged.init_state(tx, params, mesh)
 
   def step(state: TrainState, batch: dict):
     check_batch(batch, replicas, microbatches)
     param_specs = staged.param_specs(state.params)
-    grads_of = jax.shard_map(device_grads, mesh=mesh,
-                             in_specs=(param_specs, staged.batch_spec(batch), P()),
-                             out_specs=(param_specs, P()), check_vma=False)
+    grads_of = jax.shard_map(
+      device_grads,
+      mesh=mesh,
+      in_specs=(param_specs, staged.batch_spec(batch), P()),
+      out_specs=(param_specs, P()),
+      check_vma=False,
+    )
     grads, loss = grads_of(state.params, batch, state.step)
     return synchronous_update(config, tx, state, grads, loss)
 
-  return Schedule(init=init, step=staged.jit_step(step),
-                  evaluate=staged.jit_evaluate(model), mesh=mesh,
-                  idle_fraction=idle_fraction, name=name)
+  return Schedule(
+    init=init,
+    step=staged.jit_step(step),
+    evaluate=staged.jit_evaluate(model),
+    mesh=mesh,
+    idle_fraction=idle_fraction,
+    name=name,
+  )
 
 
 # ----------------------------------------------------------------------------- data parallel
 
 
-def build_data_parallel(config: ScheduleConfig, model: StagedModel, tx, *,
-                        devices=None) -> Schedule:
+def build_data_parallel(
+  config: ScheduleConfig, model: StagedModel, tx, *, devices=None
+) -> Schedule:
   """R replicas of the whole model on the `data` axis of a (1, R) mesh.
 
   Parameters are replicated, the batch is split over `data`; each replica back-propagates its
@@ -138,8 +168,9 @@ def build_data_parallel(config: ScheduleConfig, model: StagedModel, tx, *,
     (loss, _), grads = jax.value_and_grad(model.forward_loss, has_aux=True)(params, batch, key)
     return jax.lax.pmean((grads, loss), DATA)
 
-  return _synchronous_schedule(config, model, tx, mesh, device_grads, microbatches=1,
-                               idle_fraction=0.0, name='data_parallel')
+  return _synchronous_schedule(
+    config, model, tx, mesh, device_grads, microbatches=1, idle_fraction=0.0, name='data_parallel'
+  )
 
 
 # ----------------------------------------------------------------------------- model parallel
@@ -151,8 +182,9 @@ def model_parallel_idle_fraction(num_stages: int) -> float:
   return (num_stages - 1) / num_stages
 
 
-def build_model_parallel(config: ScheduleConfig, model: StagedModel, tx, *,
-                         devices=None) -> Schedule:
+def build_model_parallel(
+  config: ScheduleConfig, model: StagedModel, tx, *, devices=None
+) -> Schedule:
   """Naive model parallelism on the Ouroboros ring: what Ouroboros removes.
 
   Placement as Ouroboros: embedding, group 0 and the head on device 0, group s on device s
@@ -173,9 +205,16 @@ def build_model_parallel(config: ScheduleConfig, model: StagedModel, tx, *,
     key = replica_key(config.seed, t, replicas)
     return ring.locked_grads(model, params, batch, key, num_stages)
 
-  return _synchronous_schedule(config, model, tx, mesh, device_grads, microbatches=1,
-                               idle_fraction=model_parallel_idle_fraction(num_stages),
-                               name='model_parallel')
+  return _synchronous_schedule(
+    config,
+    model,
+    tx,
+    mesh,
+    device_grads,
+    microbatches=1,
+    idle_fraction=model_parallel_idle_fraction(num_stages),
+    name='model_parallel',
+  )
 
 
 # ----------------------------------------------------------------------------- gpipe
@@ -187,8 +226,9 @@ def gpipe_idle_fraction(num_stages: int, microbatches: int) -> float:
   return (num_stages - 1) / (microbatches + num_stages - 1)
 
 
-def build_gpipe(config: ScheduleConfig, model: StagedModel, tx, *, devices=None,
-                bubble_fill: float = 0.0) -> Schedule:
+def build_gpipe(
+  config: ScheduleConfig, model: StagedModel, tx, *, devices=None, bubble_fill: float = 0.0
+) -> Schedule:
   """GPipe: M micro-batches through the ring placement, one synchronous (exact) gradient.
 
   Each data replica cuts its B/R examples into M micro-batches. The forward is one `lax.scan`
@@ -230,20 +270,25 @@ def build_gpipe(config: ScheduleConfig, model: StagedModel, tx, *, devices=None,
         m = i - s
         valid = (m >= 0) & (m < num_micro)
         key_m = micro_key(jnp.clip(m, 0, num_micro - 1))
-        fresh = jax.lax.cond((s == 0) & (i < num_micro),
-                             lambda: embed_micro(jnp.minimum(i, num_micro - 1)),
-                             lambda: jnp.zeros(x_shape.shape, x_shape.dtype))
+        fresh = jax.lax.cond(
+          (s == 0) & (i < num_micro),
+          lambda: embed_micro(jnp.minimum(i, num_micro - 1)),
+          lambda: jnp.zeros(x_shape.shape, x_shape.dtype),
+        )
         x = jnp.where(s == 0, fresh, received)
-        x = jnp.where(valid, x, bubble_fill)     # a bubble holds garbage ...
-        y = jax.lax.cond(valid,                  # ... and never enters the group
-                         lambda h: model.stage(params_s, h, s, staged.piece_rng(key_m, s)),
-                         lambda h: h, x)
+        x = jnp.where(valid, x, bubble_fill)  # a bubble holds garbage ...
+        y = jax.lax.cond(
+          valid,  # ... and never enters the group
+          lambda h: model.stage(params_s, h, s, staged.piece_rng(key_m, s)),
+          lambda h: h,
+          x,
+        )
         received = ring.send_forward(y, num_stages)
         return received, received
 
       start = jnp.full(x_shape.shape, bubble_fill, x_shape.dtype)
       _, arrived = jax.lax.scan(iteration, start, jnp.arange(iterations))
-      outputs_M = arrived[num_stages - 1:]  # on device 0: the last group's output of m = 0..M-1
+      outputs_M = arrived[num_stages - 1 :]  # on device 0: the last group's output of m = 0..M-1
 
       def head():
         loss_of = lambda x, targets: model.loss(head_p, embed_p, x, targets)[0]
@@ -252,9 +297,17 @@ def build_gpipe(config: ScheduleConfig, model: StagedModel, tx, *, devices=None,
       return ring.on_stage(s, 0, head)
 
     loss, (g_embed, g_stage, g_head) = jax.value_and_grad(pipeline_loss, argnums=(0, 1, 2))(
-        params['embed'], ring.local_stage_params(params), params['head'])
+      params['embed'], ring.local_stage_params(params), params['head']
+    )
     return ring.gather_grads(g_embed, g_head, g_stage, loss)
 
-  return _synchronous_schedule(config, model, tx, mesh, device_grads, microbatches=num_micro,
-                               idle_fraction=gpipe_idle_fraction(num_stages, num_micro),
-                               name='gpipe')
+  return _synchronous_schedule(
+    config,
+    model,
+    tx,
+    mesh,
+    device_grads,
+    microbatches=num_micro,
+    idle_fraction=gpipe_idle_fraction(num_stages, num_micro),
+    name='gpipe',
+  )

@@ -90,8 +90,11 @@ def checkpoint_dir(out_dir: str) -> str:
 
 
 def _handlers():
-  return {'state': ocp.StandardCheckpointHandler(), 'data': ocp.JsonCheckpointHandler(),
-          'meta': ocp.JsonCheckpointHandler()}
+  return {
+    'state': ocp.StandardCheckpointHandler(),
+    'data': ocp.JsonCheckpointHandler(),
+    'meta': ocp.JsonCheckpointHandler(),
+  }
 
 
 def make_manager(out_dir: str, *, keep: int = 3, read_only: bool = False) -> ocp.CheckpointManager:
@@ -101,11 +104,13 @@ def make_manager(out_dir: str, *, keep: int = 3, read_only: bool = False) -> ocp
   `read_only` option logs warnings on every use, so a reader is simply a manager that never saves.)
   """
   options = ocp.CheckpointManagerOptions(
-      max_to_keep=keep, enable_async_checkpointing=not read_only, create=not read_only,
-      # A writer removes what an interrupted save left behind (it never counted as a checkpoint).
-      cleanup_tmp_directories=not read_only)
-  return ocp.CheckpointManager(checkpoint_dir(out_dir), options=options,
-                               item_handlers=_handlers())
+    max_to_keep=keep,
+    enable_async_checkpointing=not read_only,
+    create=not read_only,
+    # A writer removes what an interrupted save left behind (it never counted as a checkpoint).
+    cleanup_tmp_directories=not read_only,
+  )
+  return ocp.CheckpointManager(checkpoint_dir(out_dir), options=options, item_handlers=_handlers())
 
 
 def latest_step(out_dir: str) -> int | None:
@@ -152,9 +157,15 @@ def save(manager: ocp.CheckpointManager, state, data_state: dict, meta: dict) ->
   The state's `fingerprint` is saved with the data state and checked by `restore`."""
   step = int(jax.device_get(state.step))
   data_state = dict(data_state, fingerprint=fingerprint(state))
-  manager.save(step, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
-      meta=ocp.args.JsonSave(meta)), force=True)
+  manager.save(
+    step,
+    args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state),
+      data=ocp.args.JsonSave(data_state),
+      meta=ocp.args.JsonSave(meta),
+    ),
+    force=True,
+  )
 
 
 def restore(manager: ocp.CheckpointManager, abstract_state, step: int | None = None):
@@ -168,17 +179,25 @@ def restore(manager: ocp.CheckpointManager, abstract_state, step: int | None = N
     raise CheckpointError(f'no checkpoint in {manager.directory}.')
   try:
     with _quiet_reads():
-      restored = manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
-          meta=ocp.args.JsonRestore()))
+      restored = manager.restore(
+        step,
+        args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state),
+          data=ocp.args.JsonRestore(),
+          meta=ocp.args.JsonRestore(),
+        ),
+      )
   except Exception as e:  # pylint: disable=broad-exception-caught
-    raise CorruptCheckpointError(f'checkpoint step {step} in {manager.directory} is unreadable '
-                                 f'({_first_line(e)})') from e
+    raise CorruptCheckpointError(
+      f'checkpoint step {step} in {manager.directory} is unreadable ({_first_line(e)})'
+    ) from e
   data_state = dict(restored['data'])
   saved = data_state.pop('fingerprint', None)  # checkpoints from before checksums have none
   if saved is not None and fingerprint(restored['state']) != saved:
-    raise CorruptCheckpointError(f'checkpoint step {step} in {manager.directory} is damaged (its '
-                                 'arrays do not match the checksum saved with them)')
+    raise CorruptCheckpointError(
+      f'checkpoint step {step} in {manager.directory} is damaged (its '
+      'arrays do not match the checksum saved with them)'
+    )
   return restored['state'], data_state, restored['meta']
 
 
@@ -188,13 +207,19 @@ def read_meta(manager: ocp.CheckpointManager, step: int | None = None) -> dict:
     with _quiet_reads():
       return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
   except Exception as e:  # pylint: disable=broad-exception-caught
-    raise CorruptCheckpointError(f'checkpoint step {step} in {manager.directory} is unreadable '
-                                 f'({_first_line(e)})') from e
+    raise CorruptCheckpointError(
+      f'checkpoint step {step} in {manager.directory} is unreadable ({_first_line(e)})'
+    ) from e
 
 
-def restore_newest(manager: ocp.CheckpointManager, abstract_state,
-                   check_meta: Callable[[dict], None], *, step: int | None = None,
-                   say: Callable[[str], None] = print):
+def restore_newest(
+  manager: ocp.CheckpointManager,
+  abstract_state,
+  check_meta: Callable[[dict], None],
+  *,
+  step: int | None = None,
+  say: Callable[[str], None] = print,
+):
   """(state, data_state, step) of the newest checkpoint that reads back whole, or of `step`.
 
   check_meta(meta) raises for a checkpoint that does not fit the run (a user error: no
@@ -203,8 +228,10 @@ def restore_newest(manager: ocp.CheckpointManager, abstract_state,
   steps = sorted(manager.all_steps(), reverse=True)
   if step is not None:
     if step not in steps:
-      raise CheckpointError(f'--resume-from {step}: no checkpoint for that step in '
-                            f'{manager.directory} (it has {sorted(steps)}).')
+      raise CheckpointError(
+        f'--resume-from {step}: no checkpoint for that step in '
+        f'{manager.directory} (it has {sorted(steps)}).'
+      )
     steps = [step]
   unreadable = []
   for candidate in steps:
@@ -218,10 +245,15 @@ def restore_newest(manager: ocp.CheckpointManager, abstract_state,
     if unreadable:
       say(f'resuming from step {candidate}, the newest readable checkpoint.')
     return state, data_state, candidate
-  others = ('; pick another with --resume-from STEP' if step is not None else
-            '; start a new run with another --out')
-  raise CorruptCheckpointError(f'no readable checkpoint in {manager.directory} (unreadable: '
-                               f'steps {sorted(unreadable)}){others}.')
+  others = (
+    '; pick another with --resume-from STEP'
+    if step is not None
+    else '; start a new run with another --out'
+  )
+  raise CorruptCheckpointError(
+    f'no readable checkpoint in {manager.directory} (unreadable: '
+    f'steps {sorted(unreadable)}){others}.'
+  )
 
 
 def set_aside(out_dir: str, steps) -> str | None:
@@ -242,6 +274,7 @@ def set_aside(out_dir: str, steps) -> str | None:
       shutil.move(os.path.join(checkpoint_dir(out_dir), str(step)), target)
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
+
     multihost_utils.sync_global_devices('ouroboros_jax.training.checkpoint.set_aside')
   return where
 
@@ -256,12 +289,12 @@ def checkpoint_size(out_dir: str, step: int) -> int:
 
 def abstract_like(tree) -> Any:
   """ShapeDtypeStructs with the shardings of a concrete tree: a restore target."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                      tree)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
-def restore_params_single_device(manager: ocp.CheckpointManager, step: int | None = None,
-                                 device=None) -> dict:
+def restore_params_single_device(
+  manager: ocp.CheckpointManager, step: int | None = None, device=None
+) -> dict:
   """Only `state.params` of a checkpoint, all on one device, whatever mesh it was saved from.
 
   Used by sampling: the target tree is rebuilt from the checkpoint's own metadata, so the schedule
@@ -270,8 +303,9 @@ def restore_params_single_device(manager: ocp.CheckpointManager, step: int | Non
   return restore_single_device(manager, step, device)['params']
 
 
-def restore_single_device(manager: ocp.CheckpointManager, step: int | None = None,
-                          device=None) -> dict:
+def restore_single_device(
+  manager: ocp.CheckpointManager, step: int | None = None, device=None
+) -> dict:
   """The whole saved TrainState as a dict tree on one device (for inspection and tests).
   Raises CorruptCheckpointError like `restore`."""
   step = manager.latest_step() if step is None else step
@@ -279,17 +313,27 @@ def restore_single_device(manager: ocp.CheckpointManager, step: int | None = Non
   try:
     with _quiet_reads():
       tree = manager.item_metadata(step)['state'].tree
-      target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding),
-                            tree, is_leaf=lambda m: hasattr(m, 'shape'))
-      restored = manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
+      target = jax.tree.map(
+        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding),
+        tree,
+        is_leaf=lambda m: hasattr(m, 'shape'),
+      )
+      restored = manager.restore(
+        step,
+        args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()
+        ),
+      )
   except Exception as e:  # pylint: disable=broad-exception-caught
-    raise CorruptCheckpointError(f'checkpoint step {step} in {manager.directory} is unreadable '
-                                 f'({_first_line(e)})') from e
+    raise CorruptCheckpointError(
+      f'checkpoint step {step} in {manager.directory} is unreadable ({_first_line(e)})'
+    ) from e
   saved = restored['data'].get('fingerprint')
   # The dict's leaves come in another order than the TrainState's: compare the per-leaf sums.
   pairs = lambda flat: sorted(zip(flat[::2], flat[1::2]))
   if saved is not None and pairs(fingerprint(restored['state'])) != pairs(saved):
-    raise CorruptCheckpointError(f'checkpoint step {step} in {manager.directory} is damaged (its '
-                                 'arrays do not match the checksum saved with them)')
+    raise CorruptCheckpointError(
+      f'checkpoint step {step} in {manager.directory} is damaged (its '
+      'arrays do not match the checksum saved with them)'
+    )
   return restored['state']

@@ -12,7 +12,7 @@ would. `methods(steps, num_layers)` gives the default plans, scaled to the run's
 
   plain      backprop, every layer every step
   pld        --pld 0.5,100/steps (the paper's heuristic gamma ~ 100 / T)
-  mslt       --growth mslt:L/4 x T/4, L/2 x T/4, L x T/4, all:T/4 (each stage trains only the
+  mslt       --growth mslt:L/4 x T/4, L/2 x T/4, L x T/4, all:T/4 (each phase trains only the
              layers it added, the rest run forward only; a final all-layer stage)
   stacking   --growth stacking:L/4 x T/4, L/2 x T/4, L x rest (double, train everything)
   vcycle     --vcycle down=T/4,coarse=T/4 (half width and half depth for a quarter of the run)
@@ -42,8 +42,21 @@ import os
 
 from ouroboros_jax.training import config
 
-FIELDS = ('method', 'flag', 'wall_s', 'compile_s', 'cpu_s', 'flops', 'val_bpb', 'test_bpb',
-          'wall_saving', 'cpu_saving', 'flop_saving', 'plain_bpb_same_flops', 'plain_bpb_same_cpu')
+FIELDS = (
+  'method',
+  'flag',
+  'wall_s',
+  'compile_s',
+  'cpu_s',
+  'flops',
+  'val_bpb',
+  'test_bpb',
+  'wall_saving',
+  'cpu_saving',
+  'flop_saving',
+  'plain_bpb_same_flops',
+  'plain_bpb_same_cpu',
+)
 
 
 def methods(steps: int, num_layers: int) -> dict[str, dict]:
@@ -57,12 +70,12 @@ def methods(steps: int, num_layers: int) -> dict[str, dict]:
     stacking_depths.insert(0, stacking_depths[0] // 2)
   stacking = ','.join(f'{d}x{quarter}' for d in stacking_depths[:-1]) + f',{num_layers}x*'
   return {
-      'plain': {},
-      'pld': {'pld': f'0.5,{100.0 / steps:.4g}'},
-      'mslt': {'growth': f'mslt:{mslt}'},
-      'stacking': {'growth': f'stacking:{stacking}'},
-      'vcycle': {'vcycle': f'down={quarter},coarse={quarter}'},
-      'stdloss': {'std_loss': 1e-4},
+    'plain': {},
+    'pld': {'pld': f'0.5,{100.0 / steps:.4g}'},
+    'mslt': {'growth': f'mslt:{mslt}'},
+    'stacking': {'growth': f'stacking:{stacking}'},
+    'vcycle': {'vcycle': f'down={quarter},coarse={quarter}'},
+    'stdloss': {'std_loss': 1e-4},
   }
 
 
@@ -77,8 +90,9 @@ def curves(out_dir: str) -> list[dict]:
   return [r for r in rows if r['split'] == 'validation']
 
 
-def compare(base: config.TrainConfig, out_dir: str, names=None, *, quiet: bool = True,
-            log=print) -> list[dict]:
+def compare(
+  base: config.TrainConfig, out_dir: str, names=None, *, quiet: bool = True, log=print
+) -> list[dict]:
   """Trains `base` with every method in `names` (default all) into out_dir/<method>.
 
   Returns one dict per method: FIELDS plus 'curve' (its validation rows). Savings are
@@ -96,22 +110,31 @@ def compare(base: config.TrainConfig, out_dir: str, names=None, *, quiet: bool =
     run_dir = os.path.join(out_dir, name)
     if os.path.isdir(run_dir):  # a fresh run every time
       import shutil
+
       shutil.rmtree(run_dir)
     cfg = config.override(base, table[name])
-    cfg = dataclasses.replace(cfg, out=run_dir, checkpoint_every=10 ** 9, keep_checkpoints=1)
+    cfg = dataclasses.replace(cfg, out=run_dir, checkpoint_every=10**9, keep_checkpoints=1)
     cfg.validate()
     log(f'[{name}] {flag_text(table[name])}')
     summary = loop.train(cfg, quiet=quiet)
     compile_cpu = summary.get('compile_cpu_s') or 0.0
-    results.append({
-        'method': name, 'flag': flag_text(table[name]),
+    results.append(
+      {
+        'method': name,
+        'flag': flag_text(table[name]),
         'wall_s': (summary['compile_s'] or 0.0) + summary['train_s'],
         'compile_s': summary['compile_s'] or 0.0,
-        'cpu_s': compile_cpu + summary['train_cpu_s'], 'flops': summary['flops'],
-        'val_bpb': summary['val_bpb'], 'test_bpb': summary['test_bpb'],
-        'curve': curves(run_dir)})
-    log(f'[{name}] val bpb {summary["val_bpb"]:.4f}, {results[-1]["wall_s"]:.1f} s wall, '
-        f'{results[-1]["cpu_s"]:.1f} s CPU, {summary["flops"]:.3g} FLOPs')
+        'cpu_s': compile_cpu + summary['train_cpu_s'],
+        'flops': summary['flops'],
+        'val_bpb': summary['val_bpb'],
+        'test_bpb': summary['test_bpb'],
+        'curve': curves(run_dir),
+      }
+    )
+    log(
+      f'[{name}] val bpb {summary["val_bpb"]:.4f}, {results[-1]["wall_s"]:.1f} s wall, '
+      f'{results[-1]["cpu_s"]:.1f} s CPU, {summary["flops"]:.3g} FLOPs'
+    )
   return add_savings(results)
 
 
@@ -149,8 +172,16 @@ def write_csv(results: list[dict], path: str) -> None:
     writer.writerow(['method', 'step', 'val_bpb', 'wall_s', 'cpu_s', 'flops'])
     for r in results:
       for row in r['curve']:
-        writer.writerow([r['method'], row['step'], f'{row["bpb"]:.5f}', f'{row["train_s"]:.2f}',
-                         f'{row.get("cpu_s", float("nan")):.2f}', f'{row["flops"]:.6g}'])
+        writer.writerow(
+          [
+            r['method'],
+            row['step'],
+            f'{row["bpb"]:.5f}',
+            f'{row["train_s"]:.2f}',
+            f'{row.get("cpu_s", float("nan")):.2f}',
+            f'{row["flops"]:.6g}',
+          ]
+        )
 
 
 def markdown_table(results: list[dict]) -> str:
@@ -160,15 +191,19 @@ def markdown_table(results: list[dict]) -> str:
   def bpb(x):
     return '-' if x is None else f'{x:.3f}'
 
-  lines = ['| method | flag | wall-clock s (compile) | CPU s | TFLOPs | val bpb | test bpb | '
-           'wall saved | CPU saved | FLOPs saved | plain at same FLOPs | plain at same CPU |',
-           '|---|---|---|---|---|---|---|---|---|---|---|---|']
+  lines = [
+    '| method | flag | wall-clock s (compile) | CPU s | TFLOPs | val bpb | test bpb | '
+    'wall saved | CPU saved | FLOPs saved | plain at same FLOPs | plain at same CPU |',
+    '|---|---|---|---|---|---|---|---|---|---|---|---|',
+  ]
   for r in results:
-    lines.append(f'| {r["method"]} | `{r["flag"]}` | {r["wall_s"]:.0f} ({r["compile_s"]:.0f}) | '
-                 f'{r["cpu_s"]:.0f} | '
-                 f'{r["flops"] / 1e12:.2f} | {r["val_bpb"]:.3f} | {r["test_bpb"]:.3f} | '
-                 f'{pct(r["wall_saving"])} | {pct(r["cpu_saving"])} | {pct(r["flop_saving"])} | '
-                 f'{bpb(r.get("plain_bpb_same_flops"))} | {bpb(r.get("plain_bpb_same_cpu"))} |')
+    lines.append(
+      f'| {r["method"]} | `{r["flag"]}` | {r["wall_s"]:.0f} ({r["compile_s"]:.0f}) | '
+      f'{r["cpu_s"]:.0f} | '
+      f'{r["flops"] / 1e12:.2f} | {r["val_bpb"]:.3f} | {r["test_bpb"]:.3f} | '
+      f'{pct(r["wall_saving"])} | {pct(r["cpu_saving"])} | {pct(r["flop_saving"])} | '
+      f'{bpb(r.get("plain_bpb_same_flops"))} | {bpb(r.get("plain_bpb_same_cpu"))} |'
+    )
   return '\n'.join(lines)
 
 
@@ -176,18 +211,25 @@ def plot(results: list[dict], path: str, title: str = '') -> None:
   """Validation bpb against training wall-clock, against process CPU time (robust to other jobs
   on a shared machine) and against FLOPs spent."""
   import matplotlib
+
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
-  panels = [('train_s', 1.0, 'training wall-clock (s, compilation included)'),
-            ('cpu_s', 1.0, 'training CPU time (s, all threads)'),
-            ('flops', 1e-12, 'model FLOPs spent (10^12)')]
+  panels = [
+    ('train_s', 1.0, 'training wall-clock (s, compilation included)'),
+    ('cpu_s', 1.0, 'training CPU time (s, all threads)'),
+    ('flops', 1e-12, 'model FLOPs spent (10^12)'),
+  ]
   fig, axes = plt.subplots(1, len(panels), figsize=(15, 4.2), sharey=True)
   for r in results:
     ys = [row['bpb'] for row in r['curve']]
-    style = dict(marker='o', markersize=3, label=r['method'],
-                 linewidth=2.2 if r['method'] == 'plain' else 1.4,
-                 color='black' if r['method'] == 'plain' else None)
+    style = dict(
+      marker='o',
+      markersize=3,
+      label=r['method'],
+      linewidth=2.2 if r['method'] == 'plain' else 1.4,
+      color='black' if r['method'] == 'plain' else None,
+    )
     for ax, (key, scale, _) in zip(axes, panels):
       ax.plot([row.get(key, float('nan')) * scale for row in r['curve']], ys, **style)
   for ax, (_, _, label) in zip(axes, panels):

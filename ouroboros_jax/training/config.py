@@ -43,14 +43,14 @@ from ouroboros_jax.model import ModelConfig
 from ouroboros_jax.schedules.config import ScheduleConfig
 
 
-
 class Plans(typing.NamedTuple):
   """The plan-like flags of a TrainConfig, parsed once into typed values (`TrainConfig.plans`)."""
-  layers_per_stage: tuple[int, ...]         # --layers-per-stage, or the balanced split
-  pld: tuple[float, float] | None           # --pld: (theta_bar, gamma)
-  growth: Any                               # --growth: a growth.GrowthPlan
-  vcycle: tuple[Any, float] | None          # --vcycle: (a vcycle.VCyclePlan, lr_scale)
-  std_loss_layers: tuple[int, ...]          # --std-loss-layers, 0-based
+
+  layers_per_stage: tuple[int, ...]  # --layers-per-stage, or the balanced split
+  pld: tuple[float, float] | None  # --pld: (theta_bar, gamma)
+  growth: Any  # --growth: a growth.GrowthPlan
+  vcycle: tuple[Any, float] | None  # --vcycle: (a vcycle.VCyclePlan, lr_scale)
+  std_loss_layers: tuple[int, ...]  # --std-loss-layers, 0-based
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +62,8 @@ class TrainConfig:
   # Data: see `data.load_splits` for the spec syntax ('default' is the embedded Shakespeare).
   data: str = 'default'
   data_dir: str | None = None
-  download: bool = False        # tfds: let TFDS download and prepare a dataset missing from
-                                # data_dir (network); off: read only prepared data, fail fast
+  download: bool = False  # tfds: let TFDS download and prepare a dataset missing from
+  # data_dir (network); off: read only prepared data, fail fast
   batch_size: int = 32
   steps: int = 2000
   # Optimizer: AdamW, linear warmup then cosine decay to learning_rate * min_lr_ratio.
@@ -72,13 +72,13 @@ class TrainConfig:
   min_lr_ratio: float = 0.1
   weight_decay: float = 0.1
   # Evaluation, logging and checkpoints (every N steps; the last step always evaluates/saves).
-  log_every: int = 20           # also how often the host checks the loss for NaN/Inf
+  log_every: int = 20  # also how often the host checks the loss for NaN/Inf
   eval_every: int = 500
-  eval_batches: int = 50        # validation batches per evaluation (in order, unshuffled)
+  eval_batches: int = 50  # validation batches per evaluation (in order, unshuffled)
   checkpoint_every: int = 1000
   keep_checkpoints: int = 3
-  seed: int = 0                 # parameters, data order and dropout
-  out: str | None = None        # None: runs/<preset>-<schedule>
+  seed: int = 0  # parameters, data order and dropout
+  out: str | None = None  # None: runs/<preset>-<schedule>
   # How the model is cut and run: `ouroboros_jax.schedules.ScheduleConfig` (its flags are
   # --schedule, --stages, --data-parallel, --microbatches, --clip-norm, --stash, ...).
   schedule: ScheduleConfig = ScheduleConfig()
@@ -86,19 +86,19 @@ class TrainConfig:
   # Optimizer and staleness compensation (compensation.py).
   # 'auto' (both): Ouroboros with G > 1 trains with the measured recipe (RECIPE_OPTIMIZER and
   # RECIPE_COMPENSATION); every other schedule, and --compensation none, with plain AdamW.
-  optimizer: str = 'auto'       # auto, adamw, nadamw (b1 0.99), muon (kernels; Adam elsewhere)
+  optimizer: str = 'auto'  # auto, adamw, nadamw (b1 0.99), muon (kernels; Adam elsewhere)
   muon_learning_rate: float = 0.02  # muon: the kernels' peak rate (--learning-rate: the rest)
   momentum: float | None = None  # b1 / Muon's beta; None: the optimizer's own (0.9, 0.99, 0.95)
-  compensation: str = 'auto'    # auto, none (the paper) or a comma list of predict, pipemare,
-                                # dc, shrink (ouroboros only)
-  dc_lambda: float = 1.0        # dc: DC-ASGD-a's strength lambda_0
-  shrink: float = 0.5           # shrink: factor on delayed gradients
-  pipemare_steps: int = 0       # pipemare: steps T to the full rate (0: a quarter of --steps)
+  compensation: str = 'auto'  # auto, none (the paper) or a comma list of predict, pipemare,
+  # dc, shrink (ouroboros only)
+  dc_lambda: float = 1.0  # dc: DC-ASGD-a's strength lambda_0
+  shrink: float = 0.5  # shrink: factor on delayed gradients
+  pipemare_steps: int = 0  # pipemare: steps T to the full rate (0: a quarter of --steps)
   # Other training accelerators (README "Training accelerators"; None / 0 = off).
-  pld: str | None = None        # progressive layer dropping: 'THETA_BAR,GAMMA' or 'default'
-  growth: str | None = None     # MSLT / progressive stacking plan, see growth.parse_plan
-  vcycle: str | None = None     # multi-level V-cycle plan, see vcycle.parse_plan
-  std_loss: float = 0.0         # weight of the standardization loss (0: off)
+  pld: str | None = None  # progressive layer dropping: 'THETA_BAR,GAMMA' or 'default'
+  growth: str | None = None  # MSLT / progressive stacking plan, see growth.parse_plan
+  vcycle: str | None = None  # multi-level V-cycle plan, see vcycle.parse_plan
+  std_loss: float = 0.0  # weight of the standardization loss (0: off)
   std_loss_layers: str = 'all'  # the layers it regularises: 'all' or '0,2' (0-based)
 
   @property
@@ -115,44 +115,62 @@ class TrainConfig:
     for name, value in flat(self).items():  # nan and inf pass every comparison below
       if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f'{name} must be a finite number, got {value}; fix {flag(name)}.')
-      if (isinstance(value, int) and not isinstance(value, bool) and name != 'seed'
-          and abs(value) >= 2 ** 31):
-        raise ConfigError(f'{name} {value} is out of range (at most 2**31 - 1); fix '
-                          f'{flag(name)}.')
+      if (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and name != 'seed'
+        and abs(value) >= 2**31
+      ):
+        raise ConfigError(f'{name} {value} is out of range (at most 2**31 - 1); fix {flag(name)}.')
     for name in ('out', 'compensation', 'data'):
       value = getattr(self, name)
       if value is not None and not value.strip():
         raise ConfigError(f'{flag(name)} is empty; give it a value or leave the flag out.')
-    if self.seed >= 2 ** 32:
-      raise ConfigError(f'seed must be below 2**32 (the PRNG keeps 32 bits), got {self.seed}; '
-                        'fix --seed.')
-    for name in ('batch_size', 'steps', 'log_every', 'eval_every', 'eval_batches',
-                 'checkpoint_every', 'keep_checkpoints'):
+    if self.seed >= 2**32:
+      raise ConfigError(
+        f'seed must be below 2**32 (the PRNG keeps 32 bits), got {self.seed}; fix --seed.'
+      )
+    for name in (
+      'batch_size',
+      'steps',
+      'log_every',
+      'eval_every',
+      'eval_batches',
+      'checkpoint_every',
+      'keep_checkpoints',
+    ):
       if getattr(self, name) <= 0:
-        raise ConfigError(f'{name} must be positive, got {getattr(self, name)}; '
-                          f'set {flag(name)} to a positive integer.')
+        raise ConfigError(
+          f'{name} must be positive, got {getattr(self, name)}; '
+          f'set {flag(name)} to a positive integer.'
+        )
     for name in ('warmup_steps', 'seed'):
       if getattr(self, name) < 0:
         raise ConfigError(f'{name} must be >= 0, got {getattr(self, name)}; fix {flag(name)}.')
     if not self.learning_rate > 0:
-      raise ConfigError(f'learning_rate must be positive, got {self.learning_rate}; '
-                        'fix --learning-rate.')
+      raise ConfigError(
+        f'learning_rate must be positive, got {self.learning_rate}; fix --learning-rate.'
+      )
     if not 0.0 <= self.min_lr_ratio <= 1.0:
-      raise ConfigError(f'min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}; '
-                        'fix --min-lr-ratio.')
+      raise ConfigError(
+        f'min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}; fix --min-lr-ratio.'
+      )
     if self.weight_decay < 0:
-      raise ConfigError(f'weight_decay must be >= 0, got {self.weight_decay}; fix '
-                        '--weight-decay.')
+      raise ConfigError(f'weight_decay must be >= 0, got {self.weight_decay}; fix --weight-decay.')
     self.check_compensation()  # before the schedule: an unknown --compensation names itself
     self.schedule_config().validate()
     run = self.schedule
     if run.name in ('backprop', 'data_parallel') and run.num_stages > 1:
-      raise ConfigError(f'--schedule {run.name} runs every layer on each device, so --stages '
-                        f'{run.num_stages} does nothing; drop --stages or choose --schedule '
-                        'model_parallel, gpipe or ouroboros.')
+      raise ConfigError(
+        f'--schedule {run.name} runs every layer on each device, so --stages '
+        f'{run.num_stages} does nothing; drop --stages or choose --schedule '
+        'model_parallel, gpipe or ouroboros.'
+      )
     if self.batch_size % self.schedule.data_parallel:
-      raise ConfigError(f'batch_size {self.batch_size} is not divisible by data_parallel '
-                        f'{self.schedule.data_parallel}; choose --batch-size as a multiple of it.')
+      raise ConfigError(
+        f'batch_size {self.batch_size} is not divisible by data_parallel '
+        f'{self.schedule.data_parallel}; choose --batch-size as a multiple of it.'
+      )
     self.plans  # parses --layers-per-stage, --pld, --growth, --vcycle, --std-loss-layers
     self.check_accelerators()
 
@@ -162,17 +180,20 @@ class TrainConfig:
     from ouroboros_jax.accelerators import growth, pld, vcycle
 
     return Plans(
-        layers_per_stage=self.resolved_layers_per_stage(),
-        pld=pld.parse(self.pld) if self.pld else None,
-        growth=(growth.parse_plan(self.growth, self.model.num_layers, self.steps)
-                if self.growth else None),
-        vcycle=vcycle.parse_plan(self.vcycle, self.steps) if self.vcycle else None,
-        std_loss_layers=self.std_loss_layer_ids())
+      layers_per_stage=self.resolved_layers_per_stage(),
+      pld=pld.parse(self.pld) if self.pld else None,
+      growth=(
+        growth.parse_plan(self.growth, self.model.num_layers, self.steps) if self.growth else None
+      ),
+      vcycle=vcycle.parse_plan(self.vcycle, self.steps) if self.vcycle else None,
+      std_loss_layers=self.std_loss_layer_ids(),
+    )
 
   def schedule_config(self) -> ScheduleConfig:
     """The schedule as it runs: the run's seed and the resolved staleness compensation."""
-    return dataclasses.replace(self.schedule, seed=self.seed,
-                               compensation=self.resolved_compensation())
+    return dataclasses.replace(
+      self.schedule, seed=self.seed, compensation=self.resolved_compensation()
+    )
 
   def check_accelerators(self) -> None:
     """The accelerator flags parse, fit the model, and combine with the schedule (one-line
@@ -180,45 +201,63 @@ class TrainConfig:
     from ouroboros_jax import costs
     from ouroboros_jax.accelerators import pld, vcycle
 
-    on = [name for name, value in (('--pld', self.pld), ('--growth', self.growth),
-                                   ('--vcycle', self.vcycle), ('--std-loss', self.std_loss))
-          if value]
+    on = [
+      name
+      for name, value in (
+        ('--pld', self.pld),
+        ('--growth', self.growth),
+        ('--vcycle', self.vcycle),
+        ('--std-loss', self.std_loss),
+      )
+      if value
+    ]
     if len(on) > 1:
-      raise ConfigError(f'{" and ".join(on)} cannot be combined yet (each one changes the step '
-                        'in its own way); use one of them per run.')
+      raise ConfigError(
+        f'{" and ".join(on)} cannot be combined yet (each one changes the step '
+        'in its own way); use one of them per run.'
+      )
     if self.pld:
       pld.check_config(self.model, *self.plans.pld)
     if self.std_loss and not self.std_loss > 0:
       raise ConfigError(f'--std-loss is a weight >= 0, got {self.std_loss}.')
     if self.growth:
       if self.schedule.name != 'backprop':
-        raise ConfigError(f'--growth runs on --schedule backprop only: MSLT and stacking change '
-                          f'the depth mid-run, which would change the layers of every stage of '
-                          f'{self.schedule.name!r} (and MSLT freezes whole stages); drop --schedule '
-                          f'or --growth.')
+        raise ConfigError(
+          f'--growth runs on --schedule backprop only: MSLT and stacking change '
+          f'the depth mid-run, which would change the layers of every stage of '
+          f'{self.schedule.name!r} (and MSLT freezes whole stages); drop --schedule '
+          f'or --growth.'
+        )
     if self.vcycle:
       plan, _ = self.plans.vcycle
-      for level_cfg in vcycle.level_configs(self.model, plan.levels, width=plan.width,
-                                            depth=plan.depth):
+      for level_cfg in vcycle.level_configs(
+        self.model, plan.levels, width=plan.width, depth=plan.depth
+      ):
         level_cfg.validate()
         costs.check_stages(level_cfg.num_layers, self.schedule.num_stages)
       if self.layers_per_stage:
-        raise ConfigError('--vcycle cuts every level with the balanced split; drop '
-                          '--layers-per-stage.')
+        raise ConfigError(
+          '--vcycle cuts every level with the balanced split; drop --layers-per-stage.'
+        )
     if (self.growth or self.vcycle) and self.schedule.sync_warmup_steps:
       raise ConfigError('--sync-warmup-steps does not apply to --growth / --vcycle runs; drop it.')
 
   def check_compensation(self) -> None:
     """--optimizer and --compensation name known pieces that fit the schedule (one line)."""
     from ouroboros_jax.schedules import compensation
+
     if self.optimizer not in ('auto', *compensation.OPTIMIZERS):
-      raise ConfigError(f'unknown optimizer {self.optimizer!r}; use --optimizer auto, '
-                        f'{", ".join(compensation.OPTIMIZERS)}.')
+      raise ConfigError(
+        f'unknown optimizer {self.optimizer!r}; use --optimizer auto, '
+        f'{", ".join(compensation.OPTIMIZERS)}.'
+      )
     if self.momentum is not None and not 0 <= self.momentum < 1:
       raise ConfigError(f'momentum must be in [0, 1), got {self.momentum}; fix --momentum.')
     if not self.muon_learning_rate > 0:
-      raise ConfigError(f'muon_learning_rate must be positive, got {self.muon_learning_rate}; '
-                        'fix --muon-learning-rate.')
+      raise ConfigError(
+        f'muon_learning_rate must be positive, got {self.muon_learning_rate}; '
+        'fix --muon-learning-rate.'
+      )
     if (self.growth or self.vcycle) and self.resolved_optimizer() != 'adamw':
       raise ConfigError('--growth and --vcycle runs use AdamW; drop --optimizer.')
     self.resolved_compensation()
@@ -226,8 +265,12 @@ class TrainConfig:
   @property
   def uses_recipe(self) -> bool:
     """--compensation auto on a delayed schedule: the measured recipe applies (see RECIPE_*)."""
-    return (self.compensation == 'auto' and self.schedule.name == 'ouroboros'
-            and self.schedule.num_stages > 1 and not (self.growth or self.vcycle))
+    return (
+      self.compensation == 'auto'
+      and self.schedule.name == 'ouroboros'
+      and self.schedule.num_stages > 1
+      and not (self.growth or self.vcycle)
+    )
 
   def resolved_optimizer(self) -> str:
     if self.optimizer != 'auto':
@@ -237,12 +280,23 @@ class TrainConfig:
   def resolved_compensation(self):
     """--compensation and its strengths as a compensation.Compensation."""
     from ouroboros_jax.schedules import compensation
+
     spec = self.compensation
     if spec == 'auto':
-      spec = ('none' if not self.uses_recipe else
-              RECIPE_COMPENSATION if self.schedule.stash == 'graph' else RECIPE_COMPENSATION_REPLAY)
-    return compensation.parse(spec, steps=self.steps, dc_lambda=self.dc_lambda,
-                              shrink=self.shrink, pipemare_steps=self.pipemare_steps)
+      spec = (
+        'none'
+        if not self.uses_recipe
+        else RECIPE_COMPENSATION
+        if self.schedule.stash == 'graph'
+        else RECIPE_COMPENSATION_REPLAY
+      )
+    return compensation.parse(
+      spec,
+      steps=self.steps,
+      dc_lambda=self.dc_lambda,
+      shrink=self.shrink,
+      pipemare_steps=self.pipemare_steps,
+    )
 
   def std_loss_layer_ids(self) -> tuple[int, ...]:
     """--std-loss-layers -> 0-based layer indices ('all': every layer)."""
@@ -251,12 +305,16 @@ class TrainConfig:
     try:
       ids = tuple(int(v) for v in self.std_loss_layers.split(','))
     except ValueError:
-      raise ConfigError(f"--std-loss-layers takes 'all' or 0-based layer indices like 0,2; got "
-                        f'{self.std_loss_layers!r}.') from None
+      raise ConfigError(
+        f"--std-loss-layers takes 'all' or 0-based layer indices like 0,2; got "
+        f'{self.std_loss_layers!r}.'
+      ) from None
     if not ids or any(not 0 <= i < self.model.num_layers for i in ids):
-      raise ConfigError(f'--std-loss-layers {self.std_loss_layers} is outside the model\'s '
-                        f'{self.model.num_layers} layers; choose from 0 .. '
-                        f'{self.model.num_layers - 1}.')
+      raise ConfigError(
+        f"--std-loss-layers {self.std_loss_layers} is outside the model's "
+        f'{self.model.num_layers} layers; choose from 0 .. '
+        f'{self.model.num_layers - 1}.'
+      )
     return ids
 
   def resolved_layers_per_stage(self) -> tuple[int, ...]:
@@ -264,8 +322,9 @@ class TrainConfig:
     from ouroboros_jax import partition
 
     if self.layers_per_stage:
-      return partition.parse_layers_per_stage(self.layers_per_stage, self.model.num_layers,
-                                              self.schedule.num_stages)
+      return partition.parse_layers_per_stage(
+        self.layers_per_stage, self.model.num_layers, self.schedule.num_stages
+      )
     return partition.balance_layers(self.model, self.schedule.num_stages)
 
   def to_dict(self) -> dict[str, Any]:
@@ -292,8 +351,16 @@ class TrainConfig:
 
 # ScheduleConfig fields TrainConfig fills in (`schedule_config`), and so has no flag or record of.
 _RESOLVED_SCHEDULE_FIELDS = ('seed', 'compensation')
-_FLAT_SCHEDULE_FIELDS = ('data_parallel', 'clip_norm', 'microbatches', 'stash', 'stash_policy',
-                         'forward', 'sync_warmup_steps', 'tied_grad')
+_FLAT_SCHEDULE_FIELDS = (
+  'data_parallel',
+  'clip_norm',
+  'microbatches',
+  'stash',
+  'stash_policy',
+  'forward',
+  'sync_warmup_steps',
+  'tied_grad',
+)
 
 
 def lr_schedule(cfg: TrainConfig, steps: int | None = None, peak: float | None = None):
@@ -302,8 +369,12 @@ def lr_schedule(cfg: TrainConfig, steps: int | None = None, peak: float | None =
   steps = cfg.steps if steps is None else steps
   peak = cfg.learning_rate if peak is None else peak
   return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=peak, warmup_steps=max(min(cfg.warmup_steps, steps - 1), 0),
-      decay_steps=max(steps, 1), end_value=peak * cfg.min_lr_ratio)
+    init_value=0.0,
+    peak_value=peak,
+    warmup_steps=max(min(cfg.warmup_steps, steps - 1), 0),
+    decay_steps=max(steps, 1),
+    end_value=peak * cfg.min_lr_ratio,
+  )
 
 
 # The recipe `--compensation auto` gives Ouroboros (experiments/lr_sweep.py, README "Training
@@ -319,42 +390,80 @@ def make_optimizer(cfg: TrainConfig):
   """--optimizer (AdamW by default) with linear warmup and cosine decay; Muon's kernels follow
   the same schedule to their own peak (clipping is done by the schedule)."""
   from ouroboros_jax.schedules import compensation
+
   return compensation.make_optimizer(
-      cfg.resolved_optimizer(), lr_schedule(cfg), weight_decay=cfg.weight_decay,
-      muon_learning_rate=lr_schedule(cfg, peak=cfg.muon_learning_rate), b1=cfg.momentum)
+    cfg.resolved_optimizer(),
+    lr_schedule(cfg),
+    weight_decay=cfg.weight_decay,
+    muon_learning_rate=lr_schedule(cfg, peak=cfg.muon_learning_rate),
+    b1=cfg.momentum,
+  )
 
 
 # ----------------------------------------------------------------------------- presets
 
 PRESETS: dict[str, TrainConfig] = {
-    # Tuned on a 2-core CPU: ~18k tokens/s, 2000 steps in ~4 minutes including compilation.
-    # Two layers beat four there: at this budget more tokens matter more than depth. 2048 tokens
-    # per step stays under the early critical batch; 1e-2 is close to where training stalls.
-    'tiny': TrainConfig(
-        model=ModelConfig(d_model=128, num_heads=4, num_layers=2, d_ff=512, seq_len=64),
-        preset='tiny', batch_size=32, steps=2000, learning_rate=5e-3, warmup_steps=50,
-        log_every=20, eval_every=500, eval_batches=125,  # 125: all of the default validation
-        checkpoint_every=1000),
-    'small': TrainConfig(
-        model=ModelConfig(d_model=192, num_heads=6, num_layers=4, d_ff=768, seq_len=128),
-        preset='small', batch_size=32, steps=1500, learning_rate=3e-3, warmup_steps=100,
-        log_every=20, eval_every=250, eval_batches=60, checkpoint_every=500),
-    # Transformer-XL's enwik8 base model size (Dai et al. 2019), without its recurrence memory.
-    'enwik8-base': TrainConfig(
-        model=ModelConfig(d_model=512, num_heads=8, num_layers=12, d_ff=2048, seq_len=512,
-                          dropout=0.1),
-        preset='enwik8-base', batch_size=22, steps=400_000, learning_rate=2.5e-4,
-        warmup_steps=0, min_lr_ratio=0.0, weight_decay=0.0, log_every=100,
-        schedule=ScheduleConfig(clip_norm=0.25),
-        eval_every=4000, eval_batches=100, checkpoint_every=4000),
-    # GPT-2 small's shape (124M parameters with its 50257-token BPE vocabulary). This is a
-    # byte-level model (vocabulary 256), so it has ~86M parameters and is not GPT-2's tokenizer.
-    'gpt2-small': TrainConfig(
-        model=ModelConfig(d_model=768, num_heads=12, num_layers=12, d_ff=3072, seq_len=1024,
-                          dropout=0.1),
-        preset='gpt2-small', batch_size=32, steps=100_000, learning_rate=6e-4,
-        warmup_steps=2000, min_lr_ratio=0.1, weight_decay=0.1, log_every=100,
-        eval_every=2000, eval_batches=50, checkpoint_every=2000),
+  # Tuned on a 2-core CPU: ~18k tokens/s, 2000 steps in ~4 minutes including compilation.
+  # Two layers beat four there: at this budget more tokens matter more than depth. 2048 tokens
+  # per step stays under the early critical batch; 1e-2 is close to where training stalls.
+  'tiny': TrainConfig(
+    model=ModelConfig(d_model=128, num_heads=4, num_layers=2, d_ff=512, seq_len=64),
+    preset='tiny',
+    batch_size=32,
+    steps=2000,
+    learning_rate=5e-3,
+    warmup_steps=50,
+    log_every=20,
+    eval_every=500,
+    eval_batches=125,  # 125: all of the default validation
+    checkpoint_every=1000,
+  ),
+  'small': TrainConfig(
+    model=ModelConfig(d_model=192, num_heads=6, num_layers=4, d_ff=768, seq_len=128),
+    preset='small',
+    batch_size=32,
+    steps=1500,
+    learning_rate=3e-3,
+    warmup_steps=100,
+    log_every=20,
+    eval_every=250,
+    eval_batches=60,
+    checkpoint_every=500,
+  ),
+  # Transformer-XL's enwik8 base model size (Dai et al. 2019), without its recurrence memory.
+  'enwik8-base': TrainConfig(
+    model=ModelConfig(d_model=512, num_heads=8, num_layers=12, d_ff=2048, seq_len=512, dropout=0.1),
+    preset='enwik8-base',
+    batch_size=22,
+    steps=400_000,
+    learning_rate=2.5e-4,
+    warmup_steps=0,
+    min_lr_ratio=0.0,
+    weight_decay=0.0,
+    log_every=100,
+    schedule=ScheduleConfig(clip_norm=0.25),
+    eval_every=4000,
+    eval_batches=100,
+    checkpoint_every=4000,
+  ),
+  # GPT-2 small's shape (124M parameters with its 50257-token BPE vocabulary). This is a
+  # byte-level model (vocabulary 256), so it has ~86M parameters and is not GPT-2's tokenizer.
+  'gpt2-small': TrainConfig(
+    model=ModelConfig(
+      d_model=768, num_heads=12, num_layers=12, d_ff=3072, seq_len=1024, dropout=0.1
+    ),
+    preset='gpt2-small',
+    batch_size=32,
+    steps=100_000,
+    learning_rate=6e-4,
+    warmup_steps=2000,
+    min_lr_ratio=0.1,
+    weight_decay=0.1,
+    log_every=100,
+    eval_every=2000,
+    eval_batches=50,
+    checkpoint_every=2000,
+  ),
 }
 
 
@@ -384,10 +493,11 @@ _NESTED = {ModelConfig: 'model', ScheduleConfig: 'schedule'}
 
 class Field(typing.NamedTuple):
   """One overridable setting: its type, whether None is allowed, where it lives."""
+
   kind: type
   optional: bool
-  owner: type                # ModelConfig, ScheduleConfig or TrainConfig
-  attribute: str             # its name in the owner
+  owner: type  # ModelConfig, ScheduleConfig or TrainConfig
+  attribute: str  # its name in the owner
 
 
 @functools.lru_cache(maxsize=None)
@@ -402,7 +512,8 @@ def fields() -> dict[str, Field]:
   for cls in (ModelConfig, ScheduleConfig, TrainConfig):
     for f in dataclasses.fields(cls):
       if (cls is TrainConfig and f.name in _NESTED.values()) or (
-          cls is ScheduleConfig and f.name in _RESOLVED_SCHEDULE_FIELDS):
+        cls is ScheduleConfig and f.name in _RESOLVED_SCHEDULE_FIELDS
+      ):
         continue
       hint = _hints(cls)[f.name]
       args = [a for a in typing.get_args(hint) if a is not type(None)]
@@ -424,8 +535,9 @@ def override(cfg: TrainConfig, values: Mapping[str, Any]) -> TrainConfig:
       raise ConfigError(f'unknown field {flag(name)}{hint}')
     field = known[name]
     changes[field.owner][field.attribute] = value
-  nested = {attr: dataclasses.replace(getattr(cfg, attr), **changes[cls])
-            for cls, attr in _NESTED.items()}
+  nested = {
+    attr: dataclasses.replace(getattr(cfg, attr), **changes[cls]) for cls, attr in _NESTED.items()
+  }
   return dataclasses.replace(cfg, **nested, **changes[TrainConfig])
 
 

@@ -61,10 +61,10 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from etils import epath
 import grain
 import numpy as np
 import tensorflow_datasets as tfds
+from etils import epath
 
 from ouroboros_jax.errors import DataError  # re-exported: ouroboros_jax.training.data.DataError
 
@@ -72,9 +72,7 @@ log = logging.getLogger(__name__)
 
 VOCAB_SIZE = 256
 SPLITS = ('train', 'validation', 'test')
-DEFAULT_CORPUS_PATH = (
-    pathlib.Path(__file__).resolve().parents[1] / 'corpus' / 'shakespeare.txt.gz'
-)
+DEFAULT_CORPUS_PATH = pathlib.Path(__file__).resolve().parents[1] / 'corpus' / 'shakespeare.txt.gz'
 DEFAULT_DATA_DIR_ENV = 'OUROBOROS_DATA_DIR'
 # Bytes per TFDS record of the default corpus; small enough to keep records
 # cheap, large enough that there are only ~80 of them.
@@ -82,10 +80,7 @@ CHUNK_BYTES = 64 * 1024
 # Grain defaults to 16 threads and 500 prefetched elements, which for large
 # batches is gigabytes of host memory; batches here are cheap array slices.
 _READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=16)
-_SPEC_HELP = (
-    "use 'default' (or 'shakespeare'), 'text:PATH[,PATH...]' or"
-    " 'tfds:NAME[:FEATURE]'"
-)
+_SPEC_HELP = "use 'default' (or 'shakespeare'), 'text:PATH[,PATH...]' or 'tfds:NAME[:FEATURE]'"
 
 
 def _one_line(text: str, limit: int = 400) -> str:
@@ -96,6 +91,18 @@ def _one_line(text: str, limit: int = 400) -> str:
 def _first_line(exc: BaseException) -> str:
   lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
   return f'{type(exc).__name__}: {lines[0] if lines else ""}'.rstrip(': ')
+
+
+@contextlib.contextmanager
+def _as_data_error(what: str, fix: str):
+  """Any failure inside becomes one DataError line: what failed, why (the error's first line)
+  and the fix. A DataError passes through as it is."""
+  try:
+    yield
+  except DataError:
+    raise
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    raise DataError(f'{what} ({_first_line(e)}); {fix}') from None
 
 
 # ----------------------------------------------------------------------------
@@ -111,9 +118,9 @@ def split_ranges(n_bytes: int) -> dict[str, tuple[int, int]]:
   n_train = n_bytes * 90 // 100
   n_valid = n_bytes * 5 // 100
   return {
-      'train': (0, n_train),
-      'validation': (n_train, n_train + n_valid),
-      'test': (n_train + n_valid, n_bytes),
+    'train': (0, n_train),
+    'validation': (n_train, n_train + n_valid),
+    'test': (n_train + n_valid, n_bytes),
   }
 
 
@@ -122,10 +129,7 @@ def split_corpus(corpus_Z: np.ndarray | bytes) -> dict[str, np.ndarray]:
   if isinstance(corpus_Z, (bytes, bytearray, memoryview)):
     corpus_Z = np.frombuffer(corpus_Z, dtype=np.uint8)
   corpus_Z = np.asarray(corpus_Z, dtype=np.uint8)
-  return {
-      name: corpus_Z[start:stop]
-      for name, (start, stop) in split_ranges(len(corpus_Z)).items()
-  }
+  return {name: corpus_Z[start:stop] for name, (start, stop) in split_ranges(len(corpus_Z)).items()}
 
 
 def read_text_file(path: str | os.PathLike[str]) -> bytes:
@@ -137,13 +141,11 @@ def read_text_file(path: str | os.PathLike[str]) -> bytes:
         return f.read()
     return path.read_bytes()
   except FileNotFoundError:
-    raise DataError(
-        f'data file not found: {path}; check the path (text:PATH[,PATH...]).'
-    ) from None
+    raise DataError(f'data file not found: {path}; check the path (text:PATH[,PATH...]).') from None
   except (OSError, EOFError, gzip.BadGzipFile) as e:
     raise DataError(
-        f'cannot read data file {path} ({_first_line(e)}); check that it is a'
-        ' readable text or .gz file.'
+      f'cannot read data file {path} ({_first_line(e)}); check that it is a'
+      ' readable text or .gz file.'
     ) from None
 
 
@@ -178,33 +180,33 @@ class ShakespeareBytes(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   def _info(self) -> tfds.core.DatasetInfo:
     # dataset_info_from_configs() needs a TFDS package dir; build it directly.
     return tfds.core.DatasetInfo(
-        builder=self,
-        description=(
-            'Complete works of Shakespeare as raw bytes, split 90/5/5 by'
-            ' bytes into train/validation/test, stored in'
-            f' {CHUNK_BYTES}-byte chunks.'
-        ),
-        features=tfds.features.FeaturesDict({
-            'index': tfds.features.Scalar(dtype=np.int64),
-            'bytes': tfds.features.Tensor(shape=(None,), dtype=np.uint8),
-        }),
-        homepage='https://www.gutenberg.org/ebooks/100',
-        citation='',
+      builder=self,
+      description=(
+        'Complete works of Shakespeare as raw bytes, split 90/5/5 by'
+        ' bytes into train/validation/test, stored in'
+        f' {CHUNK_BYTES}-byte chunks.'
+      ),
+      features=tfds.features.FeaturesDict(
+        {
+          'index': tfds.features.Scalar(dtype=np.int64),
+          'bytes': tfds.features.Tensor(shape=(None,), dtype=np.uint8),
+        }
+      ),
+      homepage='https://www.gutenberg.org/ebooks/100',
+      citation='',
     )
 
   def _split_generators(self, dl_manager):
     del dl_manager  # The corpus ships with the package; nothing to download.
     corpus = read_text_file(DEFAULT_CORPUS_PATH)
     return {
-        name: self._generate_examples(corpus[start:stop])
-        for name, (start, stop) in split_ranges(len(corpus)).items()
+      name: self._generate_examples(corpus[start:stop])
+      for name, (start, stop) in split_ranges(len(corpus)).items()
     }
 
   def _generate_examples(self, split_bytes: bytes):
     for index, start in enumerate(range(0, len(split_bytes), CHUNK_BYTES)):
-      chunk_Z = np.frombuffer(
-          split_bytes[start : start + CHUNK_BYTES], dtype=np.uint8
-      )
+      chunk_Z = np.frombuffer(split_bytes[start : start + CHUNK_BYTES], dtype=np.uint8)
       yield index, {'index': index, 'bytes': chunk_Z}
 
 
@@ -231,7 +233,7 @@ def _quiet_tfds() -> Iterator[None]:
 
 
 def prepare_default_corpus(
-    data_dir: str | os.PathLike[str] | None = None,
+  data_dir: str | os.PathLike[str] | None = None,
 ) -> ShakespeareBytes:
   """Builds the default corpus dataset once into data_dir; returns the builder.
 
@@ -241,55 +243,38 @@ def prepare_default_corpus(
   """
   data_dir = pathlib.Path(data_dir).expanduser() if data_dir else None
   data_dir = data_dir or default_data_dir()
-  with _quiet_tfds():
-    try:
-      data_dir.mkdir(parents=True, exist_ok=True)
-      builder = ShakespeareBytes(
-          data_dir=os.fspath(data_dir), file_format='array_record'
-      )
-      if builder.is_prepared():
-        return builder
-      log.info('Preparing %s into %s', builder.name, builder.data_dir)
-      try:
-        # Built from packaged bytes; never look for a prepared copy on GCS.
-        builder.download_and_prepare(
-            file_format='array_record',
-            download_config=tfds.download.DownloadConfig(
-                try_download_gcs=False
-            ),
-        )
-      except Exception:  # pylint: disable=broad-exception-caught
-        # Lost a race with a concurrent process: its rename landed first.
-        builder = ShakespeareBytes(
-            data_dir=os.fspath(data_dir), file_format='array_record'
-        )
-        if not builder.is_prepared():
-          raise
-        log.info('Reusing %s prepared concurrently by another process',
-                 builder.data_dir)
+  fix = f'pass a writable --data-dir or set ${DEFAULT_DATA_DIR_ENV}.'
+  with _quiet_tfds(), _as_data_error(f'cannot prepare the default corpus in {data_dir}', fix):
+    data_dir.mkdir(parents=True, exist_ok=True)
+    builder = ShakespeareBytes(data_dir=os.fspath(data_dir), file_format='array_record')
+    if builder.is_prepared():
       return builder
-    except DataError:
-      raise
-    except Exception as e:  # pylint: disable=broad-exception-caught
-      raise DataError(
-          f'cannot prepare the default corpus in {data_dir}'
-          f' ({_first_line(e)}); pass a writable --data-dir or set'
-          f' ${DEFAULT_DATA_DIR_ENV}.'
-      ) from e
+    log.info('Preparing %s into %s', builder.name, builder.data_dir)
+    try:
+      # Built from packaged bytes; never look for a prepared copy on GCS.
+      builder.download_and_prepare(
+        file_format='array_record',
+        download_config=tfds.download.DownloadConfig(try_download_gcs=False),
+      )
+    except Exception:  # pylint: disable=broad-exception-caught
+      # Lost a race with a concurrent process: its rename landed first.
+      builder = ShakespeareBytes(data_dir=os.fspath(data_dir), file_format='array_record')
+      if not builder.is_prepared():
+        raise
+      log.info('Reusing %s prepared concurrently by another process', builder.data_dir)
+    return builder
 
 
 def _read_chunked_split(
-    source: Sequence[dict[str, Any]], name: str, dataset_dir: str
+  source: Sequence[dict[str, Any]], name: str, dataset_dir: str
 ) -> np.ndarray:
   """Reassembles one split's records in 'index' order into a uint8 array."""
-  records = sorted(
-      (source[i] for i in range(len(source))), key=lambda r: int(r['index'])
-  )
+  records = sorted((source[i] for i in range(len(source))), key=lambda r: int(r['index']))
   indices = [int(r['index']) for r in records]
   if indices != list(range(len(records))):
     raise DataError(
-        f'default corpus split {name!r} has missing or duplicate chunks;'
-        f' delete {dataset_dir} and run again to rebuild it.'
+      f'default corpus split {name!r} has missing or duplicate chunks;'
+      f' delete {dataset_dir} and run again to rebuild it.'
     )
   if not records:
     return np.zeros((0,), np.uint8)
@@ -300,10 +285,7 @@ def _load_default(data_dir) -> dict[str, np.ndarray]:
   builder = prepare_default_corpus(data_dir)
   with _quiet_tfds():
     sources = builder.as_data_source()
-  return {
-      name: _read_chunked_split(sources[name], name, builder.data_dir)
-      for name in SPLITS
-  }
+  return {name: _read_chunked_split(sources[name], name, builder.data_dir) for name in SPLITS}
 
 
 # ----------------------------------------------------------------------------
@@ -313,9 +295,7 @@ def _load_default(data_dir) -> dict[str, np.ndarray]:
 def _load_text(paths_spec: str) -> dict[str, np.ndarray]:
   paths = [p.strip() for p in paths_spec.split(',') if p.strip()]
   if not paths:
-    raise DataError(
-        "empty file list in 'text:' spec; use 'text:PATH[,PATH...]'."
-    )
+    raise DataError("empty file list in 'text:' spec; use 'text:PATH[,PATH...]'.")
   corpus = b'\n'.join(read_text_file(p) for p in paths)
   return split_corpus(corpus)
 
@@ -328,10 +308,7 @@ def _parse_tfds_spec(rest: str) -> tuple[str, str]:
     if not re.fullmatch(r'\d+\.\d+\.\d+', tail):
       name, feature = head, tail
   if not name or not feature:
-    raise DataError(
-        f"bad spec 'tfds:{rest}'; use 'tfds:NAME[:FEATURE]', e.g."
-        " 'tfds:lm1b:text'."
-    )
+    raise DataError(f"bad spec 'tfds:{rest}'; use 'tfds:NAME[:FEATURE]', e.g. 'tfds:lm1b:text'.")
   return name, feature
 
 
@@ -350,9 +327,9 @@ def _join_documents(source: Sequence[dict[str, Any]], feature: str) -> bytes:
         value = value.encode('utf-8')
       if not isinstance(value, bytes):
         raise DataError(
-            f'TFDS feature {feature!r} is not text (got'
-            f' {type(value).__name__}); use \'tfds:NAME:FEATURE\' with a text'
-            ' feature.'
+          f'TFDS feature {feature!r} is not text (got'
+          f" {type(value).__name__}); use 'tfds:NAME:FEATURE' with a text"
+          ' feature.'
         )
       docs.append(value)
   return b'\n'.join(docs)
@@ -376,23 +353,20 @@ def _tfds_builder(name: str, data_dir, download: bool):
   """
   data_dir = os.fspath(data_dir) if data_dir else None
   where = f'in {data_dir}' if data_dir else 'in the TFDS data dir'
-  build_cmd = (
-      f'tfds build {name} --file_format=array_record'
-      f' --data_dir {data_dir or "DIR"}'
-  )
+  build_cmd = f'tfds build {name} --file_format=array_record --data_dir {data_dir or "DIR"}'
   try:
     namespace = tfds.core.naming.parse_builder_name_kwargs(name)[0].namespace
   except Exception as e:  # pylint: disable=broad-exception-caught
     raise DataError(
-        f"bad TFDS dataset name {name!r} ({_first_line(e)}); use"
-        " 'tfds:NAME[:FEATURE]', e.g. 'tfds:lm1b:text'."
+      f'bad TFDS dataset name {name!r} ({_first_line(e)}); use'
+      " 'tfds:NAME[:FEATURE]', e.g. 'tfds:lm1b:text'."
     ) from None
   if namespace and not download:
     # tfds.builder resolves namespaced datasets (huggingface:, kaggle:, ...)
     # over the network.
     raise DataError(
-        f'TFDS dataset {name!r} is in namespace {namespace!r}, which TFDS'
-        ' resolves over the network; pass --download to allow that.'
+      f'TFDS dataset {name!r} is in namespace {namespace!r}, which TFDS'
+      ' resolves over the network; pass --download to allow that.'
     )
   try:
     with _quiet_tfds():
@@ -400,32 +374,29 @@ def _tfds_builder(name: str, data_dir, download: bool):
       if builder.is_prepared():
         return builder
   except Exception as e:  # pylint: disable=broad-exception-caught
-    fix = _tfds_fix(e, f'check the name and --data-dir, or prepare it with'
-                    f' `{build_cmd}`')
+    fix = _tfds_fix(e, f'check the name and --data-dir, or prepare it with `{build_cmd}`')
     raise DataError(
-        f'cannot load TFDS dataset {name!r} {where} ({_first_line(e)}); {fix}.'
+      f'cannot load TFDS dataset {name!r} {where} ({_first_line(e)}); {fix}.'
     ) from None
   root = builder.data_dir_root
   if not download:
     raise DataError(
-        f'TFDS dataset {name!r} is not prepared in {root} and nothing is'
-        f' downloaded without --download; prepare it with `tfds build {name}'
-        f' --file_format=array_record --data_dir {root}`, or pass --download'
-        ' to let TFDS download and prepare it.'
+      f'TFDS dataset {name!r} is not prepared in {root} and nothing is'
+      f' downloaded without --download; prepare it with `tfds build {name}'
+      f' --file_format=array_record --data_dir {root}`, or pass --download'
+      ' to let TFDS download and prepare it.'
     )
   log.info('Downloading and preparing TFDS dataset %s into %s', name, root)
   try:
     with _quiet_tfds():
-      builder = tfds.builder(
-          name, data_dir=data_dir, try_gcs=False, file_format='array_record'
-      )
+      builder = tfds.builder(name, data_dir=data_dir, try_gcs=False, file_format='array_record')
       builder.download_and_prepare(file_format='array_record')
   except Exception as e:  # pylint: disable=broad-exception-caught
-    fix = _tfds_fix(e, f'check the network and disk space, or prepare it'
-                    f' yourself with `{build_cmd}`')
+    fix = _tfds_fix(
+      e, f'check the network and disk space, or prepare it yourself with `{build_cmd}`'
+    )
     raise DataError(
-        f'cannot download and prepare TFDS dataset {name!r} in {root}'
-        f' ({_first_line(e)}); {fix}.'
+      f'cannot download and prepare TFDS dataset {name!r} in {root} ({_first_line(e)}); {fix}.'
     ) from None
   return builder
 
@@ -435,29 +406,28 @@ def _load_tfds(rest: str, data_dir, download: bool) -> dict[str, np.ndarray]:
   name, feature = _parse_tfds_spec(rest)
   builder = _tfds_builder(name, data_dir, download)
   log.info('Reading TFDS dataset %s from %s', name, builder.data_dir)
-  try:
-    with _quiet_tfds():
-      sources = builder.as_data_source()
-  except Exception as e:  # pylint: disable=broad-exception-caught
-    raise DataError(
-        f'cannot read TFDS dataset {name!r} in {builder.data_dir}'
-        f' ({_first_line(e)}); rebuild it with `tfds build {name}'
-        f' --file_format=array_record --data_dir {builder.data_dir_root}`.'
-    ) from None
+  fix = (
+    f'rebuild it with `tfds build {name} --file_format=array_record --data_dir '
+    f'{builder.data_dir_root}`.'
+  )
+  with (
+    _quiet_tfds(),
+    _as_data_error(f'cannot read TFDS dataset {name!r} in {builder.data_dir}', fix),
+  ):
+    sources = builder.as_data_source()
   sources = {str(k): v for k, v in sources.items()}
   if 'train' not in sources:
     raise DataError(
-        f'TFDS dataset {name!r} has no train split (splits:'
-        f' {sorted(sources)}); use a dataset with a train split.'
+      f'TFDS dataset {name!r} has no train split (splits:'
+      f' {sorted(sources)}); use a dataset with a train split.'
     )
   features = sources['train'].dataset_info.features
   if feature not in features:
     raise DataError(
-        f'TFDS dataset {name!r} has no feature {feature!r} (features:'
-        f" {sorted(features.keys())}); use 'tfds:{name}:FEATURE'."
+      f'TFDS dataset {name!r} has no feature {feature!r} (features:'
+      f" {sorted(features.keys())}); use 'tfds:{name}:FEATURE'."
     )
-  stream = {k: _join_documents(v, feature) for k, v in sources.items()
-            if k in SPLITS}
+  stream = {k: _join_documents(v, feature) for k, v in sources.items() if k in SPLITS}
   if 'validation' in stream and 'test' in stream:
     pass
   elif 'validation' in stream or 'test' in stream:
@@ -466,17 +436,19 @@ def _load_tfds(rest: str, data_dir, download: bool) -> dict[str, np.ndarray]:
     n_carve = len(train) * 5 // 100
     missing = 'test' if 'validation' in stream else 'validation'
     stream['train'], stream[missing] = (
-        train[: len(train) - n_carve], train[len(train) - n_carve :])
+      train[: len(train) - n_carve],
+      train[len(train) - n_carve :],
+    )
   else:
     return split_corpus(stream['train'])
   return {k: np.frombuffer(stream[k], dtype=np.uint8) for k in SPLITS}
 
 
 def load_splits(
-    spec: str = 'default',
-    *,
-    data_dir: str | os.PathLike[str] | None = None,
-    download: bool = False,
+  spec: str = 'default',
+  *,
+  data_dir: str | os.PathLike[str] | None = None,
+  download: bool = False,
 ) -> dict[str, np.ndarray]:
   """Returns {'train', 'validation', 'test'} -> uint8 token arrays for a spec.
 
@@ -503,9 +475,9 @@ def load_splits(
   if spec in ('default', 'shakespeare'):
     splits = _load_default(data_dir)
   elif spec.startswith('text:'):
-    splits = _load_text(spec[len('text:'):])
+    splits = _load_text(spec[len('text:') :])
   elif spec.startswith('tfds:'):
-    splits = _load_tfds(spec[len('tfds:'):], data_dir, download)
+    splits = _load_tfds(spec[len('tfds:') :], data_dir, download)
   else:
     raise DataError(f'unknown data spec {spec!r}; {_SPEC_HELP}.')
   total = sum(len(v) for v in splits.values())
@@ -524,9 +496,9 @@ def check_vocab(splits: dict[str, np.ndarray], vocab_size: int) -> None:
   largest = max(maxima, default=-1)
   if largest >= vocab_size:
     raise DataError(
-        f'the vocabulary (--vocab-size {vocab_size}) is smaller than the'
-        f" data's symbol range (the data holds byte values up to {largest});"
-        f' use --vocab-size {VOCAB_SIZE} or more for byte data.'
+      f'the vocabulary (--vocab-size {vocab_size}) is smaller than the'
+      f" data's symbol range (the data holds byte values up to {largest});"
+      f' use --vocab-size {VOCAB_SIZE} or more for byte data.'
     )
 
 
@@ -538,8 +510,7 @@ def _check_positive(**values: int) -> None:
   for name, value in values.items():
     if not isinstance(value, (int, np.integer)) or value <= 0:
       raise DataError(
-          f'{name} must be a positive integer, got {value!r}; pass'
-          f" --{name.replace('_', '-')} >= 1."
+        f'{name} must be a positive integer, got {value!r}; pass --{name.replace("_", "-")} >= 1.'
       )
 
 
@@ -564,9 +535,9 @@ class WindowSource:
     self._len = num_windows(self._tokens_Z, seq_len)
     if self._len == 0:
       raise DataError(
-          f'{split} split has {len(self._tokens_Z)} tokens but one window'
-          f' needs seq_len + 1 = {seq_len + 1}; use a smaller --seq-len or'
-          ' more data.'
+        f'{split} split has {len(self._tokens_Z)} tokens but one window'
+        f' needs seq_len + 1 = {seq_len + 1}; use a smaller --seq-len or'
+        ' more data.'
       )
 
   @property
@@ -583,29 +554,25 @@ class WindowSource:
     if not 0 <= index < self._len:
       raise IndexError(f'window {index} out of range [0, {self._len})')
     start = index * self._seq_len
-    window_L1 = self._tokens_Z[start : start + self._seq_len + 1].astype(
-        np.int32
-    )
+    window_L1 = self._tokens_Z[start : start + self._seq_len + 1].astype(np.int32)
     return {'inputs': window_L1[:-1], 'targets': window_L1[1:]}
 
   def __repr__(self) -> str:
     return (
-        f'WindowSource(num_windows={self._len}, seq_len={self._seq_len},'
-        f' num_tokens={len(self._tokens_Z)})'
+      f'WindowSource(num_windows={self._len}, seq_len={self._seq_len},'
+      f' num_tokens={len(self._tokens_Z)})'
     )
 
 
 def _check_process(process_index: int, process_count: int, batch_size: int):
   _check_positive(process_count=process_count)
   if not 0 <= process_index < process_count:
-    raise DataError(
-        f'process_index must be in [0, {process_count}), got {process_index}.'
-    )
+    raise DataError(f'process_index must be in [0, {process_count}), got {process_index}.')
   if batch_size % process_count:
     raise DataError(
-        f'batch_size {batch_size} is not divisible by process_count'
-        f' {process_count}; use a global --batch-size that is a multiple of'
-        ' the number of processes.'
+      f'batch_size {batch_size} is not divisible by process_count'
+      f' {process_count}; use a global --batch-size that is a multiple of'
+      ' the number of processes.'
     )
 
 
@@ -621,14 +588,14 @@ def _grain_seed(seed: int) -> int:
 
 
 def make_train_iterator(
-    tokens: np.ndarray,
-    *,
-    seq_len: int,
-    batch_size: int,
-    seed: int,
-    process_index: int = 0,
-    process_count: int = 1,
-    split: str = 'train',
+  tokens: np.ndarray,
+  *,
+  seq_len: int,
+  batch_size: int,
+  seed: int,
+  process_index: int = 0,
+  process_count: int = 1,
+  split: str = 'train',
 ) -> grain.DatasetIterator:
   """Infinite shuffled iterator of training batches (a Grain DatasetIterator).
 
@@ -651,9 +618,9 @@ def make_train_iterator(
   windows = WindowSource(tokens, seq_len, split=split)
   if len(windows) < batch_size:
     raise DataError(
-        f'{split} split has {len(windows)} windows of seq_len + 1 ='
-        f' {seq_len + 1} tokens, fewer than batch_size {batch_size}; use a'
-        ' smaller --batch-size (or --seq-len).'
+      f'{split} split has {len(windows)} windows of seq_len + 1 ='
+      f' {seq_len + 1} tokens, fewer than batch_size {batch_size}; use a'
+      ' smaller --batch-size (or --seq-len).'
     )
   local_batch = batch_size // process_count
   # shuffle before repeat: Grain then reshuffles each epoch (seed + epoch)
@@ -668,14 +635,14 @@ def make_train_iterator(
 
 
 def eval_batches(
-    tokens: np.ndarray,
-    *,
-    seq_len: int,
-    batch_size: int,
-    max_batches: int | None = None,
-    process_index: int = 0,
-    process_count: int = 1,
-    split: str = 'validation',
+  tokens: np.ndarray,
+  *,
+  seq_len: int,
+  batch_size: int,
+  max_batches: int | None = None,
+  process_index: int = 0,
+  process_count: int = 1,
+  split: str = 'validation',
 ) -> Iterator[dict[str, np.ndarray]]:
   """Deterministic, unshuffled batches over a split's windows in order.
 
@@ -695,9 +662,9 @@ def eval_batches(
   n_batches = len(windows) // batch_size
   if n_batches == 0:
     raise DataError(
-        f'{split} split has {len(windows)} windows of seq_len + 1 ='
-        f' {seq_len + 1} tokens, fewer than batch_size {batch_size}; use a'
-        ' smaller --batch-size (or --seq-len).'
+      f'{split} split has {len(windows)} windows of seq_len + 1 ='
+      f' {seq_len + 1} tokens, fewer than batch_size {batch_size}; use a'
+      ' smaller --batch-size (or --seq-len).'
     )
   if max_batches is not None:
     n_batches = min(n_batches, max_batches)
@@ -711,8 +678,8 @@ def eval_batches(
       starts_B = (first + np.arange(local_batch)) * seq_len
       windows_BxL1 = tokens_Z[starts_B[:, None] + offsets_L1].astype(np.int32)
       yield {
-          'inputs': np.ascontiguousarray(windows_BxL1[:, :-1]),
-          'targets': np.ascontiguousarray(windows_BxL1[:, 1:]),
+        'inputs': np.ascontiguousarray(windows_BxL1[:, :-1]),
+        'targets': np.ascontiguousarray(windows_BxL1[:, 1:]),
       }
 
   return generate()

@@ -63,8 +63,9 @@ def build(cfg: TrainConfig):
   """(schedule, staged initial params, layers_per_stage) for a config; nothing is trained."""
   layers_per_stage = cfg.plans.layers_per_stage
   # One compiled init instead of hundreds of eager ops (seconds on CPU).
-  init = jax.jit(lambda key: partition.to_staged(transformer.init_params(cfg.model, key),
-                                                 layers_per_stage))
+  init = jax.jit(
+    lambda key: partition.to_staged(transformer.init_params(cfg.model, key), layers_per_stage)
+  )
   params = init(jax.random.key(cfg.seed))
   model = staged_model(cfg, layers_per_stage)
   schedule = schedules.build_schedule(cfg.schedule_config(), model, make_optimizer(cfg))
@@ -76,8 +77,9 @@ def staged_model(cfg: TrainConfig, layers_per_stage) -> staged.StagedModel:
   if cfg.pld:
     return pld.pld_stages(cfg.model, layers_per_stage, *cfg.plans.pld)
   if cfg.std_loss:
-    return stdloss.stdloss_stages(cfg.model, layers_per_stage, cfg.std_loss,
-                                  cfg.plans.std_loss_layers)
+    return stdloss.stdloss_stages(
+      cfg.model, layers_per_stage, cfg.std_loss, cfg.plans.std_loss_layers
+    )
   return partition.transformer_stages(cfg.model, layers_per_stage)
 
 
@@ -98,11 +100,19 @@ def step_flops(cfg: TrainConfig, steps) -> np.ndarray:
     theta_bar, gamma = cfg.plans.pld
     run = cfg.schedule
     if run.data_parallel == 1 and (run.name != 'gpipe' or run.microbatches == 1):
-      layers = np.asarray(pld.kept_layers(cfg.seed, steps, cfg.plans.layers_per_stage,
-                                          cfg.model.num_layers, theta_bar, gamma), float)
+      layers = np.asarray(
+        pld.kept_layers(
+          cfg.seed, steps, cfg.plans.layers_per_stage, cfg.model.num_layers, theta_bar, gamma
+        ),
+        float,
+      )
     else:
-      layers = np.asarray(jax.vmap(lambda t: jnp.sum(pld.keep_probs(
-          t, cfg.model.num_layers, theta_bar, gamma)))(steps), float)
+      layers = np.asarray(
+        jax.vmap(lambda t: jnp.sum(pld.keep_probs(t, cfg.model.num_layers, theta_bar, gamma)))(
+          steps
+        ),
+        float,
+      )
   return costs.step_flops(cfg.model, cfg.tokens_per_step, trained_layers=layers)
 
 
@@ -117,16 +127,20 @@ def evaluate(schedule, params, tokens, cfg: TrainConfig, max_batches: int | None
   # One batch at a time: evaluations are independent programs with collectives (stage-sharded
   # params), and on CPU many of them in flight at once can deadlock XLA's in-process rendezvous
   # (seen with 4 simulated devices: "Expected 4 threads to join the rendezvous").
-  losses = [jax.block_until_ready(schedule.evaluate(params, staged.place_batch(b, schedule.mesh)))
-            for b in data.eval_batches(tokens, seq_len=cfg.model.seq_len,
-                                       batch_size=cfg.batch_size, max_batches=max_batches)]
+  losses = [
+    jax.block_until_ready(schedule.evaluate(params, staged.place_batch(b, schedule.mesh)))
+    for b in data.eval_batches(
+      tokens, seq_len=cfg.model.seq_len, batch_size=cfg.batch_size, max_batches=max_batches
+    )
+  ]
   return float(np.mean(jax.device_get(losses)))
 
 
 @jax.jit
 def _all_finite(tree):
-  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)
-            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  leaves = [
+    jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.inexact)
+  ]
   return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
@@ -138,19 +152,31 @@ def open_data(cfg: TrainConfig):
   """(splits, train iterator): the corpus, checked against the vocabulary and the batch shape."""
   splits = data.load_splits(cfg.data, data_dir=cfg.data_dir, download=cfg.download)
   data.check_vocab(splits, cfg.model.vocab_size)
-  train_it = data.make_train_iterator(splits['train'], seq_len=cfg.model.seq_len,
-                                      batch_size=cfg.batch_size, seed=cfg.seed)
+  train_it = data.make_train_iterator(
+    splits['train'], seq_len=cfg.model.seq_len, batch_size=cfg.batch_size, seed=cfg.seed
+  )
   for split in ('validation', 'test'):  # fail now, not after training, if a split is too short
-    data.eval_batches(splits[split], seq_len=cfg.model.seq_len, batch_size=cfg.batch_size,
-                      max_batches=1, split=split)
+    data.eval_batches(
+      splits[split],
+      seq_len=cfg.model.seq_len,
+      batch_size=cfg.batch_size,
+      max_batches=1,
+      split=split,
+    )
   return splits, train_it
 
 
 # ----------------------------------------------------------------------------- the run
 
 
-def train(cfg: TrainConfig, *, resume: bool = False, resume_from: int | None = None,
-          quiet: bool = False, on_step: Callable[[int, Any], None] | None = None) -> dict:
+def train(
+  cfg: TrainConfig,
+  *,
+  resume: bool = False,
+  resume_from: int | None = None,
+  quiet: bool = False,
+  on_step: Callable[[int, Any], None] | None = None,
+) -> dict:
   """Trains cfg, writing into cfg.out_dir; returns the summary (see the module docstring).
 
   resume: continue from OUT's newest readable checkpoint (same step, params, optimizer state,
@@ -165,8 +191,9 @@ def train(cfg: TrainConfig, *, resume: bool = False, resume_from: int | None = N
   t_start = time.perf_counter()
   cfg.validate()
   # The resolved config (what config.json and the checkpoints record): no implicit defaults left.
-  cfg = dataclasses.replace(cfg, out=cfg.out_dir, layers_per_stage=','.join(
-      map(str, cfg.plans.layers_per_stage)))
+  cfg = dataclasses.replace(
+    cfg, out=cfg.out_dir, layers_per_stage=','.join(map(str, cfg.plans.layers_per_stage))
+  )
   options = _Options(resume or resume_from is not None, resume_from, quiet, on_step, t_start)
   with rundir.claim(cfg.out_dir, lock=jax.process_index() == 0):
     return _run(cfg, options)
@@ -184,6 +211,7 @@ class _Options:
 @dataclasses.dataclass
 class _Run:
   """Everything one run's loop works with."""
+
   cfg: TrainConfig
   schedule: schedules.Schedule
   state: Any
@@ -200,8 +228,7 @@ def _run(cfg: TrainConfig, options: _Options) -> dict:
   resume.check_out_dir(cfg, options.resume)
   splits, train_it = open_data(cfg)
   if cfg.growth or cfg.vcycle:
-    return phased.train_phased(cfg, splits, train_it, quiet=options.quiet,
-                               t_start=options.t_start)
+    return phased.train_phased(cfg, splits, train_it, quiet=options.quiet, t_start=options.t_start)
   schedule, params, layers_per_stage = build(cfg)
   state = staged.onto_mesh(schedule.init(params, example_batch(cfg)), schedule.mesh)
   del params
@@ -212,20 +239,29 @@ def _run(cfg: TrainConfig, options: _Options) -> dict:
     if options.resume:
       target = checkpoint.abstract_like(state)
       del state  # free the fresh state before the restored one arrives
-      state, data_state, manager = resume.resume_state(cfg, manager, target, layers_per_stage,
-                                                       options.resume_from)
+      state, data_state, manager = resume.resume_state(
+        cfg, manager, target, layers_per_stage, options.resume_from
+      )
       train_it.set_state(data_state['iterator'])
       crc = data_state['crc32']
     with open(os.path.join(cfg.out_dir, 'config.json'), 'w') as f:
       json.dump(cfg.to_dict(), f, indent=2)
     start_step = int(jax.device_get(state.step))
     log = MetricsLog(cfg.out_dir, start_step if options.resume else None)
-    report = Report(cfg, log, start_step=start_step, quiet=options.quiet,
-                    t_start=options.t_start)
+    report = Report(cfg, log, start_step=start_step, quiet=options.quiet, t_start=options.t_start)
     report.crc = crc
     report.flops = float(step_flops(cfg, np.arange(start_step)).sum())
-    run = _Run(cfg, schedule, state, train_it, splits, manager,
-               resume.run_meta(cfg, layers_per_stage), report, options.on_step)
+    run = _Run(
+      cfg,
+      schedule,
+      state,
+      train_it,
+      splits,
+      manager,
+      resume.run_meta(cfg, layers_per_stage),
+      report,
+      options.on_step,
+    )
     try:
       with rundir.stoppable():
         return _loop(run, start_step)
@@ -249,7 +285,8 @@ def _loop(run: _Run, step: int) -> dict:
     batch = next(run.train_it)
     report.crc = batch_crc32(batch, report.crc)
     run.state, metrics = run.schedule.step(
-        run.state, staged.place_batch(training_batch(cfg, batch, step), run.schedule.mesh))
+      run.state, staged.place_batch(training_batch(cfg, batch, step), run.schedule.mesh)
+    )
     step += 1
     pending.append((step, {k: metrics[k] for k in ('loss', 'loss_batch', 'grad_norm')}))
     if run.on_step is not None:
@@ -281,6 +318,7 @@ def _loop(run: _Run, step: int) -> dict:
 class _Saved:
   """The newest checkpoint on disk, and the one this run wrote last (its size is said once it
   is written)."""
+
   latest: int | None
   unreported: int | None = None
 
@@ -304,8 +342,11 @@ def _stop_if_asked(run: _Run, saved: _Saved) -> None:
 
 def _non_finite(run: _Run, saved: _Saved, what: str) -> NonFiniteLossError:
   where = os.path.join(run.cfg.out_dir, checkpoint.SUBDIR)
-  where = (f'the last good checkpoint is step {saved.latest} in {where}'
-           if saved.latest is not None else f'no checkpoint was saved in {where}')
+  where = (
+    f'the last good checkpoint is step {saved.latest} in {where}'
+    if saved.latest is not None
+    else f'no checkpoint was saved in {where}'
+  )
   return NonFiniteLossError(f'{what}; {where}.')
 
 
@@ -317,8 +358,9 @@ def _sync(run: _Run, pending: list, saved: _Saved, *, compiling: bool) -> float:
   for done_step, m in fetched:
     for key in ('loss', 'grad_norm'):
       if not math.isfinite(float(m[key])):
-        raise _non_finite(run, saved, f'{key.replace("_", " ")} became {float(m[key])} at step '
-                                      f'{done_step}')
+        raise _non_finite(
+          run, saved, f'{key.replace("_", " ")} became {float(m[key])} at step {done_step}'
+        )
   run.report.flops += float(step_flops(run.cfg, [s - 1 for s, _ in fetched]).sum())
   run.last_fetched = fetched[-1][1]
   return run.report.lap(len(fetched), compiling=compiling)
@@ -327,8 +369,15 @@ def _sync(run: _Run, pending: list, saved: _Saved, *, compiling: bool) -> float:
 def _log_train(run: _Run, step: int, rate: float) -> None:
   m = run.last_fetched
   loss = float(m['loss'])
-  run.report.row(step, 'train', loss, tokens_per_s=rate, loss_batch=int(m['loss_batch']),
-                 grad_norm=float(m['grad_norm']), data_crc32=run.report.crc)
+  run.report.row(
+    step,
+    'train',
+    loss,
+    tokens_per_s=rate,
+    loss_batch=int(m['loss_batch']),
+    grad_norm=float(m['grad_norm']),
+    data_crc32=run.report.crc,
+  )
   run.report.progress(step, loss, rate)
 
 
@@ -342,6 +391,10 @@ def _save(run: _Run, step: int, saved: _Saved) -> None:
     raise _non_finite(run, saved, f'parameters became non-finite at step {step}')
   run.manager.wait_until_finished()  # Orbax would wait for the previous save here anyway
   saved.report(run)
-  checkpoint.save(run.manager, run.state,
-                  {'iterator': run.train_it.get_state(), 'crc32': run.report.crc}, run.meta)
+  checkpoint.save(
+    run.manager,
+    run.state,
+    {'iterator': run.train_it.get_state(), 'crc32': run.report.crc},
+    run.meta,
+  )
   saved.latest = saved.unreported = step

@@ -43,11 +43,14 @@ def read_metrics(path: str) -> list[dict]:
       rows.append(json.loads(line))
     except json.JSONDecodeError:
       if i == len(lines) - 1:
-        print(f'{path}: dropped its torn last line {number} (the run stopped while writing it).',
-              flush=True)
+        print(
+          f'{path}: dropped its torn last line {number} (the run stopped while writing it).',
+          flush=True,
+        )
         break
-      raise CheckpointError(f'{path} line {number} is not JSON; repair or delete that line, then '
-                            'resume again.') from None
+      raise CheckpointError(
+        f'{path} line {number} is not JSON; repair or delete that line, then resume again.'
+      ) from None
   return rows
 
 
@@ -106,14 +109,26 @@ class Report:
   prints the last line, `done: val bpb X, test bpb Y, Z tokens/s, W s`.
   """
 
-  def __init__(self, cfg, log: MetricsLog, *, start_step: int = 0, quiet: bool = False,
-               t_start: float | None = None):
+  def __init__(
+    self,
+    cfg,
+    log: MetricsLog,
+    *,
+    start_step: int = 0,
+    quiet: bool = False,
+    t_start: float | None = None,
+  ):
     from tqdm.auto import tqdm
 
     self.cfg, self.log, self.quiet = cfg, log, quiet
     self.t_start = time.perf_counter() if t_start is None else t_start
-    self.bar = tqdm(total=cfg.steps, initial=start_step, unit='step', dynamic_ncols=True,
-                    disable=quiet or not sys.stderr.isatty())
+    self.bar = tqdm(
+      total=cfg.steps,
+      initial=start_step,
+      unit='step',
+      dynamic_ncols=True,
+      disable=quiet or not sys.stderr.isatty(),
+    )
     self.compile_s = self.train_s = self.compile_cpu_s = self.train_cpu_s = 0.0
     self.train_tokens, self.flops, self.crc = 0, 0.0, 0
     self.mark()
@@ -141,10 +156,18 @@ class Report:
 
   def row(self, step: int, split: str, loss: float, **extra) -> dict:
     """Writes one metrics row: the loss, its bits per byte and the clock's columns."""
-    row = {'step': step, 'split': split, 'loss': loss, 'bpb': loss / LN2,
-           'tokens_per_s': self.tokens_per_s(), 'wall_s': time.perf_counter() - self.t_start,
-           'flops': self.flops, 'train_s': self.compile_s + self.train_s,
-           'cpu_s': self.compile_cpu_s + self.train_cpu_s, **extra}
+    row = {
+      'step': step,
+      'split': split,
+      'loss': loss,
+      'bpb': loss / LN2,
+      'tokens_per_s': self.tokens_per_s(),
+      'wall_s': time.perf_counter() - self.t_start,
+      'flops': self.flops,
+      'train_s': self.compile_s + self.train_s,
+      'cpu_s': self.compile_cpu_s + self.train_cpu_s,
+      **extra,
+    }
     self.log.write(row)
     return row
 
@@ -161,8 +184,10 @@ class Report:
     if self.bar.disable and not self.quiet:
       timed_steps = self.train_tokens / self.cfg.tokens_per_step
       eta = (self.cfg.steps - step) * self.train_s / timed_steps if timed_steps else math.nan
-      print(f'step {step}/{self.cfg.steps}: loss {loss:.4f}, {rate:,.0f} tokens/s, ETA '
-            f'{duration(eta)}', flush=True)
+      print(
+        f'step {step}/{self.cfg.steps}: loss {loss:.4f}, {rate:,.0f} tokens/s, ETA {duration(eta)}',
+        flush=True,
+      )
 
   def say(self, text: str, *, always: bool = False) -> None:
     """A line on stdout that does not break the progress bar (--quiet drops it)."""
@@ -176,14 +201,26 @@ class Report:
   def finish(self, step: int, val_bpb: float, test_bpb: float) -> dict:
     """The summary: written to OUT/summary.json, and the last line printed."""
     self.bar.close()
-    summary = {'step': step, 'val_bpb': val_bpb, 'test_bpb': test_bpb,
-               'tokens_per_s': self.tokens_per_s(), 'train_s': self.train_s,
-               'compile_s': self.compile_s, 'wall_s': time.perf_counter() - self.t_start,
-               'data_crc32': self.crc, 'out': self.cfg.out_dir, 'flops': self.flops,
-               'compile_cpu_s': self.compile_cpu_s, 'train_cpu_s': self.train_cpu_s}
+    summary = {
+      'step': step,
+      'val_bpb': val_bpb,
+      'test_bpb': test_bpb,
+      'tokens_per_s': self.tokens_per_s(),
+      'train_s': self.train_s,
+      'compile_s': self.compile_s,
+      'wall_s': time.perf_counter() - self.t_start,
+      'data_crc32': self.crc,
+      'out': self.cfg.out_dir,
+      'flops': self.flops,
+      'compile_cpu_s': self.compile_cpu_s,
+      'train_cpu_s': self.train_cpu_s,
+    }
     if jax.process_index() == 0:
       with open(os.path.join(self.cfg.out_dir, 'summary.json'), 'w') as f:
         json.dump(summary, f, indent=2)
-    self.say(f'done: val bpb {val_bpb:.4f}, test bpb {test_bpb:.4f}, '
-             f'{summary["tokens_per_s"]:,.0f} tokens/s, {summary["wall_s"]:.1f} s', always=True)
+    self.say(
+      f'done: val bpb {val_bpb:.4f}, test bpb {test_bpb:.4f}, '
+      f'{summary["tokens_per_s"]:,.0f} tokens/s, {summary["wall_s"]:.1f} s',
+      always=True,
+    )
     return summary

@@ -40,8 +40,12 @@ def _plain_loss(model_cfg: transformer.ModelConfig):
 def evaluate_plain(model_cfg, params, tokens, cfg: TrainConfig, max_batches) -> float:
   """Mean loss of unstaged params {'embed', 'layers', 'head'} over a split (one device)."""
   loss_of = _plain_loss(model_cfg)
-  losses = [loss_of(params, b) for b in data.eval_batches(
-      tokens, seq_len=model_cfg.seq_len, batch_size=cfg.batch_size, max_batches=max_batches)]
+  losses = [
+    loss_of(params, b)
+    for b in data.eval_batches(
+      tokens, seq_len=model_cfg.seq_len, batch_size=cfg.batch_size, max_batches=max_batches
+    )
+  ]
   return float(np.mean(jax.device_get(losses)))
 
 
@@ -62,7 +66,7 @@ class _Reporter:
     cfg, report = self.cfg, self.report
     step = row['step'] + 1
     report.flops = row['flops']
-    phase = tuple(row.get(k) for k in ('stage', 'level', 'phase'))
+    phase = tuple(row.get(k) for k in ('level', 'phase'))
     if phase != self.phase:  # the first step of a phase: its compile (and re-init) time
       float(row['loss'])
       self.phase = phase
@@ -74,20 +78,23 @@ class _Reporter:
       return
     loss = float(row['loss'])
     if not math.isfinite(loss):
-      raise NonFiniteLossError(f'loss became {loss} at step {step}; no checkpoint is written by '
-                               '--growth / --vcycle runs.')
-    extra = {k: row[k] for k in ('stage', 'depth', 'frozen', 'level', 'phase') if k in row}
+      raise NonFiniteLossError(
+        f'loss became {loss} at step {step}; no checkpoint is written by --growth / --vcycle runs.'
+      )
+    extra = {k: row[k] for k in ('phase', 'depth', 'frozen', 'level') if k in row}
     report.row(step, 'train', loss, data_crc32=report.crc, **extra)
     report.progress(step, loss, report.tokens_per_s())
     if do_eval:
-      loss = evaluate_plain(model_cfg, params_fn(), self.splits['validation'], cfg,
-                            cfg.eval_batches)
+      loss = evaluate_plain(
+        model_cfg, params_fn(), self.splits['validation'], cfg, cfg.eval_batches
+      )
       self.val_bpb = report.evaluated(step, 'validation', loss, **extra)
       report.mark()
 
 
-def train_phased(cfg: TrainConfig, splits, train_it, *, quiet: bool = False,
-                 t_start: float | None = None) -> dict:
+def train_phased(
+  cfg: TrainConfig, splits, train_it, *, quiet: bool = False, t_start: float | None = None
+) -> dict:
   """A --growth or --vcycle run of cfg (see the module docstring); returns the summary."""
   os.makedirs(cfg.out_dir, exist_ok=True)
   with open(os.path.join(cfg.out_dir, 'config.json'), 'w') as f:
@@ -108,17 +115,24 @@ def train_phased(cfg: TrainConfig, splits, train_it, *, quiet: bool = False,
 
 def _run_growth(cfg: TrainConfig, batches, on_step):
   plan = cfg.plans.growth
-  starts = np.cumsum([0, *(steps for _, steps, _ in plan.stages())])
+  starts = np.cumsum([0, *(steps for _, steps, _ in plan.phases())])
 
   def tx_factory(phase):  # the run's warmup-cosine, continued across the phases
     base, offset = lr_schedule(cfg), int(starts[phase])
     return staged.adamw(lambda count: base(count + offset), weight_decay=cfg.weight_decay)
 
   params, _ = growth.train_growth(
-      plan, cfg.model, batches, tx_factory, key=jax.random.key(cfg.seed),
-      clip_norm=cfg.schedule.clip_norm, seed=cfg.seed,
-      on_step=lambda row, p: on_step(row, dataclasses.replace(cfg.model, num_layers=row['depth']),
-                                     lambda: p))
+    plan,
+    cfg.model,
+    batches,
+    tx_factory,
+    key=jax.random.key(cfg.seed),
+    clip_norm=cfg.schedule.clip_norm,
+    seed=cfg.seed,
+    on_step=lambda row, p: on_step(
+      row, dataclasses.replace(cfg.model, num_layers=row['depth']), lambda: p
+    ),
+  )
   return params
 
 
@@ -128,11 +142,18 @@ def _run_vcycle(cfg: TrainConfig, batches, on_step):
   level_steps = vcycle.level_steps(plan)
 
   def tx_factory(level):  # warmup-cosine over the steps this level trains, lr x scale^level
-    return staged.adamw(lr_schedule(cfg, level_steps[level], cfg.learning_rate * lr_scale ** level),
-                        weight_decay=cfg.weight_decay)
+    return staged.adamw(
+      lr_schedule(cfg, level_steps[level], cfg.learning_rate * lr_scale**level),
+      weight_decay=cfg.weight_decay,
+    )
 
   params, _, _ = vcycle.train_vcycle(
-      plan, cfg.model, batches, tx_factory, schedule_config=cfg.schedule_config(),
-      key=jax.random.key(cfg.seed),
-      on_step=lambda row, params_fn: on_step(row, configs[row['level']], params_fn))
+    plan,
+    cfg.model,
+    batches,
+    tx_factory,
+    schedule_config=cfg.schedule_config(),
+    key=jax.random.key(cfg.seed),
+    on_step=lambda row, params_fn: on_step(row, configs[row['level']], params_fn),
+  )
   return params

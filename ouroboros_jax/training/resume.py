@@ -13,15 +13,33 @@ from ouroboros_jax.training.config import TrainConfig
 
 # Settings that fix the shape of the TrainState or the data stream (with every ModelConfig
 # field): resuming needs them unchanged. Flat names, as the flags spell them.
-RESUME_FIELDS = ('schedule', 'stages', 'data_parallel', 'stash', 'stash_policy', 'forward',
-                 'microbatches', 'batch_size', 'seed', 'data', 'pld', 'std_loss',
-                 'std_loss_layers', 'optimizer', 'compensation')
+RESUME_FIELDS = (
+  'schedule',
+  'stages',
+  'data_parallel',
+  'stash',
+  'stash_policy',
+  'forward',
+  'microbatches',
+  'batch_size',
+  'seed',
+  'data',
+  'pld',
+  'std_loss',
+  'std_loss_layers',
+  'optimizer',
+  'compensation',
+)
 
 
 def run_meta(cfg: TrainConfig, layers_per_stage) -> dict:
   """What every checkpoint records besides the state: the resolved config and the layout."""
-  return {'schedule': cfg.schedule.name, 'stages': cfg.schedule.num_stages,
-          'layers_per_stage': list(layers_per_stage), 'config': cfg.to_dict()}
+  return {
+    'schedule': cfg.schedule.name,
+    'stages': cfg.schedule.num_stages,
+    'layers_per_stage': list(layers_per_stage),
+    'config': cfg.to_dict(),
+  }
 
 
 def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str) -> list[str]:
@@ -43,12 +61,17 @@ def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str)
     return ' '.join(f'{config.flag(n)} {values[n]}' for n in wrong)
 
   if wrong:
-    raise CheckpointError(f'the checkpoint in {where} was made with {flags(want)} but the flags '
-                          f'give {flags(have)}; resume with the checkpoint\'s flags or choose '
-                          'another --out.')
+    raise CheckpointError(
+      f'the checkpoint in {where} was made with {flags(want)} but the flags '
+      f"give {flags(have)}; resume with the checkpoint's flags or choose "
+      'another --out.'
+    )
   ignored = set(names) | {'out', 'layers_per_stage'}
-  return [f'{config.flag(n)} {want[n]} -> {have[n]}' for n in have
-          if n not in ignored and n in want and want[n] != have[n]]
+  return [
+    f'{config.flag(n)} {want[n]} -> {have[n]}'
+    for n in have
+    if n not in ignored and n in want and want[n] != have[n]
+  ]
 
 
 def resume_state(cfg: TrainConfig, manager, target, layers_per_stage, resume_from):
@@ -68,8 +91,10 @@ def resume_state(cfg: TrainConfig, manager, target, layers_per_stage, resume_fro
   if newer:
     manager.close()
     where = checkpoint.set_aside(cfg.out_dir, newer)
-    print(f'moved the checkpoints of steps {sorted(newer)} to {where} (nothing was deleted).',
-          flush=True)
+    print(
+      f'moved the checkpoints of steps {sorted(newer)} to {where} (nothing was deleted).',
+      flush=True,
+    )
     manager = checkpoint.make_manager(cfg.out_dir, keep=cfg.keep_checkpoints)
   if changed:
     print(f'resuming step {step} with changed settings: {"; ".join(changed)}.', flush=True)
@@ -81,14 +106,22 @@ def check_out_dir(cfg: TrainConfig, resume: bool) -> None:
   out_dir, found = cfg.out_dir, checkpoint.latest_step(cfg.out_dir)
   ckpt_dir = checkpoint.checkpoint_dir(out_dir)
   if resume and (cfg.growth or cfg.vcycle):
-    raise CheckpointError('--resume does not apply to --growth / --vcycle runs (they write no '
-                          'checkpoints mid-plan); start a new run.')
+    raise CheckpointError(
+      '--resume does not apply to --growth / --vcycle runs (they write no '
+      'checkpoints mid-plan); start a new run.'
+    )
   if resume and found is None:
-    raise CheckpointError(f'--resume: no checkpoint in {ckpt_dir}; run without --resume to '
-                          'start, or point --out at an earlier run.')
+    raise CheckpointError(
+      f'--resume: no checkpoint in {ckpt_dir}; run without --resume to '
+      'start, or point --out at an earlier run.'
+    )
   if not resume and found is not None:
-    raise CheckpointError(f'{out_dir} already holds checkpoints (latest step {found}); pass '
-                          '--resume to continue it, or choose another --out.')
+    raise CheckpointError(
+      f'{out_dir} already holds checkpoints (latest step {found}); pass '
+      '--resume to continue it, or choose another --out.'
+    )
   if not resume and os.path.exists(os.path.join(out_dir, 'summary.json')):
-    raise CheckpointError(f'{out_dir} already holds a finished run (summary.json); choose '
-                          'another --out, or remove it to train there again.')
+    raise CheckpointError(
+      f'{out_dir} already holds a finished run (summary.json); choose '
+      'another --out, or remove it to train there again.'
+    )

@@ -41,13 +41,13 @@ def check_writable(out_dir: str) -> None:
       pass
   except OSError as e:
     reason = e.strerror or type(e).__name__
-    if isinstance(e, FileExistsError) or (os.path.exists(out_dir) and
-                                          not os.path.isdir(out_dir)):
+    if isinstance(e, FileExistsError) or (os.path.exists(out_dir) and not os.path.isdir(out_dir)):
       reason = 'it is a file, not a directory'
     elif isinstance(e, NotADirectoryError) or e.errno == errno.ENOTDIR:
       reason = 'a part of the path is a file'
-    raise ConfigError(f'cannot write into --out {out_dir} ({reason}); choose a writable '
-                      'directory.') from None
+    raise ConfigError(
+      f'cannot write into --out {out_dir} ({reason}); choose a writable directory.'
+    ) from None
 
 
 def holder(out_dir: str) -> str:
@@ -76,8 +76,10 @@ def claim(out_dir: str, *, lock: bool = True) -> Iterator[None]:
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-      raise ConfigError(f'--out {out_dir} is in use by another run (process {holder(out_dir)} '
-                        f'holds {path}); wait for it to finish or choose another --out.') from None
+      raise ConfigError(
+        f'--out {out_dir} is in use by another run (process {holder(out_dir)} '
+        f'holds {path}); wait for it to finish or choose another --out.'
+      ) from None
     os.ftruncate(fd, 0)
     os.write(fd, f'{os.getpid()}\n'.encode())
     yield

@@ -28,11 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ouroboros_jax.training import checkpoint, config
-from ouroboros_jax import partition
 from ouroboros_jax import model as transformer
+from ouroboros_jax import partition
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.model import ModelConfig
+from ouroboros_jax.training import checkpoint, config
 
 # The generation index i (the `fold_in` data) is an int32 inside jit. The prompt never enters it
 # (the window carries the prompt), so every length up to the largest int32 is exact.
@@ -46,13 +46,16 @@ def load(out_dir: str, step: int | None = None) -> tuple[ModelConfig, dict, int]
   """(model config, unstaged params {'embed','layers','head'}, step) of a run's checkpoint."""
   if checkpoint.latest_step(out_dir) is None:
     raise checkpoint.CheckpointError(
-        f'no checkpoint in {checkpoint.checkpoint_dir(out_dir)}; pass --ckpt the OUT directory '
-        'of a training run.')
+      f'no checkpoint in {checkpoint.checkpoint_dir(out_dir)}; pass --ckpt the OUT directory '
+      'of a training run.'
+    )
   manager = checkpoint.make_manager(out_dir, read_only=True)
   try:
     if step is not None and step not in manager.all_steps():
-      raise checkpoint.CheckpointError(f'no checkpoint for step {step} in {manager.directory} '
-                                       f'(it has {list(manager.all_steps())}).')
+      raise checkpoint.CheckpointError(
+        f'no checkpoint for step {step} in {manager.directory} '
+        f'(it has {list(manager.all_steps())}).'
+      )
     # The step asked for, or the newest checkpoint that reads back whole.
     candidates = [step] if step is not None else sorted(manager.all_steps(), reverse=True)
     for i, step in enumerate(candidates):
@@ -72,23 +75,36 @@ def load(out_dir: str, step: int | None = None) -> tuple[ModelConfig, dict, int]
 
 def check_args(*, length, temperature, seed) -> None:
   """Raises ConfigError for a bad --length/--temperature/--seed, before any loading or compiling."""
-  if (not isinstance(length, numbers.Integral) or isinstance(length, bool)
-      or not 0 <= length <= MAX_LENGTH):
-    raise ConfigError(f'--length must be an integer from 0 to {MAX_LENGTH} (2**31 - 1), got '
-                      f'{length!r}; pass a --length in that range.')
-  if (not isinstance(temperature, numbers.Real) or isinstance(temperature, bool)
-      or not math.isfinite(temperature) or temperature < 0):
-    raise ConfigError(f'--temperature must be a finite number >= 0 (0 is greedy), got '
-                      f'{temperature!r}; pass e.g. --temperature 0.8.')
-  if (not isinstance(seed, numbers.Integral) or isinstance(seed, bool)
-      or not 0 <= seed <= MAX_SEED):
-    raise ConfigError(f'--seed must be an integer from 0 to {MAX_SEED} (2**32 - 1), got '
-                      f'{seed!r}; pass a --seed in that range.')
+  if (
+    not isinstance(length, numbers.Integral)
+    or isinstance(length, bool)
+    or not 0 <= length <= MAX_LENGTH
+  ):
+    raise ConfigError(
+      f'--length must be an integer from 0 to {MAX_LENGTH} (2**31 - 1), got '
+      f'{length!r}; pass a --length in that range.'
+    )
+  if (
+    not isinstance(temperature, numbers.Real)
+    or isinstance(temperature, bool)
+    or not math.isfinite(temperature)
+    or temperature < 0
+  ):
+    raise ConfigError(
+      f'--temperature must be a finite number >= 0 (0 is greedy), got '
+      f'{temperature!r}; pass e.g. --temperature 0.8.'
+    )
+  if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or not 0 <= seed <= MAX_SEED:
+    raise ConfigError(
+      f'--seed must be an integer from 0 to {MAX_SEED} (2**32 - 1), got '
+      f'{seed!r}; pass a --seed in that range.'
+    )
 
 
 @functools.partial(jax.jit, static_argnames=('cfg', 'chunk'))
-def _generate_chunk(cfg: ModelConfig, params, window_L, filled, first, count, temperature, key,
-                    *, chunk: int):
+def _generate_chunk(
+  cfg: ModelConfig, params, window_L, filled, first, count, temperature, key, *, chunk: int
+):
   """Generates tokens first..first+count-1 (count <= chunk) after a window of the text so far.
 
   window_L holds the last seq_len tokens, its first `filled` entries real and the rest zeros.
@@ -117,9 +133,16 @@ def _generate_chunk(cfg: ModelConfig, params, window_L, filled, first, count, te
   return jax.lax.fori_loop(0, count, next_token, (window_L, filled, tokens_T))
 
 
-def stream_bytes(cfg: ModelConfig, params: dict, prompt: bytes, *, length: int,
-                 temperature: float = 0.8, seed: int = 0,
-                 chunk: int = DEFAULT_CHUNK) -> Iterator[bytes]:
+def stream_bytes(
+  cfg: ModelConfig,
+  params: dict,
+  prompt: bytes,
+  *,
+  length: int,
+  temperature: float = 0.8,
+  seed: int = 0,
+  chunk: int = DEFAULT_CHUNK,
+) -> Iterator[bytes]:
   """Yields `length` new bytes continuing `prompt`, at most `chunk` at a time, as generated.
 
   An empty prompt starts from a newline. Arguments are checked now, not at the first `next`.
@@ -128,21 +151,23 @@ def stream_bytes(cfg: ModelConfig, params: dict, prompt: bytes, *, length: int,
   check_args(length=length, temperature=temperature, seed=seed)
   if not isinstance(chunk, numbers.Integral) or isinstance(chunk, bool) or chunk <= 0:
     raise ConfigError(f'chunk must be a positive integer, got {chunk!r}; pass e.g. chunk=256.')
-  return _stream(cfg, params, prompt or b'\n', int(length), float(temperature), int(seed),
-                 int(chunk))
+  return _stream(
+    cfg, params, prompt or b'\n', int(length), float(temperature), int(seed), int(chunk)
+  )
 
 
 def _stream(cfg, params, prompt, length, temperature, seed, chunk) -> Iterator[bytes]:
-  tail_P = np.frombuffer(prompt, np.uint8)[-cfg.seq_len:].astype(np.int32)
+  tail_P = np.frombuffer(prompt, np.uint8)[-cfg.seq_len :].astype(np.int32)
   window_L = np.zeros(cfg.seq_len, np.int32)
-  window_L[:len(tail_P)] = tail_P
+  window_L[: len(tail_P)] = tail_P
   window_L, filled = jnp.asarray(window_L), jnp.int32(len(tail_P))
   temperature, key = jnp.float32(temperature), jax.random.key(seed)
   pending = None  # the previous chunk: fetched once the next one is dispatched
   for first in range(0, length, chunk):
     count = min(chunk, length - first)
-    window_L, filled, tokens_T = _generate_chunk(cfg, params, window_L, filled, np.int32(first),
-                                                 np.int32(count), temperature, key, chunk=chunk)
+    window_L, filled, tokens_T = _generate_chunk(
+      cfg, params, window_L, filled, np.int32(first), np.int32(count), temperature, key, chunk=chunk
+    )
     if pending is not None:
       yield _to_bytes(*pending)
     pending = tokens_T, count
@@ -154,16 +179,32 @@ def _to_bytes(tokens_T, count: int) -> bytes:
   return np.asarray(jax.device_get(tokens_T))[:count].astype(np.uint8).tobytes()
 
 
-def generate(cfg: ModelConfig, params: dict, prompt: bytes, *, length: int,
-             temperature: float = 0.8, seed: int = 0) -> bytes:
+def generate(
+  cfg: ModelConfig,
+  params: dict,
+  prompt: bytes,
+  *,
+  length: int,
+  temperature: float = 0.8,
+  seed: int = 0,
+) -> bytes:
   """`length` new bytes continuing `prompt` (an empty prompt starts from a newline)."""
-  return b''.join(stream_bytes(cfg, params, prompt, length=length, temperature=temperature,
-                               seed=seed))
+  return b''.join(
+    stream_bytes(cfg, params, prompt, length=length, temperature=temperature, seed=seed)
+  )
 
 
-def write_sample(out_dir: str, file: BinaryIO, *, prompt: str = '', length: int = 500,
-                 temperature: float = 0.8, seed: int = 0, step: int | None = None,
-                 chunk: int = DEFAULT_CHUNK) -> int:
+def write_sample(
+  out_dir: str,
+  file: BinaryIO,
+  *,
+  prompt: str = '',
+  length: int = 500,
+  temperature: float = 0.8,
+  seed: int = 0,
+  step: int | None = None,
+  chunk: int = DEFAULT_CHUNK,
+) -> int:
   """Writes prompt then sampled bytes to binary `file`, flushing each chunk; returns the step.
 
   Bytes go out as generated, so a long --length shows output at once and never grows memory.
@@ -173,15 +214,23 @@ def write_sample(out_dir: str, file: BinaryIO, *, prompt: str = '', length: int 
   prompt_bytes = prompt.encode('utf-8', 'surrogateescape')  # argv keeps raw bytes that way
   file.write(prompt_bytes)
   file.flush()
-  for piece in stream_bytes(cfg, params, prompt_bytes, length=length, temperature=temperature,
-                            seed=seed, chunk=chunk):
+  for piece in stream_bytes(
+    cfg, params, prompt_bytes, length=length, temperature=temperature, seed=seed, chunk=chunk
+  ):
     file.write(piece)
     file.flush()
   return step
 
 
-def sample(out_dir: str, *, prompt: str = '', length: int = 500, temperature: float = 0.8,
-           seed: int = 0, step: int | None = None) -> str:
+def sample(
+  out_dir: str,
+  *,
+  prompt: str = '',
+  length: int = 500,
+  temperature: float = 0.8,
+  seed: int = 0,
+  step: int | None = None,
+) -> str:
   """Prompt plus `length` sampled bytes from a run's checkpoint, decoded as UTF-8 (replace)."""
   check_args(length=length, temperature=temperature, seed=seed)
   cfg, params, _ = load(out_dir, step)
