@@ -198,6 +198,20 @@ def adamw(
   )
 
 
+def make_schedule(
+  name: str, model: StagedModel, mesh: Mesh, init: Callable, step: Callable, idle_fraction: float
+) -> Schedule:
+  """A Schedule with its step and evaluation jitted the way every schedule's are."""
+  return Schedule(
+    init=init,
+    step=jit_step(step),
+    evaluate=jit_evaluate(model),
+    mesh=mesh,
+    idle_fraction=idle_fraction,
+    name=name,
+  )
+
+
 def jit_step(step_fn: Callable) -> Callable:
   """`step_fn(state, batch)` jitted with the old state donated, so its buffers are reused."""
   return jax.jit(step_fn, donate_argnums=0)

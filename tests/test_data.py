@@ -274,8 +274,7 @@ def test_eval_batches_are_windows_in_order():
   _assert_same_batches(limited, batches[:3])
   # Deterministic: a second pass gives the same batches.
   _assert_same_batches(
-    list(data.eval_batches(tokens, seq_len=SEQ_LEN, batch_size=batch_size)),
-    batches,
+    list(data.eval_batches(tokens, seq_len=SEQ_LEN, batch_size=batch_size)), batches
   )
   # Process slices of eval batches concatenate to the global batch.
   halves = [
@@ -288,8 +287,7 @@ def test_eval_batches_are_windows_in_order():
   ]
   for b, batch in enumerate(batches):
     np.testing.assert_array_equal(
-      np.concatenate([halves[0][b]['inputs'], halves[1][b]['inputs']]),
-      batch['inputs'],
+      np.concatenate([halves[0][b]['inputs'], halves[1][b]['inputs']]), batch['inputs']
     )
 
 

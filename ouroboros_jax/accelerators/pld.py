@@ -120,11 +120,10 @@ def check_config(cfg: ModelConfig, theta_bar: float, gamma: float) -> None:
       'would skip its LayerNorms too); use --pre-ln (not --no-pre-ln) or turn '
       'PLD off.'
     )
-  if not 0.0 < theta_bar <= 1.0:
-    raise ConfigError(f'PLD theta_bar must be in (0, 1], got {theta_bar}; 0.5 is the default.')
-  if gamma < 0.0:
+  if not (0.0 < theta_bar <= 1.0 and gamma >= 0.0):
     raise ConfigError(
-      f'PLD gamma must be >= 0, got {gamma}; 0.001 is the default (or about 100 / total steps).'
+      f'PLD needs theta_bar in (0, 1] and gamma >= 0, got {theta_bar} and {gamma}; the defaults '
+      'are 0.5 and 0.001 (the paper suggests gamma ~ 100 / total steps).'
     )
 
 

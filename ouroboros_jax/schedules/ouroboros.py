@@ -154,13 +154,13 @@ def build(
     stage_gaps=tuple(stage_gaps),
     compensation=comp,
   )
-  return Schedule(
-    init=functools.partial(_init, ring),
-    step=staged.jit_step(functools.partial(_step, ring)),
-    evaluate=staged.jit_evaluate(model),
-    mesh=ring.mesh,
-    idle_fraction=idle_fraction(num_stages, forward=config.forward),
-    name='ouroboros',
+  return staged.make_schedule(
+    'ouroboros',
+    model,
+    ring.mesh,
+    functools.partial(_init, ring),
+    functools.partial(_step, ring),
+    idle_fraction(num_stages, forward=config.forward),
   )
 
 

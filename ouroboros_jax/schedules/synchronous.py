@@ -78,14 +78,7 @@ def build_backprop(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
     )
     return synchronous_update(config, tx, state, grads, loss)
 
-  return Schedule(
-    init=init,
-    step=staged.jit_step(step),
-    evaluate=staged.jit_evaluate(model),
-    mesh=mesh,
-    idle_fraction=0.0,
-    name='backprop',
-  )
+  return staged.make_schedule('backprop', model, mesh, init, step, idle_fraction=0.0)
 
 
 # ----------------------------------------------------------------------------- shared plumbing
@@ -97,12 +90,9 @@ def _synchronous_schedule(
   tx,
   mesh: Mesh,
   device_grads: Callable,
-  *,
-  microbatches: int,
   idle_fraction: float,
-  name: str,
 ) -> Schedule:
-  """A synchronous schedule from its per-device gradient.
+  """A synchronous schedule (`config.name`) from its per-device gradient.
 
   device_grads(params, batch, t) -> (grads, loss) runs inside one `jax.shard_map` over the
   (stage, data) mesh: it sees its stage's parameters (leading axis 1), its replica's share of the
@@ -111,6 +101,8 @@ def _synchronous_schedule(
   averaged over `data`. The optimizer step is `synchronous_update`, as for every schedule.
   """
   num_stages, replicas = mesh.shape[STAGE], mesh.shape[DATA]
+  name = config.name
+  microbatches = config.microbatches if name == 'gpipe' else 1
 
   def init(params, example_batch=None):
     if example_batch is not None:
@@ -136,14 +128,7 @@ def _synchronous_schedule(
     grads, loss = grads_of(state.params, batch, state.step)
     return synchronous_update(config, tx, state, grads, loss)
 
-  return Schedule(
-    init=init,
-    step=staged.jit_step(step),
-    evaluate=staged.jit_evaluate(model),
-    mesh=mesh,
-    idle_fraction=idle_fraction,
-    name=name,
-  )
+  return staged.make_schedule(name, model, mesh, init, step, idle_fraction)
 
 
 # ----------------------------------------------------------------------------- data parallel
@@ -168,9 +153,7 @@ def build_data_parallel(
     (loss, _), grads = jax.value_and_grad(model.forward_loss, has_aux=True)(params, batch, key)
     return jax.lax.pmean((grads, loss), DATA)
 
-  return _synchronous_schedule(
-    config, model, tx, mesh, device_grads, microbatches=1, idle_fraction=0.0, name='data_parallel'
-  )
+  return _synchronous_schedule(config, model, tx, mesh, device_grads, idle_fraction=0.0)
 
 
 # ----------------------------------------------------------------------------- model parallel
@@ -205,16 +188,8 @@ def build_model_parallel(
     key = replica_key(config.seed, t, replicas)
     return ring.locked_grads(model, params, batch, key, num_stages)
 
-  return _synchronous_schedule(
-    config,
-    model,
-    tx,
-    mesh,
-    device_grads,
-    microbatches=1,
-    idle_fraction=model_parallel_idle_fraction(num_stages),
-    name='model_parallel',
-  )
+  idle = model_parallel_idle_fraction(num_stages)
+  return _synchronous_schedule(config, model, tx, mesh, device_grads, idle)
 
 
 # ----------------------------------------------------------------------------- gpipe
@@ -301,13 +276,5 @@ def build_gpipe(
     )
     return ring.gather_grads(g_embed, g_head, g_stage, loss)
 
-  return _synchronous_schedule(
-    config,
-    model,
-    tx,
-    mesh,
-    device_grads,
-    microbatches=num_micro,
-    idle_fraction=gpipe_idle_fraction(num_stages, num_micro),
-    name='gpipe',
-  )
+  idle = gpipe_idle_fraction(num_stages, num_micro)
+  return _synchronous_schedule(config, model, tx, mesh, device_grads, idle)

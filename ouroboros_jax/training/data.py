@@ -232,9 +232,7 @@ def _quiet_tfds() -> Iterator[None]:
       log.debug('tfds: %s', _one_line(stdout.getvalue()))
 
 
-def prepare_default_corpus(
-  data_dir: str | os.PathLike[str] | None = None,
-) -> ShakespeareBytes:
+def prepare_default_corpus(data_dir: str | os.PathLike[str] | None = None) -> ShakespeareBytes:
   """Builds the default corpus dataset once into data_dir; returns the builder.
 
   A dataset that is already prepared (by this or another process) is reused.
@@ -445,10 +443,7 @@ def _load_tfds(rest: str, data_dir, download: bool) -> dict[str, np.ndarray]:
 
 
 def load_splits(
-  spec: str = 'default',
-  *,
-  data_dir: str | os.PathLike[str] | None = None,
-  download: bool = False,
+  spec: str = 'default', *, data_dir: str | os.PathLike[str] | None = None, download: bool = False
 ) -> dict[str, np.ndarray]:
   """Returns {'train', 'validation', 'test'} -> uint8 token arrays for a spec.
 

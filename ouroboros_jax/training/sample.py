@@ -18,6 +18,7 @@ length, temperature and seed.
 from __future__ import annotations
 
 import functools
+import io
 import math
 import numbers
 import sys
@@ -179,19 +180,10 @@ def _to_bytes(tokens_T, count: int) -> bytes:
   return np.asarray(jax.device_get(tokens_T))[:count].astype(np.uint8).tobytes()
 
 
-def generate(
-  cfg: ModelConfig,
-  params: dict,
-  prompt: bytes,
-  *,
-  length: int,
-  temperature: float = 0.8,
-  seed: int = 0,
-) -> bytes:
-  """`length` new bytes continuing `prompt` (an empty prompt starts from a newline)."""
-  return b''.join(
-    stream_bytes(cfg, params, prompt, length=length, temperature=temperature, seed=seed)
-  )
+def generate(cfg: ModelConfig, params: dict, prompt: bytes, **options) -> bytes:
+  """`length` new bytes continuing `prompt` (an empty prompt starts from a newline), all at
+  once; `options` are `stream_bytes`'s (length, temperature, seed)."""
+  return b''.join(stream_bytes(cfg, params, prompt, **options))
 
 
 def write_sample(
@@ -222,18 +214,9 @@ def write_sample(
   return step
 
 
-def sample(
-  out_dir: str,
-  *,
-  prompt: str = '',
-  length: int = 500,
-  temperature: float = 0.8,
-  seed: int = 0,
-  step: int | None = None,
-) -> str:
-  """Prompt plus `length` sampled bytes from a run's checkpoint, decoded as UTF-8 (replace)."""
-  check_args(length=length, temperature=temperature, seed=seed)
-  cfg, params, _ = load(out_dir, step)
-  prompt_bytes = prompt.encode('utf-8', 'surrogateescape')  # argv keeps raw bytes that way
-  text = generate(cfg, params, prompt_bytes, length=length, temperature=temperature, seed=seed)
-  return (prompt_bytes + text).decode('utf-8', errors='replace')
+def sample(out_dir: str, **options) -> str:
+  """Prompt plus `length` sampled bytes from a run's checkpoint, decoded as UTF-8 (replace);
+  `options` are `write_sample`'s (prompt, length, temperature, seed, step)."""
+  buffer = io.BytesIO()
+  write_sample(out_dir, buffer, **options)
+  return buffer.getvalue().decode('utf-8', errors='replace')
