@@ -343,27 +343,8 @@ def run(
   params = jax.device_get(transformer.init_params(cfg, jax.random.key(0)))
   staged_params = partition.to_staged(params, layers_per_stage)
   staged_model = partition.transformer_stages(cfg, layers_per_stage)
-  pieces = on_process0_alone(
-    lambda: measure_pieces(
-      cfg, staged_model, staged_params, batch, layers_per_stage, optimizer=optimizer
-    )
-  )
-  # A graph stash that keeps less (--stash-policy) has its own, slower, backward: measured apart,
-  # for the Ouroboros graph settings only; everything else is measured with plain backward.
-  policy_pieces = (
-    pieces
-    if stash_policy == 'all'
-    else on_process0_alone(
-      lambda: measure_pieces(
-        cfg,
-        staged_model,
-        staged_params,
-        batch,
-        layers_per_stage,
-        stash_policy=stash_policy,
-        optimizer=optimizer,
-      )
-    )
+  pieces, policy_pieces = _measure_pieces(
+    cfg, staged_model, staged_params, batch, layers_per_stage, stash_policy, optimizer
   )
   activation_shape = (batch_size, cfg.seq_len, cfg.d_model)
   link_s, allreduce_s = measure_links(activation_shape, pieces['grad_bytes'] // 4)
@@ -390,23 +371,7 @@ def run(
     if measured is None:
       continue
     own = policy_pieces if setting.schedule == 'ouroboros' and setting.stash == 'graph' else pieces
-    row = {
-      'schedule': setting.schedule,
-      'label': setting.label,
-      'stages': setting.devices,
-      'microbatches': setting.microbatches if setting.schedule == 'gpipe' else '',
-      'stash': setting.stash,
-      'forward': setting.forward,
-      **measured,
-      'fwd_s_per_stage': ';'.join(f'{f:.6g}' for f in own['fwd']),
-      'bwd_s_per_stage': ';'.join(f'{b:.6g}' for b in own['bwd']),
-      'head_s': own['head'],
-      'update_s_per_stage': ';'.join(f'{u:.6g}' for u in own['update']),
-      'link_s': link_s,
-      'allreduce_s': allreduce_s,
-      'ideal_s': simulated(setting, own, 0.0, 0.0),
-      'predicted_s': simulated(setting, own, link_s, allreduce_s),
-    }
+    row = _row(setting, measured, own, link_s, allreduce_s)
     rows.append(row)
     log(
       f'{setting.label:28s} {row["step_time_s"] * 1e3:9.1f} ms/step  '
@@ -433,6 +398,42 @@ def run(
       log,
     )
   return rows
+
+
+def _measure_pieces(
+  cfg, staged_model, staged_params, batch, layers_per_stage, stash_policy, optimizer
+):
+  """(pieces, the pieces of the graph stash's --stash-policy): a policy that keeps less has its
+  own, slower, backward, measured apart for the Ouroboros graph settings only."""
+  measure = lambda **kw: on_process0_alone(
+    lambda: measure_pieces(
+      cfg, staged_model, staged_params, batch, layers_per_stage, optimizer=optimizer, **kw
+    )
+  )
+  pieces = measure()
+  return pieces, pieces if stash_policy == 'all' else measure(stash_policy=stash_policy)
+
+
+def _row(setting: Setting, measured: dict, own: dict, link_s: float, allreduce_s: float) -> dict:
+  """One setting's row: what was timed, its pieces, and the simulator's ideal and prediction."""
+  per_stage = lambda values: ';'.join(f'{v:.6g}' for v in values)
+  return {
+    'schedule': setting.schedule,
+    'label': setting.label,
+    'stages': setting.devices,
+    'microbatches': setting.microbatches if setting.schedule == 'gpipe' else '',
+    'stash': setting.stash,
+    'forward': setting.forward,
+    **measured,
+    'fwd_s_per_stage': per_stage(own['fwd']),
+    'bwd_s_per_stage': per_stage(own['bwd']),
+    'head_s': own['head'],
+    'update_s_per_stage': per_stage(own['update']),
+    'link_s': link_s,
+    'allreduce_s': allreduce_s,
+    'ideal_s': simulated(setting, own, 0.0, 0.0),
+    'predicted_s': simulated(setting, own, link_s, allreduce_s),
+  }
 
 
 def table(rows: list[dict]) -> str:

@@ -151,6 +151,29 @@ def launch(
   child printed, or the first failure's exit status).
   """
   out = out or sys.stdout
+  _check_launch(num_processes, args, program, timeout_s, pin_cpus)
+  handlers = {}
+  if threading.current_thread() is threading.main_thread():
+    handlers = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+  children = _Children(out)
+  try:
+    command = [*(program or [sys.executable, '-m', 'ouroboros_jax']), *args]
+    children.start(num_processes, command, pin_cpus)
+    first_failure = children.supervise(grace_s, timeout_s)
+  finally:
+    children.end()
+    for sig, handler in handlers.items():
+      signal.signal(sig, handler)
+  codes = [p.returncode for p in children.procs]
+  first_failure = first_failure or next((_exit_status(c) for c in codes if c), 0)
+  if first_failure:
+    out.write(f'[launch] exit codes {codes}; returning {first_failure}\n')
+    if reasons is not None:
+      reasons.append(children.reason(first_failure))
+  return first_failure
+
+
+def _check_launch(num_processes, args, program, timeout_s, pin_cpus) -> None:
   if num_processes < 1:
     raise ConfigError(f'--processes must be >= 1, got {num_processes}.')
   if not args and program is None:
@@ -162,93 +185,98 @@ def launch(
     check_command(args)
   if timeout_s is not None and not timeout_s > 0:
     raise ConfigError(f'--timeout must be a positive number of seconds, got {timeout_s}.')
-  cores = os.cpu_count() or 1
   if pin_cpus and shutil.which('taskset') is None:
     raise ConfigError('--pin-cpus needs `taskset` (util-linux); install it or drop --pin-cpus.')
-  port = free_port()
-  procs, threads, errors = [], [], []
-  failed = threading.Event()
-  handlers = {}
-  if threading.current_thread() is threading.main_thread():
-    handlers = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
-  for i in range(num_processes):
-    cmd = [*(program or [sys.executable, '-m', 'ouroboros_jax']), *args]
-    if pin_cpus:
-      cmd = ['taskset', '-c', str(i % cores), *cmd]
-    # Its own session, so a Ctrl-C in the terminal reaches the launcher only, which passes it on.
-    p = subprocess.Popen(
-      cmd,
-      env=child_env(i, num_processes, port),
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-      start_new_session=True,
-      preexec_fn=_die_with_parent if sys.platform.startswith('linux') else None,
-    )
-    procs.append(p)
-    errors.append([])
-    th = threading.Thread(
-      target=_forward, args=(p.stdout, f'[p{i}]', out, failed, errors[i]), daemon=True
-    )
-    th.start()
-    threads.append(th)
 
-  first_failure, failed_at, started = 0, None, time.monotonic()
-  try:
-    while any(p.poll() is None for p in procs):
-      now = time.monotonic()
-      for i, p in enumerate(procs):
-        code = p.poll()
-        if code not in (None, 0) and not first_failure:
-          first_failure, failed_at = _exit_status(code), now
-          failed.set()
-          how = (
-            f'was killed by {signal.Signals(-code).name}'
-            if code < 0
-            else f'exited with status {code}'
-          )
-          out.write(
-            f'[launch] process {i} {how}; the others stop when they next need it '
-            f'(killed after {grace_s:.0f} s)\n'
-          )
-          out.flush()
-      if failed_at is not None and now - failed_at > grace_s:
-        break
-      if timeout_s is not None and now - started > timeout_s:
-        first_failure = first_failure or 124
-        out.write(f'[launch] timed out after {timeout_s:.0f} s; stopping all processes\n')
-        break
-      time.sleep(0.1)
-  except (KeyboardInterrupt, _Stop) as stop:
-    signum = stop.signum if isinstance(stop, _Stop) else signal.SIGINT
-    first_failure = first_failure or 128 + signum
-    out.write(f'[launch] {signal.Signals(signum).name}: passing it on to every process\n')
-    out.flush()
-    _stop_children(procs, signum, grace_s)
-  finally:
-    for p in procs:
+
+class _Children:
+  """The launched processes, the threads that forward their output, and the error lines they
+  printed."""
+
+  def __init__(self, out):
+    self.out, self.procs, self.threads, self.errors = out, [], [], []
+    self.failed = threading.Event()
+
+  def start(self, num_processes: int, command: list[str], pin_cpus: bool) -> None:
+    port, cores = free_port(), os.cpu_count() or 1
+    for i in range(num_processes):
+      cmd = ['taskset', '-c', str(i % cores), *command] if pin_cpus else command
+      # Its own session, so a Ctrl-C in the terminal reaches the launcher only, which passes it
+      # on; and it dies with the launcher, however the launcher dies.
+      p = subprocess.Popen(
+        cmd,
+        env=child_env(i, num_processes, port),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_die_with_parent if sys.platform.startswith('linux') else None,
+      )
+      self.procs.append(p)
+      self.errors.append([])
+      th = threading.Thread(
+        target=_forward,
+        args=(p.stdout, f'[p{i}]', self.out, self.failed, self.errors[i]),
+        daemon=True,
+      )
+      th.start()
+      self.threads.append(th)
+
+  def supervise(self, grace_s: float, timeout_s: float | None) -> int:
+    """Waits for every child; after the first failure the others get grace_s to stop. Returns
+    the first failure's exit status (0: none so far)."""
+    out = self.out
+    first_failure, failed_at, started = 0, None, time.monotonic()
+    try:
+      while any(p.poll() is None for p in self.procs):
+        now = time.monotonic()
+        for i, p in enumerate(self.procs):
+          code = p.poll()
+          if code not in (None, 0) and not first_failure:
+            first_failure, failed_at = _exit_status(code), now
+            self.failed.set()
+            how = (
+              f'was killed by {signal.Signals(-code).name}'
+              if code < 0
+              else (f'exited with status {code}')
+            )
+            out.write(
+              f'[launch] process {i} {how}; the others stop when they next need it '
+              f'(killed after {grace_s:.0f} s)\n'
+            )
+            out.flush()
+        if failed_at is not None and now - failed_at > grace_s:
+          break
+        if timeout_s is not None and now - started > timeout_s:
+          out.write(f'[launch] timed out after {timeout_s:.0f} s; stopping all processes\n')
+          return first_failure or 124
+        time.sleep(0.1)
+    except (KeyboardInterrupt, _Stop) as stop:
+      signum = stop.signum if isinstance(stop, _Stop) else signal.SIGINT
+      out.write(f'[launch] {signal.Signals(signum).name}: passing it on to every process\n')
+      out.flush()
+      _stop_children(self.procs, signum, grace_s)
+      return first_failure or 128 + signum
+    return first_failure
+
+  def end(self) -> None:
+    """Kills what still runs and waits for every child and its output."""
+    for p in self.procs:
       if p.poll() is None:
         os.killpg(p.pid, signal.SIGKILL)
-    for p in procs:
+    for p in self.procs:
       p.wait()
-    for th in threads:
+    for th in self.threads:
       th.join(timeout=5)
-    for sig, handler in handlers.items():
-      signal.signal(sig, handler)
-  codes = [p.returncode for p in procs]
-  if not first_failure:
-    first_failure = next((_exit_status(c) for c in codes if c), 0)
-  if first_failure:
-    out.write(f'[launch] exit codes {codes}; returning {first_failure}\n')
-    if reasons is not None:
-      first = next((i for i, c in enumerate(codes) if c), 0)
-      reasons.append(
-        next((f'process {i}: {e[0]}' for i, e in enumerate(errors) if e), None)
-        or f'process {first} exited with status '
-        f'{_exit_status(codes[first]) if codes[first] else first_failure}; see its '
-        'output above.'
-      )
-  return first_failure
+
+  def reason(self, first_failure: int) -> str:
+    """One line: the first `error:` line a child printed, else the first failure's status."""
+    codes = [p.returncode for p in self.procs]
+    first = next((i for i, c in enumerate(codes) if c), 0)
+    status = _exit_status(codes[first]) if codes[first] else first_failure
+    return next((f'process {i}: {e[0]}' for i, e in enumerate(self.errors) if e), None) or (
+      f'process {first} exited with status {status}; see its output above.'
+    )
 
 
 def _stop_children(procs, signum: int, grace_s: float) -> None:

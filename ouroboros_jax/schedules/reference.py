@@ -10,6 +10,8 @@ optimizer update are each jitted on their own, only so that the loop runs in sec
 from __future__ import annotations
 
 import collections
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -114,21 +116,21 @@ class SlowCompensation:
     return self.join(groups, num_stages)
 
 
-def run(
-  model: staged.StagedModel,
-  tx,
-  params,
-  batches,
-  *,
-  stash: str = 'graph',
-  forward: str = 'locked',
-  clip_norm: float | None = 1.0,
-  seed: int = 0,
-  tied_grad: str = 'sum',
-  sync_warmup_steps: int = 0,
-  compensation=None,
-):
-  """Trains on `batches` in order; returns (params, losses, updated).
+@dataclasses.dataclass(frozen=True)
+class Options:
+  """The schedule settings the reference takes (`ScheduleConfig`'s, as plain values)."""
+
+  stash: str = 'graph'
+  forward: str = 'locked'
+  clip_norm: float | None = 1.0
+  seed: int = 0
+  tied_grad: str = 'sum'
+  sync_warmup_steps: int = 0
+  compensation: Any = None  # a compensation.Compensation; None: none
+
+
+def run(model: staged.StagedModel, tx, params, batches, **options):
+  """Trains on `batches` in order; returns (params, losses, updated). `options`: `Options`.
 
   `compensation` (a compensation.Compensation, default none) applies the staleness compensations
   as `SlowCompensation` writes them, with `tx` as the base optimizer.
@@ -140,153 +142,188 @@ def run(
   forward='pipelined': at step t group 0 forwards batch t and group s > 0 forwards what group
   s - 1 produced at step t - 1; the head sees group G-1's output one step later.
   """
-  num_stages = staged.stage_count(params)
-  pipelined = forward == 'pipelined' and num_stages > 1
-  model = staged.StagedModel(
-    embed=jax.jit(model.embed),
-    stage=jax.jit(model.stage),
-    loss=jax.jit(model.loss),
-    tied_embedding=model.tied_embedding,
-  )
-  apply_gradients = jax.jit(
-    lambda *args, **kw: staged.apply_gradients(tx, *args, clip_norm=clip_norm, **kw)
-  )
-  opt_state = staged.init_opt_state(tx, params)
-  slow = (
-    SlowCompensation(compensation, tx, params, clip_norm)
-    if compensation is not None and compensation.active
-    else None
-  )
-  all_groups = ['embed', *range(num_stages), 'head']
-  stashes = [collections.deque() for _ in range(num_stages)]  # (batch, VJP or input) in flight
-  delta_inbox = [None] * num_stages  # error gradient for group s's output, sent last step
-  act_inbox = [None] * num_stages  # pipelined: (batch, activation) for group s, sent last step
-  head_inbox = None  # pipelined: (batch, group G-1's output), sent last step
-  losses, updated = [], []
-  zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
-  stage_params = lambda p, s: jax.tree.map(lambda a: a[s], p['stages'])
+  ring = SlowRing(model, tx, params, Options(**options))
+  for t in range(len(batches)):
+    ring.step(t, batches)
+  return ring.params, ring.losses, ring.updated
 
-  for t, batch in enumerate(batches):
-    key_t = staged.batch_key(seed, t)
-    if t < sync_warmup_steps:
-      (loss, _), grads = jax.value_and_grad(model.forward_loss, has_aux=True)(params, batch, key_t)
-      if slow:
-        params = slow.apply(
-          params, grads, {k: True for k in all_groups}, {k: 0 for k in all_groups}
-        )
-      else:
-        params, opt_state, _ = apply_gradients(params, opt_state, grads)
-      losses.append(float(loss))
-      updated.append(['embed', *range(num_stages), 'head'])
-      continue
 
-    # Forward with the current weights (or, predicting, the weights each group's gradient of this
-    # forward will be applied to); every group keeps its VJP (graph) or its input (replay).
-    forward_params = params
-    if slow and num_stages > 1:
+class SlowRing:
+  """The ring as Python objects: `stashes[s]` holds (batch, step, VJP or input) of every batch in
+  flight in group s, `delta_inbox[s]` the error gradient sent to group s during the previous
+  step, `act_inbox[s]` (pipelined) the activation sent to it."""
+
+  def __init__(self, model: staged.StagedModel, tx, params, options: Options):
+    self.options, self.params = options, params
+    self.num_stages = staged.stage_count(params)
+    self.pipelined = options.forward == 'pipelined' and self.num_stages > 1
+    self.model = staged.StagedModel(
+      embed=jax.jit(model.embed),
+      stage=jax.jit(model.stage),
+      loss=jax.jit(model.loss),
+      tied_embedding=model.tied_embedding,
+    )
+    self.apply_gradients = jax.jit(
+      lambda *args, **kw: staged.apply_gradients(tx, *args, clip_norm=options.clip_norm, **kw)
+    )
+    self.opt_state = staged.init_opt_state(tx, params)
+    comp = options.compensation
+    active = comp is not None and comp.active
+    self.slow = SlowCompensation(comp, tx, params, options.clip_norm) if active else None
+    self.stashes = [collections.deque() for _ in range(self.num_stages)]
+    self.delta_inbox = [None] * self.num_stages
+    self.act_inbox = [None] * self.num_stages
+    self.head_inbox = None  # pipelined: (batch, group G-1's output), sent last step
+    self.losses, self.updated = [], []
+
+  def key(self, batch_index):
+    return staged.batch_key(self.options.seed, batch_index)
+
+  def stage_params(self, params, s):
+    return jax.tree.map(lambda a: a[s], params['stages'])
+
+  def step(self, t: int, batches) -> None:
+    if t < self.options.sync_warmup_steps:
+      return self.warmup_step(t, batches[t])
+    head_input = self.forward(t, batches[t])
+    g_head, g_embed, delta_head = self.head(head_input, batches)
+    g_stages, ready, gap, g_embed = self.backward(t, batches, delta_head, g_embed)
+    self.update(g_embed, g_head, g_stages, ready, gap, head_ready=delta_head is not None)
+
+  def warmup_step(self, t: int, batch) -> None:
+    """Plain backprop of batch t (the synchronous warm-up)."""
+    model, groups = self.model, ['embed', *range(self.num_stages), 'head']
+    (loss, _), grads = jax.value_and_grad(model.forward_loss, has_aux=True)(
+      self.params, batch, self.key(t)
+    )
+    if self.slow:
+      self.params = self.slow.apply(
+        self.params, grads, {k: True for k in groups}, {k: 0 for k in groups}
+      )
+    else:
+      self.params, self.opt_state, _ = self.apply_gradients(self.params, self.opt_state, grads)
+    self.losses.append(float(loss))
+    self.updated.append(groups)
+
+  def forward(self, t: int, batch):
+    """Forward with the current weights (or, predicting, the weights each group's gradient of
+    this forward will be applied to); every group keeps its VJP (graph) or its input (replay).
+    Returns what reaches the head: (batch index, activation), or None."""
+    num_stages, forward, model = self.num_stages, self.options.forward, self.model
+    forward_params = self.params
+    if self.slow and num_stages > 1:
       gaps = {
-        s: backward_step(t - (s if pipelined else 0), s, num_stages, forward) - t
+        s: backward_step(t - (s if self.pipelined else 0), s, num_stages, forward) - t
         for s in range(num_stages)
       }
       gaps['embed'] = backward_step(t, 0, num_stages, forward) - t
-      forward_params = slow.predicted(params, gaps)
-    new_act = [None] * num_stages
-    carried = (
-      t,
-      model.embed(forward_params['embed'], batch['inputs'], staged.piece_rng(key_t, EMBED_PIECE)),
+      forward_params = self.slow.predicted(self.params, gaps)
+    embedded = model.embed(
+      forward_params['embed'], batch['inputs'], staged.piece_rng(self.key(t), EMBED_PIECE)
     )
+    new_act, carried = [None] * num_stages, (t, embedded)
     for s in range(num_stages):
-      if pipelined and s > 0:
-        carried = act_inbox[s]
+      if self.pipelined and s > 0:
+        carried = self.act_inbox[s]
       if carried is None:  # pipelined: nothing has reached this group yet
         continue
       b, x = carried
-      key_b = staged.batch_key(seed, b)
+      key_b = self.key(b)
       run_s = lambda p, h, s=s, key_b=key_b: model.stage(p, h, s, staged.piece_rng(key_b, s))
-      if stash == 'graph':
-        y, vjp_fn = jax.vjp(run_s, stage_params(forward_params, s), x)
-        stashes[s].append((b, t, vjp_fn))
+      if self.options.stash == 'graph':
+        y, vjp_fn = jax.vjp(run_s, self.stage_params(forward_params, s), x)
+        self.stashes[s].append((b, t, vjp_fn))
       else:
-        y = run_s(stage_params(forward_params, s), x)
-        stashes[s].append((b, t, x))
+        y = run_s(self.stage_params(forward_params, s), x)
+        self.stashes[s].append((b, t, x))
       carried = (b, y)
-      if pipelined:
-        new_act[(s + 1) % num_stages] = carried
-    head_input = head_inbox if pipelined else carried
-    if pipelined:
-      head_inbox, act_inbox = new_act[0], new_act
+      new_act[(s + 1) % num_stages] = carried
+    if not self.pipelined:
+      return carried
+    head_input, self.head_inbox, self.act_inbox = self.head_inbox, new_act[0], new_act
+    return head_input
 
-    # Module K: fresh loss and gradients of the batch that reached the head.
-    g_head, g_embed = zeros(params['head']), zeros(params['embed'])
-    delta_head = None
+  def head(self, head_input, batches):
+    """Module K: (head gradient, its embed gradient, delta_{G-1}) of the batch that reached the
+    head, fresh; zeros and None while the pipe fills."""
+    zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
     if head_input is None:
-      losses.append(None)
-    else:
-      b, x = head_input
-      targets = batches[b]['targets']
-      loss, head_vjp = jax.vjp(
-        lambda hp, ep, h: model.loss(hp, ep, h, targets)[0], params['head'], params['embed'], x
-      )
-      g_head, g_embed, delta_head = head_vjp(jnp.ones_like(loss))
-      losses.append(float(loss))
+      self.losses.append(None)
+      return zeros(self.params['head']), zeros(self.params['embed']), None
+    b, x = head_input
+    targets = batches[b]['targets']
+    loss, head_vjp = jax.vjp(
+      lambda hp, ep, h: self.model.loss(hp, ep, h, targets)[0],
+      self.params['head'],
+      self.params['embed'],
+      x,
+    )
+    self.losses.append(float(loss))
+    return head_vjp(jnp.ones_like(loss))
 
-    # Every group back-propagates the batch its delayed error gradient belongs to.
+  def backward(self, t: int, batches, delta_head, g_embed):
+    """Every group back-propagates the batch its delayed error gradient belongs to; returns
+    (stage gradients, which groups have one, their gaps, the embedding's gradient)."""
+    num_stages, params, model = self.num_stages, self.params, self.model
     new_inbox = [None] * num_stages
-    g_stages = [zeros(stage_params(params, s)) for s in range(num_stages)]
+    g_stages = [
+      jax.tree.map(jnp.zeros_like, self.stage_params(params, s)) for s in range(num_stages)
+    ]
     ready = [False] * num_stages
     gap = [0] * num_stages  # steps since the forward of the batch applied now
     for s in range(num_stages):
-      delta = delta_head if num_stages == 1 else delta_inbox[s]
+      delta = delta_head if num_stages == 1 else self.delta_inbox[s]
       if delta is None:
         continue
-      b, forward_step, kept = stashes[s].popleft()
-      assert b == expected_backward_batch(t, s, num_stages, forward), (s, b, t)
+      b, forward_step, kept = self.stashes[s].popleft()
+      assert b == expected_backward_batch(t, s, num_stages, self.options.forward), (s, b, t)
       gap[s] = t - forward_step
-      key_b = staged.batch_key(seed, b)
-      if stash == 'graph':
+      key_b = self.key(b)
+      if self.options.stash == 'graph':
         g_stages[s], dx = kept(delta)
       else:
         run_s = lambda p, h, s=s: model.stage(p, h, s, staged.piece_rng(key_b, s))
-        g_stages[s], dx = jax.vjp(run_s, stage_params(params, s), kept)[1](delta)
+        g_stages[s], dx = jax.vjp(run_s, self.stage_params(params, s), kept)[1](delta)
       ready[s] = True
       if s > 0:
         new_inbox[s - 1] = dx
-      else:  # module 1 ends at the embedding of batch b
-        embed_b = lambda e: model.embed(
-          e, batches[b]['inputs'], staged.piece_rng(key_b, EMBED_PIECE)
-        )
-        g_stale = jax.vjp(embed_b, params['embed'])[1](dx)[0]
-        g_embed = jax.tree.map(jnp.add, g_embed, g_stale)
-        if tied_grad == 'mean' and model.tied_embedding and delta_head is not None:
-          g_embed = jax.tree.map(lambda g: 0.5 * g, g_embed)
+        continue
+      # Module 1 ends at the embedding of batch b.
+      embed_b = lambda e: model.embed(e, batches[b]['inputs'], staged.piece_rng(key_b, EMBED_PIECE))
+      g_stale = jax.vjp(embed_b, params['embed'])[1](dx)[0]
+      g_embed = jax.tree.map(jnp.add, g_embed, g_stale)
+      if self.options.tied_grad == 'mean' and model.tied_embedding and delta_head is not None:
+        g_embed = jax.tree.map(lambda g: 0.5 * g, g_embed)
     if num_stages > 1:
       new_inbox[num_stages - 1] = delta_head
-    delta_inbox = new_inbox
+    self.delta_inbox = new_inbox
+    return g_stages, ready, gap, g_embed
 
+  def update(self, g_embed, g_head, g_stages, ready, gap, *, head_ready: bool) -> None:
+    """Every group with a gradient applies it; the others keep their weights exactly."""
     grads = {
       'embed': g_embed,
       'head': g_head,
       'stages': jax.tree.map(lambda *g: jnp.stack(g), *g_stages),
     }
-    head_ready = delta_head is not None
-    embed_ready = (model.tied_embedding and head_ready) or ready[0]
-    if slow:  # the tied embedding counts as fresh (it gets the head's gradient every step)
-      delays = {'embed': 0 if model.tied_embedding else gap[0], 'head': 0, **dict(enumerate(gap))}
-      params = slow.apply(
-        params, grads, {'embed': embed_ready, 'head': head_ready, **dict(enumerate(ready))}, delays
+    embed_ready = (self.model.tied_embedding and head_ready) or ready[0]
+    if self.slow:  # the tied embedding counts as fresh (it gets the head's gradient every step)
+      delays = {'embed': 0 if self.model.tied_embedding else gap[0], 'head': 0}
+      ready_of = {'embed': embed_ready, 'head': head_ready, **dict(enumerate(ready))}
+      self.params = self.slow.apply(
+        self.params, grads, ready_of, {**delays, **dict(enumerate(gap))}
       )
     else:
-      params, opt_state, _ = apply_gradients(
-        params,
-        opt_state,
+      self.params, self.opt_state, _ = self.apply_gradients(
+        self.params,
+        self.opt_state,
         grads,
         embed_ready=embed_ready,
         stages_ready_G=jnp.asarray(ready),
         head_ready=head_ready,
       )
-    updated.append(
+    self.updated.append(
       (['embed'] if embed_ready else [])
-      + [s for s in range(num_stages) if ready[s]]
+      + [s for s in range(self.num_stages) if ready[s]]
       + (['head'] if head_ready else [])
     )
-  return params, losses, updated
