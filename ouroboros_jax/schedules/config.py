@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from ouroboros_jax.choices import FORWARD_MODES, SCHEDULES, STASH_MODES, TIED_GRAD_MODES
 from ouroboros_jax.errors import ConfigError
@@ -29,7 +30,12 @@ class ScheduleConfig:
   # TrainConfig resolves it from --compensation
 
   def validate(self) -> None:
-    """One-line ConfigError, naming the flag, for a setting no schedule can run."""
+    """One-line ConfigError, naming the flag, for a setting no schedule can run (checked once
+    per config: `TrainConfig.validate` and `build_schedule` both ask)."""
+    self._validated  # noqa: B018
+
+  @functools.cached_property
+  def _validated(self) -> bool:
     from ouroboros_jax.schedules.ring import STASH_POLICIES  # late: ring imports JAX's policies
 
     for name, flag in (
@@ -81,3 +87,4 @@ class ScheduleConfig:
           '--schedule ouroboros or --compensation none.'
         )
     check_fits(self.compensation, self.stash)
+    return True

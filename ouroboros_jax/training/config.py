@@ -110,7 +110,12 @@ class TrainConfig:
     return self.batch_size * self.model.seq_len
 
   def validate(self) -> None:
-    """Raises ConfigError (one line, naming the flag) for settings that cannot work."""
+    """Raises ConfigError (one line, naming the flag) for settings that cannot work. The checks
+    run once per config: the CLI, `train` and `build_schedule` may all ask."""
+    self._validated  # noqa: B018
+
+  @functools.cached_property
+  def _validated(self) -> bool:
     self.model.validate()
     for name, value in flat(self).items():  # nan and inf pass every comparison below
       if isinstance(value, float) and not math.isfinite(value):
@@ -173,6 +178,7 @@ class TrainConfig:
       )
     self.plans  # parses --layers-per-stage, --pld, --growth, --vcycle, --std-loss-layers
     self.check_accelerators()
+    return True
 
   @functools.cached_property
   def plans(self) -> Plans:
@@ -191,6 +197,10 @@ class TrainConfig:
 
   def schedule_config(self) -> ScheduleConfig:
     """The schedule as it runs: the run's seed and the resolved staleness compensation."""
+    return self._schedule_config
+
+  @functools.cached_property
+  def _schedule_config(self) -> ScheduleConfig:
     return dataclasses.replace(
       self.schedule, seed=self.seed, compensation=self.resolved_compensation()
     )
