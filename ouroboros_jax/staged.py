@@ -349,3 +349,21 @@ def batch_key(seed: int, batch_index):
 def piece_rng(key, piece):
   """The key of one piece of the model (a stage index, or EMBED_PIECE) for one batch."""
   return None if key is None else jax.random.fold_in(key, piece + 1)
+
+
+# ----------------------------------------------------------------------------- split backward
+
+
+def stage_input_grad(model: StagedModel, params_s, x, stage_index, rng, delta):
+  """B of the zero-bubble split: the gradient of a stage's input for output gradient `delta`,
+  from a VJP in the input only (what the previous stage waits for)."""
+  run = lambda h: model.stage(params_s, h, stage_index, rng)
+  return jax.vjp(run, x)[1](delta)[0]
+
+
+def stage_weight_grad(model: StagedModel, params_s, x, stage_index, rng, delta):
+  """W of the zero-bubble split: the gradient of a stage's weights, from a VJP in the weights
+  only (nothing downstream waits for it, so a schedule can run it late). B and W together equal
+  the full VJP (tests/test_tables.py)."""
+  run = lambda p: model.stage(p, x, stage_index, rng)
+  return jax.vjp(run, params_s)[1](delta)[0]
