@@ -72,7 +72,12 @@ from typing import NamedTuple, Sequence
 
 from ouroboros_jax import costs
 from ouroboros_jax.choices import FORWARD_MODES, SCHEDULES, STASH_MODES
+from ouroboros_jax.schedules import tables
 from ouroboros_jax.schedules.delays import backward_batch, forward_batch, lags
+
+# The exact pipelines the simulator runs from their tables (gpipe keeps its own emitter: the
+# ring placement the library's gpipe runs, head on device 0).
+TABLE_PIPELINES = ('1f1b', 'interleaved', 'zb_h1')
 
 # ----------------------------------------------------------------------------- costs
 
@@ -343,6 +348,44 @@ def emit_gpipe(g: Graph, t: int, state: dict, *, microbatches: int, **_) -> None
   g.end_step(t)
 
 
+def emit_table(g: Graph, t: int, state: dict, *, table, **_) -> None:
+  """An exact pipeline from its table (`schedules.tables`), tick by tick: the operation each
+  device runs, after the value it reads has arrived. F of a chunk costs the stage's forward / (M
+  v); B and W half its backward each. The embedding runs before the first chunk's F and after
+  its B; the head after the last chunk's F, on the same device."""
+  del state
+  c, pipeline = g.costs, table.pipeline
+  p, m, v = pipeline.num_stages, pipeline.microbatches, pipeline.chunks
+  last, nbytes, extra = p * v - 1, c.activation_bytes / m, c.microbatch_overhead_s
+  cost = {
+    'F': lambda d: c.forward_s[d] / (m * v) + extra,
+    'B': lambda d: c.backward_s[d] / (2 * m * v) + extra,
+    'W': lambda d: c.backward_s[d] / (2 * m * v) + extra,
+  }
+  done = {}  # (kind, micro-batch, virtual stage) -> the task that produced it
+  for tick in range(len(table.grid[0])):
+    for d, row in enumerate(table.grid):
+      op = row[tick]
+      if op is None:
+        continue
+      k, needed = op.chunk * p + d, tables.needs(pipeline, op, d)
+      deps = []
+      if needed is not None:
+        kind = 'act' if op.kind == 'F' else 'grad'
+        deps.append(g.send(needed[2] % p, d, kind, t, op.microbatch, nbytes, done[needed]))
+      if op.kind == 'F' and k == 0:
+        deps.append(g.compute(d, 'embed_fwd', t, op.microbatch, c.embed_forward_s / m))
+      task = g.compute(
+        d, {'F': 'fwd', 'B': 'bwd', 'W': 'wgrad'}[op.kind], t, op.microbatch, cost[op.kind](d), deps
+      )
+      if op.kind == 'F' and k == last:
+        task = g.compute(d, 'head', t, op.microbatch, c.head_s / m, [task])
+      if op.kind == 'B' and k == 0:
+        g.compute(d, 'embed_bwd', t, op.microbatch, c.embed_backward_s / m, [task])
+      done[(op.kind, op.microbatch, k)] = task
+  g.end_step(t)
+
+
 def emit_ouroboros_locked(g: Graph, t: int, state: dict, *, stash: str, **_) -> None:
   c, G = g.costs, g.costs.num_stages
   nbytes = c.activation_bytes
@@ -432,22 +475,29 @@ def simulate(
   stash: str = 'graph',
   forward: str = 'locked',
   steps: int | None = None,
+  chunks: int = 1,
 ) -> SimResult:
   """Run `schedule` on `costs` for `steps` steps (default 3G + 10) and measure its steady state.
 
   `microbatches` is gpipe's M; `data_parallel` is data_parallel's replica count R (the stage
   schedules run on G = costs.num_stages devices); `stash` and `forward` are Ouroboros' modes
-  (the other schedules keep no stash and ignore them).
+  (the other schedules keep no stash and ignore them). The exact pipelines of
+  `schedules.tables` ('1f1b', 'interleaved' with `chunks` per device, 'zb_h1') run from the same
+  tables as data, with M micro-batches.
   """
   G = costs.num_stages
-  _check(schedule, costs, microbatches, data_parallel, stash, forward)
+  table = None
+  if schedule in TABLE_PIPELINES:
+    table = tables.place(tables.build(schedule, G, microbatches, chunks))
+  else:
+    _check(schedule, costs, microbatches, data_parallel, stash, forward)
   devices = {'backprop': 1, 'data_parallel': data_parallel}.get(schedule, G)
   emit = {
     'backprop': emit_backprop,
     'data_parallel': emit_data_parallel,
     'model_parallel': emit_model_parallel,
     'gpipe': emit_gpipe,
-  }.get(schedule)
+  }.get(schedule, emit_table)
   if schedule == 'ouroboros':  # G = 1 has no delay: Ouroboros is backprop there
     emit = (
       emit_backprop
@@ -470,7 +520,9 @@ def simulate(
       else list(costs.update_s)
     )
   for t in range(steps):
-    emit(graph, t, state, microbatches=microbatches, replicas=data_parallel, stash=stash)
+    emit(
+      graph, t, state, microbatches=microbatches, replicas=data_parallel, stash=stash, table=table
+    )
   times = execute(graph.tasks)
 
   step_ends = [times[graph.step_end[t]][1] for t in range(steps)]

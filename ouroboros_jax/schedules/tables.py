@@ -137,7 +137,7 @@ def _zb_h1(s: int, p: int, m: int, v: int) -> list[Op]:
 # ----------------------------------------------------------------------------- the table
 
 
-def _needs(pipeline: Pipeline, op: Op, device: int) -> tuple[str, int, int] | None:
+def needs(pipeline: Pipeline, op: Op, device: int) -> tuple[str, int, int] | None:
   """(kind, microbatch, virtual stage) of the value `op` reads from another operation."""
   p, stages = pipeline.num_stages, pipeline.num_stages * pipeline.chunks
   k = op.chunk * p + device
@@ -161,7 +161,7 @@ def place(pipeline: Pipeline) -> Table:
     ran = []
     for d, order in enumerate(pipeline.orders):
       op = order[position[d]] if position[d] < len(order) else None
-      needed = op and _needs(pipeline, op, d)
+      needed = op and needs(pipeline, op, d)
       ready = op is not None and (needed is None or done.get(needed, tick) < tick)
       grid[d].append(op if ready else None)
       if ready:
@@ -203,7 +203,7 @@ def check(table: Table) -> None:
           )
   for d, row in enumerate(table.grid):
     for tick, op in enumerate(row):
-      needed = op and _needs(pipeline, op, d)
+      needed = op and needs(pipeline, op, d)
       if needed and produced[needed] >= tick:
         raise ConfigError(
           f'{pipeline.name}: device {d} runs {op.kind} of micro-batch {op.microbatch} at tick '
