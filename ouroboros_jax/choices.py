@@ -3,7 +3,9 @@ simulator and the config can read them without JAX)."""
 
 from __future__ import annotations
 
-SCHEDULES = ('backprop', 'data_parallel', 'model_parallel', 'gpipe', 'ouroboros')
+# The exact pipelines run from their tables (schedules/tables.py, schedules/pipeline.py).
+EXACT_PIPELINES = ('1f1b', 'interleaved', 'zb_h1', 'zb_v')
+SCHEDULES = ('backprop', 'data_parallel', 'model_parallel', 'gpipe', *EXACT_PIPELINES, 'ouroboros')
 FORWARD_MODES = ('locked', 'pipelined')  # Ouroboros: the paper's forward, or one hop per step
 STASH_MODES = ('graph', 'replay')  # Ouroboros: keep the VJP, or the input to replay it
 TIED_GRAD_MODES = ('sum', 'mean')  # a tied embedding: sum or average its two gradients

@@ -355,8 +355,8 @@ def emit_table(g: Graph, t: int, state: dict, *, table, **_) -> None:
   its B; the head after the last chunk's F, on the same device."""
   del state
   c, pipeline = g.costs, table.pipeline
-  p, m, v = pipeline.num_stages, pipeline.microbatches, pipeline.chunks
-  last, nbytes, extra = p * v - 1, c.activation_bytes / m, c.microbatch_overhead_s
+  m, v = pipeline.microbatches, pipeline.chunks
+  last, nbytes, extra = pipeline.last_stage, c.activation_bytes / m, c.microbatch_overhead_s
   cost = {
     'F': lambda d: c.forward_s[d] / (m * v) + extra,
     'B': lambda d: c.backward_s[d] / (2 * m * v) + extra,
@@ -368,11 +368,13 @@ def emit_table(g: Graph, t: int, state: dict, *, table, **_) -> None:
       op = row[tick]
       if op is None:
         continue
-      k, needed = op.chunk * p + d, tables.needs(pipeline, op, d)
+      k, needed = pipeline.stage_of(d, op.chunk), tables.needs(pipeline, op, d)
       deps = []
       if needed is not None:
         kind = 'act' if op.kind == 'F' else 'grad'
-        deps.append(g.send(needed[2] % p, d, kind, t, op.microbatch, nbytes, done[needed]))
+        deps.append(
+          g.send(pipeline.place_of(needed[2])[0], d, kind, t, op.microbatch, nbytes, done[needed])
+        )
       if op.kind == 'F' and k == 0:
         deps.append(g.compute(d, 'embed_fwd', t, op.microbatch, c.embed_forward_s / m))
       task = g.compute(

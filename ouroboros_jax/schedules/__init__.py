@@ -15,6 +15,12 @@ device-time doing no work, with a backward costing twice a forward):
                   round all devices but one wait. Idle (G-1)/G.
   gpipe           M micro-batches pipelined through the same placement; exact gradient of the
                   mean micro-batch loss. Idle (G-1)/(M+G-1), the bubble.
+  1f1b            the exact pipelines written as tables (`tables`, run by `pipeline`): 1F1B
+  interleaved     (GPipe's bubble, p micro-batches of activations instead of M), interleaved
+  zb_h1           1F1B with --chunks v model chunks per device (bubble (G-1)/(v M)), ZB-H1
+  zb_v            (backward split into input and weight gradients, bubble (G-1)/(3M)) and ZB-V
+                  (two chunks per device in a V, bubble (G-1)/(6M) under a per-step barrier).
+                  Exact gradient of the mean micro-batch loss, as gpipe.
   ouroboros       delayed-gradient model parallelism on the ring (see `ouroboros.py`).
                   Idle (G-1)/(G+2).
 
@@ -32,7 +38,8 @@ Dropout: batch t's key is `staged.batch_key(seed, t)`; data replicas fold in the
 and gpipe folds in the micro-batch index (M > 1), so with dropout those differ from backprop by
 their masks only. (Ouroboros keeps one key for all its replicas.)
 
-The modules: `config` (ScheduleConfig), `synchronous` (the four exact schedules), `ouroboros`
+The modules: `config` (ScheduleConfig), `synchronous` (the four exact schedules), `tables` (exact
+pipelines as data) and `pipeline` (their one executor), `ouroboros`
 (the delayed ring, its algorithm), `ring` (the ring's pieces), `delays` (which batch each piece
 works on), `compensation` (staleness compensation and the optimizers), `reference` (a slow,
 unjitted Ouroboros written from the equations, for tests).
@@ -42,7 +49,7 @@ from __future__ import annotations
 
 import optax
 
-from ouroboros_jax.choices import SCHEDULES
+from ouroboros_jax.choices import EXACT_PIPELINES, SCHEDULES
 from ouroboros_jax.schedules.config import ScheduleConfig
 from ouroboros_jax.schedules.synchronous import (
   build_backprop,
@@ -87,6 +94,10 @@ def build_schedule(
   }
   if config.name in builders:
     return builders[config.name](config, model, tx, devices=devices)
+  if config.name in EXACT_PIPELINES:
+    from ouroboros_jax.schedules.pipeline import build_pipeline
+
+    return build_pipeline(config, model, tx, devices=devices)
   if config.name == 'ouroboros':
     from ouroboros_jax.schedules import ouroboros
 

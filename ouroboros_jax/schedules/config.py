@@ -5,7 +5,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from ouroboros_jax.choices import FORWARD_MODES, SCHEDULES, STASH_MODES, TIED_GRAD_MODES
+from ouroboros_jax.choices import (
+  EXACT_PIPELINES,
+  FORWARD_MODES,
+  SCHEDULES,
+  STASH_MODES,
+  TIED_GRAD_MODES,
+)
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.schedules.compensation import Compensation, check_fits
 
@@ -20,7 +26,8 @@ class ScheduleConfig:
   data_parallel: int = 1
   clip_norm: float | None = 1.0  # global-norm clipping before the update; None or 0: off
   seed: int = 0  # dropout keys from (seed, batch index); TrainConfig sets it
-  microbatches: int = 4  # gpipe: micro-batches per (data replica's) batch
+  microbatches: int = 4  # gpipe and the exact pipelines: micro-batches per replica's batch
+  chunks: int | None = None  # interleaved: model chunks per device (None: 2; zb_v: always 2)
   stash: str = 'graph'  # ouroboros: 'graph' (DDG) or 'replay' (Features Replay)
   stash_policy: str = 'all'  # ouroboros graph stash: which residuals (ring.STASH_POLICIES)
   forward: str = 'locked'  # ouroboros: 'locked' (the paper) or 'pipelined'
@@ -86,5 +93,22 @@ class ScheduleConfig:
           f'delayed gradients, and --schedule {self.name} has none; use '
           '--schedule ouroboros or --compensation none.'
         )
+    if self.name in EXACT_PIPELINES or self.name == 'gpipe':
+      from ouroboros_jax.schedules import tables
+
+      tables.build(self.name, self.num_stages, self.microbatches, self.chunks)
+    elif self.chunks not in (None, 1):
+      raise ConfigError(
+        f'--chunks {self.chunks} applies to --schedule interleaved only, not {self.name}; drop it.'
+      )
     check_fits(self.compensation, self.stash)
     return True
+
+  @property
+  def stage_groups(self) -> int:
+    """How many groups the layers are cut into: --stages x the chunks each device holds."""
+    if self.name not in EXACT_PIPELINES:
+      return self.num_stages
+    from ouroboros_jax.schedules import tables
+
+    return self.num_stages * (self.chunks or tables.DEFAULT_CHUNKS.get(self.name, 1))

@@ -15,14 +15,18 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ouroboros_jax import staged
+from ouroboros_jax.choices import EXACT_PIPELINES
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.schedules import ring
 from ouroboros_jax.schedules.config import ScheduleConfig
 from ouroboros_jax.staged import DATA, STAGE, Schedule, StagedModel, TrainState
+
+MICROBATCHED = ('gpipe', *EXACT_PIPELINES)  # the schedules that cut a batch into micro-batches
 
 
 def synchronous_update(config: ScheduleConfig, tx, state: TrainState, grads, loss):
@@ -84,13 +88,14 @@ def build_backprop(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
 # ----------------------------------------------------------------------------- shared plumbing
 
 
-def _synchronous_schedule(
+def synchronous_schedule(
   config: ScheduleConfig,
   model: StagedModel,
   tx,
   mesh: Mesh,
   device_grads: Callable,
   idle_fraction: float,
+  stage_order: list[int] | None = None,
 ) -> Schedule:
   """A synchronous schedule (`config.name`) from its per-device gradient.
 
@@ -99,19 +104,24 @@ def _synchronous_schedule(
   batch and the step index t, and returns gradients laid out as the parameters (stage gradients
   on their own device, embed and head gradients replicated) and the batch's loss, both already
   averaged over `data`. The optimizer step is `synchronous_update`, as for every schedule.
+
+  `stage_order` (v chunks per device): the parameters' stage groups in the order the devices hold
+  them, v consecutive per device; the step gathers them so (and their gradients back).
   """
   num_stages, replicas = mesh.shape[STAGE], mesh.shape[DATA]
   name = config.name
-  microbatches = config.microbatches if name == 'gpipe' else 1
+  microbatches = config.microbatches if name in MICROBATCHED else 1
+  groups = len(stage_order) if stage_order else num_stages
+  reorder = stage_order is not None and list(stage_order) != list(range(groups))
 
   def init(params, example_batch=None):
     if example_batch is not None:
       check_batch(example_batch, replicas, microbatches)
-    if num_stages > 1 and staged.stage_count(params) != num_stages:
+    if groups > 1 and staged.stage_count(params) != groups:
       raise ConfigError(
         f'the parameters have {staged.stage_count(params)} stage groups but '
-        f'{name} has --stages {num_stages}; cut them with '
-        f'partition.to_staged(params, layers_per_stage) for {num_stages} stages.'
+        f'{name} runs {groups} (--stages {num_stages} x {groups // num_stages} chunks); cut '
+        f'them with partition.to_staged(params, layers_per_stage) for {groups} groups.'
       )
     return staged.init_state(tx, params, mesh)
 
@@ -125,7 +135,14 @@ def _synchronous_schedule(
       out_specs=(param_specs, P()),
       check_vma=False,
     )
-    grads, loss = grads_of(state.params, batch, state.step)
+    if not reorder:
+      grads, loss = grads_of(state.params, batch, state.step)
+      return synchronous_update(config, tx, state, grads, loss)
+    order = jnp.asarray(stage_order)
+    held = {**state.params, 'stages': jax.tree.map(lambda a: a[order], state.params['stages'])}
+    grads, loss = grads_of(held, batch, state.step)
+    back = jnp.asarray(np.argsort(stage_order))
+    grads = {**grads, 'stages': jax.tree.map(lambda g: g[back], grads['stages'])}
     return synchronous_update(config, tx, state, grads, loss)
 
   return staged.make_schedule(name, model, mesh, init, step, idle_fraction)
@@ -153,7 +170,7 @@ def build_data_parallel(
     (loss, _), grads = jax.value_and_grad(model.forward_loss, has_aux=True)(params, batch, key)
     return jax.lax.pmean((grads, loss), DATA)
 
-  return _synchronous_schedule(config, model, tx, mesh, device_grads, idle_fraction=0.0)
+  return synchronous_schedule(config, model, tx, mesh, device_grads, idle_fraction=0.0)
 
 
 # ----------------------------------------------------------------------------- model parallel
@@ -189,7 +206,7 @@ def build_model_parallel(
     return ring.locked_grads(model, params, batch, key, num_stages)
 
   idle = model_parallel_idle_fraction(num_stages)
-  return _synchronous_schedule(config, model, tx, mesh, device_grads, idle)
+  return synchronous_schedule(config, model, tx, mesh, device_grads, idle)
 
 
 # ----------------------------------------------------------------------------- gpipe
@@ -277,4 +294,4 @@ def build_gpipe(
     return ring.gather_grads(g_embed, g_head, g_stage, loss)
 
   idle = gpipe_idle_fraction(num_stages, num_micro)
-  return _synchronous_schedule(config, model, tx, mesh, device_grads, idle)
+  return synchronous_schedule(config, model, tx, mesh, device_grads, idle)

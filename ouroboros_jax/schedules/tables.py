@@ -27,10 +27,12 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+from ouroboros_jax.choices import EXACT_PIPELINES
 from ouroboros_jax.errors import ConfigError
 
 KINDS = ('F', 'B', 'W')
-PIPELINES = ('gpipe', '1f1b', 'interleaved', 'zb_h1')
+PIPELINES = ('gpipe', *EXACT_PIPELINES)
+DEFAULT_CHUNKS = {'interleaved': 2, 'zb_v': 2}  # model chunks per device; the others: 1
 
 
 class Op(NamedTuple):
@@ -50,6 +52,24 @@ class Pipeline:
   fused: bool  # the input gradient leaves after the W (one VJP), not after the B
   orders: tuple[tuple[Op, ...], ...]
 
+  def stage_of(self, device: int, chunk: int) -> int:
+    """The virtual stage k a device's chunk holds: Megatron's interleaving k = chunk p + device,
+    or ZB-V's V shape (chunk 1 runs back down: k = 2p - 1 - device)."""
+    if self.name == 'zb_v' and chunk == 1:
+      return 2 * self.num_stages - 1 - device
+    return chunk * self.num_stages + device
+
+  def place_of(self, stage: int) -> tuple[int, int]:
+    """(device, chunk) of virtual stage k."""
+    p = self.num_stages
+    if self.name == 'zb_v' and stage >= p:
+      return 2 * p - 1 - stage, 1
+    return stage % p, stage // p
+
+  @property
+  def last_stage(self) -> int:
+    return self.num_stages * self.chunks - 1
+
 
 class Table(NamedTuple):
   pipeline: Pipeline
@@ -59,26 +79,35 @@ class Table(NamedTuple):
 # ----------------------------------------------------------------------------- the schedules
 
 
-def build(name: str, num_stages: int, microbatches: int, chunks: int = 1) -> Pipeline:
-  """The named schedule for p = num_stages devices and m = microbatches (one-line errors)."""
+def build(name: str, num_stages: int, microbatches: int, chunks: int | None = None) -> Pipeline:
+  """The named schedule for p = num_stages devices and m = microbatches, with `chunks` model
+  chunks per device (None: the schedule's own, DEFAULT_CHUNKS); one-line errors."""
   if name not in PIPELINES:
     raise ConfigError(f'unknown pipeline {name!r}; choose --schedule from {", ".join(PIPELINES)}.')
+  chunks = DEFAULT_CHUNKS.get(name, 1) if chunks is None else chunks
   if num_stages < 1 or microbatches < 1 or chunks < 1:
     raise ConfigError(
       f'a pipeline needs --stages, --microbatches and chunks >= 1, got {num_stages}, '
       f'{microbatches} and {chunks}.'
     )
-  if name != 'interleaved' and chunks != 1:
-    raise ConfigError(f'{name} runs one chunk per device; chunks > 1 is the interleaved schedule.')
+  if name == 'zb_v' and chunks != 2:
+    raise ConfigError(f'zb_v runs two chunks per device (its V); drop --chunks {chunks}.')
+  if name not in DEFAULT_CHUNKS and chunks != 1:
+    raise ConfigError(
+      f'{name} runs one chunk per device; --chunks {chunks} needs --schedule interleaved.'
+    )
   if name == 'interleaved' and microbatches % num_stages:
     raise ConfigError(
       f'interleaved 1F1B sends micro-batches round the devices in groups of --stages: '
       f'--microbatches {microbatches} is not a multiple of --stages {num_stages}; use '
       f'{-(-microbatches // num_stages) * num_stages}.'
     )
+  fused = name not in ('zb_h1', 'zb_v')
+  if name == 'zb_v':
+    return _zb_v(Pipeline(name, num_stages, microbatches, chunks, fused, ()))
   order = {'gpipe': _gpipe, '1f1b': _one_f_one_b, 'interleaved': _interleaved, 'zb_h1': _zb_h1}
   orders = tuple(tuple(order[name](s, num_stages, microbatches, chunks)) for s in range(num_stages))
-  return Pipeline(name, num_stages, microbatches, chunks, name != 'zb_h1', orders)
+  return Pipeline(name, num_stages, microbatches, chunks, fused, orders)
 
 
 def _full_backward(microbatch: int, chunk: int = 0) -> list[Op]:
@@ -134,17 +163,58 @@ def _zb_h1(s: int, p: int, m: int, v: int) -> list[Op]:
   return ops + [Op('W', i) for i in waiting]
 
 
+def _zb_v(shape: Pipeline) -> Pipeline:
+  """ZB-V (Qi et al. 2024, section 6): two chunks per device in a V (device d holds stages d and
+  2p - 1 - d, so the first and the last stage share device 0), B and W split. The order comes
+  from running the ops tick by tick, each device taking, of what is ready: a B (it unblocks the
+  stage before; oldest micro-batch, deeper chunk first), else an F while it holds fewer than 2p
+  chunks (1F1B's activation memory: p micro-batches of a whole stage; deeper chunk first), else
+  its oldest W. This reaches the least bubble a per-step barrier allows, (p - 1) / (6m): the last
+  device's p - 1 half-stage ticks of waiting for its first input."""
+  p, m = shape.num_stages, shape.microbatches
+  priority = {
+    'B': lambda op: (op.microbatch, -op.chunk),
+    'F': lambda op: (-op.chunk, op.microbatch),
+    'W': lambda op: (op.microbatch, op.chunk),
+  }
+  done, tick = {}, 0
+  orders = [[] for _ in range(p)]
+  todo = [{Op(kind, i, c) for kind in KINDS for i in range(m) for c in range(2)} for _ in range(p)]
+  while any(todo):
+    ran = []
+    for d in range(p):
+      held = sum(op.kind == 'F' for op in orders[d]) - sum(op.kind == 'W' for op in orders[d])
+      for kind in ('B', 'F', 'W'):
+        ready = [op for op in todo[d] if op.kind == kind and _is_ready(shape, op, d, done, tick)]
+        if ready and not (kind == 'F' and held >= 2 * p):
+          ran.append((d, min(ready, key=priority[kind])))
+          break
+    for d, op in ran:
+      orders[d].append(op)
+      todo[d].remove(op)
+      done[(op.kind, op.microbatch, shape.stage_of(d, op.chunk))] = tick
+    tick += 1
+  return dataclasses.replace(shape, orders=tuple(tuple(order) for order in orders))
+
+
+def _is_ready(pipeline: Pipeline, op: Op, device: int, done: dict, tick: int) -> bool:
+  """Whether `op` can run at `tick`: its input was produced earlier, and a W follows its B."""
+  needed = needs(pipeline, op, device)
+  if op.kind == 'W' and ('B', op.microbatch, pipeline.stage_of(device, op.chunk)) not in done:
+    return False
+  return needed is None or done.get(needed, tick) < tick
+
+
 # ----------------------------------------------------------------------------- the table
 
 
 def needs(pipeline: Pipeline, op: Op, device: int) -> tuple[str, int, int] | None:
   """(kind, microbatch, virtual stage) of the value `op` reads from another operation."""
-  p, stages = pipeline.num_stages, pipeline.num_stages * pipeline.chunks
-  k = op.chunk * p + device
+  k = pipeline.stage_of(device, op.chunk)
   if op.kind == 'F':
     return None if k == 0 else ('F', op.microbatch, k - 1)
   if op.kind == 'B':  # the output gradient: from the loss, or from the next stage's backward
-    if k == stages - 1:
+    if k == pipeline.last_stage:
       return ('F', op.microbatch, k)
     return ('W' if pipeline.fused else 'B', op.microbatch, k + 1)
   return ('B', op.microbatch, k)
@@ -172,7 +242,7 @@ def place(pipeline: Pipeline) -> Table:
         'operation.'
       )
     for d, op in ran:
-      done[(op.kind, op.microbatch, op.chunk * p + d)] = tick
+      done[(op.kind, op.microbatch, pipeline.stage_of(d, op.chunk))] = tick
       position[d] += 1
       remaining -= 1
     tick += 1
@@ -187,7 +257,7 @@ def check(table: Table) -> None:
   for d, row in enumerate(table.grid):
     for tick, op in enumerate(row):
       if op is not None:
-        key = (op.kind, op.microbatch, op.chunk * p + d)
+        key = (op.kind, op.microbatch, pipeline.stage_of(d, op.chunk))
         if key in produced:
           raise ConfigError(
             f'{pipeline.name}: device {d} runs {op} twice (ticks {produced[key]} and {tick}).'
@@ -234,3 +304,114 @@ def peak_stash(table: Table) -> list[int]:
       peak = max(peak, held)
     peaks.append(peak)
   return peaks
+
+
+# ----------------------------------------------------------------------------- the program
+
+KIND_CODES = {None: 0, 'F': 1, 'B': 2, 'W': 3}  # the executor's lax.switch index
+NOWHERE, ACTIVATIONS, GRADIENTS = 0, 1, 2  # where a received value is kept
+
+
+class Program(NamedTuple):
+  """A table as the integer arrays an executor indexes: fields[name][device][tick].
+
+  kind, microbatch, chunk, stage   the operation (KIND_CODES; virtual stage k)
+  stash_slot                       F writes its residuals there; B and W read them (W frees it)
+  inbox_slot                       F reads its input activation there (k > 0); B and W their
+                                   output gradient
+  store_<o>, slot_<o>              for each channel o in `channels`: where the value received
+                                   from device d - o at the end of the tick is kept (NOWHERE,
+                                   ACTIVATIONS or GRADIENTS) and in which slot
+
+  Every operation sends at most one value: F its output (to the next stage, or, on the last
+  stage, the head's gradient to its own B), B its input gradient (to the previous stage). Channel
+  o carries values from device d to d + o (mod p); 0 is the device itself. Slots are reused as
+  soon as their value is read for the last time, so the slot counts are the most values a device
+  holds at once (the stash count is `max(peak_stash(table))`).
+  """
+
+  ticks: int
+  fields: dict[str, tuple[tuple[int, ...], ...]]
+  channels: tuple[int, ...]
+  stash_slots: int
+  activation_slots: int
+  gradient_slots: int
+
+
+def program(table: Table) -> Program:
+  pipeline, p = table.pipeline, table.pipeline.num_stages
+  last, num_ticks = pipeline.last_stage, ticks(table)
+  tick_of = {
+    (op.kind, op.microbatch, pipeline.stage_of(d, op.chunk)): t
+    for d, row in enumerate(table.grid)
+    for t, op in enumerate(row)
+    if op is not None
+  }
+  # Per device, the ticks each kept value lives: [first tick it is there, last tick it is read].
+  held = {what: [[] for _ in range(p)] for what in ('stash', ACTIVATIONS, GRADIENTS)}
+  for (kind, i, k), t in tick_of.items():
+    d, w = pipeline.place_of(k)[0], tick_of[('W', i, k)]
+    if kind == 'F':
+      held['stash'][d].append(((i, k), t, w))
+      if k > 0:
+        held[ACTIVATIONS][d].append(((i, k), tick_of[('F', i, k - 1)] + 1, t))
+      gradient_from = tick_of[('F', i, k)] if k == last else tick_of[('B', i, k + 1)]
+      held[GRADIENTS][d].append(((i, k), gradient_from + 1, w))
+  slots = {what: [_allocate(lives) for lives in per_device] for what, per_device in held.items()}
+
+  names = ('kind', 'microbatch', 'chunk', 'stage', 'stash_slot', 'inbox_slot')
+  fields = {name: [[0] * num_ticks for _ in range(p)] for name in names}
+  sends = []  # (tick, from device, to device, where it is kept, slot)
+  for d, row in enumerate(table.grid):
+    for t, op in enumerate(row):
+      if op is None:
+        continue
+      k = pipeline.stage_of(d, op.chunk)
+      inbox = ACTIVATIONS if op.kind == 'F' else GRADIENTS
+      values = {
+        'kind': KIND_CODES[op.kind],
+        'microbatch': op.microbatch,
+        'chunk': op.chunk,
+        'stage': k,
+        'stash_slot': slots['stash'][d][(op.microbatch, k)],
+        'inbox_slot': slots[inbox][d].get((op.microbatch, k), 0),
+      }
+      for name, value in values.items():
+        fields[name][d][t] = value
+      if op.kind == 'F':
+        to = k + 1 if k < last else k  # the last stage keeps the head's gradient for its own B
+        keep = ACTIVATIONS if k < last else GRADIENTS
+        dest = pipeline.place_of(to)[0]
+        sends.append((t, d, dest, keep, slots[keep][dest][(op.microbatch, to)]))
+      elif op.kind == 'B' and k > 0:
+        to = pipeline.place_of(k - 1)[0]
+        sends.append((t, d, to, GRADIENTS, slots[GRADIENTS][to][(op.microbatch, k - 1)]))
+  channels = tuple(sorted({(to - d) % p for _, d, to, _, _ in sends}))
+  for o in channels:
+    fields[f'store_{o}'] = [[NOWHERE] * num_ticks for _ in range(p)]
+    fields[f'slot_{o}'] = [[0] * num_ticks for _ in range(p)]
+  for t, d, to, keep, slot in sends:
+    o = (to - d) % p
+    fields[f'store_{o}'][to][t], fields[f'slot_{o}'][to][t] = keep, slot
+  count = lambda what: max(1, max((max(s.values(), default=-1) + 1) for s in slots[what]))
+  return Program(
+    num_ticks,
+    {name: tuple(map(tuple, rows)) for name, rows in fields.items()},
+    channels,
+    count('stash'),
+    count(ACTIVATIONS),
+    count(GRADIENTS),
+  )
+
+
+def _allocate(lives: list[tuple[object, int, int]]) -> dict[object, int]:
+  """Slots for values living [first, last] ticks: the lowest slot free since before `first`
+  (interval colouring in order of first tick, which uses the fewest slots)."""
+  free_after, slot_of = [], {}  # per slot, the last tick its value is read
+  for key, first, last in sorted(lives, key=lambda life: life[1]):
+    slot = next((s for s, end in enumerate(free_after) if end < first), len(free_after))
+    if slot == len(free_after):
+      free_after.append(last)
+    free_after[slot] = last
+    slot_of[key] = slot
+  return slot_of

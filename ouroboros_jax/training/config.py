@@ -333,9 +333,9 @@ class TrainConfig:
 
     if self.layers_per_stage:
       return partition.parse_layers_per_stage(
-        self.layers_per_stage, self.model.num_layers, self.schedule.num_stages
+        self.layers_per_stage, self.model.num_layers, self.schedule.stage_groups
       )
-    return partition.balance_layers(self.model, self.schedule.num_stages)
+    return partition.balance_layers(self.model, self.schedule.stage_groups)
 
   def to_dict(self) -> dict[str, Any]:
     d = dataclasses.asdict(self)

@@ -1,0 +1,189 @@
+"""One executor for every exact pipeline that is written as a table (`tables.py`).
+
+    config = ScheduleConfig(name='zb_h1', num_stages=4, microbatches=8)
+    schedule = build_schedule(config, model, tx)      # -> build_pipeline
+    state, metrics = schedule.step(state, batch)      # backprop's gradient of the mean loss
+
+`tables.program` turns a schedule's table into integer arrays [device, tick]. Inside one
+`jax.shard_map` over (stage, data) every device scans over the ticks; at each tick it
+
+  1. runs its operation with `lax.switch` (idle, F, B or W) on micro-batch `microbatch` of its
+     chunk `chunk` (virtual stage k):
+       F  embeds the micro-batch (k = 0) or takes the activation in its inbox, runs the chunk,
+          keeps the VJP's residuals in a stash slot; on the last stage it also runs the head
+          and keeps the loss's gradient for its own B;
+       B  the input gradient from the stashed residuals and the output gradient in its inbox
+          (k = 0: on into the embedding's gradient);
+       W  the chunk's weight gradient from the same residuals, added to its gradient;
+  2. moves the value its operation sends (F's output, B's input gradient) one hop: one
+     `ppermute` per channel the program uses (device d to d + o), and the receiver keeps it in
+     the inbox slot the program names.
+
+Stash and inbox slots are reused as soon as their value is read for the last time, so the
+memory a schedule holds is the table's (1F1B keeps p micro-batches where GPipe keeps m; XLA's
+memory analysis orders them so, tests/test_pipeline.py). The gradient is exact: every (micro-batch,
+stage) runs F, B and W once, and the loss is the mean of the micro-batch losses, so the step
+gives backprop's parameters (tested for G in {2, 4}, M in {G, 2G}). A fused schedule (GPipe,
+1F1B, interleaved) and a split one (ZB-H1, ZB-V) differ only in their tables.
+
+Placement. Device d holds the chunks `pipeline.stage_of(d, c)`: stage d for one chunk per device,
+stages d, p + d, ... interleaved, stages d and 2p - 1 - d in ZB-V's V. The parameters keep the
+model's stage order; a step with v > 1 chunks gathers each device's chunks to it (and the
+gradients back), a resharding of the stage parameters per step that a production run would
+avoid by storing them in device order. The embedding runs on the device of stage 0, the head on
+the device of the last stage (device 0 in ZB-V, as in the Ouroboros ring); both are replicated,
+and their gradients are summed over `stage`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ouroboros_jax import staged
+from ouroboros_jax.schedules import ring, tables
+from ouroboros_jax.schedules.config import ScheduleConfig
+from ouroboros_jax.schedules.synchronous import replica_key, synchronous_schedule
+from ouroboros_jax.staged import DATA, STAGE, PyTree, Schedule, StagedModel
+
+
+class _Carry(NamedTuple):
+  """What a device carries from tick to tick."""
+
+  stash: PyTree  # leaves [stash slots, ...]: residuals of the chunks' forwards
+  activations: jax.Array  # [activation slots, b, L, D]: inputs received for an F
+  gradients: jax.Array  # [gradient slots, b, L, D]: output gradients received for a B and W
+  grad_chunks: PyTree  # leaves [v, ...]: this device's chunk gradients
+  grad_embed: PyTree
+  grad_head: PyTree
+  loss: jax.Array  # mean over micro-batches of the micro-batch losses (on the head's device)
+
+
+def pipeline_table(config: ScheduleConfig) -> tables.Table:
+  """The checked table of `config`'s schedule (one-line ConfigErrors for settings it cannot
+  take)."""
+  pipeline = tables.build(config.name, config.num_stages, config.microbatches, config.chunks)
+  table = tables.place(pipeline)
+  tables.check(table)
+  return table
+
+
+def idle_fraction(table: tables.Table) -> float:
+  """Idle device-ticks over all device-ticks (F = B = W = one tick)."""
+  bubble = tables.bubble(table)
+  return bubble / (1 + bubble)
+
+
+def build_pipeline(config: ScheduleConfig, model: StagedModel, tx, *, devices=None) -> Schedule:
+  """The schedule of `config.name` (any of `tables.PIPELINES`) run from its table."""
+  table = pipeline_table(config)
+  pipeline, program = table.pipeline, tables.program(table)
+  p, m, replicas = pipeline.num_stages, pipeline.microbatches, config.data_parallel
+  mesh = staged.make_mesh(p, replicas, devices)
+  stage_order = [pipeline.stage_of(d, c) for d in range(p) for c in range(pipeline.chunks)]
+  fields_PxT = {name: np.asarray(rows, np.int32) for name, rows in program.fields.items()}
+  stash = ring.Stash(model, 'graph')
+  last = pipeline.last_stage
+
+  def device_grads(params, batch, t):
+    s = jax.lax.axis_index(STAGE)
+    key = replica_key(config.seed, t, replicas)
+    micro_key = lambda i: key if m == 1 else jax.random.fold_in(key, i)
+    split = lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:])
+    inputs_M, targets_M = split(batch['inputs']), split(batch['targets'])
+    embed_p, head_p, chunks = params['embed'], params['head'], params['stages']
+    chunk_params = lambda c: jax.tree.map(lambda a: a[c], chunks)
+    embed_of = lambda e, i: ring.embed(model, e, inputs_M[i], micro_key(i))
+    x_like = jax.eval_shape(embed_of, embed_p, 0)
+    zeros_x = jnp.zeros(x_like.shape, x_like.dtype)
+    zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
+
+    def forward(carry: _Carry, op):
+      i, k = op['microbatch'], op['stage']
+      x = jax.lax.cond(
+        k == 0, lambda: embed_of(embed_p, i), lambda: carry.activations[op['inbox_slot']]
+      )
+      y, kept = stash.forward(chunk_params(op['chunk']), x, k, micro_key(i))
+
+      def head():  # the loss of micro-batch i, as 1/m of the step's
+        loss_of = lambda h, e, y: model.loss(h, e, y, targets_M[i])[0]
+        loss, vjp_fn = jax.vjp(loss_of, head_p, embed_p, y)
+        return (loss / m, *vjp_fn(jnp.full_like(loss, 1 / m)))
+
+      no_head = lambda: (jnp.zeros(()), zeros(head_p), zeros(embed_p), y)
+      loss, g_head, g_embed, sent = jax.lax.cond(k == last, head, no_head)
+      carry = carry._replace(
+        stash=ring.write_slot(carry.stash, kept, op['stash_slot'], program.stash_slots),
+        grad_head=_add(carry.grad_head, g_head),
+        grad_embed=_add(carry.grad_embed, g_embed),
+        loss=carry.loss + loss,
+      )
+      return carry, sent  # the activation to the next stage, or the head's gradient to our B
+
+    def backward_pieces(carry: _Carry, op):
+      kept = ring.read_slot(carry.stash, op['stash_slot'], program.stash_slots)
+      delta = carry.gradients[op['inbox_slot']]
+      return stash.backward(
+        chunk_params(op['chunk']), kept, delta, op['stage'], micro_key(op['microbatch'])
+      )
+
+    def input_grad(carry: _Carry, op):  # B; its weight half is dead code XLA removes
+      _, dx = backward_pieces(carry, op)
+      embed_grad = lambda: jax.vjp(lambda e: embed_of(e, op['microbatch']), embed_p)[1](dx)[0]
+      g_embed = jax.lax.cond(op['stage'] == 0, embed_grad, lambda: zeros(embed_p))
+      return carry._replace(grad_embed=_add(carry.grad_embed, g_embed)), dx
+
+    def weight_grad(carry: _Carry, op):  # W; its input half is dead code
+      g_chunk, _ = backward_pieces(carry, op)
+      add_at = lambda g, w: g.at[op['chunk']].add(w)
+      return carry._replace(grad_chunks=jax.tree.map(add_at, carry.grad_chunks, g_chunk)), zeros_x
+
+    idle = lambda carry, op: (carry, zeros_x)
+
+    def tick(carry: _Carry, op):
+      carry, sent = jax.lax.switch(op['kind'], (idle, forward, input_grad, weight_grad), carry, op)
+      activations, gradients = carry.activations, carry.gradients
+      for o in program.channels:  # what device s - o sent this tick
+        got = (
+          sent if o == 0 else jax.lax.ppermute(sent, STAGE, [(d, (d + o) % p) for d in range(p)])
+        )
+        store, slot = op[f'store_{o}'], op[f'slot_{o}']
+        activations = _keep(activations, slot, got, store == tables.ACTIVATIONS)
+        gradients = _keep(gradients, slot, got, store == tables.GRADIENTS)
+      return carry._replace(activations=activations, gradients=gradients), None
+
+    _, kept_like = jax.eval_shape(lambda: stash.forward(chunk_params(0), zeros_x, 0, micro_key(0)))
+    start = _Carry(
+      stash=jax.tree.map(lambda a: jnp.zeros((program.stash_slots, *a.shape), a.dtype), kept_like),
+      activations=jnp.zeros((program.activation_slots, *x_like.shape), x_like.dtype),
+      gradients=jnp.zeros((program.gradient_slots, *x_like.shape), x_like.dtype),
+      grad_chunks=zeros(chunks),
+      grad_embed=zeros(embed_p),
+      grad_head=zeros(head_p),
+      loss=jnp.zeros(()),
+    )
+    ops_T = {name: jnp.asarray(rows)[s] for name, rows in fields_PxT.items()}
+    end, _ = jax.lax.scan(tick, start, ops_T)
+    from_owner = lambda tree: jax.lax.psum(tree, STAGE)
+    grads = {
+      'embed': from_owner(end.grad_embed),
+      'head': from_owner(end.grad_head),
+      'stages': end.grad_chunks,
+    }
+    return jax.lax.pmean((grads, from_owner(end.loss)), DATA)
+
+  return synchronous_schedule(
+    config, model, tx, mesh, device_grads, idle_fraction(table), stage_order=stage_order
+  )
+
+
+def _add(a: PyTree, b: PyTree) -> PyTree:
+  return jax.tree.map(jnp.add, a, b)
+
+
+def _keep(buffer: jax.Array, slot, value: jax.Array, where) -> jax.Array:
+  """buffer with `value` in `slot` where `where`, unchanged otherwise (in place under jit)."""
+  return buffer.at[slot].set(jnp.where(where, value, buffer[slot]))
