@@ -91,6 +91,9 @@ def _add_field_flags(parser: argparse.ArgumentParser) -> None:
     '(default: never touch the network, fail in seconds)',
     'data_dir': 'TFDS data dir (default $OUROBOROS_DATA_DIR or ~/.cache/ouroboros_jax/tfds)',
     'schedule': f'one of {", ".join(schedules.SCHEDULES)} (tiny: backprop)',
+    'microbatches': 'gpipe and the exact pipelines: micro-batches per data replica (tiny: 4)',
+    'chunks': 'interleaved: model chunks per device, v (default 2; zb_v always runs 2); the '
+    'layers are cut into --stages x v groups',
     'stash': 'ouroboros: graph or replay (tiny: graph)',
     'stash_policy': 'ouroboros graph stash: all (every VJP residual), dots (matmul outputs), '
     'dots_no_batch, nothing (inputs and weights only); less kept = less memory '

@@ -429,7 +429,9 @@ def test_prediction_table_and_csv(experiment, tmp_path, capsys):
   assert (tmp_path / 'simulate.csv').read_text().startswith('model,hardware,label')
 
 
-@pytest.mark.parametrize('name, chunks', [('1f1b', 1), ('interleaved', 2), ('zb_h1', 1)])
+@pytest.mark.parametrize(
+  'name, chunks', [('1f1b', 1), ('interleaved', 2), ('zb_h1', 1), ('zb_v', 2)]
+)
 @pytest.mark.parametrize('num_stages, microbatches', [(2, 4), (4, 8), (4, 12)])
 def test_the_exact_pipelines_run_from_their_tables(name, chunks, num_stages, microbatches):
   """The simulator reads the same tables: with F = 1, B = W = 1 per stage and free transfers its
@@ -449,3 +451,13 @@ def test_zero_bubble_beats_1f1b_which_matches_gpipe_in_time():
   step['zb_h1'] = sim.simulate('zb_h1', c, microbatches=8).step_time
   assert step['zb_h1'] < step['1f1b']
   assert step['1f1b'] == pytest.approx(step['gpipe'], rel=0.05)
+
+
+def test_zb_v_beats_zb_h1_on_free_links_but_pays_for_its_longer_chain_of_hops():
+  """ZB-V's half-stage chunks halve ZB-H1's bubble when transfers are free; its V sends a
+  micro-batch over 2p - 2 hops each way instead of p - 1, so latency eats the gain."""
+  step = lambda name, latency: (
+    sim.simulate(name, costs([1.0] * 4, [2.0] * 4, latency=latency), microbatches=8).step_time
+  )
+  assert step('zb_v', 0.0) < step('zb_h1', 0.0) < step('1f1b', 0.0)
+  assert step('zb_v', 0.05) > step('zb_h1', 0.05)

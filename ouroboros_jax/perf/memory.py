@@ -38,7 +38,7 @@ def memory_report(
   batch_size: int,
   layers_per_stage=None,
 ) -> dict:
-  layers_per_stage = layers_per_stage or partition.balance_layers(cfg, schedule_config.num_stages)
+  layers_per_stage = layers_per_stage or partition.balance_layers(cfg, schedule_config.stage_groups)
   model = partition.transformer_stages(cfg, layers_per_stage)
   params = partition.to_staged(transformer.init_params(cfg, jax.random.key(0)), layers_per_stage)
   schedule = build_schedule(schedule_config, model, staged.adamw(1e-3))

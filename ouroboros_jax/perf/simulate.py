@@ -71,13 +71,13 @@ import statistics
 from typing import NamedTuple, Sequence
 
 from ouroboros_jax import costs
-from ouroboros_jax.choices import FORWARD_MODES, SCHEDULES, STASH_MODES
+from ouroboros_jax.choices import EXACT_PIPELINES, FORWARD_MODES, SCHEDULES, STASH_MODES
 from ouroboros_jax.schedules import tables
 from ouroboros_jax.schedules.delays import backward_batch, forward_batch, lags
 
 # The exact pipelines the simulator runs from their tables (gpipe keeps its own emitter: the
 # ring placement the library's gpipe runs, head on device 0).
-TABLE_PIPELINES = ('1f1b', 'interleaved', 'zb_h1')
+TABLE_PIPELINES = EXACT_PIPELINES
 
 # ----------------------------------------------------------------------------- costs
 
@@ -477,15 +477,15 @@ def simulate(
   stash: str = 'graph',
   forward: str = 'locked',
   steps: int | None = None,
-  chunks: int = 1,
+  chunks: int | None = None,
 ) -> SimResult:
   """Run `schedule` on `costs` for `steps` steps (default 3G + 10) and measure its steady state.
 
   `microbatches` is gpipe's M; `data_parallel` is data_parallel's replica count R (the stage
   schedules run on G = costs.num_stages devices); `stash` and `forward` are Ouroboros' modes
   (the other schedules keep no stash and ignore them). The exact pipelines of
-  `schedules.tables` ('1f1b', 'interleaved' with `chunks` per device, 'zb_h1') run from the same
-  tables as data, with M micro-batches.
+  `schedules.tables` ('1f1b', 'interleaved' with `chunks` per device (default 2), 'zb_h1', 'zb_v')
+  run from the same tables the executor runs, with M micro-batches.
   """
   G = costs.num_stages
   table = None

@@ -171,6 +171,13 @@ class TrainConfig:
         f'{run.num_stages} does nothing; drop --stages or choose --schedule '
         'model_parallel, gpipe or ouroboros.'
       )
+    if run.stage_groups > self.model.num_layers and run.stage_groups > run.num_stages:
+      raise ConfigError(
+        f'--schedule {run.name} cuts the layers into --stages {run.num_stages} x '
+        f'{run.stage_groups // run.num_stages} chunks = {run.stage_groups} groups, more than the '
+        f"model's {self.model.num_layers} layers; use fewer --stages or --chunks, or more "
+        '--num-layers.'
+      )
     if self.batch_size % self.schedule.data_parallel:
       raise ConfigError(
         f'batch_size {self.batch_size} is not divisible by data_parallel '

@@ -1,0 +1,112 @@
+"""The exact pipelines run from their tables (schedules/pipeline.py): backprop's parameters for every
+schedule, G and M; the same dropout masks as gpipe; the data axis; the memory XLA reports; bad
+settings."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from ouroboros_jax import model as transformer
+from ouroboros_jax.choices import EXACT_PIPELINES
+from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.perf import memory
+from ouroboros_jax.schedules import ScheduleConfig, build_schedule, pipeline, tables
+from ouroboros_jax.training.config import get_preset, override
+
+from helpers import adam, max_abs_diff, random_batches, run_schedule, tiny_transformer
+
+STEPS, BATCH = 4, 8
+ATOL = 5e-5  # float32 after 4 Adam steps at lr 1e-2 (measured: ~5e-6)
+
+
+def chunks_of(name):
+  return tables.DEFAULT_CHUNKS.get(name, 1)
+
+
+@functools.cache
+def backprop(groups, dropout=0.0):
+  """Backprop's (state, losses) on the model cut into `groups` one-layer groups."""
+  model, params = tiny_transformer(groups, num_layers=groups, dropout=dropout)
+  return run_schedule(ScheduleConfig(), model, adam(), params, random_batches(STEPS, batch=BATCH))
+
+
+def run(name, stages, microbatches, dropout=0.0, **fields):
+  groups = stages * chunks_of(name)
+  model, params = tiny_transformer(groups, num_layers=groups, dropout=dropout)
+  config = ScheduleConfig(name=name, num_stages=stages, microbatches=microbatches, **fields)
+  return run_schedule(config, model, adam(), params, random_batches(STEPS, batch=BATCH))
+
+
+@pytest.mark.parametrize('name', EXACT_PIPELINES)
+@pytest.mark.parametrize('stages, microbatches', [(2, 2), (2, 4), (4, 4), (4, 8)])
+def test_every_pipeline_gives_backprops_parameters(name, stages, microbatches):
+  (state, losses), (want, want_losses) = (
+    run(name, stages, microbatches),
+    backprop(stages * chunks_of(name)),
+  )
+  assert max_abs_diff(state.params, want.params) < ATOL
+  assert losses == pytest.approx(want_losses, abs=1e-5)
+
+
+def test_the_table_gpipe_and_1f1b_draw_gpipes_dropout_masks():
+  """With dropout every (micro-batch, stage) draws the key gpipe gives it, so the table executor
+  reproduces the gpipe schedule exactly, and 1F1B (another order of the same work) too; backprop,
+  whose masks differ, does not."""
+  want, _ = run('gpipe', 2, 4, dropout=0.1)
+  model, params = tiny_transformer(2, num_layers=2, dropout=0.1)
+  executor = pipeline.build_pipeline(
+    ScheduleConfig(name='gpipe', num_stages=2, microbatches=4), model, adam()
+  )
+  state = executor.init(params)
+  for batch in random_batches(STEPS, batch=BATCH):
+    state, _ = executor.step(state, batch)
+  one_f_one_b, _ = run('1f1b', 2, 4, dropout=0.1)
+  assert max_abs_diff(state.params, want.params) < ATOL
+  assert max_abs_diff(one_f_one_b.params, want.params) < ATOL
+  assert max_abs_diff(backprop(2, dropout=0.1)[0].params, want.params) > 1e-3
+
+
+def test_a_pipeline_on_each_data_replica_gives_backprops_parameters():
+  (state, _), (want, _) = run('zb_h1', 2, 2, data_parallel=2), backprop(2)
+  assert max_abs_diff(state.params, want.params) < ATOL
+
+
+def test_the_schedules_idle_fraction_is_its_tables_bubble():
+  model, _ = tiny_transformer(4, num_layers=4)
+  got = build_schedule(ScheduleConfig(name='zb_h1', num_stages=4, microbatches=8), model, adam())
+  assert got.idle_fraction == pytest.approx((3 / 24) / (1 + 3 / 24))
+
+
+def test_xla_memory_orders_1f1b_below_gpipe_at_twice_as_many_microbatches_as_stages():
+  """1F1B keeps p micro-batches' residuals where GPipe keeps all M = 2p (G = 4, M = 8)."""
+  cfg = transformer.ModelConfig(d_model=32, num_heads=2, num_layers=4, d_ff=64, seq_len=32)
+  report = lambda name: memory.memory_report(
+    cfg, ScheduleConfig(name=name, num_stages=4, microbatches=8), batch_size=16
+  )
+  gpipe, one_f_one_b = report('gpipe'), report('1f1b')
+  if 'temp_bytes' not in gpipe:
+    pytest.fail('this backend reports no memory analysis')
+  assert one_f_one_b['temp_bytes'] < 0.75 * gpipe['temp_bytes']
+
+
+def test_bad_pipeline_settings_name_the_flag_and_the_fix():
+  model, params = tiny_transformer(4, num_layers=4)
+  with pytest.raises(ConfigError, match='--microbatches 6 is not a multiple of --stages 4; use 8'):
+    build_schedule(ScheduleConfig(name='interleaved', num_stages=4, microbatches=6), model, adam())
+  with pytest.raises(ConfigError, match='--chunks 3 applies to --schedule interleaved only'):
+    ScheduleConfig(name='ouroboros', num_stages=2, chunks=3).validate()
+  schedule = build_schedule(
+    ScheduleConfig(name='1f1b', num_stages=2, microbatches=4, data_parallel=2), model, adam()
+  )
+  with pytest.raises(ConfigError, match='--data-parallel x --microbatches = 2 x 4 = 8'):
+    schedule.init(params, random_batches(1, batch=4)[0])
+  with pytest.raises(ConfigError, match='2 x 2 chunks = 4 groups, more than the model.s 3 layers'):
+    override(get_preset('tiny'), {'schedule': 'zb_v', 'stages': 2, 'num_layers': 3}).validate()
+  wrong_cut = tiny_transformer(2, num_layers=4)[1]  # 2 groups where interleaved runs 4
+  interleaved = build_schedule(
+    ScheduleConfig(name='interleaved', num_stages=2, microbatches=2), model, adam()
+  )
+  with pytest.raises(ConfigError, match='for 4 groups'):
+    interleaved.init(wrong_cut)
