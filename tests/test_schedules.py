@@ -312,5 +312,9 @@ def test_impossible_settings_are_clear_errors():
     'data_parallel',
     'model_parallel',
     'gpipe',
+    '1f1b',
+    'interleaved',
+    'zb_h1',
+    'zb_v',
     'ouroboros',
   )

@@ -118,9 +118,13 @@ def synchronous_schedule(
     if example_batch is not None:
       check_batch(example_batch, replicas, microbatches)
     if groups > 1 and staged.stage_count(params) != groups:
+      runs = (
+        f'has --stages {num_stages}'
+        if groups == num_stages
+        else f'runs {groups} (--stages {num_stages} x {groups // num_stages} chunks)'
+      )
       raise ConfigError(
-        f'the parameters have {staged.stage_count(params)} stage groups but '
-        f'{name} runs {groups} (--stages {num_stages} x {groups // num_stages} chunks); cut '
+        f'the parameters have {staged.stage_count(params)} stage groups but {name} {runs}; cut '
         f'them with partition.to_staged(params, layers_per_stage) for {groups} groups.'
       )
     return staged.init_state(tx, params, mesh)

@@ -372,6 +372,7 @@ _FLAT_SCHEDULE_FIELDS = (
   'data_parallel',
   'clip_norm',
   'microbatches',
+  'chunks',
   'stash',
   'stash_policy',
   'forward',
