@@ -26,9 +26,10 @@ one device at the same batch per step; data_parallel uses D = G replicas.
 
 Measured CSV (`--measured`), written by a benchmark, one row per measured setting:
 
-    schedule          backprop | data_parallel | model_parallel | gpipe | ouroboros
+    schedule          backprop | data_parallel | model_parallel | gpipe | 1f1b | interleaved |
+                      zb_h1 | zb_v | ouroboros
     stages            devices: G for the stage schedules, D for data_parallel, 1 for backprop
-    microbatches      gpipe's M (ignored elsewhere; may be empty)
+    microbatches      the pipelines' M (ignored elsewhere; may be empty)
     stash             graph | replay for ouroboros (ignored elsewhere; may be empty or '-')
     forward           locked | pipelined for ouroboros (ignored elsewhere; may be empty or '-')
     step_time_s       the measured step: median seconds over steady-state steps, compile excluded
@@ -61,6 +62,7 @@ import csv
 import math
 import os
 
+from ouroboros_jax.choices import MICROBATCHED
 from ouroboros_jax.perf import simulate as sim
 
 STAGES = (1, 2, 4, 8, 16, 32, 64)
@@ -70,6 +72,8 @@ VARIANTS = {
   'model_parallel': ('model_parallel', {}),
   'gpipe M=4': ('gpipe', {'microbatches': 4}),
   'gpipe M=8': ('gpipe', {'microbatches': 8}),
+  'zb_h1 M=8': ('zb_h1', {'microbatches': 8}),
+  'zb_v M=8': ('zb_v', {'microbatches': 8}),
   'ouroboros locked': ('ouroboros', {'forward': 'locked'}),
   'ouroboros locked replay': ('ouroboros', {'forward': 'locked', 'stash': 'replay'}),
   'ouroboros pipelined': ('ouroboros', {'forward': 'pipelined'}),
@@ -281,7 +285,7 @@ def measured_setting(row: dict) -> tuple[str, sim.StageCosts, dict]:
   schedule = row['schedule'].strip()
   devices = int(row['stages'])
   num_stages = 1 if schedule in ('backprop', 'data_parallel') else devices
-  micro = int(_number(row.get('microbatches'), 1)) if schedule == 'gpipe' else 1
+  micro = int(_number(row.get('microbatches'), 1)) if schedule in MICROBATCHED else 1
   link, latency = _number(row.get('link_s')), _number(row.get('link_latency_s'))
   costs = sim.StageCosts(
     forward_s=_per_stage(row['fwd_s_per_stage'], num_stages, schedule),
@@ -321,7 +325,7 @@ def compare_measured(path: str) -> list[dict]:
       {
         'schedule': schedule,
         'stages': int(row['stages']),
-        'microbatches': kwargs['microbatches'] if schedule == 'gpipe' else '',
+        'microbatches': kwargs['microbatches'] if schedule in MICROBATCHED else '',
         'stash': kwargs['stash'] if schedule == 'ouroboros' else '',
         'forward': kwargs['forward'] if schedule == 'ouroboros' else '',
         'measured_s': measured,

@@ -372,7 +372,7 @@ def _run_bench(args) -> None:
     out_dir=cfg.out or 'runs/bench',
     steps=args.bench_steps,
     warmup=args.warmup,
-    settings=bench.select_settings(stages, args.only),
+    settings=bench.select_settings(stages, args.only, cfg.model.num_layers),
     stash_policy=cfg.schedule.stash_policy,
     optimizer=optimizer,
     compensation=cfg.resolved_compensation(),

@@ -1,7 +1,9 @@
 """`ouroboros bench`: steady-state speed of every schedule, next to its ideal.
 
 For each setting (backprop on one device; data_parallel; model_parallel; gpipe with M in
-{2, 4, 8}; ouroboros locked and pipelined, graph and replay stashes) it compiles the step (timed
+{2, 4, 8}; 1F1B and ZB-H1 with M in {4, 8}; interleaved 1F1B and ZB-V with M = 8 when the model
+has 2G layers for their 2G chunks; ouroboros locked and pipelined, graph and replay stashes) it
+compiles the step (timed
 separately, not counted), runs `warmup` steps, then times `steps` more one by one and reports the
 **median** step time and tokens/s. It also measures, on process 0's device while every other
 process waits, each layer group's forward and backward, the head and each device's optimizer
@@ -42,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from ouroboros_jax import model as transformer
 from ouroboros_jax import partition, staged
-from ouroboros_jax.choices import FORWARD_MODES, STASH_MODES
+from ouroboros_jax.choices import FORWARD_MODES, MICROBATCHED, STASH_MODES
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.perf import simulate
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule, ring
@@ -59,10 +61,11 @@ class Setting:
 
   @property
   def label(self) -> str:
-    extra = {'gpipe': f' M={self.microbatches}', 'ouroboros': f' {self.forward}/{self.stash}'}.get(
-      self.schedule, ''
-    )
-    return f'{self.schedule}{extra}'
+    if self.schedule in MICROBATCHED:
+      return f'{self.schedule} M={self.microbatches}'
+    if self.schedule == 'ouroboros':
+      return f'ouroboros {self.forward}/{self.stash}'
+    return self.schedule
 
   def schedule_config(
     self, seed=0, stash_policy='all', compensation: Compensation = Compensation()
@@ -81,17 +84,22 @@ class Setting:
     )
 
 
-def default_settings(devices: int) -> list[Setting]:
+def default_settings(devices: int, num_layers: int | None = None) -> list[Setting]:
+  """Every setting on `devices` devices; the two-chunk pipelines (interleaved, ZB-V) only when
+  the model has `num_layers` >= 2 x devices layers to cut into their chunks."""
   g = devices
   out = [Setting('backprop', 1), Setting('data_parallel', g), Setting('model_parallel', g)]
   out += [Setting('gpipe', g, microbatches=m) for m in (2, 4, 8)]
+  out += [Setting(name, g, microbatches=m) for name in ('1f1b', 'zb_h1') for m in (4, 8)]
+  if num_layers is None or num_layers >= 2 * g:
+    out += [Setting(name, g, microbatches=8) for name in ('interleaved', 'zb_v')]
   out += [Setting('ouroboros', g, stash=s, forward=f) for f in FORWARD_MODES for s in STASH_MODES]
   return out
 
 
-def select_settings(devices: int, only: str | None) -> list[Setting]:
+def select_settings(devices: int, only: str | None, num_layers: int | None = None) -> list[Setting]:
   """The default settings whose label starts with one of the comma-separated prefixes in `only`."""
-  settings = default_settings(devices)
+  settings = default_settings(devices, num_layers)
   if not only:
     return settings
   prefixes = [p.strip() for p in only.split(',') if p.strip()]
@@ -245,18 +253,16 @@ def time_setting(
   devices = jax.devices()[:needed]
   if not any(d.process_index == jax.process_index() for d in devices):
     return None
+  config = setting.schedule_config(stash_policy=stash_policy, compensation=compensation)
   split = (
-    layers_per_stage
-    if setting.schedule not in ('backprop', 'data_parallel')
-    else ((cfg.num_layers,))
+    (cfg.num_layers,)
+    if setting.schedule in ('backprop', 'data_parallel')
+    else partition.balance_layers(cfg, config.stage_groups)
+    if config.stage_groups != setting.devices
+    else layers_per_stage
   )
   model = partition.transformer_stages(cfg, split)
-  schedule = build_schedule(
-    setting.schedule_config(stash_policy=stash_policy, compensation=compensation),
-    model,
-    bench_optimizer(optimizer),
-    devices=devices,
-  )
+  schedule = build_schedule(config, model, bench_optimizer(optimizer), devices=devices)
   state = schedule.init(partition.to_staged(params, split), batch)
   placed = staged.place_batch(batch, schedule.mesh)
   start = time.perf_counter()
@@ -333,7 +339,7 @@ def run(
   cfg.validate()
   if steps < 1 or warmup < 0:
     raise ConfigError('--steps must be >= 1 and --warmup >= 0.')
-  settings = settings or default_settings(stages)
+  settings = settings or default_settings(stages, cfg.num_layers)
   layers_per_stage = tuple(layers_per_stage or partition.balance_layers(cfg, stages))
   rng = np.random.default_rng(0)
   batch = {
@@ -421,7 +427,7 @@ def _row(setting: Setting, measured: dict, own: dict, link_s: float, allreduce_s
     'schedule': setting.schedule,
     'label': setting.label,
     'stages': setting.devices,
-    'microbatches': setting.microbatches if setting.schedule == 'gpipe' else '',
+    'microbatches': setting.microbatches if setting.schedule in MICROBATCHED else '',
     'stash': setting.stash,
     'forward': setting.forward,
     **measured,

@@ -20,13 +20,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ouroboros_jax import staged
-from ouroboros_jax.choices import EXACT_PIPELINES
+from ouroboros_jax.choices import MICROBATCHED
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.schedules import ring
 from ouroboros_jax.schedules.config import ScheduleConfig
 from ouroboros_jax.staged import DATA, STAGE, Schedule, StagedModel, TrainState
-
-MICROBATCHED = ('gpipe', *EXACT_PIPELINES)  # the schedules that cut a batch into micro-batches
 
 
 def synchronous_update(config: ScheduleConfig, tx, state: TrainState, grads, loss):
