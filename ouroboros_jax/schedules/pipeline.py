@@ -85,7 +85,7 @@ def build_pipeline(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
   mesh = staged.make_mesh(p, replicas, devices)
   stage_order = [pipeline.stage_of(d, c) for d in range(p) for c in range(pipeline.chunks)]
   fields_PxT = {name: np.asarray(rows, np.int32) for name, rows in program.fields.items()}
-  stash = ring.Stash(model, 'graph')
+  stash = ring.Stash(model, 'graph', keep_weights=False)  # the weights stay put all step
   last = pipeline.last_stage
 
   def device_grads(params, batch, t):
@@ -130,21 +130,29 @@ def build_pipeline(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
         chunk_params(op['chunk']), kept, delta, op['stage'], micro_key(op['microbatch'])
       )
 
-    def input_grad(carry: _Carry, op):  # B; its weight half is dead code XLA removes
-      _, dx = backward_pieces(carry, op)
+    def add_chunk_grad(carry: _Carry, op, g_chunk) -> _Carry:
+      add_at = lambda g, w: g.at[op['chunk']].add(w)
+      return carry._replace(grad_chunks=jax.tree.map(add_at, carry.grad_chunks, g_chunk))
+
+    def input_grad(carry: _Carry, op):
+      """B. A split schedule (ZB) takes only the input gradient here (its weight half is dead code
+      XLA removes); a fused one takes the whole VJP at once, as one backward, and its W is empty."""
+      g_chunk, dx = backward_pieces(carry, op)
+      if pipeline.fused:
+        carry = add_chunk_grad(carry, op, g_chunk)
       embed_grad = lambda: jax.vjp(lambda e: embed_of(e, op['microbatch']), embed_p)[1](dx)[0]
       g_embed = jax.lax.cond(op['stage'] == 0, embed_grad, lambda: zeros(embed_p))
       return carry._replace(grad_embed=_add(carry.grad_embed, g_embed)), dx
 
-    def weight_grad(carry: _Carry, op):  # W; its input half is dead code
+    def weight_grad(carry: _Carry, op):  # W of a split schedule; its input half is dead code
       g_chunk, _ = backward_pieces(carry, op)
-      add_at = lambda g, w: g.at[op['chunk']].add(w)
-      return carry._replace(grad_chunks=jax.tree.map(add_at, carry.grad_chunks, g_chunk)), zeros_x
+      return add_chunk_grad(carry, op, g_chunk), zeros_x
 
     idle = lambda carry, op: (carry, zeros_x)
 
     def tick(carry: _Carry, op):
-      carry, sent = jax.lax.switch(op['kind'], (idle, forward, input_grad, weight_grad), carry, op)
+      operations = (idle, forward, input_grad, idle if pipeline.fused else weight_grad)
+      carry, sent = jax.lax.switch(op['kind'], operations, carry, op)
       activations, gradients = carry.activations, carry.gradients
       for o in program.channels:  # what device s - o sent this tick
         got = (

@@ -80,11 +80,18 @@ class Stash:
   from an abstract trace of the same forward (`vjp_structure`), so the backward does not depend
   on which forward was traced before it. A group maps its input to an output of the same shape
   (activations travel around the ring), so the output gradient gives the input's shape.
+
+  `keep_weights=False` (graph mode, for schedules whose weights do not change between a forward
+  and its backward: the exact pipelines) leaves out the residuals that are the weights themselves
+  and takes them from the params the backward is given: the stash then holds activations only.
   """
 
-  def __init__(self, model: StagedModel, mode: str = 'graph', policy: str = 'all'):
+  def __init__(
+    self, model: StagedModel, mode: str = 'graph', policy: str = 'all', keep_weights: bool = True
+  ):
     self.model, self.graph_mode = model, mode == 'graph'
     self.policy = STASH_POLICIES[policy]
+    self.keep_weights = keep_weights
 
   def run(self, params_s, x, stage_index, key):
     return self.model.stage(params_s, x, stage_index, staged.piece_rng(key, stage_index))
@@ -96,12 +103,13 @@ class Stash:
     return jax.vjp(run, params_s, x)
 
   def vjp_structure(self, params_s, x_like, stage_index, key):
-    """The tree structure of the graph-mode forward's VJP, for inputs shaped like x_like."""
+    """(the tree structure of the graph-mode forward's VJP, for inputs shaped like x_like; which
+    of its leaves are weights: the index of the weight leaf, or None)."""
     structure = []
 
     def leaves(p, h):
       flat, treedef = jax.tree.flatten(self._vjp(p, h, stage_index, key)[1])
-      structure.append(treedef)
+      structure.append((treedef, _weight_positions(flat, p)))
       return flat
 
     jax.eval_shape(leaves, params_s, x_like)
@@ -112,16 +120,29 @@ class Stash:
     if not self.graph_mode:
       return self.run(params_s, x, stage_index, key), x
     y, vjp_fn = self._vjp(params_s, x, stage_index, key)
-    return y, jax.tree.leaves(vjp_fn)
+    leaves = jax.tree.leaves(vjp_fn)
+    if self.keep_weights:
+      return y, leaves
+    positions = _weight_positions(leaves, params_s)
+    return y, [leaf for leaf, w in zip(leaves, positions) if w is None]
 
   def backward(self, params_s, kept, delta, stage_index, key):
     """-> (gradient of the group's weights, gradient of its input) for output gradient delta."""
     if self.graph_mode:  # at forward-time weights, from the kept residuals
-      treedef = self.vjp_structure(params_s, delta, stage_index, key)
+      treedef, positions = self.vjp_structure(params_s, delta, stage_index, key)
+      if not self.keep_weights:
+        weights, rest = jax.tree.leaves(params_s), iter(kept)
+        kept = [next(rest) if w is None else weights[w] for w in positions]
       vjp_fn = jax.tree.unflatten(treedef, kept)
     else:  # replay: re-run the forward at the given weights
       _, vjp_fn = jax.vjp(lambda p, h: self.run(p, h, stage_index, key), params_s, kept)
     return vjp_fn(delta)
+
+
+def _weight_positions(residuals: list, params_s) -> tuple[int | None, ...]:
+  """For each VJP residual, the index of the weight leaf it is (the same traced array), or None."""
+  index = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(params_s))}
+  return tuple(index.get(id(leaf)) for leaf in residuals)
 
 
 def send_forward(x, num_stages: int):
