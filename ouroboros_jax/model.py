@@ -124,25 +124,58 @@ class Block(nnx.Module):
     self.mlp_in = nnx.Linear(d, f, kernel_init=init, rngs=rngs)
     self.mlp_out = nnx.Linear(f, d, kernel_init=out_init, rngs=rngs)
 
-  def attention(self, x_BxLxD):
+  def attention(self, x_BxLxD, taps=None):
     b, l, _ = x_BxLxD.shape
-    qkv_BxLx3xHxK = self.qkv(x_BxLxD).reshape(b, l, 3, self.cfg.num_heads, self.cfg.head_dim)
+    qkv_BxLxC = self.sublayer('qkv', x_BxLxD, taps)
+    qkv_BxLx3xHxK = qkv_BxLxC.reshape(b, l, 3, self.cfg.num_heads, self.cfg.head_dim)
     q, k, v = (qkv_BxLx3xHxK[:, :, i] for i in range(3))
     y_BxLxHxK = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    return self.attn_out(y_BxLxHxK.reshape(b, l, -1))
+    return self.sublayer('attn_out', y_BxLxHxK.reshape(b, l, -1), taps)
 
-  def mlp(self, x_BxLxD):
-    return self.mlp_out(jax.nn.gelu(self.mlp_in(x_BxLxD)))
+  def mlp(self, x_BxLxD, taps=None):
+    return self.sublayer('mlp_out', jax.nn.gelu(self.sublayer('mlp_in', x_BxLxD, taps)), taps)
 
-  def __call__(self, x_BxLxD, rng=None, scale=1.0):
+  def sublayer(self, name: str, x_BxLxC, taps=None):
+    """The sub-layer `name` on x. With `taps` (a `Taps`, for the zero-bubble weight split) its
+    zero tap is added to the output, so the tap's gradient is the gradient at this output, and the
+    input is recorded: the weight gradient is made of the two (`tapped_weight_grads`)."""
+    y_BxLxC = getattr(self, name)(x_BxLxC)
+    if taps is None:
+      return y_BxLxC
+    taps.inputs[name] = x_BxLxC
+    return y_BxLxC + taps.zeros[name]
+
+  def __call__(self, x_BxLxD, rng=None, scale=1.0, taps=None):
     """`scale` multiplies both residual branches (progressive layer dropping uses 1/p)."""
     rate = self.cfg.dropout
     rng_attn, rng_mlp = (None, None) if rng is None else jax.random.split(rng)
+    attention = lambda x: _dropout(self.attention(x, taps), rate, rng_attn)
+    mlp = lambda x: _dropout(self.mlp(x, taps), rate, rng_mlp)
+    norm = lambda name, x: self.sublayer(name, x, taps)
     if self.cfg.pre_ln:
-      x_BxLxD = x_BxLxD + scale * _dropout(self.attention(self.ln_attn(x_BxLxD)), rate, rng_attn)
-      return x_BxLxD + scale * _dropout(self.mlp(self.ln_mlp(x_BxLxD)), rate, rng_mlp)
-    x_BxLxD = self.ln_attn(x_BxLxD + scale * _dropout(self.attention(x_BxLxD), rate, rng_attn))
-    return self.ln_mlp(x_BxLxD + scale * _dropout(self.mlp(x_BxLxD), rate, rng_mlp))
+      x_BxLxD = x_BxLxD + scale * attention(norm('ln_attn', x_BxLxD))
+      return x_BxLxD + scale * mlp(norm('ln_mlp', x_BxLxD))
+    x_BxLxD = norm('ln_attn', x_BxLxD + scale * attention(x_BxLxD))
+    return norm('ln_mlp', x_BxLxD + scale * mlp(x_BxLxD))
+
+
+@dataclasses.dataclass
+class Taps:
+  """One layer's zero taps (added to every linear and norm output) and, filled in as the layer
+  runs, the inputs of those sub-layers."""
+
+  zeros: dict
+  inputs: dict = dataclasses.field(default_factory=dict)
+
+
+TAPPED = ('ln_attn', 'qkv', 'attn_out', 'ln_mlp', 'mlp_in', 'mlp_out')  # the weighted sub-layers
+NORMS = ('ln_attn', 'ln_mlp')
+
+
+def tap_widths(cfg: 'ModelConfig') -> dict[str, int]:
+  """The output width C of every tapped sub-layer."""
+  d = cfg.d_model
+  return {'ln_attn': d, 'qkv': 3 * d, 'attn_out': d, 'ln_mlp': d, 'mlp_in': cfg.d_ff, 'mlp_out': d}
 
 
 class Head(nnx.Module):
@@ -204,13 +237,22 @@ def embed(cfg: ModelConfig, embed_params: Params, tokens_BxL, rng=None):
 
 
 def layers(
-  cfg: ModelConfig, layer_params: Params, x_BxLxD, rng=None, *, active_N=None, scale_N=None
+  cfg: ModelConfig,
+  layer_params: Params,
+  x_BxLxD,
+  rng=None,
+  *,
+  active_N=None,
+  scale_N=None,
+  taps_N=None,
 ):
   """Runs a stack of N layers (params with a leading axis N) over x by `lax.scan`.
 
   active_N: optional bool per layer; an inactive layer is skipped by `lax.cond` (no FLOPs), which
     is how uneven pipeline stages are padded and how dropped layers cost nothing.
   scale_N: optional per-layer multiplier of the residual branches (1/keep-probability for PLD).
+  taps_N: optional zero taps per layer ({name: [N, B, L, C]}, `zero_taps`); then returns
+    (x, the tapped sub-layers' inputs per layer), for `tapped_weight_grads`.
   cfg.layer_unroll layers run per scan iteration (0: all of them, no loop).
   """
   block_def = _graphdefs(cfg)[1]
@@ -219,16 +261,56 @@ def layers(
   scale_N = jnp.ones((num,), x_BxLxD.dtype) if scale_N is None else scale_N
 
   def body(x, per_layer):
-    params, layer_rng, active, scale = per_layer
-    run = lambda x: _merge(block_def, params)(x, layer_rng, scale).astype(x.dtype)
-    if active is None:
-      return run(x), None
-    return jax.lax.cond(active, run, lambda x: x, x), None
+    params, layer_rng, active, scale, zeros = per_layer
 
-  x_BxLxD, _ = jax.lax.scan(
-    body, x_BxLxD, (layer_params, rngs_N, active_N, scale_N), unroll=cfg.layer_unroll or True
+    def run(x):
+      taps = None if zeros is None else Taps(zeros)
+      y = _merge(block_def, params)(x, layer_rng, scale, taps).astype(x.dtype)
+      return y, (None if taps is None else taps.inputs)
+
+    if active is None:
+      return run(x)
+    skip = lambda x: (x, jax.tree.map(jnp.zeros_like, jax.eval_shape(run, x)[1]))
+    return jax.lax.cond(active, run, skip, x)
+
+  x_BxLxD, inputs_N = jax.lax.scan(
+    body,
+    x_BxLxD,
+    (layer_params, rngs_N, active_N, scale_N, taps_N),
+    unroll=cfg.layer_unroll or True,
   )
-  return x_BxLxD
+  return x_BxLxD if taps_N is None else (x_BxLxD, inputs_N)
+
+
+def zero_taps(cfg: ModelConfig, num_layers: int, x_BxLxD) -> dict:
+  """Zero taps for `layers(..., taps_N=)`: {sub-layer: [N, B, L, C]}."""
+  return {
+    name: jnp.zeros((num_layers, *x_BxLxD.shape[:-1], width), x_BxLxD.dtype)
+    for name, width in tap_widths(cfg).items()
+  }
+
+
+def tapped_weight_grads(cfg: ModelConfig, inputs_N: dict, tap_grads_N: dict) -> Params:
+  """The layers' weight gradient from each tapped sub-layer's input and output gradient: a
+  linear layer's kernel gets sum over tokens of input x gradient, its bias the summed gradient; a
+  norm's scale gets the summed gradient times the normalised input, its bias the summed gradient.
+  This is the zero-bubble W: matrix products only, no chain of input gradients."""
+  grads = {}
+  for name in TAPPED:
+    x_NxBxLxC, g_NxBxLxC = inputs_N[name], tap_grads_N[name]
+    bias = g_NxBxLxC.sum(axis=(1, 2))
+    if name in NORMS:
+      grads[name] = {'scale': (g_NxBxLxC * _normalized(x_NxBxLxC)).sum(axis=(1, 2)), 'bias': bias}
+    else:
+      grads[name] = {'kernel': jnp.einsum('nbli,nblo->nio', x_NxBxLxC, g_NxBxLxC), 'bias': bias}
+  return grads
+
+
+def _normalized(x_BxLxC, epsilon: float = 1e-6):
+  """LayerNorm without its scale and bias, as `nnx.LayerNorm` computes it (fast variance)."""
+  mean = x_BxLxC.mean(-1, keepdims=True)
+  var = jnp.maximum(0.0, (x_BxLxC * x_BxLxC).mean(-1, keepdims=True) - mean * mean)
+  return (x_BxLxC - mean) * jax.lax.rsqrt(var + epsilon)
 
 
 def logits(cfg: ModelConfig, head_params: Params, embed_params: Params, x_BxLxD):

@@ -19,7 +19,7 @@ from ouroboros_jax import costs
 from ouroboros_jax import model as transformer
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.model import ModelConfig
-from ouroboros_jax.staged import StagedModel
+from ouroboros_jax.staged import StagedModel, WeightSplit
 
 
 def balance_layers(cfg: ModelConfig, num_stages: int) -> tuple[int, ...]:
@@ -120,14 +120,22 @@ def transformer_stages(cfg: ModelConfig, layers_per_stage: Sequence[int]) -> Sta
   mask_GxN = jnp.asarray(stage_mask(layers_per_stage))
   uneven = len(set(layers_per_stage)) > 1
 
-  def stage(stage_params, x_BxLxD, stage_index, rng):
+  def stage(stage_params, x_BxLxD, stage_index, rng, taps_N=None):
     # Even splits need no masking; uneven ones skip their padding slots (no FLOPs spent).
     active_N = mask_GxN[stage_index] if uneven else None
-    return transformer.layers(cfg, stage_params, x_BxLxD, rng, active_N=active_N)
+    return transformer.layers(cfg, stage_params, x_BxLxD, rng, active_N=active_N, taps_N=taps_N)
 
+  layer_count = lambda stage_params: jax.tree.leaves(stage_params)[0].shape[0]
   return StagedModel(
     embed=lambda p, tokens_BxL, rng: transformer.embed(cfg, p, tokens_BxL, rng),
     stage=stage,
     loss=lambda head, emb, x, targets: transformer.head_loss(cfg, head, emb, x, targets),
     tied_embedding=cfg.tie_embeddings,
+    weight_split=WeightSplit(
+      taps=lambda p, x: transformer.zero_taps(cfg, layer_count(p), x),
+      stage=stage,
+      weight_grad=lambda p, inputs, tap_grads: transformer.tapped_weight_grads(
+        cfg, inputs, tap_grads
+      ),
+    ),
   )

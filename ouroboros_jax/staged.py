@@ -41,6 +41,24 @@ STAGE, DATA = 'stage', 'data'
 
 
 @dataclasses.dataclass(frozen=True)
+class WeightSplit:
+  """How a stage defers its weight gradient (the zero-bubble paper's W) without recomputing the
+  chain of input gradients: the stage runs with zero *taps* added to its weighted sub-layers'
+  outputs, so one VJP in (input, taps) gives the input gradient (B) and every sub-layer's output
+  gradient, and `weight_grad` turns those and the recorded sub-layer inputs into the weight
+  gradient with matrix products only (W).
+
+    taps(stage_params, x) -> zero taps (a pytree)
+    stage(stage_params, x, stage_index, rng, taps) -> (y, recorded sub-layer inputs)
+    weight_grad(stage_params, recorded, tap_grads) -> gradient laid out as stage_params
+  """
+
+  taps: Callable[..., Any]
+  stage: Callable[..., tuple[jax.Array, Any]]
+  weight_grad: Callable[..., Any]
+
+
+@dataclasses.dataclass(frozen=True)
 class StagedModel:
   """A model cut into embed -> G stages -> loss; see the module docstring for the signatures."""
 
@@ -48,6 +66,7 @@ class StagedModel:
   stage: Callable[..., jax.Array]
   loss: Callable[..., tuple[jax.Array, dict]]
   tied_embedding: bool = True  # the loss reads embed params (they get a fresh head gradient)
+  weight_split: WeightSplit | None = None  # a cheap W for the zero-bubble pipelines, if any
 
   def forward_loss(self, params: PyTree, batch: dict, key: jax.Array | None = None):
     """Plain composition on one device: embed, every stage in order, loss.

@@ -4,11 +4,14 @@ settings."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
+import jax
 import pytest
 
 from ouroboros_jax import model as transformer
+from ouroboros_jax import staged
 from ouroboros_jax.choices import EXACT_PIPELINES
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.perf import memory
@@ -66,6 +69,40 @@ def test_the_table_gpipe_and_1f1b_draw_gpipes_dropout_masks():
   assert max_abs_diff(state.params, want.params) < ATOL
   assert max_abs_diff(one_f_one_b.params, want.params) < ATOL
   assert max_abs_diff(backprop(2, dropout=0.1)[0].params, want.params) > 1e-3
+
+
+@pytest.mark.parametrize('pre_ln, layers_per_stage', [(True, (2, 2)), (False, (1, 3))])
+def test_the_tapped_split_is_the_full_vjp(pre_ln, layers_per_stage):
+  """B (input gradient and the taps' gradients) and W (weight gradient from the taps' gradients
+  and the recorded sub-layer inputs) of the Transformer's WeightSplit give the stage's full VJP,
+  pre- and post-LN, with dropout, on an uneven stage (padding layers skipped)."""
+  model, params = tiny_transformer(
+    2, pre_ln=pre_ln, dropout=0.1, num_layers=4, layers_per_stage=layers_per_stage
+  )
+  stash = pipeline.TappedStash(model.weight_split)
+  x = jax.random.normal(jax.random.key(1), (BATCH, 8, 16))
+  delta = jax.random.normal(jax.random.key(2), x.shape)
+  key = jax.random.key(3)
+  for s in range(2):
+    params_s = jax.tree.map(lambda a: a[s], params['stages'])
+    y, kept = jax.jit(stash.forward, static_argnums=2)(params_s, x, s, key)
+    dx, tap_grads = stash.input_grad(params_s, kept, delta, s, key)
+    g = stash.weight_grad(params_s, kept, tap_grads)
+    run = lambda p, h: model.stage(p, h, s, staged.piece_rng(key, s))
+    want_y, vjp_fn = jax.vjp(run, params_s, x)
+    want_g, want_dx = vjp_fn(delta)
+    assert max_abs_diff(y, want_y) < 1e-6
+    assert max_abs_diff(dx, want_dx) < 1e-5
+    assert max_abs_diff(g, want_g) < 1e-5
+
+
+def test_without_a_weight_split_zb_takes_two_vjps_and_is_still_exact():
+  groups = 2
+  model, params = tiny_transformer(groups, num_layers=groups)
+  model = dataclasses.replace(model, weight_split=None)
+  config = ScheduleConfig(name='zb_h1', num_stages=2, microbatches=4)
+  state, _ = run_schedule(config, model, adam(), params, random_batches(STEPS, batch=BATCH))
+  assert max_abs_diff(state.params, backprop(groups)[0].params) < ATOL
 
 
 def test_a_pipeline_on_each_data_replica_gives_backprops_parameters():

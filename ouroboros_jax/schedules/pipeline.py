@@ -47,7 +47,7 @@ from ouroboros_jax import staged
 from ouroboros_jax.schedules import ring, tables
 from ouroboros_jax.schedules.config import ScheduleConfig
 from ouroboros_jax.schedules.synchronous import replica_key, synchronous_schedule
-from ouroboros_jax.staged import DATA, STAGE, PyTree, Schedule, StagedModel
+from ouroboros_jax.staged import DATA, STAGE, PyTree, Schedule, StagedModel, WeightSplit
 
 
 class _Carry(NamedTuple):
@@ -56,6 +56,7 @@ class _Carry(NamedTuple):
   stash: PyTree  # leaves [stash slots, ...]: residuals of the chunks' forwards
   activations: jax.Array  # [activation slots, b, L, D]: inputs received for an F
   gradients: jax.Array  # [gradient slots, b, L, D]: output gradients received for a B and W
+  tap_grads: PyTree  # leaves [stash slots, ...]: a split backward's output gradients, B to W
   grad_chunks: PyTree  # leaves [v, ...]: this device's chunk gradients
   grad_embed: PyTree
   grad_head: PyTree
@@ -85,7 +86,9 @@ def build_pipeline(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
   mesh = staged.make_mesh(p, replicas, devices)
   stage_order = [pipeline.stage_of(d, c) for d in range(p) for c in range(pipeline.chunks)]
   fields_PxT = {name: np.asarray(rows, np.int32) for name, rows in program.fields.items()}
-  stash = ring.Stash(model, 'graph', keep_weights=False)  # the weights stay put all step
+  tapped = not pipeline.fused and model.weight_split is not None
+  # The weights stay put all step, so no stash keeps them.
+  stash = TappedStash(model.weight_split) if tapped else ring.Stash(model, keep_weights=False)
   last = pipeline.last_stage
 
   def device_grads(params, batch, t):
@@ -123,29 +126,48 @@ def build_pipeline(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
       )
       return carry, sent  # the activation to the next stage, or the head's gradient to our B
 
-    def backward_pieces(carry: _Carry, op):
+    def kept_and_delta(carry: _Carry, op):
       kept = ring.read_slot(carry.stash, op['stash_slot'], program.stash_slots)
-      delta = carry.gradients[op['inbox_slot']]
-      return stash.backward(
-        chunk_params(op['chunk']), kept, delta, op['stage'], micro_key(op['microbatch'])
-      )
+      return kept, carry.gradients[op['inbox_slot']]
+
+    def backward(carry: _Carry, op):  # the whole VJP: (weight gradient, input gradient)
+      kept, delta = kept_and_delta(carry, op)
+      params_c, key = chunk_params(op['chunk']), micro_key(op['microbatch'])
+      return stash.backward(params_c, kept, delta, op['stage'], key)
 
     def add_chunk_grad(carry: _Carry, op, g_chunk) -> _Carry:
       add_at = lambda g, w: g.at[op['chunk']].add(w)
       return carry._replace(grad_chunks=jax.tree.map(add_at, carry.grad_chunks, g_chunk))
 
     def input_grad(carry: _Carry, op):
-      """B. A split schedule (ZB) takes only the input gradient here (its weight half is dead code
-      XLA removes); a fused one takes the whole VJP at once, as one backward, and its W is empty."""
-      g_chunk, dx = backward_pieces(carry, op)
-      if pipeline.fused:
-        carry = add_chunk_grad(carry, op, g_chunk)
+      """B. A fused schedule takes the whole VJP here, as one backward (its W is empty). A split
+      one (ZB) takes the input gradient: through the model's taps when it has a `WeightSplit`
+      (keeping the taps' gradients for W), else as the input half of the VJP (XLA removes the
+      weight half)."""
+      if tapped:
+        kept, delta = kept_and_delta(carry, op)
+        params_c, key = chunk_params(op['chunk']), micro_key(op['microbatch'])
+        dx, tap_grads = stash.input_grad(params_c, kept, delta, op['stage'], key)
+        slot = op['stash_slot']
+        carry = carry._replace(
+          tap_grads=ring.write_slot(carry.tap_grads, tap_grads, slot, program.stash_slots)
+        )
+      else:
+        g_chunk, dx = backward(carry, op)
+        carry = add_chunk_grad(carry, op, g_chunk) if pipeline.fused else carry
       embed_grad = lambda: jax.vjp(lambda e: embed_of(e, op['microbatch']), embed_p)[1](dx)[0]
       g_embed = jax.lax.cond(op['stage'] == 0, embed_grad, lambda: zeros(embed_p))
       return carry._replace(grad_embed=_add(carry.grad_embed, g_embed)), dx
 
-    def weight_grad(carry: _Carry, op):  # W of a split schedule; its input half is dead code
-      g_chunk, _ = backward_pieces(carry, op)
+    def weight_grad(carry: _Carry, op):
+      """W of a split schedule: from the taps' gradients (matrix products only), else as the
+      weight half of the VJP (which recomputes the input-gradient chain)."""
+      if tapped:
+        kept = ring.read_slot(carry.stash, op['stash_slot'], program.stash_slots)
+        tap_grads = ring.read_slot(carry.tap_grads, op['stash_slot'], program.stash_slots)
+        g_chunk = stash.weight_grad(chunk_params(op['chunk']), kept, tap_grads)
+      else:
+        g_chunk, _ = backward(carry, op)
       return add_chunk_grad(carry, op, g_chunk), zeros_x
 
     idle = lambda carry, op: (carry, zeros_x)
@@ -163,9 +185,13 @@ def build_pipeline(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
         gradients = _keep(gradients, slot, got, store == tables.GRADIENTS)
       return carry._replace(activations=activations, gradients=gradients), None
 
+    slots = lambda like: jax.tree.map(
+      lambda a: jnp.zeros((program.stash_slots, *a.shape), a.dtype), like
+    )
     _, kept_like = jax.eval_shape(lambda: stash.forward(chunk_params(0), zeros_x, 0, micro_key(0)))
     start = _Carry(
-      stash=jax.tree.map(lambda a: jnp.zeros((program.stash_slots, *a.shape), a.dtype), kept_like),
+      stash=slots(kept_like),
+      tap_grads=slots(model.weight_split.taps(chunk_params(0), zeros_x)) if tapped else {},
       activations=jnp.zeros((program.activation_slots, *x_like.shape), x_like.dtype),
       gradients=jnp.zeros((program.gradient_slots, *x_like.shape), x_like.dtype),
       grad_chunks=zeros(chunks),
@@ -186,6 +212,36 @@ def build_pipeline(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
   return synchronous_schedule(
     config, model, tx, mesh, device_grads, idle_fraction(table), stage_order=stage_order
   )
+
+
+class TappedStash:
+  """F, B and W of a stage through its model's `staged.WeightSplit` (the zero-bubble split
+  without a second chain): F keeps the VJP in (input, taps), less the weights (they do not change
+  within a step), and the recorded sub-layer inputs; B gives the input gradient and the taps'
+  gradients; W multiplies those with the recorded inputs into the weight gradient."""
+
+  def __init__(self, split: WeightSplit):
+    self.split = split
+
+  def _vjp(self, params_s, x, stage_index, key):
+    rng = staged.piece_rng(key, stage_index)
+    run = lambda h, taps: self.split.stage(params_s, h, stage_index, rng, taps)
+    return jax.vjp(run, x, self.split.taps(params_s, x), has_aux=True)
+
+  def forward(self, params_s, x, stage_index, key):
+    """-> (the stage's output, what B and W need of it)."""
+    y, vjp_fn, inputs = self._vjp(params_s, x, stage_index, key)
+    return y, {'vjp': ring.without_weights(jax.tree.leaves(vjp_fn), params_s), 'inputs': inputs}
+
+  def input_grad(self, params_s, kept, delta, stage_index, key):
+    """-> (the input gradient, the taps' gradients) for output gradient delta."""
+    vjp_of = lambda h: self._vjp(params_s, h, stage_index, key)[1]
+    treedef, positions = ring.vjp_layout(vjp_of, params_s, delta)
+    vjp_fn = jax.tree.unflatten(treedef, ring.with_weights(kept['vjp'], positions, params_s))
+    return vjp_fn(delta)
+
+  def weight_grad(self, params_s, kept, tap_grads):
+    return self.split.weight_grad(params_s, kept['inputs'], tap_grads)
 
 
 def _add(a: PyTree, b: PyTree) -> PyTree:

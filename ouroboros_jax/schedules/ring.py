@@ -105,15 +105,7 @@ class Stash:
   def vjp_structure(self, params_s, x_like, stage_index, key):
     """(the tree structure of the graph-mode forward's VJP, for inputs shaped like x_like; which
     of its leaves are weights: the index of the weight leaf, or None)."""
-    structure = []
-
-    def leaves(p, h):
-      flat, treedef = jax.tree.flatten(self._vjp(p, h, stage_index, key)[1])
-      structure.append((treedef, _weight_positions(flat, p)))
-      return flat
-
-    jax.eval_shape(leaves, params_s, x_like)
-    return structure[0]
+    return vjp_layout(lambda h: self._vjp(params_s, h, stage_index, key)[1], params_s, x_like)
 
   def forward(self, params_s, x, stage_index, key):
     """-> (the group's output, what to keep for its backward)."""
@@ -121,18 +113,14 @@ class Stash:
       return self.run(params_s, x, stage_index, key), x
     y, vjp_fn = self._vjp(params_s, x, stage_index, key)
     leaves = jax.tree.leaves(vjp_fn)
-    if self.keep_weights:
-      return y, leaves
-    positions = _weight_positions(leaves, params_s)
-    return y, [leaf for leaf, w in zip(leaves, positions) if w is None]
+    return y, leaves if self.keep_weights else without_weights(leaves, params_s)
 
   def backward(self, params_s, kept, delta, stage_index, key):
     """-> (gradient of the group's weights, gradient of its input) for output gradient delta."""
     if self.graph_mode:  # at forward-time weights, from the kept residuals
       treedef, positions = self.vjp_structure(params_s, delta, stage_index, key)
       if not self.keep_weights:
-        weights, rest = jax.tree.leaves(params_s), iter(kept)
-        kept = [next(rest) if w is None else weights[w] for w in positions]
+        kept = with_weights(kept, positions, params_s)
       vjp_fn = jax.tree.unflatten(treedef, kept)
     else:  # replay: re-run the forward at the given weights
       _, vjp_fn = jax.vjp(lambda p, h: self.run(p, h, stage_index, key), params_s, kept)
@@ -143,6 +131,33 @@ def _weight_positions(residuals: list, params_s) -> tuple[int | None, ...]:
   """For each VJP residual, the index of the weight leaf it is (the same traced array), or None."""
   index = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(params_s))}
   return tuple(index.get(id(leaf)) for leaf in residuals)
+
+
+def without_weights(residuals: list, params_s) -> list:
+  """The VJP residuals that are not the weights themselves (what a stash must keep when the
+  weights do not change before the backward)."""
+  positions = _weight_positions(residuals, params_s)
+  return [leaf for leaf, w in zip(residuals, positions) if w is None]
+
+
+def with_weights(kept: list, positions, params_s) -> list:
+  """`without_weights` undone: the residuals again, weights taken from params_s."""
+  weights, rest = jax.tree.leaves(params_s), iter(kept)
+  return [next(rest) if w is None else weights[w] for w in positions]
+
+
+def vjp_layout(vjp_of, params_s, *like):
+  """(tree structure, weight positions) of the VJP `vjp_of(*args)` returns, from an abstract
+  trace on arrays shaped like `like`."""
+  layout = []
+
+  def leaves(*args):
+    flat, treedef = jax.tree.flatten(vjp_of(*args))
+    layout.append((treedef, _weight_positions(flat, params_s)))
+    return flat
+
+  jax.eval_shape(leaves, *like)
+  return layout[0]
 
 
 def send_forward(x, num_stages: int):
