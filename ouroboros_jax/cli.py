@@ -86,7 +86,18 @@ def _add_field_flags(parser: argparse.ArgumentParser) -> None:
   special = {
     'preset': f'starting point: {", ".join(config.PRESETS)} (default tiny)',
     'out': 'output directory (default runs/<preset>-<schedule>)',
-    'data': "'default' (embedded Shakespeare), 'text:PATH[,PATH]' or 'tfds:NAME[:FEATURE]'",
+    'data': "'default' (embedded Shakespeare), 'text:PATH[,PATH]', 'tfds:NAME[:FEATURE]', or "
+    "the paper's corpora from local files: 'enwik8:PATH' (enwik8 or enwik8.zip), 'text8:PATH', "
+    "'wikitext103:DIR' (word level: metric perplexity, --vocab-size 267735)",
+    'arch': 'gpt (default) or transformer-xl (relative positions; with --mem-len, segment '
+    'recurrence)',
+    'mem_len': 'transformer-xl: hidden states each layer keeps from the previous segments '
+    '(default 0: none); the training batches then continue each other row by row',
+    'clamp_len': 'transformer-xl: relative distances beyond this share its encoding (0: off)',
+    'attn_dropout': 'transformer-xl: dropout on the attention probabilities',
+    'eval_mem_len': 'transformer-xl: memory length when evaluating (default: --mem-len)',
+    'data_order': 'windows (shuffled windows), segments (B contiguous streams, as Transformer-XL '
+    'trains) or auto (default: segments for a model with a memory)',
     'download': 'tfds: let TFDS download and prepare a dataset that is not prepared yet '
     '(default: never touch the network, fail in seconds)',
     'data_dir': 'TFDS data dir (default $OUROBOROS_DATA_DIR or ~/.cache/ouroboros_jax/tfds)',

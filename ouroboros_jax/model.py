@@ -42,6 +42,9 @@ from ouroboros_jax.errors import ConfigError  # re-exported: ouroboros_jax.model
 Params = dict[str, Any]
 
 
+ARCHS = ('gpt', 'transformer-xl')
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Shape of the Transformer LM. Byte-level by default (vocab 256)."""
@@ -59,6 +62,11 @@ class ModelConfig:
   layer_unroll: int = 1  # layers per iteration of the layer scan; 0 unrolls the stack
   # (faster on CPU, above all with PLD's skipped layers; longer
   # compiles for deep models)
+  # Transformer-XL (txl.py; --model transformer-xl): relative positions, segment recurrence.
+  arch: str = 'gpt'  # 'gpt' (this module) or 'transformer-xl'
+  mem_len: int = 0  # hidden states each layer keeps from previous segments (0: no recurrence)
+  clamp_len: int = 0  # relative distances beyond this share its encoding (0: no clamp)
+  attn_dropout: float = 0.0  # dropout on the attention probabilities (transformer-xl)
 
   def validate(self) -> None:
     for name in ('vocab_size', 'd_model', 'num_heads', 'num_layers', 'd_ff', 'seq_len'):
@@ -79,6 +87,24 @@ class ModelConfig:
       )
     if not 0.0 <= self.dropout < 1.0:
       raise ConfigError(f'dropout must be in [0, 1), got {self.dropout}; fix --dropout.')
+    if self.arch not in ARCHS:
+      raise ConfigError(f'unknown model {self.arch!r}; use --model {" or ".join(ARCHS)}.')
+    for name in ('mem_len', 'clamp_len'):
+      if getattr(self, name) < 0:
+        raise ConfigError(
+          f'{name} must be >= 0 (0: off), got {getattr(self, name)}; fix --{name.replace("_", "-")}.'
+        )
+    if not 0.0 <= self.attn_dropout < 1.0:
+      raise ConfigError(
+        f'attn_dropout must be in [0, 1), got {self.attn_dropout}; fix --attn-dropout.'
+      )
+    if self.arch != 'transformer-xl':
+      for name in ('mem_len', 'clamp_len', 'attn_dropout'):
+        if getattr(self, name):
+          raise ConfigError(
+            f'--{name.replace("_", "-")} is a Transformer-XL setting but the model is '
+            f'{self.arch!r}; add --model transformer-xl or drop --{name.replace("_", "-")}.'
+          )
     if not 0.0 < self.init_std < float('inf'):
       raise ConfigError(f'init_std must be a positive number, got {self.init_std}; fix --init-std.')
 
@@ -207,8 +233,13 @@ def _merge(graphdef, params: Params):
 
 
 def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
-  """Random initial parameters, layer parameters stacked on a leading axis of size num_layers."""
+  """Random initial parameters, layer parameters stacked on a leading axis of size num_layers
+  (of the model `cfg.arch` names: this module's, or `txl.py`'s)."""
   cfg.validate()
+  if cfg.arch == 'transformer-xl':
+    from ouroboros_jax import txl  # txl builds on this module
+
+    return txl.init_params(cfg, key)
   return _init_params(cfg, key)
 
 

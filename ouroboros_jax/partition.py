@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ouroboros_jax import costs
+from ouroboros_jax import costs, txl
 from ouroboros_jax import model as transformer
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.model import ModelConfig
-from ouroboros_jax.staged import StagedModel, WeightSplit
+from ouroboros_jax.staged import Memory, StagedModel, WeightSplit
 
 
 def balance_layers(cfg: ModelConfig, num_stages: int) -> tuple[int, ...]:
@@ -116,7 +116,10 @@ def split_side_channel(x, d_model: int):
 
 
 def transformer_stages(cfg: ModelConfig, layers_per_stage: Sequence[int]) -> StagedModel:
-  """The Transformer LM as embed -> stages -> tied head, for any schedule."""
+  """The Transformer LM as embed -> stages -> tied head, for any schedule (`cfg.arch`: the GPT
+  model of model.py, or Transformer-XL, `txl_stages`)."""
+  if cfg.arch == txl.ARCH:
+    return txl_stages(cfg, layers_per_stage)
   mask_GxN = jnp.asarray(stage_mask(layers_per_stage))
   uneven = len(set(layers_per_stage)) > 1
 
@@ -138,4 +141,31 @@ def transformer_stages(cfg: ModelConfig, layers_per_stage: Sequence[int]) -> Sta
         cfg, inputs, tap_grads
       ),
     ),
+  )
+
+
+def txl_stages(cfg: ModelConfig, layers_per_stage: Sequence[int]) -> StagedModel:
+  """Transformer-XL as embed -> stages -> tied head. With `cfg.mem_len` > 0 every stage keeps
+  the memory of its own layers (`StagedModel.memory`), [N, B, mem_len, D] per stage; `stage`
+  alone runs without a memory (evaluation of single windows)."""
+  mask_GxN = jnp.asarray(stage_mask(layers_per_stage))
+  uneven = len(set(layers_per_stage)) > 1
+
+  def stage_with_memory(stage_params, x_BxLxD, stage_index, rng, memory):
+    active_N = mask_GxN[stage_index] if uneven else None
+    return txl.layers(cfg, stage_params, x_BxLxD, memory, rng, active_N=active_N)
+
+  layer_count = lambda stage_params: jax.tree.leaves(stage_params)[0].shape[0]
+  memory = None
+  if cfg.mem_len:
+    memory = Memory(
+      init=lambda p, batch_size: txl.init_memory(cfg, layer_count(p), batch_size, cfg.mem_len),
+      stage=stage_with_memory,
+    )
+  return StagedModel(
+    embed=lambda p, tokens_BxL, rng: txl.embed(cfg, p, tokens_BxL, rng),
+    stage=lambda p, x, stage_index, rng: stage_with_memory(p, x, stage_index, rng, None)[0],
+    loss=lambda head, emb, x, targets: transformer.head_loss(cfg, head, emb, x, targets),
+    tied_embedding=cfg.tie_embeddings,
+    memory=memory,
   )

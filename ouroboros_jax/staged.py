@@ -59,6 +59,26 @@ class WeightSplit:
 
 
 @dataclasses.dataclass(frozen=True)
+class Memory:
+  """A state each stage carries from one batch to the next (Transformer-XL's memory of the
+  previous segments' hidden states), for models whose batches continue each other row by row.
+
+    init(stage_params, batch_size) -> one stage's empty memory (a pytree)
+    stage(stage_params, x, stage_index, rng, memory) -> (y, the new memory)
+
+  Every leaf of a memory has the batch on its leading axis (row b of batch t+1 continues row b
+  of batch t), so a schedule can cut it into data replicas and micro-batches as it cuts the
+  batch. The memory is not differentiated (its new value is computed under stop_gradient).
+  Schedules keep it in `TrainState.ring['memory']`, leaves [G, R, B/R, ...]: stage s's memory
+  lives on the device that owns stage s, each data replica's rows on that replica. Models
+  without one run `stage`.
+  """
+
+  init: Callable[..., Any]
+  stage: Callable[..., tuple[jax.Array, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
 class StagedModel:
   """A model cut into embed -> G stages -> loss; see the module docstring for the signatures."""
 
@@ -67,6 +87,27 @@ class StagedModel:
   loss: Callable[..., tuple[jax.Array, dict]]
   tied_embedding: bool = True  # the loss reads embed params (they get a fresh head gradient)
   weight_split: WeightSplit | None = None  # a cheap W for the zero-bubble pipelines, if any
+  memory: Memory | None = None  # a recurrent state per stage (Transformer-XL), if any
+
+  def run_stage(self, stage_params, x, stage_index, rng, memory=None):
+    """(y, new memory): one stage with its memory; (y, None) for a model without one."""
+    if self.memory is None:
+      return self.stage(stage_params, x, stage_index, rng), None
+    return self.memory.stage(stage_params, x, stage_index, rng, memory)
+
+  def recurrent_loss(self, params: PyTree, batch: dict, key, memory_G):
+    """`forward_loss` with every stage's memory (leaves [G, ...]), shaped for
+    `jax.value_and_grad(..., has_aux=True)`: (loss, (metrics, the new memory [G, ...]))."""
+    x = self.embed(params['embed'], batch['inputs'], piece_rng(key, EMBED_PIECE))
+    new = []
+    for s in range(stage_count(params)):
+      at = lambda a: a[s]
+      x, memory_s = self.run_stage(
+        jax.tree.map(at, params['stages']), x, s, piece_rng(key, s), jax.tree.map(at, memory_G)
+      )
+      new.append(memory_s)
+    loss, metrics = self.loss(params['head'], params['embed'], x, batch['targets'])
+    return loss, (metrics, jax.tree.map(lambda *m: jnp.stack(m), *new))
 
   def forward_loss(self, params: PyTree, batch: dict, key: jax.Array | None = None):
     """Plain composition on one device: embed, every stage in order, loss.
@@ -312,6 +353,23 @@ def init_state(
     ring=ring_specs(abstract.ring),
   )
   return jax.jit(fresh_state, out_shardings=named(specs, mesh))(params)
+
+
+def empty_memory(model: StagedModel, params: PyTree, example_batch, replicas: int = 1) -> dict:
+  """{'memory': leaves [G, R, B/R, ...]}: every stage's empty memory for batches shaped like
+  `example_batch`, split over R data replicas (`ring_specs` places it); {} for a model without
+  a memory."""
+  if model.memory is None:
+    return {}
+  if example_batch is None:
+    raise ConfigError(
+      'this model keeps a memory from batch to batch, whose shape follows the batch; call '
+      'init(params, example_batch).'
+    )
+  batch_size = example_batch['inputs'].shape[0]
+  local = batch_size // replicas
+  memory_G = jax.vmap(lambda p: model.memory.init(p, local))(params['stages'])
+  return {'memory': jax.tree.map(lambda a: jnp.repeat(a[:, None], replicas, axis=1), memory_G)}
 
 
 def batch_spec(batch: PyTree) -> PyTree:

@@ -35,9 +35,10 @@ def random_batches(num, seed=0, batch=BATCH, seq=SEQ, vocab=256):
 
 
 def tiny_transformer(
-  num_stages, *, pre_ln=True, num_layers=None, dropout=0.0, layers_per_stage=None
+  num_stages, *, pre_ln=True, num_layers=None, dropout=0.0, layers_per_stage=None, **model
 ):
-  """(StagedModel, staged params) of a 16-wide Transformer with at least 3 layers."""
+  """(StagedModel, staged params) of a 16-wide Transformer with at least 3 layers (`model`:
+  other ModelConfig fields, e.g. arch='transformer-xl', mem_len=8)."""
   cfg = transformer.ModelConfig(
     d_model=16,
     num_heads=2,
@@ -46,6 +47,7 @@ def tiny_transformer(
     seq_len=SEQ,
     pre_ln=pre_ln,
     dropout=dropout,
+    **model,
   )
   layers_per_stage = layers_per_stage or partition.balance_layers(cfg, num_stages)
   params = partition.to_staged(transformer.init_params(cfg, jax.random.key(0)), layers_per_stage)

@@ -645,3 +645,15 @@ def test_non_positive_sizes(train_tokens):
   assert 'seed' in _error(
     data.make_train_iterator, train_tokens, seq_len=SEQ_LEN, batch_size=2, seed=-1
   )
+
+
+def test_windows_and_iterators_keep_word_ids_above_255():
+  tokens = np.arange(300, 300 + 20 * SEQ_LEN + 1, dtype=np.int32)  # int32 word ids, not bytes
+  source = data.WindowSource(tokens, SEQ_LEN)
+  np.testing.assert_array_equal(source[1]['inputs'], tokens[SEQ_LEN : 2 * SEQ_LEN])
+  batch = next(data.make_train_iterator(tokens, seq_len=SEQ_LEN, batch_size=4, seed=0))
+  assert batch['inputs'].dtype == np.int32 and batch['inputs'].min() >= 300
+  np.testing.assert_array_equal(batch['targets'], batch['inputs'] + 1)
+  first = next(data.eval_batches(tokens, seq_len=SEQ_LEN, batch_size=2))
+  np.testing.assert_array_equal(first['inputs'].ravel(), tokens[: 2 * SEQ_LEN])
+  assert 'integer' in _error(data.WindowSource, np.ones(40, np.float32), SEQ_LEN)

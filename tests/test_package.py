@@ -18,6 +18,7 @@ LAYERS = {
   'errors': 0,
   'choices': 0,
   'model': 1,
+  'txl': 1,
   'staged': 1,
   'partition': 1,
   'costs': 1,

@@ -85,7 +85,7 @@ def test_the_tapped_split_is_the_full_vjp(pre_ln, layers_per_stage):
   key = jax.random.key(3)
   for s in range(2):
     params_s = jax.tree.map(lambda a: a[s], params['stages'])
-    y, kept = jax.jit(stash.forward, static_argnums=2)(params_s, x, s, key)
+    y, kept, _ = jax.jit(stash.forward, static_argnums=2)(params_s, x, s, key)
     dx, tap_grads = stash.input_grad(params_s, kept, delta, s, key)
     g = stash.weight_grad(params_s, kept, tap_grads)
     run = lambda p, h: model.stage(p, h, s, staged.piece_rng(key, s))

@@ -150,7 +150,7 @@ def measure_pieces(
     params_s = jax.tree.map(lambda a: a[s], params['stages'])
     forward = jax.jit(lambda p, h: stash.forward(p, h, s, key))
     fwd.append(_median_time(lambda p, h: forward(p, h)[0], params_s, x, repeats=repeats))
-    y, kept = forward(params_s, x)
+    y, kept, _ = forward(params_s, x)
     backward = jax.jit(lambda p, k, d: stash.backward(p, k, d, s, key))
     bwd.append(_median_time(backward, params_s, kept, jnp.ones_like(y), repeats=repeats))
 

@@ -173,6 +173,7 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t, t_async):
   params_s = ring_lib.local_stage_params(params)
   forward_s = ring_lib.local_stage_params(forward_params)  # = params_s unless predicted
   stash_S, batches_S = jax.tree.map(lambda a: a[0, 0], (buffers['stash'], buffers['batches']))
+  memory = ring_lib.local_memory(buffers)  # this group's memory (Transformer-XL), or None
   lag = jnp.asarray(ring.backward_lags)[s]
   valid = t_async >= lag  # no gradient before the pipe has filled
   batch_index = t - lag  # the batch group s back-propagates now
@@ -194,12 +195,18 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t, t_async):
   x = ring_lib.embed(model, forward_params['embed'], batch['inputs'], ring.key(t))
   if ring.pipelined:  # x_head: group G-1's output of batch t - G
     forward_batch = t - s
-    x_head, kept, act_next = ring_lib.pipelined_forward(
-      stash, forward_s, x, buffers['act'][0, 0], ring.key(forward_batch), num_stages
+    x_head, kept, new_memory, act_next = ring_lib.pipelined_forward(
+      stash, forward_s, x, buffers['act'][0, 0], ring.key(forward_batch), num_stages, memory
+    )
+    # While the pipe fills, group s forwards nothing real (t_async < s): its memory stays.
+    new_memory = jax.tree.map(
+      lambda new, old: jnp.where(t_async >= s, new, old), new_memory, memory
     )
   else:
     forward_batch = t
-    x_head, kept = ring_lib.locked_forward(stash, forward_s, x, ring.key(t), num_stages)
+    x_head, kept, new_memory = ring_lib.locked_forward(
+      stash, forward_s, x, ring.key(t), num_stages, memory
+    )
   stash_S = ring_lib.write_slot(stash_S, kept, forward_batch, depth)
   if num_stages == 1:  # lag 0: the backward needs what was just kept
     stash_b, inputs_b = kept, batch['inputs']
@@ -227,6 +234,8 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t, t_async):
   new_buffers = {'stash': stash_S, 'batches': batches_S, 'delta': delta_next}
   if ring.pipelined:
     new_buffers['act'] = act_next
+  if new_memory is not None:
+    new_buffers['memory'] = new_memory
   return grads, jax.tree.map(lambda a: a[None, None], new_buffers), loss
 
 
@@ -235,7 +244,8 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t, t_async):
 
 def _init(ring: _Ring, params, example_batch):
   """The fresh TrainState, with zeroed ring buffers [G, R, slots, ...] for the stash, the
-  batches in flight and the error gradient (and, pipelined, the activation) in flight."""
+  batches in flight and the error gradient (and, pipelined, the activation) in flight; and a
+  model's empty memory [G, R, ...] if it has one."""
   replicas, num_stages = ring.config.data_parallel, ring.num_stages
   staged.check_batch(example_batch, replicas, 'the data-parallel degree')
   local = jax.tree.map(
@@ -243,12 +253,17 @@ def _init(ring: _Ring, params, example_batch):
   )
   params_s = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params['stages'])
   x = jax.eval_shape(ring.model.embed, params['embed'], local['inputs'], None)
+  memory = staged.empty_memory(ring.model, params, example_batch, replicas)
+  memory_s = jax.tree.map(lambda a: a[0, 0], memory.get('memory'))
   # Stage index and key traced, as in the step: what a graph stash keeps can depend on it.
-  _, kept = jax.eval_shape(ring.stash.forward, params_s, x, jnp.int32(0), jax.random.key(0))
+  _, kept, _ = jax.eval_shape(
+    ring.stash.forward, params_s, x, jnp.int32(0), jax.random.key(0), memory_s
+  )
   buffer = lambda a, *lead: jnp.zeros((num_stages, replicas, *lead, *a.shape), a.dtype)
 
   def fresh_buffers():
     buffers = {
+      **staged.empty_memory(ring.model, params, example_batch, replicas),
       'stash': jax.tree.map(lambda a: buffer(a, ring.depth), kept),
       'batches': jax.tree.map(lambda a: buffer(a, ring.depth), local),
       'delta': buffer(x),
@@ -276,18 +291,22 @@ def _grads(ring: _Ring, state: TrainState, forward_params, batch, t, t_async):
   def ouroboros_grads():
     return delayed(state.params, forward_params, state.ring, batch, t, t_async)
 
-  def warmup_grads():
+  def locked(params, batch, t, buffers):
+    memory = ring_lib.local_memory(buffers)
+    grads, loss, memory = ring_lib.locked_grads(
+      ring.model, params, batch, ring.key(t), ring.num_stages, memory
+    )
+    return grads, ring_lib.with_memory(buffers, memory), loss
+
+  def warmup_grads():  # the pipes stay empty; a memory follows the batches
     synchronous = jax.shard_map(
-      lambda params, batch, t: ring_lib.locked_grads(
-        ring.model, params, batch, ring.key(t), ring.num_stages
-      ),
+      locked,
       mesh=ring.mesh,
-      in_specs=(param_specs, staged.batch_spec(batch), P()),
-      out_specs=(param_specs, P()),
+      in_specs=(param_specs, staged.batch_spec(batch), P(), buffer_specs),
+      out_specs=(param_specs, buffer_specs, P()),
       check_vma=False,
     )
-    grads, loss = synchronous(state.params, batch, t)
-    return grads, state.ring, loss
+    return synchronous(state.params, batch, t, state.ring)
 
   if ring.config.sync_warmup_steps:
     return jax.lax.cond(t_async < 0, warmup_grads, ouroboros_grads)

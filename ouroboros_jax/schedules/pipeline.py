@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ouroboros_jax import staged
+from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.schedules import ring, tables
 from ouroboros_jax.schedules.config import ScheduleConfig
 from ouroboros_jax.schedules.synchronous import replica_key, synchronous_schedule
@@ -80,6 +81,12 @@ def idle_fraction(table: tables.Table) -> float:
 
 def build_pipeline(config: ScheduleConfig, model: StagedModel, tx, *, devices=None) -> Schedule:
   """The schedule of `config.name` (any of `tables.PIPELINES`) run from its table."""
+  if model.memory is not None:
+    raise ConfigError(
+      f'{config.name} does not carry a model memory from step to step yet (Transformer-XL with '
+      '--mem-len > 0); use --schedule backprop, data_parallel, model_parallel, gpipe or '
+      'ouroboros, or --mem-len 0.'
+    )
   table = pipeline_table(config)
   pipeline, program = table.pipeline, tables.program(table)
   p, m, replicas = pipeline.num_stages, pipeline.microbatches, config.data_parallel
@@ -91,7 +98,7 @@ def build_pipeline(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
   stash = TappedStash(model.weight_split) if tapped else ring.Stash(model, keep_weights=False)
   last = pipeline.last_stage
 
-  def device_grads(params, batch, t):
+  def device_grads(params, batch, t, buffers):
     s = jax.lax.axis_index(STAGE)
     key = replica_key(config.seed, t, replicas)
     micro_key = lambda i: key if m == 1 else jax.random.fold_in(key, i)
@@ -109,7 +116,7 @@ def build_pipeline(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
       x = jax.lax.cond(
         k == 0, lambda: embed_of(embed_p, i), lambda: carry.activations[op['inbox_slot']]
       )
-      y, kept = stash.forward(chunk_params(op['chunk']), x, k, micro_key(i))
+      y, kept, _ = stash.forward(chunk_params(op['chunk']), x, k, micro_key(i))
 
       def head():  # the loss of micro-batch i, as 1/m of the step's
         loss_of = lambda h, e, y: model.loss(h, e, y, targets_M[i])[0]
@@ -188,7 +195,9 @@ def build_pipeline(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
     slots = lambda like: jax.tree.map(
       lambda a: jnp.zeros((program.stash_slots, *a.shape), a.dtype), like
     )
-    _, kept_like = jax.eval_shape(lambda: stash.forward(chunk_params(0), zeros_x, 0, micro_key(0)))
+    _, kept_like, _ = jax.eval_shape(
+      lambda: stash.forward(chunk_params(0), zeros_x, 0, micro_key(0))
+    )
     start = _Carry(
       stash=slots(kept_like),
       tap_grads=slots(model.weight_split.taps(chunk_params(0), zeros_x)) if tapped else {},
@@ -207,7 +216,7 @@ def build_pipeline(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
       'head': from_owner(end.grad_head),
       'stages': end.grad_chunks,
     }
-    return jax.lax.pmean((grads, from_owner(end.loss)), DATA)
+    return (*jax.lax.pmean((grads, from_owner(end.loss)), DATA), buffers)
 
   return synchronous_schedule(
     config, model, tx, mesh, device_grads, idle_fraction(table), stage_order=stage_order
@@ -229,9 +238,10 @@ class TappedStash:
     return jax.vjp(run, x, self.split.taps(params_s, x), has_aux=True)
 
   def forward(self, params_s, x, stage_index, key):
-    """-> (the stage's output, what B and W need of it)."""
+    """-> (the stage's output, what B and W need of it, None: no memory), as `ring.Stash`."""
     y, vjp_fn, inputs = self._vjp(params_s, x, stage_index, key)
-    return y, {'vjp': ring.without_weights(jax.tree.leaves(vjp_fn), params_s), 'inputs': inputs}
+    kept = {'vjp': ring.without_weights(jax.tree.leaves(vjp_fn), params_s), 'inputs': inputs}
+    return y, kept, None
 
   def input_grad(self, params_s, kept, delta, stage_index, key):
     """-> (the input gradient, the taps' gradients) for output gradient delta."""

@@ -157,12 +157,17 @@ class SlowRing:
     self.options, self.params = options, params
     self.num_stages = staged.stage_count(params)
     self.pipelined = options.forward == 'pipelined' and self.num_stages > 1
+    memory = model.memory and staged.Memory(
+      init=model.memory.init, stage=jax.jit(model.memory.stage)
+    )
     self.model = staged.StagedModel(
       embed=jax.jit(model.embed),
       stage=jax.jit(model.stage),
       loss=jax.jit(model.loss),
       tied_embedding=model.tied_embedding,
+      memory=memory,
     )
+    self.memory = [None] * self.num_stages  # group s's memory (Transformer-XL), once it runs
     self.apply_gradients = jax.jit(
       lambda *args, **kw: staged.apply_gradients(tx, *args, clip_norm=options.clip_norm, **kw)
     )
@@ -190,12 +195,28 @@ class SlowRing:
     g_stages, ready, gap, g_embed = self.backward(t, batches, delta_head, g_embed)
     self.update(g_embed, g_head, g_stages, ready, gap, head_ready=delta_head is not None)
 
+  def memory_of(self, s: int, rows: int):
+    """Group s's memory (an empty one before its first forward); None without a memory."""
+    if self.model.memory is not None and self.memory[s] is None:
+      self.memory[s] = self.model.memory.init(self.stage_params(self.params, s), rows)
+    return self.memory[s]
+
   def warmup_step(self, t: int, batch) -> None:
     """Plain backprop of batch t (the synchronous warm-up)."""
     model, groups = self.model, ['embed', *range(self.num_stages), 'head']
-    (loss, _), grads = jax.value_and_grad(model.forward_loss, has_aux=True)(
-      self.params, batch, self.key(t)
-    )
+    if model.memory is None:
+      (loss, _), grads = jax.value_and_grad(model.forward_loss, has_aux=True)(
+        self.params, batch, self.key(t)
+      )
+    else:
+      rows = batch['inputs'].shape[0]
+      memory_G = jax.tree.map(
+        lambda *m: jnp.stack(m), *[self.memory_of(s, rows) for s in range(self.num_stages)]
+      )
+      (loss, (_, memory_G)), grads = jax.value_and_grad(model.recurrent_loss, has_aux=True)(
+        self.params, batch, self.key(t), memory_G
+      )
+      self.memory = [jax.tree.map(lambda a, s=s: a[s], memory_G) for s in range(self.num_stages)]
     if self.slow:
       self.params = self.slow.apply(
         self.params, grads, {k: True for k in groups}, {k: 0 for k in groups}
@@ -228,14 +249,18 @@ class SlowRing:
       if carried is None:  # pipelined: nothing has reached this group yet
         continue
       b, x = carried
-      key_b = self.key(b)
-      run_s = lambda p, h, s=s, key_b=key_b: model.stage(p, h, s, staged.piece_rng(key_b, s))
+      key_b, memory = self.key(b), self.memory_of(s, x.shape[0])
+      run_s = lambda p, h, s=s, key_b=key_b, memory=memory: model.run_stage(
+        p, h, s, staged.piece_rng(key_b, s), memory
+      )
       if self.options.stash == 'graph':
-        y, vjp_fn = jax.vjp(run_s, self.stage_params(forward_params, s), x)
+        y, vjp_fn, self.memory[s] = jax.vjp(
+          run_s, self.stage_params(forward_params, s), x, has_aux=True
+        )
         self.stashes[s].append((b, t, vjp_fn))
-      else:
-        y = run_s(self.stage_params(forward_params, s), x)
-        self.stashes[s].append((b, t, x))
+      else:  # replay keeps the input and the memory the forward read
+        y, self.memory[s] = run_s(self.stage_params(forward_params, s), x)
+        self.stashes[s].append((b, t, (x, memory)))
       carried = (b, y)
       new_act[(s + 1) % num_stages] = carried
     if not self.pipelined:
@@ -282,8 +307,12 @@ class SlowRing:
       if self.options.stash == 'graph':
         g_stages[s], dx = kept(delta)
       else:
-        run_s = lambda p, h, s=s: model.stage(p, h, s, staged.piece_rng(key_b, s))
-        g_stages[s], dx = jax.vjp(run_s, self.stage_params(params, s), kept)[1](delta)
+        x, memory = kept
+        run_s = lambda p, h, s=s, memory=memory: model.run_stage(
+          p, h, s, staged.piece_rng(key_b, s), memory
+        )
+        vjp_fn = jax.vjp(run_s, self.stage_params(params, s), x, has_aux=True)[1]
+        g_stages[s], dx = vjp_fn(delta)
       ready[s] = True
       if s > 0:
         new_inbox[s - 1] = dx

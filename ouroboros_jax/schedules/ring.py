@@ -93,27 +93,40 @@ class Stash:
     self.policy = STASH_POLICIES[policy]
     self.keep_weights = keep_weights
 
-  def run(self, params_s, x, stage_index, key):
-    return self.model.stage(params_s, x, stage_index, staged.piece_rng(key, stage_index))
+  def run(self, params_s, x, stage_index, key, memory=None):
+    """(the group's output, its new memory (None without one))."""
+    rng = staged.piece_rng(key, stage_index)
+    return self.model.run_stage(params_s, x, stage_index, rng, memory)
 
-  def _vjp(self, params_s, x, stage_index, key):
-    run = lambda p, h: self.run(p, h, stage_index, key)
+  def _vjp(self, params_s, x, stage_index, key, memory=None):
+    run = lambda p, h: self.run(p, h, stage_index, key, memory)
     if self.policy is not None:
       run = jax.checkpoint(run, policy=self.policy)
-    return jax.vjp(run, params_s, x)
+    return jax.vjp(run, params_s, x, has_aux=True)  # (y, vjp_fn, new memory)
 
   def vjp_structure(self, params_s, x_like, stage_index, key):
     """(the tree structure of the graph-mode forward's VJP, for inputs shaped like x_like; which
     of its leaves are weights: the index of the weight leaf, or None)."""
-    return vjp_layout(lambda h: self._vjp(params_s, h, stage_index, key)[1], params_s, x_like)
+    memory_like = self._memory_like(params_s, x_like)
+    return vjp_layout(
+      lambda h, m: self._vjp(params_s, h, stage_index, key, m)[1], params_s, x_like, memory_like
+    )
 
-  def forward(self, params_s, x, stage_index, key):
-    """-> (the group's output, what to keep for its backward)."""
+  def _memory_like(self, params_s, x_like):
+    """The shape of the memory a forward on x_like read (None for a model without one)."""
+    if self.model.memory is None:
+      return None
+    return jax.eval_shape(lambda p: self.model.memory.init(p, x_like.shape[0]), params_s)
+
+  def forward(self, params_s, x, stage_index, key, memory=None):
+    """-> (the group's output, what to keep for its backward, its new memory (None without
+    one)). Replay keeps the memory the forward read beside its input."""
     if not self.graph_mode:
-      return self.run(params_s, x, stage_index, key), x
-    y, vjp_fn = self._vjp(params_s, x, stage_index, key)
+      y, new_memory = self.run(params_s, x, stage_index, key, memory)
+      return y, (x if memory is None else (x, memory)), new_memory
+    y, vjp_fn, new_memory = self._vjp(params_s, x, stage_index, key, memory)
     leaves = jax.tree.leaves(vjp_fn)
-    return y, leaves if self.keep_weights else without_weights(leaves, params_s)
+    return y, leaves if self.keep_weights else without_weights(leaves, params_s), new_memory
 
   def backward(self, params_s, kept, delta, stage_index, key):
     """-> (gradient of the group's weights, gradient of its input) for output gradient delta."""
@@ -122,8 +135,10 @@ class Stash:
       if not self.keep_weights:
         kept = with_weights(kept, positions, params_s)
       vjp_fn = jax.tree.unflatten(treedef, kept)
-    else:  # replay: re-run the forward at the given weights
-      _, vjp_fn = jax.vjp(lambda p, h: self.run(p, h, stage_index, key), params_s, kept)
+    else:  # replay: re-run the forward at the given weights (and the memory it read)
+      x, memory = kept if isinstance(kept, tuple) else (kept, None)
+      run = lambda p, h: self.run(p, h, stage_index, key, memory)
+      _, vjp_fn, _ = jax.vjp(run, params_s, x, has_aux=True)
     return vjp_fn(delta)
 
 
@@ -175,28 +190,30 @@ def embed(model: StagedModel, embed_params, tokens, key):
   return model.embed(embed_params, tokens, staged.piece_rng(key, EMBED_PIECE))
 
 
-def locked_forward(stash: Stash, params_s, x, key, num_stages: int):
+def locked_forward(stash: Stash, params_s, x, key, num_stages: int, memory=None):
   """G rounds: in round r only device r runs its group on x (and keeps its stash); then every
-  device passes x on to the next. Returns (the last group's output, now on device 0, kept)."""
+  device passes x on to the next. Returns (the last group's output, now on device 0, kept, this
+  device's new memory (None without one))."""
   s = jax.lax.axis_index(STAGE)
-  _, kept_shape = jax.eval_shape(lambda: stash.forward(params_s, x, s, key))
+  forward = lambda x: stash.forward(params_s, x, s, key, memory)
+  _, kept_shape, _ = jax.eval_shape(forward, x)
   empty = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), kept_shape)
 
   def forward_round(r, carry):
-    x, kept = carry
-    y, kept = jax.lax.cond(r == s, lambda: stash.forward(params_s, x, s, key), lambda: (x, kept))
-    return send_forward(y, num_stages), kept
+    x, kept, mem = carry
+    y, kept, mem = jax.lax.cond(r == s, forward, lambda x: (x, kept, mem), x)
+    return send_forward(y, num_stages), kept, mem
 
-  return jax.lax.fori_loop(0, num_stages, forward_round, (x, empty))
+  return jax.lax.fori_loop(0, num_stages, forward_round, (x, empty, memory))
 
 
-def pipelined_forward(stash: Stash, params_s, x, received, key, num_stages: int):
+def pipelined_forward(stash: Stash, params_s, x, received, key, num_stages: int, memory=None):
   """Every group at once, each on what its predecessor sent during the previous step (device 0
   on the fresh embedding x); the outputs move one hop on. Returns (what device 0 received from
-  group G-1 one step ago, for the head; kept; the outputs sent on)."""
+  group G-1 one step ago, for the head; kept; the new memory; the outputs sent on)."""
   s = jax.lax.axis_index(STAGE)
-  y, kept = stash.forward(params_s, jnp.where(s == 0, x, received), s, key)
-  return received, kept, send_forward(y, num_stages)
+  y, kept, new_memory = stash.forward(params_s, jnp.where(s == 0, x, received), s, key, memory)
+  return received, kept, new_memory, send_forward(y, num_stages)
 
 
 def head(model: StagedModel, params, x, targets):
@@ -255,8 +272,21 @@ def gather_grads(g_embed, g_head, g_stage, loss):
   return jax.lax.pmean((grads, from_device0(loss)), DATA)
 
 
-def locked_grads(model: StagedModel, params, batch, key, num_stages: int):
-  """Plain synchronous backprop over the ring: the exact gradient of `batch`, as (grads, loss).
+def local_memory(buffers):
+  """This device's memory from ring buffers {'memory': [1, 1, ...]} (None when there is none)."""
+  return jax.tree.map(lambda a: a[0, 0], buffers['memory']) if 'memory' in buffers else None
+
+
+def with_memory(buffers, memory):
+  """Ring buffers with this device's memory replaced (unchanged when memory is None)."""
+  if memory is None:
+    return buffers
+  return {**buffers, 'memory': jax.tree.map(lambda a: a[None, None], memory)}
+
+
+def locked_grads(model: StagedModel, params, batch, key, num_stages: int, memory=None):
+  """Plain synchronous backprop over the ring: the exact gradient of `batch`, as (grads, loss,
+  this device's new memory (None without one)).
 
   Locked forward, head on device 0, locked backward, embedding backward; in every round all
   devices but one wait. This is `model_parallel`'s step and Ouroboros' synchronous warm-up.
@@ -264,8 +294,9 @@ def locked_grads(model: StagedModel, params, batch, key, num_stages: int):
   stash = Stash(model, 'graph')
   params_s = local_stage_params(params)
   x = embed(model, params['embed'], batch['inputs'], key)
-  x, kept = locked_forward(stash, params_s, x, key, num_stages)
+  x, kept, memory = locked_forward(stash, params_s, x, key, num_stages, memory)
   loss, g_head, g_embed_out, delta = head(model, params, x, batch['targets'])
   g_stage, dx = locked_backward(stash, params_s, kept, delta, key, num_stages)
   g_embed_in = embed_backward(model, params['embed'], batch['inputs'], key, dx)
-  return gather_grads(jax.tree.map(jnp.add, g_embed_out, g_embed_in), g_head, g_stage, loss)
+  grads, loss = gather_grads(jax.tree.map(jnp.add, g_embed_out, g_embed_in), g_head, g_stage, loss)
+  return grads, loss, memory

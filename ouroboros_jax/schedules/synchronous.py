@@ -70,20 +70,32 @@ def build_backprop(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
   mesh = staged.make_mesh(1, 1, devices)
 
   def init(params, example_batch=None):
-    del example_batch
-    return staged.init_state(tx, params, mesh)
+    memory = lambda: staged.empty_memory(model, params, example_batch)
+    return staged.init_state(tx, params, mesh, memory)
 
   def step(state: TrainState, batch: dict):
     key = staged.batch_key(config.seed, state.step)
-    (loss, _), grads = jax.value_and_grad(model.forward_loss, has_aux=True)(
-      state.params, batch, key
-    )
-    return synchronous_update(config, tx, state, grads, loss)
+    grads, loss, buffers = whole_model_grads(model, state.params, batch, key, state.ring)
+    new_state, metrics = synchronous_update(config, tx, state, grads, loss)
+    return new_state.replace(ring=buffers), metrics
 
   return staged.make_schedule('backprop', model, mesh, init, step, idle_fraction=0.0)
 
 
 # ----------------------------------------------------------------------------- shared plumbing
+
+
+def whole_model_grads(model: StagedModel, params, batch, key, buffers):
+  """(grads, loss, buffers) of the plain composition on one device (or one data replica):
+  with a memory (`buffers['memory']`, leaves [G, 1, ...]) every stage reads and renews its own."""
+  if 'memory' not in buffers:
+    (loss, _), grads = jax.value_and_grad(model.forward_loss, has_aux=True)(params, batch, key)
+    return grads, loss, buffers
+  memory_G = jax.tree.map(lambda a: a[:, 0], buffers['memory'])
+  (loss, (_, memory_G)), grads = jax.value_and_grad(model.recurrent_loss, has_aux=True)(
+    params, batch, key, memory_G
+  )
+  return grads, loss, {'memory': jax.tree.map(lambda a: a[:, None], memory_G)}
 
 
 def synchronous_schedule(
@@ -97,11 +109,13 @@ def synchronous_schedule(
 ) -> Schedule:
   """A synchronous schedule (`config.name`) from its per-device gradient.
 
-  device_grads(params, batch, t) -> (grads, loss) runs inside one `jax.shard_map` over the
-  (stage, data) mesh: it sees its stage's parameters (leading axis 1), its replica's share of the
-  batch and the step index t, and returns gradients laid out as the parameters (stage gradients
-  on their own device, embed and head gradients replicated) and the batch's loss, both already
-  averaged over `data`. The optimizer step is `synchronous_update`, as for every schedule.
+  device_grads(params, batch, t, buffers) -> (grads, loss, buffers) runs inside one
+  `jax.shard_map` over the (stage, data) mesh: it sees its stage's parameters (leading axis 1),
+  its replica's share of the batch, the step index t and its share of `TrainState.ring` (a
+  model's memory, if it has one; else {}), and returns gradients laid out as the parameters
+  (stage gradients on their own device, embed and head gradients replicated) and the batch's
+  loss, both already averaged over `data`, and the renewed buffers. The optimizer step is
+  `synchronous_update`, as for every schedule.
 
   `stage_order` (v chunks per device): the parameters' stage groups in the order the devices hold
   them, v consecutive per device; the step gathers them so (and their gradients back).
@@ -125,27 +139,29 @@ def synchronous_schedule(
         f'the parameters have {staged.stage_count(params)} stage groups but {name} {runs}; cut '
         f'them with partition.to_staged(params, layers_per_stage) for {groups} groups.'
       )
-    return staged.init_state(tx, params, mesh)
+    memory = lambda: staged.empty_memory(model, params, example_batch, replicas)
+    return staged.init_state(tx, params, mesh, memory)
 
   def step(state: TrainState, batch: dict):
     check_batch(batch, replicas, microbatches)
-    param_specs = staged.param_specs(state.params)
+    param_specs, buffer_specs = staged.param_specs(state.params), staged.ring_specs(state.ring)
     grads_of = jax.shard_map(
       device_grads,
       mesh=mesh,
-      in_specs=(param_specs, staged.batch_spec(batch), P()),
-      out_specs=(param_specs, P()),
+      in_specs=(param_specs, staged.batch_spec(batch), P(), buffer_specs),
+      out_specs=(param_specs, P(), buffer_specs),
       check_vma=False,
     )
-    if not reorder:
-      grads, loss = grads_of(state.params, batch, state.step)
-      return synchronous_update(config, tx, state, grads, loss)
-    order = jnp.asarray(stage_order)
-    held = {**state.params, 'stages': jax.tree.map(lambda a: a[order], state.params['stages'])}
-    grads, loss = grads_of(held, batch, state.step)
-    back = jnp.asarray(np.argsort(stage_order))
-    grads = {**grads, 'stages': jax.tree.map(lambda g: g[back], grads['stages'])}
-    return synchronous_update(config, tx, state, grads, loss)
+    held = state.params
+    if reorder:
+      order = jnp.asarray(stage_order)
+      held = {**held, 'stages': jax.tree.map(lambda a: a[order], held['stages'])}
+    grads, loss, buffers = grads_of(held, batch, state.step, state.ring)
+    if reorder:
+      back = jnp.asarray(np.argsort(stage_order))
+      grads = {**grads, 'stages': jax.tree.map(lambda g: g[back], grads['stages'])}
+    new_state, metrics = synchronous_update(config, tx, state, grads, loss)
+    return new_state.replace(ring=buffers), metrics
 
   return staged.make_schedule(name, model, mesh, init, step, idle_fraction)
 
@@ -167,10 +183,10 @@ def build_data_parallel(
   replicas = config.data_parallel
   mesh = staged.make_mesh(1, replicas, devices)
 
-  def device_grads(params, batch, t):
+  def device_grads(params, batch, t, buffers):
     key = replica_key(config.seed, t, replicas)
-    (loss, _), grads = jax.value_and_grad(model.forward_loss, has_aux=True)(params, batch, key)
-    return jax.lax.pmean((grads, loss), DATA)
+    grads, loss, buffers = whole_model_grads(model, params, batch, key, buffers)
+    return (*jax.lax.pmean((grads, loss), DATA), buffers)
 
   return synchronous_schedule(config, model, tx, mesh, device_grads, idle_fraction=0.0)
 
@@ -203,9 +219,11 @@ def build_model_parallel(
   num_stages, replicas = config.num_stages, config.data_parallel
   mesh = staged.make_mesh(num_stages, replicas, devices)
 
-  def device_grads(params, batch, t):
+  def device_grads(params, batch, t, buffers):
     key = replica_key(config.seed, t, replicas)
-    return ring.locked_grads(model, params, batch, key, num_stages)
+    memory = ring.local_memory(buffers)
+    grads, loss, memory = ring.locked_grads(model, params, batch, key, num_stages, memory)
+    return grads, loss, ring.with_memory(buffers, memory)
 
   idle = model_parallel_idle_fraction(num_stages)
   return synchronous_schedule(config, model, tx, mesh, device_grads, idle)
@@ -249,18 +267,21 @@ def build_gpipe(
   mesh = staged.make_mesh(num_stages, replicas, devices)
   iterations = num_micro + num_stages - 1
 
-  def device_grads(params, batch, t):
+  def device_grads(params, batch, t, buffers):
     s = jax.lax.axis_index(STAGE)
     key = replica_key(config.seed, t, replicas)
     micro_key = lambda m: key if num_micro == 1 else jax.random.fold_in(key, m)
     split = lambda a: a.reshape(num_micro, a.shape[0] // num_micro, *a.shape[1:])
     inputs_M, targets_M = split(batch['inputs']), split(batch['targets'])
+    # A memory (leaves [B/R, ...]) is cut into the micro-batches' rows like the batch.
+    memory_M = jax.tree.map(split, ring.local_memory(buffers))
 
     def pipeline_loss(embed_p, params_s, head_p):
       embed_micro = lambda m: ring.embed(model, embed_p, inputs_M[m], micro_key(m))
       x_shape = jax.eval_shape(embed_micro, 0)
 
-      def iteration(received, i):
+      def iteration(carry, i):
+        received, memory_M = carry
         m = i - s
         valid = (m >= 0) & (m < num_micro)
         key_m = micro_key(jnp.clip(m, 0, num_micro - 1))
@@ -271,29 +292,36 @@ def build_gpipe(
         )
         x = jnp.where(s == 0, fresh, received)
         x = jnp.where(valid, x, bubble_fill)  # a bubble holds garbage ...
-        y = jax.lax.cond(
-          valid,  # ... and never enters the group
-          lambda h: model.stage(params_s, h, s, staged.piece_rng(key_m, s)),
-          lambda h: h,
+        m_read = jnp.clip(m, 0, num_micro - 1)
+        memory_m = jax.tree.map(lambda a: a[m_read], memory_M)
+        y, memory_m = jax.lax.cond(
+          valid,  # ... and never enters the group (nor touches its memory)
+          lambda h: model.run_stage(params_s, h, s, staged.piece_rng(key_m, s), memory_m),
+          lambda h: (h, memory_m),
           x,
         )
+        memory_M = jax.tree.map(lambda a, new: a.at[m_read].set(new), memory_M, memory_m)
         received = ring.send_forward(y, num_stages)
-        return received, received
+        return (received, memory_M), received
 
       start = jnp.full(x_shape.shape, bubble_fill, x_shape.dtype)
-      _, arrived = jax.lax.scan(iteration, start, jnp.arange(iterations))
+      (_, new_memory_M), arrived = jax.lax.scan(
+        iteration, (start, memory_M), jnp.arange(iterations)
+      )
       outputs_M = arrived[num_stages - 1 :]  # on device 0: the last group's output of m = 0..M-1
 
       def head():
         loss_of = lambda x, targets: model.loss(head_p, embed_p, x, targets)[0]
         return jax.vmap(loss_of)(outputs_M, targets_M).mean()
 
-      return ring.on_stage(s, 0, head)
+      return ring.on_stage(s, 0, head), new_memory_M
 
-    loss, (g_embed, g_stage, g_head) = jax.value_and_grad(pipeline_loss, argnums=(0, 1, 2))(
-      params['embed'], ring.local_stage_params(params), params['head']
-    )
-    return ring.gather_grads(g_embed, g_head, g_stage, loss)
+    (loss, memory_M), (g_embed, g_stage, g_head) = jax.value_and_grad(
+      pipeline_loss, argnums=(0, 1, 2), has_aux=True
+    )(params['embed'], ring.local_stage_params(params), params['head'])
+    grads, loss = ring.gather_grads(g_embed, g_head, g_stage, loss)
+    merge = lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
+    return grads, loss, ring.with_memory(buffers, jax.tree.map(merge, memory_M))
 
   idle = gpipe_idle_fraction(num_stages, num_micro)
   return synchronous_schedule(config, model, tx, mesh, device_grads, idle)

@@ -75,6 +75,9 @@ class TrainConfig:
   log_every: int = 20  # also how often the host checks the loss for NaN/Inf
   eval_every: int = 500
   eval_batches: int = 50  # validation batches per evaluation (in order, unshuffled)
+  eval_mem_len: int | None = None  # transformer-xl: memory length when evaluating (None: mem_len)
+  data_order: str = 'auto'  # windows (shuffled), segments (B contiguous streams, each row
+  # continuing the previous batch's), auto: segments for a model with a memory
   checkpoint_every: int = 1000
   keep_checkpoints: int = 3
   seed: int = 0  # parameters, data order and dropout
@@ -185,7 +188,50 @@ class TrainConfig:
       )
     self.plans  # parses --layers-per-stage, --pld, --growth, --vcycle, --std-loss-layers
     self.check_accelerators()
+    self.check_memory()
     return True
+
+  @property
+  def segment_order(self) -> bool:
+    """Whether training batches are contiguous streams (`data.make_segment_iterator`)."""
+    if self.data_order == 'auto':
+      return self.model.mem_len > 0
+    return self.data_order == 'segments'
+
+  @property
+  def resolved_eval_mem_len(self) -> int:
+    return self.model.mem_len if self.eval_mem_len is None else self.eval_mem_len
+
+  def check_memory(self) -> None:
+    """Transformer-XL's settings fit the run (one line naming the flag)."""
+    from ouroboros_jax.choices import EXACT_PIPELINES
+
+    if self.data_order not in DATA_ORDERS:
+      raise ConfigError(
+        f'unknown data order {self.data_order!r}; use --data-order {" or ".join(DATA_ORDERS)}.'
+      )
+    if self.eval_mem_len is not None and self.eval_mem_len < 0:
+      raise ConfigError(f'eval_mem_len must be >= 0, got {self.eval_mem_len}; fix --eval-mem-len.')
+    xl = self.model.arch == 'transformer-xl'
+    if self.eval_mem_len is not None and not self.model.mem_len:
+      raise ConfigError(
+        '--eval-mem-len needs a model with a memory; add --model transformer-xl --mem-len N, or '
+        'drop --eval-mem-len.'
+      )
+    if not xl:
+      return
+    on = [f for f, v in (('--pld', self.pld), ('--std-loss', self.std_loss),
+                         ('--growth', self.growth), ('--vcycle', self.vcycle)) if v]  # fmt: skip
+    if on:
+      raise ConfigError(
+        f'{on[0]} runs the GPT model only (it rewrites its layers); drop {on[0]} or use '
+        '--model gpt.'
+      )
+    if self.model.mem_len and self.schedule.name in EXACT_PIPELINES:
+      raise ConfigError(
+        f'--schedule {self.schedule.name} does not carry a memory from step to step yet; use '
+        'backprop, data_parallel, model_parallel, gpipe or ouroboros, or --mem-len 0.'
+      )
 
   @functools.cached_property
   def plans(self) -> Plans:
@@ -418,6 +464,8 @@ def make_optimizer(cfg: TrainConfig):
   )
 
 
+DATA_ORDERS = ('auto', 'windows', 'segments')
+
 # ----------------------------------------------------------------------------- presets
 
 # A table, kept as one: `ruff format` would give every field its own line.
@@ -442,6 +490,29 @@ PRESETS: dict[str, TrainConfig] = {
       preset='enwik8-base', batch_size=22, steps=400_000, learning_rate=2.5e-4,
       warmup_steps=0, min_lr_ratio=0.0, weight_decay=0.0, schedule=ScheduleConfig(clip_norm=0.25),
       log_every=100, eval_every=4000, eval_batches=100, checkpoint_every=4000),
+  # Transformer-XL (txl.py) at tiny's size, with a memory of 64 (experiments/txl_tiny.py).
+  'txl-tiny': TrainConfig(
+      model=ModelConfig(arch='transformer-xl', d_model=128, num_heads=4, num_layers=2, d_ff=512,
+                        seq_len=64, mem_len=64),
+      preset='txl-tiny', batch_size=32, steps=1200, learning_rate=5e-3, warmup_steps=50,
+      log_every=20, eval_every=500, eval_batches=125, checkpoint_every=1000),
+  # Transformer-XL itself (txl.py), in the paper's settings: its enwik8 base model (12 layers,
+  # post-LN, tgt_len 512, mem_len 512, Adam 2.5e-4 cosine, clip 0.25, batch 22; 1.06 bpc in the
+  # paper) and its WikiText-103 base model (16 layers, d 410, tgt/mem 150; the paper's adaptive
+  # softmax is a full softmax here). Point --data at the files: enwik8:PATH, wikitext103:DIR.
+  'txl-enwik8-base': TrainConfig(
+      model=ModelConfig(arch='transformer-xl', d_model=512, num_heads=8, num_layers=12,
+                        d_ff=2048, seq_len=512, mem_len=512, dropout=0.1, pre_ln=False),
+      preset='txl-enwik8-base', batch_size=22, steps=400_000, learning_rate=2.5e-4,
+      warmup_steps=0, min_lr_ratio=0.0, weight_decay=0.0, schedule=ScheduleConfig(clip_norm=0.25),
+      log_every=200, eval_every=4000, eval_batches=100, checkpoint_every=4000),
+  'txl-wt103-base': TrainConfig(
+      model=ModelConfig(arch='transformer-xl', vocab_size=267_735, d_model=410, num_heads=10,
+                        num_layers=16, d_ff=2100, seq_len=150, mem_len=150, dropout=0.1,
+                        pre_ln=False),
+      preset='txl-wt103-base', batch_size=60, steps=200_000, learning_rate=2.5e-4,
+      warmup_steps=0, min_lr_ratio=0.0, weight_decay=0.0, schedule=ScheduleConfig(clip_norm=0.25),
+      log_every=200, eval_every=4000, eval_batches=100, checkpoint_every=4000),
   # GPT-2 small's shape (124M parameters with its 50257-token BPE vocabulary). This is a
   # byte-level model (vocabulary 256), so it has ~86M parameters and is not GPT-2's tokenizer.
   'gpt2-small': TrainConfig(
@@ -473,7 +544,11 @@ def _hints(cls) -> dict[str, Any]:
 
 
 # Flag names that differ from the field's own name (the CLI predates the nesting).
-_FLAG_NAMES = {(ScheduleConfig, 'name'): 'schedule', (ScheduleConfig, 'num_stages'): 'stages'}
+_FLAG_NAMES = {
+  (ScheduleConfig, 'name'): 'schedule',
+  (ScheduleConfig, 'num_stages'): 'stages',
+  (ModelConfig, 'arch'): 'model',
+}
 # Where each nested config sits in TrainConfig.
 _NESTED = {ModelConfig: 'model', ScheduleConfig: 'schedule'}
 

@@ -1,6 +1,6 @@
-"""Byte-level language-model data: corpora, splits, windows and iterators.
+"""Language-model data: corpora, splits, windows, segments and iterators.
 
-Tokens are raw bytes (vocabulary 256). A corpus is chosen with one spec string:
+A corpus is chosen with one spec string:
 
 * ``'default'`` / ``'shakespeare'``: the embedded Shakespeare corpus
   (``ouroboros_jax/corpus/shakespeare.txt.gz``), served as a locally built TFDS
@@ -18,16 +18,40 @@ Tokens are raw bytes (vocabulary 256). A corpus is chosen with one spec string:
   ``b'\\n'`` in the data source's record order; the whole dataset is read into
   memory. With ``data_dir=None`` TFDS's own default applies
   (``$TFDS_DATA_DIR`` or ``~/tensorflow_datasets``).
+* ``'enwik8:PATH'``, ``'text8:PATH'``: the Transformer-XL paper's character
+  corpora from local files (never downloaded). PATH is the raw
+  100,000,000-byte file (``enwik8``, ``text8``) or the zip that holds it
+  (``enwik8.zip``, ``text8.zip`` from http://mattmahoney.net/dc/). The split is
+  the canonical one of Transformer-XL's ``prep_enwik8.py``/``prep_text8.py``:
+  train the first 90M bytes, validation the next 5M, test the last 5M (see
+  :data:`CANONICAL_BYTES` and :func:`canonical_split_ranges`). Tokens are the
+  bytes; text8 holds only ``a``-``z`` and space, kept as their byte values.
+* ``'wikitext103:DIR'``: WikiText-103 at the word level; DIR holds
+  ``wiki.train.tokens``, ``wiki.valid.tokens`` and ``wiki.test.tokens`` as
+  shipped (``wikitext-103-v1.zip``). Tokenized as Transformer-XL does (see
+  :func:`word_vocab`): whitespace-split lines, ``'<eos>'`` after every line, a
+  vocabulary of the train file's words, ``'<unk>'`` for the rest. Token ids are
+  int32; nothing is written anywhere, the tokenized splits are kept in memory.
 
-Every corpus becomes three uint8 arrays, ``'train'``, ``'validation'`` and
-``'test'``. A single stream is split 90/5/5 by bytes (see :func:`split_ranges`);
-for ``tfds:`` the dataset's own splits are used where present (see
-:func:`load_splits`).
+Every corpus becomes three 1-D token arrays, ``'train'``, ``'validation'`` and
+``'test'``: uint8 for byte and character corpora (vocabulary 256), int32 for
+word corpora. :func:`corpus_info` tells a spec's vocabulary size and unit
+(``'byte'``, ``'char'`` or ``'word'``), so bits per byte/char or a word
+perplexity can be reported. A single byte stream is split 90/5/5 by bytes (see
+:func:`split_ranges`); for ``tfds:`` the dataset's own splits are used where
+present (see :func:`load_splits`).
 
-A split is cut into windows of ``seq_len + 1`` tokens with stride ``seq_len``
-(:class:`WindowSource`, a Grain random-access source); ``inputs`` is a window
-without its last token and ``targets`` the window without its first, so
-consecutive windows share one token and every token is predicted once.
+Two ways to cut a split into training examples:
+
+* Windows (:func:`make_train_iterator`, :func:`eval_batches`): windows of
+  ``seq_len + 1`` tokens with stride ``seq_len`` (:class:`WindowSource`, a
+  Grain random-access source); ``inputs`` is a window without its last token
+  and ``targets`` the window without its first, so consecutive windows share
+  one token and every token is predicted once. Training shuffles them.
+* Segments (:func:`make_segment_iterator`, :func:`eval_segments`), the order of
+  Transformer-XL's ``LMOrderedIterator``: the split is cut into ``batch_size``
+  contiguous streams and batch j holds the j-th segment of every stream, so row
+  b of batch j + 1 continues row b of batch j (for recurrent memory).
 
 Typical use::
 
@@ -51,14 +75,18 @@ All problems a user can fix raise :class:`DataError` with a one-line message.
 
 from __future__ import annotations
 
+import array
 import contextlib
+import dataclasses
 import gzip
 import io
 import logging
 import os
 import pathlib
+import posixpath
 import re
-from collections.abc import Iterator, Sequence
+import zipfile
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import grain
@@ -80,7 +108,31 @@ CHUNK_BYTES = 64 * 1024
 # Grain defaults to 16 threads and 500 prefetched elements, which for large
 # batches is gigabytes of host memory; batches here are cheap array slices.
 _READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=16)
-_SPEC_HELP = "use 'default' (or 'shakespeare'), 'text:PATH[,PATH...]' or 'tfds:NAME[:FEATURE]'"
+_SPEC_HELP = (
+  "use 'default' (or 'shakespeare'), 'text:PATH[,PATH...]', 'tfds:NAME[:FEATURE]',"
+  " 'enwik8:PATH', 'text8:PATH' or 'wikitext103:DIR'"
+)
+# The size of enwik8 and text8 in bytes. Their canonical split (Transformer-XL's
+# prep_enwik8.py / prep_text8.py) holds out the last 2 x 5% (5M bytes each) for
+# validation and test; a file of any other size is refused. Tests set a small
+# value (e.g. 2000) to use small files; the split scales with it.
+CANONICAL_BYTES = 100_000_000
+# Where the paper's corpora come from (named in error messages; never fetched).
+CORPUS_URLS = {
+  'enwik8': 'http://mattmahoney.net/dc/enwik8.zip',
+  'text8': 'http://mattmahoney.net/dc/text8.zip',
+  'wikitext103': 'https://s3.amazonaws.com/research.metamind.io/wikitext/wikitext-103-v1.zip',
+}
+# WikiText-103's files, as shipped, per split.
+WIKITEXT_FILES = {
+  'train': 'wiki.train.tokens',
+  'validation': 'wiki.valid.tokens',
+  'test': 'wiki.test.tokens',
+}
+EOS = '<eos>'  # appended to every line of a word corpus (word id 0)
+UNK = '<unk>'  # what a word unseen in train becomes
+# What one token of a corpus is; corpus_info tells a spec's.
+UNITS = ('byte', 'char', 'word')
 
 
 def _one_line(text: str, limit: int = 400) -> str:
@@ -442,29 +494,376 @@ def _load_tfds(rest: str, data_dir, download: bool) -> dict[str, np.ndarray]:
   return {k: np.frombuffer(stream[k], dtype=np.uint8) for k in SPLITS}
 
 
+# ----------------------------------------------------------------------------
+# The Transformer-XL paper's corpora, from local files.
+
+
+def canonical_split_ranges() -> dict[str, tuple[int, int]]:
+  """The [start, stop) byte range of each split of enwik8 and text8.
+
+  As Transformer-XL's ``prep_enwik8.py``/``prep_text8.py``: the last 5% of
+  :data:`CANONICAL_BYTES` is test, the 5% before it validation, the rest
+  train; for the real 100,000,000-byte files, 90M/5M/5M. Computed from the
+  module constant at call time, so a test that sets ``CANONICAL_BYTES = 2000``
+  gets 1800/100/100.
+  """
+  total = int(CANONICAL_BYTES)
+  n_held = total * 5 // 100
+  n_train = total - 2 * n_held
+  return {
+    'train': (0, n_train),
+    'validation': (n_train, n_train + n_held),
+    'test': (n_train + n_held, total),
+  }
+
+
+def _path_of(spec_name: str, rest: str, what: str) -> pathlib.Path:
+  rest = rest.strip()
+  if not rest:
+    raise DataError(
+      f"empty path in '{spec_name}:' spec; use '{spec_name}:{what}' (from {CORPUS_URLS[spec_name]})."
+    )
+  return pathlib.Path(rest).expanduser()
+
+
+def _zip_member(zf: zipfile.ZipFile, name: str) -> zipfile.ZipInfo | None:
+  """The member called name (or, failing that, the first whose base name is name)."""
+  files = [info for info in zf.infolist() if not info.is_dir()]
+  for info in files:
+    if info.filename == name:
+      return info
+  for info in files:
+    if posixpath.basename(info.filename) == name:
+      return info
+  return None
+
+
+def _read_canonical(name: str, path: pathlib.Path) -> bytes:
+  """The bytes of enwik8/text8 from the raw file or its zip, checked to be CANONICAL_BYTES long.
+
+  The size is checked before anything is read (a zip member by its header).
+  """
+  fix_file = f'pass the unmodified {name} or {name}.zip (from {CORPUS_URLS[name]})'
+  if not path.exists():
+    raise DataError(f'{name} file not found: {path}; {fix_file}.')
+  if path.is_dir():
+    raise DataError(f'{name} path {path} is a directory, not a file; {fix_file}.')
+  expected = int(CANONICAL_BYTES)
+  with _as_data_error(f'cannot read {name} file {path}', f'check that it is readable; {fix_file}.'):
+    is_zip = path.suffix.lower() == '.zip' or zipfile.is_zipfile(path)
+    if is_zip:
+      with zipfile.ZipFile(path) as zf:
+        info = _zip_member(zf, name)
+        if info is None:
+          members = [i.filename for i in zf.infolist()][:5]
+          raise DataError(
+            f'zip file {path} has no member {name!r} (members: {members}); {fix_file}.'
+          )
+        where, size = f'{path}:{info.filename}', info.file_size
+        if size != expected:
+          raise _size_error(name, where, size, expected, fix_file)
+        raw = zf.read(info)
+    else:
+      where, size = str(path), path.stat().st_size
+      if size != expected:
+        raise _size_error(name, where, size, expected, fix_file)
+      raw = path.read_bytes()
+  if len(raw) != expected:  # changed while read
+    raise _size_error(name, where, len(raw), expected, fix_file)
+  return raw
+
+
+def _size_error(name: str, where: str, size: int, expected: int, fix_file: str) -> DataError:
+  return DataError(
+    f'{name} file {where} has {size:,} bytes, expected exactly {expected:,} (the canonical'
+    f' {name}, split {_split_sizes_text()}); {fix_file}, or use text:PATH for other files.'
+  )
+
+
+def _split_sizes_text() -> str:
+  sizes = [stop - start for start, stop in canonical_split_ranges().values()]
+  return '/'.join(f'{n:,}' for n in sizes) + ' bytes'
+
+
+# text8 is lower-case a-z and space only; enwik8 is a MediaWiki XML dump. Both
+# are 100M bytes, so these tell a swapped pair apart.
+_TEXT8_BYTES = np.zeros(256, bool)
+_TEXT8_BYTES[np.frombuffer(b' abcdefghijklmnopqrstuvwxyz', np.uint8)] = True
+_ENWIK8_PREFIX = b'<mediawiki'
+
+
+def _load_enwik8(rest: str) -> dict[str, np.ndarray]:
+  path = _path_of('enwik8', rest, 'PATH/enwik8.zip')
+  raw = _read_canonical('enwik8', path)
+  if not raw.startswith(_ENWIK8_PREFIX):
+    raise DataError(
+      f'{path} does not start with {_ENWIK8_PREFIX.decode()!r} as enwik8 does (got'
+      f' {raw[:16]!r}); pass enwik8 itself (text8 is text8:PATH).'
+    )
+  return _split_canonical(raw)
+
+
+def _load_text8(rest: str) -> dict[str, np.ndarray]:
+  path = _path_of('text8', rest, 'PATH/text8.zip')
+  raw = _read_canonical('text8', path)
+  corpus_Z = np.frombuffer(raw, np.uint8)
+  ok_Z = _TEXT8_BYTES[corpus_Z]
+  if not ok_Z.all():
+    first = int(np.argmin(ok_Z))
+    raise DataError(
+      f'{path} holds byte {int(corpus_Z[first])} at offset {first}, but text8 holds only'
+      " 'a'-'z' and space; pass text8 itself (enwik8 is enwik8:PATH)."
+    )
+  return _split_canonical(raw)
+
+
+def _split_canonical(raw: bytes) -> dict[str, np.ndarray]:
+  corpus_Z = np.frombuffer(raw, np.uint8)
+  return {name: corpus_Z[start:stop] for name, (start, stop) in canonical_split_ranges().items()}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class WordVocab:
+  """A word-level vocabulary: ``words[i]`` is word id i.
+
+  Built from a train file only (see :func:`word_vocab`): ``'<eos>'`` is id 0,
+  then the train file's words by descending count, ties by word (code-point
+  order), so it is the same on every machine. ``'<unk>'`` keeps its place when
+  the train file holds it (WikiText-103 does); otherwise it is appended last.
+  ``counts[i]`` is how often word i occurs in train (``'<eos>'``: the number
+  of lines). Frequency order is what an adaptive softmax's cutoffs assume.
+  """
+
+  words: tuple[str, ...]
+  counts: tuple[int, ...]
+
+  def __post_init__(self):
+    object.__setattr__(self, '_index', {w: i for i, w in enumerate(self.words)})
+
+  def __len__(self) -> int:
+    return len(self.words)
+
+  def __contains__(self, word: str) -> bool:
+    return word in self._index
+
+  @property
+  def eos_id(self) -> int:
+    return self._index[EOS]
+
+  @property
+  def unk_id(self) -> int:
+    return self._index[UNK]
+
+  def id(self, word: str) -> int:
+    """The id of word; ``unk_id`` for a word not in the vocabulary."""
+    return self._index.get(word, self.unk_id)
+
+  def encode(self, words: Iterable[str]) -> np.ndarray:
+    """int32 ids of words (unknown words -> ``unk_id``)."""
+    get, unk = self._index.get, self.unk_id
+    return np.fromiter((get(w, unk) for w in words), np.int32)
+
+  def decode(self, ids: Iterable[int]) -> list[str]:
+    """The words of ids."""
+    return [self.words[int(i)] for i in np.asarray(ids).ravel()]
+
+  def __repr__(self) -> str:
+    head = ', '.join(repr(w) for w in self.words[:5])
+    return f'WordVocab(size={len(self)}, words=[{head}, ...])'
+
+
+@dataclasses.dataclass(frozen=True)
+class CorpusInfo:
+  """What a spec's tokens are: ``vocab_size`` ids of one ``unit`` each.
+
+  ``unit`` is ``'byte'`` (default, text:, tfds:, enwik8:), ``'char'`` (text8:
+  one ASCII character per byte) or ``'word'`` (wikitext103:). Byte and char
+  corpora have ``vocab_size`` 256 and report bits per byte/char; word corpora
+  have the train vocabulary's size and ``vocab`` set, and report perplexity
+  (``exp`` of the mean loss in nats per word).
+  """
+
+  vocab_size: int
+  unit: str
+  vocab: WordVocab | None = None
+
+
+def _wikitext_paths(rest: str) -> dict[str, pathlib.Path]:
+  """The three files of a WikiText-103 directory, each checked to exist."""
+  directory = _path_of('wikitext103', rest, 'DIR')
+  names = ', '.join(WIKITEXT_FILES.values())
+  fix = f'pass the directory that holds {names} (unzipped {CORPUS_URLS["wikitext103"]})'
+  if not directory.exists():
+    raise DataError(f'wikitext103 directory not found: {directory}; {fix}.')
+  if not directory.is_dir():
+    raise DataError(f'wikitext103 path {directory} is not a directory; {fix}.')
+  paths = {split: directory / name for split, name in WIKITEXT_FILES.items()}
+  missing = [p.name for p in paths.values() if not p.is_file()]
+  if missing:
+    raise DataError(
+      f'wikitext103 directory {directory} lacks {", ".join(missing)}; it must hold all of'
+      f' {names}: {fix}.'
+    )
+  return paths
+
+
+class _FirstSeenIds(dict):
+  """word -> id in order of first sight (a dict that numbers new keys)."""
+
+  def __missing__(self, word: str) -> int:
+    i = self[word] = len(self)
+    return i
+
+
+def _read_lines(path: pathlib.Path) -> Iterator[str]:
+  """The lines of a UTF-8 file as Transformer-XL reads them (text mode: any newline ends a line)."""
+  with path.open('r', encoding='utf-8') as f:
+    yield from f
+
+
+def _tokenize_train(path: pathlib.Path) -> tuple[WordVocab, np.ndarray]:
+  """The train file's vocabulary and its int32 ids, in one pass.
+
+  Each word first gets an id in order of first sight; after the pass the
+  counts give the vocabulary's order and the ids are renumbered in place.
+  """
+  first_seen = _FirstSeenIds({EOS: 0})
+  ids = array.array('i')
+  lookup = first_seen.__getitem__
+  for line in _read_lines(path):
+    ids.extend(map(lookup, line.split()))
+    ids.append(0)
+  ids_Z = np.frombuffer(ids, np.int32) if len(ids) else np.zeros(0, np.int32)
+  chunk = 1 << 24
+  counts_W = np.zeros(len(first_seen), np.int64)
+  for start in range(0, len(ids_Z), chunk):
+    counts_W += np.bincount(ids_Z[start : start + chunk], minlength=len(first_seen))
+  seen = list(first_seen)  # words in order of first sight; seen[0] is EOS
+  if len(seen) == 1:
+    raise DataError(
+      f'wikitext103 train file {path} holds no words; pass the {WIKITEXT_FILES["train"]}'
+      f' that ships in {CORPUS_URLS["wikitext103"]}.'
+    )
+  order = sorted(range(1, len(seen)), key=lambda i: (-int(counts_W[i]), seen[i]))
+  order.insert(0, 0)
+  words = [seen[i] for i in order]
+  counts = [int(counts_W[i]) for i in order]
+  if UNK not in first_seen:
+    words.append(UNK)
+    counts.append(0)
+  final_of_seen_W = np.empty(len(seen), np.int32)
+  final_of_seen_W[np.asarray(order)] = np.arange(len(order), dtype=np.int32)
+  for start in range(0, len(ids_Z), chunk):
+    ids_Z[start : start + chunk] = final_of_seen_W[ids_Z[start : start + chunk]]
+  return WordVocab(tuple(words), tuple(counts)), ids_Z
+
+
+def _encode_file(path: pathlib.Path, vocab: WordVocab) -> np.ndarray:
+  """int32 ids of a file's words, ``'<eos>'`` after every line, unseen words -> ``'<unk>'``."""
+  get, unk, eos = vocab._index.get, vocab.unk_id, vocab.eos_id  # pylint: disable=protected-access
+  ids = array.array('i')
+  for line in _read_lines(path):
+    ids.extend([get(w, unk) for w in line.split()])
+    ids.append(eos)
+  return np.frombuffer(ids, np.int32) if len(ids) else np.zeros(0, np.int32)
+
+
+# One tokenized WikiText directory, kept in memory (never written anywhere):
+# key (directory, the files' sizes and mtimes) -> (vocab, splits).
+_WORD_CACHE: dict[tuple, tuple[WordVocab, dict[str, np.ndarray]]] = {}
+
+
+def _wikitext(rest: str) -> tuple[WordVocab, dict[str, np.ndarray]]:
+  paths = _wikitext_paths(rest)
+  key = (
+    str(paths['train'].parent.resolve()),
+    tuple((p.stat().st_size, p.stat().st_mtime_ns) for p in paths.values()),
+  )
+  if key in _WORD_CACHE:
+    return _WORD_CACHE[key]
+  log.info('Tokenizing WikiText in %s', paths['train'].parent)
+  fix = 'use the files as shipped (UTF-8 text)'
+  with _as_data_error(f'cannot read wikitext103 file {paths["train"]}', fix):
+    vocab, train_Z = _tokenize_train(paths['train'])
+  splits = {'train': train_Z}
+  for split in ('validation', 'test'):
+    with _as_data_error(f'cannot read wikitext103 file {paths[split]}', fix):
+      splits[split] = _encode_file(paths[split], vocab)
+  for tokens_Z in splits.values():
+    tokens_Z.flags.writeable = False  # shared through the cache
+  _WORD_CACHE.clear()  # one corpus at a time: WikiText-103 is ~0.5 GB of ids
+  _WORD_CACHE[key] = (vocab, splits)
+  return vocab, splits
+
+
+def word_vocab(directory: str | os.PathLike[str]) -> WordVocab:
+  """The word vocabulary of a WikiText-103 directory (as ``'wikitext103:DIR'`` tokenizes it).
+
+  Tokenization follows Transformer-XL's ``Vocab`` for wt103: every line is
+  stripped and split on whitespace and ``'<eos>'`` is appended to it (empty
+  lines too); the vocabulary counts the train file only and is ordered as
+  :class:`WordVocab` says (Transformer-XL breaks count ties by first sight, we
+  by word; the set of words, and so the size, is the same: 267,735 for
+  WikiText-103). Validation and test words unseen in train become
+  ``'<unk>'``. The files are read once per process and kept in memory.
+
+  Raises:
+    DataError: a missing directory or file, an unreadable or non-UTF-8 file,
+      or a train file without words.
+  """
+  return _wikitext(os.fspath(directory))[0]
+
+
+def corpus_info(spec: str = 'default') -> CorpusInfo:
+  """The vocabulary size and unit of a spec's tokens (see :class:`CorpusInfo`).
+
+  Byte and char specs are answered without reading anything; ``wikitext103:``
+  tokenizes the directory (once per process, shared with load_splits).
+
+  Raises:
+    DataError: an unknown spec, or (wikitext103:) what :func:`word_vocab` raises.
+  """
+  spec = spec.strip()
+  if spec.startswith('wikitext103:'):
+    vocab = word_vocab(spec[len('wikitext103:') :])
+    return CorpusInfo(vocab_size=len(vocab), unit='word', vocab=vocab)
+  if spec.startswith('text8:'):
+    return CorpusInfo(vocab_size=VOCAB_SIZE, unit='char')
+  if spec in ('default', 'shakespeare') or spec.startswith(('text:', 'tfds:', 'enwik8:')):
+    return CorpusInfo(vocab_size=VOCAB_SIZE, unit='byte')
+  raise DataError(f'unknown data spec {spec!r}; {_SPEC_HELP}.')
+
+
 def load_splits(
   spec: str = 'default', *, data_dir: str | os.PathLike[str] | None = None, download: bool = False
 ) -> dict[str, np.ndarray]:
-  """Returns {'train', 'validation', 'test'} -> uint8 token arrays for a spec.
+  """Returns {'train', 'validation', 'test'} -> 1-D token arrays for a spec.
+
+  The arrays are uint8 (bytes; text8's characters) except for
+  ``wikitext103:``, whose word ids are int32 (see :func:`corpus_info` for the
+  vocabulary size and unit).
 
   Args:
-    spec: ``'default'``/``'shakespeare'``, ``'text:PATH[,PATH...]'`` or
-      ``'tfds:NAME[:FEATURE]'``. For ``tfds:`` the dataset's splits are used:
-      train/validation/test as they are; with only train and test (or train
-      and validation), the missing split is the last 5% of train's bytes; with
-      only train, train is split 90/5/5.
+    spec: ``'default'``/``'shakespeare'``, ``'text:PATH[,PATH...]'``,
+      ``'tfds:NAME[:FEATURE]'``, ``'enwik8:PATH'``, ``'text8:PATH'`` (PATH the
+      raw file or its zip) or ``'wikitext103:DIR'``. For ``tfds:`` the
+      dataset's splits are used: train/validation/test as they are; with only
+      train and test (or train and validation), the missing split is the last
+      5% of train's bytes; with only train, train is split 90/5/5. enwik8 and
+      text8 must be exactly :data:`CANONICAL_BYTES` long and are split as
+      :func:`canonical_split_ranges` says; wikitext103 uses its three files.
     data_dir: where TFDS datasets live. For the default corpus it defaults to
       ``$OUROBOROS_DATA_DIR`` or ``~/.cache/ouroboros_jax/tfds``; for ``tfds:``
-      to TFDS's own default. Unused for ``text:``.
+      to TFDS's own default. Unused for the other specs.
     download: ``tfds:`` only. False (default): read only a dataset already
       prepared in data_dir and never touch the network; a missing one raises
       DataError at once. True: TFDS may download and prepare it
-      (``array_record``). The default corpus is built from packaged bytes and
-      never downloads.
+      (``array_record``). The other specs never download.
 
   Raises:
-    DataError: unknown spec, unreadable file, missing dataset/feature, or an
-      empty corpus.
+    DataError: unknown spec, missing or unreadable file, a zip without the
+      corpus, a file of the wrong size, missing dataset/feature, or an empty
+      corpus.
   """
   spec = spec.strip()
   if spec in ('default', 'shakespeare'):
@@ -473,6 +872,12 @@ def load_splits(
     splits = _load_text(spec[len('text:') :])
   elif spec.startswith('tfds:'):
     splits = _load_tfds(spec[len('tfds:') :], data_dir, download)
+  elif spec.startswith('enwik8:'):
+    splits = _load_enwik8(spec[len('enwik8:') :])
+  elif spec.startswith('text8:'):
+    splits = _load_text8(spec[len('text8:') :])
+  elif spec.startswith('wikitext103:'):
+    splits = dict(_wikitext(spec[len('wikitext103:') :])[1])
   else:
     raise DataError(f'unknown data spec {spec!r}; {_SPEC_HELP}.')
   total = sum(len(v) for v in splits.values())
@@ -485,15 +890,23 @@ def check_vocab(splits: dict[str, np.ndarray], vocab_size: int) -> None:
   """Raises DataError if a token is >= vocab_size.
 
   Out-of-range ids do not raise in JAX (gathers fill or clamp them), so
-  without this check training reports a NaN loss at step 1 instead.
+  without this check training reports a NaN loss at step 1 instead. uint8
+  splits are byte data (the fix names 256); any other integer dtype is word
+  ids (the fix names the largest id + 1; :func:`corpus_info` gives the
+  vocabulary's size).
   """
   maxima = [int(np.max(v)) for v in splits.values() if np.size(v)]
   largest = max(maxima, default=-1)
   if largest >= vocab_size:
+    is_bytes = all(np.asarray(v).dtype == np.uint8 for v in splits.values())
+    what, fix = (
+      ('byte values', f'use --vocab-size {VOCAB_SIZE} or more for byte data')
+      if is_bytes
+      else ('word ids', f"use --vocab-size {largest + 1} or more (the corpus's vocabulary size)")
+    )
     raise DataError(
       f'the vocabulary (--vocab-size {vocab_size}) is smaller than the'
-      f" data's symbol range (the data holds byte values up to {largest});"
-      f' use --vocab-size {VOCAB_SIZE} or more for byte data.'
+      f" data's symbol range (the data holds {what} up to {largest}); {fix}."
     )
 
 
@@ -509,6 +922,21 @@ def _check_positive(**values: int) -> None:
       )
 
 
+def _token_array(tokens: np.ndarray | bytes, split: str) -> np.ndarray:
+  """tokens as a 1-D integer array, its dtype kept (uint8 bytes stay 1 byte a token)."""
+  if isinstance(tokens, (bytes, bytearray, memoryview)):
+    return np.frombuffer(tokens, np.uint8)
+  tokens_Z = np.asarray(tokens)
+  if tokens_Z.size == 0 and tokens_Z.ndim == 1:
+    return tokens_Z.astype(np.uint8, copy=False)
+  if tokens_Z.ndim != 1 or not np.issubdtype(tokens_Z.dtype, np.integer):
+    raise DataError(
+      f'{split} tokens must be a 1-D integer array, got {tokens_Z.dtype}'
+      f'{list(tokens_Z.shape)}; pass a split from load_splits.'
+    )
+  return tokens_Z
+
+
 def num_windows(tokens: np.ndarray, seq_len: int) -> int:
   """Number of (seq_len + 1)-token windows at stride seq_len in tokens."""
   _check_positive(seq_len=seq_len)
@@ -520,12 +948,13 @@ class WindowSource:
 
   Window i is ``tokens[i*seq_len : i*seq_len + seq_len + 1]``; element i is
   ``{'inputs': window[:-1], 'targets': window[1:]}``, both int32[seq_len].
-  Trailing tokens that do not fill a window are not used.
+  Trailing tokens that do not fill a window are not used. tokens may be of any
+  integer dtype (uint8 bytes, int32 word ids); it is kept as it is.
   """
 
   def __init__(self, tokens: np.ndarray, seq_len: int, *, split: str = 'split'):
     _check_positive(seq_len=seq_len)
-    self._tokens_Z = np.asarray(tokens, dtype=np.uint8)
+    self._tokens_Z = _token_array(tokens, split)
     self._seq_len = int(seq_len)
     self._len = num_windows(self._tokens_Z, seq_len)
     if self._len == 0:
@@ -664,7 +1093,7 @@ def eval_batches(
   if max_batches is not None:
     n_batches = min(n_batches, max_batches)
   local_batch = batch_size // process_count
-  tokens_Z = np.asarray(tokens, dtype=np.uint8)
+  tokens_Z = _token_array(tokens, split)
 
   def generate() -> Iterator[dict[str, np.ndarray]]:
     offsets_L1 = np.arange(seq_len + 1)
@@ -678,3 +1107,154 @@ def eval_batches(
       }
 
   return generate()
+
+
+# ----------------------------------------------------------------------------
+# Segments: ordered streams, as Transformer-XL's LMOrderedIterator.
+
+
+class SegmentSource:
+  """Grain random-access source of one pass of segment batches, in stream order.
+
+  The split's n tokens are cut into ``batch_size`` contiguous streams of
+  ``S = n // batch_size`` tokens; stream b is ``tokens[b*S : (b+1)*S]`` (the
+  last ``n - batch_size*S`` tokens are not used). Element j is batch j:
+  row b holds ``stream_b[j*L : j*L + L]`` as ``inputs`` and
+  ``stream_b[j*L + 1 : j*L + L + 1]`` as ``targets`` (``L = seq_len``), both
+  int32. So row b of batch j + 1 continues row b of batch j, which is what a
+  recurrent memory (Transformer-XL) needs. There are ``(S - 1) // L`` batches
+  (only full ones; a target never leaves its stream).
+
+  Multi-host: ``batch_size`` is the global batch, and process p gets rows
+  ``[p*B, (p+1)*B)`` of every batch, ``B = batch_size // process_count``.
+  """
+
+  def __init__(
+    self,
+    tokens: np.ndarray,
+    *,
+    seq_len: int,
+    batch_size: int,
+    process_index: int = 0,
+    process_count: int = 1,
+    split: str = 'split',
+  ):
+    _check_positive(seq_len=seq_len, batch_size=batch_size)
+    _check_process(process_index, process_count, batch_size)
+    self._tokens_Z = _token_array(tokens, split)
+    self._seq_len = int(seq_len)
+    self._stream_len = len(self._tokens_Z) // batch_size
+    self._len = max(0, (self._stream_len - 1) // seq_len)
+    if self._len == 0:
+      raise DataError(
+        f'{split} split has {len(self._tokens_Z)} tokens, too few to cut into batch_size'
+        f' {batch_size} streams of at least seq_len + 1 = {seq_len + 1} tokens (needs'
+        f' {batch_size * (seq_len + 1)}); use a smaller --batch-size or --seq-len.'
+      )
+    local_batch = batch_size // process_count
+    rows_B = process_index * local_batch + np.arange(local_batch)
+    self._starts_B = rows_B * self._stream_len
+    self._offsets_L1 = np.arange(seq_len + 1)
+
+  @property
+  def seq_len(self) -> int:
+    return self._seq_len
+
+  @property
+  def stream_len(self) -> int:
+    """Tokens per stream, ``n // batch_size``."""
+    return self._stream_len
+
+  def __len__(self) -> int:
+    return self._len
+
+  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+    index = int(index)
+    if index < 0:
+      index += self._len
+    if not 0 <= index < self._len:
+      raise IndexError(f'segment batch {index} out of range [0, {self._len})')
+    positions_BxL1 = self._starts_B[:, None] + (index * self._seq_len + self._offsets_L1)
+    segments_BxL1 = self._tokens_Z[positions_BxL1].astype(np.int32)
+    return {
+      'inputs': np.ascontiguousarray(segments_BxL1[:, :-1]),
+      'targets': np.ascontiguousarray(segments_BxL1[:, 1:]),
+    }
+
+  def __repr__(self) -> str:
+    return (
+      f'SegmentSource(num_batches={self._len}, seq_len={self._seq_len},'
+      f' rows={len(self._starts_B)}, stream_len={self._stream_len})'
+    )
+
+
+def make_segment_iterator(
+  tokens: np.ndarray,
+  *,
+  seq_len: int,
+  batch_size: int,
+  process_index: int = 0,
+  process_count: int = 1,
+  split: str = 'train',
+) -> grain.DatasetIterator:
+  """Infinite iterator of ordered segment batches (a Grain DatasetIterator).
+
+  Yields ``{'inputs': int32[B, L], 'targets': int32[B, L]}`` numpy arrays,
+  ``B = batch_size // process_count``, ``L = seq_len``, in the order of
+  :class:`SegmentSource` (Transformer-XL's ``LMOrderedIterator``): row b of
+  batch j + 1 continues row b of batch j. After the last full batch of a pass
+  it starts again at batch 0, forever. No shuffling and no seed: the order is
+  fixed by the tokens, seq_len and batch_size. ``get_state()``/``set_state()``
+  as for make_train_iterator (``{'next_index': int}``, JSON-serialisable);
+  next_index counts batches from the start, across passes.
+
+  Multi-host: ``batch_size`` is the global batch; process p gets rows
+  ``[p * B, (p + 1) * B)`` of every global batch, so concatenating the
+  processes' batches in process order gives the single-process batch.
+
+  Raises:
+    DataError: non-positive seq_len/batch_size, bad process arguments, or a
+      split shorter than ``batch_size * (seq_len + 1)`` tokens.
+  """
+  segments = SegmentSource(
+    tokens,
+    seq_len=seq_len,
+    batch_size=batch_size,
+    process_index=process_index,
+    process_count=process_count,
+    split=split,
+  )
+  ds = grain.MapDataset.source(segments).repeat()
+  return iter(ds.to_iter_dataset(read_options=_READ_OPTIONS))
+
+
+def eval_segments(
+  tokens: np.ndarray,
+  *,
+  seq_len: int,
+  batch_size: int,
+  max_batches: int | None = None,
+  process_index: int = 0,
+  process_count: int = 1,
+  split: str = 'validation',
+) -> Iterator[dict[str, np.ndarray]]:
+  """One pass of ordered segment batches: the first pass of make_segment_iterator.
+
+  At most ``max_batches`` batches. Same dict format and multi-host rows as
+  make_segment_iterator. Errors are raised when called, not on first ``next``.
+
+  Raises:
+    DataError: as make_segment_iterator, or a non-positive max_batches.
+  """
+  if max_batches is not None:
+    _check_positive(max_batches=max_batches)
+  segments = SegmentSource(
+    tokens,
+    seq_len=seq_len,
+    batch_size=batch_size,
+    process_index=process_index,
+    process_count=process_count,
+    split=split,
+  )
+  n_batches = len(segments) if max_batches is None else min(len(segments), max_batches)
+  return (segments[j] for j in range(n_batches))

@@ -123,16 +123,37 @@ def example_batch(cfg: TrainConfig) -> dict:
 
 
 def evaluate(schedule, params, tokens, cfg: TrainConfig, max_batches: int | None) -> float:
-  """Mean loss (nats per byte) over the first max_batches batches of a split, in order."""
+  """Mean loss (nats per token) over the first max_batches batches of a split, in order.
+
+  A model with a memory (Transformer-XL) is evaluated as it trains: the split as B contiguous
+  streams, each batch with the memory the previous one left (`--eval-mem-len` long)."""
+  order = data.eval_segments if cfg.segment_order else data.eval_batches
+  batches = order(
+    tokens, seq_len=cfg.model.seq_len, batch_size=cfg.batch_size, max_batches=max_batches
+  )
+  if cfg.resolved_eval_mem_len:
+    return _evaluate_with_memory(schedule.mesh, params, batches, cfg)
   # One batch at a time: evaluations are independent programs with collectives (stage-sharded
   # params), and on CPU many of them in flight at once can deadlock XLA's in-process rendezvous
   # (seen with 4 simulated devices: "Expected 4 threads to join the rendezvous").
   losses = [
     jax.block_until_ready(schedule.evaluate(params, staged.place_batch(b, schedule.mesh)))
-    for b in data.eval_batches(
-      tokens, seq_len=cfg.model.seq_len, batch_size=cfg.batch_size, max_batches=max_batches
-    )
+    for b in batches
   ]
+  return float(np.mean(jax.device_get(losses)))
+
+
+def _evaluate_with_memory(mesh, params, batches, cfg: TrainConfig) -> float:
+  """The exact loss of each batch in turn, every stage reading and renewing its memory."""
+  model_cfg = dataclasses.replace(cfg.model, mem_len=cfg.resolved_eval_mem_len)
+  model = partition.transformer_stages(model_cfg, cfg.plans.layers_per_stage)
+  memory = staged.empty_memory(model, params, example_batch(cfg))['memory']
+  memory_G = staged.onto_mesh(jax.tree.map(lambda a: a[:, 0], memory), mesh)
+  loss_of = jax.jit(lambda p, b, m: model.recurrent_loss(p, b, None, m))
+  losses = []
+  for batch in batches:
+    loss, (_, memory_G) = loss_of(params, staged.place_batch(batch, mesh), memory_G)
+    losses.append(jax.block_until_ready(loss))
   return float(np.mean(jax.device_get(losses)))
 
 
@@ -152,11 +173,14 @@ def open_data(cfg: TrainConfig):
   """(splits, train iterator): the corpus, checked against the vocabulary and the batch shape."""
   splits = data.load_splits(cfg.data, data_dir=cfg.data_dir, download=cfg.download)
   data.check_vocab(splits, cfg.model.vocab_size)
-  train_it = data.make_train_iterator(
-    splits['train'], seq_len=cfg.model.seq_len, batch_size=cfg.batch_size, seed=cfg.seed
-  )
+  shape = dict(seq_len=cfg.model.seq_len, batch_size=cfg.batch_size)
+  if cfg.segment_order:  # rows continue each other, as a memory needs
+    train_it = data.make_segment_iterator(splits['train'], **shape)
+  else:
+    train_it = data.make_train_iterator(splits['train'], **shape, seed=cfg.seed)
+  check = data.eval_segments if cfg.segment_order else data.eval_batches
   for split in ('validation', 'test'):  # fail now, not after training, if a split is too short
-    data.eval_batches(
+    check(
       splits[split],
       seq_len=cfg.model.seq_len,
       batch_size=cfg.batch_size,

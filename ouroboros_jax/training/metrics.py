@@ -10,6 +10,7 @@ all threads: robust to a loaded machine) and `flops` (model FLOPs spent so far, 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -172,10 +173,19 @@ class Report:
     return row
 
   def evaluated(self, step: int, split: str, loss: float, **extra) -> float:
-    """Writes an evaluation row and its line; returns its bits per byte."""
-    self.row(step, split, loss, **extra)
-    self.say(f'step {step}: {split} loss {loss:.4f}, bpb {loss / LN2:.4f}')
+    """Writes an evaluation row (with its perplexity, exp(loss)) and its line; returns its bits
+    per token (per byte on byte-level data; on word-level data perplexity is the metric)."""
+    self.row(step, split, loss, ppl=math.exp(min(loss, 700.0)), **extra)
+    metric = f'ppl {math.exp(min(loss, 700.0)):.2f}' if self.words else f'bpb {loss / LN2:.4f}'
+    self.say(f'step {step}: {split} loss {loss:.4f}, {metric}')
     return loss / LN2
+
+  @functools.cached_property
+  def words(self) -> bool:
+    """Whether the run's tokens are words (WikiText-103), whose metric is perplexity."""
+    from ouroboros_jax.training import data
+
+    return data.corpus_info(self.cfg.data).unit == 'word'
 
   def progress(self, step: int, loss: float, rate: float) -> None:
     """Moves the bar; without a terminal (a cluster job, nohup) prints a status line instead."""
@@ -205,6 +215,8 @@ class Report:
       'step': step,
       'val_bpb': val_bpb,
       'test_bpb': test_bpb,
+      'val_ppl': math.exp(min(val_bpb * LN2, 700.0)),
+      'test_ppl': math.exp(min(test_bpb * LN2, 700.0)),
       'tokens_per_s': self.tokens_per_s(),
       'train_s': self.train_s,
       'compile_s': self.compile_s,
@@ -218,9 +230,13 @@ class Report:
     if jax.process_index() == 0:
       with open(os.path.join(self.cfg.out_dir, 'summary.json'), 'w') as f:
         json.dump(summary, f, indent=2)
+    quality = (
+      f'val ppl {summary["val_ppl"]:.2f}, test ppl {summary["test_ppl"]:.2f}'
+      if self.words
+      else f'val bpb {val_bpb:.4f}, test bpb {test_bpb:.4f}'
+    )
     self.say(
-      f'done: val bpb {val_bpb:.4f}, test bpb {test_bpb:.4f}, '
-      f'{summary["tokens_per_s"]:,.0f} tokens/s, {summary["wall_s"]:.1f} s',
+      f'done: {quality}, {summary["tokens_per_s"]:,.0f} tokens/s, {summary["wall_s"]:.1f} s',
       always=True,
     )
     return summary

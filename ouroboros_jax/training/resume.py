@@ -3,7 +3,6 @@ one (moving newer, unreadable ones aside)."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 from ouroboros_jax import model as transformer
@@ -24,6 +23,7 @@ RESUME_FIELDS = (
   'batch_size',
   'seed',
   'data',
+  'data_order',
   'pld',
   'std_loss',
   'std_loss_layers',
@@ -50,7 +50,8 @@ def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str)
   """
   want = config.flat(TrainConfig.from_dict(saved['config']))
   have = config.flat(cfg)
-  names = [f.name for f in dataclasses.fields(transformer.ModelConfig)] + list(RESUME_FIELDS)
+  model_fields = [n for n, f in config.fields().items() if f.owner is transformer.ModelConfig]
+  names = model_fields + list(RESUME_FIELDS)
   wrong = [n for n in names if want[n] != have[n]]
   if tuple(saved['layers_per_stage']) != tuple(layers_per_stage) and not wrong:
     wrong = ['layers_per_stage']

@@ -71,6 +71,11 @@ def load(out_dir: str, step: int | None = None) -> tuple[ModelConfig, dict, int]
   finally:
     manager.close()
   cfg = config.TrainConfig.from_dict(meta['config'])
+  if cfg.model.arch != 'gpt':
+    raise ConfigError(
+      f'{out_dir} holds a {cfg.model.arch} model; ouroboros sample generates from GPT runs only '
+      '(sampling with a Transformer-XL memory is not written yet).'
+    )
   return cfg.model, partition.from_staged(staged_params, meta['layers_per_stage']), step
 
 

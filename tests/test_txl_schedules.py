@@ -1,0 +1,152 @@
+"""Transformer-XL under the schedules: the memory lives in the state, on the device of its stage.
+
+The exact schedules must give backprop's parameters *and memory* after several steps (a memory
+carried wrongly, e.g. rows of another micro-batch or the memory of another step, changes both);
+Ouroboros must equal its slow reference, which keeps each group's memory as a Python value.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from ouroboros_jax import partition
+from ouroboros_jax.model import ConfigError
+from ouroboros_jax.schedules import ScheduleConfig, build_schedule, reference
+from ouroboros_jax.training import checkpoint
+
+from helpers import adam, max_abs_diff, random_batches, run_schedule, tiny_transformer
+
+TXL = dict(arch='transformer-xl', mem_len=8)
+STEPS = 4
+
+
+def _txl(num_stages, **kw):
+  return tiny_transformer(num_stages, num_layers=4, **{**TXL, **kw})
+
+
+def _memory(state):
+  """Every stage's memory as [G, B, ...] (the data replicas' rows joined)."""
+  merge = lambda a: np.asarray(a).reshape(a.shape[0], -1, *a.shape[3:])
+  return jax.tree.map(merge, jax.device_get(state.ring['memory']))
+
+
+@pytest.fixture(scope='module')
+def backprop_run():  # no dropout: replicas and micro-batches draw their own masks
+  model, params = _txl(2)
+  batches = random_batches(STEPS, batch=8)
+  config = ScheduleConfig(name='backprop', seed=3)
+  state, losses = run_schedule(config, model, adam(), params, batches)
+  return model, params, batches, state, losses
+
+
+@pytest.mark.parametrize(
+  'name, stages, replicas, micro',
+  [('data_parallel', 1, 2, 1), ('model_parallel', 2, 1, 1), ('gpipe', 2, 1, 2), ('gpipe', 2, 2, 2)],
+)
+def test_exact_schedules_carry_backprops_memory(backprop_run, name, stages, replicas, micro):
+  model, params, batches, want, want_losses = backprop_run
+  config = ScheduleConfig(
+    name=name, num_stages=stages, data_parallel=replicas, microbatches=micro, seed=3
+  )
+  state, losses = run_schedule(config, model, adam(), params, batches)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  assert max_abs_diff(state.params, want.params) < 2e-5
+  got, expected = _memory(state), _memory(want)
+  np.testing.assert_array_equal(got['filled'], expected['filled'])
+  np.testing.assert_allclose(got['hidden'], expected['hidden'], atol=2e-5)
+
+
+def test_backprop_memory_is_the_previous_segments_hidden_states(backprop_run):
+  """After two steps, every row's memory holds two segments, the second batch's at the end."""
+  _, _, _, state, _ = backprop_run
+  memory = _memory(state)
+  assert memory['filled'].min() == 8 and np.abs(memory['hidden']).max() > 0
+
+
+@pytest.mark.parametrize('stash', ['graph', 'replay'])
+@pytest.mark.parametrize('num_stages', [2, 3])
+def test_ouroboros_matches_slow_reference(num_stages, stash):
+  model, params = _txl(num_stages, dropout=0.1)
+  batches = random_batches(6, seed=1)
+  config = ScheduleConfig(name='ouroboros', num_stages=num_stages, stash=stash, seed=2)
+  state, losses = run_schedule(config, model, adam(), params, batches)
+  want, want_losses, _ = reference.run(model, adam(), params, batches, stash=stash, seed=2)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  assert max_abs_diff(params, want) > 1e-2
+  assert max_abs_diff(state.params, want) < 2e-5
+
+
+@pytest.mark.parametrize('stash', ['graph', 'replay'])
+def test_pipelined_ouroboros_with_warmup_matches_slow_reference(stash):
+  model, params = _txl(2)
+  batches = random_batches(8, seed=4)
+  config = ScheduleConfig(
+    name='ouroboros', num_stages=2, stash=stash, forward='pipelined', sync_warmup_steps=2
+  )
+  state, _ = run_schedule(config, model, adam(), params, batches)
+  want, _, _ = reference.run(
+    model, adam(), params, batches, stash=stash, forward='pipelined', sync_warmup_steps=2
+  )
+  assert max_abs_diff(state.params, want) < 2e-5
+
+
+def test_resume_is_bitwise_with_the_memory_in_the_state(tmp_path):
+  model, params = _txl(2)
+  batches = random_batches(6)
+  config = ScheduleConfig(name='ouroboros', num_stages=2)
+  straight, _ = run_schedule(config, model, adam(), params, batches)
+  schedule = build_schedule(config, model, adam())
+  state = schedule.init(params, batches[0])
+  for batch in batches[:3]:
+    state, _ = schedule.step(state, batch)
+  manager = checkpoint.make_manager(str(tmp_path))
+  checkpoint.save(manager, state, {'position': 3}, {'schedule': 'ouroboros'})
+  manager.wait_until_finished()
+  abstract = checkpoint.abstract_like(schedule.init(params, batches[0]))
+  del state
+  restored, _, _ = checkpoint.restore(manager, abstract)
+  manager.close()
+  assert np.asarray(restored.ring['memory']['filled']).min() == 8  # the memory was saved
+  for batch in batches[3:]:
+    restored, _ = schedule.step(restored, batch)
+  for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(restored)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_without_memory_every_schedule_runs_it():
+  """mem_len 0: relative attention only, no state; the table pipelines run it too."""
+  model, params = _txl(2, mem_len=0)
+  assert model.memory is None
+  batches = random_batches(2, batch=8)
+  want, _ = run_schedule(ScheduleConfig(name='backprop'), model, adam(), params, batches)
+  config = ScheduleConfig(name='zb_h1', num_stages=2, microbatches=2)
+  state, _ = run_schedule(config, model, adam(), params, batches)
+  assert max_abs_diff(state.params, want.params) < 2e-5
+
+
+def test_a_schedule_without_memory_support_says_so():
+  model, params = _txl(2)
+  config = ScheduleConfig(name='1f1b', num_stages=2, microbatches=2)
+  with pytest.raises(ConfigError, match='--mem-len 0') as info:
+    build_schedule(config, model, adam())
+  assert '\n' not in str(info.value)
+
+
+def test_init_without_an_example_batch_is_a_clear_error():
+  model, params = _txl(2)
+  schedule = build_schedule(ScheduleConfig(name='backprop'), model, adam())
+  with pytest.raises(ConfigError, match='example_batch'):
+    schedule.init(params)
+
+
+def test_uneven_stages_keep_each_layers_memory():
+  model, params = _txl(2, layers_per_stage=(1, 3))
+  batches = random_batches(3, batch=8)
+  want, _ = run_schedule(ScheduleConfig(name='backprop'), model, adam(), params, batches)
+  config = ScheduleConfig(name='model_parallel', num_stages=2)
+  state, _ = run_schedule(config, model, adam(), params, batches)
+  assert max_abs_diff(state.params, want.params) < 2e-5
+  assert max_abs_diff(state.ring, want.ring) < 2e-5
+  assert partition.stage_mask((1, 3)).sum() == 4
