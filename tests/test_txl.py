@@ -134,7 +134,6 @@ def test_dropout_only_with_a_key():
   'flags, words',
   [
     ({'pld': 'default'}, '--pld'),
-    ({'schedule': 'zb_h1', 'stages': 2, 'microbatches': 2}, '--mem-len 0'),
     ({'eval_mem_len': -1}, '--eval-mem-len'),
     ({'data_order': 'random'}, '--data-order'),
   ],
@@ -142,7 +141,7 @@ def test_dropout_only_with_a_key():
 def test_run_settings_that_cannot_work_name_the_flag(flags, words):
   from ouroboros_jax.training import config
 
-  cfg = config.override(config.get_preset('txl-tiny'), flags)
+  cfg = config.override(config.get_preset('txl-tiny'), {'mem_len': 64, **flags})
   with pytest.raises(ConfigError, match=words) as info:
     cfg.validate()
   assert '\n' not in str(info.value)
@@ -159,8 +158,11 @@ def test_eval_mem_len_needs_a_memory():
 def test_presets_of_the_paper_validate_and_order_segments():
   from ouroboros_jax.training import config
 
-  for name in ('txl-tiny', 'txl-enwik8-base', 'txl-wt103-base'):
+  for name in ('txl-enwik8-base', 'txl-wt103-base'):
     cfg = config.get_preset(name)
     cfg.validate()
     assert cfg.model.arch == 'transformer-xl' and cfg.segment_order
   assert not config.get_preset('tiny').segment_order
+  assert not config.get_preset('txl-tiny').segment_order  # no memory: shuffled windows
+  with_memory = config.override(config.get_preset('txl-tiny'), {'mem_len': 64})
+  assert with_memory.segment_order and with_memory.resolved_eval_mem_len == 64

@@ -126,12 +126,20 @@ def test_without_memory_every_schedule_runs_it():
   assert max_abs_diff(state.params, want.params) < 2e-5
 
 
-def test_a_schedule_without_memory_support_says_so():
-  model, params = _txl(2)
-  config = ScheduleConfig(name='1f1b', num_stages=2, microbatches=2)
-  with pytest.raises(ConfigError, match='--mem-len 0') as info:
-    build_schedule(config, model, adam())
-  assert '\n' not in str(info.value)
+@pytest.mark.parametrize('name', ['1f1b', 'interleaved', 'zb_h1', 'zb_v'])
+def test_table_pipelines_carry_backprops_memory(name):
+  """Each chunk's memory of each micro-batch's rows, on the device that holds the chunk."""
+  chunks = 2 if name in ('interleaved', 'zb_v') else 1
+  model, params = _txl(2 * chunks)
+  batches = random_batches(3, batch=8)
+  want, want_losses = run_schedule(ScheduleConfig(name='backprop'), model, adam(), params, batches)
+  config = ScheduleConfig(name=name, num_stages=2, microbatches=2, chunks=chunks)
+  state, losses = run_schedule(config, model, adam(), params, batches)
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+  assert max_abs_diff(state.params, want.params) < 2e-5
+  got, expected = _memory(state), _memory(want)
+  np.testing.assert_array_equal(got['filled'], expected['filled'])
+  np.testing.assert_allclose(got['hidden'], expected['hidden'], atol=2e-5)
 
 
 def test_init_without_an_example_batch_is_a_clear_error():

@@ -44,7 +44,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from ouroboros_jax import staged
-from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.schedules import ring, tables
 from ouroboros_jax.schedules.config import ScheduleConfig
 from ouroboros_jax.schedules.synchronous import replica_key, synchronous_schedule
@@ -62,6 +61,7 @@ class _Carry(NamedTuple):
   grad_embed: PyTree
   grad_head: PyTree
   loss: jax.Array  # mean over micro-batches of the micro-batch losses (on the head's device)
+  memory: PyTree  # leaves [v, m, b, ...]: each chunk's memory of each micro-batch's rows, or None
 
 
 def pipeline_table(config: ScheduleConfig) -> tables.Table:
@@ -81,12 +81,6 @@ def idle_fraction(table: tables.Table) -> float:
 
 def build_pipeline(config: ScheduleConfig, model: StagedModel, tx, *, devices=None) -> Schedule:
   """The schedule of `config.name` (any of `tables.PIPELINES`) run from its table."""
-  if model.memory is not None:
-    raise ConfigError(
-      f'{config.name} does not carry a model memory from step to step yet (Transformer-XL with '
-      '--mem-len > 0); use --schedule backprop, data_parallel, model_parallel, gpipe or '
-      'ouroboros, or --mem-len 0.'
-    )
   table = pipeline_table(config)
   pipeline, program = table.pipeline, tables.program(table)
   p, m, replicas = pipeline.num_stages, pipeline.microbatches, config.data_parallel
@@ -116,7 +110,10 @@ def build_pipeline(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
       x = jax.lax.cond(
         k == 0, lambda: embed_of(embed_p, i), lambda: carry.activations[op['inbox_slot']]
       )
-      y, kept, _ = stash.forward(chunk_params(op['chunk']), x, k, micro_key(i))
+      c = op['chunk']
+      memory = jax.tree.map(lambda a: a[c, i], carry.memory)  # None without a memory
+      y, kept, memory = stash.forward(chunk_params(c), x, k, micro_key(i), memory)
+      new_memory = jax.tree.map(lambda a, new: a.at[c, i].set(new), carry.memory, memory)
 
       def head():  # the loss of micro-batch i, as 1/m of the step's
         loss_of = lambda h, e, y: model.loss(h, e, y, targets_M[i])[0]
@@ -130,6 +127,7 @@ def build_pipeline(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
         grad_head=_add(carry.grad_head, g_head),
         grad_embed=_add(carry.grad_embed, g_embed),
         loss=carry.loss + loss,
+        memory=new_memory,
       )
       return carry, sent  # the activation to the next stage, or the head's gradient to our B
 
@@ -195,8 +193,12 @@ def build_pipeline(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
     slots = lambda like: jax.tree.map(
       lambda a: jnp.zeros((program.stash_slots, *a.shape), a.dtype), like
     )
+    # A memory (leaves [v, 1, B/R, ...] here: this device's chunks) cut into micro-batch rows.
+    memory = buffers.get('memory')
+    memory = jax.tree.map(lambda a: a[:, 0].reshape(a.shape[0], m, -1, *a.shape[3:]), memory)
+    first_memory = jax.tree.map(lambda a: a[0, 0], memory)
     _, kept_like, _ = jax.eval_shape(
-      lambda: stash.forward(chunk_params(0), zeros_x, 0, micro_key(0))
+      lambda: stash.forward(chunk_params(0), zeros_x, 0, micro_key(0), first_memory)
     )
     start = _Carry(
       stash=slots(kept_like),
@@ -207,6 +209,7 @@ def build_pipeline(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
       grad_embed=zeros(embed_p),
       grad_head=zeros(head_p),
       loss=jnp.zeros(()),
+      memory=memory,
     )
     ops_T = {name: jnp.asarray(rows)[s] for name, rows in fields_PxT.items()}
     end, _ = jax.lax.scan(tick, start, ops_T)
@@ -216,6 +219,9 @@ def build_pipeline(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
       'head': from_owner(end.grad_head),
       'stages': end.grad_chunks,
     }
+    if end.memory is not None:
+      rows = lambda a: a.reshape(a.shape[0], 1, -1, *a.shape[3:])
+      buffers = {**buffers, 'memory': jax.tree.map(rows, end.memory)}
     return (*jax.lax.pmean((grads, from_owner(end.loss)), DATA), buffers)
 
   return synchronous_schedule(
@@ -237,8 +243,10 @@ class TappedStash:
     run = lambda h, taps: self.split.stage(params_s, h, stage_index, rng, taps)
     return jax.vjp(run, x, self.split.taps(params_s, x), has_aux=True)
 
-  def forward(self, params_s, x, stage_index, key):
-    """-> (the stage's output, what B and W need of it, None: no memory), as `ring.Stash`."""
+  def forward(self, params_s, x, stage_index, key, memory=None):
+    """-> (the stage's output, what B and W need of it, None), as `ring.Stash` (the models with
+    a weight split have no memory)."""
+    del memory
     y, vjp_fn, inputs = self._vjp(params_s, x, stage_index, key)
     kept = {'vjp': ring.without_weights(jax.tree.leaves(vjp_fn), params_s), 'inputs': inputs}
     return y, kept, None

@@ -152,14 +152,16 @@ def synchronous_schedule(
       out_specs=(param_specs, P(), buffer_specs),
       check_vma=False,
     )
-    held = state.params
-    if reorder:
+    held, buffers = state.params, state.ring
+    if reorder:  # the stage groups (and their memories) in the order the devices hold them
       order = jnp.asarray(stage_order)
       held = {**held, 'stages': jax.tree.map(lambda a: a[order], held['stages'])}
-    grads, loss, buffers = grads_of(held, batch, state.step, state.ring)
+      buffers = jax.tree.map(lambda a: a[order], buffers)
+    grads, loss, buffers = grads_of(held, batch, state.step, buffers)
     if reorder:
       back = jnp.asarray(np.argsort(stage_order))
       grads = {**grads, 'stages': jax.tree.map(lambda g: g[back], grads['stages'])}
+      buffers = jax.tree.map(lambda a: a[back], buffers)
     new_state, metrics = synchronous_update(config, tx, state, grads, loss)
     return new_state.replace(ring=buffers), metrics
 
