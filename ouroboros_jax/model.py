@@ -243,19 +243,25 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
   return _init_params(cfg, key)
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def _init_params(cfg: ModelConfig, key: jax.Array) -> Params:
+  return init_modules(cfg, key, Embedder, Block)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2, 3))
+def init_modules(cfg: ModelConfig, key: jax.Array, embedder: type, block: type) -> Params:
+  """{'embed', 'layers' [N, ...], 'head'} from an embedding and a layer module class (this
+  module's, or Transformer-XL's), the layers initialised as one vmapped stack."""
   key_embed, key_layers, key_head = jax.random.split(key, 3)
 
   @nnx.vmap(in_axes=0, out_axes=0)
   def stacked_blocks(k):
-    return Block(cfg, nnx.Rngs(k))
+    return block(cfg, nnx.Rngs(k))
 
   def pure(module):
     return nnx.state(module, nnx.Param).to_pure_dict()
 
   return {
-    'embed': pure(Embedder(cfg, nnx.Rngs(key_embed))),
+    'embed': pure(embedder(cfg, nnx.Rngs(key_embed))),
     'layers': pure(stacked_blocks(jax.random.split(key_layers, cfg.num_layers))),
     'head': pure(Head(cfg, nnx.Rngs(key_head))),
   }

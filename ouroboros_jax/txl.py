@@ -157,23 +157,7 @@ def _graphdefs(cfg: ModelConfig):
 def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
   """Random initial parameters {'embed', 'layers' [N, ...], 'head'}, as `model.init_params`."""
   cfg.validate()
-  return _init_params(cfg, key)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _init_params(cfg: ModelConfig, key: jax.Array) -> Params:
-  key_embed, key_layers, key_head = jax.random.split(key, 3)
-
-  @nnx.vmap(in_axes=0, out_axes=0)
-  def stacked_blocks(k):
-    return RelBlock(cfg, nnx.Rngs(k))
-
-  pure = lambda module: nnx.state(module, nnx.Param).to_pure_dict()
-  return {
-    'embed': pure(Embedder(cfg, nnx.Rngs(key_embed))),
-    'layers': pure(stacked_blocks(jax.random.split(key_layers, cfg.num_layers))),
-    'head': pure(gpt.Head(cfg, nnx.Rngs(key_head))),
-  }
+  return gpt.init_modules(cfg, key, Embedder, RelBlock)
 
 
 def embed(cfg: ModelConfig, embed_params: Params, tokens_BxL, rng=None):

@@ -943,6 +943,16 @@ def num_windows(tokens: np.ndarray, seq_len: int) -> int:
   return max(0, (len(tokens) - 1) // seq_len)
 
 
+def _source_index(index, length: int, what: str) -> int:
+  """A Grain source's element index, negative ones counted from the end (IndexError outside)."""
+  index = int(index)
+  if index < 0:
+    index += length
+  if not 0 <= index < length:
+    raise IndexError(f'{what} {index} out of range [0, {length})')
+  return index
+
+
 class WindowSource:
   """Grain random-access source of a split's windows.
 
@@ -972,11 +982,7 @@ class WindowSource:
     return self._len
 
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-    index = int(index)
-    if index < 0:
-      index += self._len
-    if not 0 <= index < self._len:
-      raise IndexError(f'window {index} out of range [0, {self._len})')
+    index = _source_index(index, self._len, 'window')
     start = index * self._seq_len
     window_L1 = self._tokens_Z[start : start + self._seq_len + 1].astype(np.int32)
     return {'inputs': window_L1[:-1], 'targets': window_L1[1:]}
@@ -1169,11 +1175,7 @@ class SegmentSource:
     return self._len
 
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-    index = int(index)
-    if index < 0:
-      index += self._len
-    if not 0 <= index < self._len:
-      raise IndexError(f'segment batch {index} out of range [0, {self._len})')
+    index = _source_index(index, self._len, 'segment batch')
     positions_BxL1 = self._starts_B[:, None] + (index * self._seq_len + self._offsets_L1)
     segments_BxL1 = self._tokens_Z[positions_BxL1].astype(np.int32)
     return {
