@@ -147,3 +147,17 @@ def tiny_config(out, prepared_data_dir, **overrides):
   values = dict(TINY, data_dir=prepared_data_dir, out=os.fspath(out))
   values.update(overrides)
   return config.override(config.get_preset('tiny'), values)
+
+
+def save_and_restore(schedule, state, params, example_batch, directory, data_state):
+  """A state through an Orbax checkpoint and back, restored onto the shapes `schedule.init`
+  gives: (the restored state, the data state saved with it)."""
+  from ouroboros_jax.training import checkpoint
+
+  manager = checkpoint.make_manager(str(directory))
+  checkpoint.save(manager, state, data_state, {'schedule': schedule.name})
+  manager.wait_until_finished()
+  abstract = checkpoint.abstract_like(schedule.init(params, example_batch))
+  restored, restored_data, _ = checkpoint.restore(manager, abstract)
+  manager.close()
+  return restored, restored_data

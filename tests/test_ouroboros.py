@@ -14,9 +14,16 @@ from ouroboros_jax.model import ConfigError
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule, reference
 from ouroboros_jax.schedules.delays import staleness
 from ouroboros_jax.staged import StagedModel
-from ouroboros_jax.training import checkpoint
 
-from helpers import SEQ, adam, max_abs_diff, random_batches, run_schedule, tiny_transformer
+from helpers import (
+  SEQ,
+  adam,
+  max_abs_diff,
+  random_batches,
+  run_schedule,
+  save_and_restore,
+  tiny_transformer,
+)
 
 
 @pytest.mark.parametrize('pre_ln', [True, False], ids=['preLN', 'postLN'])
@@ -164,13 +171,9 @@ def test_checkpoint_resume_is_bitwise_identical(tmp_path, stash):
   state = schedule.init(params, batches[0])
   for batch in batches[:4]:
     state, _ = schedule.step(state, batch)
-  manager = checkpoint.make_manager(str(tmp_path))
-  checkpoint.save(manager, state, {'position': 4}, {'schedule': 'ouroboros'})
-  manager.wait_until_finished()
-  abstract = checkpoint.abstract_like(schedule.init(params, batches[0]))
-  del state
-  restored, data_state, _ = checkpoint.restore(manager, abstract)
-  manager.close()
+  restored, data_state = save_and_restore(
+    schedule, state, params, batches[0], tmp_path, {'position': 4}
+  )
   assert int(restored.step) == 4 and data_state == {'position': 4}
   assert jax.tree.leaves(restored.ring)  # the in-flight buffers were saved
   for batch in batches[4:]:

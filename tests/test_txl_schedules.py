@@ -11,12 +11,17 @@ import jax
 import numpy as np
 import pytest
 
-from ouroboros_jax import partition
 from ouroboros_jax.model import ConfigError
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule, reference
-from ouroboros_jax.training import checkpoint
 
-from helpers import adam, max_abs_diff, random_batches, run_schedule, tiny_transformer
+from helpers import (
+  adam,
+  max_abs_diff,
+  random_batches,
+  run_schedule,
+  save_and_restore,
+  tiny_transformer,
+)
 
 TXL = dict(arch='transformer-xl', mem_len=8)
 STEPS = 4
@@ -30,6 +35,12 @@ def _memory(state):
   """Every stage's memory as [G, B, ...] (the data replicas' rows joined)."""
   merge = lambda a: np.asarray(a).reshape(a.shape[0], -1, *a.shape[3:])
   return jax.tree.map(merge, jax.device_get(state.ring['memory']))
+
+
+def _assert_same_memory(state, want):
+  got, expected = _memory(state), _memory(want)
+  np.testing.assert_array_equal(got['filled'], expected['filled'])
+  np.testing.assert_allclose(got['hidden'], expected['hidden'], atol=2e-5)
 
 
 @pytest.fixture(scope='module')
@@ -53,13 +64,11 @@ def test_exact_schedules_carry_backprops_memory(backprop_run, name, stages, repl
   state, losses = run_schedule(config, model, adam(), params, batches)
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
   assert max_abs_diff(state.params, want.params) < 2e-5
-  got, expected = _memory(state), _memory(want)
-  np.testing.assert_array_equal(got['filled'], expected['filled'])
-  np.testing.assert_allclose(got['hidden'], expected['hidden'], atol=2e-5)
+  _assert_same_memory(state, want)
 
 
 def test_backprop_memory_is_the_previous_segments_hidden_states(backprop_run):
-  """After two steps, every row's memory holds two segments, the second batch's at the end."""
+  """After the steps every row's memory is full (filled = mem_len) and holds real states."""
   _, _, _, state, _ = backprop_run
   memory = _memory(state)
   assert memory['filled'].min() == 8 and np.abs(memory['hidden']).max() > 0
@@ -101,13 +110,7 @@ def test_resume_is_bitwise_with_the_memory_in_the_state(tmp_path):
   state = schedule.init(params, batches[0])
   for batch in batches[:3]:
     state, _ = schedule.step(state, batch)
-  manager = checkpoint.make_manager(str(tmp_path))
-  checkpoint.save(manager, state, {'position': 3}, {'schedule': 'ouroboros'})
-  manager.wait_until_finished()
-  abstract = checkpoint.abstract_like(schedule.init(params, batches[0]))
-  del state
-  restored, _, _ = checkpoint.restore(manager, abstract)
-  manager.close()
+  restored, _ = save_and_restore(schedule, state, params, batches[0], tmp_path, {'position': 3})
   assert np.asarray(restored.ring['memory']['filled']).min() == 8  # the memory was saved
   for batch in batches[3:]:
     restored, _ = schedule.step(restored, batch)
@@ -137,9 +140,7 @@ def test_table_pipelines_carry_backprops_memory(name):
   state, losses = run_schedule(config, model, adam(), params, batches)
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
   assert max_abs_diff(state.params, want.params) < 2e-5
-  got, expected = _memory(state), _memory(want)
-  np.testing.assert_array_equal(got['filled'], expected['filled'])
-  np.testing.assert_allclose(got['hidden'], expected['hidden'], atol=2e-5)
+  _assert_same_memory(state, want)
 
 
 def test_init_without_an_example_batch_is_a_clear_error():
@@ -157,4 +158,3 @@ def test_uneven_stages_keep_each_layers_memory():
   state, _ = run_schedule(config, model, adam(), params, batches)
   assert max_abs_diff(state.params, want.params) < 2e-5
   assert max_abs_diff(state.ring, want.ring) < 2e-5
-  assert partition.stage_mask((1, 3)).sum() == 4

@@ -38,6 +38,7 @@ checkpoint is written), so a non-finite state is never saved; the run then stops
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -143,13 +144,20 @@ def evaluate(schedule, params, tokens, cfg: TrainConfig, max_batches: int | None
   return float(np.mean(jax.device_get(losses)))
 
 
+@functools.lru_cache(maxsize=8)
+def _memory_evaluator(model_cfg, layers_per_stage: tuple[int, ...]):
+  """(the staged model, its jitted `recurrent_loss` without dropout), built once per run's
+  shape, so every evaluation of a run reuses one compiled program."""
+  model = partition.transformer_stages(model_cfg, layers_per_stage)
+  return model, jax.jit(lambda p, b, m: model.recurrent_loss(p, b, None, m))
+
+
 def _evaluate_with_memory(mesh, params, batches, cfg: TrainConfig) -> float:
   """The exact loss of each batch in turn, every stage reading and renewing its memory."""
   model_cfg = dataclasses.replace(cfg.model, mem_len=cfg.resolved_eval_mem_len)
-  model = partition.transformer_stages(model_cfg, cfg.plans.layers_per_stage)
+  model, loss_of = _memory_evaluator(model_cfg, tuple(cfg.plans.layers_per_stage))
   memory = staged.empty_memory(model, params, example_batch(cfg))['memory']
   memory_G = staged.onto_mesh(jax.tree.map(lambda a: a[:, 0], memory), mesh)
-  loss_of = jax.jit(lambda p, b, m: model.recurrent_loss(p, b, None, m))
   losses = []
   for batch in batches:
     loss, (_, memory_G) = loss_of(params, staged.place_batch(batch, mesh), memory_G)
