@@ -95,6 +95,8 @@ def _add_field_flags(parser: argparse.ArgumentParser) -> None:
     '(default 0: none); the training batches then continue each other row by row',
     'clamp_len': 'transformer-xl: relative distances beyond this share its encoding (0: off)',
     'attn_dropout': 'transformer-xl: dropout on the attention probabilities',
+    'untie_r': 'transformer-xl: true gives every layer its own biases u, v (the reference '
+    "code's --untie_r); default false: one global pair, as the paper writes it",
     'eval_mem_len': 'transformer-xl: memory length when evaluating (default: --mem-len)',
     'data_order': 'windows (shuffled windows), segments (B contiguous streams, as Transformer-XL '
     'trains) or auto (default: segments for a model with a memory)',

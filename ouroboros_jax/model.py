@@ -67,6 +67,8 @@ class ModelConfig:
   mem_len: int = 0  # hidden states each layer keeps from previous segments (0: no recurrence)
   clamp_len: int = 0  # relative distances beyond this share its encoding (0: no clamp)
   attn_dropout: float = 0.0  # dropout on the attention probabilities (transformer-xl)
+  untie_r: bool = False  # transformer-xl: u, v per layer (the reference code's --untie_r);
+  # False: one global pair shared by every layer, as the paper writes it
 
   def validate(self) -> None:
     for name in ('vocab_size', 'd_model', 'num_heads', 'num_layers', 'd_ff', 'seq_len'):
@@ -99,7 +101,7 @@ class ModelConfig:
         f'attn_dropout must be in [0, 1), got {self.attn_dropout}; fix --attn-dropout.'
       )
     if self.arch != 'transformer-xl':
-      for name in ('mem_len', 'clamp_len', 'attn_dropout'):
+      for name in ('mem_len', 'clamp_len', 'attn_dropout', 'untie_r'):
         if getattr(self, name):
           raise ConfigError(
             f'--{name.replace("_", "-")} is a Transformer-XL setting but the model is '

@@ -168,4 +168,5 @@ def txl_stages(cfg: ModelConfig, layers_per_stage: Sequence[int]) -> StagedModel
     loss=lambda head, emb, x, targets: transformer.head_loss(cfg, head, emb, x, targets),
     tied_embedding=cfg.tie_embeddings,
     memory=memory,
+    shared=txl.shared_leaves(cfg),
   )

@@ -18,7 +18,9 @@ directly comparable.
 The optimizer is an Optax transformation applied *per module group* ('embed', each stage, 'head'),
 after one global-norm clip over the whole gradient. Each stage has its own optimizer state (the
 state is vmapped over the stage axis), as each device of a ring has its own optimizer; a group
-that has no gradient yet (Ouroboros' first K-k steps) is left exactly as it is.
+that has no gradient yet (Ouroboros' first K-k steps) is left exactly as it is. A parameter that
+every layer uses (`StagedModel.shared`) is stored as one copy per layer slot, all equal; its
+gradient is the sum of the copies' gradients and it has one optimizer state, 'shared'.
 """
 
 from __future__ import annotations
@@ -88,6 +90,9 @@ class StagedModel:
   tied_embedding: bool = True  # the loss reads embed params (they get a fresh head gradient)
   weight_split: WeightSplit | None = None  # a cheap W for the zero-bubble pipelines, if any
   memory: Memory | None = None  # a recurrent state per stage (Transformer-XL), if any
+  # Names of top-level stage-parameter leaves ([G, N, ...]) that are ONE parameter used by every
+  # layer of every stage (Transformer-XL's global biases u and v); see `apply_gradients`.
+  shared: tuple[str, ...] = ()
 
   def run_stage(self, stage_params, x, stage_index, rng, memory=None):
     """(y, new memory): one stage with its memory; (y, None) for a model without one."""
@@ -164,12 +169,37 @@ class Schedule(NamedTuple):
 # ----------------------------------------------------------------------------- optimizer
 
 
-def init_opt_state(tx: optax.GradientTransformation, params: PyTree) -> PyTree:
-  return {
+def init_opt_state(
+  tx: optax.GradientTransformation, params: PyTree, shared: tuple[str, ...] = ()
+) -> PyTree:
+  """One Optax state per module group, and one for the shared stage leaves if there are any."""
+  opt_state = {
     'embed': tx.init(params['embed']),
     'stages': jax.vmap(tx.init)(params['stages']),
     'head': tx.init(params['head']),
   }
+  if shared:
+    opt_state['shared'] = tx.init(shared_params(params, shared))
+  return opt_state
+
+
+def shared_params(params: PyTree, shared: tuple[str, ...]) -> dict:
+  """{name: value} of each shared stage leaf; every layer slot holds it, stage 0's first (always
+  a real layer) is read."""
+  return {name: params['stages'][name][0, 0] for name in shared}
+
+
+def split_shared(grads_stages: dict, shared: tuple[str, ...], ready_G) -> tuple[dict, dict]:
+  """(the stage gradients with the shared leaves zeroed, {name: gradient of the one shared
+  parameter}): the sum over every layer of the ready stages, as the chain rule gives for a
+  parameter used by all of them."""
+  summed = {}
+  for name in shared:
+    g_GxN = grads_stages[name]
+    ready = ready_G.reshape((-1,) + (1,) * (g_GxN.ndim - 1))
+    summed[name] = jnp.sum(jnp.where(ready, g_GxN, 0), axis=(0, 1))
+  zeroed = {name: jnp.zeros_like(grads_stages[name]) for name in shared}
+  return {**grads_stages, **zeroed}, summed
 
 
 def apply_gradients(
@@ -183,6 +213,7 @@ def apply_gradients(
   stages_ready_G=None,
   head_ready=True,
   delays=None,
+  shared: tuple[str, ...] = (),
 ):
   """One optimizer step per module group; a group that is not ready stays exactly as it was.
 
@@ -191,7 +222,20 @@ def apply_gradients(
   ({'embed': d, 'stages': [G], 'head': d}, or None) is each group's version gap, passed to tx as
   the Optax extra argument `delay` (the staleness compensations of compensation.py read it;
   plain transformations ignore it).
+
+  `shared` (`StagedModel.shared`; their state is opt_state['shared'], `init_opt_state`): stage
+  leaves that are one parameter of every layer. They are updated once, from
+  the sum of their gradients over every layer of the ready stages, when any stage is ready; every
+  layer slot then gets the new value. Their delay is the largest among the ready stages (their
+  gradient mixes contributions of every stage's delay; the oldest is the one a compensation must
+  not under-correct). The clip counts that summed gradient once.
   """
+  num_stages = stage_count(params)
+  stages_ready_G = jnp.ones((num_stages,), bool) if stages_ready_G is None else stages_ready_G
+  delays = delays or {'embed': None, 'stages': None, 'head': None}  # None: no delay anywhere
+  grads = dict(grads)
+  if shared:
+    grads['stages'], grads['shared'] = split_shared(grads['stages'], shared, stages_ready_G)
   grads, grad_norm = clip_by_global_norm(grads, clip_norm)
 
   def update(p, s, g, ready, delay):
@@ -199,9 +243,6 @@ def apply_gradients(
     keep = lambda new, old: jnp.where(ready, new, old)
     return jax.tree.map(keep, new_p, p), jax.tree.map(keep, new_s, s)
 
-  num_stages = stage_count(params)
-  stages_ready_G = jnp.ones((num_stages,), bool) if stages_ready_G is None else stages_ready_G
-  delays = delays or {'embed': None, 'stages': None, 'head': None}  # None: no delay anywhere
   embed_p, embed_s = update(
     params['embed'], opt_state['embed'], grads['embed'], embed_ready, delays['embed']
   )
@@ -211,11 +252,23 @@ def apply_gradients(
   stages_p, stages_s = jax.vmap(update)(
     params['stages'], opt_state['stages'], grads['stages'], stages_ready_G, delays['stages']
   )
-  return (
-    {'embed': embed_p, 'stages': stages_p, 'head': head_p},
-    {'embed': embed_s, 'stages': stages_s, 'head': head_s},
-    grad_norm,
-  )
+  new_opt_state = {'embed': embed_s, 'stages': stages_s, 'head': head_s}
+  if shared:
+    delay = delays['stages']
+    if delay is not None:
+      delay = jnp.max(jnp.where(stages_ready_G, jnp.asarray(delay), 0))
+    one_p, new_opt_state['shared'] = update(
+      shared_params(params, shared),
+      opt_state['shared'],
+      grads['shared'],
+      jnp.any(stages_ready_G),
+      delay,
+    )
+    every_slot = {
+      name: jnp.broadcast_to(one_p[name], params['stages'][name].shape) for name in shared
+    }
+    stages_p = {**stages_p, **every_slot}
+  return ({'embed': embed_p, 'stages': stages_p, 'head': head_p}, new_opt_state, grad_norm)
 
 
 def clip_by_global_norm(grads, clip_norm: float | None):
@@ -261,15 +314,28 @@ def adamw(
 def make_schedule(
   name: str, model: StagedModel, mesh: Mesh, init: Callable, step: Callable, idle_fraction: float
 ) -> Schedule:
-  """A Schedule with its step and evaluation jitted the way every schedule's are."""
+  """A Schedule with its step and evaluation jitted the way every schedule's are; the step keeps
+  the state where `init_state` placed it."""
   return Schedule(
     init=init,
-    step=jit_step(step),
+    step=jit_step(keep_placement(step, mesh)),
     evaluate=jit_evaluate(model),
     mesh=mesh,
     idle_fraction=idle_fraction,
     name=name,
   )
+
+
+def keep_placement(step_fn: Callable, mesh: Mesh) -> Callable:
+  """`step_fn` whose new state is laid out as `init_state` lays it out. Left to XLA, a leaf the
+  step rebuilds from a replicated value (a shared parameter written back to every stage's slots)
+  comes out replicated, and the next step compiles again for the new layout."""
+
+  def step(state, batch):
+    new_state, metrics = step_fn(state, batch)
+    return jax.lax.with_sharding_constraint(new_state, named(state_specs(new_state), mesh)), metrics
+
+  return step
 
 
 def jit_step(step_fn: Callable) -> Callable:
@@ -314,10 +380,10 @@ def param_specs(params: PyTree) -> PyTree:
 
 
 def opt_state_specs(opt_state: PyTree) -> PyTree:
+  """The stages' optimizer states sharded over `stage`; the other groups' replicated."""
   return {
-    'embed': jax.tree.map(lambda _: P(), opt_state['embed']),
-    'stages': jax.tree.map(lambda _: P(STAGE), opt_state['stages']),
-    'head': jax.tree.map(lambda _: P(), opt_state['head']),
+    group: jax.tree.map(lambda _: P(STAGE) if group == 'stages' else P(), state)
+    for group, state in opt_state.items()
   }
 
 
@@ -331,6 +397,7 @@ def init_state(
   params: PyTree,
   mesh: Mesh,
   ring: Callable[[], PyTree] | None = None,
+  shared: tuple[str, ...] = (),
 ) -> TrainState:
   """The fresh TrainState of every schedule: step 0, the params, one optimizer state per group,
   and the schedule's ring buffers (`ring()`, leaves [G, R, ...] sharded over (stage, data)), on
@@ -341,18 +408,23 @@ def init_state(
     return TrainState(
       step=jnp.zeros((), jnp.int32),
       params=params,
-      opt_state=init_opt_state(tx, params),
+      opt_state=init_opt_state(tx, params, shared),
       ring=ring() if ring else {},
     )
 
-  abstract = jax.eval_shape(fresh_state, params)
-  specs = TrainState(
-    step=P(),
-    params=param_specs(params),
-    opt_state=opt_state_specs(abstract.opt_state),
-    ring=ring_specs(abstract.ring),
-  )
+  specs = state_specs(jax.eval_shape(fresh_state, params))
   return jax.jit(fresh_state, out_shardings=named(specs, mesh))(params)
+
+
+def state_specs(state: TrainState) -> TrainState:
+  """Where every leaf of a TrainState lives: stage groups, their optimizer states and the ring
+  buffers sharded over `stage` (the buffers also over `data`), the rest replicated."""
+  return TrainState(
+    step=P(),
+    params=param_specs(state.params),
+    opt_state=opt_state_specs(state.opt_state),
+    ring=ring_specs(state.ring),
+  )
 
 
 def empty_memory(model: StagedModel, params: PyTree, example_batch, replicas: int = 1) -> dict:

@@ -5,9 +5,9 @@ What differs from the GPT-style model:
 
       score[i, j] = (q_i + u) . k_j  +  (q_i + v) . W_R R[i + M - j]
 
-  with R the sinusoid of the relative distance, u and v learned biases (one pair per layer, as in
-  the reference code's `untie_r`, so a layer stays self-contained when the stack is cut into
-  stages), and the second term computed for every distance at once and moved into place by the
+  with R the sinusoid of the relative distance, u and v learned biases (one global pair, as the
+  paper writes it; `untie_r` gives every layer its own, as the reference code's flag), and the
+  second term computed for every distance at once and moved into place by the
   *relative shift*. `clamp_len` > 0 gives every distance beyond it the encoding of `clamp_len`.
 - **Segment-level recurrence.** Each layer also attends to a memory of the last `mem_len`
   hidden states that entered it during the previous segments (M positions before the segment's
@@ -157,7 +157,26 @@ def _graphdefs(cfg: ModelConfig):
 def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
   """Random initial parameters {'embed', 'layers' [N, ...], 'head'}, as `model.init_params`."""
   cfg.validate()
-  return gpt.init_modules(cfg, key, Embedder, RelBlock)
+  params = gpt.init_modules(cfg, key, Embedder, RelBlock)
+  if not cfg.untie_r:  # one global u, v: every layer holds the same copy (layer 0's draw)
+    layers = params['layers']
+    params['layers'] = {**layers, **{n: _every_layer(layers[n][0], layers[n]) for n in SHARED}}
+  return params
+
+
+# The global biases: one parameter read by every layer. Each layer's params keep a copy (so a
+# layer stays self-contained when the stack is cut into stages); the optimizer sums the copies'
+# gradients and writes one value back to all of them (`staged.apply_gradients`).
+SHARED = ('r_w_bias', 'r_r_bias')
+
+
+def shared_leaves(cfg: ModelConfig) -> tuple[str, ...]:
+  """The layer-parameter names that are one global parameter in this config."""
+  return () if cfg.untie_r else SHARED
+
+
+def _every_layer(value, stacked):
+  return jnp.broadcast_to(value, stacked.shape)
 
 
 def embed(cfg: ModelConfig, embed_params: Params, tokens_BxL, rng=None):

@@ -272,7 +272,7 @@ def _init(ring: _Ring, params, example_batch):
       buffers['act'] = buffer(x)
     return buffers
 
-  return staged.init_state(ring.tx, params, ring.mesh, fresh_buffers)
+  return staged.init_state(ring.tx, params, ring.mesh, fresh_buffers, ring.model.shared)
 
 
 def _grads(ring: _Ring, state: TrainState, forward_params, batch, t, t_async):
@@ -349,6 +349,7 @@ def _step(ring: _Ring, state: TrainState, batch: dict):
     stages_ready_G=warm | (t_async >= jnp.asarray(ring.backward_lags)),
     head_ready=head_ready,
     delays=delays if ring.compensation.active else None,
+    shared=model.shared,
   )
   new_state = state.replace(step=t + 1, params=params, opt_state=opt_state, ring=buffers)
   loss_batch = jnp.where(warm, t, t - ring.head_lag)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from ouroboros_jax import staged
+from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.schedules.delays import backward_batch
 from ouroboros_jax.staged import EMBED_PIECE
 
@@ -166,14 +167,22 @@ class SlowRing:
       loss=jax.jit(model.loss),
       tied_embedding=model.tied_embedding,
       memory=memory,
+      shared=model.shared,
     )
     self.memory = [None] * self.num_stages  # group s's memory (Transformer-XL), once it runs
     self.apply_gradients = jax.jit(
-      lambda *args, **kw: staged.apply_gradients(tx, *args, clip_norm=options.clip_norm, **kw)
+      lambda *args, **kw: staged.apply_gradients(
+        tx, *args, clip_norm=options.clip_norm, shared=model.shared, **kw
+      )
     )
-    self.opt_state = staged.init_opt_state(tx, params)
+    self.opt_state = staged.init_opt_state(tx, params, model.shared)
     comp = options.compensation
     active = comp is not None and comp.active
+    if active and model.shared:
+      raise ConfigError(
+        'the slow reference has no staleness compensation for parameters shared by every layer '
+        '(Transformer-XL global u, v); compare without compensation, or with --untie-r.'
+      )
     self.slow = SlowCompensation(comp, tx, params, options.clip_norm) if active else None
     self.stashes = [collections.deque() for _ in range(self.num_stages)]
     self.delta_inbox = [None] * self.num_stages

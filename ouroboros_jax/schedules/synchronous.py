@@ -27,10 +27,13 @@ from ouroboros_jax.schedules.config import ScheduleConfig
 from ouroboros_jax.staged import DATA, STAGE, Schedule, StagedModel, TrainState
 
 
-def synchronous_update(config: ScheduleConfig, tx, state: TrainState, grads, loss):
-  """The optimizer half of every synchronous step: all groups ready, metrics of batch t."""
+def synchronous_update(
+  config: ScheduleConfig, tx, state: TrainState, grads, loss, shared: tuple[str, ...] = ()
+):
+  """The optimizer half of every synchronous step: all groups ready, metrics of batch t
+  (`shared`: the model's shared stage leaves, `StagedModel.shared`)."""
   params, opt_state, grad_norm = staged.apply_gradients(
-    tx, state.params, state.opt_state, grads, clip_norm=config.clip_norm
+    tx, state.params, state.opt_state, grads, clip_norm=config.clip_norm, shared=shared
   )
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
   return new_state, {'loss': loss, 'loss_batch': state.step, 'grad_norm': grad_norm}
@@ -71,12 +74,12 @@ def build_backprop(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
 
   def init(params, example_batch=None):
     memory = lambda: staged.empty_memory(model, params, example_batch)
-    return staged.init_state(tx, params, mesh, memory)
+    return staged.init_state(tx, params, mesh, memory, model.shared)
 
   def step(state: TrainState, batch: dict):
     key = staged.batch_key(config.seed, state.step)
     grads, loss, buffers = whole_model_grads(model, state.params, batch, key, state.ring)
-    new_state, metrics = synchronous_update(config, tx, state, grads, loss)
+    new_state, metrics = synchronous_update(config, tx, state, grads, loss, model.shared)
     return new_state.replace(ring=buffers), metrics
 
   return staged.make_schedule('backprop', model, mesh, init, step, idle_fraction=0.0)
@@ -140,7 +143,7 @@ def synchronous_schedule(
         f'them with partition.to_staged(params, layers_per_stage) for {groups} groups.'
       )
     memory = lambda: staged.empty_memory(model, params, example_batch, replicas)
-    return staged.init_state(tx, params, mesh, memory)
+    return staged.init_state(tx, params, mesh, memory, model.shared)
 
   def step(state: TrainState, batch: dict):
     check_batch(batch, replicas, microbatches)
@@ -162,7 +165,7 @@ def synchronous_schedule(
       back = jnp.asarray(np.argsort(stage_order))
       grads = {**grads, 'stages': jax.tree.map(lambda g: g[back], grads['stages'])}
       buffers = jax.tree.map(lambda a: a[back], buffers)
-    new_state, metrics = synchronous_update(config, tx, state, grads, loss)
+    new_state, metrics = synchronous_update(config, tx, state, grads, loss, model.shared)
     return new_state.replace(ring=buffers), metrics
 
   return staged.make_schedule(name, model, mesh, init, step, idle_fraction)
