@@ -11,6 +11,11 @@ every --eval-every steps, and compares validation bits per byte against training
     summary.md     each run's final bpb and time, and txl-tiny's bpb at tiny's final time
 
     python experiments/txl_tiny.py            # ~10 min on 2 quiet CPU cores
+    python experiments/txl_tiny.py --run tiny-muon=tiny,optimizer=muon \
+        --run txl-mem-muon=txl-tiny,mem_len=64,steps=1400,optimizer=muon
+
+`--run LABEL=PRESET[,FIELD=VALUE...]` (repeated) chooses the runs; the first one sets the time
+budget every other run is read at (default: tiny, then txl-tiny).
 """
 
 from __future__ import annotations
@@ -23,7 +28,21 @@ import shutil
 
 import numpy as np
 
-RUNS = ('tiny', 'txl-tiny')
+DEFAULT_RUNS = ('tiny=tiny', 'txl-tiny=txl-tiny')
+
+
+def parse_run(text: str, fields: dict) -> tuple[str, str, dict]:
+  """'LABEL=PRESET[,FIELD=VALUE...]' -> (label, preset, typed overrides)."""
+  label, _, spec = text.partition('=')
+  preset, *pairs = spec.split(',')
+  values = dict(pair.split('=', 1) for pair in pairs)
+  unknown = sorted(set(values) - set(fields))
+  if not label or not preset or unknown:
+    raise SystemExit(
+      f'error: bad --run {text!r}; write LABEL=PRESET[,FIELD=VALUE...] with known fields'
+    )
+  typed = lambda kind, v: v.lower() in ('1', 'true', 'yes') if kind is bool else kind(v)
+  return label, preset, {k: typed(fields[k][0], v) for k, v in values.items()}
 
 
 def main(argv=None):
@@ -31,6 +50,7 @@ def main(argv=None):
   parser.add_argument('--out', default='experiments/results/txl_tiny')
   parser.add_argument('--eval-every', type=int, default=250)
   parser.add_argument('--eval-batches', type=int, default=None, help="default: the preset's")
+  parser.add_argument('--run', action='append', metavar='LABEL=PRESET[,FIELD=VALUE...]')
   args = parser.parse_args(argv)
 
   from ouroboros_jax.runtime import host
@@ -38,14 +58,15 @@ def main(argv=None):
   host.configure_cpu_runtime()
   from ouroboros_jax.training import config, loop
 
+  runs = [parse_run(text, config.fields()) for text in args.run or DEFAULT_RUNS]
   rows, finals = [], {}
-  for name in RUNS:
+  for name, preset, overrides in runs:
     out = os.path.join(args.out, name)
     shutil.rmtree(out, ignore_errors=True)
-    values = {'out': out, 'eval_every': args.eval_every}
+    values = {'out': out, 'eval_every': args.eval_every, **overrides}
     if args.eval_batches:
       values['eval_batches'] = args.eval_batches
-    cfg = config.override(config.get_preset(name), values)
+    cfg = config.override(config.get_preset(preset), values)
     print(f'== {name}', flush=True)
     finals[name] = loop.train(cfg, quiet=True)
     with open(os.path.join(out, 'metrics.jsonl')) as f:
@@ -62,20 +83,27 @@ def main(argv=None):
     writer.writerows(rows)
 
   curve = lambda name: sorted((r['train_s'], r['val_bpb']) for r in rows if r['run'] == name)
-  budget = curve('tiny')[-1][0]
-  times, bpbs = zip(*curve('txl-tiny'))
-  at_budget = float(np.interp(budget, times, bpbs)) if times[0] <= budget else float('nan')
+  first = runs[0][0]
+  budget = curve(first)[-1][0]
+
+  def at_budget(name):
+    times, bpbs = zip(*curve(name))
+    return float(np.interp(budget, times, bpbs)) if times[0] <= budget else float('nan')
+
   table = [
-    '| run | steps | final val bpb | train s | tokens/s |',
-    '|---|---|---|---|---|',
+    '| run | steps | final val bpb | test bpb | train s | tokens/s |',
+    '|---|---|---|---|---|---|',
     *(
-      f'| {n} | {s["step"]} | {s["val_bpb"]:.4f} | {s["train_s"] + s["compile_s"]:.0f} | '
-      f'{s["tokens_per_s"]:,.0f} |'
+      f'| {n} | {s["step"]} | {s["val_bpb"]:.4f} | {s["test_bpb"]:.4f} | '
+      f'{s["train_s"] + s["compile_s"]:.0f} | {s["tokens_per_s"]:,.0f} |'
       for n, s in finals.items()
     ),
     '',
-    f"txl-tiny at tiny's {budget:.0f} s: val bpb {at_budget:.4f} against "
-    f'{finals["tiny"]["val_bpb"]:.4f} ({at_budget - finals["tiny"]["val_bpb"]:+.4f}).',
+    *(
+      f"{name} at {first}'s {budget:.0f} s: val bpb {at_budget(name):.4f} against "
+      f'{finals[first]["val_bpb"]:.4f} ({at_budget(name) - finals[first]["val_bpb"]:+.4f}).'
+      for name, _, _ in runs[1:]
+    ),
   ]
   text = '\n'.join(table)
   with open(os.path.join(args.out, 'summary.md'), 'w') as f:
@@ -88,7 +116,7 @@ def main(argv=None):
   import matplotlib.pyplot as plt
 
   fig, ax = plt.subplots(figsize=(7, 4.5))
-  for name in RUNS:
+  for name, _, _ in runs:
     ax.plot(*zip(*curve(name)), marker='o', markersize=3, label=name)
   ax.set_xlabel('training time, s (compilation included)')
   ax.set_ylabel('validation bits per byte')
