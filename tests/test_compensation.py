@@ -134,6 +134,22 @@ def test_prediction_moves_each_group_by_its_gap():
   assert max_abs_diff(out['head'], params['head']) == 0.0
 
 
+def test_prediction_moves_a_shared_parameter_by_each_stages_gap():
+  """Transformer-XL's global u: its own latest update, times the gap of the stage whose slots
+  hold the copy (its per-stage optimizer states see no gradient of it)."""
+  model, params = tiny_transformer(2, arch='transformer-xl')
+  tx = compensation.remember_update(adam())
+  opt_state = staged.init_opt_state(tx, params, model.shared)
+  u_step = jax.tree.map(lambda a: jnp.full_like(a, 0.5), opt_state['shared'].last_update)
+  opt_state['shared'] = opt_state['shared']._replace(last_update=u_step)
+  gaps = {'embed': 0, 'stages': jnp.asarray([2, 0]), 'head': 0}
+  out = compensation.predict_weights(params, opt_state, gaps)
+  for name in model.shared:
+    np.testing.assert_allclose(out['stages'][name][0], params['stages'][name][0] + 1.0)
+    np.testing.assert_array_equal(out['stages'][name][1], params['stages'][name][1])
+  assert max_abs_diff(out['stages']['qkv'], params['stages']['qkv']) == 0.0
+
+
 def test_update_side_pieces_are_the_identity_without_delay():
   params = {'kernel': jnp.arange(6.0).reshape(2, 3)}
   grads = {'kernel': jnp.linspace(-1, 1, 6).reshape(2, 3)}

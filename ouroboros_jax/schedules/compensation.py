@@ -314,6 +314,10 @@ def predict_weights(params: PyTree, opt_state: PyTree, gaps: PyTree) -> PyTree:
   params and opt_state are a schedule's {'embed', 'stages', 'head'} trees (opt_state made with a
   `remember_update` optimizer); gaps has one version gap per group: a scalar for 'embed' and
   'head', one per stage ([G]) for 'stages'. A gap of 0 returns the weights unchanged.
+
+  A parameter every layer shares (an opt_state['shared'] group, `staged.apply_gradients`) moves
+  by its own latest update, in each stage's slots with that stage's gap: the weights that
+  stage's gradient will meet.
   """
 
   def group(p, state, gap):
@@ -325,7 +329,20 @@ def predict_weights(params: PyTree, opt_state: PyTree, gaps: PyTree) -> PyTree:
 
     return jax.tree.map(shift, p, last_update(state))
 
-  return {name: group(params[name], opt_state[name], gaps[name]) for name in params}
+  predicted = {name: group(params[name], opt_state[name], gaps[name]) for name in params}
+  if 'shared' in opt_state:
+    gap_G = jnp.asarray(gaps['stages'], jnp.float32)
+
+    def shift_slots(w_GxN, u):
+      g = gap_G.reshape(gap_G.shape + (1,) * (w_GxN.ndim - gap_G.ndim)).astype(w_GxN.dtype)
+      return jnp.where(g == 0, w_GxN, w_GxN + g * u)
+
+    moved = {
+      name: shift_slots(params['stages'][name], u)
+      for name, u in last_update(opt_state['shared']).items()
+    }
+    predicted['stages'] = {**predicted['stages'], **moved}
+  return predicted
 
 
 def last_update(state) -> PyTree:
