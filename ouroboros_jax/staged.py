@@ -224,9 +224,9 @@ def apply_gradients(
   plain transformations ignore it).
 
   `shared` (`StagedModel.shared`; their state is opt_state['shared'], `init_opt_state`): stage
-  leaves that are one parameter of every layer. They are updated once, from
-  the sum of their gradients over every layer of the ready stages, when any stage is ready; every
-  layer slot then gets the new value. Their delay is the largest among the ready stages (their
+  leaves that are one parameter of every layer. They are updated once, from the sum of their
+  gradients over every layer of the ready stages, when any stage is ready; every layer slot then
+  gets the new value. Their delay is the largest among the ready stages (their
   gradient mixes contributions of every stage's delay; the oldest is the one a compensation must
   not under-correct). The clip counts that summed gradient once.
   """

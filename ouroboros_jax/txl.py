@@ -160,7 +160,8 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
   params = gpt.init_modules(cfg, key, Embedder, RelBlock)
   if not cfg.untie_r:  # one global u, v: every layer holds the same copy (layer 0's draw)
     layers = params['layers']
-    params['layers'] = {**layers, **{n: _every_layer(layers[n][0], layers[n]) for n in SHARED}}
+    one_copy = {n: jnp.broadcast_to(layers[n][0], layers[n].shape) for n in SHARED}
+    params['layers'] = {**layers, **one_copy}
   return params
 
 
@@ -173,10 +174,6 @@ SHARED = ('r_w_bias', 'r_r_bias')
 def shared_leaves(cfg: ModelConfig) -> tuple[str, ...]:
   """The layer-parameter names that are one global parameter in this config."""
   return () if cfg.untie_r else SHARED
-
-
-def _every_layer(value, stacked):
-  return jnp.broadcast_to(value, stacked.shape)
 
 
 def embed(cfg: ModelConfig, embed_params: Params, tokens_BxL, rng=None):
