@@ -12,6 +12,10 @@ writes them in the background. Orbax writes into `<step>.orbax-checkpoint-tmp*` 
 `<step>` only when everything is on disk, so a save that was interrupted never looks like a
 checkpoint and `latest_step` is always a complete one (tests/test_train.py checks this).
 
+Arrays of zero size (a Transformer-XL stash with `mem_len 0`, an empty memory) are not written:
+Orbax refuses them, and they hold no data. `save` leaves them out of the saved tree and `restore`
+makes them again from the abstract state, so any state of any model and schedule round-trips.
+
 Every save also records a checksum of the state's bits (`fingerprint`), checked on restore:
 Orbax reads back some damaged files without complaint (a flipped byte in an array's data is
 restored as a different number), and a resumed run must not continue from those.
@@ -31,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import math
 import os
 import shutil
 import sys
@@ -152,10 +157,33 @@ def fingerprint(tree) -> list[int]:
   return [int(v) for v in np.asarray(sums.addressable_data(0)).ravel()]
 
 
+def _is_empty(x) -> bool:
+  return x is not None and math.prod(x.shape) == 0
+
+
+def without_empty(tree):
+  """The tree with every zero-size leaf replaced by None (what is saved; Orbax refuses them)."""
+  return jax.tree.map(lambda x: None if _is_empty(x) else x, tree)
+
+
+def _with_empty(restored, abstract_state):
+  """`restored` (saved `without_empty`) with the zero-size leaves of abstract_state made again,
+  each with its dtype and sharding."""
+  leaves, treedef = jax.tree.flatten(abstract_state)
+  saved = iter(jax.tree.leaves(restored))
+  # From the host, shard by shard: jit places zero-size outputs with wrong shard shapes (JAX
+  # 0.10), and a callback makes only this process's shards, as a multi-process run needs.
+  make = lambda a: jax.make_array_from_callback(
+    a.shape, a.sharding, lambda index: np.zeros(a.shape, a.dtype)[index]
+  )
+  return jax.tree.unflatten(treedef, [make(a) if _is_empty(a) else next(saved) for a in leaves])
+
+
 def save(manager: ocp.CheckpointManager, state, data_state: dict, meta: dict) -> None:
   """Starts an asynchronous save of step int(state.step); `manager.wait_until_finished()` joins.
   The state's `fingerprint` is saved with the data state and checked by `restore`."""
   step = int(jax.device_get(state.step))
+  state = without_empty(state)
   data_state = dict(data_state, fingerprint=fingerprint(state))
   manager.save(
     step,
@@ -182,7 +210,7 @@ def restore(manager: ocp.CheckpointManager, abstract_state, step: int | None = N
       restored = manager.restore(
         step,
         args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state),
+          state=ocp.args.StandardRestore(without_empty(abstract_state)),
           data=ocp.args.JsonRestore(),
           meta=ocp.args.JsonRestore(),
         ),
@@ -198,7 +226,7 @@ def restore(manager: ocp.CheckpointManager, abstract_state, step: int | None = N
       f'checkpoint step {step} in {manager.directory} is damaged (its '
       'arrays do not match the checksum saved with them)'
     )
-  return restored['state'], data_state, restored['meta']
+  return _with_empty(restored['state'], abstract_state), data_state, restored['meta']
 
 
 def read_meta(manager: ocp.CheckpointManager, step: int | None = None) -> dict:
