@@ -28,6 +28,7 @@ import signal
 import sys
 
 from ouroboros_jax import errors, schedules
+from ouroboros_jax.choices import MICROBATCHED
 from ouroboros_jax.runtime import host
 from ouroboros_jax.training import config
 
@@ -104,7 +105,8 @@ def _add_field_flags(parser: argparse.ArgumentParser) -> None:
     '(default: never touch the network, fail in seconds)',
     'data_dir': 'TFDS data dir (default $OUROBOROS_DATA_DIR or ~/.cache/ouroboros_jax/tfds)',
     'schedule': f'one of {", ".join(schedules.SCHEDULES)} (tiny: backprop)',
-    'microbatches': 'gpipe and the exact pipelines: micro-batches per data replica (tiny: 4)',
+    'microbatches': 'gpipe and the exact pipelines: micro-batches per data replica (default 4; '
+    'the other schedules step on the whole batch)',
     'chunks': 'interleaved: model chunks per device, v (default 2; zb_v always runs 2); the '
     'layers are cut into --stages x v groups',
     'stash': 'ouroboros: graph or replay (tiny: graph)',
@@ -315,14 +317,21 @@ def to_flags(cfg: config.TrainConfig) -> list[str]:
 def _join_process_group(args) -> None:
   from ouroboros_jax.runtime import distributed
 
-  distributed.initialize(
+  if distributed.initialize(
     distributed.ProcessConfig(
       coordinator=args.coordinator,
       num_processes=args.num_processes,
       process_id=args.process_id,
       init_timeout_s=args.init_timeout,
     )
-  )
+  ):
+    distributed.watch_peers()
+    if getattr(args, 'cpu_devices', None) is not None:
+      raise errors.ConfigError(
+        f'--cpu-devices {args.cpu_devices} simulates devices inside one process; in a '
+        'multi-process run each process brings its own devices (one each under `ouroboros '
+        'launch`): drop it, and use --processes N for N devices.'
+      )
 
 
 def _run_train(args) -> None:
@@ -363,7 +372,14 @@ def _run_bench(args) -> None:
   spec = 'none' if cfg.compensation == 'auto' else cfg.compensation
   cfg = config.override(cfg, {'optimizer': optimizer, 'compensation': spec})
   stages = max(cfg.schedule.num_stages, 2)
-  config.override(cfg, {'schedule': 'ouroboros', 'stages': stages}).validate()
+  fixed = [f'--{n} {v}' for n in ('microbatches', 'chunks') if (v := getattr(cfg.schedule, n))]
+  if fixed:
+    raise errors.ConfigError(
+      f'`bench` times every setting with its own micro-batches and chunks (see its labels); drop '
+      f'{" and ".join(fixed)} and pick settings with --only.'
+    )
+  ring = config.override(cfg, {'schedule': 'ouroboros', 'stages': stages})
+  ring.validate()  # every flag, --compensation and --layers-per-stage included
   if cfg.data != config.TrainConfig().data:
     raise errors.ConfigError(
       f'`bench` times the schedules on synthetic batches and reads no data; '
@@ -389,7 +405,7 @@ def _run_bench(args) -> None:
     stash_policy=cfg.schedule.stash_policy,
     optimizer=optimizer,
     compensation=cfg.resolved_compensation(),
-    layers_per_stage=cfg.layers_per_stage and [int(c) for c in cfg.layers_per_stage.split(',')],
+    layers_per_stage=cfg.layers_per_stage and list(ring.plans.layers_per_stage),
   )
 
 
@@ -416,6 +432,44 @@ def out_of_memory(exc: BaseException) -> bool:
   return isinstance(exc, MemoryError) or 'RESOURCE_EXHAUSTED' in text or ('Out of memory' in text)
 
 
+def out_of_memory_message(args: argparse.Namespace, exc: BaseException) -> str:
+  """The one line for `out_of_memory(exc)`: the sizes that fill memory, with their values, and
+  what spreads a `train` step over more devices."""
+  head = f'out of memory ({_one_line(exc)[:200]})'
+  try:
+    cfg = config_from_args(args) if args.command in ('train', 'bench') else None
+  except errors.UserError:
+    cfg = None
+  if cfg is None:
+    return f'{head}; use a machine with more memory.'
+  model, run = cfg.model, cfg.schedule
+  sizes = [f'--seq-len (now {model.seq_len}; attention memory grows with its square)']
+  if model.mem_len:
+    sizes.append(f'--mem-len (now {model.mem_len})')
+  sizes += [
+    f'{config.flag(name)} (now {value})'
+    for name, value in (
+      ('batch_size', cfg.batch_size),
+      ('d_model', model.d_model),
+      ('d_ff', model.d_ff),
+      ('num_layers', model.num_layers),
+      ('vocab_size', model.vocab_size),
+    )
+  ]
+  spread = []
+  if args.command == 'train':
+    if run.name in MICROBATCHED:
+      spread.append(f'more --microbatches (now {run.num_microbatches})')
+    if run.name in ('backprop', 'data_parallel'):
+      spread.append('--schedule gpipe or ouroboros with --stages N (the layers cut over N devices)')
+    elif run.num_stages < model.num_layers:
+      spread.append(f'more --stages (now {run.num_stages})')
+    if run.name == 'ouroboros' and run.stash == 'graph':
+      spread.append('--stash replay')
+  spread.append('more devices')
+  return f'{head}; lower {", ".join(sizes[:-1])} or {sizes[-1]}; or use {", ".join(spread)}.'
+
+
 def main(argv=None) -> int:
   parser = make_parser()
   args, extra = parser.parse_known_args(argv)
@@ -430,6 +484,7 @@ def main(argv=None) -> int:
 
     jax.config.update('jax_num_cpu_devices', args.cpu_devices)
 
+  from ouroboros_jax.runtime import distributed
   from ouroboros_jax.training import rundir
 
   handlers = {}
@@ -447,15 +502,14 @@ def main(argv=None) -> int:
     _fail(_stopped_message(args, signum), 128 + signum)
   except Exception as e:  # pylint: disable=broad-exception-caught
     code = exit_code(e)
+    message = _one_line(e) if code is not None else None
     if code is None and out_of_memory(e):
-      _fail(
-        f'out of memory ({_one_line(e)[:200]}); make the model or batch smaller (--batch-size, '
-        '--d-model, --d-ff, --num-layers, --vocab-size) or use more devices.',
-        EXIT_USAGE,
-      )
+      message, code = out_of_memory_message(args, e), EXIT_USAGE
+    if distributed.is_multi_process():  # its peers must not wait for it: end them all now
+      distributed.fail_every_process(message, code or 1)
     if code is None:
       raise
-    _fail(_one_line(e), code)
+    _fail(message, code)
   finally:
     for sig, handler in handlers.items():
       signal.signal(sig, handler)
@@ -482,7 +536,10 @@ def _stopped_message(args, signum: int) -> str:
     return f'{what}; check the checkpoints in --out before resuming.'
   where = checkpoint.checkpoint_dir(out)
   if step is None:
-    return f'{what} before the first checkpoint; nothing to resume in {where}, start again.'
+    return (
+      f'{what} before the first checkpoint; nothing to resume in {where}: start again with '
+      'another --out (or remove its metrics.jsonl and config.json).'
+    )
   return (
     f'{what}; the latest complete checkpoint is step {step} in {where}; continue with --resume.'
   )

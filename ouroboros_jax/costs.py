@@ -53,9 +53,9 @@ def check_stages(num_layers: int, num_stages: int) -> None:
     raise ConfigError(f'--stages must be >= 1, got {num_stages}.')
   if num_stages > num_layers:
     raise ConfigError(
-      f'{num_stages} stages need at least {num_stages} layers but the model has '
-      f'{num_layers}; use --stages <= {num_layers} or more --num-layers (a '
-      f'prediction stops at G = {num_layers}).'
+      f'--stages {num_stages} cuts the model into {num_stages} groups of whole layers, one or '
+      f'more each, but the model has only {num_layers} layer{"s" * (num_layers != 1)}; use '
+      f'--stages {num_layers} or fewer, or --num-layers {num_stages} or more.'
     )
 
 

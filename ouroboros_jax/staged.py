@@ -360,13 +360,27 @@ def make_mesh(num_stages: int, data_parallel: int = 1, devices=None) -> Mesh:
       f'stages ({num_stages}) and data parallel degree ({data_parallel}) must be '
       '>= 1; fix --stages / --data-parallel.'
     )
+  processes = jax.process_count()
   if needed > len(devices):
+    more = (
+      f'launch {needed} processes of one device each (`ouroboros launch --processes {needed}`)'
+      if processes > 1
+      else f'on a CPU machine simulate more with --cpu-devices {needed}'
+    )
     raise ConfigError(
       f'{num_stages} stages x {data_parallel} data replicas need {needed} devices but only '
-      f'{len(devices)} are visible; use fewer --stages/--data-parallel, or on a CPU machine '
-      f'simulate more with --cpu-devices {needed}.'
+      f'{len(devices)} are visible; use fewer --stages/--data-parallel, or {more}.'
     )
-  grid = np.asarray(devices[:needed]).reshape(num_stages, data_parallel)
+  used = devices[:needed]
+  idle = sorted({d.process_index for d in devices} - {d.process_index for d in used})
+  if processes > 1 and idle:
+    # A process with no device in the mesh holds no part of the state and cannot run the step.
+    raise ConfigError(
+      f'{num_stages} stages x {data_parallel} data replicas use {needed} of the {len(devices)} '
+      f'devices of {processes} processes, leaving process(es) {", ".join(map(str, idle))} '
+      f'without one; use --stages x --data-parallel = {len(devices)}, or fewer processes.'
+    )
+  grid = np.asarray(used).reshape(num_stages, data_parallel)
   return Mesh(grid, (STAGE, DATA))
 
 

@@ -122,7 +122,7 @@ def test_combinations_that_are_refused():
     ({'pld': '0.5,0.01', 'pre_ln': False}, 'pre-LN'),
     (
       {'vcycle': 'down=20,coarse=20', 'schedule': 'ouroboros', 'stages': 3},
-      '3 stages need at least 3 layers',
+      '--stages 3 cuts the model into 3 groups',
     ),
     ({'vcycle': 'down=20,coarse=20', 'num_heads': 1, 'd_model': 128}, 'odd'),
     ({'std_loss': 0.1, 'std_loss_layers': '4'}, 'outside'),
@@ -141,7 +141,7 @@ def test_combinations_that_are_refused():
     (['--growth', 'mslt:1x10,2x10', '--steps', '30'], ['--growth', '20 steps', '--steps is 30']),
     (
       ['--vcycle', 'down=10,coarse=10', '--schedule', 'ouroboros', '--stages', '2'],
-      ['2 stages need at least 2 layers'],
+      ['--stages 2 cuts the model into 2 groups', 'only 1 layer;'],
     ),
   ],
 )

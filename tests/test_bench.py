@@ -24,6 +24,29 @@ TINY = [
 ]
 
 
+def test_bench_names_its_own_flags_and_refuses_an_empty_only(tmp_path):
+  import pytest
+
+  from ouroboros_jax.errors import ConfigError
+  from ouroboros_jax.model import ModelConfig
+  from ouroboros_jax.perf import bench
+
+  model = ModelConfig(d_model=32, num_heads=2, num_layers=2, d_ff=64, seq_len=16)
+  with pytest.raises(
+    ConfigError, match=r'^--bench-steps must be >= 1 \(timed steps per setting\), got 0'
+  ):
+    bench.run(model, batch_size=4, stages=2, out_dir=str(tmp_path), steps=0)
+  with pytest.raises(ConfigError, match=r'^--warmup must be >= 0'):
+    bench.run(model, batch_size=4, stages=2, out_dir=str(tmp_path), warmup=-1)
+  for only in ('', ' , '):
+    with pytest.raises(
+      ConfigError, match=r'names no setting; give comma-separated label prefixes from: backprop, '
+    ):
+      bench.select_settings(2, only, 2)
+  assert bench.select_settings(2, None, 2) == bench.default_settings(2, 2)  # all 14
+  assert [s.label for s in bench.select_settings(2, 'backprop', 2)] == ['backprop']
+
+
 def test_two_process_bench_writes_every_row_with_its_ideal(tmp_path):
   out = io.StringIO()
   only = 'backprop,model_parallel,ouroboros pipelined/graph'

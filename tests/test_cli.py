@@ -121,7 +121,10 @@ def test_presets_are_valid_and_have_the_documented_shapes():
     (['--num-layers', '0'], ['num_layers must be positive', '--num-layers']),
     (['--batch-size', '-1'], ['batch_size must be positive']),
     (['--d-model', 'x'], ['--d-model', "invalid int value: 'x'"]),
-    (['--schedule', 'ouroboros', '--stages', '3', '--num-layers', '2'], ['3 stages', '--stages']),
+    (
+      ['--schedule', 'ouroboros', '--stages', '3', '--num-layers', '2'],
+      ['--stages 3', 'only 2 layers', '--num-layers 3 or more'],
+    ),
     (['--schedule', 'nope'], ['unknown schedule', 'backprop']),
   ],
 )
@@ -372,6 +375,81 @@ def test_silent_settings_are_refused_and_booleans_take_values():
   assert_one_line_error(run_cli('train', '--compensation', ''), 2, '--compensation is empty')
 
 
+def _refused(flags: list[str], *words: str) -> None:
+  """`train FLAGS` is refused by the settings check, one line naming every word."""
+  cfg = cli.config_from_args(cli.make_parser().parse_args(['train', *flags]))
+  with pytest.raises(ConfigError) as error:
+    cfg.validate()
+  message = str(error.value)
+  assert '\n' not in message
+  for word in words:
+    assert word in message, (word, message)
+
+
+def test_a_sync_warm_up_as_long_as_the_run_is_refused():
+  _refused(
+    ['--schedule', 'ouroboros', '--stages', '2', '--sync-warmup-steps', '50', '--steps', '20'],
+    '--sync-warmup-steps 50',
+    '--steps 20',
+    'synchronous backprop',
+    'below 20',
+  )
+  _refused(
+    ['--schedule', 'ouroboros', '--stages', '2', '--sync-warmup-steps', '20', '--steps', '20'],
+    '--sync-warmup-steps 20',
+  )
+  ok = ['--schedule', 'ouroboros', '--stages', '2', '--sync-warmup-steps', '19', '--steps', '20']
+  cli.config_from_args(cli.make_parser().parse_args(['train', *ok])).validate()
+
+
+def test_microbatches_on_a_schedule_without_them_is_refused():
+  for schedule in ('ouroboros', 'model_parallel'):
+    _refused(
+      ['--schedule', schedule, '--stages', '2', '--microbatches', '3'],
+      '--microbatches 3 applies to --schedule gpipe',
+      f'not {schedule}',
+      'drop it',
+    )
+  _refused(['--microbatches', '2'], '--microbatches 2', 'not backprop')
+  parser = cli.make_parser()
+  for flags, micro in (
+    (['--schedule', 'ouroboros', '--stages', '2'], 1),  # not given: nothing to refuse
+    (['--schedule', 'ouroboros', '--stages', '2', '--microbatches', '1'], 1),
+    (['--schedule', 'gpipe', '--stages', '2'], 4),  # not given: gpipe's default
+    (['--schedule', 'gpipe', '--stages', '2', '--microbatches', '8'], 8),
+  ):
+    cfg = cli.config_from_args(parser.parse_args(['train', *flags]))
+    cfg.validate()
+    assert cfg.schedule.num_microbatches == micro, flags
+
+
+def test_too_many_stages_says_each_stage_needs_a_whole_layer():
+  _refused(
+    ['--schedule', 'ouroboros', '--stages', '3', '--num-layers', '2'],
+    '--stages 3 cuts the model into 3 groups of whole layers',
+    'only 2 layers',
+    'use --stages 2 or fewer, or --num-layers 3 or more',
+  )
+
+
+def test_out_of_memory_names_the_sizes_to_lower():
+  parser = cli.make_parser()
+  oom = RuntimeError('RESOURCE_EXHAUSTED: Out of memory allocating 1.2 TiB')
+  assert cli.out_of_memory(oom)
+  args = parser.parse_args(['train', '--seq-len', '200000', '--batch-size', '1'])
+  message = cli.out_of_memory_message(args, oom)
+  assert '\n' not in message and message.startswith('out of memory (RESOURCE_EXHAUSTED')
+  for words in ('--seq-len (now 200000; attention memory grows with its square)',
+                '--batch-size (now 1)', '--d-model (now 128)', '--num-layers (now 2)',
+                '--schedule gpipe or ouroboros with --stages N', 'more devices'):  # fmt: skip
+    assert words in message, (words, message)
+  args = parser.parse_args(['train', '--schedule', 'gpipe', '--stages', '2', '--num-layers', '4'])
+  message = cli.out_of_memory_message(args, oom)
+  assert 'more --microbatches (now 4)' in message and 'more --stages (now 2)' in message
+  args = parser.parse_args(['sample', '--ckpt', 'runs/x'])
+  assert 'more memory' in cli.out_of_memory_message(args, oom)
+
+
 def test_sample_refuses_impossible_lengths_and_temperatures(tmp_path):
   for flags, words in (
     (['--length', str(10**12)], ('--length', str(10**12))),
@@ -418,6 +496,6 @@ def test_ctrl_c_before_the_first_checkpoint_says_so(tmp_path, text_corpus):
     run.kill()
   assert run.returncode == 128 + signal.SIGINT, stderr
   assert stderr.strip().splitlines() == [
-    f'error: interrupted before the first checkpoint; nothing to resume in {out}/checkpoints, '
-    'start again.'
+    f'error: interrupted before the first checkpoint; nothing to resume in {out}/checkpoints: '
+    'start again with another --out (or remove its metrics.jsonl and config.json).'
   ]

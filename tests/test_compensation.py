@@ -219,6 +219,30 @@ def test_bad_settings_are_one_line_errors():
   )
 
 
+def test_compensation_spec_refuses_repeats_and_none_or_auto_with_others():
+  """One check of the --compensation spelling (`spec_names`), in `parse` and in
+  `TrainConfig.validate` alike; the order of the names does not matter."""
+  from ouroboros_jax.training import config
+
+  ring = config.override(config.get_preset('tiny'), {'schedule': 'ouroboros', 'stages': 2})
+  for spec, words in (
+    ('predict,predict', '--compensation predict,predict lists predict more than once'),
+    ('predict,dc,predict', '(--compensation predict,dc)'),
+    ('none,dc', 'none (means no compensation) cannot be combined with other compensations'),
+    ('dc,none', 'use --compensation none or --compensation dc'),
+    ('auto,dc', 'auto (picks the recipe itself) cannot be combined'),
+    ('none,magic', 'unknown --compensation magic; use auto, none, or a comma list'),
+  ):
+    with pytest.raises(ConfigError) as error:
+      config.override(ring, {'compensation': spec}).validate()
+    assert words in str(error.value) and 'unknown --compensation none' not in str(error.value)
+    with pytest.raises(ConfigError, match=r'--compensation|unknown'):
+      compensation.parse(spec, steps=100)
+  assert compensation.spec_names('dc,predict') == ('dc', 'predict')
+  assert compensation.spec_names('none') == () and compensation.spec_names('auto') == ('auto',)
+  assert compensation.parse('dc,predict', steps=100) == compensation.parse('predict,dc', steps=100)
+
+
 def test_checkpoints_carry_the_compensation_state_and_resume_bitwise(tmp_path, prepared_data_dir):
   """Muon with every compensation on a ring of 2: a run cut after its step-6 checkpoint and
   resumed ends bit for bit where the uninterrupted run ends (last updates, weight history,

@@ -16,6 +16,8 @@ import pytest
 from ouroboros_jax.model import ConfigError
 from ouroboros_jax.runtime import distributed, launch
 
+from helpers import assert_trees_equal
+
 # The same 5 Ouroboros steps, run either as 2 processes (1 CPU device each) or as 1 process with
 # 2 simulated devices; the script writes the final parameters of process 0 to argv[2].
 SCRIPT = textwrap.dedent("""
@@ -196,3 +198,219 @@ def test_launch_and_process_config_errors(monkeypatch):
     )
   with pytest.raises(ConfigError, match='--coordinator'):
     distributed.initialize(distributed.ProcessConfig(num_processes=2, process_id=1))
+
+
+# ----------------------------------------------------------------------------- stopping together
+
+# A constant learning rate after warm-up: a stopped run of 100000 steps and an uninterrupted one
+# of a few see the same rates.
+TINY_RUN = (
+  '--schedule ouroboros --stages 2 --num-layers 2 --d-model 16 --num-heads 2 --d-ff 32 '
+  '--seq-len 16 --batch-size 4 --log-every 1 --eval-every 1000000 --eval-batches 1 '
+  '--checkpoint-every 1000000 --warmup-steps 2 --min-lr-ratio 1'
+).split()
+
+
+def _cached_env(env=None) -> dict:
+  """The environment with the test session's compilation cache: the runs of one test compile the
+  same programs."""
+  import jax
+
+  return {
+    **(os.environ if env is None else env),
+    'JAX_COMPILATION_CACHE_DIR': jax.config.jax_compilation_cache_dir,
+    'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0.5',
+  }
+
+
+def _small_corpus(tmp_path, text_corpus) -> str:
+  """20 KB of text: the final test evaluation stays short."""
+  path = tmp_path / 'corpus.txt'
+  with open(text_corpus, 'rb') as f:
+    path.write_bytes(f.read()[:20_000])
+  return f'text:{path}'
+
+
+def _stopped_steps(lines: list[str]) -> list[int]:
+  """The step of each `stopped by SIGTERM` line."""
+  return [
+    int(line.split('is step ')[1].split()[0]) for line in lines if 'stopped by SIGTERM;' in line
+  ]
+
+
+def _stop_after(procs, signal_to, out, step: int, timeout: float = 120):
+  """Waits until the run in `out` has logged `step`, then sends SIGTERM to `signal_to`; returns
+  (each process's output lines, seconds from the signal to the last exit)."""
+  metrics, deadline = out / 'metrics.jsonl', time.monotonic() + timeout
+
+  def logged() -> int:
+    if not metrics.exists():
+      return 0
+    rows = [line for line in metrics.read_text().splitlines() if '"split": "train"' in line]
+    return len(rows)
+
+  while logged() < step:
+    assert time.monotonic() < deadline, f'the run did not log step {step}'
+    assert all(p.poll() is None for p in procs), 'a process ended early'
+    time.sleep(0.2)
+  signalled = time.monotonic()
+  for p in signal_to:
+    p.send_signal(signal.SIGTERM)
+  lines = [p.communicate(timeout=60)[0].splitlines() for p in procs]
+  return lines, time.monotonic() - signalled
+
+
+def _final_state(out):
+  from ouroboros_jax.training import checkpoint
+
+  manager = checkpoint.make_manager(str(out), read_only=True)
+  try:
+    return manager.latest_step(), checkpoint.restore_single_device(manager)
+  finally:
+    manager.close()
+
+
+def test_sigterm_to_the_launcher_stops_every_process_at_one_checkpointed_step(
+  tmp_path, text_corpus
+):
+  """JAX's preemption notifier takes SIGTERM in a multi-process run: the processes agree on a
+  step, save it and stop together; the run resumes from it to the uninterrupted run's bits."""
+  corpus = _small_corpus(tmp_path, text_corpus)
+  run = [sys.executable, '-m', 'ouroboros_jax', 'launch', '--processes', '2', '--', 'train']
+  common = [*TINY_RUN, '--data', corpus, '--quiet']
+  stopped = subprocess.Popen(
+    [*run, *common, '--steps', '100000', '--out', str(tmp_path / 'a')],
+    env=_cached_env(),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
+  try:
+    (lines,), took = _stop_after([stopped], [stopped], tmp_path / 'a', step=3)
+  finally:
+    stopped.kill()
+  assert stopped.returncode == 128 + signal.SIGTERM, ''.join(lines[-30:])
+  assert took < 30
+  steps = _stopped_steps([line for line in lines if line.startswith('[p')])
+  assert len(steps) == 2 and steps[0] == steps[1], lines[-30:]  # one common step
+  step = steps[0]
+  assert _final_state(tmp_path / 'a')[0] == step  # a complete checkpoint of it
+  assert not any('Traceback' in line for line in lines)
+
+  end = step + 2
+  resumed = subprocess.run(
+    [*run, *common, '--steps', str(end), '--out', str(tmp_path / 'a'), '--resume'],
+    capture_output=True,
+    text=True,
+    timeout=180,
+    env=_cached_env(),
+  )
+  assert resumed.returncode == 0, resumed.stdout[-3000:]
+  straight = subprocess.run(
+    [*run, *common, '--steps', str(end), '--out', str(tmp_path / 'b')],
+    capture_output=True,
+    text=True,
+    timeout=180,
+    env=_cached_env(),
+  )
+  assert straight.returncode == 0, straight.stdout[-3000:]
+  (step_a, state_a), (step_b, state_b) = _final_state(tmp_path / 'a'), _final_state(tmp_path / 'b')
+  assert step_a == step_b == end
+  assert_trees_equal(state_a, state_b)
+
+
+def test_sigterm_to_every_process_of_a_cluster_run_stops_them_at_one_step(tmp_path, text_corpus):
+  """As a cluster scheduler does it: no launcher, SIGTERM to each process."""
+  port = launch.free_port()
+  procs = []
+  for i in range(2):
+    env = launch.child_env(i, 2, port)
+    for name in (
+      distributed.ENV_COORDINATOR,
+      distributed.ENV_NUM_PROCESSES,
+      distributed.ENV_PROCESS_ID,
+    ):
+      env.pop(name)
+    procs.append(
+      subprocess.Popen(
+        [sys.executable, '-m', 'ouroboros_jax', 'train', *TINY_RUN, '--quiet']
+        + ['--data', _small_corpus(tmp_path, text_corpus), '--steps', '100000']
+        + ['--out', str(tmp_path / 'run'), '--coordinator', f'127.0.0.1:{port}']
+        + ['--num-processes', '2', '--process-id', str(i)],
+        env=_cached_env(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+      )
+    )
+  try:
+    lines, took = _stop_after(procs, procs, tmp_path / 'run', step=3)
+  finally:
+    for p in procs:
+      p.kill()
+  assert [p.returncode for p in procs] == [128 + signal.SIGTERM] * 2, lines[0][-20:]
+  assert took < 30
+  steps = _stopped_steps(lines[0] + lines[1])
+  assert len(steps) == 2 and steps[0] == steps[1], lines
+  assert _final_state(tmp_path / 'run')[0] == steps[0]
+
+
+# ----------------------------------------------------------------------------- failing together
+
+FAIL_SCRIPT = textwrap.dedent("""
+    from ouroboros_jax.runtime import distributed
+    distributed.initialize(distributed.ProcessConfig(heartbeat_timeout_s=100))
+    distributed.watch_peers()
+    import jax
+    from jax.experimental import multihost_utils
+    try:
+      if jax.process_index() == 1:
+        raise RuntimeError('boom in process 1')
+      multihost_utils.sync_global_devices('never reached by process 1')
+    except Exception:
+      distributed.fail_every_process(None, 1)
+""")
+
+
+def test_a_failing_process_ends_its_peers_within_seconds(tmp_path):
+  """Process 0 waits in a collective process 1 never joins: it ends because process 1 posted
+  its failure, long before the heartbeat time-out (100 s) or the launcher's grace (100 s)."""
+  script = tmp_path / 'fail.py'
+  script.write_text(FAIL_SCRIPT)
+  out = io.StringIO()
+  start = time.monotonic()
+  code = launch.launch(
+    2, [], failure_grace_s=100, timeout_s=120, out=out, program=[sys.executable, str(script)]
+  )
+  took = time.monotonic() - start
+  text = out.getvalue()
+  assert code == 1, text[-2000:]  # its status, in every process
+  assert took < 30, text[-2000:]
+  assert 'RuntimeError: boom in process 1' in text  # the failure's own traceback
+  assert '[p0] error: process 1 failed (RuntimeError: boom in process 1); process 0 stops too.' in (
+    text
+  )
+
+
+@pytest.mark.parametrize(
+  'flags, words',
+  [
+    (['--stages', '2', '--cpu-devices', '2'], ['--cpu-devices 2 simulates devices', 'drop it']),
+    (['--stages', '3', '--num-layers', '3'], ['need 3 devices', '--processes 3']),
+  ],
+)
+def test_flags_a_multi_process_run_cannot_use_are_refused_at_once(tmp_path, flags, words):
+  result = subprocess.run(
+    [sys.executable, '-m', 'ouroboros_jax', 'launch', '--processes', '2', '--', 'train']
+    + ['--schedule', 'ouroboros', '--d-model', '16', '--num-heads', '2', '--steps', '2']
+    + ['--out', str(tmp_path / 'run'), *flags],
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
+  assert result.returncode == 2, result.stdout[-2000:]
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith('error: process '), result.stderr
+  for word in words:
+    assert word in lines[0], lines[0]
+  assert 'Traceback' not in result.stdout

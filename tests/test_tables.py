@@ -124,6 +124,16 @@ def test_bad_pipeline_settings_are_one_line_errors():
     tables.build('zb_v', 2, 2, 3)
 
 
+def test_interleaved_needs_two_chunks_and_zb_v_exactly_two():
+  with pytest.raises(
+    ConfigError, match=r'interleaved 1F1B needs --chunks >= 2.*got 1.*--schedule 1f1b'
+  ):
+    tables.build('interleaved', 2, 4, 1)
+  with pytest.raises(ConfigError, match='zb_v runs two chunks per device'):
+    tables.build('zb_v', 2, 4, 1)
+  assert tables.build('interleaved', 2, 4, 3).chunks == 3 and tables.build('zb_v', 2, 4).chunks == 2
+
+
 @pytest.mark.parametrize('stage_index', [0, 1])
 def test_input_and_weight_grads_together_are_the_full_vjp(stage_index):
   model, params = tiny_transformer(2, dropout=0.1)

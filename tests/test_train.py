@@ -217,6 +217,48 @@ def test_fresh_run_refuses_an_out_dir_with_checkpoints(short_run):
     loop.train(cfg, quiet=True)
 
 
+def test_fresh_run_refuses_an_out_dir_with_an_earlier_runs_metrics(tmp_path):
+  """A run that stopped before its first checkpoint leaves metrics.jsonl and config.json; a new
+  run there would overwrite them without a word. An empty or new OUT, or one whose run logged
+  nothing, is fine."""
+  from ouroboros_jax.training import resume
+
+  out = tmp_path / 'run'
+  cfg = config.override(config.get_preset('tiny'), {'out': os.fspath(out)})
+  resume.check_out_dir(cfg, resume=False)  # not there yet
+  out.mkdir()
+  resume.check_out_dir(cfg, resume=False)  # empty
+  (out / 'config.json').write_text('{}')
+  (out / 'metrics.jsonl').write_text('')
+  resume.check_out_dir(cfg, resume=False)  # a run that logged nothing: nothing to lose
+  (out / 'metrics.jsonl').write_text('{"step": 20, "split": "train", "loss": 3.1}\n')
+  with pytest.raises(
+    checkpoint.CheckpointError,
+    match=r"holds an earlier run's metrics.jsonl and config.json but no checkpoint.*"
+    r'choose another --out, or remove them',
+  ):
+    resume.check_out_dir(cfg, resume=False)
+
+
+def test_resume_compares_what_the_settings_resolve_to_not_their_spelling():
+  """A run saved with --optimizer auto --compensation auto (the recipe: muon, predict,dc) resumes
+  with the explicit spelling, and a run saved before --microbatches had a 'not given' value
+  (ouroboros recorded 4) resumes without it; a real change is still refused."""
+  from ouroboros_jax.training import resume
+
+  auto = config.override(config.get_preset('tiny'), {'schedule': 'ouroboros', 'stages': 2})
+  saved = resume.run_meta(auto, (1, 1))
+  explicit = config.override(auto, {'optimizer': 'muon', 'compensation': 'dc,predict'})
+  assert resume.check_resumable(saved, explicit, (1, 1), 'OUT') == []
+  old = json.loads(json.dumps(saved))
+  old['config']['schedule']['microbatches'] = 4  # what an ouroboros run recorded before
+  assert resume.check_resumable(old, auto, (1, 1), 'OUT') == []
+  with pytest.raises(
+    checkpoint.CheckpointError, match='--optimizer muon but the flags give --optimizer adamw'
+  ):
+    resume.check_resumable(saved, config.override(auto, {'optimizer': 'adamw'}), (1, 1), 'OUT')
+
+
 def test_sample_generates_the_requested_bytes(short_run):
   cfg, _, _ = short_run
   model_cfg, params, step = sample.load(cfg.out_dir)

@@ -100,16 +100,18 @@ def default_settings(devices: int, num_layers: int | None = None) -> list[Settin
 def select_settings(devices: int, only: str | None, num_layers: int | None = None) -> list[Setting]:
   """The default settings whose label starts with one of the comma-separated prefixes in `only`."""
   settings = default_settings(devices, num_layers)
-  if not only:
+  if only is None:
     return settings
+  labels = ', '.join(s.label for s in settings)
   prefixes = [p.strip() for p in only.split(',') if p.strip()]
+  if not prefixes:
+    raise ConfigError(
+      f'--only {only!r} names no setting; give comma-separated label prefixes from: {labels} '
+      '(or drop --only to run them all).'
+    )
   chosen = [s for s in settings if any(s.label.startswith(p) for p in prefixes)]
   if not chosen:
-    raise ConfigError(
-      f'--only {only!r} matches no setting; labels are: '
-      + ', '.join(s.label for s in settings)
-      + '.'
-    )
+    raise ConfigError(f'--only {only!r} matches no setting; labels are: {labels}.')
   return chosen
 
 
@@ -337,8 +339,10 @@ def run(
   `optimizer` and `compensation` (Ouroboros settings only) time a training recipe's own costs:
   Muon's orthogonalisation, weight prediction's extra pass over the weights."""
   cfg.validate()
-  if steps < 1 or warmup < 0:
-    raise ConfigError('--steps must be >= 1 and --warmup >= 0.')
+  if steps < 1:
+    raise ConfigError(f'--bench-steps must be >= 1 (timed steps per setting), got {steps}.')
+  if warmup < 0:
+    raise ConfigError(f'--warmup must be >= 0 (untimed steps before timing), got {warmup}.')
   settings = settings or default_settings(stages, cfg.num_layers)
   layers_per_stage = tuple(layers_per_stage or partition.balance_layers(cfg, stages))
   rng = np.random.default_rng(0)

@@ -13,6 +13,12 @@ Nothing is initialised when none is given: a plain `ouroboros train` stays singl
 On CPU the collectives go through gloo. A process that dies makes the others fail within
 `heartbeat_timeout_s` instead of hanging: the coordinator notices the missing heartbeat.
 
+A process that fails ends the whole run within seconds (`fail_every_process`): it prints
+its error, posts it in the coordination service's key-value store and exits at once, without the
+shutdown barrier its peers would never reach; every process watches that key (`watch_peers`) and
+exits with its exit status and one line naming the failed process. Without this, a peer waits in a collective until the
+heartbeat time-out and then aborts with a C++ stack.
+
 A process other than 0 first waits up to `init_timeout_s` (--init-timeout) for the coordinator's
 port to accept a connection, and stops with a one-line error if it never does: XLA's own client
 would abort the process with a C++ stack after its time-out instead.
@@ -20,16 +26,21 @@ would abort the process with a C++ stack after its time-out instead.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import socket
+import sys
+import threading
 import time
+import traceback
 
 from ouroboros_jax.errors import ConfigError
 
 ENV_COORDINATOR = 'OUROBOROS_COORDINATOR'
 ENV_NUM_PROCESSES = 'OUROBOROS_NUM_PROCESSES'
 ENV_PROCESS_ID = 'OUROBOROS_PROCESS_ID'
+FAILED_KEY = 'ouroboros_jax/failed'  # where a failing process posts its error for its peers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,3 +139,93 @@ def wait_for_coordinator(address: str, timeout_s: float) -> None:
         'longer with --init-timeout.'
       )
     time.sleep(0.5)
+
+
+def _client():
+  """JAX's coordination-service client, or None in a single-process run."""
+  from jax._src import distributed as jax_distributed  # the client is not public API
+
+  return jax_distributed.global_state.client
+
+
+def is_multi_process() -> bool:
+  return 'jax' in sys.modules and _client() is not None
+
+
+_FAILING = threading.Event()  # this process is ending with its own error: its watch stands down
+PEER_FAILED = 'stops too.'  # how the line of a process ended by a peer's failure ends
+
+
+def announce_failure(message: str, code: int) -> None:
+  """Posts `message` and the exit status under FAILED_KEY for every peer's `watch_peers` (the
+  first one posted wins)."""
+  import jax
+
+  try:
+    _client().key_value_set(FAILED_KEY, f'{jax.process_index()}\t{code}\t{message}')
+  except Exception:  # pylint: disable=broad-exception-caught  (a peer posted first, or no service)
+    pass
+
+
+def _end_now(code: int) -> None:
+  """Exits at once, skipping the shutdown barrier peers never reach. Process 0 hosts the
+  coordination service: it stays a moment longer, so that the peers' watches read the failure
+  and end cleanly before the service goes (they would abort with a C++ stack instead)."""
+  import jax
+
+  sys.stdout.flush()
+  sys.stderr.flush()
+  if jax.process_index() == 0:
+    time.sleep(1.5)
+  os._exit(code)  # pylint: disable=protected-access
+
+
+def watch_peers(poll_s: float = 0.5) -> threading.Event:
+  """Starts a daemon thread that ends this process, with the failed peer's exit status and one
+  `error:` line, as soon as a peer posts a failure; returns the event that stops the watch (also
+  set at exit, before JAX shuts the client down)."""
+  import jax
+
+  client, me, stop = _client(), jax.process_index(), threading.Event()
+
+  def watch():
+    while not stop.is_set():
+      try:
+        posted = client.blocking_key_value_get(FAILED_KEY, int(poll_s * 1000))
+      except Exception:  # pylint: disable=broad-exception-caught  (nothing posted yet)
+        continue
+      process, code, message = posted.split('\t', 2)
+      if stop.is_set() or _FAILING.is_set() or process == str(me):
+        return
+      print(
+        f'error: process {process} failed ({message}); process {me} {PEER_FAILED}', file=sys.stderr
+      )
+      _end_now(int(code))
+
+  thread = threading.Thread(target=watch, name='ouroboros-watch-peers', daemon=True)
+  thread.start()
+
+  def end_watch():
+    # Before JAX's own exit handler shuts the client down (atexit runs the later one first),
+    # and before the interpreter ends: a daemon thread that comes back from C++ then aborts the
+    # process ("FATAL: exception not rethrown").
+    stop.set()
+    thread.join(timeout=2 * poll_s + 1)
+
+  atexit.register(end_watch)
+  return stop
+
+
+def fail_every_process(message: str | None, code: int) -> None:
+  """Ends a failed process of a multi-process run now: prints `error: message` (None: the
+  traceback of the exception being handled), posts it for the peers' `watch_peers`, and exits
+  with `code` without waiting for peers that will never arrive. Call it from an except block."""
+  _FAILING.set()
+  if message is None:
+    traceback.print_exc()
+    exc = sys.exc_info()[1]
+    message = f'{type(exc).__name__}: {exc}' if exc is not None else 'it failed'
+  else:
+    print(f'error: {message}', file=sys.stderr)
+  announce_failure(' '.join(message.split())[:300], code)
+  _end_now(code)

@@ -7,8 +7,9 @@ OUROBOROS_NUM_PROCESSES / OUROBOROS_PROCESS_ID set (see `distributed.py`), each 
 backend with one device, single-threaded (so one process is one core's worth of work) and, with
 --pin-cpus, pinned to its own core with `taskset`. Their output is forwarded line by line with a
 `[pI]` prefix. The launcher returns the first non-zero exit code; when one process fails, the
-others are given `grace_s` seconds to notice (their collectives time out) and are then killed, so
-a launch never hangs.
+others end by themselves (a failing `train` posts its error for its peers, see
+`distributed.fail_every_process`) or are killed `failure_grace_s` seconds later (a process killed
+by a signal tells no one), so a launch never hangs.
 
 The children never outlive the launcher: a SIGTERM, SIGHUP or Ctrl-C to it is passed on to every
 child (a `train` then finishes its in-flight checkpoint and stops), the children are killed if
@@ -33,7 +34,8 @@ import time
 from ouroboros_jax.errors import ConfigError, UserError
 from ouroboros_jax.runtime import distributed, host
 
-SINGLE_THREADED_XLA = '--xla_cpu_multi_thread_eigen=false --xla_force_host_platform_device_count=1'
+_DEVICE_COUNT_FLAG = '--xla_force_host_platform_device_count'
+SINGLE_THREADED_XLA = f'--xla_cpu_multi_thread_eigen=false {_DEVICE_COUNT_FLAG}=1'
 
 
 LAUNCHABLE = ('train', 'bench')
@@ -63,14 +65,17 @@ def free_port() -> int:
 
 
 def child_env(process_id: int, num_processes: int, port: int) -> dict:
+  """The launcher's environment for process `process_id`: its place in the group, one
+  single-threaded CPU device, and the caller's own XLA flags other than a device count."""
   env = dict(os.environ)
+  own_flags = [f for f in env.get('XLA_FLAGS', '').split() if not f.startswith(_DEVICE_COUNT_FLAG)]
   env.update(
     {
       distributed.ENV_COORDINATOR: f'127.0.0.1:{port}',
       distributed.ENV_NUM_PROCESSES: str(num_processes),
       distributed.ENV_PROCESS_ID: str(process_id),
       'JAX_PLATFORMS': 'cpu',
-      'XLA_FLAGS': ' '.join((SINGLE_THREADED_XLA, *host.supported_cpu_xla_flags())),
+      'XLA_FLAGS': ' '.join((*own_flags, SINGLE_THREADED_XLA, *host.supported_cpu_xla_flags())),
       'OMP_NUM_THREADS': '1',
       'OPENBLAS_NUM_THREADS': '1',
       'MKL_NUM_THREADS': '1',
@@ -138,6 +143,7 @@ def launch(
   *,
   pin_cpus: bool = False,
   grace_s: float = 45.0,
+  failure_grace_s: float = 10.0,
   timeout_s: float | None = None,
   out=None,
   program: list[str] | None = None,
@@ -159,7 +165,7 @@ def launch(
   try:
     command = [*(program or [sys.executable, '-m', 'ouroboros_jax']), *args]
     children.start(num_processes, command, pin_cpus)
-    first_failure = children.supervise(grace_s, timeout_s)
+    first_failure = children.supervise(grace_s, failure_grace_s, timeout_s)
   finally:
     children.end()
     for sig, handler in handlers.items():
@@ -222,9 +228,11 @@ class _Children:
       th.start()
       self.threads.append(th)
 
-  def supervise(self, grace_s: float, timeout_s: float | None) -> int:
-    """Waits for every child; after the first failure the others get grace_s to stop. Returns
-    the first failure's exit status (0: none so far)."""
+  def supervise(self, grace_s: float, failure_grace_s: float, timeout_s: float | None) -> int:
+    """Waits for every child; after the first failure the others get failure_grace_s to stop
+    (a `train` that fails tells its peers, which end within a second), after a stop signal
+    grace_s (to save their checkpoint). Returns the first failure's exit status (0: none so
+    far)."""
     out = self.out
     first_failure, failed_at, started = 0, None, time.monotonic()
     try:
@@ -242,10 +250,10 @@ class _Children:
             )
             out.write(
               f'[launch] process {i} {how}; the others stop when they next need it '
-              f'(killed after {grace_s:.0f} s)\n'
+              f'(killed after {failure_grace_s:g} s)\n'
             )
             out.flush()
-        if failed_at is not None and now - failed_at > grace_s:
+        if failed_at is not None and now - failed_at > failure_grace_s:
           break
         if timeout_s is not None and now - started > timeout_s:
           out.write(f'[launch] timed out after {timeout_s:.0f} s; stopping all processes\n')
@@ -274,7 +282,9 @@ class _Children:
     codes = [p.returncode for p in self.procs]
     first = next((i for i, c in enumerate(codes) if c), 0)
     status = _exit_status(codes[first]) if codes[first] else first_failure
-    return next((f'process {i}: {e[0]}' for i, e in enumerate(self.errors) if e), None) or (
+    own = [(i, line) for i, e in enumerate(self.errors) for line in e]
+    own = [o for o in own if not o[1].endswith(distributed.PEER_FAILED)] or own  # not an echo
+    return next((f'process {i}: {line}' for i, line in own), None) or (
       f'process {first} exited with status {status}; see its output above.'
     )
 

@@ -75,6 +75,39 @@ class Compensation:
     return tuple(name for name in COMPENSATIONS if on[name])
 
 
+def spec_names(spec: str) -> tuple[str, ...]:
+  """The compensations a --compensation spec lists (() for 'none' or ''): the one check of the
+  flag's spelling, a one-line ConfigError for an unknown, repeated or contradictory name.
+
+  'auto' (TrainConfig's default: the recipe, `TrainConfig.resolved_compensation`) and 'none'
+  stand alone; 'auto' comes back as ('auto',).
+  """
+  names = [n.strip() for n in spec.split(',') if n.strip()]
+  unknown = [n for n in names if n not in ('auto', 'none', *COMPENSATIONS)]
+  if unknown:
+    raise ConfigError(
+      f'unknown --compensation {",".join(unknown)}; use auto, none, or a comma list of '
+      f'{", ".join(COMPENSATIONS)} (e.g. --compensation predict,dc).'
+    )
+  repeated = sorted({n for n in names if names.count(n) > 1}, key=names.index)
+  if repeated:
+    raise ConfigError(
+      f'--compensation {spec} lists {", ".join(repeated)} more than once; name each '
+      f'compensation once (--compensation {",".join(dict.fromkeys(names))}).'
+    )
+  alone = next((n for n in names if n in ('auto', 'none')), None)
+  if alone and len(names) > 1:
+    meaning = 'means no compensation' if alone == 'none' else 'picks the recipe itself'
+    raise ConfigError(
+      f'--compensation {spec}: {alone} ({meaning}) cannot be combined with other '
+      f'compensations; use --compensation {alone} or --compensation '
+      f'{",".join(n for n in names if n != alone)}.'
+    )
+  if alone == 'none':
+    return ()
+  return tuple(names)
+
+
 def parse(
   spec: str, *, steps: int, dc_lambda: float = 1.0, shrink: float = 0.5, pipemare_steps: int = 0
 ) -> Compensation:
@@ -82,15 +115,13 @@ def parse(
 
   The strengths apply to the names that are listed; pipemare_steps 0 means a quarter of `steps`.
   """
-  names = [n.strip() for n in spec.split(',') if n.strip()]
-  if names == ['none'] or not names:
-    return Compensation()
-  unknown = [n for n in names if n not in COMPENSATIONS]
-  if unknown:
-    raise ConfigError(
-      f'unknown --compensation {",".join(unknown)}; use none or a comma list of '
-      f'{", ".join(COMPENSATIONS)} (e.g. --compensation predict,dc).'
+  names = spec_names(spec)
+  if names == ('auto',):
+    raise ValueError(
+      "parse takes a resolved spec; TrainConfig.resolved_compensation resolves 'auto'."
     )
+  if not names:
+    return Compensation()
   if not dc_lambda > 0:
     raise ConfigError(f'--dc-lambda must be > 0, got {dc_lambda}.')
   if not 0 < shrink <= 1:

@@ -8,12 +8,15 @@ import functools
 from ouroboros_jax.choices import (
   EXACT_PIPELINES,
   FORWARD_MODES,
+  MICROBATCHED,
   SCHEDULES,
   STASH_MODES,
   TIED_GRAD_MODES,
 )
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.schedules.compensation import Compensation, check_fits
+
+DEFAULT_MICROBATCHES = 4  # gpipe and the exact pipelines without --microbatches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +29,8 @@ class ScheduleConfig:
   data_parallel: int = 1
   clip_norm: float | None = 1.0  # global-norm clipping before the update; None or 0: off
   seed: int = 0  # dropout keys from (seed, batch index); TrainConfig sets it
-  microbatches: int = 4  # gpipe and the exact pipelines: micro-batches per replica's batch
+  microbatches: int | None = None  # gpipe and the exact pipelines (MICROBATCHED): micro-batches
+  # per replica's batch; None: DEFAULT_MICROBATCHES there (`num_microbatches`), 1 elsewhere
   chunks: int | None = None  # interleaved: model chunks per device (None: 2; zb_v: always 2)
   stash: str = 'graph'  # ouroboros: 'graph' (DDG) or 'replay' (Features Replay)
   stash_policy: str = 'all'  # ouroboros graph stash: which residuals (ring.STASH_POLICIES)
@@ -50,7 +54,7 @@ class ScheduleConfig:
       ('data_parallel', 'data-parallel'),
       ('microbatches', 'microbatches'),
     ):
-      if getattr(self, name) < 1:
+      if getattr(self, name) is not None and getattr(self, name) < 1:
         raise ConfigError(
           f'--{flag} must be >= 1, got {getattr(self, name)}; set it to a positive integer.'
         )
@@ -93,16 +97,29 @@ class ScheduleConfig:
           f'delayed gradients, and --schedule {self.name} has none; use '
           '--schedule ouroboros or --compensation none.'
         )
+    if self.name not in MICROBATCHED and self.microbatches not in (None, 1):
+      raise ConfigError(
+        f'--microbatches {self.microbatches} applies to --schedule {", ".join(MICROBATCHED)} '
+        f'only, not {self.name} (it steps on the whole batch); drop it.'
+      )
     if self.name in EXACT_PIPELINES or self.name == 'gpipe':
       from ouroboros_jax.schedules import tables
 
-      tables.build(self.name, self.num_stages, self.microbatches, self.chunks)
+      tables.build(self.name, self.num_stages, self.num_microbatches, self.chunks)
     elif self.chunks not in (None, 1):
       raise ConfigError(
         f'--chunks {self.chunks} applies to --schedule interleaved only, not {self.name}; drop it.'
       )
     check_fits(self.compensation, self.stash)
     return True
+
+  @property
+  def num_microbatches(self) -> int:
+    """Micro-batches per replica's batch: --microbatches (DEFAULT_MICROBATCHES if not given) on
+    the schedules that cut the batch (MICROBATCHED), 1 on the others."""
+    if self.name not in MICROBATCHED:
+      return 1
+    return DEFAULT_MICROBATCHES if self.microbatches is None else self.microbatches
 
   @property
   def stage_groups(self) -> int:

@@ -67,7 +67,7 @@ class _Carry(NamedTuple):
 def pipeline_table(config: ScheduleConfig) -> tables.Table:
   """The checked table of `config`'s schedule (one-line ConfigErrors for settings it cannot
   take)."""
-  pipeline = tables.build(config.name, config.num_stages, config.microbatches, config.chunks)
+  pipeline = tables.build(config.name, config.num_stages, config.num_microbatches, config.chunks)
   table = tables.place(pipeline)
   tables.check(table)
   return table

@@ -20,7 +20,6 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ouroboros_jax import staged
-from ouroboros_jax.choices import MICROBATCHED
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.schedules import ring
 from ouroboros_jax.schedules.config import ScheduleConfig
@@ -125,7 +124,7 @@ def synchronous_schedule(
   """
   num_stages, replicas = mesh.shape[STAGE], mesh.shape[DATA]
   name = config.name
-  microbatches = config.microbatches if name in MICROBATCHED else 1
+  microbatches = config.num_microbatches
   groups = len(stage_order) if stage_order else num_stages
   reorder = stage_order is not None and list(stage_order) != list(range(groups))
 
@@ -268,7 +267,7 @@ def build_gpipe(
   Idle fraction (G-1)/(M+G-1) (`gpipe_idle_fraction`). Memory: every group keeps the residuals of
   its M micro-batches until the backward (no re-materialisation).
   """
-  num_stages, replicas, num_micro = config.num_stages, config.data_parallel, config.microbatches
+  num_stages, replicas, num_micro = config.num_stages, config.data_parallel, config.num_microbatches
   mesh = staged.make_mesh(num_stages, replicas, devices)
   iterations = num_micro + num_stages - 1
 

@@ -90,6 +90,11 @@ def build(name: str, num_stages: int, microbatches: int, chunks: int | None = No
       f'a pipeline needs --stages, --microbatches and chunks >= 1, got {num_stages}, '
       f'{microbatches} and {chunks}.'
     )
+  if name == 'interleaved' and chunks < 2:
+    raise ConfigError(
+      f'interleaved 1F1B needs --chunks >= 2 model chunks per device (one chunk is plain 1F1B), '
+      f'got {chunks}; use --chunks 2 or more, or --schedule 1f1b.'
+    )
   if name == 'zb_v' and chunks != 2:
     raise ConfigError(f'zb_v runs two chunks per device (its V); drop --chunks {chunks}.')
   if name not in DEFAULT_CHUNKS and chunks != 1:

@@ -168,6 +168,12 @@ class TrainConfig:
     self.check_compensation()  # before the schedule: an unknown --compensation names itself
     self.schedule_config().validate()
     run = self.schedule
+    if run.name == 'ouroboros' and run.sync_warmup_steps >= self.steps:
+      raise ConfigError(
+        f'--sync-warmup-steps {run.sync_warmup_steps} is not shorter than --steps {self.steps}, '
+        'so the whole run would be synchronous backprop; use --sync-warmup-steps below '
+        f'{self.steps} (or more --steps), or --schedule backprop.'
+      )
     if run.name in ('backprop', 'data_parallel') and run.num_stages > 1:
       raise ConfigError(
         f'--schedule {run.name} runs every layer on each device, so --stages '
@@ -316,7 +322,8 @@ class TrainConfig:
       )
     if (self.growth or self.vcycle) and self.resolved_optimizer() != 'adamw':
       raise ConfigError('--growth and --vcycle runs use AdamW; drop --optimizer.')
-    self.resolved_compensation()
+    compensation.spec_names(self.compensation)  # the flag's spelling, 'auto' included
+    self.resolved_compensation()  # and the strengths of what it resolves to
 
   @property
   def uses_recipe(self) -> bool:

@@ -100,7 +100,7 @@ def step_flops(cfg: TrainConfig, steps) -> np.ndarray:
   if cfg.pld and steps.size:
     theta_bar, gamma = cfg.plans.pld
     run = cfg.schedule
-    if run.data_parallel == 1 and (run.name != 'gpipe' or run.microbatches == 1):
+    if run.data_parallel == 1 and (run.name != 'gpipe' or run.num_microbatches == 1):
       layers = np.asarray(
         pld.kept_layers(
           cfg.seed, steps, cfg.plans.layers_per_stage, cfg.model.num_layers, theta_bar, gamma
@@ -295,7 +295,7 @@ def _run(cfg: TrainConfig, options: _Options) -> dict:
       options.on_step,
     )
     try:
-      with rundir.stoppable():
+      with rundir.stoppable(agreed=jax.process_count() > 1):
         return _loop(run, start_step)
     finally:
       report.bar.close()
@@ -313,7 +313,7 @@ def _loop(run: _Run, step: int) -> dict:
   val_bpb = None
   compiled = False
   while step < cfg.steps:
-    _stop_if_asked(run, saved)
+    _stop_if_asked(run, step, pending, saved)
     batch = next(run.train_it)
     report.crc = batch_crc32(batch, report.crc)
     run.state, metrics = run.schedule.step(
@@ -362,9 +362,17 @@ class _Saved:
       self.unreported = None
 
 
-def _stop_if_asked(run: _Run, saved: _Saved) -> None:
-  """A SIGTERM / Ctrl-C stops here, between steps (`rundir`); the save in flight lands first."""
+def _stop_if_asked(run: _Run, step: int, pending: list, saved: _Saved) -> None:
+  """A SIGTERM / Ctrl-C stops here, between steps (`rundir`); the save in flight lands first.
+  The processes of a multi-process run stop at one step they agreed on, and save it first."""
+  signum = rundir.stop_agreed(step)
   try:
+    if signum is not None:
+      if pending:  # checks their losses: a non-finite state is never saved
+        _sync(run, pending, saved, compiling=False)
+      if saved.latest != step:
+        _save(run, step, saved)
+      raise rundir.Terminated(signum)
     rundir.check_stop()
   except rundir.Terminated:
     run.manager.wait_until_finished()

@@ -42,14 +42,26 @@ def run_meta(cfg: TrainConfig, layers_per_stage) -> dict:
   }
 
 
+def resolved(cfg: TrainConfig) -> dict:
+  """The RESUME_FIELDS whose spelling is not what the run does, as the run does them: `--optimizer
+  auto` of a recipe run is muon, `--compensation auto` predict,dc, --microbatches of a schedule
+  without micro-batches 1. A resume compares these, not the spellings."""
+  return {
+    'optimizer': cfg.resolved_optimizer(),
+    'compensation': ','.join(cfg.resolved_compensation().names()) or 'none',
+    'microbatches': cfg.schedule.num_microbatches,
+  }
+
+
 def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str) -> list[str]:
   """One-line CheckpointError naming the flags to use when the checkpoint does not fit cfg.
 
   Returns the other settings that differ from the checkpoint's ('--steps 100 -> 200', ...): they
   are allowed (a longer run, another rate) but worth saying.
   """
-  want = config.flat(TrainConfig.from_dict(saved['config']))
-  have = config.flat(cfg)
+  saved_cfg = TrainConfig.from_dict(saved['config'])
+  want = {**config.flat(saved_cfg), **resolved(saved_cfg)}
+  have = {**config.flat(cfg), **resolved(cfg)}
   model_fields = [n for n, f in config.fields().items() if f.owner is transformer.ModelConfig]
   names = model_fields + list(RESUME_FIELDS)
   wrong = [n for n in names if want[n] != have[n]]
@@ -103,7 +115,9 @@ def resume_state(cfg: TrainConfig, manager, target, layers_per_stage, resume_fro
 
 
 def check_out_dir(cfg: TrainConfig, resume: bool) -> None:
-  """OUT fits the request: --resume needs a checkpoint there, a fresh run an unused OUT."""
+  """OUT fits the request: --resume needs a checkpoint there, a fresh run an OUT without an
+  earlier run's checkpoints, summary or metrics (an empty or new OUT, or one whose earlier run
+  logged nothing)."""
   out_dir, found = cfg.out_dir, checkpoint.latest_step(cfg.out_dir)
   ckpt_dir = checkpoint.checkpoint_dir(out_dir)
   if resume and (cfg.growth or cfg.vcycle):
@@ -126,3 +140,21 @@ def check_out_dir(cfg: TrainConfig, resume: bool) -> None:
       f'{out_dir} already holds a finished run (summary.json); choose '
       'another --out, or remove it to train there again.'
     )
+  if not resume and _has_rows(os.path.join(out_dir, 'metrics.jsonl')):
+    files = [
+      f for f in ('metrics.jsonl', 'config.json') if os.path.exists(os.path.join(out_dir, f))
+    ]
+    raise CheckpointError(
+      f"{out_dir} holds an earlier run's {' and '.join(files)} but no checkpoint to resume (it "
+      'stopped before its first one); a new run would overwrite them: choose another --out, or '
+      'remove them to train there again.'
+    )
+
+
+def _has_rows(path: str) -> bool:
+  """Whether a metrics.jsonl holds anything (an empty one, of a run that logged nothing, does
+  not count)."""
+  try:
+    return os.path.getsize(path) > 0
+  except OSError:
+    return False

@@ -13,6 +13,12 @@ Stopping: a SIGTERM (a scheduler, `timeout`, the launcher) or Ctrl-C during trai
 loop to stop at the next step boundary (`request_stop`); the loop then raises `Terminated` after
 the in-flight checkpoint has landed, so a stopped run always leaves complete checkpoints. A
 second signal stops at once.
+
+In a multi-process run the processes must stop at one common step: JAX's distributed runtime
+catches SIGTERM itself (its preemption notifier) and tells every process, and the loop asks
+`stop_agreed` at every step, which is JAX's preemption sync point
+(`multihost_utils.reached_preemption_sync_point`): true in every process at the same step, where
+the loop saves a checkpoint and stops. A SIGINT or SIGHUP there is turned into that SIGTERM.
 """
 
 from __future__ import annotations
@@ -95,29 +101,55 @@ class Terminated(KeyboardInterrupt):
     self.signum = signum
 
 
-_STOP = {'signum': None, 'loop_running': False}
+_STOP = {'signum': None, 'loop_running': False, 'agreed': False}
 
 
 def request_stop(signum: int) -> None:
   """From a signal handler: stop at the next step boundary if a training loop is running and
-  this is the first request; otherwise stop now (raise Terminated)."""
+  this is the first request; otherwise stop now (raise Terminated). In a multi-process loop the
+  request goes to JAX's preemption notifier as a SIGTERM, so that every process hears it."""
   first = _STOP['signum'] is None
   _STOP['signum'] = signum
+  if first and _STOP['loop_running'] and _STOP['agreed']:
+    os.kill(os.getpid(), signal.SIGTERM)
+    return
   if not (first and _STOP['loop_running']):
     raise Terminated(signum)
 
 
 def check_stop() -> None:
-  """Called by the loop between steps: raises Terminated once a stop was requested."""
-  if _STOP['signum'] is not None:
+  """Called by a single-process loop between steps: raises Terminated once a stop was
+  requested."""
+  if _STOP['signum'] is not None and not _STOP['agreed']:
     raise Terminated(_STOP['signum'])
 
 
+def stop_agreed(step: int) -> int | None:
+  """Called by a multi-process loop at every step boundary, `step` the steps done: the signal to
+  stop with when every process has agreed to stop here (they all get it at the same step), else
+  None.
+
+  The sync point is the step after the furthest step any process had reported when the notice
+  came (Orbax's CheckpointManager reports the steps it saves to the same sync point, which is why
+  these are training steps, not a count of calls). The loop reports its first step before it
+  compiles anything; a notice that comes during the set-up before that (loading data, restoring)
+  on a resumed run falls on step 1, which that run never reaches: the launcher's grace period
+  then ends it."""
+  if not _STOP['agreed']:
+    return None
+  from jax.experimental import multihost_utils
+
+  if multihost_utils.reached_preemption_sync_point(step):
+    return _STOP['signum'] or signal.SIGTERM
+  return None
+
+
 @contextlib.contextmanager
-def stoppable() -> Iterator[None]:
-  """Marks a training loop as running: stop requests then wait for its next step boundary."""
-  _STOP.update(signum=None, loop_running=True)
+def stoppable(agreed: bool = False) -> Iterator[None]:
+  """Marks a training loop as running: stop requests then wait for its next step boundary.
+  agreed: the processes of a multi-process run stop together (`stop_agreed`)."""
+  _STOP.update(signum=None, loop_running=True, agreed=agreed)
   try:
     yield
   finally:
-    _STOP['loop_running'] = False
+    _STOP.update(loop_running=False, agreed=False)
