@@ -298,22 +298,20 @@ def test_sigterm_to_the_launcher_stops_every_process_at_one_checkpointed_step(
   assert not any('Traceback' in line for line in lines)
 
   end = step + 2
-  resumed = subprocess.run(
-    [*run, *common, '--steps', str(end), '--out', str(tmp_path / 'a'), '--resume'],
-    capture_output=True,
-    text=True,
-    timeout=180,
-    env=_cached_env(),
+  # The resumed run and an uninterrupted one, side by side.
+  resumed, straight = (
+    subprocess.Popen(
+      [*run, *common, '--steps', str(end), '--out', str(tmp_path / out), *extra],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+      env=_cached_env(),
+    )
+    for out, extra in (('a', ['--resume']), ('b', []))
   )
-  assert resumed.returncode == 0, resumed.stdout[-3000:]
-  straight = subprocess.run(
-    [*run, *common, '--steps', str(end), '--out', str(tmp_path / 'b')],
-    capture_output=True,
-    text=True,
-    timeout=180,
-    env=_cached_env(),
-  )
-  assert straight.returncode == 0, straight.stdout[-3000:]
+  for p in (resumed, straight):
+    output, _ = p.communicate(timeout=180)
+    assert p.returncode == 0, output[-3000:]
   (step_a, state_a), (step_b, state_b) = _final_state(tmp_path / 'a'), _final_state(tmp_path / 'b')
   assert step_a == step_b == end
   assert_trees_equal(state_a, state_b)

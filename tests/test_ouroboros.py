@@ -184,7 +184,7 @@ def test_checkpoint_resume_is_bitwise_identical(tmp_path, stash):
 
 def test_impossible_layouts_are_clear_errors():
   cfg = transformer.ModelConfig(d_model=16, num_heads=2, num_layers=2, d_ff=32, seq_len=SEQ)
-  with pytest.raises(ConfigError, match='at least 3 layers'):
+  with pytest.raises(ConfigError, match='only 2 layers'):
     partition.balance_layers(cfg, 3)
   with pytest.raises(ConfigError, match='devices'):
     build_schedule(
