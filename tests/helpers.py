@@ -161,3 +161,32 @@ def save_and_restore(schedule, state, params, example_batch, directory, data_sta
   restored, restored_data, _ = checkpoint.restore(manager, abstract)
   manager.close()
   return restored, restored_data
+
+
+def straight_and_resumed(straight, out, stop_at: int):
+  """Trains `straight`, then the same config into `out`, stopped after step `stop_at` (as a
+  crash) and resumed to the end; returns (the config of the stopped run, the final saved states
+  of both runs as host trees)."""
+  import pytest
+
+  from ouroboros_jax.training import checkpoint, config, loop
+
+  loop.train(straight, quiet=True)
+  stopped = config.override(straight, {'out': os.fspath(out)})
+
+  def crash(step, _state):
+    if step == stop_at:
+      raise KeyboardInterrupt
+
+  with pytest.raises(KeyboardInterrupt):
+    loop.train(stopped, quiet=True, on_step=crash)
+  loop.train(stopped, quiet=True, resume=True)
+
+  def final(out_dir):
+    manager = checkpoint.make_manager(out_dir, read_only=True)
+    try:
+      return host_tree(checkpoint.restore_single_device(manager))
+    finally:
+      manager.close()
+
+  return stopped, final(straight.out_dir), final(stopped.out_dir)

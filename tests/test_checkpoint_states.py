@@ -12,7 +12,7 @@ import pytest
 from ouroboros_jax import schedules
 from ouroboros_jax.training import checkpoint, config, loop
 
-from helpers import assert_trees_equal, save_and_restore
+from helpers import assert_trees_equal, save_and_restore, straight_and_resumed
 
 # The presets at test size: their model kind, attention, memory and layer norm placement stay.
 SHRUNK = dict(d_model=16, num_heads=2, num_layers=4, d_ff=32, seq_len=8, batch_size=4)
@@ -84,24 +84,5 @@ def test_transformer_xl_ouroboros_resumes_bitwise(tmp_path, text_corpus):
   )
   straight = _shrunk('txl-tiny', 'ouroboros', out=str(tmp_path / 'a'), **values)
   assert straight.model.mem_len == 0 and straight.schedule.stash == 'graph'
-  loop.train(straight, quiet=True)
-  stopped = config.override(straight, {'out': str(tmp_path / 'b')})
-
-  def crash(step, _state):
-    if step == 3:
-      raise KeyboardInterrupt
-
-  with pytest.raises(KeyboardInterrupt):
-    loop.train(stopped, quiet=True, on_step=crash)
-  assert checkpoint.latest_step(stopped.out_dir) == 2
-  loop.train(stopped, quiet=True, resume=True)
-
-  def final(out):
-    manager = checkpoint.make_manager(out, read_only=True)
-    try:
-      assert manager.latest_step() == 4
-      return checkpoint.restore_single_device(manager)
-    finally:
-      manager.close()
-
-  assert_trees_equal(final(straight.out_dir), final(stopped.out_dir))
+  _, a, b = straight_and_resumed(straight, tmp_path / 'b', stop_at=3)
+  assert_trees_equal(a, b)

@@ -249,7 +249,7 @@ def test_checkpoints_carry_the_compensation_state_and_resume_bitwise(tmp_path, p
   PipeMare's count and the optimizer state are all in the checkpoint)."""
   from ouroboros_jax.training import checkpoint, config, loop
 
-  from helpers import assert_trees_equal, host_tree, tiny_config
+  from helpers import assert_trees_equal, straight_and_resumed, tiny_config
 
   recipe = dict(
     schedule='ouroboros',
@@ -261,26 +261,8 @@ def test_checkpoints_carry_the_compensation_state_and_resume_bitwise(tmp_path, p
     eval_every=6,
   )
   straight = tiny_config(tmp_path / 'a', prepared_data_dir, **recipe)
-  loop.train(straight, quiet=True)
-  cut = config.override(straight, {'out': str(tmp_path / 'b')})
-
-  def crash(step, state):
-    if step == 8:
-      raise KeyboardInterrupt
-
-  with pytest.raises(KeyboardInterrupt):
-    loop.train(cut, quiet=True, on_step=crash)
-  loop.train(cut, resume=True, quiet=True)
-
-  def final(out):
-    manager = checkpoint.make_manager(out, read_only=True)
-    try:
-      return checkpoint.restore_single_device(manager)
-    finally:
-      manager.close()
-
-  a, b = final(straight.out_dir), final(cut.out_dir)
-  assert_trees_equal(host_tree(a), host_tree(b))
+  cut, a, b = straight_and_resumed(straight, tmp_path / 'b', stop_at=8)
+  assert_trees_equal(a, b)
   # The compensation state is really in the checkpoint (a plain run has no last_update).
   assert 'last_update' in str(jax.tree_util.tree_structure(a['opt_state']))
   with pytest.raises(checkpoint.CheckpointError, match='--compensation'):
