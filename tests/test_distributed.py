@@ -277,7 +277,10 @@ def test_sigterm_to_the_launcher_stops_every_process_at_one_checkpointed_step(
   step, save it and stop together; the run resumes from it to the uninterrupted run's bits."""
   corpus = _small_corpus(tmp_path, text_corpus)
   run = [sys.executable, '-m', 'ouroboros_jax', 'launch', '--processes', '2', '--', 'train']
-  common = [*TINY_RUN, '--data', corpus, '--quiet']
+  # Data parallelism: the cheapest step to compile (the ring's state resuming exactly is tested
+  # in one process, tests/test_train.py, tests/test_checkpoint_states.py).
+  data_parallel = ['--schedule', 'data_parallel', '--stages', '1', '--data-parallel', '2']
+  common = [*TINY_RUN, *data_parallel, '--data', corpus, '--quiet']
   stopped = subprocess.Popen(
     [*run, *common, '--steps', '100000', '--out', str(tmp_path / 'a')],
     env=_cached_env(),
