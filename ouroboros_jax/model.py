@@ -43,6 +43,8 @@ Params = dict[str, Any]
 
 
 ARCHS = ('gpt', 'transformer-xl')
+DTYPES = ('float32', 'bfloat16')  # --dtype (compute) and --param-dtype (master weights)
+ATTENTIONS = ('auto', 'xla', 'blockwise', 'cudnn', 'pallas')  # --attention, see attention.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +71,15 @@ class ModelConfig:
   attn_dropout: float = 0.0  # dropout on the attention probabilities (transformer-xl)
   untie_r: bool = False  # transformer-xl: u, v per layer (the reference code's --untie_r);
   # False: one global pair shared by every layer, as the paper writes it
+  # Precision: activations, stashes, ring buffers and every transfer in `dtype`; parameters and
+  # optimizer state in `param_dtype` (master weights); logits, softmax, loss and norm statistics
+  # always in float32.
+  dtype: str = 'float32'
+  param_dtype: str = 'float32'
+  # Attention kernel (attention.py): auto picks the target's fused kernel (cuDNN on GPU, Pallas on
+  # TPU) or the blockwise one for sequences longer than one block; xla materialises L x L.
+  attention: str = 'auto'
+  attention_block: int = 512  # blockwise: keys (and queries) per block
 
   def validate(self) -> None:
     for name in ('vocab_size', 'd_model', 'num_heads', 'num_layers', 'd_ff', 'seq_len'):
@@ -107,12 +118,37 @@ class ModelConfig:
             f'--{name.replace("_", "-")} is a Transformer-XL setting but the model is '
             f'{self.arch!r}; add --model transformer-xl or drop --{name.replace("_", "-")}.'
           )
+    for name, choices in (('dtype', DTYPES), ('param_dtype', DTYPES), ('attention', ATTENTIONS)):
+      if getattr(self, name) not in choices:
+        raise ConfigError(
+          f'unknown {name.replace("_", " ")} {getattr(self, name)!r}; choose '
+          f'--{name.replace("_", "-")} from {", ".join(choices)}.'
+        )
+    if self.attention_block < 1:
+      raise ConfigError(
+        f'attention_block must be >= 1, got {self.attention_block}; fix --attention-block.'
+      )
     if not 0.0 < self.init_std < float('inf'):
       raise ConfigError(f'init_std must be a positive number, got {self.init_std}; fix --init-std.')
 
   @property
   def head_dim(self) -> int:
     return self.d_model // self.num_heads
+
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  @property
+  def weight_dtype(self):
+    return jnp.dtype(self.param_dtype)
+
+
+def precision(cfg: ModelConfig) -> dict:
+  """The Flax modules' dtypes: compute in cfg.dtype, keep parameters in cfg.param_dtype (Flax
+  casts each weight to the compute dtype where it is used, so its gradient comes back in the
+  parameter's dtype, and LayerNorm computes its statistics in at least float32)."""
+  return {'dtype': cfg.compute_dtype, 'param_dtype': cfg.weight_dtype}
 
 
 def _dropout(x, rate: float, rng):
@@ -127,9 +163,10 @@ class Embedder(nnx.Module):
   """Token embedding V (shared with the output projection when tied) plus learned positions."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    embedding = functools.partial(nnx.Embed, **precision(cfg), rngs=rngs)
     init = nnx.initializers.normal(cfg.init_std)
-    self.token = nnx.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, rngs=rngs)
-    self.position = nnx.Embed(cfg.seq_len, cfg.d_model, embedding_init=init, rngs=rngs)
+    self.token = embedding(cfg.vocab_size, cfg.d_model, embedding_init=init)
+    self.position = embedding(cfg.seq_len, cfg.d_model, embedding_init=init)
 
   def __call__(self, tokens_BxL):
     positions_L = jnp.arange(tokens_BxL.shape[1])
@@ -145,12 +182,14 @@ class Block(nnx.Module):
     # Residual-branch outputs start smaller, as in GPT-2, so deep stacks start near identity.
     out_init = nnx.initializers.normal(cfg.init_std / (2 * cfg.num_layers) ** 0.5)
     d, f = cfg.d_model, cfg.d_ff
-    self.ln_attn = nnx.LayerNorm(d, rngs=rngs)
-    self.qkv = nnx.Linear(d, 3 * d, kernel_init=init, rngs=rngs)
-    self.attn_out = nnx.Linear(d, d, kernel_init=out_init, rngs=rngs)
-    self.ln_mlp = nnx.LayerNorm(d, rngs=rngs)
-    self.mlp_in = nnx.Linear(d, f, kernel_init=init, rngs=rngs)
-    self.mlp_out = nnx.Linear(f, d, kernel_init=out_init, rngs=rngs)
+    linear = functools.partial(nnx.Linear, **precision(cfg), rngs=rngs)
+    norm = functools.partial(nnx.LayerNorm, **precision(cfg), rngs=rngs)
+    self.ln_attn = norm(d)
+    self.qkv = linear(d, 3 * d, kernel_init=init)
+    self.attn_out = linear(d, d, kernel_init=out_init)
+    self.ln_mlp = norm(d)
+    self.mlp_in = linear(d, f, kernel_init=init)
+    self.mlp_out = linear(f, d, kernel_init=out_init)
 
   def attention(self, x_BxLxD, taps=None):
     b, l, _ = x_BxLxD.shape
@@ -211,13 +250,15 @@ class Head(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     if cfg.pre_ln:
-      self.ln_final = nnx.LayerNorm(cfg.d_model, rngs=rngs)
+      self.ln_final = nnx.LayerNorm(cfg.d_model, **precision(cfg), rngs=rngs)
     if not cfg.tie_embeddings:
       self.unembed = nnx.Linear(
         cfg.d_model,
         cfg.vocab_size,
         use_bias=False,
         kernel_init=nnx.initializers.normal(cfg.init_std),
+        **precision(cfg),
+        preferred_element_type=jnp.float32,  # logits in float32
         rngs=rngs,
       )
 
@@ -334,15 +375,18 @@ def tapped_weight_grads(cfg: ModelConfig, inputs_N: dict, tap_grads_N: dict) -> 
   linear layer's kernel gets sum over tokens of input x gradient, its bias the summed gradient; a
   norm's scale gets the summed gradient times the normalised input, its bias the summed gradient.
   This is the zero-bubble W: matrix products only, no chain of input gradients."""
+  f32 = jnp.float32  # sums over tokens accumulate in float32 whatever the compute dtype
   grads = {}
   for name in TAPPED:
     x_NxBxLxC, g_NxBxLxC = inputs_N[name], tap_grads_N[name]
-    bias = g_NxBxLxC.sum(axis=(1, 2))
+    bias = g_NxBxLxC.sum(axis=(1, 2), dtype=f32)
     if name in NORMS:
-      grads[name] = {'scale': (g_NxBxLxC * _normalized(x_NxBxLxC)).sum(axis=(1, 2)), 'bias': bias}
+      scale = (g_NxBxLxC.astype(f32) * _normalized(x_NxBxLxC.astype(f32))).sum(axis=(1, 2))
+      grads[name] = {'scale': scale, 'bias': bias}
     else:
-      grads[name] = {'kernel': jnp.einsum('nbli,nblo->nio', x_NxBxLxC, g_NxBxLxC), 'bias': bias}
-  return grads
+      kernel = jnp.einsum('nbli,nblo->nio', x_NxBxLxC, g_NxBxLxC, preferred_element_type=f32)
+      grads[name] = {'kernel': kernel, 'bias': bias}
+  return jax.tree.map(lambda g: g.astype(cfg.weight_dtype), grads)
 
 
 def _normalized(x_BxLxC, epsilon: float = 1e-6):
@@ -357,8 +401,9 @@ def logits(cfg: ModelConfig, head_params: Params, embed_params: Params, x_BxLxD)
   head = _merge(_graphdefs(cfg)[2], head_params)
   if cfg.pre_ln:
     x_BxLxD = head.ln_final(x_BxLxD)
-  if cfg.tie_embeddings:
-    return x_BxLxD @ embed_params['token']['embedding'].T
+  if cfg.tie_embeddings:  # the compute dtype's matmul, accumulated and returned in float32
+    embedding_VxD = embed_params['token']['embedding'].astype(x_BxLxD.dtype)
+    return jnp.einsum('bld,vd->blv', x_BxLxD, embedding_VxD, preferred_element_type=jnp.float32)
   return head.unembed(x_BxLxD)
 
 

@@ -159,7 +159,9 @@ def txl_stages(cfg: ModelConfig, layers_per_stage: Sequence[int]) -> StagedModel
   memory = None
   if cfg.mem_len:
     memory = Memory(
-      init=lambda p, batch_size: txl.init_memory(cfg, layer_count(p), batch_size, cfg.mem_len),
+      init=lambda p, batch_size: txl.init_memory(
+        cfg, layer_count(p), batch_size, cfg.mem_len, cfg.compute_dtype
+      ),
       stage=stage_with_memory,
     )
   return StagedModel(

@@ -45,7 +45,9 @@ class Embedder(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     init = nnx.initializers.normal(cfg.init_std)
-    self.token = nnx.Embed(cfg.vocab_size, cfg.d_model, embedding_init=init, rngs=rngs)
+    self.token = nnx.Embed(
+      cfg.vocab_size, cfg.d_model, embedding_init=init, **gpt.precision(cfg), rngs=rngs
+    )
 
 
 class RelBlock(nnx.Module):
@@ -56,15 +58,17 @@ class RelBlock(nnx.Module):
     self.cfg = cfg
     init = nnx.initializers.normal(cfg.init_std)
     d, f, h, k = cfg.d_model, cfg.d_ff, cfg.num_heads, cfg.head_dim
-    self.ln_attn = nnx.LayerNorm(d, rngs=rngs)
-    self.qkv = nnx.Linear(d, 3 * d, use_bias=False, kernel_init=init, rngs=rngs)
-    self.r_net = nnx.Linear(d, d, use_bias=False, kernel_init=init, rngs=rngs)
-    self.r_w_bias = nnx.Param(init(rngs.params(), (h, k)))  # u: content bias
-    self.r_r_bias = nnx.Param(init(rngs.params(), (h, k)))  # v: position bias
-    self.attn_out = nnx.Linear(d, d, use_bias=False, kernel_init=init, rngs=rngs)
-    self.ln_mlp = nnx.LayerNorm(d, rngs=rngs)
-    self.mlp_in = nnx.Linear(d, f, kernel_init=init, rngs=rngs)
-    self.mlp_out = nnx.Linear(f, d, kernel_init=init, rngs=rngs)
+    linear = functools.partial(nnx.Linear, **gpt.precision(cfg), rngs=rngs)
+    norm = functools.partial(nnx.LayerNorm, **gpt.precision(cfg), rngs=rngs)
+    self.ln_attn = norm(d)
+    self.qkv = linear(d, 3 * d, use_bias=False, kernel_init=init)
+    self.r_net = linear(d, d, use_bias=False, kernel_init=init)
+    self.r_w_bias = nnx.Param(init(rngs.params(), (h, k), cfg.weight_dtype))  # u: content bias
+    self.r_r_bias = nnx.Param(init(rngs.params(), (h, k), cfg.weight_dtype))  # v: position bias
+    self.attn_out = linear(d, d, use_bias=False, kernel_init=init)
+    self.ln_mlp = norm(d)
+    self.mlp_in = linear(d, f, kernel_init=init)
+    self.mlp_out = linear(f, d, kernel_init=init)
 
   def attention(self, x_BxLxD, memory_BxMxD, valid_Bx1xLxJ, pos_JxD, rng):
     cfg = self.cfg
@@ -77,11 +81,14 @@ class RelBlock(nnx.Module):
     q_BxLxHxK = qkv_BxJx3xHxK[:, -l:, 0]
     k_BxJxHxK, v_BxJxHxK = qkv_BxJx3xHxK[:, :, 1], qkv_BxJx3xHxK[:, :, 2]
     r_JxHxK = self.r_net(pos_JxD).reshape(-1, h, k)
-    content_BxHxLxJ = jnp.einsum('blhk,bjhk->bhlj', q_BxLxHxK + self.r_w_bias[...], k_BxJxHxK)
-    position_BxHxLxJ = rel_shift(
-      jnp.einsum('blhk,jhk->bhlj', q_BxLxHxK + self.r_r_bias[...], r_JxHxK)
+    u_HxK, v_HxK = (b[...].astype(q_BxLxHxK.dtype) for b in (self.r_w_bias, self.r_r_bias))
+    content_BxHxLxJ = jnp.einsum(
+      'blhk,bjhk->bhlj', q_BxLxHxK + u_HxK, k_BxJxHxK, preferred_element_type=jnp.float32
     )
-    score_BxHxLxJ = (content_BxHxLxJ + position_BxHxLxJ).astype(jnp.float32) * k**-0.5
+    position_BxHxLxJ = rel_shift(
+      jnp.einsum('blhk,jhk->bhlj', q_BxLxHxK + v_HxK, r_JxHxK, preferred_element_type=jnp.float32)
+    )
+    score_BxHxLxJ = (content_BxHxLxJ + position_BxHxLxJ) * k**-0.5
     score_BxHxLxJ = jnp.where(valid_Bx1xLxJ, score_BxHxLxJ, jnp.finfo(jnp.float32).min)
     prob_BxHxLxJ = jax.nn.softmax(score_BxHxLxJ, axis=-1).astype(x_BxLxD.dtype)
     prob_BxHxLxJ = _dropout(prob_BxHxLxJ, cfg.attn_dropout, rng)
@@ -179,7 +186,9 @@ def shared_leaves(cfg: ModelConfig) -> tuple[str, ...]:
 def embed(cfg: ModelConfig, embed_params: Params, tokens_BxL, rng=None):
   """Token ids -> x_BxLxD = sqrt(D) V[tokens], with dropout."""
   token = nnx.merge(_graphdefs(cfg)[0], embed_params).token
-  return _dropout(token(tokens_BxL) * cfg.d_model**0.5, cfg.dropout, rng)
+  return _dropout(
+    token(tokens_BxL) * jnp.asarray(cfg.d_model**0.5, cfg.compute_dtype), cfg.dropout, rng
+  )
 
 
 def layers(

@@ -173,3 +173,21 @@ def test_a_flag_the_user_set_wins(monkeypatch):
   monkeypatch.setenv('XLA_FLAGS', f'{REGION}=false')
   host.use_cpu_xla_flags()
   assert os.environ['XLA_FLAGS'] == f'{REGION}=false'
+
+
+def test_libtpu_counts_as_an_accelerator_only_where_tpu_chips_are(platforms_from_env):
+  """The `tpu` extra installs libtpu on CPU machines too, to compile for TPU topologies."""
+  monkeypatch = platforms_from_env
+  monkeypatch.setattr(host, '_ACCELERATOR_MODULES', ())
+  monkeypatch.setattr(host, '_LEGACY_GPU_JAXLIB_DIRS', ())
+  monkeypatch.setattr(host.importlib.metadata, 'entry_points', lambda **kw: [])
+  real = host.importlib.util.find_spec
+  monkeypatch.setattr(
+    host.importlib.util,
+    'find_spec',
+    lambda name, *a: object() if name == 'libtpu' else real(name, *a),
+  )
+  monkeypatch.setattr(host, 'tpu_chips_visible', lambda: False)
+  assert host.libtpu_without_chips() and host.cpu_backend_expected() is True
+  monkeypatch.setattr(host, 'tpu_chips_visible', lambda: True)
+  assert not host.libtpu_without_chips() and host.cpu_backend_expected() is False

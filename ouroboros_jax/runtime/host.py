@@ -30,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import glob
 import importlib.metadata
 import importlib.util
 import mmap
@@ -50,7 +51,6 @@ _ACCELERATOR_MODULES = (
   'jax_cuda13_plugin',
   'jax_rocm60_plugin',
   'jax_rocm7_plugin',
-  'libtpu',
 )
 # Subpackages of a jaxlib built with CUDA or ROCm inside (before the PJRT plugins).
 _LEGACY_GPU_JAXLIB_DIRS = ('cuda', 'rocm')
@@ -76,11 +76,28 @@ def _accelerator_installed() -> bool:
     pass
   if any(importlib.util.find_spec(name) is not None for name in _ACCELERATOR_MODULES):
     return True
+  if importlib.util.find_spec('libtpu') is not None and tpu_chips_visible():
+    return True
   return any(
     (pathlib.Path(root) / name).is_dir()
     for root in _jaxlib_dirs()
     for name in _LEGACY_GPU_JAXLIB_DIRS
   )
+
+
+def tpu_chips_visible() -> bool:
+  """Whether this machine has TPU chips (their device files), so an installed libtpu (the `tpu`
+  extra, also used to compile for a TPU topology on a CPU machine) will find one."""
+  vfio = pathlib.Path('/dev/vfio')
+  return bool(glob.glob('/dev/accel*')) or (
+    vfio.is_dir() and any(p.name.isdigit() for p in vfio.iterdir())
+  )
+
+
+def libtpu_without_chips() -> bool:
+  """libtpu is installed on a machine without TPU chips: JAX would still try it first, and fail
+  with pages of warnings, before falling back to the CPU."""
+  return importlib.util.find_spec('libtpu') is not None and not tpu_chips_visible()
 
 
 def cpu_backend_expected() -> bool:
@@ -191,6 +208,11 @@ def configure_cpu_runtime() -> bool:
   backend (a speed setting only). Returns whether it applied them."""
   if not cpu_backend_expected():
     return False
+  if not _requested_platforms().strip() and libtpu_without_chips():
+    # libtpu serves deviceless compiles (`ouroboros compile`) only; child processes inherit this.
+    os.environ['JAX_PLATFORMS'] = 'cpu'
+    if 'jax' in sys.modules:
+      sys.modules['jax'].config.update('jax_platforms', 'cpu')
   use_cpu_xla_flags()
   keep_freed_memory()
   return True

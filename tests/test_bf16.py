@@ -1,0 +1,185 @@
+"""Mixed precision (`--dtype bfloat16`): what stays float32, and every schedule against its exact
+counterpart under the same precision.
+
+bf16 keeps 8 bits of mantissa, so two exact schedules that cut the batch differently (micro-
+batches, replicas) round their activations and matmul outputs differently: relative differences
+of ~2^-8 per operation, where float32 gives ~1e-7. The tolerance here is therefore stated against
+how far training moves the parameters: after STEPS steps of SGD the parameters have moved by
+~0.1, a bf16 schedule stays within 0.005 of bf16 backprop (observed <= 0.0022) and bf16 backprop
+within 0.005 of float32 backprop (observed 0.0016), while a wrong gradient (a missing micro-batch,
+a stale stage) moves them by more than 0.02. Ouroboros is checked against its slow reference run
+in bf16, which performs the same operations on the same shapes: equal to float32 rounding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from ouroboros_jax import model as transformer
+from ouroboros_jax import partition
+from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.schedules import ScheduleConfig, build_schedule, reference
+from ouroboros_jax.training import config as train_config
+
+from helpers import (
+  assert_trees_equal,
+  host_tree,
+  max_abs_diff,
+  random_batches,
+  run_schedule,
+  save_and_restore,
+  tiny_transformer,
+)
+
+STEPS, BATCH = 4, 8
+BF16_ATOL = 5e-3  # parameters after STEPS steps; see the module docstring
+SGD = optax.sgd(0.5)  # plain SGD: Adam would blow rounding noise of tiny gradients up to its lr
+
+
+def train(name, num_stages, dtype, *, model=None, **fields):
+  """(unstaged params after STEPS steps, losses) of one schedule on the tiny Transformer."""
+  config = ScheduleConfig(name=name, num_stages=num_stages, **fields)
+  layers = (4 // config.stage_groups,) * config.stage_groups
+  staged_model, params = tiny_transformer(
+    config.stage_groups, num_layers=4, layers_per_stage=layers, dtype=dtype, **(model or {})
+  )
+  state, losses = run_schedule(
+    config, staged_model, SGD, params, random_batches(STEPS, batch=BATCH)
+  )
+  return partition.from_staged(jax.device_get(state.params), layers), losses
+
+
+def test_parameters_gradients_and_loss_stay_float32():
+  cfg = transformer.ModelConfig(d_model=16, num_heads=2, num_layers=2, d_ff=32, seq_len=8)
+  bf16 = dataclasses.replace(cfg, dtype='bfloat16')
+  params = transformer.init_params(bf16, jax.random.key(0))
+  assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype('float32')}
+  # The same draw as float32's: switching precision does not change the initial model.
+  assert max_abs_diff(params, transformer.init_params(cfg, jax.random.key(0))) == 0
+  batch = random_batches(1)[0]
+  x_BxLxD = transformer.embed(bf16, params['embed'], batch['inputs'])
+  assert x_BxLxD.dtype == jnp.bfloat16
+  assert transformer.layers(bf16, params['layers'], x_BxLxD).dtype == jnp.bfloat16
+  logits = transformer.logits(bf16, params['head'], params['embed'], x_BxLxD)
+  assert logits.dtype == jnp.float32
+  (loss, _), grads = jax.value_and_grad(
+    lambda p: transformer.loss_fn(bf16, p, batch), has_aux=True
+  )(params)
+  assert loss.dtype == jnp.float32
+  assert {g.dtype for g in jax.tree.leaves(grads)} == {jnp.dtype('float32')}
+  (want, _), want_grads = jax.value_and_grad(
+    lambda p: transformer.loss_fn(cfg, p, batch), has_aux=True
+  )(params)
+  np.testing.assert_allclose(loss, want, rtol=1e-3)
+  for got, exact in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    assert np.linalg.norm(got - exact) <= 0.1 * np.linalg.norm(exact) + 1e-6
+
+
+def test_param_dtype_bfloat16_keeps_weights_and_gradients_in_bf16():
+  cfg = transformer.ModelConfig(
+    d_model=16, num_heads=2, num_layers=2, d_ff=32, seq_len=8, param_dtype='bfloat16'
+  )
+  params = transformer.init_params(cfg, jax.random.key(0))
+  grads = jax.grad(lambda p: transformer.loss_fn(cfg, p, random_batches(1)[0])[0])(params)
+  assert {x.dtype for x in jax.tree.leaves((params, grads))} == {jnp.dtype('bfloat16')}
+
+
+@pytest.fixture(scope='module')
+def backprop_bf16():
+  return train('backprop', 1, 'bfloat16')
+
+
+def test_bf16_backprop_trains_like_float32(backprop_bf16):
+  params, losses = backprop_bf16
+  want, want_losses = train('backprop', 1, 'float32')
+  _, initial = tiny_transformer(1, num_layers=4)
+  assert max_abs_diff(want, partition.from_staged(initial, (4,))) > 0.05  # training moved them
+  assert max_abs_diff(params, want) < BF16_ATOL
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-3)
+
+
+@pytest.mark.parametrize(
+  'name,num_stages,fields',
+  [
+    ('data_parallel', 1, {'data_parallel': 2}),
+    ('model_parallel', 2, {}),
+    ('gpipe', 2, {}),
+    ('1f1b', 2, {}),
+    ('interleaved', 2, {}),
+    ('zb_h1', 2, {}),
+    ('zb_v', 2, {}),
+  ],
+)
+def test_every_exact_schedule_in_bf16_equals_backprop_in_bf16(
+  backprop_bf16, name, num_stages, fields
+):
+  want, want_losses = backprop_bf16
+  params, losses = train(name, num_stages, 'bfloat16', **fields)
+  assert max_abs_diff(params, want) < BF16_ATOL
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-3)
+
+
+@pytest.mark.parametrize('stash,forward', [('graph', 'locked'), ('replay', 'pipelined')])
+def test_ouroboros_in_bf16_equals_its_reference_and_sends_bf16(stash, forward):
+  """Against the slow reference in bf16; its buffers and every ppermute payload are bf16."""
+  model, params = tiny_transformer(3, num_layers=4, dtype='bfloat16')
+  batches = random_batches(9, batch=BATCH)
+  config = ScheduleConfig(name='ouroboros', num_stages=3, stash=stash, forward=forward)
+  state, losses = run_schedule(config, model, SGD, params, batches)
+  want, want_losses, _ = reference.run(model, SGD, params, batches, stash=stash, forward=forward)
+  assert max_abs_diff(state.params, params) > 0.05
+  assert max_abs_diff(state.params, want) < 1e-6
+  np.testing.assert_allclose(losses[3:], want_losses[3:], rtol=1e-6)
+  for name in ('delta', 'act') if forward == 'pipelined' else ('delta',):
+    assert state.ring[name].dtype == jnp.bfloat16, name
+  if stash == 'replay':
+    assert {x.dtype for x in jax.tree.leaves(state.ring['stash'])} == {jnp.dtype('bfloat16')}
+  schedule = build_schedule(config, model, SGD)
+  hlo = schedule.step.lower(schedule.init(params, batches[0]), batches[0]).as_text()
+  sent = [
+    re.findall(r'tensor<([^>]*)>', line)[-1]
+    for line in hlo.splitlines()
+    if 'collective_permute' in line
+  ]
+  assert sent and all(t.endswith('bf16') for t in sent), sent
+
+
+def test_transformer_xl_memory_is_bf16_and_ring_matches_backprop():
+  txl = {'arch': 'transformer-xl', 'mem_len': 8}
+  config = ScheduleConfig(name='model_parallel', num_stages=2)
+  model, params = tiny_transformer(2, num_layers=4, dtype='bfloat16', **txl)
+  schedule = build_schedule(config, model, SGD)
+  batches = random_batches(STEPS, batch=BATCH)
+  state = schedule.init(params, batches[0])
+  assert state.ring['memory']['hidden'].dtype == jnp.bfloat16
+  got, losses = train('model_parallel', 2, 'bfloat16', model=txl)
+  want, want_losses = train('backprop', 1, 'bfloat16', model=txl)
+  assert max_abs_diff(got, want) < BF16_ATOL
+  np.testing.assert_allclose(losses, want_losses, rtol=1e-3)
+
+
+def test_bf16_ouroboros_checkpoint_round_trips(tmp_path):
+  model, params = tiny_transformer(2, num_layers=4, dtype='bfloat16')
+  batches = random_batches(3, batch=BATCH)
+  schedule = build_schedule(ScheduleConfig(name='ouroboros', num_stages=2), model, SGD)
+  state = schedule.init(params, batches[0])
+  for batch in batches:
+    state, _ = schedule.step(state, batch)
+  restored, _ = save_and_restore(schedule, state, params, batches[0], tmp_path, {'step': 3})
+  assert restored.ring['delta'].dtype == jnp.bfloat16
+  assert_trees_equal(host_tree(restored), host_tree(state))
+
+
+@pytest.mark.parametrize('flag', ['pld', 'std_loss'])
+def test_side_channel_accelerators_refuse_bf16_in_one_line(flag):
+  value = {'pld': 'default', 'std_loss': 1e-3}[flag]
+  cfg = train_config.override(train_config.get_preset('tiny'), {'dtype': 'bfloat16', flag: value})
+  with pytest.raises(ConfigError, match='float32 channel.*drop --dtype'):
+    cfg.check_accelerators()
