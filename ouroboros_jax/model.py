@@ -163,14 +163,18 @@ class Embedder(nnx.Module):
   """Token embedding V (shared with the output projection when tied) plus learned positions."""
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-    embedding = functools.partial(nnx.Embed, **precision(cfg), rngs=rngs)
+    self.cfg = cfg
+    # Looked up in the parameters' dtype, then cast: the gradient, a scatter-add of every token's
+    # into its row, then accumulates in float32 (in bf16: 4% off at 65536 tokens, 256 rows).
+    embedding = functools.partial(nnx.Embed, param_dtype=cfg.weight_dtype, rngs=rngs)
     init = nnx.initializers.normal(cfg.init_std)
     self.token = embedding(cfg.vocab_size, cfg.d_model, embedding_init=init)
     self.position = embedding(cfg.seq_len, cfg.d_model, embedding_init=init)
 
   def __call__(self, tokens_BxL):
     positions_L = jnp.arange(tokens_BxL.shape[1])
-    return self.token(tokens_BxL) + self.position(positions_L)[None]
+    x_BxLxD = self.token(tokens_BxL) + self.position(positions_L)[None]
+    return x_BxLxD.astype(self.cfg.compute_dtype)
 
 
 class Block(nnx.Module):

@@ -45,8 +45,8 @@ class Embedder(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     init = nnx.initializers.normal(cfg.init_std)
-    self.token = nnx.Embed(
-      cfg.vocab_size, cfg.d_model, embedding_init=init, **gpt.precision(cfg), rngs=rngs
+    self.token = nnx.Embed(  # looked up in float32, as model.Embedder's (its gradient's sums)
+      cfg.vocab_size, cfg.d_model, embedding_init=init, param_dtype=cfg.weight_dtype, rngs=rngs
     )
 
 
@@ -186,9 +186,8 @@ def shared_leaves(cfg: ModelConfig) -> tuple[str, ...]:
 def embed(cfg: ModelConfig, embed_params: Params, tokens_BxL, rng=None):
   """Token ids -> x_BxLxD = sqrt(D) V[tokens], with dropout."""
   token = nnx.merge(_graphdefs(cfg)[0], embed_params).token
-  return _dropout(
-    token(tokens_BxL) * jnp.asarray(cfg.d_model**0.5, cfg.compute_dtype), cfg.dropout, rng
-  )
+  x_BxLxD = (token(tokens_BxL) * cfg.d_model**0.5).astype(cfg.compute_dtype)
+  return _dropout(x_BxLxD, cfg.dropout, rng)
 
 
 def layers(
