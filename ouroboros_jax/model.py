@@ -14,8 +14,8 @@ and the model is called as three pure pieces, the ones a pipeline or an Ouroboro
     loss, stats = head_loss(cfg, params['head'], params['embed'], x_BxLxD, targets_BxL)
 
 `layers` scans over the leading axis, so a contiguous slice `params['layers'][a:b]` is exactly a
-pipeline stage of layers a..b-1. Attention uses `jax.nn.dot_product_attention` so that GPUs get a
-fused (cuDNN flash) kernel.
+pipeline stage of layers a..b-1. Attention is `attention.causal_attention`: a fused kernel where
+the backend has one (cuDNN, Pallas), blockwise flash attention in pure JAX elsewhere.
 
 Shape suffixes, used across the package (`x_BxLxD` is a [batch, length, width] array):
 
@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ouroboros_jax import attention as attention_kernels
 from ouroboros_jax.errors import ConfigError  # re-exported: ouroboros_jax.model.ConfigError
 
 Params = dict[str, Any]
@@ -44,7 +45,6 @@ Params = dict[str, Any]
 
 ARCHS = ('gpt', 'transformer-xl')
 DTYPES = ('float32', 'bfloat16')  # --dtype (compute) and --param-dtype (master weights)
-ATTENTIONS = ('auto', 'xla', 'blockwise', 'cudnn', 'pallas')  # --attention, see attention.py
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,12 +118,15 @@ class ModelConfig:
             f'--{name.replace("_", "-")} is a Transformer-XL setting but the model is '
             f'{self.arch!r}; add --model transformer-xl or drop --{name.replace("_", "-")}.'
           )
-    for name, choices in (('dtype', DTYPES), ('param_dtype', DTYPES), ('attention', ATTENTIONS)):
+    for name, choices in (('dtype', DTYPES), ('param_dtype', DTYPES)):
       if getattr(self, name) not in choices:
         raise ConfigError(
           f'unknown {name.replace("_", " ")} {getattr(self, name)!r}; choose '
           f'--{name.replace("_", "-")} from {", ".join(choices)}.'
         )
+    attention_kernels.check(
+      self.attention, self.compute_dtype, relative=self.arch == 'transformer-xl'
+    )
     if self.attention_block < 1:
       raise ConfigError(
         f'attention_block must be >= 1, got {self.attention_block}; fix --attention-block.'
@@ -134,6 +137,18 @@ class ModelConfig:
   @property
   def head_dim(self) -> int:
     return self.d_model // self.num_heads
+
+  def attention_kind(self, platform: str | None = None) -> str:
+    """The attention implementation this model runs on `platform` (default: JAX's backend;
+    'tpu' when compiling for a TPU topology from a CPU machine)."""
+    return attention_kernels.resolve(
+      self.attention,
+      platform or jax.default_backend(),
+      self.compute_dtype,
+      self.mem_len + self.seq_len,
+      self.attention_block,
+      relative=self.arch == 'transformer-xl',
+    )
 
   @property
   def compute_dtype(self):
@@ -200,7 +215,9 @@ class Block(nnx.Module):
     qkv_BxLxC = self.sublayer('qkv', x_BxLxD, taps)
     qkv_BxLx3xHxK = qkv_BxLxC.reshape(b, l, 3, self.cfg.num_heads, self.cfg.head_dim)
     q, k, v = (qkv_BxLx3xHxK[:, :, i] for i in range(3))
-    y_BxLxHxK = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    y_BxLxHxK = attention_kernels.causal_attention(
+      q, k, v, implementation=self.cfg.attention, block=self.cfg.attention_block
+    )
     return self.sublayer('attn_out', y_BxLxHxK.reshape(b, l, -1), taps)
 
   def mlp(self, x_BxLxD, taps=None):

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from ouroboros_jax import attention as attention_kernels
 from ouroboros_jax import model as gpt
 from ouroboros_jax.model import ModelConfig, Params, _dropout
 
@@ -70,7 +71,7 @@ class RelBlock(nnx.Module):
     self.mlp_in = linear(d, f, kernel_init=init)
     self.mlp_out = linear(f, d, kernel_init=init)
 
-  def attention(self, x_BxLxD, memory_BxMxD, valid_Bx1xLxJ, pos_JxD, rng):
+  def attention(self, x_BxLxD, memory_BxMxD, key_start_B, pos_JxD, rng):
     cfg = self.cfg
     b, l, d = x_BxLxD.shape
     h, k = cfg.num_heads, cfg.head_dim
@@ -81,29 +82,31 @@ class RelBlock(nnx.Module):
     q_BxLxHxK = qkv_BxJx3xHxK[:, -l:, 0]
     k_BxJxHxK, v_BxJxHxK = qkv_BxJx3xHxK[:, :, 1], qkv_BxJx3xHxK[:, :, 2]
     r_JxHxK = self.r_net(pos_JxD).reshape(-1, h, k)
-    u_HxK, v_HxK = (b[...].astype(q_BxLxHxK.dtype) for b in (self.r_w_bias, self.r_r_bias))
-    content_BxHxLxJ = jnp.einsum(
-      'blhk,bjhk->bhlj', q_BxLxHxK + u_HxK, k_BxJxHxK, preferred_element_type=jnp.float32
+    u_HxK, v_HxK = (p[...].astype(q_BxLxHxK.dtype) for p in (self.r_w_bias, self.r_r_bias))
+    y_BxLxHxK = attention_kernels.relative_attention(
+      q_BxLxHxK,
+      k_BxJxHxK,
+      v_BxJxHxK,
+      r_JxHxK,
+      u_HxK,
+      v_HxK,
+      key_start_B,
+      implementation=cfg.attention,
+      block=cfg.attention_block,
+      dropout_rate=cfg.attn_dropout,
+      rng=rng,
     )
-    position_BxHxLxJ = rel_shift(
-      jnp.einsum('blhk,jhk->bhlj', q_BxLxHxK + v_HxK, r_JxHxK, preferred_element_type=jnp.float32)
-    )
-    score_BxHxLxJ = (content_BxHxLxJ + position_BxHxLxJ) * k**-0.5
-    score_BxHxLxJ = jnp.where(valid_Bx1xLxJ, score_BxHxLxJ, jnp.finfo(jnp.float32).min)
-    prob_BxHxLxJ = jax.nn.softmax(score_BxHxLxJ, axis=-1).astype(x_BxLxD.dtype)
-    prob_BxHxLxJ = _dropout(prob_BxHxLxJ, cfg.attn_dropout, rng)
-    y_BxLxHxK = jnp.einsum('bhlj,bjhk->blhk', prob_BxHxLxJ, v_BxJxHxK)
     return self.attn_out(y_BxLxHxK.reshape(b, l, d))
 
   def mlp(self, x_BxLxD, rng):
     hidden = _dropout(jax.nn.relu(self.mlp_in(x_BxLxD)), self.cfg.dropout, rng)
     return self.mlp_out(hidden)
 
-  def __call__(self, x_BxLxD, memory_BxMxD, valid_Bx1xLxJ, pos_JxD, rng=None):
+  def __call__(self, x_BxLxD, memory_BxMxD, key_start_B, pos_JxD, rng=None):
     rate = self.cfg.dropout
     rngs = [None] * 4 if rng is None else list(jax.random.split(rng, 4))
     attention = lambda x: _dropout(
-      self.attention(x, memory_BxMxD, valid_Bx1xLxJ, pos_JxD, rngs[0]), rate, rngs[1]
+      self.attention(x, memory_BxMxD, key_start_B, pos_JxD, rngs[0]), rate, rngs[1]
     )
     mlp = lambda x: _dropout(
       self.mlp(self.ln_mlp(x) if self.cfg.pre_ln else x, rngs[2]), rate, rngs[3]
@@ -115,16 +118,6 @@ class RelBlock(nnx.Module):
     return self.ln_mlp(x_BxLxD + mlp(x_BxLxD))
 
 
-def rel_shift(x_BxHxLxJ):
-  """The relative shift: row i of x holds scores for distances J-1 .. 0 (column c is distance
-  J-1-c); the result's [i, j] is the score at distance i + M - j, M = J - L (meaningful where
-  j <= i + M, the rest is masked). Done as in the reference code: pad a zero column in front,
-  read the rows as J+1 long, drop the first, read back."""
-  b, h, l, j = x_BxHxLxJ.shape
-  padded = jnp.pad(x_BxHxLxJ, ((0, 0), (0, 0), (0, 0), (1, 0)))
-  return padded.reshape(b, h, j + 1, l)[:, :, 1:].reshape(b, h, l, j)
-
-
 def positional_encoding(cfg: ModelConfig, num_keys: int, dtype=jnp.float32):
   """[J, D] sinusoids of the distances J-1 .. 0 (clamped to cfg.clamp_len when it is > 0)."""
   distance_J = jnp.arange(num_keys - 1, -1, -1, dtype=jnp.float32)
@@ -133,14 +126,6 @@ def positional_encoding(cfg: ModelConfig, num_keys: int, dtype=jnp.float32):
   inv_freq = 1.0 / (10000 ** (jnp.arange(0, cfg.d_model, 2, dtype=jnp.float32) / cfg.d_model))
   angle_JxC = distance_J[:, None] * inv_freq[None]
   return jnp.concatenate([jnp.sin(angle_JxC), jnp.cos(angle_JxC)], -1).astype(dtype)
-
-
-def attention_mask(seq_len: int, mem_len: int, filled_B):
-  """[B, 1, L, J] bool: in row b, query i sees key j iff j <= i + M (causal over [memory,
-  segment]) and j is not an unfilled memory slot (the first M - filled_B[b])."""
-  i_1xL1, j_1x1J = jnp.arange(seq_len)[None, :, None], jnp.arange(mem_len + seq_len)[None, None]
-  filled_Bx1x1 = jnp.asarray(filled_B).reshape(-1, 1, 1)
-  return ((j_1x1J <= i_1xL1 + mem_len) & (j_1x1J >= mem_len - filled_Bx1x1))[:, None]
 
 
 def init_memory(
@@ -209,7 +194,7 @@ def layers(
   else:
     hidden_N = jnp.moveaxis(memory['hidden'], 1, 0).astype(x_BxLxD.dtype)  # [N, B, M, D]
     filled_B, mem_len = memory['filled'], memory['hidden'].shape[2]
-  valid_Bx1xLxJ = attention_mask(seq_len, mem_len, filled_B)
+  key_start_B = mem_len - filled_B  # unfilled memory slots come first and are masked
   pos_JxD = positional_encoding(cfg, mem_len + seq_len, x_BxLxD.dtype)
   rngs_N = None if rng is None else jax.random.split(rng, num)
 
@@ -220,7 +205,7 @@ def layers(
     read = jax.lax.stop_gradient(hidden_BxMxD)  # no gradient into a previous segment
 
     def run(x):
-      y = nnx.merge(block_def, params)(x, read, valid_Bx1xLxJ, pos, block_rng).astype(x.dtype)
+      y = nnx.merge(block_def, params)(x, read, key_start_B, pos, block_rng).astype(x.dtype)
       kept = jnp.concatenate([read, jax.lax.stop_gradient(x)], axis=1)[:, seq_len:]
       return y, kept
 

@@ -19,6 +19,10 @@ os.environ.setdefault(
   'XLA_FLAGS',
   f'--xla_force_host_platform_device_count={NUM_CPU_DEVICES} --xla_backend_optimization_level=0',
 )
+# The suite is written for simulated CPU devices: on an accelerator machine it still runs on the
+# CPU unless OUROBOROS_TEST_PLATFORMS names another platform (e.g. cuda, for the checks that
+# run on one device).
+os.environ['JAX_PLATFORMS'] = os.environ.get('OUROBOROS_TEST_PLATFORMS', 'cpu')
 from ouroboros_jax.runtime import host  # noqa: E402  (initialises no JAX backend)
 
 host.configure_cpu_runtime()

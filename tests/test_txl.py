@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ouroboros_jax import attention, txl
 from ouroboros_jax import model as gpt
-from ouroboros_jax import txl
 from ouroboros_jax.errors import ConfigError
 
 CFG = gpt.ModelConfig(
@@ -37,7 +37,7 @@ def test_rel_shift_puts_each_distance_in_place():
   b, h, l, m = 1, 2, 3, 4
   j = l + m
   raw = jax.random.normal(jax.random.key(1), (b, h, l, j))  # column c: distance j - 1 - c
-  shifted = txl.rel_shift(raw)
+  shifted = attention.rel_shift(raw)
   for i in range(l):
     for k in range(i + m + 1):  # the unmasked keys
       distance = i + m - k

@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ouroboros_jax import costs, partition, schedules, staged
+from ouroboros_jax import attention, costs, partition, schedules, staged
 from ouroboros_jax import model as transformer
 from ouroboros_jax.accelerators import pld, stdloss
 from ouroboros_jax.errors import NonFiniteLossError
@@ -63,6 +63,7 @@ from ouroboros_jax.training.metrics import MetricsLog, Report, batch_crc32
 def build(cfg: TrainConfig):
   """(schedule, staged initial params, layers_per_stage) for a config; nothing is trained."""
   layers_per_stage = cfg.plans.layers_per_stage
+  attention.check_platform(cfg.model.attention, jax.default_backend())
   # One compiled init instead of hundreds of eager ops (seconds on CPU).
   init = jax.jit(
     lambda key: partition.to_staged(transformer.init_params(cfg.model, key), layers_per_stage)
