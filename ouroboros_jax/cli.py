@@ -4,11 +4,19 @@
                     [--cpu-devices N]
     ouroboros sample --ckpt OUT [--prompt TEXT] [--length N] [--temperature T] [--seed S]
     ouroboros bench [--preset tiny] [--FIELD VALUE ...] [--bench-steps 20] [--warmup 3]
+    ouroboros compile [--preset tiny] [--FIELD VALUE ...] [--topology v5e:2x2] [--json]
+                      [--cpu-devices N]
     ouroboros launch --processes N [--pin-cpus] -- <train|bench args>
 
 `train` and `bench` join a multi-process run with --coordinator HOST:PORT --num-processes N
 --process-id I (or the OUROBOROS_* variables `launch` sets; --coordinator auto on a cluster JAX
 can detect), see `distributed.py`.
+
+`compile` builds the run `train` would (same flags) with abstract parameters, compiles its step
+for the devices of a TPU topology (compile-only: no TPU needed, `pip install "ouroboros-jax[tpu]"`)
+or of the local backend, and prints one device's memory (parameters, optimizer state, ring/stash,
+temporaries, peak) against the device's; it exits with status 1 when the step does not fit
+(`perf/compile.py`).
 
 `train` takes one flag per field of `TrainConfig` and `ModelConfig` (`--d-model 64`,
 `--num-layers 2`, `--schedule ouroboros`, `--stages 4`, `--layers-per-stage 1,2,1`, ...; booleans
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import re
 import signal
 import sys
@@ -217,7 +226,7 @@ def make_parser() -> argparse.ArgumentParser:
     description='Ouroboros delayed-gradient model parallelism for Transformer LMs.',
   )
   sub = parser.add_subparsers(
-    dest='command', metavar='{train,sample,bench,launch}', parser_class=_Parser
+    dest='command', metavar='{train,sample,bench,compile,launch}', parser_class=_Parser
   )
   sub.required = True
 
@@ -279,6 +288,25 @@ def make_parser() -> argparse.ArgumentParser:
   _process_flags(bench)
   _add_field_flags(bench)
 
+  compile_ = sub.add_parser(
+    'compile',
+    help="a run's per-device memory, from its step compiled for a device (none needed)",
+    allow_abbrev=False,
+    description='Build the run `train` would (same flags) with abstract parameters, compile its '
+    "step for --topology (or the local devices) and report one device's memory; exit status 1 "
+    'if it does not fit. See ouroboros_jax/perf/compile.py.',
+  )
+  compile_.add_argument(
+    '--topology',
+    default=None,
+    metavar='NAME',
+    help='a TPU topology libtpu knows, e.g. v5e:2x2, v5e:2x4, v4:2x2x1, v5p:2x2x1, v6e:2x2 '
+    '(compile-only devices; needs pip install "ouroboros-jax[tpu]"); default: the local devices',
+  )
+  compile_.add_argument('--json', action='store_true', help='print one JSON object')
+  _cpu_devices_flag(compile_)
+  _add_field_flags(compile_)
+
   launch = sub.add_parser(
     'launch', help='run N local processes as one multi-host job', allow_abbrev=False
   )
@@ -292,7 +320,13 @@ def make_parser() -> argparse.ArgumentParser:
     nargs=argparse.REMAINDER,
     help='-- then the command for each process, e.g. -- train --stages 2',
   )
-  parser.commands = {'train': train, 'sample': sample, 'bench': bench, 'launch': launch}
+  parser.commands = {
+    'train': train,
+    'sample': sample,
+    'bench': bench,
+    'compile': compile_,
+    'launch': launch,
+  }
   return parser
 
 
@@ -409,6 +443,28 @@ def _run_bench(args) -> None:
   )
 
 
+def _run_compile(args) -> int:
+  """Prints the report; 1 when the step does not fit the device, else 0."""
+  cfg = config_from_args(args)
+  cfg.validate()
+  if args.topology is not None and args.cpu_devices is not None:
+    raise errors.ConfigError(
+      "--cpu-devices simulates local CPU devices, --topology compiles for the topology's; "
+      'drop one of them.'
+    )
+  from ouroboros_jax.perf import compile as compile_lib
+
+  compile_lib.quiet_libtpu()  # before JAX first loads libtpu
+  if args.topology is not None:
+    import jax
+
+    # Executables of compile-only devices cannot be read back from JAX's persistent cache.
+    jax.config.update('jax_enable_compilation_cache', False)
+  report = compile_lib.compile_step(cfg, args.topology)
+  print(json.dumps(report) if args.json else compile_lib.format_report(report))
+  return 1 if report['fits'] is False else 0
+
+
 def _run_launch(args) -> None:
   from ouroboros_jax.runtime import launch
 
@@ -437,7 +493,7 @@ def out_of_memory_message(args: argparse.Namespace, exc: BaseException) -> str:
   what spreads a `train` step over more devices."""
   head = f'out of memory ({_one_line(exc)[:200]})'
   try:
-    cfg = config_from_args(args) if args.command in ('train', 'bench') else None
+    cfg = config_from_args(args) if args.command in ('train', 'bench', 'compile') else None
   except errors.UserError:
     cfg = None
   if cfg is None:
@@ -487,16 +543,20 @@ def main(argv=None) -> int:
   from ouroboros_jax.runtime import distributed
   from ouroboros_jax.training import rundir
 
-  handlers = {}
+  handlers, code = {}, 0
   if args.command != 'launch':  # the launcher passes these signals on to its children itself
     stopping = (signal.SIGTERM, signal.SIGHUP) + (
       (signal.SIGINT,) if args.command == 'train' else ()
     )
     handlers = {sig: signal.signal(sig, _terminate) for sig in stopping}
   try:
-    {'train': _run_train, 'sample': _run_sample, 'bench': _run_bench, 'launch': _run_launch}[
-      args.command
-    ](args)
+    code = {
+      'train': _run_train,
+      'sample': _run_sample,
+      'bench': _run_bench,
+      'compile': _run_compile,
+      'launch': _run_launch,
+    }[args.command](args)
   except KeyboardInterrupt as e:
     signum = e.signum if isinstance(e, rundir.Terminated) else signal.SIGINT
     _fail(_stopped_message(args, signum), 128 + signum)
@@ -513,7 +573,7 @@ def main(argv=None) -> int:
   finally:
     for sig, handler in handlers.items():
       signal.signal(sig, handler)
-  return 0
+  return code or 0
 
 
 def _terminate(signum, _frame):

@@ -1,0 +1,182 @@
+"""`ouroboros compile`: a run's step compiled for a TPU topology (compile-only devices, no TPU) or
+for the local devices, and its memory per device against the device's.
+
+The TPU compiles run in subprocesses with a user's environment: this process's CPU backend and
+XLA_FLAGS (conftest.py) are test settings, and libtpu loads where nothing else runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from ouroboros_jax import cli
+from ouroboros_jax.perf import compile as compile_lib
+from ouroboros_jax.schedules import SCHEDULES
+
+from helpers import REPO_ROOT, assert_one_line_error, run_cli
+
+needs_libtpu = pytest.mark.skipif(
+  importlib.util.find_spec('libtpu') is None, reason='needs libtpu: pip install -e ".[tpu]"'
+)
+TOPOLOGY = 'v5e:2x2'
+SMALL = dict(d_model=64, num_heads=2, d_ff=256, num_layers=4, seq_len=512, batch_size=8)
+# Every schedule at SMALL on 2 stages (the data-parallel one on 2 replicas) in one dtype, one
+# JSON report per line.
+EVERY_SCHEDULE = """
+import json, sys
+from ouroboros_jax.choices import MICROBATCHED
+from ouroboros_jax.perf import compile as compile_lib
+from ouroboros_jax.schedules import SCHEDULES
+from ouroboros_jax.training import config
+
+small, dtype = json.loads(sys.argv[1]), sys.argv[2]
+for name in SCHEDULES:
+  spread = {'backprop': {}, 'data_parallel': {'data_parallel': 2}}.get(name, {'stages': 2})
+  if name in MICROBATCHED:  # micro-batches of 4: activations larger than the chip's VMEM
+    spread['microbatches'] = 2
+  cfg = config.override(
+    config.get_preset('tiny'),
+    {**small, **spread, 'schedule': name, 'dtype': dtype},
+  )
+  print(json.dumps(compile_lib.compile_step(cfg, sys.argv[3])), flush=True)
+"""
+
+
+def _env(**changes) -> dict:
+  """The environment a user's shell would give (no test XLA_FLAGS), with `changes`."""
+  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
+  env.update(changes)
+  return {k: v for k, v in env.items() if v is not None}
+
+
+def _compile_every_schedule(dtypes) -> dict:
+  """{dtype: {schedule: report}}, one subprocess per dtype, side by side."""
+  runs = {
+    dtype: subprocess.Popen(
+      [sys.executable, '-c', EVERY_SCHEDULE, json.dumps(SMALL), dtype, TOPOLOGY],
+      cwd=REPO_ROOT,
+      env=_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    for dtype in dtypes
+  }
+  reports = {}
+  for dtype, run in runs.items():
+    out, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err[-3000:]
+    assert not err.strip(), err[-3000:]  # libtpu's start-up warnings are quieted
+    reports[dtype] = {r['schedule']: r for r in map(json.loads, out.splitlines())}
+  return reports
+
+
+@needs_libtpu
+def test_every_schedule_compiles_for_a_tpu_and_bfloat16_needs_less():
+  reports = _compile_every_schedule(('float32', 'bfloat16'))
+  for dtype, by_name in reports.items():
+    assert list(by_name) == list(SCHEDULES), dtype
+    for name, r in by_name.items():
+      assert (r['topology'], r['platform'], r['device_kind']) == (TOPOLOGY, 'tpu', 'TPU v5 lite')
+      assert r['devices'] == (1 if name == 'backprop' else 2)
+      assert r['compiler_oom'] is None and r['fits'] is True, (dtype, name, r)
+      # A v5e chip has 16 GiB; the compiler keeps a little of it to itself.
+      assert 15 * 2**30 < r['hbm_bytes'] <= 16 * 2**30
+      assert r['peak_bytes'] == (
+        r['argument_bytes'] + r['output_bytes'] + r['temp_bytes'] - r['alias_bytes']
+      )
+      assert r['argument_bytes'] >= r['params_bytes'] + r['opt_state_bytes'] + r['ring_bytes']
+      assert (r['ring_bytes'] > 0) == (name == 'ouroboros'), (name, r['ring_bytes'])
+  fp32, bf16 = reports['float32'], reports['bfloat16']
+  for name in SCHEDULES:  # master weights and optimizer state stay float32
+    assert bf16[name]['params_bytes'] == fp32[name]['params_bytes'], name
+  less = {name: (bf16[name]['peak_bytes'], fp32[name]['peak_bytes']) for name in SCHEDULES}
+  assert all(b < f for b, f in less.values()), less
+
+
+@needs_libtpu
+def test_a_step_that_does_not_fit_is_one_line_and_exit_status_1():
+  too_big = ('compile', '--seq-len', 2048, '--batch-size', 1024, '--topology', TOPOLOGY)
+  table = run_cli(*too_big, env=_env())
+  assert table.returncode == 1, table.stderr
+  assert 'Traceback' not in table.stderr and not table.stderr.strip(), table.stderr
+  verdicts = [line for line in table.stdout.splitlines() if 'fit' in line]
+  assert len(verdicts) == 1 and verdicts[0].startswith('does not fit by '), table.stdout
+
+  as_json = run_cli(*too_big, '--json', env=_env())
+  assert as_json.returncode == 1, as_json.stderr
+  report = json.loads(as_json.stdout)
+  assert report['fits'] is False and report['compiler_oom']
+  assert report['peak_bytes'] > report['hbm_bytes'] > 0
+  assert report['over_bytes'] == report['peak_bytes'] - report['hbm_bytes']
+  # The compiler's figure counts every buffer; here nearly all of it is activations.
+  assert 0.9 * report['peak_bytes'] < report['temp_bytes'] < report['peak_bytes']
+
+
+@needs_libtpu
+@pytest.mark.parametrize(
+  'flags, words',
+  [
+    (('--topology', 'bogus'), ('unknown TPU topology', "'bogus'", 'v5e:2x2')),
+    (('--topology', 'v9:2x2'), ('unknown TPU topology', 'v9:2x2')),
+    (
+      ('--topology', TOPOLOGY, '--schedule', 'gpipe', '--stages', 8, '--num-layers', 8),
+      ('need 8 devices', 'has 4'),
+    ),
+  ],
+)
+def test_bad_input_is_one_line_and_exit_status_2(flags, words):
+  assert_one_line_error(run_cli('compile', *flags, env=_env()), 2, *words)
+
+
+def test_topology_without_libtpu_names_the_tpu_extra():
+  hide_libtpu = (
+    "import sys; sys.modules['libtpu'] = None; from ouroboros_jax.cli import main; "
+    f"sys.exit(main(['compile', '--topology', '{TOPOLOGY}']))"
+  )
+  result = subprocess.run(
+    [sys.executable, '-c', hide_libtpu],
+    cwd=REPO_ROOT,
+    env=_env(TPU_LIBRARY_PATH=None),
+    capture_output=True,
+    text=True,
+    timeout=90,
+  )
+  assert_one_line_error(result, 2, '--topology needs libtpu', 'pip install "ouroboros-jax[tpu]"')
+
+
+def test_the_local_cpu_has_no_known_capacity_and_exits_0(capsys, monkeypatch):
+  # This process's JAX is up already (8 CPU devices); its environment stays as it is.
+  monkeypatch.setattr(compile_lib, 'quiet_libtpu', lambda: None)
+  flags = [f'--{k.replace("_", "-")}={v}' for k, v in SMALL.items()]
+  code = cli.main(['compile', *flags, '--schedule', 'gpipe', '--stages', '2', '--json'])
+  report = json.loads(capsys.readouterr().out)
+  assert code == 0
+  assert (report['platform'], report['hbm_bytes'], report['fits']) == ('cpu', None, None)
+  assert report['devices'] == 2 and report['peak_bytes'] > report['params_bytes'] > 0
+
+
+@pytest.mark.parametrize(
+  'message, expected',
+  [
+    (
+      'RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO '
+      'temporaries (134.50G) exceeds available HBM (15.75G).',
+      (round(134.5 * 2**30), round(15.75 * 2**30)),
+    ),
+    (
+      'RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space '
+      'hbm. Used 17.25G of 15.75G hbm. Exceeded hbm capacity by 1.50G.',
+      (round(17.25 * 2**30), round(15.75 * 2**30)),
+    ),
+    ('INVALID_ARGUMENT: something else', None),
+  ],
+)
+def test_the_compilers_out_of_memory_messages_are_read(message, expected):
+  assert compile_lib.parse_out_of_memory(message) == expected
