@@ -84,3 +84,20 @@ def test_two_process_bench_writes_every_row_with_its_ideal(tmp_path):
     assert float(row['predicted_s']) >= float(row['ideal_s'])
   assert rows['backprop']['stages'] == '1' and rows['model_parallel']['stages'] == '2'
   assert (tmp_path / 'bench.png').stat().st_size > 0
+
+
+def test_mfu_is_model_flops_over_the_devices_bf16_peak():
+  import math
+  import types
+
+  from ouroboros_jax import costs
+  from ouroboros_jax import model as transformer
+  from ouroboros_jax.perf import bench
+
+  cfg = transformer.ModelConfig(d_model=768, num_heads=12, num_layers=12, d_ff=3072, seq_len=1024)
+  h100 = types.SimpleNamespace(device_kind='NVIDIA H100 80GB HBM3')
+  got = bench.mfu(cfg, 32 * 1024, 0.025, 4, h100)
+  assert got == costs.step_flops(cfg, 32 * 1024) / 0.025 / (4 * 989e12)
+  assert 0.1 < got < 0.3  # GPT-2 small at 1.3M tokens/s on 4 H100s: 19%
+  assert bench.peak_flops(types.SimpleNamespace(device_kind='TPU v5 lite')) == 197e12
+  assert math.isnan(bench.mfu(cfg, 1024, 1.0, 1, types.SimpleNamespace(device_kind='cpu')))

@@ -19,6 +19,7 @@ LAYERS = {
   'choices': 0,
   'model': 1,
   'txl': 1,
+  'attention': 1,
   'staged': 1,
   'partition': 1,
   'costs': 1,

@@ -42,8 +42,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ouroboros_jax import costs, partition, staged
 from ouroboros_jax import model as transformer
-from ouroboros_jax import partition, staged
 from ouroboros_jax.choices import FORWARD_MODES, MICROBATCHED, STASH_MODES
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.perf import simulate
@@ -382,6 +382,9 @@ def run(
       continue
     own = policy_pieces if setting.schedule == 'ouroboros' and setting.stash == 'graph' else pieces
     row = _row(setting, measured, own, link_s, allreduce_s)
+    row['mfu'] = mfu(
+      cfg, batch_size * cfg.seq_len, row['step_time_s'], setting.devices, jax.devices()[0]
+    )
     rows.append(row)
     log(
       f'{setting.label:28s} {row["step_time_s"] * 1e3:9.1f} ms/step  '
@@ -424,6 +427,33 @@ def _measure_pieces(
   return pieces, pieces if stash_policy == 'all' else measure(stash_policy=stash_policy)
 
 
+# Dense bf16 peak FLOP/s of one device, by a name its `device_kind` contains (vendors' data
+# sheets; sparsity not counted). MFU divides the model's FLOPs per second by the devices' sum.
+PEAK_BF16_FLOPS = {
+  'H200': 989e12,
+  'H100': 989e12,
+  'A100': 312e12,
+  'L4': 121e12,
+  'TPU v6 lite': 918e12,
+  'TPU v5p': 459e12,
+  'TPU v5 lite': 197e12,
+  'TPU v4': 275e12,
+}
+
+
+def peak_flops(device) -> float | None:
+  """The device's dense bf16 peak FLOP/s, None for one not in PEAK_BF16_FLOPS (a CPU)."""
+  kind = getattr(device, 'device_kind', '')
+  return next((peak for name, peak in PEAK_BF16_FLOPS.items() if name in kind), None)
+
+
+def mfu(cfg: transformer.ModelConfig, tokens: int, step_s: float, devices: int, device) -> float:
+  """Model FLOPs utilisation: the model's FLOPs per step (`costs.step_flops`) over step_s,
+  as a fraction of `devices` devices' bf16 peak (nan where the peak is unknown)."""
+  peak = peak_flops(device)
+  return float('nan') if peak is None else costs.step_flops(cfg, tokens) / step_s / (devices * peak)
+
+
 def _row(setting: Setting, measured: dict, own: dict, link_s: float, allreduce_s: float) -> dict:
   """One setting's row: what was timed, its pieces, and the simulator's ideal and prediction."""
   per_stage = lambda values: ';'.join(f'{v:.6g}' for v in values)
@@ -451,8 +481,8 @@ def table(rows: list[dict]) -> str:
   mp = next((r['step_time_s'] for r in rows if r['schedule'] == 'model_parallel'), None)
   lines = [
     '| setting | devices | step ms | tokens/s | vs backprop | vs model_parallel | '
-    'ideal ms | measured / ideal | simulator error |',
-    '|---|---|---|---|---|---|---|---|---|',
+    'ideal ms | measured / ideal | simulator error | MFU |',
+    '|---|---|---|---|---|---|---|---|---|---|',
   ]
   for r in rows:
     ratio = lambda ref: f'{ref / r["step_time_s"]:.2f}x' if ref else '-'
@@ -461,9 +491,13 @@ def table(rows: list[dict]) -> str:
       f'| {r["label"]} | {r["stages"]} | {r["step_time_s"] * 1e3:.1f} | '
       f'{r["tokens_per_s"]:.0f} | {ratio(base)} | {ratio(mp)} | '
       f'{r["ideal_s"] * 1e3:.1f} | {r["step_time_s"] / r["ideal_s"]:.2f} | '
-      f'{error:+.1%} |'
+      f'{error:+.1%} | {_percent(r.get("mfu"))} |'
     )
   return '\n'.join(lines)
+
+
+def _percent(value) -> str:
+  return '-' if value is None or value != value else f'{value:.1%}'  # nan: unknown peak
 
 
 def write_outputs(rows: list[dict], out_dir: str, meta: dict, log=print) -> None:
