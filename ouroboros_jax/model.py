@@ -227,7 +227,13 @@ class Block(nnx.Module):
     """The sub-layer `name` on x. With `taps` (a `Taps`, for the zero-bubble weight split) its
     zero tap is added to the output, so the tap's gradient is the gradient at this output, and the
     input is recorded: the weight gradient is made of the two (`tapped_weight_grads`)."""
-    y_BxLxC = getattr(self, name)(x_BxLxC)
+    module = getattr(self, name)
+    if name in NORMS and x_BxLxC.dtype != jnp.float32:
+      # LayerNorm computes in float32, and its VJP would keep that float32 copy of x: recomputed
+      # from the bf16 input instead (one cheap pass), which halves what the norm keeps.
+      y_BxLxC = jax.checkpoint(lambda x: module(x))(x_BxLxC)
+    else:
+      y_BxLxC = module(x_BxLxC)
     if taps is None:
       return y_BxLxC
     taps.inputs[name] = x_BxLxC
