@@ -105,6 +105,8 @@ def markdown(rows: list[dict]) -> str:
     ]
     by = {(r['label'], r['dtype']): r for r in schedules if r['batch_size'] == batch_size}
     for label, _ in SCHEDULES:
+      if (label, 'bfloat16') not in by or (label, 'float32') not in by:
+        continue  # a table still being computed
       f32, b16 = by[label, 'float32'], by[label, 'bfloat16']
       lines.append(
         f'| {label} | {gib(f32["peak_bytes"])} | {gib(b16["peak_bytes"])} | '
@@ -122,6 +124,8 @@ def markdown(rows: list[dict]) -> str:
     ]
     by = {(r['label'], r['dtype']): r for r in precision}
     for label, _ in SCHEDULES:
+      if (label, 'bfloat16') not in by or (label, 'float32') not in by:
+        continue
       f32, b16 = by[label, 'float32'], by[label, 'bfloat16']
       lines.append(
         f'| {label} | {gib(f32["peak_bytes"])} | {gib(b16["peak_bytes"])} | '
@@ -137,6 +141,8 @@ def markdown(rows: list[dict]) -> str:
     ]
     by = {(r['label'], r['attention'], r['seq_len']): r for r in attention}
     for label, kind in dict.fromkeys((r['label'], r['attention']) for r in attention):
+      if (label, kind, 2048) not in by:
+        continue
       a, b = by[label, kind, 1024], by[label, kind, 2048]
       lines.append(
         f'| {label} | {kind} | {gib(a["temp_bytes"])} | {gib(b["temp_bytes"])} | '
@@ -145,13 +151,31 @@ def markdown(rows: list[dict]) -> str:
   return '\n'.join(lines)
 
 
+def _typed(row: dict) -> dict:
+  """A CSV row back as compile_step wrote it: numbers as numbers, fits as a bool."""
+  out = {}
+  for key, value in row.items():
+    if key == 'fits':
+      out[key] = {'True': True, 'False': False}.get(value)
+    elif key.endswith(('_bytes', 'batch_size', 'seq_len')) and value not in ('', None):
+      out[key] = int(float(value))
+    else:
+      out[key] = value
+  return out
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--topology', default='v5e:2x2')
   parser.add_argument('--tables', default='precision,attention,schedules')
   parser.add_argument('--batch-sizes', default='32,8')
   parser.add_argument('--out', default='docs/memory_tpu.csv')
+  parser.add_argument('--render', metavar='CSV', help='print the tables of a written CSV and stop')
   args = parser.parse_args(argv)
+  if args.render:
+    with open(args.render) as f:
+      print(markdown([_typed(r) for r in csv.DictReader(f)]))
+    return
   from ouroboros_jax.runtime import host
 
   host.configure_cpu_runtime()

@@ -142,7 +142,7 @@ def relative_attention(
       rng=rng,
     )
   if dropping:
-    raise ValueError(
+    raise ConfigError(
       'blockwise attention has no attention dropout; use --attention xla (or auto) or '
       '--attn-dropout 0.'
     )

@@ -127,6 +127,11 @@ class ModelConfig:
     attention_kernels.check(
       self.attention, self.compute_dtype, relative=self.arch == 'transformer-xl'
     )
+    if self.attention == 'blockwise' and self.attn_dropout:
+      raise ConfigError(
+        '--attention blockwise has no attention dropout; use --attention auto (it runs xla when '
+        'dropping) or --attn-dropout 0.'
+      )
     if self.attention_block < 1:
       raise ConfigError(
         f'attention_block must be >= 1, got {self.attention_block}; fix --attention-block.'

@@ -272,3 +272,5 @@ def test_impossible_kernel_choices_are_one_line_config_errors():
     gpt.ModelConfig(attention='cudnn').validate()
   assert gpt.ModelConfig(seq_len=1024, attention_block=256).attention_kind('cpu') == 'blockwise'
   assert gpt.ModelConfig(dtype='bfloat16').attention_kind('gpu') == 'cudnn'
+  with pytest.raises(ConfigError, match='no attention dropout'):
+    gpt.ModelConfig(arch='transformer-xl', attention='blockwise', attn_dropout=0.1).validate()
