@@ -98,7 +98,8 @@ def markdown(rows: list[dict]) -> str:
   schedules = [r for r in rows if r['table'] == 'schedules']
   for batch_size in sorted({r['batch_size'] for r in schedules}, reverse=True):
     lines += [
-      f'\nGPT-2-small shape, batch {batch_size}, peak GiB per chip (params + optimizer | ring):',
+      f'\nGPT-2-small shape, batch {batch_size}: GiB per chip (state: parameters and optimizer '
+      "state, float32 in both; ring: the bf16 run's):",
       '',
       '| schedule | fp32 peak | bf16 peak | bf16 / fp32 | fp32 state | bf16 ring | bf16 fits |',
       '|---|---|---|---|---|---|---|',
