@@ -5,7 +5,7 @@ from __future__ import annotations
 
 # The exact pipelines run from their tables (schedules/tables.py, schedules/pipeline.py).
 EXACT_PIPELINES = ('1f1b', 'interleaved', 'zb_h1', 'zb_v')
-MICROBATCHED = ('gpipe', *EXACT_PIPELINES)  # the schedules that cut a batch into micro-batches
+MICROBATCHED = ('gpipe', *EXACT_PIPELINES, 'ouroboros')  # they cut a batch into micro-batches
 SCHEDULES = ('backprop', 'data_parallel', 'model_parallel', 'gpipe', *EXACT_PIPELINES, 'ouroboros')
 FORWARD_MODES = ('locked', 'pipelined')  # Ouroboros: the paper's forward, or one hop per step
 STASH_MODES = ('graph', 'replay')  # Ouroboros: keep the VJP, or the input to replay it

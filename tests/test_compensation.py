@@ -244,9 +244,10 @@ def test_compensation_spec_refuses_repeats_and_none_or_auto_with_others():
 
 
 def test_checkpoints_carry_the_compensation_state_and_resume_bitwise(tmp_path, prepared_data_dir):
-  """Muon with every compensation on a ring of 2: a run cut after its step-6 checkpoint and
-  resumed ends bit for bit where the uninterrupted run ends (last updates, weight history,
-  PipeMare's count and the optimizer state are all in the checkpoint)."""
+  """Muon with every compensation on a ring of 2 with 2 micro-batches: a run cut after its
+  step-6 checkpoint and resumed ends bit for bit where the uninterrupted run ends (last updates,
+  weight history, PipeMare's count, the optimizer state and the micro-batched ring buffers are
+  all in the checkpoint)."""
   from ouroboros_jax.training import checkpoint, config, loop
 
   from helpers import assert_trees_equal, straight_and_resumed, tiny_config
@@ -254,6 +255,7 @@ def test_checkpoints_carry_the_compensation_state_and_resume_bitwise(tmp_path, p
   recipe = dict(
     schedule='ouroboros',
     stages=2,
+    microbatches=2,
     optimizer='muon',
     compensation='predict,pipemare,dc,shrink',
     steps=12,

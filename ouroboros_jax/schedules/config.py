@@ -17,6 +17,7 @@ from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.schedules.compensation import Compensation, check_fits
 
 DEFAULT_MICROBATCHES = 4  # gpipe and the exact pipelines without --microbatches
+OUROBOROS_MICROBATCHES = 1  # ouroboros without --microbatches
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +120,9 @@ class ScheduleConfig:
     the schedules that cut the batch (MICROBATCHED), 1 on the others."""
     if self.name not in MICROBATCHED:
       return 1
-    return DEFAULT_MICROBATCHES if self.microbatches is None else self.microbatches
+    if self.microbatches is not None:
+      return self.microbatches
+    return OUROBOROS_MICROBATCHES if self.name == 'ouroboros' else DEFAULT_MICROBATCHES
 
   @property
   def stage_groups(self) -> int:

@@ -120,6 +120,13 @@ class _Ring:
     return self.config.forward == 'pipelined' and self.num_stages > 1
 
   @property
+  def num_microbatches(self) -> int:
+    return self.config.num_microbatches
+
+  def micro_key(self, key, m):
+    return ring_lib.microbatch_key(key, m, self.num_microbatches)
+
+  @property
   def depth(self) -> int:
     """Stash slots per device: G + 1 locked, 2G + 1 pipelined."""
     return max(self.backward_lags) + 1
@@ -146,7 +153,8 @@ def build(
     config=config,
     model=model,
     tx=compensation.wrap(comp, tx, max([embed_gap, *stage_gaps])),
-    stash=ring_lib.Stash(model, config.stash, config.stash_policy),
+    # Graph: the weights are kept once per batch ('weights'), not once per micro-batch.
+    stash=ring_lib.Stash(model, config.stash, config.stash_policy, keep_weights=False),
     mesh=staged.make_mesh(num_stages, config.data_parallel, devices),
     head_lag=head_lag,
     backward_lags=tuple(backward_lags),
@@ -169,61 +177,120 @@ def build(
 
 def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t, t_async):
   model, stash, num_stages, depth = ring.model, ring.stash, ring.num_stages, ring.depth
+  num_micro, pipelined = ring.num_microbatches, ring.pipelined
   s = jax.lax.axis_index(STAGE)
   params_s = ring_lib.local_stage_params(params)
   forward_s = ring_lib.local_stage_params(forward_params)  # = params_s unless predicted
-  stash_S, batches_S = jax.tree.map(lambda a: a[0, 0], (buffers['stash'], buffers['batches']))
-  memory = ring_lib.local_memory(buffers)  # this group's memory (Transformer-XL), or None
+  local = lambda name: jax.tree.map(lambda a: a[0, 0], buffers.get(name))
+  stash_S, weights_S, batches_S = local('stash'), local('weights'), local('batches')
+  memory_M = ring_lib.microbatches(ring_lib.local_memory(buffers), num_micro)  # or None
+  cut = lambda tree: ring_lib.microbatches(tree, num_micro)
   lag = jnp.asarray(ring.backward_lags)[s]
   valid = t_async >= lag  # no gradient before the pipe has filled
   batch_index = t - lag  # the batch group s back-propagates now
+  forward_batch = t - s if pipelined else t  # the batch group s forwards now
 
   # 0. Read what the delayed backward and the head need *before* this step writes its own
   #    slots. With G > 1 every lag is >= 1, so the slots differ, and reading first lets XLA
   #    (on CPU with host.CPU_XLA_FLAGS) update the buffers in place instead of copying them.
+  read = lambda: ring_lib.read_slot((stash_S, weights_S, batches_S['inputs']), batch_index, depth)
   if num_stages > 1:
-    stash_b, inputs_b = ring_lib.read_slot((stash_S, batches_S['inputs']), batch_index, depth)
+    stash_b, weights_b, inputs_b = read()
   targets_h = (
     batch['targets']
     if ring.head_lag == 0
     else ring_lib.read_slot(batches_S['targets'], t - ring.head_lag, depth)
   )
   batches_S = ring_lib.write_slot(batches_S, batch, t, depth)
+  if weights_S is not None:  # graph: the backward differentiates at the forward's weights
+    weights_S = ring_lib.write_slot(weights_S, forward_s, forward_batch, depth)
+  inputs_M, targets_M = cut(batch['inputs']), cut(targets_h)
+  received_M = cut(buffers['act'][0, 0]) if pipelined else None
 
-  # 1. Forward. Locked: batch t through every group, in G rounds where only device r computes.
-  #    Pipelined: every group at once, each on what its predecessor sent during step t - 1.
-  x = ring_lib.embed(model, forward_params['embed'], batch['inputs'], ring.key(t))
-  if ring.pipelined:  # x_head: group G-1's output of batch t - G
-    forward_batch = t - s
-    x_head, kept, new_memory, act_next = ring_lib.pipelined_forward(
-      stash, forward_s, x, buffers['act'][0, 0], ring.key(forward_batch), num_stages, memory
-    )
-    # While the pipe fills, group s forwards nothing real (t_async < s): its memory stays.
-    new_memory = jax.tree.map(
-      lambda new, old: jnp.where(t_async >= s, new, old), new_memory, memory
-    )
-  else:
-    forward_batch = t
-    x_head, kept, new_memory = ring_lib.locked_forward(
-      stash, forward_s, x, ring.key(t), num_stages, memory
-    )
-  stash_S = ring_lib.write_slot(stash_S, kept, forward_batch, depth)
-  if num_stages == 1:  # lag 0: the backward needs what was just kept
-    stash_b, inputs_b = kept, batch['inputs']
+  # 1. Forward and 2. head, one micro-batch at a time. Locked: a wave in which group s forwards
+  #    micro-batch r - s in round r (only device 0 in round 0, as in the paper when M = 1), so
+  #    the forward takes M + G - 1 rounds of 1/M of the work. Pipelined: every group forwards
+  #    micro-batch r in round r, on what its predecessor sent during step t - 1. The head runs
+  #    on device 0 on each micro-batch of its batch as it arrives: fresh loss, head gradient and
+  #    delta_{G-1}, each 1/M of the batch's.
+  x_like = jax.eval_shape(lambda: ring_lib.embed(model, forward_params['embed'], inputs_M[0], None))
+  key_f = ring.key(forward_batch)
+  run_forward = lambda x, m, mem: stash.forward(forward_s, x, s, ring.micro_key(key_f, m), mem)
+  first_memory = jax.tree.map(lambda a: a[0], memory_M)
+  no_kept = _zeros(jax.eval_shape(run_forward, x_like, 0, first_memory)[1])
+  head_zeros = _zeros(jax.eval_shape(lambda: ring_lib.head(model, params, x_like, targets_M[0])))
 
-  # 2. Head (module K, on device 0): fresh loss, head gradient and delta_{G-1} of its batch.
-  loss, g_head, g_embed_fresh, delta_fresh = ring_lib.mask(
-    t_async >= ring.head_lag, ring_lib.head(model, params, x_head, targets_h)
+  def forward_round(r, carry):
+    received, stash_S, memory_M, head_sum, delta_fresh_M, sent_M = carry
+    m = r if pipelined else r - s
+    active = (m >= 0) & (m < num_micro)
+    m = jnp.clip(m, 0, num_micro - 1)
+    x0 = ring_lib.embed(model, forward_params['embed'], inputs_M[m], ring.micro_key(ring.key(t), m))
+    x = jnp.where(s == 0, x0, received_M[m] if pipelined else received)
+    memory = jax.tree.map(lambda a: a[m], memory_M)
+    y, kept, memory = jax.lax.cond(
+      active, run_forward, lambda x, m, mem: (x, no_kept, mem), x, m, memory
+    )
+    stash_S = jax.lax.cond(
+      active, lambda: _write_micro(stash_S, kept, forward_batch % depth, m), lambda: stash_S
+    )
+    memory_M = jax.tree.map(lambda a, new: a.at[m].set(new), memory_M, memory)
+    sent = ring_lib.send_forward(y, num_stages)
+    if pipelined:  # to be received during step t + 1; the head reads last step's
+      sent_M = sent_M.at[m].set(sent)
+      m_h, x_h = r, received_M[r]
+    else:  # group G-1's output of micro-batch r - (G - 1) has just reached device 0
+      m_h, x_h = r - (num_stages - 1), sent
+    head_on = (m_h >= 0) & (t_async >= ring.head_lag)
+    m_h = jnp.clip(m_h, 0, num_micro - 1)
+    loss, g_head, g_embed, delta = ring_lib.head(
+      model, params, x_h, targets_M[m_h], 1.0 / num_micro, when=head_on
+    )
+    head_sum = jax.tree.map(jnp.add, head_sum, (loss, g_head, g_embed))
+    delta_fresh_M = jax.lax.cond(
+      head_on, lambda: delta_fresh_M.at[m_h].set(delta), lambda: delta_fresh_M
+    )
+    return sent, stash_S, memory_M, head_sum, delta_fresh_M, sent_M
+
+  rounds = num_micro if pipelined else num_micro + num_stages - 1
+  zeros_M = jnp.zeros((num_micro, *x_like.shape), x_like.dtype)
+  carry = (
+    jnp.zeros(x_like.shape, x_like.dtype),
+    stash_S,
+    memory_M,
+    head_zeros[:3],
+    zeros_M,
+    zeros_M,
   )
+  _, stash_S, new_memory_M, head_sum, delta_fresh_M, sent_M = jax.lax.fori_loop(
+    0, rounds, forward_round, carry
+  )
+  loss, g_head, g_embed_fresh = head_sum
+  if num_stages == 1:  # lag 0: the backward needs what was just kept
+    stash_b, weights_b, inputs_b = read()
 
-  # 3. Backward, all devices at once: group s finishes batch t - (G - s) (pipelined: 2G - s).
-  delta = delta_fresh if num_stages == 1 else buffers['delta'][0, 0]
-  key_b = ring.key(batch_index)
-  g_stage, dx = ring_lib.mask(valid, stash.backward(params_s, stash_b, delta, s, key_b))
-  # Module 1 ends at the embedding: device 0 turns dx into V's stale input-side gradient.
-  g_embed_stale = ring_lib.embed_backward(model, params['embed'], inputs_b, key_b, dx)
-  # The one hop of the backward: s hands dx to s - 1; device 0 hands the head's delta to G - 1.
-  delta_next = ring_lib.send_backward(jnp.where(s == 0, delta_fresh, dx), num_stages)
+  # 3. Backward, all devices at once, one micro-batch at a time: group s finishes batch
+  #    t - (G - s) (pipelined: 2G - s) with the error gradient it received during step t - 1.
+  #    Module 1 ends at the embedding: device 0 turns dx into V's stale input-side gradient.
+  #    The one hop of the backward: s hands dx to s - 1; device 0 hands the head's delta to G - 1.
+  delta_M = delta_fresh_M if num_stages == 1 else cut(buffers['delta'][0, 0])
+  inputs_b_M, key_b = cut(inputs_b), ring.key(batch_index)
+  at_weights = params_s if weights_b is None else weights_b  # replay: the current weights
+
+  def backward_micro(m, carry):
+    g_stage, g_embed, delta_next_M = carry
+    key_m = ring.micro_key(key_b, m)
+    kept = jax.tree.map(lambda a: a[m], stash_b)
+    g_m, dx = ring_lib.mask(valid, stash.backward(at_weights, kept, delta_M[m], s, key_m))
+    g_embed_m = ring_lib.embed_backward(model, params['embed'], inputs_b_M[m], key_m, dx)
+    sent = ring_lib.send_backward(jnp.where(s == 0, delta_fresh_M[m], dx), num_stages)
+    add = lambda a, b: jax.tree.map(jnp.add, a, b)
+    return add(g_stage, g_m), add(g_embed, g_embed_m), delta_next_M.at[m].set(sent)
+
+  no_grad = _zeros(jax.eval_shape(lambda: stash.backward(at_weights, no_kept, x_like, s, key_b)))
+  g_stage, g_embed_stale, delta_next_M = jax.lax.fori_loop(
+    0, num_micro, backward_micro, (no_grad[0], _zeros(params['embed']), zeros_M)
+  )
 
   # 4. Gradients, each on the device that owns it (embed and head live on device 0).
   g_embed = jax.tree.map(jnp.add, g_embed_fresh, g_embed_stale)
@@ -231,43 +298,75 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t, t_async):
     both = t_async >= ring.backward_lags[0]
     g_embed = jax.tree.map(lambda g: jnp.where(both, 0.5 * g, g), g_embed)
   grads, loss = ring_lib.gather_grads(g_embed, g_head, g_stage, loss)
-  new_buffers = {'stash': stash_S, 'batches': batches_S, 'delta': delta_next}
-  if ring.pipelined:
-    new_buffers['act'] = act_next
-  if new_memory is not None:
+  new_buffers = {
+    'stash': stash_S,
+    'batches': batches_S,
+    'delta': ring_lib.whole_batch(delta_next_M),
+  }
+  if weights_S is not None:
+    new_buffers['weights'] = weights_S
+  if pipelined:
+    new_buffers['act'] = ring_lib.whole_batch(sent_M)
+  if new_memory_M is not None:
+    new_memory = ring_lib.whole_batch(new_memory_M)
+    if pipelined:  # while the pipe fills, group s forwards nothing real (t_async < s)
+      old = ring_lib.local_memory(buffers)
+      new_memory = jax.tree.map(lambda a, b: jnp.where(t_async >= s, a, b), new_memory, old)
     new_buffers['memory'] = new_memory
   return grads, jax.tree.map(lambda a: a[None, None], new_buffers), loss
+
+
+def _zeros(shapes):
+  return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+
+def _write_micro(stash_S, kept, slot, m):
+  """The stash with micro-batch m of slot `slot` overwritten (leaves [depth, M, ...])."""
+  return jax.tree.map(lambda buf, v: buf.at[slot, m].set(v), stash_S, kept)
 
 
 # -- the state and the step --------------------------------------------------------------------
 
 
 def _init(ring: _Ring, params, example_batch):
-  """The fresh TrainState, with zeroed ring buffers [G, R, slots, ...] for the stash, the
-  batches in flight and the error gradient (and, pipelined, the activation) in flight; and a
-  model's empty memory [G, R, ...] if it has one."""
-  replicas, num_stages = ring.config.data_parallel, ring.num_stages
-  staged.check_batch(example_batch, replicas, 'the data-parallel degree')
+  """The fresh TrainState, with zeroed ring buffers [G, R, ...]: the stash [slots, M, ...] and,
+  graph, the forward's weights [slots, ...]; the batches in flight [slots, ...]; the error
+  gradient (and, pipelined, the activation) in flight; and a model's empty memory, if any."""
+  replicas, num_stages, num_micro = (
+    ring.config.data_parallel,
+    ring.num_stages,
+    ring.num_microbatches,
+  )
+  staged.check_batch(example_batch, replicas * num_micro, 'data replicas x micro-batches')
   local = jax.tree.map(
     lambda a: jax.ShapeDtypeStruct((a.shape[0] // replicas, *a.shape[1:]), a.dtype), example_batch
   )
+  micro = jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct((a.shape[0] // num_micro, *a.shape[1:]), a.dtype), local
+  )
   params_s = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params['stages'])
   x = jax.eval_shape(ring.model.embed, params['embed'], local['inputs'], None)
+  x_micro = jax.eval_shape(ring.model.embed, params['embed'], micro['inputs'], None)
   memory = staged.empty_memory(ring.model, params, example_batch, replicas)
-  memory_s = jax.tree.map(lambda a: a[0, 0], memory.get('memory'))
+  memory_micro = jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct((a.shape[2] // num_micro, *a.shape[3:]), a.dtype),
+    memory.get('memory'),
+  )
   # Stage index and key traced, as in the step: what a graph stash keeps can depend on it.
   _, kept, _ = jax.eval_shape(
-    ring.stash.forward, params_s, x, jnp.int32(0), jax.random.key(0), memory_s
+    ring.stash.forward, params_s, x_micro, jnp.int32(0), jax.random.key(0), memory_micro
   )
   buffer = lambda a, *lead: jnp.zeros((num_stages, replicas, *lead, *a.shape), a.dtype)
 
   def fresh_buffers():
     buffers = {
       **staged.empty_memory(ring.model, params, example_batch, replicas),
-      'stash': jax.tree.map(lambda a: buffer(a, ring.depth), kept),
+      'stash': jax.tree.map(lambda a: buffer(a, ring.depth, num_micro), kept),
       'batches': jax.tree.map(lambda a: buffer(a, ring.depth), local),
       'delta': buffer(x),
     }
+    if ring.stash.graph_mode:  # the weights each batch in flight was forwarded with
+      buffers['weights'] = jax.tree.map(lambda a: buffer(a, ring.depth), params_s)
     if ring.pipelined:  # the activation in flight to each device
       buffers['act'] = buffer(x)
     return buffers
@@ -291,12 +390,31 @@ def _grads(ring: _Ring, state: TrainState, forward_params, batch, t, t_async):
   def ouroboros_grads():
     return delayed(state.params, forward_params, state.ring, batch, t, t_async)
 
-  def locked(params, batch, t, buffers):
-    memory = ring_lib.local_memory(buffers)
-    grads, loss, memory = ring_lib.locked_grads(
-      ring.model, params, batch, ring.key(t), ring.num_stages, memory
+  def locked(params, batch, t, buffers):  # micro-batch by micro-batch, summed
+    num_micro = ring.num_microbatches
+    batch_M = ring_lib.microbatches(batch, num_micro)
+    memory_M = ring_lib.microbatches(ring_lib.local_memory(buffers), num_micro)
+
+    def micro(m, carry):
+      grads, loss, memory_M = carry
+      memory = jax.tree.map(lambda a: a[m], memory_M)
+      grads_m, loss_m, memory = ring_lib.locked_grads(
+        ring.model,
+        params,
+        jax.tree.map(lambda a: a[m], batch_M),
+        ring.micro_key(ring.key(t), m),
+        ring.num_stages,
+        memory,
+      )
+      memory_M = jax.tree.map(lambda a, new: a.at[m].set(new), memory_M, memory)
+      add = lambda total, g: total + g / num_micro
+      return jax.tree.map(add, grads, grads_m), add(loss, loss_m), memory_M
+
+    no_grads = _zeros({k: params[k] for k in ('embed', 'stages', 'head')})
+    grads, loss, memory_M = jax.lax.fori_loop(
+      0, num_micro, micro, (no_grads, jnp.zeros(()), memory_M)
     )
-    return grads, ring_lib.with_memory(buffers, memory), loss
+    return grads, ring_lib.with_memory(buffers, ring_lib.whole_batch(memory_M)), loss
 
   def warmup_grads():  # the pipes stay empty; a memory follows the batches
     synchronous = jax.shard_map(
@@ -314,7 +432,9 @@ def _grads(ring: _Ring, state: TrainState, forward_params, batch, t, t_async):
 
 
 def _step(ring: _Ring, state: TrainState, batch: dict):
-  staged.check_batch(batch, ring.config.data_parallel, 'the data-parallel degree')
+  staged.check_batch(
+    batch, ring.config.data_parallel * ring.num_microbatches, 'data replicas x micro-batches'
+  )
   model, t = ring.model, state.step
   t_async = t - ring.config.sync_warmup_steps
   warm = t_async < 0

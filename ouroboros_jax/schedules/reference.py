@@ -128,6 +128,7 @@ class Options:
   tied_grad: str = 'sum'
   sync_warmup_steps: int = 0
   compensation: Any = None  # a compensation.Compensation; None: none
+  microbatches: int = 1  # the batch cut into M micro-batches, each its own stream round the ring
 
 
 def run(model: staged.StagedModel, tx, params, batches, **options):
@@ -142,6 +143,11 @@ def run(model: staged.StagedModel, tx, params, batches, **options):
   forward='locked': batch t runs through every group at step t (the paper).
   forward='pipelined': at step t group 0 forwards batch t and group s > 0 forwards what group
   s - 1 produced at step t - 1; the head sees group G-1's output one step later.
+
+  microbatches=M: rows m*B/M .. (m+1)*B/M - 1 of every batch form stream m, which goes round the
+  ring exactly as a whole batch would (its own stashes, inboxes and memory rows; dropout key
+  fold_in(key of the batch, m)), with the head's loss weighted 1/M. Every step sums the M
+  streams' gradients and applies them once: what one step on the whole batch computes.
   """
   ring = SlowRing(model, tx, params, Options(**options))
   for t in range(len(batches)):
@@ -149,10 +155,32 @@ def run(model: staged.StagedModel, tx, params, batches, **options):
   return ring.params, ring.losses, ring.updated
 
 
-class SlowRing:
-  """The ring as Python objects: `stashes[s]` holds (batch, step, VJP or input) of every batch in
+class _Stream:
+  """One micro-batch's ring: `stashes[s]` holds (batch, step, VJP or input) of every batch in
   flight in group s, `delta_inbox[s]` the error gradient sent to group s during the previous
-  step, `act_inbox[s]` (pipelined) the activation sent to it."""
+  step, `act_inbox[s]` (pipelined) the activation sent to it, `head_inbox` (pipelined) what
+  group G-1 sent the head."""
+
+  def __init__(self, num_stages: int):
+    self.stashes = [collections.deque() for _ in range(num_stages)]
+    self.delta_inbox = [None] * num_stages
+    self.act_inbox = [None] * num_stages
+    self.head_inbox = None
+
+
+class _MicroBatches:
+  """batches[b] cut to one micro-batch's rows (lazily)."""
+
+  def __init__(self, batches, cut):
+    self.batches, self.cut = batches, cut
+
+  def __getitem__(self, b):
+    return self.cut(self.batches[b])
+
+
+class SlowRing:
+  """The ring as Python objects: one `_Stream` per micro-batch, the weights, the optimizer and
+  each group's memory (all rows) shared by them."""
 
   def __init__(self, model: staged.StagedModel, tx, params, options: Options):
     self.options, self.params = options, params
@@ -170,6 +198,7 @@ class SlowRing:
       shared=model.shared,
     )
     self.memory = [None] * self.num_stages  # group s's memory (Transformer-XL), once it runs
+    self.num_micro = options.microbatches
     self.apply_gradients = jax.jit(
       lambda *args, **kw: staged.apply_gradients(
         tx, *args, clip_norm=options.clip_norm, shared=model.shared, **kw
@@ -184,14 +213,17 @@ class SlowRing:
         '(Transformer-XL global u, v); compare without compensation, or with --untie-r.'
       )
     self.slow = SlowCompensation(comp, tx, params, options.clip_norm) if active else None
-    self.stashes = [collections.deque() for _ in range(self.num_stages)]
-    self.delta_inbox = [None] * self.num_stages
-    self.act_inbox = [None] * self.num_stages
-    self.head_inbox = None  # pipelined: (batch, group G-1's output), sent last step
+    self.streams = [_Stream(self.num_stages) for _ in range(self.num_micro)]
     self.losses, self.updated = [], []
 
-  def key(self, batch_index):
-    return staged.batch_key(self.options.seed, batch_index)
+  def key(self, batch_index, m=0):
+    key = staged.batch_key(self.options.seed, batch_index)
+    return key if self.num_micro == 1 else jax.random.fold_in(key, m)
+
+  def micro(self, batch, m):
+    """Micro-batch m: its rows of every leaf."""
+    rows = batch['inputs'].shape[0] // self.num_micro
+    return jax.tree.map(lambda a: a[m * rows : (m + 1) * rows], batch)
 
   def stage_params(self, params, s):
     return jax.tree.map(lambda a: a[s], params['stages'])
@@ -199,91 +231,132 @@ class SlowRing:
   def step(self, t: int, batches) -> None:
     if t < self.options.sync_warmup_steps:
       return self.warmup_step(t, batches[t])
-    head_input = self.forward(t, batches[t])
-    g_head, g_embed, delta_head = self.head(head_input, batches)
-    g_stages, ready, gap, g_embed = self.backward(t, batches, delta_head, g_embed)
+    forward_params = self.forward_params(t)
+    total, losses = None, []
+    for m, stream in enumerate(self.streams):
+      micro_batches = _MicroBatches(batches, lambda b, m=m: self.micro(b, m))
+      head_input = self.forward(stream, m, forward_params, t, micro_batches[t])
+      loss, g_head, g_embed, delta_head = self.head(head_input, micro_batches)
+      g_stages, ready, gap, g_embed = self.backward(
+        stream, m, t, micro_batches, delta_head, g_embed
+      )
+      grads = (g_head, g_embed, g_stages)
+      total = grads if total is None else jax.tree.map(jnp.add, total, grads)
+      losses.append(loss)
+    g_head, g_embed, g_stages = total
+    self.losses.append(None if losses[0] is None else sum(losses))
     self.update(g_embed, g_head, g_stages, ready, gap, head_ready=delta_head is not None)
 
-  def memory_of(self, s: int, rows: int):
-    """Group s's memory (an empty one before its first forward); None without a memory."""
-    if self.model.memory is not None and self.memory[s] is None:
+  def memory_of(self, s: int, rows: int, m: int = 0):
+    """Micro-batch m's rows of group s's memory (an empty one before its first forward); None
+    without a memory."""
+    if self.model.memory is None:
+      return None
+    if self.memory[s] is None:
       self.memory[s] = self.model.memory.init(self.stage_params(self.params, s), rows)
-    return self.memory[s]
+    return self.micro_rows(self.memory[s], m)
+
+  def micro_rows(self, tree, m):
+    rows = lambda a: a[
+      m * (a.shape[0] // self.num_micro) : (m + 1) * (a.shape[0] // self.num_micro)
+    ]
+    return jax.tree.map(rows, tree)
+
+  def set_memory(self, s: int, m: int, memory) -> None:
+    """Micro-batch m's rows of group s's memory replaced by `memory`."""
+    if memory is None:
+      return
+    rows = jax.tree.leaves(memory)[0].shape[0]
+    self.memory[s] = jax.tree.map(
+      lambda a, new: a.at[m * rows : (m + 1) * rows].set(new), self.memory[s], memory
+    )
 
   def warmup_step(self, t: int, batch) -> None:
-    """Plain backprop of batch t (the synchronous warm-up)."""
+    """Plain backprop of batch t (the synchronous warm-up), micro-batch by micro-batch."""
     model, groups = self.model, ['embed', *range(self.num_stages), 'head']
-    if model.memory is None:
-      (loss, _), grads = jax.value_and_grad(model.forward_loss, has_aux=True)(
-        self.params, batch, self.key(t)
-      )
-    else:
-      rows = batch['inputs'].shape[0]
-      memory_G = jax.tree.map(
-        lambda *m: jnp.stack(m), *[self.memory_of(s, rows) for s in range(self.num_stages)]
-      )
-      (loss, (_, memory_G)), grads = jax.value_and_grad(model.recurrent_loss, has_aux=True)(
-        self.params, batch, self.key(t), memory_G
-      )
-      self.memory = [jax.tree.map(lambda a, s=s: a[s], memory_G) for s in range(self.num_stages)]
+    loss, grads = 0.0, None
+    for m in range(self.num_micro):
+      micro = self.micro(batch, m)
+      if model.memory is None:
+        (loss_m, _), grads_m = jax.value_and_grad(model.forward_loss, has_aux=True)(
+          self.params, micro, self.key(t, m)
+        )
+      else:
+        rows = micro['inputs'].shape[0]
+        memory_G = jax.tree.map(
+          lambda *a: jnp.stack(a),
+          *[self.memory_of(s, rows * self.num_micro, m) for s in range(self.num_stages)],
+        )
+        (loss_m, (_, memory_G)), grads_m = jax.value_and_grad(model.recurrent_loss, has_aux=True)(
+          self.params, micro, self.key(t, m), memory_G
+        )
+        for s in range(self.num_stages):
+          self.set_memory(s, m, jax.tree.map(lambda a, s=s: a[s], memory_G))
+      grads_m = jax.tree.map(lambda g: g / self.num_micro, grads_m)
+      loss += float(loss_m) / self.num_micro
+      grads = grads_m if grads is None else jax.tree.map(jnp.add, grads, grads_m)
     if self.slow:
       self.params = self.slow.apply(
         self.params, grads, {k: True for k in groups}, {k: 0 for k in groups}
       )
     else:
       self.params, self.opt_state, _ = self.apply_gradients(self.params, self.opt_state, grads)
-    self.losses.append(float(loss))
+    self.losses.append(loss)
     self.updated.append(groups)
 
-  def forward(self, t: int, batch):
-    """Forward with the current weights (or, predicting, the weights each group's gradient of
-    this forward will be applied to); every group keeps its VJP (graph) or its input (replay).
-    Returns what reaches the head: (batch index, activation), or None."""
-    num_stages, forward, model = self.num_stages, self.options.forward, self.model
-    forward_params = self.params
-    if self.slow and num_stages > 1:
-      gaps = {
-        s: backward_step(t - (s if self.pipelined else 0), s, num_stages, forward) - t
-        for s in range(num_stages)
-      }
-      gaps['embed'] = backward_step(t, 0, num_stages, forward) - t
-      forward_params = self.slow.predicted(self.params, gaps)
+  def forward_params(self, t: int):
+    """The current weights (or, predicting, the weights each group's gradient of this step's
+    forward will be applied to)."""
+    num_stages, forward = self.num_stages, self.options.forward
+    if not (self.slow and num_stages > 1):
+      return self.params
+    gaps = {
+      s: backward_step(t - (s if self.pipelined else 0), s, num_stages, forward) - t
+      for s in range(num_stages)
+    }
+    gaps['embed'] = backward_step(t, 0, num_stages, forward) - t
+    return self.slow.predicted(self.params, gaps)
+
+  def forward(self, stream: _Stream, m: int, forward_params, t: int, batch):
+    """Forward of one stream; every group keeps its VJP (graph) or its input (replay). Returns
+    what reaches the head: (batch index, activation), or None."""
+    num_stages, model = self.num_stages, self.model
     embedded = model.embed(
-      forward_params['embed'], batch['inputs'], staged.piece_rng(self.key(t), EMBED_PIECE)
+      forward_params['embed'], batch['inputs'], staged.piece_rng(self.key(t, m), EMBED_PIECE)
     )
     new_act, carried = [None] * num_stages, (t, embedded)
     for s in range(num_stages):
       if self.pipelined and s > 0:
-        carried = self.act_inbox[s]
+        carried = stream.act_inbox[s]
       if carried is None:  # pipelined: nothing has reached this group yet
         continue
       b, x = carried
-      key_b, memory = self.key(b), self.memory_of(s, x.shape[0])
+      key_b, memory = self.key(b, m), self.memory_of(s, x.shape[0] * self.num_micro, m)
       run_s = lambda p, h, s=s, key_b=key_b, memory=memory: model.run_stage(
         p, h, s, staged.piece_rng(key_b, s), memory
       )
       if self.options.stash == 'graph':
-        y, vjp_fn, self.memory[s] = jax.vjp(
+        y, vjp_fn, new_memory = jax.vjp(
           run_s, self.stage_params(forward_params, s), x, has_aux=True
         )
-        self.stashes[s].append((b, t, vjp_fn))
+        stream.stashes[s].append((b, t, vjp_fn))
       else:  # replay keeps the input and the memory the forward read
-        y, self.memory[s] = run_s(self.stage_params(forward_params, s), x)
-        self.stashes[s].append((b, t, (x, memory)))
+        y, new_memory = run_s(self.stage_params(forward_params, s), x)
+        stream.stashes[s].append((b, t, (x, memory)))
+      self.set_memory(s, m, new_memory)
       carried = (b, y)
       new_act[(s + 1) % num_stages] = carried
     if not self.pipelined:
       return carried
-    head_input, self.head_inbox, self.act_inbox = self.head_inbox, new_act[0], new_act
+    head_input, stream.head_inbox, stream.act_inbox = stream.head_inbox, new_act[0], new_act
     return head_input
 
   def head(self, head_input, batches):
-    """Module K: (head gradient, its embed gradient, delta_{G-1}) of the batch that reached the
-    head, fresh; zeros and None while the pipe fills."""
+    """Module K: (loss, head gradient, its embed gradient, delta_{G-1}) of the micro-batch that
+    reached the head, fresh and weighted 1/M; None, zeros and None while the pipe fills."""
     zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
     if head_input is None:
-      self.losses.append(None)
-      return zeros(self.params['head']), zeros(self.params['embed']), None
+      return None, zeros(self.params['head']), zeros(self.params['embed']), None
     b, x = head_input
     targets = batches[b]['targets']
     loss, head_vjp = jax.vjp(
@@ -292,10 +365,10 @@ class SlowRing:
       self.params['embed'],
       x,
     )
-    self.losses.append(float(loss))
-    return head_vjp(jnp.ones_like(loss))
+    weight = 1.0 / self.num_micro
+    return (float(loss) * weight, *head_vjp(jnp.full_like(loss, weight)))
 
-  def backward(self, t: int, batches, delta_head, g_embed):
+  def backward(self, stream: _Stream, m: int, t: int, batches, delta_head, g_embed):
     """Every group back-propagates the batch its delayed error gradient belongs to; returns
     (stage gradients, which groups have one, their gaps, the embedding's gradient)."""
     num_stages, params, model = self.num_stages, self.params, self.model
@@ -306,13 +379,13 @@ class SlowRing:
     ready = [False] * num_stages
     gap = [0] * num_stages  # steps since the forward of the batch applied now
     for s in range(num_stages):
-      delta = delta_head if num_stages == 1 else self.delta_inbox[s]
+      delta = delta_head if num_stages == 1 else stream.delta_inbox[s]
       if delta is None:
         continue
-      b, forward_step, kept = self.stashes[s].popleft()
+      b, forward_step, kept = stream.stashes[s].popleft()
       assert b == expected_backward_batch(t, s, num_stages, self.options.forward), (s, b, t)
       gap[s] = t - forward_step
-      key_b = self.key(b)
+      key_b = self.key(b, m)
       if self.options.stash == 'graph':
         g_stages[s], dx = kept(delta)
       else:
@@ -334,7 +407,7 @@ class SlowRing:
         g_embed = jax.tree.map(lambda g: 0.5 * g, g_embed)
     if num_stages > 1:
       new_inbox[num_stages - 1] = delta_head
-    self.delta_inbox = new_inbox
+    stream.delta_inbox = new_inbox
     return g_stages, ready, gap, g_embed
 
   def update(self, g_embed, g_head, g_stages, ready, gap, *, head_ready: bool) -> None:

@@ -38,6 +38,22 @@ def mask(valid, tree):
   return jax.tree.map(lambda a: jnp.where(valid, a, jnp.zeros_like(a)), tree)
 
 
+def microbatches(tree, num_microbatches: int):
+  """Leaves [B, ...] cut into [M, B/M, ...]: micro-batch m is rows m*B/M .. (m+1)*B/M - 1."""
+  return jax.tree.map(lambda a: a.reshape(num_microbatches, -1, *a.shape[1:]), tree)
+
+
+def whole_batch(tree):
+  """`microbatches` undone: leaves [M, B/M, ...] -> [B, ...]."""
+  return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), tree)
+
+
+def microbatch_key(key, m, num_microbatches: int):
+  """Micro-batch m's dropout key: the batch's own key when the batch is not cut (as the exact
+  pipelines do), so one micro-batch is the un-chunked step bit for bit."""
+  return key if num_microbatches == 1 else jax.random.fold_in(key, m)
+
+
 def read_slot(buffers, batch_index, depth: int):
   """The entries of batch `batch_index` in ring buffers of `depth` slots (slot = index % depth)."""
   return jax.tree.map(lambda buf: buf[batch_index % depth], buffers)
@@ -216,16 +232,19 @@ def pipelined_forward(stash: Stash, params_s, x, received, key, num_stages: int,
   return received, kept, new_memory, send_forward(y, num_stages)
 
 
-def head(model: StagedModel, params, x, targets):
-  """Module K on device 0: (loss, head gradient, the head's embed gradient, delta_{G-1}); zeros
-  on the other devices."""
+def head(model: StagedModel, params, x, targets, weight: float = 1.0, when=True):
+  """Module K on device 0: (loss, head gradient, the head's embed gradient, delta_{G-1}), all
+  scaled by `weight` (1/M for one of M micro-batches); zeros on the other devices, and where
+  `when` is false."""
 
   def loss_and_grads():
     loss_of = lambda head_p, embed_p, h: model.loss(head_p, embed_p, h, targets)[0]
     loss, vjp_fn = jax.vjp(loss_of, params['head'], params['embed'], x)
-    return (loss, *vjp_fn(jnp.ones_like(loss)))
+    if weight == 1.0:
+      return (loss, *vjp_fn(jnp.ones_like(loss)))
+    return (loss * weight, *vjp_fn(jnp.full_like(loss, weight)))
 
-  return on_stage(jax.lax.axis_index(STAGE), 0, loss_and_grads)
+  return on_stage(jnp.where(when, jax.lax.axis_index(STAGE), -1), 0, loss_and_grads)
 
 
 def locked_backward(stash: Stash, params_s, kept, delta, key, num_stages: int):
