@@ -6,6 +6,8 @@
     ouroboros bench [--preset tiny] [--FIELD VALUE ...] [--bench-steps 20] [--warmup 3]
     ouroboros compile [--preset tiny] [--FIELD VALUE ...] [--topology v5e:2x2] [--json]
                       [--cpu-devices N]
+    ouroboros plan [--preset tiny] [--FIELD VALUE ...] [--topology v5e:2x2] [--json]
+                   [--try-microbatches 8] [--try-stash graph/nothing,replay,graph/all]
     ouroboros launch --processes N [--pin-cpus] -- <train|bench args>
 
 `train` and `bench` join a multi-process run with --coordinator HOST:PORT --num-processes N
@@ -16,7 +18,9 @@ can detect), see `distributed.py`.
 for the devices of a TPU topology (compile-only: no TPU needed, `pip install "ouroboros-jax[tpu]"`)
 or of the local backend, and prints one device's memory (parameters, optimizer state, ring/stash,
 temporaries, peak) against the device's; it exits with status 1 when the step does not fit
-(`perf/compile.py`).
+(`perf/compile.py`). `plan` compiles every schedule x micro-batches x stash for the topology
+the same way, beside the simulator's step time, and marks the fastest setting that fits
+(`perf/plan.py`).
 
 `train` takes one flag per field of `TrainConfig` and `ModelConfig` (`--d-model 64`,
 `--num-layers 2`, `--schedule ouroboros`, `--stages 4`, `--layers-per-stage 1,2,1`, ...; booleans
@@ -226,7 +230,7 @@ def make_parser() -> argparse.ArgumentParser:
     description='Ouroboros delayed-gradient model parallelism for Transformer LMs.',
   )
   sub = parser.add_subparsers(
-    dest='command', metavar='{train,sample,bench,compile,launch}', parser_class=_Parser
+    dest='command', metavar='{train,sample,bench,compile,plan,launch}', parser_class=_Parser
   )
   sub.required = True
 
@@ -307,6 +311,41 @@ def make_parser() -> argparse.ArgumentParser:
   _cpu_devices_flag(compile_)
   _add_field_flags(compile_)
 
+  plan = sub.add_parser(
+    'plan',
+    help='every schedule x micro-batches x stash: compiled memory, predicted step time',
+    allow_abbrev=False,
+    description="For the run train's flags describe, compile every schedule (G = all devices) "
+    'at each --try-microbatches and, for ouroboros, each --try-stash and forward, for --topology '
+    "(or the local devices); print each per-device peak beside the simulator's step time and "
+    'mark the fastest setting that fits. See ouroboros_jax/perf/plan.py.',
+  )
+  plan.add_argument('--topology', default=None, metavar='NAME', help='as for compile')
+  plan.add_argument(
+    '--try-microbatches',
+    default='8',
+    metavar='M,M',
+    help='micro-batch counts to try on the micro-batched schedules (default 8)',
+  )
+  plan.add_argument(
+    '--try-stash',
+    default='graph/nothing,replay,graph/all',
+    metavar='S,S',
+    help='ouroboros stashes to try: graph/nothing, graph/dots, graph/all, replay',
+  )
+  plan.add_argument(
+    '--try-schedules', default=None, metavar='S,S', help='only these schedules (default: every one)'
+  )
+  plan.add_argument(
+    '--hardware',
+    default=None,
+    metavar='NAME',
+    help="the simulator's rates (default: the topology's TPU generation, else nvlink-300GBps)",
+  )
+  plan.add_argument('--json', action='store_true', help='print one JSON object')
+  _cpu_devices_flag(plan)
+  _add_field_flags(plan)
+
   launch = sub.add_parser(
     'launch', help='run N local processes as one multi-host job', allow_abbrev=False
   )
@@ -325,6 +364,7 @@ def make_parser() -> argparse.ArgumentParser:
     'sample': sample,
     'bench': bench,
     'compile': compile_,
+    'plan': plan,
     'launch': launch,
   }
   return parser
@@ -445,6 +485,46 @@ def _run_bench(args) -> None:
 
 def _run_compile(args) -> int:
   """Prints the report; 1 when the step does not fit the device, else 0."""
+  cfg = _compile_target(args)
+  from ouroboros_jax.perf import compile as compile_lib
+
+  report = compile_lib.compile_step(cfg, args.topology)
+  print(json.dumps(report) if args.json else compile_lib.format_report(report))
+  return 1 if report['fits'] is False else 0
+
+
+def _run_plan(args) -> int:
+  """Prints the plan; 1 when no setting fits, else 0."""
+  cfg = _compile_target(args)
+  from ouroboros_jax.perf import plan as plan_lib
+
+  counts = _int_list(args.try_microbatches, '--try-microbatches')
+  stashes = tuple(s.strip() for s in args.try_stash.split(',') if s.strip())
+  result = plan_lib.plan(
+    cfg,
+    args.topology,
+    microbatches=counts,
+    stashes=stashes,
+    schedules=args.try_schedules and tuple(args.try_schedules.split(',')),
+    hardware=args.hardware,
+    log=plan_lib.main_log,  # progress on stderr, the result on stdout
+  )
+  print(json.dumps(result) if args.json else plan_lib.format_plan(result))
+  return 0 if result['fastest'] else 1
+
+
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+  try:
+    values = tuple(int(v) for v in text.split(','))
+  except ValueError:
+    values = ()
+  if not values or min(values) < 1:
+    raise errors.ConfigError(f'{flag} takes positive integers separated by commas, got {text!r}.')
+  return values
+
+
+def _compile_target(args) -> config.TrainConfig:
+  """The run of `compile` and `plan`, checked, with JAX set up for --topology."""
   cfg = config_from_args(args)
   cfg.validate()
   if args.topology is not None and args.cpu_devices is not None:
@@ -460,9 +540,7 @@ def _run_compile(args) -> int:
 
     # Executables of compile-only devices cannot be read back from JAX's persistent cache.
     jax.config.update('jax_enable_compilation_cache', False)
-  report = compile_lib.compile_step(cfg, args.topology)
-  print(json.dumps(report) if args.json else compile_lib.format_report(report))
-  return 1 if report['fits'] is False else 0
+  return cfg
 
 
 def _run_launch(args) -> None:
@@ -493,12 +571,12 @@ def out_of_memory_message(args: argparse.Namespace, exc: BaseException) -> str:
   what spreads a `train` step over more devices."""
   head = f'out of memory ({_one_line(exc)[:200]})'
   try:
-    cfg = config_from_args(args) if args.command in ('train', 'bench', 'compile') else None
+    cfg = config_from_args(args) if args.command in ('train', 'bench', 'compile', 'plan') else None
   except errors.UserError:
     cfg = None
   if cfg is None:
     return f'{head}; use a machine with more memory.'
-  model, run = cfg.model, cfg.schedule
+  model, run = cfg.model, cfg.schedule_config()
   sizes = [f'--seq-len (now {model.seq_len}; attention memory grows with its square)']
   if model.mem_len:
     sizes.append(f'--mem-len (now {model.mem_len})')
@@ -521,9 +599,14 @@ def out_of_memory_message(args: argparse.Namespace, exc: BaseException) -> str:
     elif run.num_stages < model.num_layers:
       spread.append(f'more --stages (now {run.num_stages})')
     if run.name == 'ouroboros' and run.stash == 'graph':
+      if run.stash_policy != 'nothing':
+        spread.append('--stash-policy nothing')
       spread.append('--stash replay')
   spread.append('more devices')
-  return f'{head}; lower {", ".join(sizes[:-1])} or {sizes[-1]}; or use {", ".join(spread)}.'
+  return (
+    f'{head}; lower {", ".join(sizes[:-1])} or {sizes[-1]}; or use {", ".join(spread)} '
+    '(`ouroboros plan` lists what fits).'
+  )
 
 
 def main(argv=None) -> int:
@@ -555,6 +638,7 @@ def main(argv=None) -> int:
       'sample': _run_sample,
       'bench': _run_bench,
       'compile': _run_compile,
+      'plan': _run_plan,
       'launch': _run_launch,
     }[args.command](args)
   except KeyboardInterrupt as e:

@@ -184,3 +184,39 @@ def test_the_local_cpu_has_no_known_capacity_and_exits_0(capsys, monkeypatch):
 )
 def test_the_compilers_out_of_memory_messages_are_read(message, expected):
   assert compile_lib.parse_out_of_memory(message) == expected
+
+
+MICROBATCHED_RING = """
+import json, sys
+from ouroboros_jax.perf import compile as compile_lib
+from ouroboros_jax.training import config
+
+small = json.loads(sys.argv[1])
+for micro in (1, None):  # None: the accelerator's default
+  cfg = config.override(
+    config.get_preset('tiny'),
+    {**small, 'schedule': 'ouroboros', 'stages': 2, 'microbatches': micro, 'dtype': 'bfloat16'},
+  )
+  print(json.dumps(compile_lib.compile_step(cfg, sys.argv[2])), flush=True)
+"""
+
+
+@needs_libtpu
+def test_the_microbatched_ring_needs_less_memory_on_a_tpu():
+  """Ouroboros without --microbatches on a TPU cuts the batch in 8; the compiler's peak per chip
+  falls below the un-chunked step's (the stash keeps the same bytes; the step's temporaries are
+  those of one micro-batch)."""
+  run = subprocess.run(
+    [sys.executable, '-c', MICROBATCHED_RING, json.dumps(SMALL), TOPOLOGY],
+    cwd=REPO_ROOT,
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert run.returncode == 0, run.stderr[-3000:]
+  whole, chunked = map(json.loads, run.stdout.splitlines())
+  assert (whole['microbatches'], chunked['microbatches']) == (1, 8)
+  assert whole['stash'] == chunked['stash'] == 'graph/nothing'  # the default stash
+  assert chunked['temp_bytes'] < 0.75 * whole['temp_bytes'], (chunked, whole)
+  assert chunked['peak_bytes'] < whole['peak_bytes'], (chunked, whole)

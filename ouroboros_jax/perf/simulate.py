@@ -95,7 +95,7 @@ class StageCosts:
   grad_bytes: float = 0.0  # every parameter's gradient (the data-parallel all-reduce)
   bandwidth: float = math.inf  # bytes / s, per link and direction
   latency: float = 0.0  # seconds per transfer
-  microbatch_overhead_s: float = 0.0  # gpipe: fixed cost added to every micro-batch task
+  microbatch_overhead_s: float = 0.0  # fixed cost added to every micro-batch task (M > 1)
   allreduce_s: float | None = None  # a measured all-reduce time; overrides the ring formula
   update_s: Sequence[float] = ()  # per stage s: the optimizer update of its parameters
   # (device 0's includes embedding and head); () = free
@@ -388,59 +388,81 @@ def emit_table(g: Graph, t: int, state: dict, *, table, **_) -> None:
   g.end_step(t)
 
 
-def emit_ouroboros_locked(g: Graph, t: int, state: dict, *, stash: str, **_) -> None:
-  c, G = g.costs, g.costs.num_stages
-  nbytes = c.activation_bytes
-  # 1. Forward, locked: batch t goes round the ring, one device computing per round.
-  forward_done = _locked_forward(g, t)
-  # 2. Head on device 0: fresh loss and delta_{G-1}^t, which reaches G-1 for step t+1.
-  head = g.compute(0, 'head', t, t, c.head_s, [forward_done])
-  state[('delta', t, G - 1)] = g.send(0, G - 1, 'grad', t, t, nbytes, head)
+def emit_ouroboros_locked(g: Graph, t: int, state: dict, *, stash: str, microbatches: int, **_):
+  c, G, M = g.costs, g.costs.num_stages, microbatches
+  nbytes, extra = c.activation_bytes / M, (c.microbatch_overhead_s if M > 1 else 0.0)
+  # 1. Forward, locked, as a wave of micro-batches: device s forwards micro-batch m once s-1
+  #    has sent it (M = 1: batch t round the ring, one device computing per round).
+  # 2. Head on device 0, micro-batch by micro-batch as they come back: fresh loss and
+  #    delta_{G-1}^t, which reaches G-1 for step t+1.
+  arrivals = []
+
+  def head(m):  # in the round micro-batch m arrives, after device 0's forward of that round
+    task = g.compute(0, 'head', t, t, c.head_s / M + extra, [arrivals[m]])
+    state[('delta', t, G - 1, m)] = g.send(0, G - 1, 'grad', t, t, nbytes, task)
+
+  for m in range(M):
+    x = g.compute(0, 'embed_fwd', t, t, c.embed_forward_s / M)
+    for s in range(G):
+      x = g.compute(s, 'fwd', t, t, c.forward_s[s] / M + extra, [x])
+      x = g.send(s, (s + 1) % G, 'act', t, t, nbytes, x)
+    arrivals.append(x)
+    if m >= G - 1:
+      head(m - G + 1)
+  for m in range(max(M - G + 1, 0), M):
+    head(m)
+  forward_done = arrivals[-1]  # every device takes part in every round's hand-off
   # 3. Backward on every device at once: stage s finishes batch t - (G - s) with the error
   #    gradient received during step t-1 (one hop per step, overlapping with this step).
   for s in range(G):
     batch = backward_batch(t, s, G, 'locked')
     if batch < 0:  # the pipe has not filled yet
       continue
-    y = g.compute(
-      s, 'bwd', t, batch, _backward_s(c, s, stash), [forward_done, state.pop(('delta', t - 1, s))]
-    )
-    if s > 0:
-      state[('delta', t, s - 1)] = g.send(s, s - 1, 'grad', t, batch, nbytes, y)
-    else:
-      g.compute(0, 'embed_bwd', t, batch, c.embed_backward_s, [y])
+    for m in range(M):
+      delta = state.pop(('delta', t - 1, s, m))
+      y = g.compute(s, 'bwd', t, batch, _backward_s(c, s, stash) / M + extra, [forward_done, delta])
+      if s > 0:
+        state[('delta', t, s - 1, m)] = g.send(s, s - 1, 'grad', t, batch, nbytes, y)
+      else:
+        g.compute(0, 'embed_bwd', t, batch, c.embed_backward_s / M, [y])
   g.end_step(t)
 
 
-def emit_ouroboros_pipelined(g: Graph, t: int, state: dict, *, stash: str, **_) -> None:
+def emit_ouroboros_pipelined(
+  g: Graph, t: int, state: dict, *, stash: str, microbatches: int, **_
+) -> None:
   """Device s forwards batch t - s (its input arrived during step t-1) and back-propagates batch
-  t - 2G + s (its error gradient arrived during step t-1); the head sees batch t - G."""
-  c, G = g.costs, g.costs.num_stages
-  nbytes = c.activation_bytes
-  for s in range(G):
-    # Forward of batch t - s on what s-1 sent during step t-1 (device 0 embeds a fresh batch).
-    batch = forward_batch(t, s, G, 'pipelined')
-    if batch >= 0:
-      x = (
-        g.compute(0, 'embed_fwd', t, batch, c.embed_forward_s)
-        if s == 0
-        else state.pop(('act', t - 1, s - 1))
-      )
-      y = g.compute(s, 'fwd', t, batch, c.forward_s[s], [x])
-      state[('act', t, s)] = g.send(s, (s + 1) % G, 'act', t, batch, nbytes, y)
-    head_batch = t - lags(G, 'pipelined')[0]
-    if s == 0 and head_batch >= 0:
-      # Head of batch t - G, whose last-stage output arrived during step t-1.
-      head = g.compute(0, 'head', t, head_batch, c.head_s, [state.pop(('act', t - 1, G - 1))])
-      state[('delta', t, G - 1)] = g.send(0, G - 1, 'grad', t, head_batch, nbytes, head)
-    # Backward of batch t - 2G + s with the error gradient s+1 (or the head) sent at step t-1.
-    batch = backward_batch(t, s, G, 'pipelined')
-    if batch >= 0:
-      y = g.compute(s, 'bwd', t, batch, _backward_s(c, s, stash), [state.pop(('delta', t - 1, s))])
-      if s > 0:
-        state[('delta', t, s - 1)] = g.send(s, s - 1, 'grad', t, batch, nbytes, y)
-      else:
-        g.compute(0, 'embed_bwd', t, batch, c.embed_backward_s, [y])
+  t - 2G + s (its error gradient arrived during step t-1); the head sees batch t - G. With M
+  micro-batches every device does this for micro-batch 0, 1, ..., M - 1 in turn."""
+  c, G, M = g.costs, g.costs.num_stages, microbatches
+  nbytes, extra = c.activation_bytes / M, (c.microbatch_overhead_s if M > 1 else 0.0)
+  for m in range(M):
+    for s in range(G):
+      # Forward of batch t - s on what s-1 sent during step t-1 (device 0 embeds a fresh batch).
+      batch = forward_batch(t, s, G, 'pipelined')
+      if batch >= 0:
+        x = (
+          g.compute(0, 'embed_fwd', t, batch, c.embed_forward_s / M)
+          if s == 0
+          else state.pop(('act', t - 1, s - 1, m))
+        )
+        y = g.compute(s, 'fwd', t, batch, c.forward_s[s] / M + extra, [x])
+        state[('act', t, s, m)] = g.send(s, (s + 1) % G, 'act', t, batch, nbytes, y)
+      head_batch = t - lags(G, 'pipelined')[0]
+      if s == 0 and head_batch >= 0:
+        # Head of batch t - G, whose last-stage output arrived during step t-1.
+        arrived = state.pop(('act', t - 1, G - 1, m))
+        head = g.compute(0, 'head', t, head_batch, c.head_s / M + extra, [arrived])
+        state[('delta', t, G - 1, m)] = g.send(0, G - 1, 'grad', t, head_batch, nbytes, head)
+      # Backward of batch t - 2G + s with the error gradient s+1 (or the head) sent at step t-1.
+      batch = backward_batch(t, s, G, 'pipelined')
+      if batch >= 0:
+        delta = state.pop(('delta', t - 1, s, m))
+        y = g.compute(s, 'bwd', t, batch, _backward_s(c, s, stash) / M + extra, [delta])
+        if s > 0:
+          state[('delta', t, s - 1, m)] = g.send(s, s - 1, 'grad', t, batch, nbytes, y)
+        else:
+          g.compute(0, 'embed_bwd', t, batch, c.embed_backward_s / M, [y])
   g.end_step(t)
 
 
@@ -481,7 +503,7 @@ def simulate(
 ) -> SimResult:
   """Run `schedule` on `costs` for `steps` steps (default 3G + 10) and measure its steady state.
 
-  `microbatches` is gpipe's M; `data_parallel` is data_parallel's replica count R (the stage
+  `microbatches` is gpipe's and Ouroboros' M; `data_parallel` is data_parallel's replica count R (the stage
   schedules run on G = costs.num_stages devices); `stash` and `forward` are Ouroboros' modes
   (the other schedules keep no stash and ignore them). The exact pipelines of
   `schedules.tables` ('1f1b', 'interleaved' with `chunks` per device (default 2), 'zb_h1', 'zb_v')
@@ -573,7 +595,7 @@ def _check(schedule, costs, microbatches, data_parallel, stash, forward) -> None
   batch = costs.batch_size
   for name, parts, applies in (
     ('data_parallel', data_parallel, schedule == 'data_parallel'),
-    ('microbatches', microbatches, schedule == 'gpipe'),
+    ('microbatches', microbatches, schedule in ('gpipe', 'ouroboros')),
   ):
     if applies and batch is not None and batch % parts:
       raise ValueError(f'batch {batch} cannot be cut into {name}={parts} equal parts.')

@@ -247,15 +247,16 @@ class TrainConfig:
       std_loss_layers=self.std_loss_layer_ids(),
     )
 
-  def schedule_config(self) -> ScheduleConfig:
-    """The schedule as it runs: the run's seed and the resolved staleness compensation."""
-    return self._schedule_config
+  def schedule_config(self, platform: str | None = None) -> ScheduleConfig:
+    """The schedule as it runs on `platform` (default: JAX's backend): the run's seed, the
+    resolved staleness compensation and the platform's default micro-batches
+    (`ScheduleConfig.for_platform`)."""
+    if platform is None:
+      import jax
 
-  @functools.cached_property
-  def _schedule_config(self) -> ScheduleConfig:
-    return dataclasses.replace(
-      self.schedule, seed=self.seed, compensation=self.resolved_compensation()
-    )
+      platform = jax.default_backend()
+    run = self.schedule.for_platform(platform, self.batch_size)
+    return dataclasses.replace(run, seed=self.seed, compensation=self.resolved_compensation())
 
   def check_accelerators(self) -> None:
     """The accelerator flags parse, fit the model, and combine with the schedule (one-line

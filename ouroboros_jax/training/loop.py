@@ -100,8 +100,8 @@ def step_flops(cfg: TrainConfig, steps) -> np.ndarray:
   layers = np.full(steps.shape, float(cfg.model.num_layers))
   if cfg.pld and steps.size:
     theta_bar, gamma = cfg.plans.pld
-    run = cfg.schedule
-    if run.data_parallel == 1 and (run.name != 'gpipe' or run.num_microbatches == 1):
+    run = cfg.schedule_config()
+    if run.data_parallel == 1 and run.num_microbatches == 1:
       layers = np.asarray(
         pld.kept_layers(
           cfg.seed, steps, cfg.plans.layers_per_stage, cfg.model.num_layers, theta_bar, gamma

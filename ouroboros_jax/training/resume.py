@@ -49,7 +49,7 @@ def resolved(cfg: TrainConfig) -> dict:
   return {
     'optimizer': cfg.resolved_optimizer(),
     'compensation': ','.join(cfg.resolved_compensation().names()) or 'none',
-    'microbatches': cfg.schedule.num_microbatches,
+    'microbatches': cfg.schedule_config().num_microbatches,
   }
 
 

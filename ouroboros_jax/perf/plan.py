@@ -1,0 +1,226 @@
+"""`ouroboros plan`: every way to train one model on one topology, with the compiler's memory and
+the simulator's step time, and the fastest way that fits.
+
+For a run (`train`'s flags: model, batch, dtype, optimizer) and a topology (a TPU topology through
+libtpu, compile-only, or the local devices), it builds every setting
+
+  backprop (1 device), data_parallel (all devices), model_parallel,
+  gpipe and the exact pipelines at each of --try-microbatches,
+  ouroboros locked and pipelined, at each of --try-microbatches and each of --try-stash
+
+with G = the topology's device count, compiles each setting's training step for the topology's
+devices (`compile.compile_step`: the per-device peak from the compiler's memory analysis, or from
+its out-of-memory verdict) and predicts its step time with the discrete-event simulator
+(`simulate.py`, the model's FLOPs at `hardware`'s effective rate and link bandwidth; a graph
+stash that keeps nothing ('graph/nothing') re-runs the forward in its backward, so it is timed
+as replay). The fastest setting that fits is marked.
+
+    ouroboros plan --preset gpt2-small --batch-size 32 --dtype bfloat16 --topology v5e:2x2
+    ouroboros plan ... --json        # one JSON object: the rows and the fastest that fits
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Callable
+
+from ouroboros_jax.choices import EXACT_PIPELINES, SCHEDULES
+from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.perf import compile as compile_lib
+from ouroboros_jax.perf import simulate
+from ouroboros_jax.training import config
+from ouroboros_jax.training.config import TrainConfig
+
+STASH_SETTINGS = ('graph/nothing', 'graph/dots', 'graph/all', 'replay')
+DEFAULT_STASH = ('graph/nothing', 'replay', 'graph/all')
+DEFAULT_MICROBATCHES = (8,)
+
+# Effective rates (40% of the bf16 peak, as simulate.NVLINK) and one ICI link per direction.
+TPU_V5E = simulate.Hardware('tpu-v5e', flops_per_s=0.4 * 197e12, bandwidth=50e9, latency=5e-6)
+TPU_V4 = simulate.Hardware('tpu-v4', flops_per_s=0.4 * 275e12, bandwidth=50e9, latency=5e-6)
+TPU_V5P = simulate.Hardware('tpu-v5p', flops_per_s=0.4 * 459e12, bandwidth=100e9, latency=5e-6)
+TPU_V6E = simulate.Hardware('tpu-v6e', flops_per_s=0.4 * 918e12, bandwidth=100e9, latency=5e-6)
+HARDWARE = {h.name: h for h in (TPU_V5E, TPU_V4, TPU_V5P, TPU_V6E, *simulate.HARDWARE.values())}
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+  """One way to run the model: train's flags for it."""
+
+  schedule: str
+  stages: int = 1
+  data_parallel: int = 1
+  microbatches: int | None = None
+  stash: str | None = None  # ouroboros: graph/POLICY or replay
+  forward: str | None = None  # ouroboros: locked or pipelined
+
+  @property
+  def label(self) -> str:
+    parts = [self.schedule]
+    if self.forward:
+      parts.append(self.forward)
+    if self.stash:
+      parts.append(self.stash)
+    if self.microbatches:
+      parts.append(f'M={self.microbatches}')
+    return ' '.join(parts)
+
+  def flags(self) -> dict:
+    flags = dict(schedule=self.schedule, stages=self.stages, data_parallel=self.data_parallel)
+    flags['microbatches'] = self.microbatches
+    if self.schedule == 'ouroboros':
+      mode, _, policy = self.stash.partition('/')
+      flags.update(stash=mode, forward=self.forward)
+      if policy:
+        flags['stash_policy'] = policy
+    return flags
+
+
+def settings(
+  num_devices: int, microbatches=DEFAULT_MICROBATCHES, stashes=DEFAULT_STASH, schedules=None
+):
+  """Every setting on `num_devices` devices (stages = num_devices), of `schedules` (None: all)."""
+  unknown = sorted(set(schedules or ()) - set(SCHEDULES))
+  if unknown:
+    raise ConfigError(
+      f'unknown schedule {unknown[0]!r}; choose --try-schedules from {", ".join(SCHEDULES)}.'
+    )
+  for stash in stashes:
+    if stash not in STASH_SETTINGS:
+      raise ConfigError(
+        f'unknown stash setting {stash!r}; choose --try-stash from {", ".join(STASH_SETTINGS)}.'
+      )
+  out = [Setting('backprop')]
+  if num_devices > 1:
+    out += [
+      Setting('data_parallel', data_parallel=num_devices),
+      Setting('model_parallel', num_devices),
+    ]
+    for name in ('gpipe', *EXACT_PIPELINES):
+      out += [Setting(name, num_devices, microbatches=m) for m in microbatches]
+    for forward in ('locked', 'pipelined'):
+      for stash in stashes:
+        out += [
+          Setting('ouroboros', num_devices, microbatches=m, stash=stash, forward=forward)
+          for m in microbatches
+        ]
+  return [s for s in out if schedules is None or s.schedule in schedules]
+
+
+def hardware_for(topology: str | None, name: str | None = None) -> simulate.Hardware:
+  """The simulator's rates: `name` if given, else the TPU generation the topology names, else
+  simulate.NVLINK (a GPU-class device)."""
+  if name is not None:
+    if name not in HARDWARE:
+      raise ConfigError(f'unknown hardware {name!r}; choose --hardware from {", ".join(HARDWARE)}.')
+    return HARDWARE[name]
+  generation = (topology or '').split(':')[0].split('-')[0].lower()
+  return HARDWARE.get(f'tpu-{generation}', simulate.NVLINK)
+
+
+def predicted_step_s(cfg: TrainConfig, setting: Setting, hardware: simulate.Hardware) -> float:
+  """The simulator's steady-state step time of `setting` for cfg's model and batch."""
+  model = cfg.model
+  devices = setting.stages * setting.data_parallel
+  stages = setting.stages if setting.schedule not in ('backprop', 'data_parallel') else 1
+  costs = simulate.transformer_costs(
+    num_layers=model.num_layers,
+    d_model=model.d_model,
+    d_ff=model.d_ff,
+    seq_len=model.seq_len,
+    vocab=model.vocab_size,
+    batch=cfg.batch_size,
+    num_stages=stages,
+    bytes_per_value=2 if model.dtype == 'bfloat16' else 4,
+    **hardware.rates(),
+  )
+  stash = 'graph'
+  if setting.stash and (setting.stash == 'replay' or setting.stash.endswith('/nothing')):
+    stash = 'replay'  # the backward first re-runs the group's forward
+  result = simulate.simulate(
+    setting.schedule,
+    costs,
+    microbatches=setting.microbatches or 1,
+    data_parallel=devices if setting.schedule == 'data_parallel' else 1,
+    stash=stash,
+    forward=setting.forward or 'locked',
+  )
+  return result.step_time
+
+
+def plan(
+  cfg: TrainConfig,
+  topology: str | None,
+  *,
+  microbatches=DEFAULT_MICROBATCHES,
+  stashes=DEFAULT_STASH,
+  schedules=None,
+  hardware: str | None = None,
+  log: Callable[[str], None] | None = None,
+) -> dict:
+  """{'rows': one dict per setting (compile_step's report, the label and the predicted step
+  time), 'fastest': the label of the fastest setting that fits (None if none does)}."""
+  import jax
+
+  devices = compile_lib.topology_devices(topology) if topology else jax.devices()
+  rates = hardware_for(topology, hardware)
+  rows = []
+  for setting in settings(len(devices), microbatches, stashes, schedules):
+    run = config.override(cfg, setting.flags())
+    try:
+      report = compile_lib.compile_step(run, topology)
+    except ConfigError as e:  # a setting this model cannot take (e.g. more stages than layers)
+      report = {'error': str(e), 'fits': False, 'peak_bytes': None}
+    row = {'label': setting.label, **dataclasses.asdict(setting), **report}
+    row['step_s'] = predicted_step_s(cfg, setting, rates) if 'error' not in row else None
+    rows.append(row)
+    if log:
+      log(f'{setting.label:<40} {_peak(row):>9} GiB  {_verdict(row)}')
+  fitting = [r for r in rows if r['fits'] is not False and r['step_s'] is not None]
+  fastest = min(fitting, key=lambda r: r['step_s'])['label'] if fitting else None
+  return {
+    'topology': topology,
+    'devices': len(devices),
+    'hardware': dataclasses.asdict(rates),
+    'rows': rows,
+    'fastest': fastest,
+  }
+
+
+def format_plan(result: dict) -> str:
+  """The plan as a table: one row per setting, the fastest that fits marked with *."""
+  hbm = next((r.get('hbm_bytes') for r in result['rows'] if r.get('hbm_bytes')), None)
+  where = result['topology'] or 'the local devices'
+  lines = [
+    f'{len(result["rows"])} settings on {where} ({result["devices"]} devices, '
+    f'{compile_lib.format_size(hbm)} each); step time from the simulator at '
+    f'{result["hardware"]["name"]} rates.',
+    f'  {"setting":<40} {"peak GiB":>9} {"fits":>5} {"step ms":>8} {"speedup":>8}',
+  ]
+  backprop = next((r['step_s'] for r in result['rows'] if r['schedule'] == 'backprop'), None)
+  for r in result['rows']:
+    mark = '*' if r['label'] == result['fastest'] else ' '
+    step = '-' if r['step_s'] is None else f'{r["step_s"] * 1e3:.3g}'
+    speedup = '-' if not (r['step_s'] and backprop) else f'{backprop / r["step_s"]:.2f}x'
+    lines.append(f'{mark} {r["label"]:<40} {_peak(r):>9} {_verdict(r):>5} {step:>8} {speedup:>8}')
+  lines += [f'  {r["label"]}: {r["error"]}' for r in result['rows'] if 'error' in r]
+  if result['fastest']:
+    lines.append(f'* fastest that fits: {result["fastest"]}')
+  else:
+    lines.append('no setting fits; use more devices, a smaller batch or --dtype bfloat16.')
+  return '\n'.join(lines)
+
+
+def _peak(row: dict) -> str:
+  return '-' if row.get('peak_bytes') is None else f'{row["peak_bytes"] / compile_lib.GIB:.2f}'
+
+
+def _verdict(row: dict) -> str:
+  if 'error' in row:
+    return 'error'
+  return {True: 'yes', False: 'no', None: '?'}[row['fits']]
+
+
+def main_log(line: str) -> None:
+  print(line, file=sys.stderr, flush=True)

@@ -1,0 +1,98 @@
+"""`ouroboros plan`: every setting's compiled memory and predicted step time, the fastest that
+fits marked (here on simulated CPU devices; the TPU topologies compile as in test_compile.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.perf import plan
+from ouroboros_jax.schedules import ScheduleConfig
+
+from helpers import assert_one_line_error, run_cli
+
+SMALL = ('--d-model', 32, '--num-layers', 2, '--seq-len', 32, '--batch-size', 8)
+
+
+def test_plan_lists_every_setting_with_memory_and_step_time():
+  result = run_cli(
+    'plan',
+    *SMALL,
+    '--cpu-devices',
+    2,
+    '--try-schedules',
+    'backprop,1f1b,ouroboros',
+    '--try-microbatches',
+    '2,4',
+    '--try-stash',
+    'graph/nothing,graph/all',
+    '--json',
+    timeout=300,
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  out = json.loads(result.stdout)
+  labels = [r['label'] for r in out['rows']]
+  assert labels == [
+    'backprop',
+    '1f1b M=2',
+    '1f1b M=4',
+    *[
+      f'ouroboros {forward} {stash} M={m}'
+      for forward in ('locked', 'pipelined')
+      for stash in ('graph/nothing', 'graph/all')
+      for m in (2, 4)
+    ],
+  ]
+  rows = {r['label']: r for r in out['rows']}
+  for r in out['rows']:
+    assert r['peak_bytes'] > 0 and r['step_s'] > 0, r
+    assert r['devices'] == (1 if r['schedule'] == 'backprop' else 2)
+  assert rows['ouroboros locked graph/all M=2']['stash'] == 'graph/all'
+  assert rows['ouroboros locked graph/all M=2']['microbatches'] == 2
+  # Keeping nothing of the forward holds less than keeping all of it.
+  nothing, everything = (rows[f'ouroboros locked graph/{p} M=2'] for p in ('nothing', 'all'))
+  assert nothing['ring_bytes'] < everything['ring_bytes']
+  # CPU devices do not say how much memory they have: the fastest is the fastest overall.
+  assert out['fastest'] == min(out['rows'], key=lambda r: r['step_s'])['label']
+
+  table = plan.format_plan(out)
+  assert f'* fastest that fits: {out["fastest"]}' in table
+  assert sum(line.startswith('* ') for line in table.splitlines()) == 2  # the row and the line
+
+
+def test_plan_marks_the_fastest_setting_that_fits():
+  row = lambda label, fits, step: {'label': label, 'schedule': 'x', 'fits': fits, 'step_s': step}
+  rows = [row('a', True, 3.0), row('b', False, 1.0), row('c', True, 2.0)]
+  result = {'topology': 'v5e:2x2', 'devices': 4, 'hardware': {'name': 'tpu-v5e'}, 'rows': rows}
+  fitting = [r for r in rows if r['fits']]
+  assert min(fitting, key=lambda r: r['step_s'])['label'] == 'c'
+  assert 'fastest that fits: c' in plan.format_plan({**result, 'fastest': 'c'})
+  assert 'no setting fits' in plan.format_plan({**result, 'fastest': None})
+
+
+@pytest.mark.parametrize(
+  'flags, words',
+  [
+    (('--try-stash', 'graph/most'), ('unknown stash setting', "'graph/most'", '--try-stash')),
+    (('--try-schedules', 'pipedream'), ('unknown schedule', "'pipedream'", '--try-schedules')),
+    (('--try-microbatches', '0'), ('--try-microbatches', 'positive integers')),
+    (('--hardware', 'abacus'), ('unknown hardware', "'abacus'", '--hardware')),
+  ],
+)
+def test_plan_bad_input_is_one_line(flags, words):
+  assert_one_line_error(run_cli('plan', *SMALL, *flags), 2, *words)
+
+
+def test_ouroboros_cuts_the_batch_on_accelerators_only():
+  run = ScheduleConfig(name='ouroboros', num_stages=4, data_parallel=2)
+  assert run.for_platform('cpu', 32).num_microbatches == 1
+  assert run.for_platform('tpu', 32).num_microbatches == 8  # 16 rows per replica
+  assert run.for_platform('gpu', 12).num_microbatches == 2  # 6 rows: the largest divisor <= 8
+  explicit = ScheduleConfig(name='ouroboros', num_stages=4, microbatches=2)
+  assert explicit.for_platform('tpu', 32).num_microbatches == 2
+  pipeline = ScheduleConfig(name='1f1b', num_stages=4)
+  assert pipeline.for_platform('tpu', 32) == pipeline
+  with pytest.raises(ConfigError, match='unknown stash setting'):
+    plan.settings(4, stashes=('everything',))
