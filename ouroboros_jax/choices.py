@@ -9,4 +9,5 @@ MICROBATCHED = ('gpipe', *EXACT_PIPELINES, 'ouroboros')  # they cut a batch into
 SCHEDULES = ('backprop', 'data_parallel', 'model_parallel', 'gpipe', *EXACT_PIPELINES, 'ouroboros')
 FORWARD_MODES = ('locked', 'pipelined')  # Ouroboros: the paper's forward, or one hop per step
 STASH_MODES = ('graph', 'replay')  # Ouroboros: keep the VJP, or the input to replay it
+STASH_MEMORIES = ('device', 'pinned_host')  # Ouroboros: where the stash waits (JAX memory kinds)
 TIED_GRAD_MODES = ('sum', 'mean')  # a tied embedding: sum or average its two gradients

@@ -118,14 +118,18 @@ def _add_field_flags(parser: argparse.ArgumentParser) -> None:
     '(default: never touch the network, fail in seconds)',
     'data_dir': 'TFDS data dir (default $OUROBOROS_DATA_DIR or ~/.cache/ouroboros_jax/tfds)',
     'schedule': f'one of {", ".join(schedules.SCHEDULES)} (tiny: backprop)',
-    'microbatches': 'gpipe and the exact pipelines: micro-batches per data replica (default 4; '
-    'the other schedules step on the whole batch)',
+    'microbatches': 'gpipe, the exact pipelines and ouroboros: micro-batches per data replica '
+    '(default 4; ouroboros: 1 on CPU, up to 8 on an accelerator; the other schedules step on '
+    'the whole batch)',
     'chunks': 'interleaved: model chunks per device, v (default 2; zb_v always runs 2); the '
     'layers are cut into --stages x v groups',
     'stash': 'ouroboros: graph or replay (tiny: graph)',
     'stash_policy': 'ouroboros graph stash: all (every VJP residual), dots (matmul outputs), '
     'dots_no_batch, nothing (inputs and weights only); less kept = less memory '
-    'traffic, more recompute, same gradient',
+    'traffic, more recompute, same gradient (default nothing)',
+    'stash_memory': 'ouroboros: device (default) or pinned_host, where the stash and the '
+    "forward's weights wait for their delayed backward (host memory: less device memory, a "
+    'transfer each way per step)',
     'layers_per_stage': "e.g. '2,4,4,4' (default: balanced by FLOPs)",
     'pld': 'progressive layer dropping: THETA_BAR,GAMMA (e.g. 0.5,0.001, or default); keep '
     'prob. of layer l: 1-(l/L)(1-theta(t)), theta(t)=(1-theta_bar)exp(-gamma t)'

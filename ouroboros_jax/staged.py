@@ -333,7 +333,7 @@ def keep_placement(step_fn: Callable, mesh: Mesh) -> Callable:
 
   def step(state, batch):
     new_state, metrics = step_fn(state, batch)
-    return jax.lax.with_sharding_constraint(new_state, named(state_specs(new_state), mesh)), metrics
+    return jax.lax.with_sharding_constraint(new_state, state_shardings(new_state, mesh)), metrics
 
   return step
 
@@ -426,8 +426,41 @@ def init_state(
       ring=ring() if ring else {},
     )
 
-  specs = state_specs(jax.eval_shape(fresh_state, params))
-  return jax.jit(fresh_state, out_shardings=named(specs, mesh))(params)
+  shardings = state_shardings(jax.eval_shape(fresh_state, params), mesh)
+  return jax.jit(fresh_state, out_shardings=shardings)(params)
+
+
+# Ring buffers under state.ring[HOST] live in the host's pinned memory (JAX memory kind
+# 'pinned_host'), not the device's: what waits across steps without being read every step.
+HOST = 'host'
+
+
+def state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
+  """`state_specs` as NamedShardings on mesh, the ring's HOST buffers in pinned host memory."""
+  shardings = named(state_specs(state), mesh)
+  if HOST not in state.ring:
+    return shardings
+  # Keys (an extended dtype: a graph stash may keep a dropout key) stay on the device: XLA
+  # hands them back there, and they are a few bytes.
+  in_host = lambda a, s: (
+    s
+    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended)
+    else (s.with_memory_kind('pinned_host'))
+  )
+  ring = dict(shardings.ring)
+  ring[HOST] = jax.tree.map(in_host, state.ring[HOST], ring[HOST])
+  return shardings.replace(ring=ring)
+
+
+def check_pinned_host(mesh: Mesh) -> None:
+  """One-line ConfigError when the mesh's devices have no pinned host memory."""
+  device = mesh.devices.flat[0]
+  kinds = {m.kind for m in device.addressable_memories()}
+  if 'pinned_host' not in kinds:
+    raise ConfigError(
+      f'--stash-memory pinned_host needs host memory the device can reach, and {device.platform} '
+      f'devices have only {", ".join(sorted(kinds))}; use --stash-memory device.'
+    )
 
 
 def state_specs(state: TrainState) -> TrainState:

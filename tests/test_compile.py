@@ -192,20 +192,19 @@ from ouroboros_jax.perf import compile as compile_lib
 from ouroboros_jax.training import config
 
 small = json.loads(sys.argv[1])
-for micro in (1, None):  # None: the accelerator's default
-  cfg = config.override(
-    config.get_preset('tiny'),
-    {**small, 'schedule': 'ouroboros', 'stages': 2, 'microbatches': micro, 'dtype': 'bfloat16'},
-  )
+# None: the accelerator's default micro-batches; pinned_host: the stash in host memory
+for micro, memory in ((1, 'device'), (None, 'device'), (None, 'pinned_host')):
+  ring = {'schedule': 'ouroboros', 'stages': 2, 'microbatches': micro, 'stash_memory': memory}
+  cfg = config.override(config.get_preset('tiny'), {**small, **ring, 'dtype': 'bfloat16'})
   print(json.dumps(compile_lib.compile_step(cfg, sys.argv[2])), flush=True)
 """
 
 
 @needs_libtpu
-def test_the_microbatched_ring_needs_less_memory_on_a_tpu():
+def test_the_microbatched_ring_and_a_host_stash_need_less_memory_on_a_tpu():
   """Ouroboros without --microbatches on a TPU cuts the batch in 8; the compiler's peak per chip
   falls below the un-chunked step's (the stash keeps the same bytes; the step's temporaries are
-  those of one micro-batch)."""
+  those of one micro-batch). With --stash-memory pinned_host the stash leaves the chip."""
   run = subprocess.run(
     [sys.executable, '-c', MICROBATCHED_RING, json.dumps(SMALL), TOPOLOGY],
     cwd=REPO_ROOT,
@@ -215,8 +214,13 @@ def test_the_microbatched_ring_needs_less_memory_on_a_tpu():
     timeout=300,
   )
   assert run.returncode == 0, run.stderr[-3000:]
-  whole, chunked = map(json.loads, run.stdout.splitlines())
+  whole, chunked, in_host = map(json.loads, run.stdout.splitlines())
   assert (whole['microbatches'], chunked['microbatches']) == (1, 8)
   assert whole['stash'] == chunked['stash'] == 'graph/nothing'  # the default stash
   assert chunked['temp_bytes'] < 0.75 * whole['temp_bytes'], (chunked, whole)
   assert chunked['peak_bytes'] < whole['peak_bytes'], (chunked, whole)
+  # The stash and the forward's weights wait in host memory: the chip holds less by about them.
+  assert in_host['host_ring_bytes'] > 0 and chunked['host_ring_bytes'] == 0
+  assert in_host['ring_bytes'] + in_host['host_ring_bytes'] == chunked['ring_bytes']
+  saved = chunked['peak_bytes'] - in_host['peak_bytes']
+  assert 0.5 * in_host['host_ring_bytes'] < saved, (in_host, chunked)

@@ -4,12 +4,21 @@ slow reference runs the M chunks as M streams (reference.py)."""
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
-from ouroboros_jax.schedules import ScheduleConfig, reference
+from ouroboros_jax.schedules import ScheduleConfig, build_schedule, reference
 
-from helpers import adam, max_abs_diff, random_batches, run_schedule, tiny_transformer
+from helpers import (
+  adam,
+  assert_trees_equal,
+  max_abs_diff,
+  random_batches,
+  run_schedule,
+  save_and_restore,
+  tiny_transformer,
+)
 
 TXL = dict(arch='transformer-xl', mem_len=8, pre_ln=True)
 
@@ -76,3 +85,29 @@ def test_microbatches_leave_the_step_unchanged_without_dropout(forward):
   assert max_abs_diff(params, whole.params) > 1e-2
   assert max_abs_diff(whole.params, chunked.params) < 2e-5
   np.testing.assert_allclose(losses_4, losses_1, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+  'stash, forward', [('graph', 'locked'), ('replay', 'pipelined')], ids=['graph', 'replay']
+)
+def test_a_stash_in_host_memory_leaves_the_parameters_bit_identical(stash, forward, tmp_path):
+  """--stash-memory pinned_host: the stash (and the graph stash's weights) wait in the host's
+  pinned memory; every value is the same, and a checkpoint keeps them there."""
+  model, params = tiny_transformer(2, dropout=0.1)
+  batches = random_batches(6, seed=2)
+  options = dict(name='ouroboros', num_stages=2, stash=stash, forward=forward, microbatches=2)
+  on_device, _ = run_schedule(ScheduleConfig(**options), model, adam(), params, batches)
+  config = ScheduleConfig(**options, stash_memory='pinned_host')
+  in_host, _ = run_schedule(config, model, adam(), params, batches)
+  assert max_abs_diff(params, in_host.params) > 1e-2
+  assert_trees_equal(on_device.params, in_host.params)
+  assert_trees_equal(on_device.ring['stash'], in_host.ring['host']['stash'])
+  kinds = {a.sharding.memory_kind for a in jax.tree.leaves(in_host.ring['host'])}
+  assert 'pinned_host' in kinds and 'stash' not in in_host.ring
+  assert {a.sharding.memory_kind for a in jax.tree.leaves(in_host.params)} == {'device'}
+
+  schedule = build_schedule(config, model, adam())
+  restored, _ = save_and_restore(schedule, in_host, params, batches[0], tmp_path, {'position': 6})
+  assert_trees_equal(restored, in_host)
+  restored_kinds = [a.sharding.memory_kind for a in jax.tree.leaves(restored.ring['host'])]
+  assert restored_kinds == [a.sharding.memory_kind for a in jax.tree.leaves(in_host.ring['host'])]

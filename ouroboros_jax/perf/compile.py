@@ -150,7 +150,7 @@ def compile_step(cfg: TrainConfig, topology: str | None = None) -> dict:
   example = loop.example_batch(cfg)
   batch = _placed(example, staged.named(staged.batch_spec(example), schedule.mesh))
   state = jax.eval_shape(schedule.init, params, batch)
-  state = _placed(state, staged.named(staged.state_specs(state), schedule.mesh))
+  state = _placed(state, staged.state_shardings(state, schedule.mesh))
 
   device = devices[0]
   report = {
@@ -169,7 +169,8 @@ def compile_step(cfg: TrainConfig, topology: str | None = None) -> dict:
     'devices': needed,
     'params_bytes': shard_bytes(state.params),
     'opt_state_bytes': shard_bytes(state.opt_state),
-    'ring_bytes': shard_bytes(state.ring),
+    'ring_bytes': shard_bytes({k: v for k, v in state.ring.items() if k != staged.HOST}),
+    'host_ring_bytes': shard_bytes(state.ring.get(staged.HOST, {})),
     'batch_bytes': shard_bytes(batch),
   }
   start = time.perf_counter()

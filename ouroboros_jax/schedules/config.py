@@ -11,6 +11,7 @@ from ouroboros_jax.choices import (
   FORWARD_MODES,
   MICROBATCHED,
   SCHEDULES,
+  STASH_MEMORIES,
   STASH_MODES,
   TIED_GRAD_MODES,
 )
@@ -42,6 +43,7 @@ class ScheduleConfig:
   stash: str = 'graph'  # ouroboros: 'graph' (DDG) or 'replay' (Features Replay)
   stash_policy: str = 'nothing'  # ouroboros graph stash: which residuals (ring.STASH_POLICIES);
   # 'nothing' keeps each group's input and weights and recomputes the rest (docs/memory.md)
+  stash_memory: str = 'device'  # ouroboros: where the stash waits, 'device' or 'pinned_host'
   forward: str = 'locked'  # ouroboros: 'locked' (the paper) or 'pipelined'
   sync_warmup_steps: int = 0  # ouroboros: plain backprop over the ring first
   tied_grad: str = 'sum'  # ouroboros: 'sum' or 'mean' of the tied embedding's two grads
@@ -78,6 +80,7 @@ class ScheduleConfig:
       (self.name, SCHEDULES, 'schedule'),
       (self.stash, STASH_MODES, 'stash'),
       (self.stash_policy, tuple(STASH_POLICIES), 'stash-policy'),
+      (self.stash_memory, STASH_MEMORIES, 'stash-memory'),
       (self.forward, FORWARD_MODES, 'forward'),
       (self.tied_grad, TIED_GRAD_MODES, 'tied-grad'),
     ):
@@ -92,7 +95,7 @@ class ScheduleConfig:
       )
     if self.name != 'ouroboros':  # the Ouroboros-only settings must not pass silently
       defaults = ScheduleConfig()
-      for name in ('stash', 'forward', 'sync_warmup_steps'):
+      for name in ('stash', 'stash_memory', 'forward', 'sync_warmup_steps'):
         if getattr(self, name) != getattr(defaults, name):
           raise ConfigError(
             f'--{name.replace("_", "-")} {getattr(self, name)} applies to '

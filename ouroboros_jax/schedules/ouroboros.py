@@ -26,14 +26,29 @@ At every step t (batch x_t is drawn at step t):
 
 Stash modes (what a device keeps between the forward of a batch and its delayed backward):
   graph   the forward's VJP residuals (as DDG): the gradient is taken at forward-time weights.
+          `stash_policy` chooses which residuals are kept; the default, 'nothing', keeps the
+          group's input and its forward's weights and recomputes the rest in the backward: the
+          same gradient for one extra forward, and no residuals of whole batches in memory.
   replay  only the group's input (as Features Replay): the backward re-runs the forward at the
           current weights and takes the VJP there; one extra forward, far less memory.
 
 Device s needs G - s + 1 stash slots (batches t - (G - s) .. t); SPMD gives every device the same
-buffer shape, so each holds G + 1 slots and device s uses G - s + 1 of them. The embedding's
+buffer shape, so each holds G + 1 slots and device s uses G - s + 1 of them. The weights a graph
+stash differentiates at are kept once per slot, not once per micro-batch. The embedding's
 backward needs only the batch's tokens (its gradient does not depend on its weights), which are
 stashed too. Stashes and the in-flight error gradient are part of `TrainState.ring`: they are
-checkpointed, so a resumed run continues the same trajectory.
+checkpointed, so a resumed run continues the same trajectory. With `stash_memory='pinned_host'`
+the stash and the weights wait in the host's pinned memory (`TrainState.ring['host']`): a step
+copies one slot to the device for the backward and one slot back, and the device holds none.
+
+Micro-batches (`microbatches = M`). The batch goes round the ring in M chunks with the delays of
+the whole batch: the same batch, at the same weights, in every group; each chunk's loss weighs
+1/M and the gradients are summed, so the step is the un-chunked one (to rounding; each chunk
+draws its own dropout mask, as in the exact pipelines). Locked, the forward becomes a wave: in
+round r group s forwards chunk r - s, so it takes M + G - 1 rounds of 1/M of the work instead of
+G rounds of all of it, and the head runs on each chunk as it comes back. Pipelined, every group
+forwards chunk r in round r. The backward takes the chunks one at a time. Only one chunk's
+activations are ever live, which is what makes the step fit (docs/memory.md).
 
 The pipelined forward (`forward='pipelined'`, beyond the paper; docs/design.md). In the
 locked forward every device waits G - 1 rounds per step for its input. Pipelined, device s instead
@@ -146,6 +161,9 @@ def build(
   comp = config.compensation
   compensation.check_fits(comp, config.stash)
   head_lag, backward_lags = lags(num_stages, config.forward)
+  mesh = staged.make_mesh(num_stages, config.data_parallel, devices)
+  if config.stash_memory == 'pinned_host':
+    staged.check_pinned_host(mesh)
   embed_gap, stage_gaps = version_gaps(num_stages, config.forward)
   if num_stages == 1:  # no delay, nothing to compensate: exactly the paper's G = 1 step
     comp = compensation.Compensation()
@@ -155,7 +173,7 @@ def build(
     tx=compensation.wrap(comp, tx, max([embed_gap, *stage_gaps])),
     # Graph: the weights are kept once per batch ('weights'), not once per micro-batch.
     stash=ring_lib.Stash(model, config.stash, config.stash_policy, keep_weights=False),
-    mesh=staged.make_mesh(num_stages, config.data_parallel, devices),
+    mesh=mesh,
     head_lag=head_lag,
     backward_lags=tuple(backward_lags),
     embed_gap=embed_gap,
@@ -181,8 +199,10 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t, t_async):
   s = jax.lax.axis_index(STAGE)
   params_s = ring_lib.local_stage_params(params)
   forward_s = ring_lib.local_stage_params(forward_params)  # = params_s unless predicted
-  local = lambda name: jax.tree.map(lambda a: a[0, 0], buffers.get(name))
-  stash_S, weights_S, batches_S = local('stash'), local('weights'), local('batches')
+  kept_buffers = buffers.get(staged.HOST, buffers)  # offloaded, or beside the others
+  local = lambda tree: jax.tree.map(lambda a: a[0, 0], tree)
+  stash_S, weights_S = local(kept_buffers['stash']), local(kept_buffers.get('weights'))
+  batches_S = local(buffers['batches'])
   memory_M = ring_lib.microbatches(ring_lib.local_memory(buffers), num_micro)  # or None
   cut = lambda tree: ring_lib.microbatches(tree, num_micro)
   lag = jnp.asarray(ring.backward_lags)[s]
@@ -231,9 +251,7 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t, t_async):
     y, kept, memory = jax.lax.cond(
       active, run_forward, lambda x, m, mem: (x, no_kept, mem), x, m, memory
     )
-    stash_S = jax.lax.cond(
-      active, lambda: _write_micro(stash_S, kept, forward_batch % depth, m), lambda: stash_S
-    )
+    stash_S = _write_micro(stash_S, kept, forward_batch % depth, m, active)
     memory_M = jax.tree.map(lambda a, new: a.at[m].set(new), memory_M, memory)
     sent = ring_lib.send_forward(y, num_stages)
     if pipelined:  # to be received during step t + 1; the head reads last step's
@@ -247,9 +265,7 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t, t_async):
       model, params, x_h, targets_M[m_h], 1.0 / num_micro, when=head_on
     )
     head_sum = jax.tree.map(jnp.add, head_sum, (loss, g_head, g_embed))
-    delta_fresh_M = jax.lax.cond(
-      head_on, lambda: delta_fresh_M.at[m_h].set(delta), lambda: delta_fresh_M
-    )
+    delta_fresh_M = delta_fresh_M.at[m_h].set(jnp.where(head_on, delta, delta_fresh_M[m_h]))
     return sent, stash_S, memory_M, head_sum, delta_fresh_M, sent_M
 
   rounds = num_micro if pipelined else num_micro + num_stages - 1
@@ -298,13 +314,12 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t, t_async):
     both = t_async >= ring.backward_lags[0]
     g_embed = jax.tree.map(lambda g: jnp.where(both, 0.5 * g, g), g_embed)
   grads, loss = ring_lib.gather_grads(g_embed, g_head, g_stage, loss)
-  new_buffers = {
-    'stash': stash_S,
-    'batches': batches_S,
-    'delta': ring_lib.whole_batch(delta_next_M),
-  }
-  if weights_S is not None:
-    new_buffers['weights'] = weights_S
+  new_buffers = {'batches': batches_S, 'delta': ring_lib.whole_batch(delta_next_M)}
+  kept = {'stash': stash_S} if weights_S is None else {'stash': stash_S, 'weights': weights_S}
+  if staged.HOST in buffers:
+    new_buffers[staged.HOST] = kept
+  else:
+    new_buffers.update(kept)
   if pipelined:
     new_buffers['act'] = ring_lib.whole_batch(sent_M)
   if new_memory_M is not None:
@@ -320,8 +335,13 @@ def _zeros(shapes):
   return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
 
 
-def _write_micro(stash_S, kept, slot, m):
-  """The stash with micro-batch m of slot `slot` overwritten (leaves [depth, M, ...])."""
+def _write_micro(stash_S, kept, slot, m, when):
+  """The stash with micro-batch m of slot `slot` overwritten (leaves [depth, M, ...]) where
+  `when`; a select, not a cond, so that XLA updates the buffer in place."""
+  old = ring_lib.to_device(jax.tree.map(lambda buf: buf[slot, m], stash_S))
+  kept = ring_lib.into_space_of(
+    jax.tree.map(lambda new, o: jnp.where(when, new, o), kept, old), stash_S
+  )
   return jax.tree.map(lambda buf, v: buf.at[slot, m].set(v), stash_S, kept)
 
 
@@ -359,14 +379,18 @@ def _init(ring: _Ring, params, example_batch):
   buffer = lambda a, *lead: jnp.zeros((num_stages, replicas, *lead, *a.shape), a.dtype)
 
   def fresh_buffers():
+    stash = {'stash': jax.tree.map(lambda a: buffer(a, ring.depth, num_micro), kept)}
+    if ring.stash.graph_mode:  # the weights each batch in flight was forwarded with
+      stash['weights'] = jax.tree.map(lambda a: buffer(a, ring.depth), params_s)
     buffers = {
       **staged.empty_memory(ring.model, params, example_batch, replicas),
-      'stash': jax.tree.map(lambda a: buffer(a, ring.depth, num_micro), kept),
       'batches': jax.tree.map(lambda a: buffer(a, ring.depth), local),
       'delta': buffer(x),
     }
-    if ring.stash.graph_mode:  # the weights each batch in flight was forwarded with
-      buffers['weights'] = jax.tree.map(lambda a: buffer(a, ring.depth), params_s)
+    if ring.config.stash_memory == 'pinned_host':  # waits in host memory (staged.HOST)
+      buffers[staged.HOST] = stash
+    else:
+      buffers.update(stash)
     if ring.pipelined:  # the activation in flight to each device
       buffers['act'] = buffer(x)
     return buffers

@@ -48,6 +48,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from ouroboros_jax.errors import CheckpointError, CorruptCheckpointError
+from ouroboros_jax.schedules.ring import to_device
 
 SUBDIR = 'checkpoints'
 SET_ASIDE = 'checkpoints-set-aside'
@@ -143,7 +144,7 @@ def _words(x: jax.Array) -> jax.Array:
 @jax.jit
 def _fingerprint(tree):
   sums = []
-  for x in jax.tree.leaves(tree):
+  for x in jax.tree.leaves(to_device(tree)):  # a stash in host memory is summed on the device
     words = _words(x).ravel()
     index = jnp.arange(1, words.size + 1, dtype=jnp.uint32)
     # Fletcher-style: the plain sum catches any changed bit, the weighted one moved values.

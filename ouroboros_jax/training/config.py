@@ -427,6 +427,7 @@ _FLAT_SCHEDULE_FIELDS = (
   'chunks',
   'stash',
   'stash_policy',
+  'stash_memory',
   'forward',
   'sync_warmup_steps',
   'tied_grad',

@@ -18,6 +18,7 @@ RESUME_FIELDS = (
   'data_parallel',
   'stash',
   'stash_policy',
+  'stash_memory',
   'forward',
   'microbatches',
   'batch_size',
