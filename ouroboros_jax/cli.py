@@ -338,6 +338,12 @@ def make_parser() -> argparse.ArgumentParser:
     help='ouroboros stashes to try: graph/nothing, graph/dots, graph/all, replay',
   )
   plan.add_argument(
+    '--try-stash-memory',
+    default='device',
+    metavar='M,M',
+    help='where ouroboros stashes wait: device, pinned_host (default device)',
+  )
+  plan.add_argument(
     '--try-schedules', default=None, metavar='S,S', help='only these schedules (default: every one)'
   )
   plan.add_argument(
@@ -347,6 +353,9 @@ def make_parser() -> argparse.ArgumentParser:
     help="the simulator's rates (default: the topology's TPU generation, else nvlink-300GBps)",
   )
   plan.add_argument('--json', action='store_true', help='print one JSON object')
+  plan.add_argument(
+    '--render', default=None, metavar='FILE', help='print the table of a saved --json plan'
+  )
   _cpu_devices_flag(plan)
   _add_field_flags(plan)
 
@@ -499,8 +508,12 @@ def _run_compile(args) -> int:
 
 def _run_plan(args) -> int:
   """Prints the plan; 1 when no setting fits, else 0."""
-  cfg = _compile_target(args)
   from ouroboros_jax.perf import plan as plan_lib
+
+  if args.render is not None:
+    print(plan_lib.format_plan(plan_lib.load(args.render)))
+    return 0
+  cfg = _compile_target(args)
 
   counts = _int_list(args.try_microbatches, '--try-microbatches')
   stashes = tuple(s.strip() for s in args.try_stash.split(',') if s.strip())
@@ -510,6 +523,7 @@ def _run_plan(args) -> int:
     microbatches=counts,
     stashes=stashes,
     schedules=args.try_schedules and tuple(args.try_schedules.split(',')),
+    memories=tuple(args.try_stash_memory.split(',')),
     hardware=args.hardware,
     log=plan_lib.main_log,  # progress on stderr, the result on stdout
   )
@@ -602,10 +616,13 @@ def out_of_memory_message(args: argparse.Namespace, exc: BaseException) -> str:
       spread.append('--schedule gpipe or ouroboros with --stages N (the layers cut over N devices)')
     elif run.num_stages < model.num_layers:
       spread.append(f'more --stages (now {run.num_stages})')
-    if run.name == 'ouroboros' and run.stash == 'graph':
-      if run.stash_policy != 'nothing':
+    if run.name == 'ouroboros':
+      if run.stash == 'graph' and run.stash_policy != 'nothing':
         spread.append('--stash-policy nothing')
-      spread.append('--stash replay')
+      if run.stash_memory == 'device':
+        spread.append('--stash-memory pinned_host')
+      if run.stash == 'graph':
+        spread.append('--stash replay')
   spread.append('more devices')
   return (
     f'{head}; lower {", ".join(sizes[:-1])} or {sizes[-1]}; or use {", ".join(spread)} '

@@ -68,7 +68,7 @@ def test_a_saved_state_holds_no_zero_size_array():
 
 
 def test_transformer_xl_ouroboros_resumes_bitwise(tmp_path, text_corpus):
-  """The txl-tiny preset's defaults with Ouroboros (graph stash, policy `all`, mem_len 0): a
+  """The txl-tiny preset's defaults with Ouroboros (graph stash, policy `nothing`, mem_len 0): a
   run stopped after its first checkpoint and resumed ends equal to an uninterrupted one."""
   corpus = tmp_path / 'corpus.txt'  # small, so that the final test evaluation is short
   with open(text_corpus, 'rb') as f:

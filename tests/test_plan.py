@@ -16,7 +16,7 @@ from helpers import assert_one_line_error, run_cli
 SMALL = ('--d-model', 32, '--num-layers', 2, '--seq-len', 32, '--batch-size', 8)
 
 
-def test_plan_lists_every_setting_with_memory_and_step_time():
+def test_plan_lists_every_setting_with_memory_and_step_time(tmp_path):
   result = run_cli(
     'plan',
     *SMALL,
@@ -25,9 +25,11 @@ def test_plan_lists_every_setting_with_memory_and_step_time():
     '--try-schedules',
     'backprop,1f1b,ouroboros',
     '--try-microbatches',
-    '2,4',
+    '2',
     '--try-stash',
     'graph/nothing,graph/all',
+    '--try-stash-memory',
+    'device,pinned_host',
     '--json',
     timeout=300,
   )
@@ -37,12 +39,12 @@ def test_plan_lists_every_setting_with_memory_and_step_time():
   assert labels == [
     'backprop',
     '1f1b M=2',
-    '1f1b M=4',
     *[
-      f'ouroboros {forward} {stash} M={m}'
+      f'ouroboros {forward} {stash} M={m}{host}'
       for forward in ('locked', 'pipelined')
       for stash in ('graph/nothing', 'graph/all')
-      for m in (2, 4)
+      for host in ('', ' host')
+      for m in (2,)
     ],
   ]
   rows = {r['label']: r for r in out['rows']}
@@ -54,12 +56,19 @@ def test_plan_lists_every_setting_with_memory_and_step_time():
   # Keeping nothing of the forward holds less than keeping all of it.
   nothing, everything = (rows[f'ouroboros locked graph/{p} M=2'] for p in ('nothing', 'all'))
   assert nothing['ring_bytes'] < everything['ring_bytes']
+  # ... and a stash in host memory leaves the device's ring.
+  in_host = rows['ouroboros locked graph/all M=2 host']
+  assert in_host['host_ring_bytes'] > 0 and in_host['ring_bytes'] < everything['ring_bytes']
   # CPU devices do not say how much memory they have: the fastest is the fastest overall.
   assert out['fastest'] == min(out['rows'], key=lambda r: r['step_s'])['label']
 
   table = plan.format_plan(out)
   assert f'* fastest that fits: {out["fastest"]}' in table
   assert sum(line.startswith('* ') for line in table.splitlines()) == 2  # the row and the line
+  saved = tmp_path / 'plan.json'
+  saved.write_text(result.stdout)
+  rendered = run_cli('plan', '--render', saved)
+  assert rendered.returncode == 0 and rendered.stdout.strip() == table, rendered.stderr
 
 
 def test_plan_marks_the_fastest_setting_that_fits():
@@ -79,6 +88,8 @@ def test_plan_marks_the_fastest_setting_that_fits():
     (('--try-schedules', 'pipedream'), ('unknown schedule', "'pipedream'", '--try-schedules')),
     (('--try-microbatches', '0'), ('--try-microbatches', 'positive integers')),
     (('--hardware', 'abacus'), ('unknown hardware', "'abacus'", '--hardware')),
+    (('--try-stash-memory', 'disk'), ('unknown stash memory', "'disk'", '--try-stash-memory')),
+    (('--render', 'missing.json'), ('--render missing.json', 'not a saved plan', '--json')),
   ],
 )
 def test_plan_bad_input_is_one_line(flags, words):

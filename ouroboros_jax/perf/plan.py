@@ -6,7 +6,8 @@ libtpu, compile-only, or the local devices), it builds every setting
 
   backprop (1 device), data_parallel (all devices), model_parallel,
   gpipe and the exact pipelines at each of --try-microbatches,
-  ouroboros locked and pipelined, at each of --try-microbatches and each of --try-stash
+  ouroboros locked and pipelined, at each of --try-microbatches, --try-stash and
+  --try-stash-memory (device by default; pinned_host: the stash in host memory)
 
 with G = the topology's device count, compiles each setting's training step for the topology's
 devices (`compile.compile_step`: the per-device peak from the compiler's memory analysis, or from
@@ -25,7 +26,7 @@ import dataclasses
 import sys
 from typing import Callable
 
-from ouroboros_jax.choices import EXACT_PIPELINES, SCHEDULES
+from ouroboros_jax.choices import EXACT_PIPELINES, SCHEDULES, STASH_MEMORIES
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.perf import compile as compile_lib
 from ouroboros_jax.perf import simulate
@@ -54,6 +55,7 @@ class Setting:
   microbatches: int | None = None
   stash: str | None = None  # ouroboros: graph/POLICY or replay
   forward: str | None = None  # ouroboros: locked or pipelined
+  stash_memory: str | None = None  # ouroboros: device or pinned_host
 
   @property
   def label(self) -> str:
@@ -64,6 +66,8 @@ class Setting:
       parts.append(self.stash)
     if self.microbatches:
       parts.append(f'M={self.microbatches}')
+    if self.stash_memory == 'pinned_host':
+      parts.append('host')
     return ' '.join(parts)
 
   def flags(self) -> dict:
@@ -71,16 +75,27 @@ class Setting:
     flags['microbatches'] = self.microbatches
     if self.schedule == 'ouroboros':
       mode, _, policy = self.stash.partition('/')
-      flags.update(stash=mode, forward=self.forward)
+      flags.update(stash=mode, forward=self.forward, stash_memory=self.stash_memory)
       if policy:
         flags['stash_policy'] = policy
     return flags
 
 
 def settings(
-  num_devices: int, microbatches=DEFAULT_MICROBATCHES, stashes=DEFAULT_STASH, schedules=None
+  num_devices: int,
+  microbatches=DEFAULT_MICROBATCHES,
+  stashes=DEFAULT_STASH,
+  schedules=None,
+  memories=('device',),
 ):
-  """Every setting on `num_devices` devices (stages = num_devices), of `schedules` (None: all)."""
+  """Every setting on `num_devices` devices (stages = num_devices), of `schedules` (None: all);
+  Ouroboros' in each of `memories` (where its stash waits)."""
+  for memory in memories:
+    if memory not in STASH_MEMORIES:
+      raise ConfigError(
+        f'unknown stash memory {memory!r}; choose --try-stash-memory from '
+        f'{", ".join(STASH_MEMORIES)}.'
+      )
   unknown = sorted(set(schedules or ()) - set(SCHEDULES))
   if unknown:
     raise ConfigError(
@@ -101,10 +116,18 @@ def settings(
       out += [Setting(name, num_devices, microbatches=m) for m in microbatches]
     for forward in ('locked', 'pipelined'):
       for stash in stashes:
-        out += [
-          Setting('ouroboros', num_devices, microbatches=m, stash=stash, forward=forward)
-          for m in microbatches
-        ]
+        for memory in memories:
+          out += [
+            Setting(
+              'ouroboros',
+              num_devices,
+              microbatches=m,
+              stash=stash,
+              forward=forward,
+              stash_memory=memory,
+            )
+            for m in microbatches
+          ]
   return [s for s in out if schedules is None or s.schedule in schedules]
 
 
@@ -156,6 +179,7 @@ def plan(
   microbatches=DEFAULT_MICROBATCHES,
   stashes=DEFAULT_STASH,
   schedules=None,
+  memories=('device',),
   hardware: str | None = None,
   log: Callable[[str], None] | None = None,
 ) -> dict:
@@ -166,7 +190,7 @@ def plan(
   devices = compile_lib.topology_devices(topology) if topology else jax.devices()
   rates = hardware_for(topology, hardware)
   rows = []
-  for setting in settings(len(devices), microbatches, stashes, schedules):
+  for setting in settings(len(devices), microbatches, stashes, schedules, memories):
     run = config.override(cfg, setting.flags())
     try:
       report = compile_lib.compile_step(run, topology)
@@ -210,6 +234,19 @@ def format_plan(result: dict) -> str:
   else:
     lines.append('no setting fits; use more devices, a smaller batch or --dtype bfloat16.')
   return '\n'.join(lines)
+
+
+def load(path: str) -> dict:
+  """A plan saved with --json (one-line ConfigError if it is not one)."""
+  import json
+
+  try:
+    with open(path) as f:
+      result = json.load(f)
+    result['rows'], result['fastest']  # noqa: B018
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise ConfigError(f'--render {path}: not a saved plan ({e}); save one with --json.') from e
+  return result
 
 
 def _peak(row: dict) -> str:
