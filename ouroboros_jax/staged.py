@@ -435,6 +435,22 @@ def init_state(
 HOST = 'host'
 
 
+def _in_host(a) -> bool:
+  return jax.typeof(a).memory_space == jax.memory.Space.Host
+
+
+def to_device(tree):
+  """Leaves held in host memory (`--stash-memory pinned_host`) copied to the device's."""
+  move = lambda a: jax.device_put(a, jax.memory.Space.Device) if _in_host(a) else a
+  return jax.tree.map(move, tree)
+
+
+def into_space_of(values, buffers):
+  """values moved to the memory (device or host) of the buffers they are written into."""
+  move = lambda v, buf: jax.device_put(v, jax.memory.Space.Host) if _in_host(buf) else v
+  return jax.tree.map(move, values, buffers)
+
+
 def state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
   """`state_specs` as NamedShardings on mesh, the ring's HOST buffers in pinned host memory."""
   shardings = named(state_specs(state), mesh)

@@ -241,7 +241,7 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t, t_async):
   head_zeros = _zeros(jax.eval_shape(lambda: ring_lib.head(model, params, x_like, targets_M[0])))
 
   def forward_round(r, carry):
-    received, stash_S, memory_M, head_sum, delta_fresh_M, sent_M = carry
+    received, kept_M, memory_M, head_sum, delta_fresh_M, sent_M = carry
     m = r if pipelined else r - s
     active = (m >= 0) & (m < num_micro)
     m = jnp.clip(m, 0, num_micro - 1)
@@ -251,7 +251,7 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t, t_async):
     y, kept, memory = jax.lax.cond(
       active, run_forward, lambda x, m, mem: (x, no_kept, mem), x, m, memory
     )
-    stash_S = _write_micro(stash_S, kept, forward_batch % depth, m, active)
+    kept_M = _write_micro(kept_M, kept, m, active)
     memory_M = jax.tree.map(lambda a, new: a.at[m].set(new), memory_M, memory)
     sent = ring_lib.send_forward(y, num_stages)
     if pipelined:  # to be received during step t + 1; the head reads last step's
@@ -266,22 +266,25 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t, t_async):
     )
     head_sum = jax.tree.map(jnp.add, head_sum, (loss, g_head, g_embed))
     delta_fresh_M = delta_fresh_M.at[m_h].set(jnp.where(head_on, delta, delta_fresh_M[m_h]))
-    return sent, stash_S, memory_M, head_sum, delta_fresh_M, sent_M
+    return sent, kept_M, memory_M, head_sum, delta_fresh_M, sent_M
 
   rounds = num_micro if pipelined else num_micro + num_stages - 1
   zeros_M = jnp.zeros((num_micro, *x_like.shape), x_like.dtype)
   carry = (
     jnp.zeros(x_like.shape, x_like.dtype),
-    stash_S,
+    jax.tree.map(lambda a: jnp.zeros((num_micro, *a.shape), a.dtype), no_kept),
     memory_M,
     head_zeros[:3],
     zeros_M,
     zeros_M,
   )
-  _, stash_S, new_memory_M, head_sum, delta_fresh_M, sent_M = jax.lax.fori_loop(
+  _, kept_M, new_memory_M, head_sum, delta_fresh_M, sent_M = jax.lax.fori_loop(
     0, rounds, forward_round, carry
   )
   loss, g_head, g_embed_fresh = head_sum
+  # One write of the slot after the loop, rather than the stash carried through it: a loop's
+  # carry is a buffer of its own, and carrying the stash would cost copies of all of it.
+  stash_S = ring_lib.write_slot(stash_S, kept_M, forward_batch, depth)
   if num_stages == 1:  # lag 0: the backward needs what was just kept
     stash_b, weights_b, inputs_b = read()
 
@@ -335,14 +338,12 @@ def _zeros(shapes):
   return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
 
 
-def _write_micro(stash_S, kept, slot, m, when):
-  """The stash with micro-batch m of slot `slot` overwritten (leaves [depth, M, ...]) where
-  `when`; a select, not a cond, so that XLA updates the buffer in place."""
-  old = ring_lib.to_device(jax.tree.map(lambda buf: buf[slot, m], stash_S))
-  kept = ring_lib.into_space_of(
-    jax.tree.map(lambda new, o: jnp.where(when, new, o), kept, old), stash_S
-  )
-  return jax.tree.map(lambda buf, v: buf.at[slot, m].set(v), stash_S, kept)
+def _write_micro(kept_M, kept, m, when):
+  """What this step keeps of its M micro-batches ([M, ...]), micro-batch m's entry set to kept
+  where `when`; a select, not a cond, so that XLA updates the buffer in place."""
+  old = jax.tree.map(lambda buf: buf[m], kept_M)
+  kept = jax.tree.map(lambda new, o: jnp.where(when, new, o), kept, old)
+  return jax.tree.map(lambda buf, v: buf.at[m].set(v), kept_M, kept)
 
 
 # -- the state and the step --------------------------------------------------------------------

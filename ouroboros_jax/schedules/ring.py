@@ -57,30 +57,14 @@ def microbatch_key(key, m, num_microbatches: int):
 def read_slot(buffers, batch_index, depth: int):
   """The entries of batch `batch_index` in ring buffers of `depth` slots (slot = index % depth),
   in device memory wherever the buffers live."""
-  return to_device(jax.tree.map(lambda buf: buf[batch_index % depth], buffers))
+  return staged.to_device(jax.tree.map(lambda buf: buf[batch_index % depth], buffers))
 
 
 def write_slot(buffers, values, batch_index, depth: int):
   """Ring buffers with batch `batch_index`'s slot overwritten by `values` (in place under jit
   when nothing reads the old buffer afterwards)."""
-  values = into_space_of(values, buffers)
+  values = staged.into_space_of(values, buffers)
   return jax.tree.map(lambda buf, v: buf.at[batch_index % depth].set(v), buffers, values)
-
-
-def _in_host(a) -> bool:
-  return jax.typeof(a).memory_space == jax.memory.Space.Host
-
-
-def to_device(tree):
-  """Leaves held in host memory (`--stash-memory pinned_host`) copied to the device's."""
-  move = lambda a: jax.device_put(a, jax.memory.Space.Device) if _in_host(a) else a
-  return jax.tree.map(move, tree)
-
-
-def into_space_of(values, buffers):
-  """values moved to the memory (device or host) of the buffers they are written into."""
-  move = lambda v, buf: jax.device_put(v, jax.memory.Space.Host) if _in_host(buf) else v
-  return jax.tree.map(move, values, buffers)
 
 
 def local_stage_params(params):
