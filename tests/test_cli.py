@@ -403,10 +403,11 @@ def test_a_sync_warm_up_as_long_as_the_run_is_refused():
 
 
 def test_microbatches_on_a_schedule_without_them_is_refused():
-  for schedule in ('ouroboros', 'model_parallel'):
+  for schedule in ('model_parallel',):
     _refused(
       ['--schedule', schedule, '--stages', '2', '--microbatches', '3'],
       '--microbatches 3 applies to --schedule gpipe',
+      'ouroboros',
       f'not {schedule}',
       'drop it',
     )
@@ -415,6 +416,7 @@ def test_microbatches_on_a_schedule_without_them_is_refused():
   for flags, micro in (
     (['--schedule', 'ouroboros', '--stages', '2'], 1),  # not given: nothing to refuse
     (['--schedule', 'ouroboros', '--stages', '2', '--microbatches', '1'], 1),
+    (['--schedule', 'ouroboros', '--stages', '2', '--microbatches', '8'], 8),
     (['--schedule', 'gpipe', '--stages', '2'], 4),  # not given: gpipe's default
     (['--schedule', 'gpipe', '--stages', '2', '--microbatches', '8'], 8),
   ):
