@@ -338,6 +338,13 @@ def make_parser() -> argparse.ArgumentParser:
     help='ouroboros stashes to try: graph/nothing, graph/dots, graph/all, replay',
   )
   plan.add_argument(
+    '--try-stages',
+    default=None,
+    metavar='G,G',
+    help='stage counts to try, each with the other devices as data replicas (default: all '
+    'devices in one ring)',
+  )
+  plan.add_argument(
     '--try-stash-memory',
     default='device',
     metavar='M,M',
@@ -524,6 +531,7 @@ def _run_plan(args) -> int:
     stashes=stashes,
     schedules=args.try_schedules and tuple(args.try_schedules.split(',')),
     memories=tuple(args.try_stash_memory.split(',')),
+    stages=args.try_stages and _int_list(args.try_stages, '--try-stages'),
     hardware=args.hardware,
     log=plan_lib.main_log,  # progress on stderr, the result on stdout
   )

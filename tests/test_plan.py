@@ -88,6 +88,7 @@ def test_plan_marks_the_fastest_setting_that_fits():
     (('--try-schedules', 'pipedream'), ('unknown schedule', "'pipedream'", '--try-schedules')),
     (('--try-microbatches', '0'), ('--try-microbatches', 'positive integers')),
     (('--hardware', 'abacus'), ('unknown hardware', "'abacus'", '--hardware')),
+    (('--try-stages', '3'), ('--try-stages 3', 'does not divide', 'choose divisors of')),
     (('--try-stash-memory', 'disk'), ('unknown stash memory', "'disk'", '--try-stash-memory')),
     (('--render', 'missing.json'), ('--render missing.json', 'not a saved plan', '--json')),
   ],
@@ -107,3 +108,22 @@ def test_ouroboros_cuts_the_batch_on_accelerators_only():
   assert pipeline.for_platform('tpu', 32) == pipeline
   with pytest.raises(ConfigError, match='unknown stash setting'):
     plan.settings(4, stashes=('everything',))
+
+
+def test_stages_that_leave_devices_over_run_data_replicas():
+  from ouroboros_jax.training import config
+
+  labels = [s.label for s in plan.settings(4, (8,), ('graph/nothing',), stages=(2, 4))]
+  assert labels[:3] == ['backprop', 'data_parallel', 'model_parallel G=2xR=2']
+  assert 'ouroboros G=2xR=2 locked graph/nothing M=8' in labels
+  assert 'ouroboros locked graph/nothing M=8' in labels  # G = 4: one ring of every device
+  hybrid = plan.Setting('1f1b', stages=2, data_parallel=2, microbatches=4)
+  assert hybrid.flags() == dict(schedule='1f1b', stages=2, data_parallel=2, microbatches=4)
+  cfg = config.get_preset('gpt2-small')
+  ring = plan.Setting('1f1b', stages=2, microbatches=4)
+  # Two replicas each step on half the batch: faster than one ring on all of it.
+  assert (
+    0
+    < plan.predicted_step_s(cfg, hybrid, plan.TPU_V5E)
+    < plan.predicted_step_s(cfg, ring, plan.TPU_V5E)
+  )

@@ -61,10 +61,11 @@ class Setting:
 
   @property
   def label(self) -> str:
+    if self.schedule == 'ouroboros':
+      micro = '' if self.microbatches == 1 else f'M={self.microbatches} '
+      return f'ouroboros {micro}{self.forward}/{self.stash}'
     if self.schedule in MICROBATCHED:
       return f'{self.schedule} M={self.microbatches}'
-    if self.schedule == 'ouroboros':
-      return f'ouroboros {self.forward}/{self.stash}'
     return self.schedule
 
   def schedule_config(
@@ -94,6 +95,7 @@ def default_settings(devices: int, num_layers: int | None = None) -> list[Settin
   if num_layers is None or num_layers >= 2 * g:
     out += [Setting(name, g, microbatches=8) for name in ('interleaved', 'zb_v')]
   out += [Setting('ouroboros', g, stash=s, forward=f) for f in FORWARD_MODES for s in STASH_MODES]
+  out += [Setting('ouroboros', g, 8, stash='graph', forward=f) for f in FORWARD_MODES]
   return out
 
 

@@ -9,9 +9,10 @@ libtpu, compile-only, or the local devices), it builds every setting
   ouroboros locked and pipelined, at each of --try-microbatches, --try-stash and
   --try-stash-memory (device by default; pinned_host: the stash in host memory)
 
-with G = the topology's device count, compiles each setting's training step for the topology's
-devices (`compile.compile_step`: the per-device peak from the compiler's memory analysis, or from
-its out-of-memory verdict) and predicts its step time with the discrete-event simulator
+with G = the topology's device count (or each of --try-stages, the other devices then data
+replicas), compiles each setting's training step for the topology's devices
+(`compile.compile_step`: the per-device peak from the compiler's memory analysis, or from its
+out-of-memory verdict) and predicts its step time with the discrete-event simulator
 (`simulate.py`, the model's FLOPs at `hardware`'s effective rate and link bandwidth; a graph
 stash that keeps nothing ('graph/nothing') re-runs the forward in its backward, so it is timed
 as replay). The fastest setting that fits is marked.
@@ -60,6 +61,8 @@ class Setting:
   @property
   def label(self) -> str:
     parts = [self.schedule]
+    if self.schedule != 'data_parallel' and self.data_parallel > 1:  # a stage x data mesh
+      parts.append(f'G={self.stages}xR={self.data_parallel}')
     if self.forward:
       parts.append(self.forward)
     if self.stash:
@@ -87,9 +90,18 @@ def settings(
   stashes=DEFAULT_STASH,
   schedules=None,
   memories=('device',),
+  stages=None,
 ):
-  """Every setting on `num_devices` devices (stages = num_devices), of `schedules` (None: all);
-  Ouroboros' in each of `memories` (where its stash waits)."""
+  """Every setting on `num_devices` devices, of `schedules` (None: all): the stage schedules at
+  each G of `stages` (None: G = num_devices) with num_devices / G data replicas, Ouroboros' in
+  each of `memories` (where its stash waits)."""
+  stages = stages or (num_devices,)
+  for g in stages:
+    if g < 1 or num_devices % g:
+      raise ConfigError(
+        f'--try-stages {g} does not divide the {num_devices} devices into data replicas; '
+        f'choose divisors of {num_devices}.'
+      )
   for memory in memories:
     if memory not in STASH_MEMORIES:
       raise ConfigError(
@@ -108,23 +120,18 @@ def settings(
       )
   out = [Setting('backprop')]
   if num_devices > 1:
-    out += [
-      Setting('data_parallel', data_parallel=num_devices),
-      Setting('model_parallel', num_devices),
-    ]
+    out.append(Setting('data_parallel', data_parallel=num_devices))
+  for g in (g for g in stages if g > 1):
+    on = dict(stages=g, data_parallel=num_devices // g)
+    out.append(Setting('model_parallel', **on))
     for name in ('gpipe', *EXACT_PIPELINES):
-      out += [Setting(name, num_devices, microbatches=m) for m in microbatches]
+      out += [Setting(name, **on, microbatches=m) for m in microbatches]
     for forward in ('locked', 'pipelined'):
       for stash in stashes:
         for memory in memories:
           out += [
             Setting(
-              'ouroboros',
-              num_devices,
-              microbatches=m,
-              stash=stash,
-              forward=forward,
-              stash_memory=memory,
+              'ouroboros', **on, microbatches=m, stash=stash, forward=forward, stash_memory=memory
             )
             for m in microbatches
           ]
@@ -143,9 +150,12 @@ def hardware_for(topology: str | None, name: str | None = None) -> simulate.Hard
 
 
 def predicted_step_s(cfg: TrainConfig, setting: Setting, hardware: simulate.Hardware) -> float:
-  """The simulator's steady-state step time of `setting` for cfg's model and batch."""
+  """The simulator's steady-state step time of `setting` for cfg's model and batch. On a stage x
+  data mesh, one replica's step on its share of the batch (the gradient all-reduce between the
+  replicas is not modelled)."""
   model = cfg.model
-  devices = setting.stages * setting.data_parallel
+  data = setting.schedule == 'data_parallel'
+  replicas = 1 if data else setting.data_parallel
   stages = setting.stages if setting.schedule not in ('backprop', 'data_parallel') else 1
   costs = simulate.transformer_costs(
     num_layers=model.num_layers,
@@ -153,7 +163,7 @@ def predicted_step_s(cfg: TrainConfig, setting: Setting, hardware: simulate.Hard
     d_ff=model.d_ff,
     seq_len=model.seq_len,
     vocab=model.vocab_size,
-    batch=cfg.batch_size,
+    batch=cfg.batch_size // replicas,
     num_stages=stages,
     bytes_per_value=2 if model.dtype == 'bfloat16' else 4,
     **hardware.rates(),
@@ -165,7 +175,7 @@ def predicted_step_s(cfg: TrainConfig, setting: Setting, hardware: simulate.Hard
     setting.schedule,
     costs,
     microbatches=setting.microbatches or 1,
-    data_parallel=devices if setting.schedule == 'data_parallel' else 1,
+    data_parallel=setting.data_parallel if data else 1,
     stash=stash,
     forward=setting.forward or 'locked',
   )
@@ -180,6 +190,7 @@ def plan(
   stashes=DEFAULT_STASH,
   schedules=None,
   memories=('device',),
+  stages=None,
   hardware: str | None = None,
   log: Callable[[str], None] | None = None,
 ) -> dict:
@@ -190,7 +201,7 @@ def plan(
   devices = compile_lib.topology_devices(topology) if topology else jax.devices()
   rates = hardware_for(topology, hardware)
   rows = []
-  for setting in settings(len(devices), microbatches, stashes, schedules, memories):
+  for setting in settings(len(devices), microbatches, stashes, schedules, memories, stages):
     run = config.override(cfg, setting.flags())
     try:
       report = compile_lib.compile_step(run, topology)
