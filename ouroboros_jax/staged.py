@@ -435,6 +435,12 @@ def init_state(
 HOST = 'host'
 
 
+def _floating(a) -> bool:
+  return not jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended) and jnp.issubdtype(
+    a.dtype, jnp.floating
+  )
+
+
 def _in_host(a) -> bool:
   return jax.typeof(a).memory_space == jax.memory.Space.Host
 
@@ -456,13 +462,10 @@ def state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
   shardings = named(state_specs(state), mesh)
   if HOST not in state.ring:
     return shardings
-  # Keys (an extended dtype: a graph stash may keep a dropout key) stay on the device: XLA
-  # hands them back there, and they are a few bytes.
-  in_host = lambda a, s: (
-    s
-    if jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended)
-    else (s.with_memory_kind('pinned_host'))
-  )
+  # Only floating-point buffers (activations, weights: the bulk) move. Keys, masks and indices
+  # a stash may keep stay on the device: they are a few bytes, XLA hands keys back there, and
+  # the TPU cannot slice packed 8-bit buffers in host memory.
+  in_host = lambda a, s: s.with_memory_kind('pinned_host') if _floating(a) else s
   ring = dict(shardings.ring)
   ring[HOST] = jax.tree.map(in_host, state.ring[HOST], ring[HOST])
   return shardings.replace(ring=ring)

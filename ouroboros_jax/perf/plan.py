@@ -207,6 +207,10 @@ def plan(
       report = compile_lib.compile_step(run, topology)
     except ConfigError as e:  # a setting this model cannot take (e.g. more stages than layers)
       report = {'error': str(e), 'fits': False, 'peak_bytes': None}
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      # A compiler that fails on one setting says nothing about the others: report it, go on.
+      reason = ' '.join(str(e).split())[:300]
+      report = {'error': f'the compiler failed: {reason}', 'fits': False, 'peak_bytes': None}
     row = {'label': setting.label, **dataclasses.asdict(setting), **report}
     row['step_s'] = predicted_step_s(cfg, setting, rates) if 'error' not in row else None
     rows.append(row)
