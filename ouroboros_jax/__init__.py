@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib
 
+from ouroboros_jax import txl  # noqa: F401  (registers Transformer-XL with model.init_params)
 from ouroboros_jax.errors import ConfigError, UserError
 from ouroboros_jax.schedules import SCHEDULES, ScheduleConfig, build_schedule
 from ouroboros_jax.schedules.compensation import Compensation, make_optimizer

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -171,7 +171,7 @@ def precision(cfg: ModelConfig) -> dict:
   return {'dtype': cfg.compute_dtype, 'param_dtype': cfg.weight_dtype}
 
 
-def _dropout(x, rate: float, rng):
+def dropout(x, rate: float, rng):
   """Inverted dropout; a no-op when rate is 0 or there is no rng (evaluation)."""
   if rate == 0.0 or rng is None:
     return x
@@ -248,8 +248,8 @@ class Block(nnx.Module):
     """`scale` multiplies both residual branches (progressive layer dropping uses 1/p)."""
     rate = self.cfg.dropout
     rng_attn, rng_mlp = (None, None) if rng is None else jax.random.split(rng)
-    attention = lambda x: _dropout(self.attention(x, taps), rate, rng_attn)
-    mlp = lambda x: _dropout(self.mlp(x, taps), rate, rng_mlp)
+    attention = lambda x: dropout(self.attention(x, taps), rate, rng_attn)
+    mlp = lambda x: dropout(self.mlp(x, taps), rate, rng_mlp)
     norm = lambda name, x: self.sublayer(name, x, taps)
     if self.cfg.pre_ln:
       x_BxLxD = x_BxLxD + scale * attention(norm('ln_attn', x_BxLxD))
@@ -307,15 +307,23 @@ def _merge(graphdef, params: Params):
   return nnx.merge(graphdef, params)
 
 
+# The initialiser of each architecture. Other architectures build on this module and register
+# theirs when imported (txl.py; the package's __init__ imports it), so this module imports none.
+_INITIALISERS: dict[str, Callable[[ModelConfig, jax.Array], Params]] = {}
+
+
+def register_arch(arch: str, init: Callable[[ModelConfig, jax.Array], Params]) -> None:
+  """Make `init_params` build the model `arch` names with `init(cfg, key)`."""
+  _INITIALISERS[arch] = init
+
+
 def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
   """Random initial parameters, layer parameters stacked on a leading axis of size num_layers
   (of the model `cfg.arch` names: this module's, or `txl.py`'s)."""
   cfg.validate()
-  if cfg.arch == 'transformer-xl':
-    from ouroboros_jax import txl  # txl builds on this module
-
-    return txl.init_params(cfg, key)
-  return _init_params(cfg, key)
+  if cfg.arch == 'gpt':
+    return _init_params(cfg, key)
+  return _INITIALISERS[cfg.arch](cfg, key)
 
 
 def _init_params(cfg: ModelConfig, key: jax.Array) -> Params:
@@ -345,7 +353,7 @@ def init_modules(cfg: ModelConfig, key: jax.Array, embedder: type, block: type) 
 def embed(cfg: ModelConfig, embed_params: Params, tokens_BxL, rng=None):
   """Token ids -> residual stream x_BxLxD (module 1's first piece)."""
   x_BxLxD = _merge(_graphdefs(cfg)[0], embed_params)(tokens_BxL)
-  return _dropout(x_BxLxD, cfg.dropout, rng)
+  return dropout(x_BxLxD, cfg.dropout, rng)
 
 
 def layers(

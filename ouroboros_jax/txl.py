@@ -36,7 +36,7 @@ from flax import nnx
 
 from ouroboros_jax import attention as attention_kernels
 from ouroboros_jax import model as gpt
-from ouroboros_jax.model import ModelConfig, Params, _dropout
+from ouroboros_jax.model import ModelConfig, Params, dropout
 
 ARCH = 'transformer-xl'
 
@@ -99,16 +99,16 @@ class RelBlock(nnx.Module):
     return self.attn_out(y_BxLxHxK.reshape(b, l, d))
 
   def mlp(self, x_BxLxD, rng):
-    hidden = _dropout(jax.nn.relu(self.mlp_in(x_BxLxD)), self.cfg.dropout, rng)
+    hidden = dropout(jax.nn.relu(self.mlp_in(x_BxLxD)), self.cfg.dropout, rng)
     return self.mlp_out(hidden)
 
   def __call__(self, x_BxLxD, memory_BxMxD, key_start_B, pos_JxD, rng=None):
     rate = self.cfg.dropout
     rngs = [None] * 4 if rng is None else list(jax.random.split(rng, 4))
-    attention = lambda x: _dropout(
+    attention = lambda x: dropout(
       self.attention(x, memory_BxMxD, key_start_B, pos_JxD, rngs[0]), rate, rngs[1]
     )
-    mlp = lambda x: _dropout(
+    mlp = lambda x: dropout(
       self.mlp(self.ln_mlp(x) if self.cfg.pre_ln else x, rngs[2]), rate, rngs[3]
     )
     if self.cfg.pre_ln:
@@ -157,6 +157,9 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
   return params
 
 
+gpt.register_arch(ARCH, init_params)
+
+
 # The global biases: one parameter read by every layer. Each layer's params keep a copy (so a
 # layer stays self-contained when the stack is cut into stages); the optimizer sums the copies'
 # gradients and writes one value back to all of them (`staged.apply_gradients`).
@@ -172,7 +175,7 @@ def embed(cfg: ModelConfig, embed_params: Params, tokens_BxL, rng=None):
   """Token ids -> x_BxLxD = sqrt(D) V[tokens], with dropout."""
   token = nnx.merge(_graphdefs(cfg)[0], embed_params).token
   x_BxLxD = (token(tokens_BxL) * cfg.d_model**0.5).astype(cfg.compute_dtype)
-  return _dropout(x_BxLxD, cfg.dropout, rng)
+  return dropout(x_BxLxD, cfg.dropout, rng)
 
 
 def layers(
@@ -201,7 +204,7 @@ def layers(
   def body(x, per_layer):
     params, hidden_BxMxD, layer_rng, active = per_layer
     pos_rng, block_rng = (None, None) if layer_rng is None else jax.random.split(layer_rng)
-    pos = _dropout(pos_JxD, cfg.dropout, pos_rng)
+    pos = dropout(pos_JxD, cfg.dropout, pos_rng)
     read = jax.lax.stop_gradient(hidden_BxMxD)  # no gradient into a previous segment
 
     def run(x):

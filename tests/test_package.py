@@ -68,6 +68,57 @@ def test_no_module_imports_from_a_layer_above_its_own():
   assert not upward, upward
 
 
+def _module_graph() -> dict[str, set[str]]:
+  """Each module of the package (dotted, without 'ouroboros_jax.') -> the modules it imports,
+  lazy imports inside functions included. `from ouroboros_jax.schedules import ring` is an edge
+  to schedules.ring, not to the schedules package."""
+  modules = {}
+  for path in sorted(PACKAGE.rglob('*.py')):
+    parts = path.relative_to(PACKAGE).with_suffix('').parts
+    modules['.'.join(parts[:-1] if parts[-1] == '__init__' else parts)] = path
+
+  def resolve(name: str) -> str | None:
+    dotted = name.removeprefix('ouroboros_jax').lstrip('.')
+    while dotted and dotted not in modules:  # a name imported from a module: the module
+      dotted = dotted.rpartition('.')[0]
+    return dotted or None  # None: the package's own __init__
+
+  def imported(path):  # every dotted name an import statement may mean, module or attribute
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ImportFrom) and (node.module or '').startswith('ouroboros_jax'):
+        yield from (f'{node.module}.{a.name}' for a in node.names)
+      elif isinstance(node, ast.Import):
+        yield from (a.name for a in node.names if a.name.startswith('ouroboros_jax.'))
+
+  graph = {}
+  for name, path in modules.items():
+    if not name:  # the package's __init__ imports everything it re-exports
+      continue
+    graph[name] = {m for m in map(resolve, imported(path)) if m and m != name}
+  return graph
+
+
+def test_no_import_cycle_even_inside_a_layer():
+  graph = _module_graph()
+  assert {'model', 'txl', 'schedules.ring'} <= set(graph) and graph['txl']  # the graph is real
+  done, path = set(), []
+
+  def visit(module):
+    if module in path:
+      cycle = path[path.index(module) :] + [module]
+      pytest.fail('import cycle: ' + ' -> '.join(cycle))
+    if module in done:
+      return
+    path.append(module)
+    for other in sorted(graph.get(module, ())):
+      visit(other)
+    path.pop()
+    done.add(module)
+
+  for module in sorted(graph):
+    visit(module)
+
+
 @pytest.mark.parametrize('old, new', sorted(ouroboros_jax.MOVED_MODULES.items()))
 def test_the_modules_of_the_flat_layout_still_import(old, new):
   module = getattr(ouroboros_jax, old)
