@@ -543,13 +543,21 @@ def onto_mesh(tree: PyTree, mesh: Mesh) -> PyTree:
   return jax.tree.map(place, tree)
 
 
-def check_batch(batch: dict, divisor: int, what: str) -> None:
-  size = batch['inputs'].shape[0]
-  if size % divisor:
+def check_batch(batch: dict, replicas: int, microbatches: int = 1) -> None:
+  """Every data replica gets B/R examples and cuts them into M micro-batches."""
+  size, divisor = batch['inputs'].shape[0], replicas * microbatches
+  if size % divisor == 0:
+    return
+  if microbatches > 1:
     raise ConfigError(
-      f'batch size {size} is not divisible by {what} = {divisor}; '
-      f'choose --batch-size as a multiple of {divisor}.'
+      f'batch size {size} is not divisible by --data-parallel x --microbatches = {replicas} x '
+      f'{microbatches} = {divisor}; choose --batch-size as a multiple of {divisor} or change '
+      '--data-parallel / --microbatches.'
     )
+  raise ConfigError(
+    f'batch size {size} is not divisible by --data-parallel = {replicas}; '
+    f'choose --batch-size as a multiple of {replicas} or change --data-parallel.'
+  )
 
 
 EMBED_PIECE = -1

@@ -56,13 +56,12 @@ from ouroboros_jax.schedules.synchronous import (
   build_data_parallel,
   build_gpipe,
   build_model_parallel,
-  check_batch,
   gpipe_idle_fraction,
   model_parallel_idle_fraction,
   replica_key,
   synchronous_update,
 )
-from ouroboros_jax.staged import Schedule, StagedModel
+from ouroboros_jax.staged import Schedule, StagedModel, check_batch
 
 __all__ = [
   'SCHEDULES',

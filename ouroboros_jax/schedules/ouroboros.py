@@ -358,7 +358,7 @@ def _init(ring: _Ring, params, example_batch):
     ring.num_stages,
     ring.num_microbatches,
   )
-  staged.check_batch(example_batch, replicas * num_micro, 'data replicas x micro-batches')
+  staged.check_batch(example_batch, replicas, num_micro)
   local = jax.tree.map(
     lambda a: jax.ShapeDtypeStruct((a.shape[0] // replicas, *a.shape[1:]), a.dtype), example_batch
   )
@@ -457,9 +457,7 @@ def _grads(ring: _Ring, state: TrainState, forward_params, batch, t, t_async):
 
 
 def _step(ring: _Ring, state: TrainState, batch: dict):
-  staged.check_batch(
-    batch, ring.config.data_parallel * ring.num_microbatches, 'data replicas x micro-batches'
-  )
+  staged.check_batch(batch, ring.config.data_parallel, ring.num_microbatches)
   model, t = ring.model, state.step
   t_async = t - ring.config.sync_warmup_steps
   warm = t_async < 0

@@ -38,23 +38,6 @@ def synchronous_update(
   return new_state, {'loss': loss, 'loss_batch': state.step, 'grad_norm': grad_norm}
 
 
-def check_batch(batch: dict, replicas: int, microbatches: int = 1) -> None:
-  """Every data replica gets B/R examples and cuts them into M micro-batches."""
-  size, divisor = batch['inputs'].shape[0], replicas * microbatches
-  if size % divisor == 0:
-    return
-  if microbatches > 1:
-    raise ConfigError(
-      f'batch size {size} is not divisible by --data-parallel x --microbatches = {replicas} x '
-      f'{microbatches} = {divisor}; choose --batch-size as a multiple of {divisor} or change '
-      '--data-parallel / --microbatches.'
-    )
-  raise ConfigError(
-    f'batch size {size} is not divisible by --data-parallel = {replicas}; '
-    f'choose --batch-size as a multiple of {replicas} or change --data-parallel.'
-  )
-
-
 def replica_key(seed: int, t, replicas: int):
   """Batch t's dropout key on this data replica: replicas draw different masks."""
   key = staged.batch_key(seed, t)
@@ -130,7 +113,7 @@ def synchronous_schedule(
 
   def init(params, example_batch=None):
     if example_batch is not None:
-      check_batch(example_batch, replicas, microbatches)
+      staged.check_batch(example_batch, replicas, microbatches)
     if groups > 1 and staged.stage_count(params) != groups:
       runs = (
         f'has --stages {num_stages}'
@@ -145,7 +128,7 @@ def synchronous_schedule(
     return staged.init_state(tx, params, mesh, memory, model.shared)
 
   def step(state: TrainState, batch: dict):
-    check_batch(batch, replicas, microbatches)
+    staged.check_batch(batch, replicas, microbatches)
     param_specs, buffer_specs = staged.param_specs(state.params), staged.ring_specs(state.ring)
     grads_of = jax.shard_map(
       device_grads,
