@@ -15,12 +15,8 @@ builder returns a `Schedule` whose `step(state, batch) -> (state, metrics)` is a
 function of a `TrainState` pytree, so schedules are interchangeable and their parameters are
 directly comparable.
 
-The optimizer is an Optax transformation applied *per module group* ('embed', each stage, 'head'),
-after one global-norm clip over the whole gradient. Each stage has its own optimizer state (the
-state is vmapped over the stage axis), as each device of a ring has its own optimizer; a group
-that has no gradient yet (Ouroboros' first K-k steps) is left exactly as it is. A parameter that
-every layer uses (`StagedModel.shared`) is stored as one copy per layer slot, all equal; its
-gradient is the sum of the copies' gradients and it has one optimizer state, 'shared'.
+The optimizer step every schedule shares (one clip, an Optax update per module group) is
+update.py's `GroupedOptimizer`.
 """
 
 from __future__ import annotations
@@ -37,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.update import GroupedOptimizer
 
 PyTree = Any
 STAGE, DATA = 'stage', 'data'
@@ -91,7 +88,7 @@ class StagedModel:
   weight_split: WeightSplit | None = None  # a cheap W for the zero-bubble pipelines, if any
   memory: Memory | None = None  # a recurrent state per stage (Transformer-XL), if any
   # Names of top-level stage-parameter leaves ([G, N, ...]) that are ONE parameter used by every
-  # layer of every stage (Transformer-XL's global biases u and v); see `apply_gradients`.
+  # layer of every stage (Transformer-XL's global biases u and v); see update.py.
   shared: tuple[str, ...] = ()
 
   def run_stage(self, stage_params, x, stage_index, rng, memory=None):
@@ -167,126 +164,6 @@ class Schedule(NamedTuple):
 
 
 # ----------------------------------------------------------------------------- optimizer
-
-
-def init_opt_state(
-  tx: optax.GradientTransformation, params: PyTree, shared: tuple[str, ...] = ()
-) -> PyTree:
-  """One Optax state per module group, and one for the shared stage leaves if there are any."""
-  opt_state = {
-    'embed': tx.init(params['embed']),
-    'stages': jax.vmap(tx.init)(params['stages']),
-    'head': tx.init(params['head']),
-  }
-  if shared:
-    opt_state['shared'] = tx.init(shared_params(params, shared))
-  return opt_state
-
-
-def shared_params(params: PyTree, shared: tuple[str, ...]) -> dict:
-  """{name: value} of each shared stage leaf; every layer slot holds it, stage 0's first (always
-  a real layer) is read."""
-  return {name: params['stages'][name][0, 0] for name in shared}
-
-
-def split_shared(grads_stages: dict, shared: tuple[str, ...], ready_G) -> tuple[dict, dict]:
-  """(the stage gradients with the shared leaves zeroed, {name: gradient of the one shared
-  parameter}): the sum over every layer of the ready stages, as the chain rule gives for a
-  parameter used by all of them."""
-  summed = {}
-  for name in shared:
-    g_GxN = grads_stages[name]
-    ready = ready_G.reshape((-1,) + (1,) * (g_GxN.ndim - 1))
-    summed[name] = jnp.sum(jnp.where(ready, g_GxN, 0), axis=(0, 1))
-  zeroed = {name: jnp.zeros_like(grads_stages[name]) for name in shared}
-  return {**grads_stages, **zeroed}, summed
-
-
-def apply_gradients(
-  tx,
-  params,
-  opt_state,
-  grads,
-  *,
-  clip_norm: float | None,
-  embed_ready=True,
-  stages_ready_G=None,
-  head_ready=True,
-  delays=None,
-  shared: tuple[str, ...] = (),
-):
-  """One optimizer step per module group; a group that is not ready stays exactly as it was.
-
-  Returns (params, opt_state, grad_norm). `clip_norm` clips the global norm of the whole gradient
-  (the norm is taken over every group at once, so all schedules clip identically). `delays`
-  ({'embed': d, 'stages': [G], 'head': d}, or None) is each group's version gap, passed to tx as
-  the Optax extra argument `delay` (the staleness compensations of compensation.py read it;
-  plain transformations ignore it).
-
-  `shared` (`StagedModel.shared`; their state is opt_state['shared'], `init_opt_state`): stage
-  leaves that are one parameter of every layer. They are updated once, from the sum of their
-  gradients over every layer of the ready stages, when any stage is ready; every layer slot then
-  gets the new value. Their delay is the largest among the ready stages (their
-  gradient mixes contributions of every stage's delay; the oldest is the one a compensation must
-  not under-correct). The clip counts that summed gradient once.
-  """
-  num_stages = stage_count(params)
-  stages_ready_G = jnp.ones((num_stages,), bool) if stages_ready_G is None else stages_ready_G
-  delays = delays or {'embed': None, 'stages': None, 'head': None}  # None: no delay anywhere
-  grads = dict(grads)
-  if shared:
-    grads['stages'], grads['shared'] = split_shared(grads['stages'], shared, stages_ready_G)
-  grads, grad_norm = clip_by_global_norm(grads, clip_norm)
-
-  def update(p, s, g, ready, delay):
-    new_p, new_s = update_group(tx, p, s, g, delay)
-    keep = lambda new, old: jnp.where(ready, new, old)
-    return jax.tree.map(keep, new_p, p), jax.tree.map(keep, new_s, s)
-
-  embed_p, embed_s = update(
-    params['embed'], opt_state['embed'], grads['embed'], embed_ready, delays['embed']
-  )
-  head_p, head_s = update(
-    params['head'], opt_state['head'], grads['head'], head_ready, delays['head']
-  )
-  stages_p, stages_s = jax.vmap(update)(
-    params['stages'], opt_state['stages'], grads['stages'], stages_ready_G, delays['stages']
-  )
-  new_opt_state = {'embed': embed_s, 'stages': stages_s, 'head': head_s}
-  if shared:
-    delay = delays['stages']
-    if delay is not None:
-      delay = jnp.max(jnp.where(stages_ready_G, jnp.asarray(delay), 0))
-    one_p, new_opt_state['shared'] = update(
-      shared_params(params, shared),
-      opt_state['shared'],
-      grads['shared'],
-      jnp.any(stages_ready_G),
-      delay,
-    )
-    every_slot = {
-      name: jnp.broadcast_to(one_p[name], params['stages'][name].shape) for name in shared
-    }
-    stages_p = {**stages_p, **every_slot}
-  return ({'embed': embed_p, 'stages': stages_p, 'head': head_p}, new_opt_state, grad_norm)
-
-
-def clip_by_global_norm(grads, clip_norm: float | None):
-  """(grads scaled so their global norm is at most clip_norm (None: unchanged), the norm)."""
-  grad_norm = optax.tree.norm(grads)
-  if clip_norm:
-    scale = jnp.minimum(1.0, clip_norm / (grad_norm + 1e-6))
-    grads = jax.tree.map(lambda g: g * scale.astype(g.dtype), grads)
-  return grads, grad_norm
-
-
-def update_group(tx, params, opt_state, grads, delay=None):
-  """One optimizer step of one module group: (new params, new optimizer state). `delay` is
-  passed to tx as the Optax extra argument (see apply_gradients)."""
-  updates, opt_state = optax.with_extra_args_support(tx).update(
-    grads, opt_state, params, delay=delay
-  )
-  return optax.apply_updates(params, updates), opt_state
 
 
 def kernel_mask(tree):
@@ -407,11 +284,7 @@ def ring_specs(ring: PyTree) -> PyTree:
 
 
 def init_state(
-  tx: optax.GradientTransformation,
-  params: PyTree,
-  mesh: Mesh,
-  ring: Callable[[], PyTree] | None = None,
-  shared: tuple[str, ...] = (),
+  optimizer: GroupedOptimizer, params: PyTree, mesh: Mesh, ring: Callable[[], PyTree] | None = None
 ) -> TrainState:
   """The fresh TrainState of every schedule: step 0, the params, one optimizer state per group,
   and the schedule's ring buffers (`ring()`, leaves [G, R, ...] sharded over (stage, data)), on
@@ -422,7 +295,7 @@ def init_state(
     return TrainState(
       step=jnp.zeros((), jnp.int32),
       params=params,
-      opt_state=init_opt_state(tx, params, shared),
+      opt_state=optimizer.init(params),
       ring=ring() if ring else {},
     )
 

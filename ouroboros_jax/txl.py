@@ -162,7 +162,7 @@ gpt.register_arch(ARCH, init_params)
 
 # The global biases: one parameter read by every layer. Each layer's params keep a copy (so a
 # layer stays self-contained when the stack is cut into stages); the optimizer sums the copies'
-# gradients and writes one value back to all of them (`staged.apply_gradients`).
+# gradients and writes one value back to all of them (`update.GroupedOptimizer`).
 SHARED = ('r_w_bias', 'r_r_bias')
 
 

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ouroboros_jax import staged
 from ouroboros_jax.model import ConfigError
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule, compensation, reference
 from ouroboros_jax.schedules.compensation import Compensation
+from ouroboros_jax.update import GroupedOptimizer
 
 from helpers import adam, max_abs_diff, random_batches, run_schedule, tiny_transformer
 
@@ -111,7 +111,7 @@ def test_one_stage_with_every_compensation_is_uncompensated_bit_for_bit():
 def test_prediction_with_zero_update_is_the_identity():
   model, params = tiny_transformer(2)
   tx = compensation.remember_update(adam())
-  opt_state = staged.init_opt_state(tx, params)
+  opt_state = GroupedOptimizer(tx).init(params)
   gaps = {'embed': 2, 'stages': jnp.asarray([2, 1]), 'head': 0}
   predicted = compensation.predict_weights(params, opt_state, gaps)
   assert max_abs_diff(predicted, params) == 0.0
@@ -120,7 +120,7 @@ def test_prediction_with_zero_update_is_the_identity():
 def test_prediction_moves_each_group_by_its_gap():
   model, params = tiny_transformer(2)
   tx = compensation.remember_update(adam())
-  opt_state = staged.init_opt_state(tx, params)
+  opt_state = GroupedOptimizer(tx).init(params)
   ones = jax.tree.map(jnp.ones_like, params)
   opt_state = {k: v._replace(last_update=ones[k]) for k, v in opt_state.items()}
   gaps = {'embed': 3, 'stages': jnp.asarray([2, 1]), 'head': 0}
@@ -139,7 +139,7 @@ def test_prediction_moves_a_shared_parameter_by_each_stages_gap():
   hold the copy (its per-stage optimizer states see no gradient of it)."""
   model, params = tiny_transformer(2, arch='transformer-xl')
   tx = compensation.remember_update(adam())
-  opt_state = staged.init_opt_state(tx, params, model.shared)
+  opt_state = GroupedOptimizer(tx, shared=model.shared).init(params)
   u_step = jax.tree.map(lambda a: jnp.full_like(a, 0.5), opt_state['shared'].last_update)
   opt_state['shared'] = opt_state['shared']._replace(last_update=u_step)
   gaps = {'embed': 0, 'stages': jnp.asarray([2, 0]), 'head': 0}

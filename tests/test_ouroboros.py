@@ -14,6 +14,7 @@ from ouroboros_jax.model import ConfigError
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule, reference
 from ouroboros_jax.schedules.delays import staleness
 from ouroboros_jax.staged import StagedModel
+from ouroboros_jax.update import GroupedOptimizer
 
 from helpers import (
   SEQ,
@@ -255,7 +256,8 @@ def delayed_exact_gradients(model, tx, params, batches, num_stages):
     return model.loss(p['head'], p['embed_out'], x, batch['targets'])[0]
 
   grad_of = jax.jit(jax.grad(split_loss))
-  opt_state, history = staged.init_opt_state(tx, params), []
+  optimizer = GroupedOptimizer(tx)
+  opt_state, history = optimizer.init(params), []
   for t, batch in enumerate(batches):
     history.append(grad_of({**params, 'embed_out': params['embed']}, batch))
     at = lambda lag: history[t - lag] if t >= lag else None
@@ -270,9 +272,8 @@ def delayed_exact_gradients(model, tx, params, batches, num_stages):
       'head': history[t]['head'],
     }
     ready = jnp.asarray([t >= num_stages - s for s in range(num_stages)])
-    params, opt_state, _ = staged.apply_gradients(
-      tx, params, opt_state, grads, clip_norm=None, stages_ready_G=ready
-    )
+    ready = {'embed': True, 'stages': ready, 'head': True}
+    params, opt_state, _ = optimizer.apply(params, opt_state, grads, ready)
   return params
 
 

@@ -21,6 +21,7 @@ LAYERS = {
   'txl': 1,
   'attention': 1,
   'staged': 1,
+  'update': 1,
   'partition': 1,
   'costs': 1,
   'runtime': 1,

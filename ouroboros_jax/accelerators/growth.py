@@ -58,6 +58,7 @@ from ouroboros_jax import costs, staged
 from ouroboros_jax import model as transformer
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.model import ModelConfig
+from ouroboros_jax.update import clip_by_global_norm, update_group
 
 METHODS = ('mslt', 'stacking')
 INITS = ('copy_top', 'random')
@@ -259,8 +260,8 @@ def make_step(
     loss, grads, trainable = mslt_grads(
       cfg, params, batch, staged.batch_key(seed, t), num_frozen, train_embedding
     )
-    grads, _ = staged.clip_by_global_norm(grads, clip_norm)
-    update = functools.partial(staged.update_group, tx)
+    grads, _ = clip_by_global_norm(grads, clip_norm)
+    update = functools.partial(update_group, tx)
     new_params, new_opt = dict(params), dict(opt_state)
     for group in ('embed', 'head'):
       if group in trainable:

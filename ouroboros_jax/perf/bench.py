@@ -49,6 +49,7 @@ from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.perf import simulate
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule, ring
 from ouroboros_jax.schedules.compensation import Compensation, make_optimizer
+from ouroboros_jax.update import GroupedOptimizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,8 +168,8 @@ def measure_pieces(
 
   # The optimizer update (clip + the optimizer) of each device's own parameters: stage s, and on
   # device 0 also the embedding and the head.
-  tx = bench_optimizer(optimizer)
-  apply = jax.jit(lambda p, o, g: staged.apply_gradients(tx, p, o, g, clip_norm=1.0))
+  grouped = GroupedOptimizer(bench_optimizer(optimizer), clip_norm=1.0)
+  apply = jax.jit(grouped.apply)
   update = []
   for s in range(len(layers_per_stage)):
     own = {
@@ -177,7 +178,7 @@ def measure_pieces(
       'stages': jax.tree.map(lambda a: a[s : s + 1], params['stages']),
     }
     grads = jax.tree.map(jnp.ones_like, own)
-    update.append(_median_time(apply, own, staged.init_opt_state(tx, own), grads, repeats=repeats))
+    update.append(_median_time(apply, own, grouped.init(own), grads, repeats=repeats))
   return {
     'fwd': fwd,
     'bwd': bwd,

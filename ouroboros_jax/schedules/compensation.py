@@ -9,7 +9,7 @@ head). The pieces here attack that gap from three sides, each where the fix live
                      (Ajanthan et al., ICML 2025), or Muon (Jordan et al. 2024; Zmushko et al. 2026
                      find it far less sensitive to delay than AdamW);
   the gradient       Optax transformations that read the extra argument `delay` (the module's
-                     version gap, passed by `staged.apply_gradients`): `shrink_delayed` (FDG),
+                     version gap, passed by `update.GroupedOptimizer`): `shrink_delayed` (FDG),
                      `delay_compensation` (DC-ASGD-a);
   the update         `scale_by_delay` (PipeMare's learning-rate rescheduling);
   the forward        weight prediction (SpecTrain / PipeOptim): `remember_update` keeps each
@@ -346,7 +346,7 @@ def predict_weights(params: PyTree, opt_state: PyTree, gaps: PyTree) -> PyTree:
   `remember_update` optimizer); gaps has one version gap per group: a scalar for 'embed' and
   'head', one per stage ([G]) for 'stages'. A gap of 0 returns the weights unchanged.
 
-  A parameter every layer shares (an opt_state['shared'] group, `staged.apply_gradients`) moves
+  A parameter every layer shares (an opt_state['shared'] group, `update.GroupedOptimizer`) moves
   by its own latest update, in each stage's slots with that stage's gap: the weights that
   stage's gradient will meet.
   """

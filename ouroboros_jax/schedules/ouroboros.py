@@ -1,84 +1,19 @@
 """Ouroboros: delayed-gradient model parallelism on a ring of devices.
 
-Yang, Huo, Wang, Huang, Carin. "Ouroboros: On Accelerating Training of Transformer-Based Language
-Models", NeurIPS 2019. The paper published no code; this is its schedule written out exactly.
+Yang, Huo, Wang, Huang, Carin, NeurIPS 2019; the full statement is docs/algorithm.md. K = G + 1
+modules on G devices: device 0 holds module 1 (embedding V, layer group 0) and module K (norm,
+tied V^T, loss); layer group s is on device s. At every step t:
 
-Placement (the paper's Figure 2). The model is cut into K = G + 1 modules on G devices of the
-mesh axis `stage`. Module 1 (embedding V and layer group 0) and module K (final norm, output
-projection V^T, softmax loss) share device 0, because V is tied; modules 2..K-1 (layer groups
-1..G-1) sit on devices 1..G-1. Activations go 0 -> 1 -> ... -> G-1 -> 0, error gradients go the
-other way: the ring is the snake that eats its tail. Layer group s is module k = s + 1.
-
-At every step t (batch x_t is drawn at step t):
-
-  1. Forward, locked (as in the paper and in DDG): batch t runs through groups 0..G-1 in order
-     with the current weights; device s stashes what its delayed backward will need.
-  2. Head (module K, device 0): loss_t, the head's gradient and delta_{G-1}^t, all fresh.
+  1. Forward, locked: batch t runs through groups 0..G-1 with the current weights; device s
+     stashes what its delayed backward needs (graph: VJP residuals; replay: the input).
+  2. Head, device 0: loss_t, the head's gradient and delta_{G-1}^t, all fresh.
   3. Backward, every device at once: group s back-propagates batch t - (G - s) with the error
-     gradient it received during step t - 1 and its stash of that batch. Module k's staleness is
-     K - k = G - s: the head is fresh, group G-1 is 1 step stale, module 1 is G steps stale. The
-     only thing that crosses devices in the backward is one ring hop: device s sends its input
-     gradient to s - 1, and device 0 sends the head's fresh delta to G - 1, for the next step.
-  4. Update: every module applies its own gradient with its own optimizer state. Group s has no
-     gradient during its first G - s steps and does not update then. The tied V gets the head's
-     fresh gradient of batch t plus module 1's stale input-embedding gradient of batch t - G,
-     summed (`tied_grad='mean'` halves the sum once both exist).
+     gradient it received during step t - 1, then sends its input gradient one hop back.
+  4. Update: each module with its own optimizer state, once its first gradient has arrived; the
+     tied V sums the head's fresh gradient and module 1's stale one.
 
-Stash modes (what a device keeps between the forward of a batch and its delayed backward):
-  graph   the forward's VJP residuals (as DDG): the gradient is taken at forward-time weights.
-          `stash_policy` chooses which residuals are kept; the default, 'nothing', keeps the
-          group's input and its forward's weights and recomputes the rest in the backward: the
-          same gradient for one extra forward, and no residuals of whole batches in memory.
-  replay  only the group's input (as Features Replay): the backward re-runs the forward at the
-          current weights and takes the VJP there; one extra forward, far less memory.
-
-Device s needs G - s + 1 stash slots (batches t - (G - s) .. t); SPMD gives every device the same
-buffer shape, so each holds G + 1 slots and device s uses G - s + 1 of them. The weights a graph
-stash differentiates at are kept once per slot, not once per micro-batch. The embedding's
-backward needs only the batch's tokens (its gradient does not depend on its weights), which are
-stashed too. Stashes and the in-flight error gradient are part of `TrainState.ring`: they are
-checkpointed, so a resumed run continues the same trajectory. With `stash_memory='pinned_host'`
-the stash and the weights wait in the host's pinned memory (`TrainState.ring['host']`): a step
-copies one slot to the device for the backward and one slot back, and the device holds none.
-
-Micro-batches (`microbatches = M`). The batch goes round the ring in M chunks with the delays of
-the whole batch: the same batch, at the same weights, in every group; each chunk's loss weighs
-1/M and the gradients are summed, so the step is the un-chunked one (to rounding; each chunk
-draws its own dropout mask, as in the exact pipelines). Locked, the forward becomes a wave: in
-round r group s forwards chunk r - s, so it takes M + G - 1 rounds of 1/M of the work instead of
-G rounds of all of it, and the head runs on each chunk as it comes back. Pipelined, every group
-forwards chunk r in round r. The backward takes the chunks one at a time. Only one chunk's
-activations are ever live, which is what makes the step fit (docs/memory.md).
-
-The pipelined forward (`forward='pipelined'`, beyond the paper; docs/design.md). In the
-locked forward every device waits G - 1 rounds per step for its input. Pipelined, device s instead
-forwards at step t what its predecessor produced at step t - 1, so every device runs one forward
-and one backward per step at the same time and the step time approaches (F + B) / G. Counting one
-ring hop per step, at step t:
-
-  group s forwards batch t - s        (group 0 embeds batch t itself)
-  the head sees batch t - G           (group G-1's output needs one more hop, back to device 0)
-  group s back-propagates batch t - 2G + s   (the head's delta reaches G-1 one step later, then
-                                              one more step per group on the way down)
-
-so group s's gradient is 2G - s steps stale (the head G steps), group s keeps 2(G - s) + 1
-batches in flight (every device holds 2G + 1 slots), and the forward of one batch itself uses
-weights of different steps in different groups (as in PipeDream). A group starts updating at step
-2G - s, the head at step G; the tied V gets the head's gradient of batch t - G plus module 1's of
-batch t - 2G. `metrics['loss_batch']` says which batch a reported loss belongs to (t - G).
-`reference.py` runs the same schedule with Python deques; the tests compare the two.
-
-G = 1 puts every module on one device; there is no hop to wait for, so the step is plain backprop
-(with either forward).
-With `sync_warmup_steps = N` the first N steps are plain synchronous backprop over the same
-placement (the `model_parallel` step: locked forward, locked backward, `ring.locked_grads`), and
-the delayed schedule starts at step N with empty pipes.
-
-The pieces it shares with `model_parallel` (stash, locked forward, head, embedding backward,
-gathering the gradients) live in `ring.py`.
-
-Everything runs inside one `jax.shard_map` over (stage, data): with data parallelism each data
-replica runs its own ring on its share of the batch, and gradients are averaged over `data`.
+Pipelined (`forward='pipelined'`): group s forwards batch t - s and back-propagates t - 2G + s.
+With M micro-batches the batch goes round the ring in M chunks with the whole batch's delays.
 """
 
 from __future__ import annotations
@@ -97,6 +32,7 @@ from ouroboros_jax.schedules import compensation
 from ouroboros_jax.schedules import ring as ring_lib
 from ouroboros_jax.schedules.delays import lags, version_gaps
 from ouroboros_jax.staged import STAGE, Schedule, StagedModel, TrainState
+from ouroboros_jax.update import GroupedOptimizer
 
 
 def idle_fraction(
@@ -117,7 +53,7 @@ class _Ring:
 
   config: Any  # the ScheduleConfig
   model: StagedModel
-  tx: optax.GradientTransformation  # wrapped with the update-side compensations
+  optimizer: GroupedOptimizer  # its tx wrapped with the update-side compensations
   stash: ring_lib.Stash  # what a device keeps of each batch until its delayed backward
   mesh: Any
   head_lag: int  # the head computes the loss of batch t - head_lag
@@ -170,7 +106,9 @@ def build(
   ring = _Ring(
     config=config,
     model=model,
-    tx=compensation.wrap(comp, tx, max([embed_gap, *stage_gaps])),
+    optimizer=GroupedOptimizer(
+      compensation.wrap(comp, tx, max([embed_gap, *stage_gaps])), config.clip_norm, model.shared
+    ),
     # Graph: the weights are kept once per batch ('weights'), not once per micro-batch.
     stash=ring_lib.Stash(model, config.stash, config.stash_policy, keep_weights=False),
     mesh=mesh,
@@ -396,7 +334,7 @@ def _init(ring: _Ring, params, example_batch):
       buffers['act'] = buffer(x)
     return buffers
 
-  return staged.init_state(ring.tx, params, ring.mesh, fresh_buffers, ring.model.shared)
+  return staged.init_state(ring.optimizer, params, ring.mesh, fresh_buffers)
 
 
 def _grads(ring: _Ring, state: TrainState, forward_params, batch, t, t_async):
@@ -482,17 +420,13 @@ def _step(ring: _Ring, state: TrainState, batch: dict):
 
   # A module starts updating once its first gradient exists (t_async >= its lag).
   head_ready = warm | (t_async >= ring.head_lag)
-  params, opt_state, grad_norm = staged.apply_gradients(
-    ring.tx,
-    state.params,
-    state.opt_state,
-    grads,
-    clip_norm=ring.config.clip_norm,
-    embed_ready=(head_ready & model.tied_embedding) | warm | (t_async >= ring.backward_lags[0]),
-    stages_ready_G=warm | (t_async >= jnp.asarray(ring.backward_lags)),
-    head_ready=head_ready,
-    delays=delays if ring.compensation.active else None,
-    shared=model.shared,
+  ready = {
+    'embed': (head_ready & model.tied_embedding) | warm | (t_async >= ring.backward_lags[0]),
+    'stages': warm | (t_async >= jnp.asarray(ring.backward_lags)),
+    'head': head_ready,
+  }
+  params, opt_state, grad_norm = ring.optimizer.apply(
+    state.params, state.opt_state, grads, ready, delays if ring.compensation.active else None
   )
   new_state = state.replace(step=t + 1, params=params, opt_state=opt_state, ring=buffers)
   loss_batch = jnp.where(warm, t, t - ring.head_lag)

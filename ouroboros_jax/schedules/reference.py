@@ -20,6 +20,7 @@ from ouroboros_jax import staged
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.schedules.delays import backward_batch
 from ouroboros_jax.staged import EMBED_PIECE
+from ouroboros_jax.update import GroupedOptimizer
 
 
 def expected_backward_batch(t: int, stage: int, num_stages: int, forward: str) -> int:
@@ -199,12 +200,9 @@ class SlowRing:
     )
     self.memory = [None] * self.num_stages  # group s's memory (Transformer-XL), once it runs
     self.num_micro = options.microbatches
-    self.apply_gradients = jax.jit(
-      lambda *args, **kw: staged.apply_gradients(
-        tx, *args, clip_norm=options.clip_norm, shared=model.shared, **kw
-      )
-    )
-    self.opt_state = staged.init_opt_state(tx, params, model.shared)
+    optimizer = GroupedOptimizer(tx, options.clip_norm, model.shared)
+    self.apply_gradients = jax.jit(optimizer.apply)
+    self.opt_state = optimizer.init(params)
     comp = options.compensation
     active = comp is not None and comp.active
     if active and model.shared:
@@ -425,13 +423,9 @@ class SlowRing:
         self.params, grads, ready_of, {**delays, **dict(enumerate(gap))}
       )
     else:
+      ready_tree = {'embed': embed_ready, 'stages': jnp.asarray(ready), 'head': head_ready}
       self.params, self.opt_state, _ = self.apply_gradients(
-        self.params,
-        self.opt_state,
-        grads,
-        embed_ready=embed_ready,
-        stages_ready_G=jnp.asarray(ready),
-        head_ready=head_ready,
+        self.params, self.opt_state, grads, ready_tree
       )
     self.updated.append(
       (['embed'] if embed_ready else [])

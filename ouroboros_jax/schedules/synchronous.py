@@ -24,16 +24,18 @@ from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.schedules import ring
 from ouroboros_jax.schedules.config import ScheduleConfig
 from ouroboros_jax.staged import DATA, STAGE, Schedule, StagedModel, TrainState
+from ouroboros_jax.update import GroupedOptimizer
 
 
-def synchronous_update(
-  config: ScheduleConfig, tx, state: TrainState, grads, loss, shared: tuple[str, ...] = ()
-):
-  """The optimizer half of every synchronous step: all groups ready, metrics of batch t
-  (`shared`: the model's shared stage leaves, `StagedModel.shared`)."""
-  params, opt_state, grad_norm = staged.apply_gradients(
-    tx, state.params, state.opt_state, grads, clip_norm=config.clip_norm, shared=shared
-  )
+def grouped(config: ScheduleConfig, model: StagedModel, tx) -> GroupedOptimizer:
+  """The per-group optimizer step of a schedule: tx, the config's clip, the model's shared
+  leaves."""
+  return GroupedOptimizer(tx, config.clip_norm, model.shared)
+
+
+def synchronous_update(optimizer: GroupedOptimizer, state: TrainState, grads, loss):
+  """The optimizer half of every synchronous step: all groups ready, metrics of batch t."""
+  params, opt_state, grad_norm = optimizer.apply(state.params, state.opt_state, grads)
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
   return new_state, {'loss': loss, 'loss_batch': state.step, 'grad_norm': grad_norm}
 
@@ -53,15 +55,16 @@ def build_backprop(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
   Idle fraction 0: one device, always busy.
   """
   mesh = staged.make_mesh(1, 1, devices)
+  optimizer = grouped(config, model, tx)
 
   def init(params, example_batch=None):
     memory = lambda: staged.empty_memory(model, params, example_batch)
-    return staged.init_state(tx, params, mesh, memory, model.shared)
+    return staged.init_state(optimizer, params, mesh, memory)
 
   def step(state: TrainState, batch: dict):
     key = staged.batch_key(config.seed, state.step)
     grads, loss, buffers = whole_model_grads(model, state.params, batch, key, state.ring)
-    new_state, metrics = synchronous_update(config, tx, state, grads, loss, model.shared)
+    new_state, metrics = synchronous_update(optimizer, state, grads, loss)
     return new_state.replace(ring=buffers), metrics
 
   return staged.make_schedule('backprop', model, mesh, init, step, idle_fraction=0.0)
@@ -110,6 +113,7 @@ def synchronous_schedule(
   microbatches = config.num_microbatches
   groups = len(stage_order) if stage_order else num_stages
   reorder = stage_order is not None and list(stage_order) != list(range(groups))
+  optimizer = grouped(config, model, tx)
 
   def init(params, example_batch=None):
     if example_batch is not None:
@@ -125,7 +129,7 @@ def synchronous_schedule(
         f'them with partition.to_staged(params, layers_per_stage) for {groups} groups.'
       )
     memory = lambda: staged.empty_memory(model, params, example_batch, replicas)
-    return staged.init_state(tx, params, mesh, memory, model.shared)
+    return staged.init_state(optimizer, params, mesh, memory)
 
   def step(state: TrainState, batch: dict):
     staged.check_batch(batch, replicas, microbatches)
@@ -147,7 +151,7 @@ def synchronous_schedule(
       back = jnp.asarray(np.argsort(stage_order))
       grads = {**grads, 'stages': jax.tree.map(lambda g: g[back], grads['stages'])}
       buffers = jax.tree.map(lambda a: a[back], buffers)
-    new_state, metrics = synchronous_update(config, tx, state, grads, loss, model.shared)
+    new_state, metrics = synchronous_update(optimizer, state, grads, loss)
     return new_state.replace(ring=buffers), metrics
 
   return staged.make_schedule(name, model, mesh, init, step, idle_fraction)
