@@ -215,7 +215,7 @@ def plan(
     row['step_s'] = predicted_step_s(cfg, setting, rates) if 'error' not in row else None
     rows.append(row)
     if log:
-      log(f'{setting.label:<40} {_peak(row):>9} GiB  {_verdict(row)}')
+      log(f'{setting.label:<44} {_peak(row):>9} GiB  {_verdict(row)}')
   fitting = [r for r in rows if r['fits'] is not False and r['step_s'] is not None]
   fastest = min(fitting, key=lambda r: r['step_s'])['label'] if fitting else None
   return {
@@ -231,18 +231,21 @@ def format_plan(result: dict) -> str:
   """The plan as a table: one row per setting, the fastest that fits marked with *."""
   hbm = next((r.get('hbm_bytes') for r in result['rows'] if r.get('hbm_bytes')), None)
   where = result['topology'] or 'the local devices'
+  width = max([40, *(len(r['label']) for r in result['rows'])])
   lines = [
     f'{len(result["rows"])} settings on {where} ({result["devices"]} devices, '
     f'{compile_lib.format_size(hbm)} each); step time from the simulator at '
     f'{result["hardware"]["name"]} rates.',
-    f'  {"setting":<40} {"peak GiB":>9} {"fits":>5} {"step ms":>8} {"speedup":>8}',
+    f'  {"setting":<{width}} {"peak GiB":>9} {"fits":>5} {"step ms":>8} {"speedup":>8}',
   ]
   backprop = next((r['step_s'] for r in result['rows'] if r['schedule'] == 'backprop'), None)
   for r in result['rows']:
     mark = '*' if r['label'] == result['fastest'] else ' '
     step = '-' if r['step_s'] is None else f'{r["step_s"] * 1e3:.3g}'
     speedup = '-' if not (r['step_s'] and backprop) else f'{backprop / r["step_s"]:.2f}x'
-    lines.append(f'{mark} {r["label"]:<40} {_peak(r):>9} {_verdict(r):>5} {step:>8} {speedup:>8}')
+    lines.append(
+      f'{mark} {r["label"]:<{width}} {_peak(r):>9} {_verdict(r):>5} {step:>8} {speedup:>8}'
+    )
   lines += [f'  {r["label"]}: {r["error"]}' for r in result['rows'] if 'error' in r]
   if result['fastest']:
     lines.append(f'* fastest that fits: {result["fastest"]}')
