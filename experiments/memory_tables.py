@@ -13,6 +13,8 @@ Tables (printed as markdown and written to --out as CSV):
               every schedule, fp32 and bf16, at each --batch-sizes
   precision   bf16 against fp32 at d_model 512, 8 layers, seq 512, batch 8 (both fit a v5e)
   attention   the step's temporaries at seq L and 2L with xla and blockwise attention
+  ring        what each piece of an Ouroboros that fits is worth: micro-batches, the stash
+              policy, the stash in host memory (GPT-2-small shape, batch 32, G = 4, bf16)
 """
 
 from __future__ import annotations
@@ -42,6 +44,26 @@ SCHEDULES = (
   ('ouroboros replay', dict(WHOLE, stash='replay')),
   ('ouroboros pipelined graph/all', dict(WHOLE, forward='pipelined', stash_policy='all')),
   ('ouroboros pipelined replay', dict(WHOLE, forward='pipelined', stash='replay')),
+)
+MICRO = dict(schedule='ouroboros', stages=4, microbatches=8)
+HOST = dict(stash_memory='pinned_host')
+RING = (
+  ('whole batch, graph/all (the old default)', dict(WHOLE, stash_policy='all')),
+  ('whole batch, graph/nothing', dict(WHOLE, stash_policy='nothing')),
+  ('M = 4, graph/nothing', dict(MICRO, microbatches=4, stash_policy='nothing')),
+  ('M = 8, graph/nothing', dict(MICRO, stash_policy='nothing')),
+  ('M = 8, graph/nothing, host', dict(MICRO, stash_policy='nothing', **HOST)),
+  ('M = 8, graph/dots', dict(MICRO, stash_policy='dots')),
+  ('M = 8, graph/all', dict(MICRO, stash_policy='all')),
+  ('M = 8, replay', dict(MICRO, stash='replay')),
+  ('M = 8, replay, host', dict(MICRO, stash='replay', **HOST)),
+  ('pipelined, M = 8, graph/nothing', dict(MICRO, forward='pipelined', stash_policy='nothing')),
+  (
+    'pipelined, M = 8, graph/nothing, host',
+    dict(MICRO, forward='pipelined', stash_policy='nothing', **HOST),
+  ),
+  ('pipelined, M = 8, graph/all', dict(MICRO, forward='pipelined', stash_policy='all')),
+  ('1F1B, M = 8 (for scale)', dict(schedule='1f1b', stages=4, microbatches=8)),
 )
 GPT2_SMALL = dict(d_model=768, num_layers=12, num_heads=12, d_ff=3072, seq_len=1024)
 PRECISION_SHAPE = dict(d_model=512, num_layers=8, num_heads=8, d_ff=2048, seq_len=512, batch_size=8)
@@ -90,6 +112,15 @@ def attention_table(topology: str, log=print) -> list[dict]:
         r = compile_row(topology, **shape, **flags)
         rows.append(dict(r, table='attention', label=label, attention=attention, seq_len=seq_len))
         log(f'{label:32s} {attention:9s} L={seq_len} temp {gib(r["temp_bytes"])} GiB')
+  return rows
+
+
+def ring_table(topology: str, log=print) -> list[dict]:
+  rows = []
+  for label, flags in RING:
+    r = compile_row(topology, batch_size=32, dtype='bfloat16', **GPT2_SMALL, **flags)
+    rows.append(dict(r, table='ring', label=label, batch_size=32))
+    log(f'{label:40s} peak {gib(r["peak_bytes"])} GiB')
   return rows
 
 
@@ -149,6 +180,19 @@ def markdown(rows: list[dict]) -> str:
         f'| {label} | {kind} | {gib(a["temp_bytes"])} | {gib(b["temp_bytes"])} | '
         f'{b["temp_bytes"] / a["temp_bytes"]:.2f} |'
       )
+  ring = [r for r in rows if r['table'] == 'ring']
+  if ring:
+    lines += [
+      '\nOuroboros, GPT-2-small shape, batch 32, G = 4, bf16, AdamW: GiB per chip',
+      '',
+      '| Ouroboros setting | peak | fits | ring on the chip | ring in host memory | temporaries |',
+      '|---|---|---|---|---|---|',
+    ]
+    for r in ring:
+      lines.append(
+        f'| {r["label"]} | {gib(r["peak_bytes"])} | {"yes" if r["fits"] else "no"} | '
+        f'{gib(r["ring_bytes"])} | {gib(r.get("host_ring_bytes"))} | {gib(r["temp_bytes"])} |'
+      )
   return '\n'.join(lines)
 
 
@@ -168,7 +212,7 @@ def _typed(row: dict) -> dict:
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--topology', default='v5e:2x2')
-  parser.add_argument('--tables', default='precision,attention,schedules')
+  parser.add_argument('--tables', default='precision,attention,schedules,ring')
   parser.add_argument('--batch-sizes', default='32,8')
   parser.add_argument('--out', default='docs/memory_tpu.csv')
   parser.add_argument('--render', metavar='CSV', help='print the tables of a written CSV and stop')
@@ -196,7 +240,9 @@ def main(argv=None):
         save()
     else:
       rows.extend(
-        {'precision': precision_table, 'attention': attention_table}[table](args.topology)
+        {'precision': precision_table, 'attention': attention_table, 'ring': ring_table}[table](
+          args.topology
+        )
       )
       save()
   print(markdown(rows))
