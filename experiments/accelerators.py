@@ -38,7 +38,7 @@ def parse_args(argv=None):
     '--copy-png',
     default=None,
     metavar='PATH',
-    help='also copy the plot here (the README uses docs/accelerators.png)',
+    help='also copy the plot here (docs/results/accelerators.md shows its copy in docs/results/)',
   )
   parser.add_argument(
     '--replot', action='store_true', help='only rebuild the table and plot from --out/results.json'

@@ -5,7 +5,7 @@ Trains the same model from the same initialisation on the same batches with
     backprop                     (exact gradients, one device; AdamW, and Muon: backprop-muon)
     ouroboros G=2 graph/replay   (delayed gradients on a ring of 2 devices)
     ouroboros G=4 graph/replay   (ring of 4 devices)
-    pipelined G=2/4 graph/replay (the pipelined forward, docs/design.md "The delays")
+    pipelined G=2/4 graph/replay (the pipelined forward, docs/algorithm.md)
 
 and writes, under --out (default experiments/results/convergence):
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check (docs/precision.md): the test suite, then `ouroboros bench` in bf16 with the MFU
+# The GPU check (docs/results/precision.md): the test suite, then `ouroboros bench` in bf16 with the MFU
 # of backprop, the best exact pipeline and Ouroboros, on every GPU of this machine.
 #
 #   bash experiments/gpu_check.sh                 # from the repository root; OUT=runs/gpu_check

@@ -172,7 +172,7 @@ def parse_args(argv=None):
   )
   parser.add_argument(
     '--bench',
-    default='docs/bench_2proc_cpu.csv',
+    default='docs/results/bench_2proc_cpu.csv',
     help='measured step times (ouroboros bench CSV, AdamW) for time to quality',
   )
   return parser.parse_args(argv)
@@ -290,7 +290,7 @@ def report(args, names, grid_rows, final_rows, best):
   sync = [n for n in SYNCHRONOUS if n in finals]
   best_sync = min(sync, key=finals.get) if sync else None
   # The schedule's step time from the bench (timed with AdamW, whose update is ~3% of a step
-  # there). Muon's orthogonalisation is not in it: see the README for why and what it costs.
+  # there). Muon's orthogonalisation is not in it: see docs/results/quality.md for its cost.
   times = step_times(args.bench)
 
   def seconds(name):

@@ -1,8 +1,8 @@
 """Predicted step time and speedup of every schedule, from the performance simulator.
 
-Runs `ouroboros_jax.perf.simulate` (a discrete-event model of each schedule's task graph; read its
-docstring for what is and is not modelled) for G in {1, 2, 4, 8, 16, 32, 64} devices, capped at
-the model's layer count, for two model shapes on two interconnects:
+Runs `ouroboros_jax.perf.simulate` (a discrete-event model of each schedule's task graph; see
+docs/algorithm.md for what is and is not modelled) for G in {1, 2, 4, 8, 16, 32, 64} devices,
+capped at the model's layer count, for two model shapes on two interconnects:
 
     models     gpt2-small (12 layers, d 768, d_ff 3072, seq 1024, vocab 50257, batch 32)
                1b         (24 layers, d 2048, d_ff 8192, seq 2048, vocab 50257, batch 32)

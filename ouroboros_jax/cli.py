@@ -154,7 +154,7 @@ def _add_field_flags(parser: argparse.ArgumentParser) -> None:
     'compensation': 'ouroboros staleness compensation: auto (default, G > 1: the measured '
     'recipe, Muon + predict + dc (replay: Muon + predict); G=2, 1000 steps: '
     "2.44 val bpb against 3.48 for the paper's AdamW at its best rate and "
-    '2.40 for backprop; README "Training quality"), none (the '
+    '2.40 for backprop; docs/results/quality.md), none (the '
     'paper: AdamW, no compensation) or a comma list of predict (forward at w + '
     'gap * last update), pipemare (rate / gap^(1-t/T)), dc (DC-ASGD-a, graph '
     'stash), shrink (delayed gradients x --shrink)',

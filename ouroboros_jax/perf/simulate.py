@@ -1,66 +1,11 @@
 """A discrete-event performance model of every schedule: predicted step time, idle time, speedup.
 
-What is modelled. A schedule is written out as a task graph, step after step: compute tasks
-(stage forward, stage backward, head, embedding) on devices and transfers (activations, error
-gradients, the data-parallel all-reduce) on links. Each task has a duration and the tasks it must
-wait for. A device runs one compute task at a time, in its program order; a link carries one
-transfer at a time per direction, in the order they were sent; a transfer takes
-`latency + bytes / bandwidth`. The graph is run over enough steps for the pipes to fill
-(3G + 10 by default) and the steady-state step time is the median difference between the
-completion times of consecutive steps (the benchmark reports medians too).
-
     costs = transformer_costs(**GPT2_SMALL.shape(), num_stages=4, **NVLINK.rates())
     result = simulate('ouroboros', costs, forward='pipelined')
     result.step_time, result.speedup, result.idle_fraction, result.timeline  # a Gantt chart's rows
 
-Placement (as in `ring.py`): stage s on device s; device 0 also holds the embedding and the head
-(final norm, tied output projection, loss). Activations go 0 -> 1 -> ... -> G-1 -> 0, error
-gradients the other way. Schedules (G stages, F_s / B_s the forward / backward of stage s on the
-whole batch, H the head's forward + backward, E_f / E_b the embedding's):
-
-  backprop        one device: E_f + sum F + H + sum B + E_b. The speedup reference.
-  data_parallel   R replicas, each the whole model on batch / R, then a ring all-reduce of every
-                  gradient: 2 (R-1)/R bytes / bandwidth + 2 (R-1) latency.
-  model_parallel  locked forward (device s waits for s-1, one hop each, the last stage's output
-                  goes back to device 0 for the head), then locked backward from G-1 to 0.
-  gpipe           M micro-batches (stage time / M each, plus `microbatch_overhead_s`) pipelined
-                  forward; the head once on all M outputs (as `schedules.build_gpipe` does); the
-                  backward pipelined in reverse. Bubble (G-1)/(M+G-1) with equal stages.
-  ouroboros       forward='locked' (the paper): batch t goes round the ring, the head runs, and
-                  every device back-propagates an older batch with the error gradient it received
-                  during the previous step. Equal stages, free links: E_f + G F + H + B + E_b;
-                  in general E_f + sum_s F_s + G hops + max(H + B_0 + E_b, max_{s>0} B_s)
-                  (devices s > 0 start their backward when the batch is back on device 0;
-                  they do not wait for the head).
-                  forward='pipelined' (docs/design.md): device s forwards, at step t, what s-1
-                  sent at step t-1, so every device runs one forward and one backward per step:
-                  max(E_f + F_0 + H + B_0 + E_b, max_{s>0} F_s + B_s) while each hop fits in a
-                  step. stash='replay' adds the stage's forward to its backward (B_s -> B_s + F_s).
-
-Step boundaries. Every jitted step here ends with a global-norm gradient clip (an all-reduce) and
-the optimizer update, so no device starts step t+1 before every device finished step t's compute:
-each step ends with a barrier over its compute tasks (and the data-parallel all-reduce).
-Transfers are not in the barrier: an error gradient sent at the end of step t overlaps with step
-t+1 and only delays the task that reads it. In the locked forward every device takes part in
-every round's hand-off (a `ppermute` per round), so no device starts its backward before the
-batch has come back round the ring to device 0.
-
-The optimizer update (`update_s`, when given) ends every step on every device, after the
-gradient clip's global norm, i.e. after all of the step's other work: a ring device updates its
-own stage, a backprop or data-parallel device the whole model.
-
-What is not modelled: memory limits; kernel-launch and dispatch overheads (unless given as
-`microbatch_overhead_s`); the per-step scalar reductions; the all-reduce
-of the embedding and head gradients over the stage axis (`ring.gather_grads`); lower efficiency of
-small per-device batches (data parallelism and micro-batches are assumed to scale linearly);
-compute/communication contention on one device; hybrid stage x data meshes.
-
-Cost model. `transformer_costs` turns a Transformer shape and an accelerator into `StageCosts`:
-forward FLOPs per token of a layer 2 (4 d^2 + 2 d d_ff) + 2 L d (matmuls + causal attention, as
-`costs.layer_flops`), of the head 2 d V + 5 V + 2 d (`costs.head_flops`), backward =
-2 x forward; activation bytes = batch x seq x d x bytes_per_value. `GPT2_SMALL`, `ONE_B`,
-`NVLINK` and `NETWORK` are presets; `experiments/simulate.py` tabulates and plots them and
-compares the simulator with measured step times. This module needs only the standard library.
+What is and is not modelled, and each schedule's step: docs/algorithm.md ("Step time"). Needs
+only the standard library.
 """
 
 from __future__ import annotations

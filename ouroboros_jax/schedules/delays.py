@@ -1,12 +1,7 @@
 """When each Ouroboros module sees which batch: the delays, in one place (no JAX).
 
-The schedule (`ouroboros.py`), the slow reference (`reference.py`), the simulator
-(`simulate.py`) and the compensations (`compensation.py`, through `version_gaps`) all read them
-from here. G = num_stages, s = 0..G-1 the layer group, t the step (batch t enters at step t).
-
-    locked forward      group s back-propagates batch t - (G - s); the head's loss is fresh
-    pipelined forward   group s forwards batch t - s and back-propagates batch t - (2G - s);
-                        the head computes the loss of batch t - G
+Read by the schedule, the slow reference, the simulator and the compensations. G = num_stages,
+s = 0..G-1 the layer group, t the step (batch t enters at step t). See docs/algorithm.md.
 """
 
 from __future__ import annotations

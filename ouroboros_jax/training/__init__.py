@@ -6,5 +6,5 @@ data        the byte corpora (embedded, text files, TFDS) as Grain iterators
 checkpoint  Orbax checkpoints with checksums; resume, fall back, set aside
 rundir      one run per output directory; stopping between steps on a signal
 sample      text from a checkpoint
-compare     the training accelerators side by side (README "Training accelerators")
+compare     the training accelerators side by side (docs/results/accelerators.md)
 """

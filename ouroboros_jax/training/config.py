@@ -97,7 +97,7 @@ class TrainConfig:
   dc_lambda: float = 1.0  # dc: DC-ASGD-a's strength lambda_0
   shrink: float = 0.5  # shrink: factor on delayed gradients
   pipemare_steps: int = 0  # pipemare: steps T to the full rate (0: a quarter of --steps)
-  # Other training accelerators (README "Training accelerators"; None / 0 = off).
+  # Other training accelerators (docs/guides/accelerators.md; None / 0 = off).
   pld: str | None = None  # progressive layer dropping: 'THETA_BAR,GAMMA' or 'default'
   growth: str | None = None  # MSLT / progressive stacking plan, see growth.parse_plan
   vcycle: str | None = None  # multi-level V-cycle plan, see vcycle.parse_plan
@@ -260,7 +260,7 @@ class TrainConfig:
 
   def check_accelerators(self) -> None:
     """The accelerator flags parse, fit the model, and combine with the schedule (one-line
-    ConfigErrors naming the flag). Which combinations work is the README's table."""
+    ConfigErrors naming the flag). Which combinations work: docs/guides/accelerators.md."""
     from ouroboros_jax import costs
     from ouroboros_jax.accelerators import pld, vcycle
 
@@ -448,10 +448,11 @@ def lr_schedule(cfg: TrainConfig, steps: int | None = None, peak: float | None =
   )
 
 
-# The recipe `--compensation auto` gives Ouroboros (experiments/lr_sweep.py, README "Training
-# quality"): Muon on the layer kernels, weight prediction for the forward and DC-ASGD's delay
-# compensation (G = 2, 1000 steps: 2.44 val bpb, +1.9% over backprop with Muon; AdamW at its best
-# rate 3.48). DC needs the graph stash; with replay the recipe is Muon + prediction (2.46).
+# The recipe `--compensation auto` gives Ouroboros (experiments/lr_sweep.py,
+# docs/results/quality.md): Muon on the layer kernels, weight prediction for the forward and
+# DC-ASGD's delay compensation (G = 2, 1000 steps: 2.44 val bpb, +1.9% over backprop with Muon;
+# AdamW at its best rate 3.48). DC needs the graph stash; with replay the recipe is Muon +
+# prediction (2.46).
 RECIPE_OPTIMIZER = 'muon'
 RECIPE_COMPENSATION = 'predict,dc'
 RECIPE_COMPENSATION_REPLAY = 'predict'
@@ -501,7 +502,7 @@ PRESETS: dict[str, TrainConfig] = {
   # u, v per layer (the reference code's TF scripts' --untie_r): 2.420 val bpb in tiny's time
   # against tiny's 2.448 (one global pair: 2.440). At this size its memory does not pay for
   # itself on 2 CPU cores: --mem-len 64 --steps 1500 (segment order) ends at 2.504
-  # (experiments/txl_tiny.py, README "Transformer-XL").
+  # (experiments/txl_tiny.py, docs/results/transformer_xl.md).
   'txl-tiny': TrainConfig(
       model=ModelConfig(arch='transformer-xl', d_model=128, num_heads=4, num_layers=2, d_ff=512,
                         seq_len=64, untie_r=True),

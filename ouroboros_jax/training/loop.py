@@ -25,7 +25,7 @@ tokens/s counts only the steps after it, and excludes evaluation and checkpointi
 carry `train_s`, `cpu_s` and `flops` (model FLOPs spent so far, counted from the layers actually
 computed, see `step_flops`).
 
-Accelerators (README "Training accelerators"): `--pld` and `--std-loss` swap the staged model
+Accelerators (docs/guides/accelerators.md): `--pld` and `--std-loss` swap the staged model
 (`staged_model`) and run in this loop under any schedule (PLD batches carry their step,
 `training_batch`); `--growth` and `--vcycle` change the model's shape mid-run and are run by
 `phased.train_phased` with the library drivers (`growth.train_growth`, `vcycle.train_vcycle`).
