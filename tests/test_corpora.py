@@ -1,7 +1,8 @@
 """Tests for the paper's corpora (enwik8, text8, WikiText-103) and ordered segment batches.
 
-The corpora are small synthetic files in the real formats; ``data.CANONICAL_BYTES`` is set to
-2000 so that enwik8/text8 split 1800/100/100 as the real 100M-byte files split 90M/5M/5M.
+The corpora are small synthetic files in the real formats; ``CANONICAL_BYTES`` (set in
+``char_corpora``, re-exported by ``data``) is 2000 so that enwik8/text8 split 1800/100/100 as the
+real 100M-byte files split 90M/5M/5M.
 """
 
 import json
@@ -10,7 +11,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from ouroboros_jax.training import data
+from ouroboros_jax.training import char_corpora, data, wikitext
 
 SMALL = 2000  # CANONICAL_BYTES in these tests
 SEQ_LEN = 8
@@ -18,7 +19,7 @@ SEQ_LEN = 8
 
 @pytest.fixture
 def small_canonical(monkeypatch):
-  monkeypatch.setattr(data, 'CANONICAL_BYTES', SMALL)
+  monkeypatch.setattr(char_corpora, 'CANONICAL_BYTES', SMALL)
   return SMALL
 
 
@@ -66,7 +67,7 @@ def test_canonical_split_is_90m_5m_5m_and_scales(monkeypatch):
     'validation': (90_000_000, 95_000_000),
     'test': (95_000_000, 100_000_000),
   }
-  monkeypatch.setattr(data, 'CANONICAL_BYTES', SMALL)
+  monkeypatch.setattr(char_corpora, 'CANONICAL_BYTES', SMALL)
   assert data.canonical_split_ranges() == {
     'train': (0, 1800),
     'validation': (1800, 1900),
@@ -234,7 +235,7 @@ def test_wikitext_is_tokenized_once_and_not_written(wikitext_dir, monkeypatch):
   def again(*args):
     raise AssertionError('tokenized twice')
 
-  monkeypatch.setattr(data, '_tokenize_train', again)
+  monkeypatch.setattr(wikitext, '_tokenize_train', again)
   second = data.load_splits(f'wikitext103:{wikitext_dir}')
   for k in data.SPLITS:
     assert second[k] is first[k]

@@ -657,3 +657,58 @@ def test_windows_and_iterators_keep_word_ids_above_255():
   first = next(data.eval_batches(tokens, seq_len=SEQ_LEN, batch_size=2))
   np.testing.assert_array_equal(first['inputs'].ravel(), tokens[: 2 * SEQ_LEN])
   assert 'integer' in _error(data.WindowSource, np.ones(40, np.float32), SEQ_LEN)
+
+
+# ----------------------------------------------------------------------------
+# The public face: data.py re-exports the modules it was split into.
+
+# Every public name of data.py before it was split (and DataError); callers import them from here.
+OLD_NAMES = (
+  'CANONICAL_BYTES CHUNK_BYTES CORPUS_URLS DEFAULT_CORPUS_PATH DEFAULT_DATA_DIR_ENV EOS SPLITS'
+  ' UNITS UNK VOCAB_SIZE WIKITEXT_FILES CorpusInfo DataError SegmentSource ShakespeareBytes'
+  ' WindowSource WordVocab canonical_split_ranges check_vocab corpus_info default_data_dir'
+  ' eval_batches eval_segments load_splits make_segment_iterator make_train_iterator num_windows'
+  ' prepare_default_corpus read_text_file split_corpus split_ranges word_vocab'
+).split()
+
+
+def test_every_old_name_still_imports_from_data_and_the_moved_alias():
+  import ouroboros_jax
+  from ouroboros_jax import errors
+  from ouroboros_jax.training import corpora, windows
+
+  assert [name for name in OLD_NAMES if not hasattr(data, name)] == []
+  assert sorted(data.__all__) == sorted(set(data.__all__)) and set(OLD_NAMES) <= set(data.__all__)
+  assert ouroboros_jax.data is data  # MOVED_MODULES: `from ouroboros_jax import data`
+  assert data.DataError is errors.DataError
+  assert data.load_splits is corpora.load_splits
+  assert data.make_train_iterator is windows.make_train_iterator
+
+
+def test_batch_layout_is_checked_when_made_and_names_this_process_rows():
+  layout = data.BatchLayout(seq_len=4, batch_size=8, process_index=1, process_count=4)
+  assert layout.local_batch == 2
+  np.testing.assert_array_equal(layout.local_rows(), [2, 3])
+  np.testing.assert_array_equal(data.BatchLayout(seq_len=4, batch_size=3).local_rows(), [0, 1, 2])
+  for fields, named in [
+    (dict(seq_len=0, batch_size=2), 'seq_len'),
+    (dict(seq_len=2, batch_size=-1), 'batch_size'),
+    (dict(seq_len=2, batch_size=2, process_count=0), 'process_count'),
+    (dict(seq_len=2, batch_size=2, process_index=2, process_count=2), 'process_index'),
+    (dict(seq_len=2, batch_size=3, process_count=2), 'process_count'),
+  ]:
+    assert named in _error(data.BatchLayout, **fields)
+  with pytest.raises(TypeError):
+    data.BatchLayout(seq_len=4, batch_size=8, seed=0)  # a field it does not have
+
+
+def test_window_batches_are_the_eval_batches_as_a_random_access_source(train_tokens):
+  kwargs = dict(seq_len=SEQ_LEN, batch_size=8, process_index=1, process_count=2)
+  source = data.WindowBatches(train_tokens, **kwargs)
+  assert len(source) == data.num_windows(train_tokens, SEQ_LEN) // 8
+  batches = [source[j] for j in range(len(source))]
+  _assert_same_batches(batches, list(data.eval_batches(train_tokens, **kwargs)))
+  _assert_same_batches([source[-1]], [source[len(source) - 1]])
+  with pytest.raises(IndexError, match='window batch'):
+    source[len(source)]
+  assert repr(source).startswith(f'WindowBatches(num_batches={len(source)}, seq_len={SEQ_LEN}')

@@ -202,3 +202,21 @@ def test_write_sample_writes_the_prompt_then_each_chunk_flushed(params, monkeypa
   assert [len(f) for f in out.flushed] == [5, 13, 21, 25]  # prompt, then 8 + 8 + 4 bytes
   text = sample.sample('run', prompt='Wie? ', length=20, temperature=0.6, seed=4)
   assert text == want.decode('utf-8', errors='replace')
+
+
+def test_sample_options_are_one_checked_record(monkeypatch):
+  options = sample.SampleOptions(length=4)
+  assert (options.temperature, options.seed, options.chunk) == (0.8, 0, sample.DEFAULT_CHUNK)
+  with pytest.raises(ConfigError, match='--seed'):
+    sample.SampleOptions(length=4, seed=-1)
+  with pytest.raises(ConfigError, match='chunk'):
+    sample.SampleOptions(length=4, chunk=0)
+  with pytest.raises(TypeError):
+    sample.SampleOptions(length=4, step=3)  # not a sampling option
+
+  def no_load(*args, **kwargs):
+    raise AssertionError('loaded a checkpoint before checking the arguments')
+
+  monkeypatch.setattr(sample, 'load', no_load)
+  with pytest.raises(ConfigError, match='chunk'):
+    sample.write_sample('/nonexistent', io.BytesIO(), length=4, chunk=0)

@@ -2,7 +2,12 @@
 
 config      TrainConfig, the presets and the flat field overrides the CLI uses
 loop        `train(cfg)`: one run end to end, into its output directory
-data        the byte corpora (embedded, text files, TFDS) as Grain iterators
+data        the public face of the data: the corpora as Grain iterators, from
+              corpora (which corpus, its splits and units), default_corpus (the embedded
+              Shakespeare, a TFDS dataset), byte_corpus (text files), char_corpora (enwik8,
+              text8), wikitext (WikiText-103 words), tfds_corpus (any TFDS text dataset),
+              batching (the batch layout, strided batches), windows (random windows and
+              evaluation batches), segments (Transformer-XL's contiguous segments)
 checkpoint  Orbax checkpoints with checksums; resume, fall back, set aside
 rundir      one run per output directory; stopping between steps on a signal
 sample      text from a checkpoint

@@ -17,13 +17,14 @@ length, temperature and seed.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import io
 import math
 import numbers
 import sys
 from collections.abc import Iterator
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -107,17 +108,49 @@ def check_args(*, length, temperature, seed) -> None:
     )
 
 
-@functools.partial(jax.jit, static_argnames=('cfg', 'chunk'))
-def _generate_chunk(
-  cfg: ModelConfig, params, window_L, filled, first, count, temperature, key, *, chunk: int
-):
-  """Generates tokens first..first+count-1 (count <= chunk) after a window of the text so far.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SampleOptions:
+  """How to sample: `length` new bytes, drawn at `temperature` (0 is greedy) from `seed`, at most
+  `chunk` of them per device call. Checked when made: ConfigError names the bad --flag."""
 
-  window_L holds the last seq_len tokens, its first `filled` entries real and the rest zeros.
-  Returns (new window, new filled, tokens_T); tokens_T[count:] are zeros. The trip count is traced
+  length: int
+  temperature: float = 0.8
+  seed: int = 0
+  chunk: int = DEFAULT_CHUNK
+
+  def __post_init__(self):
+    check_args(length=self.length, temperature=self.temperature, seed=self.seed)
+    chunk = self.chunk
+    if not isinstance(chunk, numbers.Integral) or isinstance(chunk, bool) or chunk <= 0:
+      raise ConfigError(f'chunk must be a positive integer, got {chunk!r}; pass e.g. chunk=256.')
+
+
+class _Text(NamedTuple):
+  """Where a generation stands, on the device: the last seq_len tokens of the text (`filled` of
+  them real, then zeros) and how many tokens have been generated (the next one's index)."""
+
+  window_L: jax.Array
+  filled: jax.Array
+  generated: jax.Array
+
+
+class _Draw(NamedTuple):
+  """How token i of a generation is drawn: from the logits / temperature with
+  `jax.random.fold_in(key, i)`, or greedily where temperature is 0."""
+
+  temperature: jax.Array
+  key: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=('cfg', 'chunk'))
+def _generate_chunk(cfg: ModelConfig, params, text: _Text, count, draw: _Draw, *, chunk: int):
+  """Generates the next `count` tokens (count <= chunk) after the text so far.
+
+  Returns (the text after them, tokens_T); tokens_T[count:] are zeros. The trip count is traced
   so that a shorter last chunk reuses the same program.
   """
   last = cfg.seq_len - 1
+  first = text.generated
 
   def next_token(i, carry):
     window_L, filled, tokens_T = carry
@@ -126,54 +159,43 @@ def _generate_chunk(
     logits_V = transformer.logits(cfg, params['head'], params['embed'], x_1xLxD)[0, filled - 1]
     logits_V = logits_V.astype(jnp.float32)
     greedy = jnp.argmax(logits_V)
-    scaled = logits_V / jnp.maximum(temperature, 1e-6)
-    sampled = jax.random.categorical(jax.random.fold_in(key, first + i), scaled)
-    token = jnp.where(temperature > 0, sampled, greedy).astype(window_L.dtype)
+    scaled = logits_V / jnp.maximum(draw.temperature, 1e-6)
+    sampled = jax.random.categorical(jax.random.fold_in(draw.key, first + i), scaled)
+    token = jnp.where(draw.temperature > 0, sampled, greedy).astype(window_L.dtype)
     # A full window slides left by one; otherwise the token fills the next free slot.
     full = filled > last
     window_L = jnp.where(full, jnp.roll(window_L, -1), window_L)
     window_L = window_L.at[jnp.minimum(filled, last)].set(token)
     return window_L, jnp.minimum(filled + 1, cfg.seq_len), tokens_T.at[i].set(token)
 
-  tokens_T = jnp.zeros((chunk,), window_L.dtype)
-  return jax.lax.fori_loop(0, count, next_token, (window_L, filled, tokens_T))
+  tokens_T = jnp.zeros((chunk,), text.window_L.dtype)
+  window_L, filled, tokens_T = jax.lax.fori_loop(
+    0, count, next_token, (text.window_L, text.filled, tokens_T)
+  )
+  return _Text(window_L, filled, first + count), tokens_T
 
 
-def stream_bytes(
-  cfg: ModelConfig,
-  params: dict,
-  prompt: bytes,
-  *,
-  length: int,
-  temperature: float = 0.8,
-  seed: int = 0,
-  chunk: int = DEFAULT_CHUNK,
-) -> Iterator[bytes]:
+def stream_bytes(cfg: ModelConfig, params: dict, prompt: bytes, **options) -> Iterator[bytes]:
   """Yields `length` new bytes continuing `prompt`, at most `chunk` at a time, as generated.
 
-  An empty prompt starts from a newline. Arguments are checked now, not at the first `next`.
-  Memory is one seq_len window plus one chunk whatever `length` is.
+  `options` are :class:`SampleOptions`' fields: length, and optionally temperature (0.8), seed
+  (0) and chunk. An empty prompt starts from a newline. Arguments are checked now, not at the
+  first `next`. Memory is one seq_len window plus one chunk whatever `length` is.
   """
-  check_args(length=length, temperature=temperature, seed=seed)
-  if not isinstance(chunk, numbers.Integral) or isinstance(chunk, bool) or chunk <= 0:
-    raise ConfigError(f'chunk must be a positive integer, got {chunk!r}; pass e.g. chunk=256.')
-  return _stream(
-    cfg, params, prompt or b'\n', int(length), float(temperature), int(seed), int(chunk)
-  )
+  return _stream(cfg, params, prompt or b'\n', SampleOptions(**options))
 
 
-def _stream(cfg, params, prompt, length, temperature, seed, chunk) -> Iterator[bytes]:
+def _stream(cfg, params, prompt: bytes, options: SampleOptions) -> Iterator[bytes]:
+  length, chunk = int(options.length), int(options.chunk)
   tail_P = np.frombuffer(prompt, np.uint8)[-cfg.seq_len :].astype(np.int32)
   window_L = np.zeros(cfg.seq_len, np.int32)
   window_L[: len(tail_P)] = tail_P
-  window_L, filled = jnp.asarray(window_L), jnp.int32(len(tail_P))
-  temperature, key = jnp.float32(temperature), jax.random.key(seed)
+  text = _Text(jnp.asarray(window_L), jnp.int32(len(tail_P)), jnp.int32(0))
+  draw = _Draw(jnp.float32(float(options.temperature)), jax.random.key(int(options.seed)))
   pending = None  # the previous chunk: fetched once the next one is dispatched
   for first in range(0, length, chunk):
     count = min(chunk, length - first)
-    window_L, filled, tokens_T = _generate_chunk(
-      cfg, params, window_L, filled, np.int32(first), np.int32(count), temperature, key, chunk=chunk
-    )
+    text, tokens_T = _generate_chunk(cfg, params, text, np.int32(count), draw, chunk=chunk)
     if pending is not None:
       yield _to_bytes(*pending)
     pending = tokens_T, count
@@ -187,33 +209,25 @@ def _to_bytes(tokens_T, count: int) -> bytes:
 
 def generate(cfg: ModelConfig, params: dict, prompt: bytes, **options) -> bytes:
   """`length` new bytes continuing `prompt` (an empty prompt starts from a newline), all at
-  once; `options` are `stream_bytes`'s (length, temperature, seed)."""
+  once; `options` are `stream_bytes`'s (length, temperature, seed, chunk)."""
   return b''.join(stream_bytes(cfg, params, prompt, **options))
 
 
 def write_sample(
-  out_dir: str,
-  file: BinaryIO,
-  *,
-  prompt: str = '',
-  length: int = 500,
-  temperature: float = 0.8,
-  seed: int = 0,
-  step: int | None = None,
-  chunk: int = DEFAULT_CHUNK,
+  out_dir: str, file: BinaryIO, *, prompt: str = '', step: int | None = None, **options
 ) -> int:
   """Writes prompt then sampled bytes to binary `file`, flushing each chunk; returns the step.
 
-  Bytes go out as generated, so a long --length shows output at once and never grows memory.
+  `options` are :class:`SampleOptions`' fields (length defaults to 500 here), checked before the
+  checkpoint is read. Bytes go out as generated, so a long --length shows output at once and
+  never grows memory.
   """
-  check_args(length=length, temperature=temperature, seed=seed)
+  options = SampleOptions(**{'length': 500, **options})
   cfg, params, step = load(out_dir, step)
   prompt_bytes = prompt.encode('utf-8', 'surrogateescape')  # argv keeps raw bytes that way
   file.write(prompt_bytes)
   file.flush()
-  for piece in stream_bytes(
-    cfg, params, prompt_bytes, length=length, temperature=temperature, seed=seed, chunk=chunk
-  ):
+  for piece in _stream(cfg, params, prompt_bytes or b'\n', options):
     file.write(piece)
     file.flush()
   return step
@@ -221,7 +235,7 @@ def write_sample(
 
 def sample(out_dir: str, **options) -> str:
   """Prompt plus `length` sampled bytes from a run's checkpoint, decoded as UTF-8 (replace);
-  `options` are `write_sample`'s (prompt, length, temperature, seed, step)."""
+  `options` are `write_sample`'s (prompt, step, length, temperature, seed, chunk)."""
   buffer = io.BytesIO()
   write_sample(out_dir, buffer, **options)
   return buffer.getvalue().decode('utf-8', errors='replace')
