@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -131,48 +131,102 @@ def build(
 # -- one step on one device of the ring: the four steps of the algorithm ---------------------------
 
 
-def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t, t_async):
-  model, stash, num_stages, depth = ring.model, ring.stash, ring.num_stages, ring.depth
-  num_micro, pipelined = ring.num_microbatches, ring.pipelined
-  s = jax.lax.axis_index(STAGE)
-  params_s = ring_lib.local_stage_params(params)
-  forward_s = ring_lib.local_stage_params(forward_params)  # = params_s unless predicted
-  kept_buffers = buffers.get(staged.HOST, buffers)  # offloaded, or beside the others
+class _Forwarded(NamedTuple):
+  """What the forward wave and the head of one step leave on a device."""
+
+  kept_M: Any  # what the stash keeps of each of this step's micro-batches
+  memory_M: Any  # the model's renewed memory, micro-batch by micro-batch (None without one)
+  loss: jax.Array  # device 0: the head's loss of its batch
+  g_head: Any  # device 0: the head's gradient ...
+  g_embed: Any  # ... and the tied embedding's head-side gradient, both fresh
+  delta_fresh_M: jax.Array  # device 0: the head's delta_{G-1} of each micro-batch
+  sent_M: jax.Array  # pipelined: each micro-batch's output, received during step t + 1
+
+
+def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t):
+  """Step t of the ring on device s (inside the shard_map): (grads, new buffers, loss)."""
+  s, depth = jax.lax.axis_index(STAGE), ring.depth
+  backward_batch = t - jnp.asarray(ring.backward_lags)[s]  # the batch group s back-propagates
+  forward_batch = t - s if ring.pipelined else t  # the batch group s forwards
   local = lambda tree: jax.tree.map(lambda a: a[0, 0], tree)
+  kept_buffers = buffers.get(staged.HOST, buffers)  # offloaded, or beside the others
   stash_S, weights_S = local(kept_buffers['stash']), local(kept_buffers.get('weights'))
   batches_S = local(buffers['batches'])
-  memory_M = ring_lib.microbatches(ring_lib.local_memory(buffers), num_micro)  # or None
-  cut = lambda tree: ring_lib.microbatches(tree, num_micro)
-  lag = jnp.asarray(ring.backward_lags)[s]
-  valid = t_async >= lag  # no gradient before the pipe has filled
-  batch_index = t - lag  # the batch group s back-propagates now
-  forward_batch = t - s if pipelined else t  # the batch group s forwards now
 
   # 0. Read what the delayed backward and the head need *before* this step writes its own
   #    slots. With G > 1 every lag is >= 1, so the slots differ, and reading first lets XLA
   #    (on CPU with host.CPU_XLA_FLAGS) update the buffers in place instead of copying them.
-  read = lambda: ring_lib.read_slot((stash_S, weights_S, batches_S['inputs']), batch_index, depth)
-  if num_stages > 1:
-    stash_b, weights_b, inputs_b = read()
-  targets_h = (
+  read = lambda: ring_lib.read_slot(
+    (stash_S, weights_S, batches_S['inputs']), backward_batch, depth
+  )
+  if ring.num_stages > 1:
+    pending = read()
+  head_targets = (
     batch['targets']
     if ring.head_lag == 0
     else ring_lib.read_slot(batches_S['targets'], t - ring.head_lag, depth)
   )
   batches_S = ring_lib.write_slot(batches_S, batch, t, depth)
   if weights_S is not None:  # graph: the backward differentiates at the forward's weights
+    forward_s = ring_lib.local_stage_params(forward_params)
     weights_S = ring_lib.write_slot(weights_S, forward_s, forward_batch, depth)
-  inputs_M, targets_M = cut(batch['inputs']), cut(targets_h)
-  received_M = cut(buffers['act'][0, 0]) if pipelined else None
 
-  # 1. Forward and 2. head, one micro-batch at a time. Locked: a wave in which group s forwards
-  #    micro-batch r - s in round r (only device 0 in round 0, as in the paper when M = 1), so
-  #    the forward takes M + G - 1 rounds of 1/M of the work. Pipelined: every group forwards
-  #    micro-batch r in round r, on what its predecessor sent during step t - 1. The head runs
-  #    on device 0 on each micro-batch of its batch as it arrives: fresh loss, head gradient and
-  #    delta_{G-1}, each 1/M of the batch's.
+  # 1. Forward and 2. head, one micro-batch at a time.
+  seen = {'inputs': batch['inputs'], 'targets': head_targets}
+  fwd = _forward_wave(ring, params, forward_params, buffers, seen, t)
+  # One write of the slot after the wave, rather than the stash carried through it: a loop's
+  # carry is a buffer of its own, and carrying the stash would cost copies of all of it.
+  stash_S = ring_lib.write_slot(stash_S, fwd.kept_M, forward_batch, depth)
+  if ring.num_stages == 1:  # lag 0: the backward needs what was just kept
+    pending = read()
+
+  # 3. Backward, all devices at once, with the error gradient received during step t - 1.
+  received_M = (
+    fwd.delta_fresh_M
+    if ring.num_stages == 1
+    else ring_lib.microbatches(buffers['delta'][0, 0], ring.num_microbatches)
+  )
+  g_stage, g_embed_stale, delta_next_M = _backward_chain(
+    ring, params, pending, (received_M, fwd.delta_fresh_M), backward_batch, t
+  )
+
+  # 4. Gradients, each on the device that owns it (embed and head live on device 0).
+  g_embed = jax.tree.map(jnp.add, fwd.g_embed, g_embed_stale)
+  t_async = t - ring.config.sync_warmup_steps
+  if ring.config.tied_grad == 'mean' and ring.model.tied_embedding:
+    both = t_async >= ring.backward_lags[0]
+    g_embed = jax.tree.map(lambda g: jnp.where(both, 0.5 * g, g), g_embed)
+  grads, loss = ring_lib.gather_grads(g_embed, fwd.g_head, g_stage, fwd.loss)
+  kept = {'stash': stash_S} if weights_S is None else {'stash': stash_S, 'weights': weights_S}
+  written = {'batches': batches_S, 'kept': kept}
+  new_buffers = _new_buffers(ring, buffers, fwd, written, delta_next_M, t)
+  return grads, jax.tree.map(lambda a: a[None, None], new_buffers), loss
+
+
+def _forward_wave(ring: _Ring, params, forward_params, buffers, seen, t) -> _Forwarded:
+  """Steps 1 and 2 on device s: the forward of this step's micro-batches and the head on each.
+
+  Locked: a wave in which group s forwards micro-batch r - s in round r (only device 0 in
+  round 0, as in the paper when M = 1), so the forward takes M + G - 1 rounds of 1/M of the
+  work. Pipelined: every group forwards micro-batch r in round r, on what its predecessor sent
+  during step t - 1. The head runs on device 0 on each micro-batch of its batch as it arrives:
+  fresh loss, head gradient and delta_{G-1}, each 1/M of the batch's. `seen` holds the batch's
+  inputs and the targets of the batch the head sees."""
+  model, stash, num_stages, num_micro = (
+    ring.model,
+    ring.stash,
+    ring.num_stages,
+    ring.num_microbatches,
+  )
+  pipelined, s = ring.pipelined, jax.lax.axis_index(STAGE)
+  t_async = t - ring.config.sync_warmup_steps
+  cut = lambda tree: ring_lib.microbatches(tree, num_micro)
+  forward_s = ring_lib.local_stage_params(forward_params)  # = params_s unless predicted
+  inputs_M, targets_M = cut(seen['inputs']), cut(seen['targets'])
+  received_M = cut(buffers['act'][0, 0]) if pipelined else None
+  memory_M = cut(ring_lib.local_memory(buffers))  # or None
   x_like = jax.eval_shape(lambda: ring_lib.embed(model, forward_params['embed'], inputs_M[0], None))
-  key_f = ring.key(forward_batch)
+  key_f = ring.key(t - s if pipelined else t)
   run_forward = lambda x, m, mem: stash.forward(forward_s, x, s, ring.micro_key(key_f, m), mem)
   first_memory = jax.tree.map(lambda a: a[0], memory_M)
   no_kept = _zeros(jax.eval_shape(run_forward, x_like, 0, first_memory)[1])
@@ -216,60 +270,67 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t, t_async):
     zeros_M,
     zeros_M,
   )
-  _, kept_M, new_memory_M, head_sum, delta_fresh_M, sent_M = jax.lax.fori_loop(
+  _, kept_M, memory_M, (loss, g_head, g_embed), delta_fresh_M, sent_M = jax.lax.fori_loop(
     0, rounds, forward_round, carry
   )
-  loss, g_head, g_embed_fresh = head_sum
-  # One write of the slot after the loop, rather than the stash carried through it: a loop's
-  # carry is a buffer of its own, and carrying the stash would cost copies of all of it.
-  stash_S = ring_lib.write_slot(stash_S, kept_M, forward_batch, depth)
-  if num_stages == 1:  # lag 0: the backward needs what was just kept
-    stash_b, weights_b, inputs_b = read()
+  return _Forwarded(kept_M, memory_M, loss, g_head, g_embed, delta_fresh_M, sent_M)
 
-  # 3. Backward, all devices at once, one micro-batch at a time: group s finishes batch
-  #    t - (G - s) (pipelined: 2G - s) with the error gradient it received during step t - 1.
-  #    Module 1 ends at the embedding: device 0 turns dx into V's stale input-side gradient.
-  #    The one hop of the backward: s hands dx to s - 1; device 0 hands the head's delta to G - 1.
-  delta_M = delta_fresh_M if num_stages == 1 else cut(buffers['delta'][0, 0])
-  inputs_b_M, key_b = cut(inputs_b), ring.key(batch_index)
+
+def _backward_chain(ring: _Ring, params, pending, deltas, backward_batch, t):
+  """Step 3 on device s, one micro-batch at a time: group s finishes batch `backward_batch`
+  (t - (G - s); pipelined t - (2G - s)) from `pending` (its stash, weights and inputs of that
+  batch) and the error gradients `deltas` (received during step t - 1; the head's fresh ones).
+  Module 1 ends at the embedding: device 0 turns dx into V's stale input-side gradient. The one
+  hop of the backward: s hands dx to s - 1; device 0 hands the head's delta to G - 1.
+  Returns (stage gradient, embedding gradient, the deltas sent, by micro-batch)."""
+  model, stash, s = ring.model, ring.stash, jax.lax.axis_index(STAGE)
+  stash_b, weights_b, inputs_b = pending
+  received_M, delta_fresh_M = deltas
+  valid = t - ring.config.sync_warmup_steps >= jnp.asarray(ring.backward_lags)[s]  # pipe full
+  inputs_b_M = ring_lib.microbatches(inputs_b, ring.num_microbatches)
+  key_b = ring.key(backward_batch)
+  params_s = ring_lib.local_stage_params(params)
   at_weights = params_s if weights_b is None else weights_b  # replay: the current weights
 
   def backward_micro(m, carry):
     g_stage, g_embed, delta_next_M = carry
     key_m = ring.micro_key(key_b, m)
     kept = jax.tree.map(lambda a: a[m], stash_b)
-    g_m, dx = ring_lib.mask(valid, stash.backward(at_weights, kept, delta_M[m], s, key_m))
+    g_m, dx = ring_lib.mask(valid, stash.backward(at_weights, kept, received_M[m], s, key_m))
     g_embed_m = ring_lib.embed_backward(model, params['embed'], inputs_b_M[m], key_m, dx)
-    sent = ring_lib.send_backward(jnp.where(s == 0, delta_fresh_M[m], dx), num_stages)
+    sent = ring_lib.send_backward(jnp.where(s == 0, delta_fresh_M[m], dx), ring.num_stages)
     add = lambda a, b: jax.tree.map(jnp.add, a, b)
     return add(g_stage, g_m), add(g_embed, g_embed_m), delta_next_M.at[m].set(sent)
 
-  no_grad = _zeros(jax.eval_shape(lambda: stash.backward(at_weights, no_kept, x_like, s, key_b)))
-  g_stage, g_embed_stale, delta_next_M = jax.lax.fori_loop(
-    0, num_micro, backward_micro, (no_grad[0], _zeros(params['embed']), zeros_M)
+  x_like = jax.ShapeDtypeStruct(received_M.shape[1:], received_M.dtype)
+  no_kept = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stash_b)
+  backward_shapes = lambda kept, x: stash.backward(at_weights, kept, x, s, key_b)
+  no_grad = _zeros(jax.eval_shape(backward_shapes, no_kept, x_like))
+  zeros_M = jnp.zeros(received_M.shape, received_M.dtype)
+  return jax.lax.fori_loop(
+    0, ring.num_microbatches, backward_micro, (no_grad[0], _zeros(params['embed']), zeros_M)
   )
 
-  # 4. Gradients, each on the device that owns it (embed and head live on device 0).
-  g_embed = jax.tree.map(jnp.add, g_embed_fresh, g_embed_stale)
-  if ring.config.tied_grad == 'mean' and model.tied_embedding:
-    both = t_async >= ring.backward_lags[0]
-    g_embed = jax.tree.map(lambda g: jnp.where(both, 0.5 * g, g), g_embed)
-  grads, loss = ring_lib.gather_grads(g_embed, g_head, g_stage, loss)
-  new_buffers = {'batches': batches_S, 'delta': ring_lib.whole_batch(delta_next_M)}
-  kept = {'stash': stash_S} if weights_S is None else {'stash': stash_S, 'weights': weights_S}
+
+def _new_buffers(ring: _Ring, buffers, fwd: _Forwarded, written, delta_next_M, t):
+  """The ring buffers this step leaves for the next one, on device s (`written`: the batches
+  and the stash with this step's slots written)."""
+  kept = written['kept']
+  new_buffers = {'batches': written['batches'], 'delta': ring_lib.whole_batch(delta_next_M)}
   if staged.HOST in buffers:
     new_buffers[staged.HOST] = kept
   else:
     new_buffers.update(kept)
-  if pipelined:
-    new_buffers['act'] = ring_lib.whole_batch(sent_M)
-  if new_memory_M is not None:
-    new_memory = ring_lib.whole_batch(new_memory_M)
-    if pipelined:  # while the pipe fills, group s forwards nothing real (t_async < s)
+  if ring.pipelined:
+    new_buffers['act'] = ring_lib.whole_batch(fwd.sent_M)
+  if fwd.memory_M is not None:
+    new_memory = ring_lib.whole_batch(fwd.memory_M)
+    if ring.pipelined:  # while the pipe fills, group s forwards nothing real (t_async < s)
+      s, t_async = jax.lax.axis_index(STAGE), t - ring.config.sync_warmup_steps
       old = ring_lib.local_memory(buffers)
       new_memory = jax.tree.map(lambda a, b: jnp.where(t_async >= s, a, b), new_memory, old)
     new_buffers['memory'] = new_memory
-  return grads, jax.tree.map(lambda a: a[None, None], new_buffers), loss
+  return new_buffers
 
 
 def _zeros(shapes):
@@ -306,8 +367,8 @@ def _init(ring: _Ring, params, example_batch):
   params_s = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params['stages'])
   x = jax.eval_shape(ring.model.embed, params['embed'], local['inputs'], None)
   x_micro = jax.eval_shape(ring.model.embed, params['embed'], micro['inputs'], None)
-  memory = staged.empty_memory(ring.model, params, example_batch, replicas)
-  memory_micro = jax.tree.map(
+  memory = jax.eval_shape(lambda: staged.empty_memory(ring.model, params, example_batch, replicas))
+  memory_micro = jax.tree.map(  # one micro-batch's rows of one device's memory, for the shapes
     lambda a: jax.ShapeDtypeStruct((a.shape[2] // num_micro, *a.shape[3:]), a.dtype),
     memory.get('memory'),
   )
@@ -345,13 +406,13 @@ def _grads(ring: _Ring, state: TrainState, forward_params, batch, t, t_async):
   delayed = jax.shard_map(
     functools.partial(_ring_step, ring),
     mesh=ring.mesh,
-    in_specs=(param_specs, param_specs, buffer_specs, staged.batch_spec(batch), P(), P()),
+    in_specs=(param_specs, param_specs, buffer_specs, staged.batch_spec(batch), P()),
     out_specs=(param_specs, buffer_specs, P()),
     check_vma=False,
   )
 
   def ouroboros_grads():
-    return delayed(state.params, forward_params, state.ring, batch, t, t_async)
+    return delayed(state.params, forward_params, state.ring, batch, t)
 
   def locked(params, batch, t, buffers):  # micro-batch by micro-batch, summed
     num_micro = ring.num_microbatches
