@@ -54,9 +54,9 @@ def test_every_pipeline_gives_backprops_parameters(name, stages, microbatches):
 
 
 def test_the_table_gpipe_and_1f1b_draw_gpipes_dropout_masks():
-  """With dropout every (micro-batch, stage) draws the key gpipe gives it, so the table executor
-  reproduces the gpipe schedule exactly, and 1F1B (another order of the same work) too; backprop,
-  whose masks differ, does not."""
+  """With dropout every (micro-batch, stage) draws the key gpipe gives it: `build_pipeline` is
+  what `build_schedule` runs for gpipe, and 1F1B (another order of the same work) reproduces it;
+  backprop, whose masks differ, does not."""
   want, _ = run('gpipe', 2, 4, dropout=0.1)
   model, params = tiny_transformer(2, num_layers=2, dropout=0.1)
   executor = pipeline.build_pipeline(

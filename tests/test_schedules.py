@@ -175,9 +175,10 @@ def test_model_parallel_matches_backprop():
 
 
 def test_gpipe_matches_backprop_even_with_nan_in_its_bubbles():
-  """G = 4 with M = 2 (3 of the 5 iterations of every device are bubbles), once with zeros and
-  once with NaN in the bubbles, and G = 2 x data 2 with M = 4 (M = 1: the dropout test below).
-  NaN bubbles must change nothing at all: they never enter a group."""
+  """G = 4 with M = 2 (most ticks of every device are idle), once with zeros and once with NaN
+  as the bubbles' value (what an idle tick sends and an empty inbox slot holds), and G = 2 x
+  data 2 with M = 4 (M = 1: the dropout test below). NaN bubbles must change nothing at all: no
+  operation ever reads them."""
   zeros = run('gpipe', (1, 1, 1, 1), microbatches=2)
   nans = dataclasses.replace(zeros, bubbles='nan')
   assert_all_match_backprop(zeros, nans, run('gpipe', (2, 2), microbatches=4, data_parallel=2))

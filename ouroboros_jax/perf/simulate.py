@@ -20,8 +20,9 @@ from ouroboros_jax.choices import EXACT_PIPELINES, FORWARD_MODES, SCHEDULES, STA
 from ouroboros_jax.schedules import tables
 from ouroboros_jax.schedules.delays import backward_batch, forward_batch, lags
 
-# The exact pipelines the simulator runs from their tables (gpipe keeps its own emitter: the
-# ring placement the library's gpipe runs, head on device 0).
+# The exact pipelines the simulator runs from their tables. gpipe keeps its own emitter, the
+# classic placement (the head once on device 0 on all M outputs), whose formulas the tests pin;
+# the library's gpipe now runs from its table (head per micro-batch on the last stage's device).
 TABLE_PIPELINES = EXACT_PIPELINES
 
 # ----------------------------------------------------------------------------- costs

@@ -9,24 +9,25 @@ Every schedule takes the same `StagedModel`, Optax transformation and batches, s
 parameters can be compared number for number. The schedules, what each computes and its idle
 time: docs/design.md; Ouroboros: docs/algorithm.md.
 
-The modules: `config` (ScheduleConfig), `synchronous` (the four exact schedules), `tables` (exact
-pipelines as data) and `pipeline` (their one executor), `ouroboros` (the delayed ring), `ring`
-(the ring's pieces), `delays` (which batch each piece works on), `compensation` (staleness
-compensation and the optimizers), `reference` (a slow Ouroboros written from the equations).
+The modules: `config` (ScheduleConfig), `synchronous` (backprop, data_parallel, model_parallel),
+`tables` (the exact pipelines, GPipe to ZB-V, as data) and `pipeline` (their one executor),
+`ouroboros` (the delayed ring), `ring` (the ring's pieces), `delays` (which batch each piece works
+on), `compensation` (staleness compensation and the optimizers), `reference` (a slow Ouroboros
+written from the equations).
 """
 
 from __future__ import annotations
 
 import optax
 
-from ouroboros_jax.choices import EXACT_PIPELINES, SCHEDULES
+from ouroboros_jax.choices import SCHEDULES
+from ouroboros_jax.schedules import tables
 from ouroboros_jax.schedules.config import ScheduleConfig
+from ouroboros_jax.schedules.pipeline import build_gpipe, build_pipeline, gpipe_idle_fraction
 from ouroboros_jax.schedules.synchronous import (
   build_backprop,
   build_data_parallel,
-  build_gpipe,
   build_model_parallel,
-  gpipe_idle_fraction,
   model_parallel_idle_fraction,
   replica_key,
   synchronous_update,
@@ -59,13 +60,10 @@ def build_schedule(
     'backprop': build_backprop,
     'data_parallel': build_data_parallel,
     'model_parallel': build_model_parallel,
-    'gpipe': build_gpipe,
   }
   if config.name in builders:
     return builders[config.name](config, model, tx, devices=devices)
-  if config.name in EXACT_PIPELINES:
-    from ouroboros_jax.schedules.pipeline import build_pipeline
-
+  if config.name in tables.PIPELINES:  # gpipe and the other exact pipelines: from their tables
     return build_pipeline(config, model, tx, devices=devices)
   if config.name == 'ouroboros':
     from ouroboros_jax.schedules import ouroboros

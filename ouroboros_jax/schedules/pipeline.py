@@ -19,6 +19,11 @@
      `ppermute` per channel the program uses (device d to d + o), and the receiver keeps it in
      the inbox slot the program names.
 
+The code reads the same: `_device_grads` scans `_tick` over the device's row of the program;
+`_tick` runs `_idle`, `_forward`, `_input_grad` (B) or `_weight_grad` (W), then `_send`. They all
+read one `_Executor` (the schedule's settings and what they imply) and one `_Step` (the step's
+micro-batches, parameters and key on this device).
+
 Stash and inbox slots are reused as soon as their value is read for the last time, so the
 memory a schedule holds is the table's (1F1B keeps p micro-batches where GPipe keeps m; XLA's
 memory analysis orders them so, tests/test_pipeline.py). The gradient is exact: every (micro-batch,
@@ -37,7 +42,9 @@ and their gradients are summed over `stage`.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import dataclasses
+import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -79,154 +86,276 @@ def idle_fraction(table: tables.Table) -> float:
   return bubble / (1 + bubble)
 
 
-def build_pipeline(config: ScheduleConfig, model: StagedModel, tx, *, devices=None) -> Schedule:
-  """The schedule of `config.name` (any of `tables.PIPELINES`) run from its table."""
+def gpipe_idle_fraction(num_stages: int, microbatches: int) -> float:
+  """GPipe's idle fraction, (G-1)/(M+G-1): M + G - 1 forward ticks, device s busy in M of them
+  (micro-batch i - s at tick i); the backward mirrors them. `idle_fraction` of its table."""
+  return (num_stages - 1) / (microbatches + num_stages - 1)
+
+
+def build_gpipe(
+  config: ScheduleConfig, model: StagedModel, tx, *, devices=None, bubble_fill: float = 0.0
+) -> Schedule:
+  """GPipe (Huang et al. 2019) run from its table: every forward, then every backward; idle
+  (G-1)/(M+G-1) (`gpipe_idle_fraction`); every stage holds its M micro-batches' residuals until
+  their backward. `build_schedule` runs the same for `config.name == 'gpipe'`."""
+  config = dataclasses.replace(config, name='gpipe')
+  return build_pipeline(config, model, tx, devices=devices, bubble_fill=bubble_fill)
+
+
+def build_pipeline(
+  config: ScheduleConfig, model: StagedModel, tx, *, devices=None, bubble_fill: float = 0.0
+) -> Schedule:
+  """The schedule of `config.name` (any of `tables.PIPELINES`) run from its table.
+
+  `bubble_fill` is what an idle tick sends and an empty inbox slot holds: no operation ever
+  reads it (the tests pass NaN and get the same numbers)."""
   table = pipeline_table(config)
-  pipeline, program = table.pipeline, tables.program(table)
-  p, m, replicas = pipeline.num_stages, pipeline.microbatches, config.data_parallel
-  mesh = staged.make_mesh(p, replicas, devices)
-  stage_order = [pipeline.stage_of(d, c) for d in range(p) for c in range(pipeline.chunks)]
-  fields_PxT = {name: np.asarray(rows, np.int32) for name, rows in program.fields.items()}
+  pipeline = table.pipeline
   tapped = not pipeline.fused and model.weight_split is not None
-  # The weights stay put all step, so no stash keeps them.
-  stash = TappedStash(model.weight_split) if tapped else ring.Stash(model, keep_weights=False)
-  last = pipeline.last_stage
-
-  def device_grads(params, batch, t, buffers):
-    s = jax.lax.axis_index(STAGE)
-    key = replica_key(config.seed, t, replicas)
-    micro_key = lambda i: key if m == 1 else jax.random.fold_in(key, i)
-    split = lambda a: a.reshape(m, a.shape[0] // m, *a.shape[1:])
-    inputs_M, targets_M = split(batch['inputs']), split(batch['targets'])
-    embed_p, head_p, chunks = params['embed'], params['head'], params['stages']
-    chunk_params = lambda c: jax.tree.map(lambda a: a[c], chunks)
-    embed_of = lambda e, i: ring.embed(model, e, inputs_M[i], micro_key(i))
-    x_like = jax.eval_shape(embed_of, embed_p, 0)
-    zeros_x = jnp.zeros(x_like.shape, x_like.dtype)
-    zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
-
-    def forward(carry: _Carry, op):
-      i, k = op['microbatch'], op['stage']
-      x = jax.lax.cond(
-        k == 0, lambda: embed_of(embed_p, i), lambda: carry.activations[op['inbox_slot']]
-      )
-      c = op['chunk']
-      memory = jax.tree.map(lambda a: a[c, i], carry.memory)  # None without a memory
-      y, kept, memory = stash.forward(chunk_params(c), x, k, micro_key(i), memory)
-      new_memory = jax.tree.map(lambda a, new: a.at[c, i].set(new), carry.memory, memory)
-
-      def head():  # the loss of micro-batch i, as 1/m of the step's
-        loss_of = lambda h, e, y: model.loss(h, e, y, targets_M[i])[0]
-        loss, vjp_fn = jax.vjp(loss_of, head_p, embed_p, y)
-        return (loss / m, *vjp_fn(jnp.full_like(loss, 1 / m)))
-
-      no_head = lambda: (jnp.zeros(()), zeros(head_p), zeros(embed_p), y)
-      loss, g_head, g_embed, sent = jax.lax.cond(k == last, head, no_head)
-      carry = carry._replace(
-        stash=ring.write_slot(carry.stash, kept, op['stash_slot'], program.stash_slots),
-        grad_head=_add(carry.grad_head, g_head),
-        grad_embed=_add(carry.grad_embed, g_embed),
-        loss=carry.loss + loss,
-        memory=new_memory,
-      )
-      return carry, sent  # the activation to the next stage, or the head's gradient to our B
-
-    def kept_and_delta(carry: _Carry, op):
-      kept = ring.read_slot(carry.stash, op['stash_slot'], program.stash_slots)
-      return kept, carry.gradients[op['inbox_slot']]
-
-    def backward(carry: _Carry, op):  # the whole VJP: (weight gradient, input gradient)
-      kept, delta = kept_and_delta(carry, op)
-      params_c, key = chunk_params(op['chunk']), micro_key(op['microbatch'])
-      return stash.backward(params_c, kept, delta, op['stage'], key)
-
-    def add_chunk_grad(carry: _Carry, op, g_chunk) -> _Carry:
-      add_at = lambda g, w: g.at[op['chunk']].add(w)
-      return carry._replace(grad_chunks=jax.tree.map(add_at, carry.grad_chunks, g_chunk))
-
-    def input_grad(carry: _Carry, op):
-      """B. A fused schedule takes the whole VJP here, as one backward (its W is empty). A split
-      one (ZB) takes the input gradient: through the model's taps when it has a `WeightSplit`
-      (keeping the taps' gradients for W), else as the input half of the VJP (XLA removes the
-      weight half)."""
-      if tapped:
-        kept, delta = kept_and_delta(carry, op)
-        params_c, key = chunk_params(op['chunk']), micro_key(op['microbatch'])
-        dx, tap_grads = stash.input_grad(params_c, kept, delta, op['stage'], key)
-        slot = op['stash_slot']
-        carry = carry._replace(
-          tap_grads=ring.write_slot(carry.tap_grads, tap_grads, slot, program.stash_slots)
-        )
-      else:
-        g_chunk, dx = backward(carry, op)
-        carry = add_chunk_grad(carry, op, g_chunk) if pipeline.fused else carry
-      embed_grad = lambda: jax.vjp(lambda e: embed_of(e, op['microbatch']), embed_p)[1](dx)[0]
-      g_embed = jax.lax.cond(op['stage'] == 0, embed_grad, lambda: zeros(embed_p))
-      return carry._replace(grad_embed=_add(carry.grad_embed, g_embed)), dx
-
-    def weight_grad(carry: _Carry, op):
-      """W of a split schedule: from the taps' gradients (matrix products only), else as the
-      weight half of the VJP (which recomputes the input-gradient chain)."""
-      if tapped:
-        kept = ring.read_slot(carry.stash, op['stash_slot'], program.stash_slots)
-        tap_grads = ring.read_slot(carry.tap_grads, op['stash_slot'], program.stash_slots)
-        g_chunk = stash.weight_grad(chunk_params(op['chunk']), kept, tap_grads)
-      else:
-        g_chunk, _ = backward(carry, op)
-      return add_chunk_grad(carry, op, g_chunk), zeros_x
-
-    idle = lambda carry, op: (carry, zeros_x)
-
-    def tick(carry: _Carry, op):
-      operations = (idle, forward, input_grad, idle if pipeline.fused else weight_grad)
-      carry, sent = jax.lax.switch(op['kind'], operations, carry, op)
-      activations, gradients = carry.activations, carry.gradients
-      for o in program.channels:  # what device s - o sent this tick
-        got = (
-          sent if o == 0 else jax.lax.ppermute(sent, STAGE, [(d, (d + o) % p) for d in range(p)])
-        )
-        store, slot = op[f'store_{o}'], op[f'slot_{o}']
-        activations = _keep(activations, slot, got, store == tables.ACTIVATIONS)
-        gradients = _keep(gradients, slot, got, store == tables.GRADIENTS)
-      return carry._replace(activations=activations, gradients=gradients), None
-
-    slots = lambda like: jax.tree.map(
-      lambda a: jnp.zeros((program.stash_slots, *a.shape), a.dtype), like
-    )
-    # A memory (leaves [v, 1, B/R, ...] here: this device's chunks) cut into micro-batch rows.
-    memory = buffers.get('memory')
-    memory = jax.tree.map(lambda a: a[:, 0].reshape(a.shape[0], m, -1, *a.shape[3:]), memory)
-    first_memory = jax.tree.map(lambda a: a[0, 0], memory)
-    _, kept_like, _ = jax.eval_shape(
-      lambda: stash.forward(chunk_params(0), zeros_x, 0, micro_key(0), first_memory)
-    )
-    start = _Carry(
-      stash=slots(kept_like),
-      tap_grads=slots(model.weight_split.taps(chunk_params(0), zeros_x)) if tapped else {},
-      activations=jnp.zeros((program.activation_slots, *x_like.shape), x_like.dtype),
-      gradients=jnp.zeros((program.gradient_slots, *x_like.shape), x_like.dtype),
-      grad_chunks=zeros(chunks),
-      grad_embed=zeros(embed_p),
-      grad_head=zeros(head_p),
-      loss=jnp.zeros(()),
-      memory=memory,
-    )
-    ops_T = {name: jnp.asarray(rows)[s] for name, rows in fields_PxT.items()}
-    end, _ = jax.lax.scan(tick, start, ops_T)
-    from_owner = lambda tree: jax.lax.psum(tree, STAGE)
-    grads = {
-      'embed': from_owner(end.grad_embed),
-      'head': from_owner(end.grad_head),
-      'stages': end.grad_chunks,
-    }
-    if end.memory is not None:
-      rows = lambda a: a.reshape(a.shape[0], 1, -1, *a.shape[3:])
-      buffers = {**buffers, 'memory': jax.tree.map(rows, end.memory)}
-    return (*jax.lax.pmean((grads, from_owner(end.loss)), DATA), buffers)
-
-  return synchronous_schedule(
-    config, model, tx, mesh, device_grads, idle_fraction(table), stage_order=stage_order
+  executor = _Executor(
+    model=model,
+    pipeline=pipeline,
+    program=tables.program(table),
+    # The weights stay put all step, so no stash keeps them.
+    stash=TappedStash(model.weight_split) if tapped else ring.Stash(model, keep_weights=False),
+    seed=config.seed,
+    replicas=config.data_parallel,
+    bubble_fill=bubble_fill,
   )
+  mesh = staged.make_mesh(pipeline.num_stages, config.data_parallel, devices)
+  device_grads = functools.partial(_device_grads, executor)
+  return synchronous_schedule(
+    config, model, tx, mesh, device_grads, idle_fraction(table), stage_order=executor.stage_order
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Executor:
+  """What every tick of one pipeline schedule reads: the settings, and what they imply."""
+
+  model: StagedModel
+  pipeline: tables.Pipeline
+  program: tables.Program  # the table as integer arrays [device, tick]
+  stash: Any  # ring.Stash, or TappedStash for a split schedule of a model with a WeightSplit
+  seed: int
+  replicas: int  # data replicas
+  bubble_fill: float  # what an idle tick sends and an empty inbox slot holds (never read)
+
+  @property
+  def num_stages(self) -> int:
+    return self.pipeline.num_stages
+
+  @property
+  def microbatches(self) -> int:
+    return self.pipeline.microbatches
+
+  @property
+  def tapped(self) -> bool:
+    """A split schedule's B and W through the model's taps (else: two halves of one VJP)."""
+    return isinstance(self.stash, TappedStash)
+
+  @property
+  def stage_order(self) -> list[int]:
+    """The virtual stages in the order the devices hold them (v consecutive per device)."""
+    p, v = self.num_stages, self.pipeline.chunks
+    return [self.pipeline.stage_of(d, c) for d in range(p) for c in range(v)]
+
+  def operations_T(self, device) -> dict[str, jax.Array]:
+    """This device's row of the program: per field, [ticks] (what lax.scan runs over)."""
+    return {
+      name: jnp.asarray(np.asarray(rows, np.int32))[device]
+      for name, rows in self.program.fields.items()
+    }
+
+
+class _Step(NamedTuple):
+  """One step's values on one device, which its operations read."""
+
+  params: PyTree  # embed, head and this device's chunks (leaves [v, ...])
+  inputs: jax.Array  # [m, b, ...]: the micro-batches
+  targets: jax.Array  # [m, b, ...]
+  key: jax.Array  # the batch's dropout key on this data replica
+  nothing: jax.Array  # shaped as an activation: what a tick sends when it sends nothing
+
+  def key_of(self, i):
+    return ring.microbatch_key(self.key, i, self.inputs.shape[0])
+
+  def chunk(self, c) -> PyTree:
+    return jax.tree.map(lambda a: a[c], self.params['stages'])
+
+
+# -- one step on one device: scan over the ticks of its row of the program ------------------------
+
+
+def _device_grads(executor: _Executor, params, batch, t, buffers):
+  """(grads, loss, buffers) of batch t on this device (see `synchronous_schedule`): the ticks,
+  then the embedding's and head's gradients from their devices, averaged over data replicas."""
+  m = executor.microbatches
+  key = replica_key(executor.seed, t, executor.replicas)
+  inputs, targets = ring.microbatches((batch['inputs'], batch['targets']), m)
+  x_like = jax.eval_shape(lambda: ring.embed(executor.model, params['embed'], inputs[0], key))
+  nothing = jnp.full(x_like.shape, executor.bubble_fill, x_like.dtype)
+  step = _Step(params, inputs, targets, key, nothing)
+  # A memory (leaves [v, 1, B/R, ...]: this device's chunks) cut into micro-batch rows.
+  memory = jax.tree.map(
+    lambda a: a[:, 0].reshape(a.shape[0], m, -1, *a.shape[3:]), buffers.get('memory')
+  )
+  operations_T = executor.operations_T(jax.lax.axis_index(STAGE))
+  tick = functools.partial(_tick, executor, step)
+  end, _ = jax.lax.scan(tick, _start(executor, step, memory), operations_T)
+  from_owner = lambda tree: jax.lax.psum(tree, STAGE)
+  grads = {
+    'embed': from_owner(end.grad_embed),
+    'head': from_owner(end.grad_head),
+    'stages': end.grad_chunks,
+  }
+  if end.memory is not None:
+    rows = lambda a: a.reshape(a.shape[0], 1, -1, *a.shape[3:])
+    buffers = {**buffers, 'memory': jax.tree.map(rows, end.memory)}
+  return (*jax.lax.pmean((grads, from_owner(end.loss)), DATA), buffers)
+
+
+def _start(executor: _Executor, step: _Step, memory) -> _Carry:
+  """Empty slots, zero gradients, and the memory (leaves [v, m, b, ...], or None)."""
+  program, x = executor.program, step.nothing
+  zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
+  slots = lambda like: jax.tree.map(
+    lambda a: jnp.zeros((program.stash_slots, *a.shape), a.dtype), like
+  )
+  inbox = lambda count: jnp.full((count, *x.shape), executor.bubble_fill, x.dtype)
+  first_memory = jax.tree.map(lambda a: a[0, 0], memory)
+  _, kept_like, _ = jax.eval_shape(
+    lambda: executor.stash.forward(step.chunk(0), x, 0, step.key_of(0), first_memory)
+  )
+  split = executor.model.weight_split
+  return _Carry(
+    stash=slots(kept_like),
+    tap_grads=slots(jax.eval_shape(split.taps, step.chunk(0), x)) if executor.tapped else {},
+    activations=inbox(program.activation_slots),
+    gradients=inbox(program.gradient_slots),
+    grad_chunks=zeros(step.params['stages']),
+    grad_embed=zeros(step.params['embed']),
+    grad_head=zeros(step.params['head']),
+    loss=jnp.zeros(()),
+    memory=memory,
+  )
+
+
+def _tick(executor: _Executor, step: _Step, carry: _Carry, op):
+  """One tick: 1. run the operation (idle, F, B or W); 2. move the value it sends one hop."""
+  weight_grad = _idle if executor.pipeline.fused else _weight_grad  # fused: B took the VJP
+  operations = [
+    functools.partial(run, executor, step) for run in (_idle, _forward, _input_grad, weight_grad)
+  ]
+  carry, sent = jax.lax.switch(op['kind'], operations, carry, op)
+  return _send(executor, carry, op, sent), None
+
+
+def _send(executor: _Executor, carry: _Carry, op, sent) -> _Carry:
+  """One `ppermute` per channel o the program uses (device d to d + o); this device keeps what
+  device d - o sent in the inbox slot its program names (or nowhere)."""
+  p = executor.num_stages
+  activations, gradients = carry.activations, carry.gradients
+  for o in executor.program.channels:
+    hop = [(d, (d + o) % p) for d in range(p)]
+    got = sent if o == 0 else jax.lax.ppermute(sent, STAGE, hop)
+    store, slot = op[f'store_{o}'], op[f'slot_{o}']
+    activations = _keep(activations, slot, got, store == tables.ACTIVATIONS)
+    gradients = _keep(gradients, slot, got, store == tables.GRADIENTS)
+  return carry._replace(activations=activations, gradients=gradients)
+
+
+# -- the operations: (carry, op) -> (carry, the value sent on) -------------------------------------
+
+
+def _idle(executor: _Executor, step: _Step, carry: _Carry, op):
+  del executor, op
+  return carry, step.nothing
+
+
+def _forward(executor: _Executor, step: _Step, carry: _Carry, op):
+  """F: embed micro-batch i (virtual stage k = 0) or take the activation in the inbox, run chunk
+  c keeping its residuals in the stash slot; on the last stage also the head. Sends the output
+  to the next stage, or the head's gradient to this stage's own B."""
+  i, k, c = op['microbatch'], op['stage'], op['chunk']
+  embed = lambda: ring.embed(executor.model, step.params['embed'], step.inputs[i], step.key_of(i))
+  x = jax.lax.cond(k == 0, embed, lambda: carry.activations[op['inbox_slot']])
+  memory = jax.tree.map(lambda a: a[c, i], carry.memory)  # None without a memory
+  y, kept, memory = executor.stash.forward(step.chunk(c), x, k, step.key_of(i), memory)
+  zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
+  no_head = lambda: (jnp.zeros(()), zeros(step.params['head']), zeros(step.params['embed']), y)
+  head = lambda: _head(executor, step, y, i)
+  loss, g_head, g_embed, sent = jax.lax.cond(k == executor.pipeline.last_stage, head, no_head)
+  stash_slots = executor.program.stash_slots
+  carry = carry._replace(
+    stash=ring.write_slot(carry.stash, kept, op['stash_slot'], stash_slots),
+    grad_head=_add(carry.grad_head, g_head),
+    grad_embed=_add(carry.grad_embed, g_embed),
+    loss=carry.loss + loss,
+    memory=jax.tree.map(lambda a, new: a.at[c, i].set(new), carry.memory, memory),
+  )
+  return carry, sent
+
+
+def _head(executor: _Executor, step: _Step, y, i):
+  """The loss of micro-batch i as 1/m of the step's, and its gradients (`ring.head_vjp`)."""
+  m = executor.microbatches
+  loss, g_head, g_embed, dy = ring.head_vjp(executor.model, step.params, y, step.targets[i], 1 / m)
+  return loss / m, g_head, g_embed, dy
+
+
+def _input_grad(executor: _Executor, step: _Step, carry: _Carry, op):
+  """B. A fused schedule takes the whole VJP here, as one backward (its W is empty). A split
+  one (ZB) takes the input gradient: through the model's taps when it has a `WeightSplit`
+  (keeping the taps' gradients for W), else as the input half of the VJP (XLA removes the
+  weight half). On virtual stage 0 the input gradient goes on into the embedding's."""
+  i, slot = op['microbatch'], op['stash_slot']
+  if executor.tapped:
+    kept, delta = _kept_and_delta(executor, carry, op)
+    dx, tap_grads = executor.stash.input_grad(
+      step.chunk(op['chunk']), kept, delta, op['stage'], step.key_of(i)
+    )
+    slots = executor.program.stash_slots
+    carry = carry._replace(tap_grads=ring.write_slot(carry.tap_grads, tap_grads, slot, slots))
+  else:
+    g_chunk, dx = _backward(executor, step, carry, op)
+    carry = _add_chunk_grad(carry, op, g_chunk) if executor.pipeline.fused else carry
+  embed_grad = lambda: ring.embed_grad(
+    executor.model, step.params['embed'], step.inputs[i], step.key_of(i), dx
+  )
+  g_embed = ring.on_stage(op['stage'], 0, embed_grad)
+  return carry._replace(grad_embed=_add(carry.grad_embed, g_embed)), dx
+
+
+def _weight_grad(executor: _Executor, step: _Step, carry: _Carry, op):
+  """W of a split schedule: from the taps' gradients (matrix products only), else as the weight
+  half of the VJP (which recomputes the input-gradient chain). Sends nothing."""
+  if executor.tapped:
+    slots = executor.program.stash_slots
+    kept = ring.read_slot(carry.stash, op['stash_slot'], slots)
+    tap_grads = ring.read_slot(carry.tap_grads, op['stash_slot'], slots)
+    g_chunk = executor.stash.weight_grad(step.chunk(op['chunk']), kept, tap_grads)
+  else:
+    g_chunk, _ = _backward(executor, step, carry, op)
+  return _add_chunk_grad(carry, op, g_chunk), step.nothing
+
+
+def _kept_and_delta(executor: _Executor, carry: _Carry, op):
+  """The residuals F kept for this op's (micro-batch, chunk), and its output gradient."""
+  kept = ring.read_slot(carry.stash, op['stash_slot'], executor.program.stash_slots)
+  return kept, carry.gradients[op['inbox_slot']]
+
+
+def _backward(executor: _Executor, step: _Step, carry: _Carry, op):
+  """The chunk's whole VJP: (weight gradient, input gradient)."""
+  kept, delta = _kept_and_delta(executor, carry, op)
+  params_c, key = step.chunk(op['chunk']), step.key_of(op['microbatch'])
+  return executor.stash.backward(params_c, kept, delta, op['stage'], key)
+
+
+def _add_chunk_grad(carry: _Carry, op, g_chunk) -> _Carry:
+  add_at = lambda g, w: g.at[op['chunk']].add(w)
+  return carry._replace(grad_chunks=jax.tree.map(add_at, carry.grad_chunks, g_chunk))
 
 
 class TappedStash:

@@ -234,17 +234,23 @@ def pipelined_forward(stash: Stash, params_s, x, received, key, num_stages: int,
   return received, kept, new_memory, send_forward(y, num_stages)
 
 
+def head_vjp(model: StagedModel, params, x, targets, weight: float = 1.0):
+  """Module K's loss on x and, for cotangent `weight` (1/M for one of M micro-batches), its
+  gradients: (loss, head gradient, the head's embed gradient, the gradient of x). The head of
+  the ring (`head`) and of the table pipelines (pipeline.py)."""
+  loss_of = lambda head_p, embed_p, h: model.loss(head_p, embed_p, h, targets)[0]
+  loss, vjp_fn = jax.vjp(loss_of, params['head'], params['embed'], x)
+  return (loss, *vjp_fn(jnp.full_like(loss, weight)))
+
+
 def head(model: StagedModel, params, x, targets, weight: float = 1.0, when=True):
   """Module K on device 0: (loss, head gradient, the head's embed gradient, delta_{G-1}), all
   scaled by `weight` (1/M for one of M micro-batches); zeros on the other devices, and where
   `when` is false."""
 
   def loss_and_grads():
-    loss_of = lambda head_p, embed_p, h: model.loss(head_p, embed_p, h, targets)[0]
-    loss, vjp_fn = jax.vjp(loss_of, params['head'], params['embed'], x)
-    if weight == 1.0:
-      return (loss, *vjp_fn(jnp.ones_like(loss)))
-    return (loss * weight, *vjp_fn(jnp.full_like(loss, weight)))
+    loss, *grads = head_vjp(model, params, x, targets, weight)
+    return (loss if weight == 1.0 else loss * weight, *grads)
 
   return on_stage(jnp.where(when, jax.lax.axis_index(STAGE), -1), 0, loss_and_grads)
 
@@ -271,13 +277,15 @@ def locked_backward(stash: Stash, params_s, kept, delta, key, num_stages: int):
   return g_stage, dx
 
 
+def embed_grad(model: StagedModel, embed_params, tokens, key, dx):
+  """The embedding's input-side gradient for the gradient dx of its output (`embed` with the
+  same tokens and key). Of the ring (`embed_backward`) and of the table pipelines."""
+  return jax.vjp(lambda e: embed(model, e, tokens, key), embed_params)[1](dx)[0]
+
+
 def embed_backward(model: StagedModel, embed_params, tokens, key, dx):
   """Module 1 ends at the embedding: device 0 turns dx into V's input-side gradient."""
-
-  def backward():
-    embed_of = lambda e: model.embed(e, tokens, staged.piece_rng(key, EMBED_PIECE))
-    return jax.vjp(embed_of, embed_params)[1](dx)[0]
-
+  backward = lambda: embed_grad(model, embed_params, tokens, key, dx)
   return on_stage(jax.lax.axis_index(STAGE), 0, backward)
 
 

@@ -3,10 +3,11 @@
   backprop        one device, exact gradients (the reference everything is compared with).
   data_parallel   R replicas of the whole model on the `data` axis, gradients averaged (`pmean`).
   model_parallel  the ring placement with locked forward and backward: exact, idle (G-1)/G.
-  gpipe           M micro-batches pipelined through the same placement: idle (G-1)/(M+G-1).
 
 Each computes its gradient inside one `jax.shard_map` (the communication is written out) and
-hands it to `synchronous_update`. See `ouroboros_jax.schedules` for the table of all schedules.
+hands it to `synchronous_update`; so do the exact pipelines (GPipe, 1F1B, ...: pipeline.py, from
+their tables), through `synchronous_schedule`. See `ouroboros_jax.schedules` for the table of all
+schedules.
 """
 
 from __future__ import annotations
@@ -217,102 +218,4 @@ def build_model_parallel(
     return grads, loss, ring.with_memory(buffers, memory)
 
   idle = model_parallel_idle_fraction(num_stages)
-  return synchronous_schedule(config, model, tx, mesh, device_grads, idle)
-
-
-# ----------------------------------------------------------------------------- gpipe
-
-
-def gpipe_idle_fraction(num_stages: int, microbatches: int) -> float:
-  """Forward: M + G - 1 iterations, device s busy in M of them (micro-batch i - s at iteration
-  i); the backward mirrors it at twice the cost, so idle = (G-1)/(M+G-1) either way."""
-  return (num_stages - 1) / (microbatches + num_stages - 1)
-
-
-def build_gpipe(
-  config: ScheduleConfig, model: StagedModel, tx, *, devices=None, bubble_fill: float = 0.0
-) -> Schedule:
-  """GPipe: M micro-batches through the ring placement, one synchronous (exact) gradient.
-
-  Each data replica cuts its B/R examples into M micro-batches. The forward is one `lax.scan`
-  over M + G - 1 iterations inside the shard_map: at iteration i device s runs its group on
-  micro-batch m = i - s (device 0 first embeds micro-batch i) and passes the result on with one
-  `ppermute`; device G-1's output travels back around the ring to device 0. The head sits on
-  device 0 with the tied embedding, as in the ring placement, and runs once after the loop on all
-  M micro-batch outputs (vmapped): this keeps the loop body to one group per device, and its cost
-  lies outside the bubble formula. Loss = mean over micro-batches of the micro-batch losses.
-
-  The gradient is autodiff of this pipelined forward, taken per device inside the shard_map:
-  the transpose of the scan is the mirrored backward pipeline (the transpose of each ppermute
-  sends the cotangent back one hop), and each group's gradient sums over its micro-batches.
-
-  Bubbles (iterations where m is not a micro-batch) cannot pollute the gradient: their input is
-  set to `bubble_fill` (garbage; the tests pass NaN) and the group is *skipped* by `lax.cond`, so
-  neither the forward nor the VJP of a group ever sees a bubble, and bubble outputs are never read
-  (their cotangent is a select's zero, not a product with zero).
-
-  Idle fraction (G-1)/(M+G-1) (`gpipe_idle_fraction`). Memory: every group keeps the residuals of
-  its M micro-batches until the backward (no re-materialisation).
-  """
-  num_stages, replicas, num_micro = config.num_stages, config.data_parallel, config.num_microbatches
-  mesh = staged.make_mesh(num_stages, replicas, devices)
-  iterations = num_micro + num_stages - 1
-
-  def device_grads(params, batch, t, buffers):
-    s = jax.lax.axis_index(STAGE)
-    key = replica_key(config.seed, t, replicas)
-    micro_key = lambda m: key if num_micro == 1 else jax.random.fold_in(key, m)
-    split = lambda a: a.reshape(num_micro, a.shape[0] // num_micro, *a.shape[1:])
-    inputs_M, targets_M = split(batch['inputs']), split(batch['targets'])
-    # A memory (leaves [B/R, ...]) is cut into the micro-batches' rows like the batch.
-    memory_M = jax.tree.map(split, ring.local_memory(buffers))
-
-    def pipeline_loss(embed_p, params_s, head_p):
-      embed_micro = lambda m: ring.embed(model, embed_p, inputs_M[m], micro_key(m))
-      x_shape = jax.eval_shape(embed_micro, 0)
-
-      def iteration(carry, i):
-        received, memory_M = carry
-        m = i - s
-        valid = (m >= 0) & (m < num_micro)
-        key_m = micro_key(jnp.clip(m, 0, num_micro - 1))
-        fresh = jax.lax.cond(
-          (s == 0) & (i < num_micro),
-          lambda: embed_micro(jnp.minimum(i, num_micro - 1)),
-          lambda: jnp.zeros(x_shape.shape, x_shape.dtype),
-        )
-        x = jnp.where(s == 0, fresh, received)
-        x = jnp.where(valid, x, bubble_fill)  # a bubble holds garbage ...
-        m_read = jnp.clip(m, 0, num_micro - 1)
-        memory_m = jax.tree.map(lambda a: a[m_read], memory_M)
-        y, memory_m = jax.lax.cond(
-          valid,  # ... and never enters the group (nor touches its memory)
-          lambda h: model.run_stage(params_s, h, s, staged.piece_rng(key_m, s), memory_m),
-          lambda h: (h, memory_m),
-          x,
-        )
-        memory_M = jax.tree.map(lambda a, new: a.at[m_read].set(new), memory_M, memory_m)
-        received = ring.send_forward(y, num_stages)
-        return (received, memory_M), received
-
-      start = jnp.full(x_shape.shape, bubble_fill, x_shape.dtype)
-      (_, new_memory_M), arrived = jax.lax.scan(
-        iteration, (start, memory_M), jnp.arange(iterations)
-      )
-      outputs_M = arrived[num_stages - 1 :]  # on device 0: the last group's output of m = 0..M-1
-
-      def head():
-        loss_of = lambda x, targets: model.loss(head_p, embed_p, x, targets)[0]
-        return jax.vmap(loss_of)(outputs_M, targets_M).mean()
-
-      return ring.on_stage(s, 0, head), new_memory_M
-
-    (loss, memory_M), (g_embed, g_stage, g_head) = jax.value_and_grad(
-      pipeline_loss, argnums=(0, 1, 2), has_aux=True
-    )(params['embed'], ring.local_stage_params(params), params['head'])
-    grads, loss = ring.gather_grads(g_embed, g_head, g_stage, loss)
-    merge = lambda a: a.reshape(a.shape[0] * a.shape[1], *a.shape[2:])
-    return grads, loss, ring.with_memory(buffers, jax.tree.map(merge, memory_M))
-
-  idle = gpipe_idle_fraction(num_stages, num_micro)
   return synchronous_schedule(config, model, tx, mesh, device_grads, idle)
