@@ -21,8 +21,9 @@ import importlib
 
 from ouroboros_jax import txl  # noqa: F401  (registers Transformer-XL with model.init_params)
 from ouroboros_jax.errors import ConfigError, UserError
+from ouroboros_jax.optimizers import make_optimizer
 from ouroboros_jax.schedules import SCHEDULES, ScheduleConfig, build_schedule
-from ouroboros_jax.schedules.compensation import Compensation, make_optimizer
+from ouroboros_jax.schedules.compensation import Compensation
 from ouroboros_jax.staged import Schedule, StagedModel, TrainState, adamw
 
 # Loaded on first use: the training stack imports Orbax, Grain and TFDS.

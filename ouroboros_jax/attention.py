@@ -204,7 +204,7 @@ def plain_relative_attention(
   score_BxHxLxJ = (content_BxHxLxJ + position_BxHxLxJ) * k**-0.5
   score_BxHxLxJ = jnp.where(relative_mask(l, j, key_start_B), score_BxHxLxJ, _MASKED)
   prob_BxHxLxJ = jax.nn.softmax(score_BxHxLxJ, axis=-1).astype(q_BxLxHxK.dtype)
-  if dropout_rate > 0.0 and rng is not None:  # inverted dropout, as model._dropout
+  if dropout_rate > 0.0 and rng is not None:  # inverted dropout, as model.dropout
     keep = jax.random.bernoulli(rng, 1.0 - dropout_rate, prob_BxHxLxJ.shape)
     prob_BxHxLxJ = jnp.where(keep, prob_BxHxLxJ / (1.0 - dropout_rate), 0)
   return jnp.einsum('bhlj,bjhk->blhk', prob_BxHxLxJ, v_BxJxHxK)

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ouroboros_jax import optimizers
 from ouroboros_jax.model import ConfigError
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule, compensation, reference
 from ouroboros_jax.schedules.compensation import Compensation
@@ -181,7 +182,7 @@ def test_muon_treats_the_layer_axis_as_a_batch_axis():
   rng = np.random.default_rng(0)
   kernels = jnp.asarray(rng.normal(size=(3, 8, 16)), jnp.float32)
   grads = jnp.asarray(rng.normal(size=(3, 8, 16)), jnp.float32)
-  tx = compensation.make_optimizer('muon', 1e-3, muon_learning_rate=0.02)
+  tx = optimizers.make_optimizer('muon', 1e-3, muon_learning_rate=0.02)
   stacked, _ = tx.update({'kernel': grads}, tx.init({'kernel': kernels}), {'kernel': kernels})
   for layer in range(3):
     p, g = {'kernel': kernels[layer]}, {'kernel': grads[layer]}
@@ -203,7 +204,7 @@ def test_bad_settings_are_one_line_errors():
   with pytest.raises(ConfigError, match='--dc-lambda'):
     compensation.parse('dc', steps=100, dc_lambda=-1)
   with pytest.raises(ConfigError, match='unknown optimizer'):
-    compensation.make_optimizer('sgd', 1e-3)
+    optimizers.make_optimizer('sgd', 1e-3)
   model, _ = tiny_transformer(2)
   with pytest.raises(ConfigError, match='--stash graph'):
     build_schedule(

@@ -22,6 +22,8 @@ LAYERS = {
   'attention': 1,
   'staged': 1,
   'update': 1,
+  'optimizers': 1,
+  'placement': 1,
   'partition': 1,
   'costs': 1,
   'runtime': 1,

@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ouroboros_jax import model as transformer
-from ouroboros_jax import partition, schedules, staged
+from ouroboros_jax import partition, placement, schedules, staged
 from ouroboros_jax.model import ConfigError
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule, ouroboros
 
@@ -120,7 +120,7 @@ def _prepare(r: Run):
   on_mesh = lambda x: isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
   state = jax.tree.map(lambda x: x if on_mesh(x) else jax.device_put(x, replicated), state)
   state_sharding = jax.tree.map(lambda x: x.sharding, state)
-  batch_sharding = staged.named(staged.batch_spec(batches()[0]), mesh)
+  batch_sharding = placement.named(placement.batch_spec(batches()[0]), mesh)
   # Pinned shardings, so the compiled step takes its own output as its next input.
   step = jax.jit(
     schedule.step,

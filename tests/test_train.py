@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from ouroboros_jax import cli, staged
+from ouroboros_jax import cli, placement, staged
 from ouroboros_jax.training import checkpoint, config, data, loop, metrics, sample
 
 from helpers import assert_trees_equal, host_tree, tiny_config
@@ -86,7 +86,7 @@ def test_checkpoint_round_trip(short_run):
   cfg, summary, final_state = short_run
   assert checkpoint.latest_step(cfg.out_dir) == 100
   schedule, params, layers_per_stage = loop.build(cfg)
-  fresh = staged.onto_mesh(schedule.init(params, loop.example_batch(cfg)), schedule.mesh)
+  fresh = placement.onto_mesh(schedule.init(params, loop.example_batch(cfg)), schedule.mesh)
   manager = checkpoint.make_manager(cfg.out_dir, read_only=True)
   try:
     assert manager.all_steps() == [50, 100]
@@ -207,7 +207,9 @@ def test_resume_with_different_flags_names_them(short_run, tmp_path):
     loop.train(other, resume=True, quiet=True)
   # What a graph stash keeps fixes the shape of the saved ring buffers.
   other = config.override(cfg, {'stash_policy': 'dots'})
-  with pytest.raises(checkpoint.CheckpointError, match='--stash-policy all.*--stash-policy dots'):
+  with pytest.raises(
+    checkpoint.CheckpointError, match='--stash-policy nothing.*--stash-policy dots'
+  ):
     loop.train(other, resume=True, quiet=True)
 
 
@@ -242,8 +244,9 @@ def test_fresh_run_refuses_an_out_dir_with_an_earlier_runs_metrics(tmp_path):
 
 def test_resume_compares_what_the_settings_resolve_to_not_their_spelling():
   """A run saved with --optimizer auto --compensation auto (the recipe: muon, predict,dc) resumes
-  with the explicit spelling, and a run saved before --microbatches had a 'not given' value
-  (ouroboros recorded 4) resumes without it; a real change is still refused."""
+  with the explicit spelling; a real change is still refused. An Ouroboros run saved before its
+  ring had micro-batches (it recorded --microbatches 4 and had no --stash-memory) has another
+  ring layout: it is refused in one line that says so."""
   from ouroboros_jax.training import resume
 
   auto = config.override(config.get_preset('tiny'), {'schedule': 'ouroboros', 'stages': 2})
@@ -252,7 +255,9 @@ def test_resume_compares_what_the_settings_resolve_to_not_their_spelling():
   assert resume.check_resumable(saved, explicit, (1, 1), 'OUT') == []
   old = json.loads(json.dumps(saved))
   old['config']['schedule']['microbatches'] = 4  # what an ouroboros run recorded before
-  assert resume.check_resumable(old, auto, (1, 1), 'OUT') == []
+  del old['config']['schedule']['stash_memory']
+  with pytest.raises(checkpoint.CheckpointError, match='before micro-batches.*another --out'):
+    resume.check_resumable(old, auto, (1, 1), 'OUT')
   with pytest.raises(
     checkpoint.CheckpointError, match='--optimizer muon but the flags give --optimizer adamw'
   ):
@@ -311,7 +316,7 @@ def test_ouroboros_state_round_trips_sharded(tmp_path, prepared_data_dir):
   final = {}
   loop.train(cfg, quiet=True, on_step=lambda s, st: final.update(state=host_tree(st)))
   schedule, params, _ = loop.build(cfg)
-  fresh = staged.onto_mesh(schedule.init(params, loop.example_batch(cfg)), schedule.mesh)
+  fresh = placement.onto_mesh(schedule.init(params, loop.example_batch(cfg)), schedule.mesh)
   manager = checkpoint.make_manager(cfg.out_dir, read_only=True)
   try:
     state, _, _ = checkpoint.restore(manager, checkpoint.abstract_like(fresh))

@@ -26,7 +26,7 @@ slice and one concatenate of the activation per stage and D+1 floats per token b
 losses to the head's; the channel needs no change to the schedules.)
 
 The layer is `model.Block`'s computation written out (`block_with_site`), so that the site
-activation can be returned; it uses the block's own submodules and `model._dropout`, and a test
+activation can be returned; it uses the block's own submodules and `model.dropout`, and a test
 checks it against the model.
 """
 
@@ -66,7 +66,7 @@ def block_with_site(cfg: ModelConfig, block_params, x_BxLxD, rng=None, site: str
   block = transformer._merge(transformer._graphdefs(cfg)[1], block_params)
   rate = cfg.dropout
   rng_attn, rng_mlp = (None, None) if rng is None else jax.random.split(rng)
-  drop = transformer._dropout
+  drop = transformer.dropout
   if cfg.pre_ln:
     h = x_BxLxD + drop(block.attention(block.ln_attn(x_BxLxD)), rate, rng_attn)
     u = block.ln_mlp(h)

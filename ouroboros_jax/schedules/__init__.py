@@ -21,6 +21,7 @@ from __future__ import annotations
 import optax
 
 from ouroboros_jax.choices import SCHEDULES
+from ouroboros_jax.placement import check_batch
 from ouroboros_jax.schedules import tables
 from ouroboros_jax.schedules.config import ScheduleConfig
 from ouroboros_jax.schedules.pipeline import build_gpipe, build_pipeline, gpipe_idle_fraction
@@ -32,7 +33,7 @@ from ouroboros_jax.schedules.synchronous import (
   replica_key,
   synchronous_update,
 )
-from ouroboros_jax.staged import Schedule, StagedModel, check_batch
+from ouroboros_jax.staged import Schedule, StagedModel
 
 __all__ = [
   'SCHEDULES',

@@ -5,7 +5,7 @@ applies it tau_k steps later, to w_k(t + tau_k) (tau_k is the *version gap*, `ve
 ouroboros.py: G - s for group s with the locked forward, 2(G - s) with the pipelined one; 0 for the
 head). The pieces here attack that gap from three sides, each where the fix lives:
 
-  the optimizer      `make_optimizer(name, ...)`: AdamW (the paper's), NAdamW with a high beta1
+  the optimizer      `optimizers.make_optimizer(name, ...)`: AdamW (the paper's), NAdamW with a high beta1
                      (Ajanthan et al., ICML 2025), or Muon (Jordan et al. 2024; Zmushko et al. 2026
                      find it far less sensitive to delay than AdamW);
   the gradient       Optax transformations that read the extra argument `delay` (the module's
@@ -33,10 +33,8 @@ import jax.numpy as jnp
 import optax
 
 from ouroboros_jax.errors import ConfigError
-from ouroboros_jax.staged import adamw, kernel_mask
 
 PyTree = Any
-OPTIMIZERS = ('adamw', 'nadamw', 'muon')
 COMPENSATIONS = ('predict', 'pipemare', 'dc', 'shrink')
 
 
@@ -149,68 +147,6 @@ def check_fits(compensation: Compensation, stash: str) -> None:
 
 
 # ----------------------------------------------------------------------------- optimizers
-
-
-def muon_dimensions(tree):
-  """Muon's view of each parameter: a layer kernel [..., in, out] is a batch of in x out matrices
-  (the stacked layer axis is a batch axis of the orthogonalisation); everything else is None,
-  which optax.contrib.muon gives to Adam."""
-
-  def dims(path, leaf):
-    if getattr(path[-1], 'key', None) != 'kernel' or leaf.ndim < 2:
-      return None
-    return optax.contrib.MuonDimensionNumbers(
-      reduction_axis=leaf.ndim - 2, output_axis=leaf.ndim - 1
-    )
-
-  return jax.tree_util.tree_map_with_path(dims, tree)
-
-
-def make_optimizer(
-  name: str,
-  learning_rate,
-  *,
-  weight_decay: float = 0.0,
-  muon_learning_rate=None,
-  b1: float | None = None,
-  b2: float = 0.999,
-  eps: float = 1e-8,
-) -> optax.GradientTransformation:
-  """The base optimizer by name; weight decay on layer kernels only, in every case.
-
-  adamw   optax.adamw (b1 0.9): the paper's optimizer.
-  nadamw  optax.nadamw with b1 0.99 by default: Nesterov momentum with a long memory, the recipe
-          of Ajanthan et al. (ICML 2025, arXiv 2505.01099) for asynchronous pipelines.
-  muon    optax.contrib.muon (beta 0.95 by default, Nesterov) on the layer kernels at
-          `muon_learning_rate`, Adam at `learning_rate` on embeddings, norms and biases
-          (Jordan et al. 2024, github.com/KellerJordan/Muon).
-  """
-  if name == 'adamw':
-    return adamw(
-      learning_rate, b1=0.9 if b1 is None else b1, b2=b2, eps=eps, weight_decay=weight_decay
-    )
-  if name == 'nadamw':
-    return optax.nadamw(
-      learning_rate,
-      b1=0.99 if b1 is None else b1,
-      b2=b2,
-      eps=eps,
-      weight_decay=weight_decay,
-      mask=kernel_mask,
-    )
-  if name == 'muon':
-    return optax.contrib.muon(
-      learning_rate if muon_learning_rate is None else muon_learning_rate,
-      beta=0.95 if b1 is None else b1,
-      weight_decay=weight_decay,
-      weight_decay_mask=kernel_mask,
-      adam_learning_rate=learning_rate,
-      adam_b1=0.9,
-      adam_b2=b2,
-      eps=eps,
-      muon_weight_dimension_numbers=muon_dimensions,
-    )
-  raise ConfigError(f'unknown optimizer {name!r}; use --optimizer {" or ".join(OPTIMIZERS)}.')
 
 
 # ----------------------------------------------------------------------------- on the gradient

@@ -41,7 +41,7 @@ class ScheduleConfig:
   # per replica's batch; None: DEFAULT_MICROBATCHES there (`num_microbatches`), 1 elsewhere
   chunks: int | None = None  # interleaved: model chunks per device (None: 2; zb_v: always 2)
   stash: str = 'graph'  # ouroboros: 'graph' (DDG) or 'replay' (Features Replay)
-  stash_policy: str = 'nothing'  # ouroboros graph stash: which residuals (ring.STASH_POLICIES);
+  stash_policy: str = 'nothing'  # ouroboros graph stash: which residuals (stash.STASH_POLICIES);
   # 'nothing' keeps each group's input and weights and recomputes the rest (docs/memory.md)
   stash_memory: str = 'device'  # ouroboros: where the stash waits, 'device' or 'pinned_host'
   forward: str = 'locked'  # ouroboros: 'locked' (the paper) or 'pipelined'
@@ -57,7 +57,7 @@ class ScheduleConfig:
 
   @functools.cached_property
   def _validated(self) -> bool:
-    from ouroboros_jax.schedules.ring import STASH_POLICIES  # late: ring imports JAX's policies
+    from ouroboros_jax.schedules.stash import STASH_POLICIES  # late: it imports JAX's policies
 
     for name, flag in (
       ('num_stages', 'stages'),

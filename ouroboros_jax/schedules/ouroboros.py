@@ -27,10 +27,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from ouroboros_jax import staged
+from ouroboros_jax import placement, staged
 from ouroboros_jax.schedules import compensation
 from ouroboros_jax.schedules import ring as ring_lib
 from ouroboros_jax.schedules.delays import lags, version_gaps
+from ouroboros_jax.schedules.stash import Stash, make_stash
 from ouroboros_jax.staged import STAGE, Schedule, StagedModel, TrainState
 from ouroboros_jax.update import GroupedOptimizer
 
@@ -54,7 +55,7 @@ class _Ring:
   config: Any  # the ScheduleConfig
   model: StagedModel
   optimizer: GroupedOptimizer  # its tx wrapped with the update-side compensations
-  stash: ring_lib.Stash  # what a device keeps of each batch until its delayed backward
+  stash: Stash  # what a device keeps of each batch until its delayed backward
   mesh: Any
   head_lag: int  # the head computes the loss of batch t - head_lag
   backward_lags: tuple[int, ...]  # group s back-propagates batch t - backward_lags[s]
@@ -97,9 +98,9 @@ def build(
   comp = config.compensation
   compensation.check_fits(comp, config.stash)
   head_lag, backward_lags = lags(num_stages, config.forward)
-  mesh = staged.make_mesh(num_stages, config.data_parallel, devices)
+  mesh = placement.make_mesh(num_stages, config.data_parallel, devices)
   if config.stash_memory == 'pinned_host':
-    staged.check_pinned_host(mesh)
+    placement.check_pinned_host(mesh)
   embed_gap, stage_gaps = version_gaps(num_stages, config.forward)
   if num_stages == 1:  # no delay, nothing to compensate: exactly the paper's G = 1 step
     comp = compensation.Compensation()
@@ -110,7 +111,7 @@ def build(
       compensation.wrap(comp, tx, max([embed_gap, *stage_gaps])), config.clip_norm, model.shared
     ),
     # Graph: the weights are kept once per batch ('weights'), not once per micro-batch.
-    stash=ring_lib.Stash(model, config.stash, config.stash_policy, keep_weights=False),
+    stash=make_stash(model, config.stash, config.stash_policy, keep_weights=False),
     mesh=mesh,
     head_lag=head_lag,
     backward_lags=tuple(backward_lags),
@@ -118,7 +119,7 @@ def build(
     stage_gaps=tuple(stage_gaps),
     compensation=comp,
   )
-  return staged.make_schedule(
+  return placement.make_schedule(
     'ouroboros',
     model,
     ring.mesh,
@@ -149,7 +150,7 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t):
   backward_batch = t - jnp.asarray(ring.backward_lags)[s]  # the batch group s back-propagates
   forward_batch = t - s if ring.pipelined else t  # the batch group s forwards
   local = lambda tree: jax.tree.map(lambda a: a[0, 0], tree)
-  kept_buffers = buffers.get(staged.HOST, buffers)  # offloaded, or beside the others
+  kept_buffers = buffers.get(placement.HOST, buffers)  # offloaded, or beside the others
   stash_S, weights_S = local(kept_buffers['stash']), local(kept_buffers.get('weights'))
   batches_S = local(buffers['batches'])
 
@@ -317,8 +318,8 @@ def _new_buffers(ring: _Ring, buffers, fwd: _Forwarded, written, delta_next_M, t
   and the stash with this step's slots written)."""
   kept = written['kept']
   new_buffers = {'batches': written['batches'], 'delta': ring_lib.whole_batch(delta_next_M)}
-  if staged.HOST in buffers:
-    new_buffers[staged.HOST] = kept
+  if placement.HOST in buffers:
+    new_buffers[placement.HOST] = kept
   else:
     new_buffers.update(kept)
   if ring.pipelined:
@@ -357,7 +358,7 @@ def _init(ring: _Ring, params, example_batch):
     ring.num_stages,
     ring.num_microbatches,
   )
-  staged.check_batch(example_batch, replicas, num_micro)
+  placement.check_batch(example_batch, replicas, num_micro)
   local = jax.tree.map(
     lambda a: jax.ShapeDtypeStruct((a.shape[0] // replicas, *a.shape[1:]), a.dtype), example_batch
   )
@@ -367,7 +368,9 @@ def _init(ring: _Ring, params, example_batch):
   params_s = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params['stages'])
   x = jax.eval_shape(ring.model.embed, params['embed'], local['inputs'], None)
   x_micro = jax.eval_shape(ring.model.embed, params['embed'], micro['inputs'], None)
-  memory = jax.eval_shape(lambda: staged.empty_memory(ring.model, params, example_batch, replicas))
+  memory = jax.eval_shape(
+    lambda: placement.empty_memory(ring.model, params, example_batch, replicas)
+  )
   memory_micro = jax.tree.map(  # one micro-batch's rows of one device's memory, for the shapes
     lambda a: jax.ShapeDtypeStruct((a.shape[2] // num_micro, *a.shape[3:]), a.dtype),
     memory.get('memory'),
@@ -380,33 +383,33 @@ def _init(ring: _Ring, params, example_batch):
 
   def fresh_buffers():
     stash = {'stash': jax.tree.map(lambda a: buffer(a, ring.depth, num_micro), kept)}
-    if ring.stash.graph_mode:  # the weights each batch in flight was forwarded with
+    if ring.stash.at_forward_weights:  # the weights each batch in flight was forwarded with
       stash['weights'] = jax.tree.map(lambda a: buffer(a, ring.depth), params_s)
     buffers = {
-      **staged.empty_memory(ring.model, params, example_batch, replicas),
+      **placement.empty_memory(ring.model, params, example_batch, replicas),
       'batches': jax.tree.map(lambda a: buffer(a, ring.depth), local),
       'delta': buffer(x),
     }
-    if ring.config.stash_memory == 'pinned_host':  # waits in host memory (staged.HOST)
-      buffers[staged.HOST] = stash
+    if ring.config.stash_memory == 'pinned_host':  # waits in host memory (placement.HOST)
+      buffers[placement.HOST] = stash
     else:
       buffers.update(stash)
     if ring.pipelined:  # the activation in flight to each device
       buffers['act'] = buffer(x)
     return buffers
 
-  return staged.init_state(ring.optimizer, params, ring.mesh, fresh_buffers)
+  return placement.init_state(ring.optimizer, params, ring.mesh, fresh_buffers)
 
 
 def _grads(ring: _Ring, state: TrainState, forward_params, batch, t, t_async):
   """(grads, ring buffers, loss): the delayed gradients, or during the synchronous warm-up
   model_parallel's exact ones over the same ring (the pipes stay empty)."""
-  param_specs = staged.param_specs(state.params)
-  buffer_specs = staged.ring_specs(state.ring)
+  param_specs = placement.param_specs(state.params)
+  buffer_specs = placement.ring_specs(state.ring)
   delayed = jax.shard_map(
     functools.partial(_ring_step, ring),
     mesh=ring.mesh,
-    in_specs=(param_specs, param_specs, buffer_specs, staged.batch_spec(batch), P()),
+    in_specs=(param_specs, param_specs, buffer_specs, placement.batch_spec(batch), P()),
     out_specs=(param_specs, buffer_specs, P()),
     check_vma=False,
   )
@@ -444,7 +447,7 @@ def _grads(ring: _Ring, state: TrainState, forward_params, batch, t, t_async):
     synchronous = jax.shard_map(
       locked,
       mesh=ring.mesh,
-      in_specs=(param_specs, staged.batch_spec(batch), P(), buffer_specs),
+      in_specs=(param_specs, placement.batch_spec(batch), P(), buffer_specs),
       out_specs=(param_specs, buffer_specs, P()),
       check_vma=False,
     )
@@ -456,7 +459,7 @@ def _grads(ring: _Ring, state: TrainState, forward_params, batch, t, t_async):
 
 
 def _step(ring: _Ring, state: TrainState, batch: dict):
-  staged.check_batch(batch, ring.config.data_parallel, ring.num_microbatches)
+  placement.check_batch(batch, ring.config.data_parallel, ring.num_microbatches)
   model, t = ring.model, state.step
   t_async = t - ring.config.sync_warmup_steps
   warm = t_async < 0

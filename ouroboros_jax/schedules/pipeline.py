@@ -50,11 +50,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ouroboros_jax import staged
+from ouroboros_jax import placement
 from ouroboros_jax.schedules import ring, tables
 from ouroboros_jax.schedules.config import ScheduleConfig
+from ouroboros_jax.schedules.stash import GraphStash, TappedStash
 from ouroboros_jax.schedules.synchronous import replica_key, synchronous_schedule
-from ouroboros_jax.staged import DATA, STAGE, PyTree, Schedule, StagedModel, WeightSplit
+from ouroboros_jax.staged import DATA, STAGE, PyTree, Schedule, StagedModel
 
 
 class _Carry(NamedTuple):
@@ -117,12 +118,12 @@ def build_pipeline(
     pipeline=pipeline,
     program=tables.program(table),
     # The weights stay put all step, so no stash keeps them.
-    stash=TappedStash(model.weight_split) if tapped else ring.Stash(model, keep_weights=False),
+    stash=TappedStash(model.weight_split) if tapped else GraphStash(model, keep_weights=False),
     seed=config.seed,
     replicas=config.data_parallel,
     bubble_fill=bubble_fill,
   )
-  mesh = staged.make_mesh(pipeline.num_stages, config.data_parallel, devices)
+  mesh = placement.make_mesh(pipeline.num_stages, config.data_parallel, devices)
   device_grads = functools.partial(_device_grads, executor)
   return synchronous_schedule(
     config, model, tx, mesh, device_grads, idle_fraction(table), stage_order=executor.stage_order
@@ -136,7 +137,7 @@ class _Executor:
   model: StagedModel
   pipeline: tables.Pipeline
   program: tables.Program  # the table as integer arrays [device, tick]
-  stash: Any  # ring.Stash, or TappedStash for a split schedule of a model with a WeightSplit
+  stash: Any  # GraphStash, or TappedStash for a split schedule of a model with a WeightSplit
   seed: int
   replicas: int  # data replicas
   bubble_fill: float  # what an idle tick sends and an empty inbox slot holds (never read)
@@ -356,39 +357,6 @@ def _backward(executor: _Executor, step: _Step, carry: _Carry, op):
 def _add_chunk_grad(carry: _Carry, op, g_chunk) -> _Carry:
   add_at = lambda g, w: g.at[op['chunk']].add(w)
   return carry._replace(grad_chunks=jax.tree.map(add_at, carry.grad_chunks, g_chunk))
-
-
-class TappedStash:
-  """F, B and W of a stage through its model's `staged.WeightSplit` (the zero-bubble split
-  without a second chain): F keeps the VJP in (input, taps), less the weights (they do not change
-  within a step), and the recorded sub-layer inputs; B gives the input gradient and the taps'
-  gradients; W multiplies those with the recorded inputs into the weight gradient."""
-
-  def __init__(self, split: WeightSplit):
-    self.split = split
-
-  def _vjp(self, params_s, x, stage_index, key):
-    rng = staged.piece_rng(key, stage_index)
-    run = lambda h, taps: self.split.stage(params_s, h, stage_index, rng, taps)
-    return jax.vjp(run, x, self.split.taps(params_s, x), has_aux=True)
-
-  def forward(self, params_s, x, stage_index, key, memory=None):
-    """-> (the stage's output, what B and W need of it, None), as `ring.Stash` (the models with
-    a weight split have no memory)."""
-    del memory
-    y, vjp_fn, inputs = self._vjp(params_s, x, stage_index, key)
-    kept = {'vjp': ring.without_weights(jax.tree.leaves(vjp_fn), params_s), 'inputs': inputs}
-    return y, kept, None
-
-  def input_grad(self, params_s, kept, delta, stage_index, key):
-    """-> (the input gradient, the taps' gradients) for output gradient delta."""
-    vjp_of = lambda h: self._vjp(params_s, h, stage_index, key)[1]
-    treedef, positions = ring.vjp_layout(vjp_of, params_s, delta)
-    vjp_fn = jax.tree.unflatten(treedef, ring.with_weights(kept['vjp'], positions, params_s))
-    return vjp_fn(delta)
-
-  def weight_grad(self, params_s, kept, tap_grads):
-    return self.split.weight_grad(params_s, kept['inputs'], tap_grads)
 
 
 def _add(a: PyTree, b: PyTree) -> PyTree:

@@ -23,7 +23,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ouroboros_jax import staged
+from ouroboros_jax import placement, staged
+from ouroboros_jax.schedules.stash import GraphStash, Stash
 from ouroboros_jax.staged import DATA, EMBED_PIECE, STAGE, StagedModel
 
 
@@ -57,140 +58,19 @@ def microbatch_key(key, m, num_microbatches: int):
 def read_slot(buffers, batch_index, depth: int):
   """The entries of batch `batch_index` in ring buffers of `depth` slots (slot = index % depth),
   in device memory wherever the buffers live."""
-  return staged.to_device(jax.tree.map(lambda buf: buf[batch_index % depth], buffers))
+  return placement.to_device(jax.tree.map(lambda buf: buf[batch_index % depth], buffers))
 
 
 def write_slot(buffers, values, batch_index, depth: int):
   """Ring buffers with batch `batch_index`'s slot overwritten by `values` (in place under jit
   when nothing reads the old buffer afterwards)."""
-  values = staged.into_space_of(values, buffers)
+  values = placement.into_space_of(values, buffers)
   return jax.tree.map(lambda buf, v: buf.at[batch_index % depth].set(v), buffers, values)
 
 
 def local_stage_params(params):
   """This device's layer group: the stage parameters without their leading axis of size 1."""
   return jax.tree.map(lambda a: a[0], params['stages'])
-
-
-# What graph mode keeps of a group's forward, as `jax.checkpoint` policies. 'all' keeps every
-# residual JAX's VJP saves. The others keep less and recompute the rest in the backward, from
-# the kept values: the gradient is still exactly the one at forward-time weights (DDG), only
-# bytes move from memory traffic to recomputation. 'dots' keeps matmul outputs (elementwise ops,
-# norms and softmax are recomputed); 'nothing' keeps only the group's inputs and weights (the
-# whole forward is recomputed, as in replay, but at the forward-time weights).
-STASH_POLICIES = {
-  'all': None,
-  'dots': jax.checkpoint_policies.dots_saveable,
-  'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-  'nothing': jax.checkpoint_policies.nothing_saveable,
-}
-
-
-class Stash:
-  """What a device keeps of a batch between its group's forward and its group's backward.
-
-  graph   the forward's VJP residuals (as DDG): the gradient is taken at forward-time weights.
-          `policy` (a key of STASH_POLICIES) chooses which residuals are kept.
-  replay  only the group's input (as Features Replay): the backward re-runs the forward at the
-          weights it is given and takes the VJP there; one extra forward, far less memory.
-
-  In graph mode only the VJP's leaves are kept; its tree structure is rebuilt in the backward
-  from an abstract trace of the same forward (`vjp_structure`), so the backward does not depend
-  on which forward was traced before it. A group maps its input to an output of the same shape
-  (activations travel around the ring), so the output gradient gives the input's shape.
-
-  `keep_weights=False` (graph mode, for schedules whose weights do not change between a forward
-  and its backward: the exact pipelines) leaves out the residuals that are the weights themselves
-  and takes them from the params the backward is given: the stash then holds activations only.
-  """
-
-  def __init__(
-    self, model: StagedModel, mode: str = 'graph', policy: str = 'all', keep_weights: bool = True
-  ):
-    self.model, self.graph_mode = model, mode == 'graph'
-    self.policy = STASH_POLICIES[policy]
-    self.keep_weights = keep_weights
-
-  def run(self, params_s, x, stage_index, key, memory=None):
-    """(the group's output, its new memory (None without one))."""
-    rng = staged.piece_rng(key, stage_index)
-    return self.model.run_stage(params_s, x, stage_index, rng, memory)
-
-  def _vjp(self, params_s, x, stage_index, key, memory=None):
-    run = lambda p, h: self.run(p, h, stage_index, key, memory)
-    if self.policy is not None:
-      run = jax.checkpoint(run, policy=self.policy)
-    return jax.vjp(run, params_s, x, has_aux=True)  # (y, vjp_fn, new memory)
-
-  def vjp_structure(self, params_s, x_like, stage_index, key):
-    """(the tree structure of the graph-mode forward's VJP, for inputs shaped like x_like; which
-    of its leaves are weights: the index of the weight leaf, or None)."""
-    memory_like = self._memory_like(params_s, x_like)
-    return vjp_layout(
-      lambda h, m: self._vjp(params_s, h, stage_index, key, m)[1], params_s, x_like, memory_like
-    )
-
-  def _memory_like(self, params_s, x_like):
-    """The shape of the memory a forward on x_like read (None for a model without one)."""
-    if self.model.memory is None:
-      return None
-    return jax.eval_shape(lambda p: self.model.memory.init(p, x_like.shape[0]), params_s)
-
-  def forward(self, params_s, x, stage_index, key, memory=None):
-    """-> (the group's output, what to keep for its backward, its new memory (None without
-    one)). Replay keeps the memory the forward read beside its input."""
-    if not self.graph_mode:
-      y, new_memory = self.run(params_s, x, stage_index, key, memory)
-      return y, (x if memory is None else (x, memory)), new_memory
-    y, vjp_fn, new_memory = self._vjp(params_s, x, stage_index, key, memory)
-    leaves = jax.tree.leaves(vjp_fn)
-    return y, leaves if self.keep_weights else without_weights(leaves, params_s), new_memory
-
-  def backward(self, params_s, kept, delta, stage_index, key):
-    """-> (gradient of the group's weights, gradient of its input) for output gradient delta."""
-    if self.graph_mode:  # at forward-time weights, from the kept residuals
-      treedef, positions = self.vjp_structure(params_s, delta, stage_index, key)
-      if not self.keep_weights:
-        kept = with_weights(kept, positions, params_s)
-      vjp_fn = jax.tree.unflatten(treedef, kept)
-    else:  # replay: re-run the forward at the given weights (and the memory it read)
-      x, memory = kept if isinstance(kept, tuple) else (kept, None)
-      run = lambda p, h: self.run(p, h, stage_index, key, memory)
-      _, vjp_fn, _ = jax.vjp(run, params_s, x, has_aux=True)
-    return vjp_fn(delta)
-
-
-def _weight_positions(residuals: list, params_s) -> tuple[int | None, ...]:
-  """For each VJP residual, the index of the weight leaf it is (the same traced array), or None."""
-  index = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(params_s))}
-  return tuple(index.get(id(leaf)) for leaf in residuals)
-
-
-def without_weights(residuals: list, params_s) -> list:
-  """The VJP residuals that are not the weights themselves (what a stash must keep when the
-  weights do not change before the backward)."""
-  positions = _weight_positions(residuals, params_s)
-  return [leaf for leaf, w in zip(residuals, positions) if w is None]
-
-
-def with_weights(kept: list, positions, params_s) -> list:
-  """`without_weights` undone: the residuals again, weights taken from params_s."""
-  weights, rest = jax.tree.leaves(params_s), iter(kept)
-  return [next(rest) if w is None else weights[w] for w in positions]
-
-
-def vjp_layout(vjp_of, params_s, *like):
-  """(tree structure, weight positions) of the VJP `vjp_of(*args)` returns, from an abstract
-  trace on arrays shaped like `like`."""
-  layout = []
-
-  def leaves(*args):
-    flat, treedef = jax.tree.flatten(vjp_of(*args))
-    layout.append((treedef, _weight_positions(flat, params_s)))
-    return flat
-
-  jax.eval_shape(leaves, *like)
-  return layout[0]
 
 
 def send_forward(x, num_stages: int):
@@ -320,7 +200,7 @@ def locked_grads(model: StagedModel, params, batch, key, num_stages: int, memory
   Locked forward, head on device 0, locked backward, embedding backward; in every round all
   devices but one wait. This is `model_parallel`'s step and Ouroboros' synchronous warm-up.
   """
-  stash = Stash(model, 'graph')
+  stash = GraphStash(model)
   params_s = local_stage_params(params)
   x = embed(model, params['embed'], batch['inputs'], key)
   x, kept, memory = locked_forward(stash, params_s, x, key, num_stages, memory)

@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ouroboros_jax import staged
+from ouroboros_jax import placement, staged
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.schedules import ring
 from ouroboros_jax.schedules.config import ScheduleConfig
@@ -55,12 +55,12 @@ def build_backprop(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
 
   Idle fraction 0: one device, always busy.
   """
-  mesh = staged.make_mesh(1, 1, devices)
+  mesh = placement.make_mesh(1, 1, devices)
   optimizer = grouped(config, model, tx)
 
   def init(params, example_batch=None):
-    memory = lambda: staged.empty_memory(model, params, example_batch)
-    return staged.init_state(optimizer, params, mesh, memory)
+    memory = lambda: placement.empty_memory(model, params, example_batch)
+    return placement.init_state(optimizer, params, mesh, memory)
 
   def step(state: TrainState, batch: dict):
     key = staged.batch_key(config.seed, state.step)
@@ -68,7 +68,7 @@ def build_backprop(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
     new_state, metrics = synchronous_update(optimizer, state, grads, loss)
     return new_state.replace(ring=buffers), metrics
 
-  return staged.make_schedule('backprop', model, mesh, init, step, idle_fraction=0.0)
+  return placement.make_schedule('backprop', model, mesh, init, step, idle_fraction=0.0)
 
 
 # ----------------------------------------------------------------------------- shared plumbing
@@ -118,7 +118,7 @@ def synchronous_schedule(
 
   def init(params, example_batch=None):
     if example_batch is not None:
-      staged.check_batch(example_batch, replicas, microbatches)
+      placement.check_batch(example_batch, replicas, microbatches)
     if groups > 1 and staged.stage_count(params) != groups:
       runs = (
         f'has --stages {num_stages}'
@@ -129,16 +129,19 @@ def synchronous_schedule(
         f'the parameters have {staged.stage_count(params)} stage groups but {name} {runs}; cut '
         f'them with partition.to_staged(params, layers_per_stage) for {groups} groups.'
       )
-    memory = lambda: staged.empty_memory(model, params, example_batch, replicas)
-    return staged.init_state(optimizer, params, mesh, memory)
+    memory = lambda: placement.empty_memory(model, params, example_batch, replicas)
+    return placement.init_state(optimizer, params, mesh, memory)
 
   def step(state: TrainState, batch: dict):
-    staged.check_batch(batch, replicas, microbatches)
-    param_specs, buffer_specs = staged.param_specs(state.params), staged.ring_specs(state.ring)
+    placement.check_batch(batch, replicas, microbatches)
+    param_specs, buffer_specs = (
+      placement.param_specs(state.params),
+      placement.ring_specs(state.ring),
+    )
     grads_of = jax.shard_map(
       device_grads,
       mesh=mesh,
-      in_specs=(param_specs, staged.batch_spec(batch), P(), buffer_specs),
+      in_specs=(param_specs, placement.batch_spec(batch), P(), buffer_specs),
       out_specs=(param_specs, P(), buffer_specs),
       check_vma=False,
     )
@@ -155,7 +158,7 @@ def synchronous_schedule(
     new_state, metrics = synchronous_update(optimizer, state, grads, loss)
     return new_state.replace(ring=buffers), metrics
 
-  return staged.make_schedule(name, model, mesh, init, step, idle_fraction)
+  return placement.make_schedule(name, model, mesh, init, step, idle_fraction)
 
 
 # ----------------------------------------------------------------------------- data parallel
@@ -173,7 +176,7 @@ def build_data_parallel(
   (communication is not counted).
   """
   replicas = config.data_parallel
-  mesh = staged.make_mesh(1, replicas, devices)
+  mesh = placement.make_mesh(1, replicas, devices)
 
   def device_grads(params, batch, t, buffers):
     key = replica_key(config.seed, t, replicas)
@@ -209,7 +212,7 @@ def build_model_parallel(
   and G backward rounds (B = 2F) one device works and G-1 wait.
   """
   num_stages, replicas = config.num_stages, config.data_parallel
-  mesh = staged.make_mesh(num_stages, replicas, devices)
+  mesh = placement.make_mesh(num_stages, replicas, devices)
 
   def device_grads(params, batch, t, buffers):
     key = replica_key(config.seed, t, replicas)

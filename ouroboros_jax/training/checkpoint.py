@@ -48,7 +48,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from ouroboros_jax.errors import CheckpointError, CorruptCheckpointError
-from ouroboros_jax.staged import to_device
+from ouroboros_jax.placement import to_device
 
 SUBDIR = 'checkpoints'
 SET_ASIDE = 'checkpoints-set-aside'

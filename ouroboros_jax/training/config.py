@@ -38,6 +38,7 @@ from typing import Any, Mapping
 
 import optax
 
+from ouroboros_jax import optimizers
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.model import ModelConfig
 from ouroboros_jax.schedules.config import ScheduleConfig
@@ -166,7 +167,9 @@ class TrainConfig:
     if self.weight_decay < 0:
       raise ConfigError(f'weight_decay must be >= 0, got {self.weight_decay}; fix --weight-decay.')
     self.check_compensation()  # before the schedule: an unknown --compensation names itself
-    self.schedule_config().validate()
+    # Checked as on CPU: asking JAX for its backend here would start it before a multi-process
+    # run joins its group (the accelerators' default micro-batches always divide the batch).
+    self.schedule_config('cpu').validate()
     run = self.schedule
     if run.name == 'ouroboros' and run.sync_warmup_steps >= self.steps:
       raise ConfigError(
@@ -314,10 +317,10 @@ class TrainConfig:
     """--optimizer and --compensation name known pieces that fit the schedule (one line)."""
     from ouroboros_jax.schedules import compensation
 
-    if self.optimizer not in ('auto', *compensation.OPTIMIZERS):
+    if self.optimizer not in ('auto', *optimizers.OPTIMIZERS):
       raise ConfigError(
         f'unknown optimizer {self.optimizer!r}; use --optimizer auto, '
-        f'{", ".join(compensation.OPTIMIZERS)}.'
+        f'{", ".join(optimizers.OPTIMIZERS)}.'
       )
     if self.momentum is not None and not 0 <= self.momentum < 1:
       raise ConfigError(f'momentum must be in [0, 1), got {self.momentum}; fix --momentum.')
@@ -461,9 +464,7 @@ RECIPE_COMPENSATION_REPLAY = 'predict'
 def make_optimizer(cfg: TrainConfig):
   """--optimizer (AdamW by default) with linear warmup and cosine decay; Muon's kernels follow
   the same schedule to their own peak (clipping is done by the schedule)."""
-  from ouroboros_jax.schedules import compensation
-
-  return compensation.make_optimizer(
+  return optimizers.make_optimizer(
     cfg.resolved_optimizer(),
     lr_schedule(cfg),
     weight_decay=cfg.weight_decay,

@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ouroboros_jax import attention, costs, partition, schedules, staged
+from ouroboros_jax import attention, costs, partition, placement, schedules, staged
 from ouroboros_jax import model as transformer
 from ouroboros_jax.accelerators import pld, stdloss
 from ouroboros_jax.errors import NonFiniteLossError
@@ -139,7 +139,7 @@ def evaluate(schedule, params, tokens, cfg: TrainConfig, max_batches: int | None
   # params), and on CPU many of them in flight at once can deadlock XLA's in-process rendezvous
   # (seen with 4 simulated devices: "Expected 4 threads to join the rendezvous").
   losses = [
-    jax.block_until_ready(schedule.evaluate(params, staged.place_batch(b, schedule.mesh)))
+    jax.block_until_ready(schedule.evaluate(params, placement.place_batch(b, schedule.mesh)))
     for b in batches
   ]
   return float(np.mean(jax.device_get(losses)))
@@ -157,11 +157,11 @@ def _evaluate_with_memory(mesh, params, batches, cfg: TrainConfig) -> float:
   """The exact loss of each batch in turn, every stage reading and renewing its memory."""
   model_cfg = dataclasses.replace(cfg.model, mem_len=cfg.resolved_eval_mem_len)
   model, loss_of = _memory_evaluator(model_cfg, tuple(cfg.plans.layers_per_stage))
-  memory = staged.empty_memory(model, params, example_batch(cfg))['memory']
-  memory_G = staged.onto_mesh(jax.tree.map(lambda a: a[:, 0], memory), mesh)
+  memory = placement.empty_memory(model, params, example_batch(cfg))['memory']
+  memory_G = placement.onto_mesh(jax.tree.map(lambda a: a[:, 0], memory), mesh)
   losses = []
   for batch in batches:
-    loss, (_, memory_G) = loss_of(params, staged.place_batch(batch, mesh), memory_G)
+    loss, (_, memory_G) = loss_of(params, placement.place_batch(batch, mesh), memory_G)
     losses.append(jax.block_until_ready(loss))
   return float(np.mean(jax.device_get(losses)))
 
@@ -263,7 +263,7 @@ def _run(cfg: TrainConfig, options: _Options) -> dict:
   if cfg.growth or cfg.vcycle:
     return phased.train_phased(cfg, splits, train_it, quiet=options.quiet, t_start=options.t_start)
   schedule, params, layers_per_stage = build(cfg)
-  state = staged.onto_mesh(schedule.init(params, example_batch(cfg)), schedule.mesh)
+  state = placement.onto_mesh(schedule.init(params, example_batch(cfg)), schedule.mesh)
   del params
   os.makedirs(cfg.out_dir, exist_ok=True)
   manager = checkpoint.make_manager(cfg.out_dir, keep=cfg.keep_checkpoints)
@@ -318,7 +318,7 @@ def _loop(run: _Run, step: int) -> dict:
     batch = next(run.train_it)
     report.crc = batch_crc32(batch, report.crc)
     run.state, metrics = run.schedule.step(
-      run.state, staged.place_batch(training_batch(cfg, batch, step), run.schedule.mesh)
+      run.state, placement.place_batch(training_batch(cfg, batch, step), run.schedule.mesh)
     )
     step += 1
     pending.append((step, {k: metrics[k] for k in ('loss', 'loss_batch', 'grad_norm')}))

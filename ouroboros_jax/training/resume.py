@@ -60,6 +60,13 @@ def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str)
   Returns the other settings that differ from the checkpoint's ('--steps 100 -> 200', ...): they
   are allowed (a longer run, another rate) but worth saying.
   """
+  if _ring_predates_microbatches(saved['config']):
+    raise CheckpointError(
+      f'the checkpoint in {where} was made by an Ouroboros whose ring stepped on the whole batch '
+      '(before micro-batches, and so before --stash-memory): its ring buffers have another layout '
+      'and cannot be resumed; finish that run with the version that made it, or choose another '
+      '--out.'
+    )
   saved_cfg = TrainConfig.from_dict(saved['config'])
   want = {**config.flat(saved_cfg), **resolved(saved_cfg)}
   have = {**config.flat(cfg), **resolved(cfg)}
@@ -86,6 +93,15 @@ def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str)
     for n in have
     if n not in ignored and n in want and want[n] != have[n]
   ]
+
+
+def _ring_predates_microbatches(saved_config: dict) -> bool:
+  """An Ouroboros config saved before the ring had micro-batches: it has no stash_memory (the
+  field came with them), flat or nested."""
+  schedule = saved_config.get('schedule')
+  fields = schedule if isinstance(schedule, dict) else saved_config
+  name = schedule.get('name') if isinstance(schedule, dict) else schedule
+  return name == 'ouroboros' and 'stash_memory' not in fields
 
 
 def resume_state(cfg: TrainConfig, manager, target, layers_per_stage, resume_from):

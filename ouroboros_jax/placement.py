@@ -1,0 +1,263 @@
+"""The mesh and placement every schedule shares: the (stage, data) mesh, where each piece of a
+`TrainState` lives (stage groups sharded over `stage`, ring buffers over (stage, data), a
+stash in host memory under `ring[HOST]`), the fresh state, and the step and evaluation jitted
+the way every schedule's are."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.staged import DATA, STAGE, PyTree, Schedule, StagedModel, TrainState
+from ouroboros_jax.update import GroupedOptimizer
+
+
+def make_schedule(
+  name: str, model: StagedModel, mesh: Mesh, init: Callable, step: Callable, idle_fraction: float
+) -> Schedule:
+  """A Schedule with its step and evaluation jitted the way every schedule's are; the step keeps
+  the state where `init_state` placed it."""
+  return Schedule(
+    init=init,
+    step=jit_step(keep_placement(step, mesh)),
+    evaluate=jit_evaluate(model),
+    mesh=mesh,
+    idle_fraction=idle_fraction,
+    name=name,
+  )
+
+
+def keep_placement(step_fn: Callable, mesh: Mesh) -> Callable:
+  """`step_fn` whose new state is laid out as `init_state` lays it out. Left to XLA, a leaf the
+  step rebuilds from a replicated value (a shared parameter written back to every stage's slots)
+  comes out replicated, and the next step compiles again for the new layout."""
+
+  def step(state, batch):
+    new_state, metrics = step_fn(state, batch)
+    return jax.lax.with_sharding_constraint(new_state, state_shardings(new_state, mesh)), metrics
+
+  return step
+
+
+def jit_step(step_fn: Callable) -> Callable:
+  """`step_fn(state, batch)` jitted with the old state donated, so its buffers are reused."""
+  return jax.jit(step_fn, donate_argnums=0)
+
+
+def jit_evaluate(model: StagedModel) -> Callable:
+  """The exact loss of a batch with every stage and no dropout."""
+  return jax.jit(lambda params, batch: model.forward_loss(params, batch)[0])
+
+
+# ----------------------------------------------------------------------------- mesh & placement
+
+
+def make_mesh(num_stages: int, data_parallel: int = 1, devices=None) -> Mesh:
+  """A (stage, data) mesh over the first num_stages * data_parallel devices."""
+  devices = jax.devices() if devices is None else devices
+  needed = num_stages * data_parallel
+  if num_stages < 1 or data_parallel < 1:
+    raise ConfigError(
+      f'stages ({num_stages}) and data parallel degree ({data_parallel}) must be '
+      '>= 1; fix --stages / --data-parallel.'
+    )
+  processes = jax.process_count()
+  if needed > len(devices):
+    more = (
+      f'launch {needed} processes of one device each (`ouroboros launch --processes {needed}`)'
+      if processes > 1
+      else f'on a CPU machine simulate more with --cpu-devices {needed}'
+    )
+    raise ConfigError(
+      f'{num_stages} stages x {data_parallel} data replicas need {needed} devices but only '
+      f'{len(devices)} are visible; use fewer --stages/--data-parallel, or {more}.'
+    )
+  used = devices[:needed]
+  idle = sorted({d.process_index for d in devices} - {d.process_index for d in used})
+  if processes > 1 and idle:
+    # A process with no device in the mesh holds no part of the state and cannot run the step.
+    raise ConfigError(
+      f'{num_stages} stages x {data_parallel} data replicas use {needed} of the {len(devices)} '
+      f'devices of {processes} processes, leaving process(es) {", ".join(map(str, idle))} '
+      f'without one; use --stages x --data-parallel = {len(devices)}, or fewer processes.'
+    )
+  grid = np.asarray(used).reshape(num_stages, data_parallel)
+  return Mesh(grid, (STAGE, DATA))
+
+
+def param_specs(params: PyTree) -> PyTree:
+  """Stage parameters sharded over `stage` on their leading axis; embed and head replicated."""
+  return {
+    'embed': jax.tree.map(lambda _: P(), params['embed']),
+    'stages': jax.tree.map(lambda _: P(STAGE), params['stages']),
+    'head': jax.tree.map(lambda _: P(), params['head']),
+  }
+
+
+def opt_state_specs(opt_state: PyTree) -> PyTree:
+  """The stages' optimizer states sharded over `stage`; the other groups' replicated."""
+  return {
+    group: jax.tree.map(lambda _: P(STAGE) if group == 'stages' else P(), state)
+    for group, state in opt_state.items()
+  }
+
+
+def ring_specs(ring: PyTree) -> PyTree:
+  """A schedule's ring buffers have leaves [G, R, ...]: one slice per (stage, data) device."""
+  return jax.tree.map(lambda _: P(STAGE, DATA), ring)
+
+
+def init_state(
+  optimizer: GroupedOptimizer, params: PyTree, mesh: Mesh, ring: Callable[[], PyTree] | None = None
+) -> TrainState:
+  """The fresh TrainState of every schedule: step 0, the params, one optimizer state per group,
+  and the schedule's ring buffers (`ring()`, leaves [G, R, ...] sharded over (stage, data)), on
+  `mesh` with the stage groups sharded over `stage`. Built under jit, so the state owns its
+  buffers (the step donates them; the caller's params stay)."""
+
+  def fresh_state(params):
+    return TrainState(
+      step=jnp.zeros((), jnp.int32),
+      params=params,
+      opt_state=optimizer.init(params),
+      ring=ring() if ring else {},
+    )
+
+  shardings = state_shardings(jax.eval_shape(fresh_state, params), mesh)
+  return jax.jit(fresh_state, out_shardings=shardings)(params)
+
+
+# Ring buffers under state.ring[HOST] live in the host's pinned memory (JAX memory kind
+# 'pinned_host'), not the device's: what waits across steps without being read every step.
+HOST = 'host'
+
+
+def _floating(a) -> bool:
+  return not jax.dtypes.issubdtype(a.dtype, jax.dtypes.extended) and jnp.issubdtype(
+    a.dtype, jnp.floating
+  )
+
+
+def _in_host(a) -> bool:
+  return jax.typeof(a).memory_space == jax.memory.Space.Host
+
+
+def to_device(tree):
+  """Leaves held in host memory (`--stash-memory pinned_host`) copied to the device's."""
+  move = lambda a: jax.device_put(a, jax.memory.Space.Device) if _in_host(a) else a
+  return jax.tree.map(move, tree)
+
+
+def into_space_of(values, buffers):
+  """values moved to the memory (device or host) of the buffers they are written into."""
+  move = lambda v, buf: jax.device_put(v, jax.memory.Space.Host) if _in_host(buf) else v
+  return jax.tree.map(move, values, buffers)
+
+
+def state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
+  """`state_specs` as NamedShardings on mesh, the ring's HOST buffers in pinned host memory."""
+  shardings = named(state_specs(state), mesh)
+  if HOST not in state.ring:
+    return shardings
+  # Only floating-point buffers (activations, weights: the bulk) move. Keys, masks and indices
+  # a stash may keep stay on the device: they are a few bytes, XLA hands keys back there, and
+  # the TPU cannot slice packed 8-bit buffers in host memory.
+  in_host = lambda a, s: s.with_memory_kind('pinned_host') if _floating(a) else s
+  ring = dict(shardings.ring)
+  ring[HOST] = jax.tree.map(in_host, state.ring[HOST], ring[HOST])
+  return shardings.replace(ring=ring)
+
+
+def check_pinned_host(mesh: Mesh) -> None:
+  """One-line ConfigError when the mesh's devices have no pinned host memory."""
+  device = mesh.devices.flat[0]
+  kinds = {m.kind for m in device.addressable_memories()}
+  if 'pinned_host' not in kinds:
+    raise ConfigError(
+      f'--stash-memory pinned_host needs host memory the device can reach, and {device.platform} '
+      f'devices have only {", ".join(sorted(kinds))}; use --stash-memory device.'
+    )
+
+
+def state_specs(state: TrainState) -> TrainState:
+  """Where every leaf of a TrainState lives: stage groups, their optimizer states and the ring
+  buffers sharded over `stage` (the buffers also over `data`), the rest replicated."""
+  return TrainState(
+    step=P(),
+    params=param_specs(state.params),
+    opt_state=opt_state_specs(state.opt_state),
+    ring=ring_specs(state.ring),
+  )
+
+
+def empty_memory(model: StagedModel, params: PyTree, example_batch, replicas: int = 1) -> dict:
+  """{'memory': leaves [G, R, B/R, ...]}: every stage's empty memory for batches shaped like
+  `example_batch`, split over R data replicas (`ring_specs` places it); {} for a model without
+  a memory."""
+  if model.memory is None:
+    return {}
+  if example_batch is None:
+    raise ConfigError(
+      'this model keeps a memory from batch to batch, whose shape follows the batch; call '
+      'init(params, example_batch).'
+    )
+  batch_size = example_batch['inputs'].shape[0]
+  local = batch_size // replicas
+  memory_G = jax.vmap(lambda p: model.memory.init(p, local))(params['stages'])
+  return {'memory': jax.tree.map(lambda a: jnp.repeat(a[:, None], replicas, axis=1), memory_G)}
+
+
+def batch_spec(batch: PyTree) -> PyTree:
+  """Batches are split over `data` on their leading axis and replicated over `stage`."""
+  return jax.tree.map(lambda _: P(DATA), batch)
+
+
+def named(specs: PyTree, mesh: Mesh) -> PyTree:
+  """PartitionSpecs -> NamedShardings on `mesh` (PartitionSpecs are leaves here)."""
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda s: isinstance(s, P))
+
+
+def shard(tree: PyTree, specs: PyTree, mesh: Mesh) -> PyTree:
+  return jax.device_put(tree, named(specs, mesh))
+
+
+def place_batch(batch: dict, mesh: Mesh) -> dict:
+  """A host batch (numpy, the same in every process) on the mesh: split over `data`,
+  replicated over `stage`; each process keeps the rows of its own devices."""
+  return shard(batch, batch_spec(batch), mesh)
+
+
+def onto_mesh(tree: PyTree, mesh: Mesh) -> PyTree:
+  """Replicates over the mesh every leaf not placed on it yet (a schedule's `init` leaves some
+  scalars off it). A jitted step returns its state on the mesh; feeding it a state that is not
+  there yet would compile the step a second time at step 2."""
+  replicated = NamedSharding(mesh, P())
+
+  def place(x):
+    on_mesh = isinstance(x.sharding, NamedSharding) and x.sharding.mesh == mesh
+    return x if on_mesh else jax.device_put(x, replicated)
+
+  return jax.tree.map(place, tree)
+
+
+def check_batch(batch: dict, replicas: int, microbatches: int = 1) -> None:
+  """Every data replica gets B/R examples and cuts them into M micro-batches."""
+  size, divisor = batch['inputs'].shape[0], replicas * microbatches
+  if size % divisor == 0:
+    return
+  if microbatches > 1:
+    raise ConfigError(
+      f'batch size {size} is not divisible by --data-parallel x --microbatches = {replicas} x '
+      f'{microbatches} = {divisor}; choose --batch-size as a multiple of {divisor} or change '
+      '--data-parallel / --microbatches.'
+    )
+  raise ConfigError(
+    f'batch size {size} is not divisible by --data-parallel = {replicas}; '
+    f'choose --batch-size as a multiple of {replicas} or change --data-parallel.'
+  )

@@ -1,0 +1,192 @@
+"""What a device keeps of a batch between a layer group's forward and its backward.
+
+Every stash has the same two halves (the `Stash` protocol):
+
+  forward(params_s, x, stage_index, key, memory=None) -> (y, kept, new memory or None)
+  backward(params_s, kept, delta, stage_index, key)   -> (weight gradient, input gradient)
+
+  GraphStash   the forward's VJP residuals (as DDG): the gradient is taken at the weights of
+               the forward. A checkpoint `policy` (STASH_POLICIES) chooses which residuals
+               are kept; the rest are recomputed in the backward, at the same weights.
+  ReplayStash  only the group's input (as Features Replay): the backward re-runs the forward
+               at the weights it is given and takes the VJP there; one extra forward.
+  TappedStash  the zero-bubble split of a model with a `staged.WeightSplit`: B (`input_grad`)
+               and W (`weight_grad`) apart, from one forward's residuals and recorded inputs.
+
+`at_forward_weights` says whether the backward needs the weights of the forward (a schedule
+whose weights change between the two, Ouroboros, must keep them).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import jax
+
+from ouroboros_jax import staged
+from ouroboros_jax.staged import StagedModel, WeightSplit
+
+# What graph mode keeps of a group's forward, as `jax.checkpoint` policies. 'all' keeps every
+# residual JAX's VJP saves. The others keep less and recompute the rest in the backward, from
+# the kept values: the gradient is still exactly the one at forward-time weights (DDG), only
+# bytes move from memory traffic to recomputation. 'dots' keeps matmul outputs (elementwise ops,
+# norms and softmax are recomputed); 'nothing' keeps only the group's inputs and weights (the
+# whole forward is recomputed, as in replay, but at the forward-time weights).
+STASH_POLICIES = {
+  'all': None,
+  'dots': jax.checkpoint_policies.dots_saveable,
+  'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  'nothing': jax.checkpoint_policies.nothing_saveable,
+}
+
+
+class Stash(Protocol):
+  """The two halves every stash has (see the module docstring)."""
+
+  at_forward_weights: bool
+
+  def forward(self, params_s, x, stage_index, key, memory=None): ...
+
+  def backward(self, params_s, kept, delta, stage_index, key): ...
+
+
+def make_stash(model: StagedModel, mode: str = 'graph', policy: str = 'all', **options) -> Stash:
+  """The stash `mode` names ('graph' with `policy` and `options`, or 'replay')."""
+  return GraphStash(model, policy, **options) if mode == 'graph' else ReplayStash(model)
+
+
+def _run(model: StagedModel, params_s, x, stage_index, key, memory=None):
+  """(the group's output, its new memory (None without one)), with the group's dropout key."""
+  return model.run_stage(params_s, x, stage_index, staged.piece_rng(key, stage_index), memory)
+
+
+class GraphStash:
+  """The forward's VJP residuals. Only the VJP's leaves are kept; its tree structure is rebuilt
+  in the backward from an abstract trace of the same forward (`vjp_layout`), so the backward does
+  not depend on which forward was traced before it. A group maps its input to an output of the
+  same shape (activations travel around the ring), so the output gradient gives the input's shape.
+
+  `keep_weights=False` (for schedules whose weights do not change between a forward and its
+  backward, or that keep the forward's weights themselves) leaves out the residuals that are the
+  weights and takes them from the params the backward is given: the stash holds activations."""
+
+  at_forward_weights = True
+
+  def __init__(self, model: StagedModel, policy: str = 'all', keep_weights: bool = True):
+    self.model, self.policy, self.keep_weights = model, STASH_POLICIES[policy], keep_weights
+
+  def _vjp(self, params_s, x, stage_index, key, memory=None):
+    run = lambda p, h: _run(self.model, p, h, stage_index, key, memory)
+    if self.policy is not None:
+      run = jax.checkpoint(run, policy=self.policy)
+    return jax.vjp(run, params_s, x, has_aux=True)  # (y, vjp_fn, new memory)
+
+  def _memory_like(self, params_s, x_like):
+    """The shape of the memory a forward on x_like read (None for a model without one)."""
+    if self.model.memory is None:
+      return None
+    return jax.eval_shape(lambda p: self.model.memory.init(p, x_like.shape[0]), params_s)
+
+  def forward(self, params_s, x, stage_index, key, memory=None):
+    y, vjp_fn, new_memory = self._vjp(params_s, x, stage_index, key, memory)
+    leaves = jax.tree.leaves(vjp_fn)
+    return y, leaves if self.keep_weights else without_weights(leaves, params_s), new_memory
+
+  def backward(self, params_s, kept, delta, stage_index, key):
+    vjp_of = lambda h, m: self._vjp(params_s, h, stage_index, key, m)[1]
+    memory_like = self._memory_like(params_s, delta)
+    treedef, positions = vjp_layout(vjp_of, params_s, delta, memory_like)
+    if not self.keep_weights:
+      kept = with_weights(kept, positions, params_s)
+    return jax.tree.unflatten(treedef, kept)(delta)
+
+
+class ReplayStash:
+  """Only the group's input, and the memory the forward read (a model with a memory keeps
+  (input, memory)); the backward re-runs the forward at the weights it is given."""
+
+  at_forward_weights = False
+
+  def __init__(self, model: StagedModel):
+    self.model = model
+
+  def forward(self, params_s, x, stage_index, key, memory=None):
+    y, new_memory = _run(self.model, params_s, x, stage_index, key, memory)
+    return y, (x if self.model.memory is None else (x, memory)), new_memory
+
+  def backward(self, params_s, kept, delta, stage_index, key):
+    x, memory = (kept, None) if self.model.memory is None else kept
+    run = lambda p, h: _run(self.model, p, h, stage_index, key, memory)
+    return jax.vjp(run, params_s, x, has_aux=True)[1](delta)
+
+
+class TappedStash:
+  """F, B and W of a stage through its model's `staged.WeightSplit` (the zero-bubble split
+  without a second chain): F keeps the VJP in (input, taps), less the weights (they do not change
+  within a step), and the recorded sub-layer inputs; B gives the input gradient and the taps'
+  gradients; W multiplies those with the recorded inputs into the weight gradient."""
+
+  at_forward_weights = False
+
+  def __init__(self, split: WeightSplit):
+    self.split = split
+
+  def _vjp(self, params_s, x, stage_index, key):
+    rng = staged.piece_rng(key, stage_index)
+    run = lambda h, taps: self.split.stage(params_s, h, stage_index, rng, taps)
+    return jax.vjp(run, x, self.split.taps(params_s, x), has_aux=True)
+
+  def forward(self, params_s, x, stage_index, key, memory=None):
+    """The models with a weight split have no memory."""
+    del memory
+    y, vjp_fn, inputs = self._vjp(params_s, x, stage_index, key)
+    kept = {'vjp': without_weights(jax.tree.leaves(vjp_fn), params_s), 'inputs': inputs}
+    return y, kept, None
+
+  def input_grad(self, params_s, kept, delta, stage_index, key):
+    """B: (the input gradient, the taps' gradients) for output gradient delta."""
+    vjp_of = lambda h: self._vjp(params_s, h, stage_index, key)[1]
+    treedef, positions = vjp_layout(vjp_of, params_s, delta)
+    vjp_fn = jax.tree.unflatten(treedef, with_weights(kept['vjp'], positions, params_s))
+    return vjp_fn(delta)
+
+  def weight_grad(self, params_s, kept, tap_grads):
+    """W: the weight gradient from the taps' gradients and the recorded inputs."""
+    return self.split.weight_grad(params_s, kept['inputs'], tap_grads)
+
+  def backward(self, params_s, kept, delta, stage_index, key):
+    dx, tap_grads = self.input_grad(params_s, kept, delta, stage_index, key)
+    return self.weight_grad(params_s, kept, tap_grads), dx
+
+
+def _weight_positions(residuals: list, params_s) -> tuple[int | None, ...]:
+  """For each VJP residual, the index of the weight leaf it is (the same traced array), or None."""
+  index = {id(leaf): i for i, leaf in enumerate(jax.tree.leaves(params_s))}
+  return tuple(index.get(id(leaf)) for leaf in residuals)
+
+
+def without_weights(residuals: list, params_s) -> list:
+  """The VJP residuals that are not the weights themselves (what a stash must keep when the
+  weights do not change before the backward)."""
+  positions = _weight_positions(residuals, params_s)
+  return [leaf for leaf, w in zip(residuals, positions) if w is None]
+
+
+def with_weights(kept: list, positions, params_s) -> list:
+  """`without_weights` undone: the residuals again, weights taken from params_s."""
+  weights, rest = jax.tree.leaves(params_s), iter(kept)
+  return [next(rest) if w is None else weights[w] for w in positions]
+
+
+def vjp_layout(vjp_of, params_s, *like):
+  """(tree structure, weight positions) of the VJP `vjp_of(*args)` returns, from an abstract
+  trace on arrays shaped like `like`."""
+  layout = []
+
+  def leaves(*args):
+    flat, treedef = jax.tree.flatten(vjp_of(*args))
+    layout.append((treedef, _weight_positions(flat, params_s)))
+    return flat
+
+  jax.eval_shape(leaves, *like)
+  return layout[0]
