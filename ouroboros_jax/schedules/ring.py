@@ -105,15 +105,6 @@ def locked_forward(stash: Stash, params_s, x, key, num_stages: int, memory=None)
   return jax.lax.fori_loop(0, num_stages, forward_round, (x, empty, memory))
 
 
-def pipelined_forward(stash: Stash, params_s, x, received, key, num_stages: int, memory=None):
-  """Every group at once, each on what its predecessor sent during the previous step (device 0
-  on the fresh embedding x); the outputs move one hop on. Returns (what device 0 received from
-  group G-1 one step ago, for the head; kept; the new memory; the outputs sent on)."""
-  s = jax.lax.axis_index(STAGE)
-  y, kept, new_memory = stash.forward(params_s, jnp.where(s == 0, x, received), s, key, memory)
-  return received, kept, new_memory, send_forward(y, num_stages)
-
-
 def head_vjp(model: StagedModel, params, x, targets, weight: float = 1.0):
   """Module K's loss on x and, for cotangent `weight` (1/M for one of M micro-batches), its
   gradients: (loss, head gradient, the head's embed gradient, the gradient of x). The head of
