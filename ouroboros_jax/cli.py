@@ -91,110 +91,117 @@ def _optional(kind):
   return parse
 
 
+# The help of the field flags whose text is not `(tiny: VALUE)`.
+_FIELD_HELP = {
+  'preset': f'starting point: {", ".join(config.PRESETS)} (default tiny)',
+  'out': 'output directory (default runs/<preset>-<schedule>)',
+  'data': "'default' (embedded Shakespeare), 'text:PATH[,PATH]', 'tfds:NAME[:FEATURE]', or "
+  "the paper's corpora from local files: 'enwik8:PATH' (enwik8 or enwik8.zip), 'text8:PATH', "
+  "'wikitext103:DIR' (word level: metric perplexity, --vocab-size 267735)",
+  'arch': 'gpt (default) or transformer-xl (relative positions; with --mem-len, segment '
+  'recurrence)',
+  'mem_len': 'transformer-xl: hidden states each layer keeps from the previous segments '
+  '(default 0: none); the training batches then continue each other row by row',
+  'clamp_len': 'transformer-xl: relative distances beyond this share its encoding (0: off)',
+  'attn_dropout': 'transformer-xl: dropout on the attention probabilities',
+  'untie_r': 'transformer-xl: true gives every layer its own biases u, v (the reference '
+  "code's --untie_r); default false: one global pair, as the paper writes it",
+  'eval_mem_len': 'transformer-xl: memory length when evaluating (default: --mem-len)',
+  'data_order': 'windows (shuffled windows), segments (B contiguous streams, as Transformer-XL '
+  'trains) or auto (default: segments for a model with a memory)',
+  'download': 'tfds: let TFDS download and prepare a dataset that is not prepared yet '
+  '(default: never touch the network, fail in seconds)',
+  'data_dir': 'TFDS data dir (default $OUROBOROS_DATA_DIR or ~/.cache/ouroboros_jax/tfds)',
+  'schedule': f'one of {", ".join(schedules.SCHEDULES)} (tiny: backprop)',
+  'microbatches': 'gpipe, the exact pipelines and ouroboros: micro-batches per data replica '
+  '(default 4; ouroboros: 1 on CPU, up to 8 on an accelerator; the other schedules step on '
+  'the whole batch)',
+  'chunks': 'interleaved: model chunks per device, v (default 2; zb_v always runs 2); the '
+  'layers are cut into --stages x v groups',
+  'stash': 'ouroboros: graph or replay (tiny: graph)',
+  'stash_policy': 'ouroboros graph stash: all (every VJP residual), dots (matmul outputs), '
+  'dots_no_batch, nothing (inputs and weights only); less kept = less memory '
+  'traffic, more recompute, same gradient (default nothing)',
+  'stash_memory': 'ouroboros: device (default) or pinned_host, where the stash and the '
+  "forward's weights wait for their delayed backward (host memory: less device memory, a "
+  'transfer each way per step)',
+  'layers_per_stage': "e.g. '2,4,4,4' (default: balanced by FLOPs)",
+  'pld': 'progressive layer dropping: THETA_BAR,GAMMA (e.g. 0.5,0.001, or default); keep '
+  'prob. of layer l: 1-(l/L)(1-theta(t)), theta(t)=(1-theta_bar)exp(-gamma t)'
+  '+theta_bar; pre-LN only; any schedule (default: off)',
+  'growth': 'MSLT / progressive stacking plan: METHOD:DEPTHxSTEPS,...[,all:STEPS]'
+  '[,init=copy_top|random][,embed=train], METHOD mslt (train only the new top '
+  'layers, the rest forward only) or stacking (train all); one STEPS may be * '
+  '(the rest); steps add up to --steps; e.g. mslt:1x300,2x300,4x*; backprop only '
+  '(default: off)',
+  'vcycle': 'multi-level V-cycle plan: down=N[/N..],coarse=N[,up=N[/N..]][,levels=K]'
+  '[,alpha=0.5][,width=1][,depth=1][,lr_scale=1][,opt=carry|reset]; up[0] '
+  'defaults to the rest of --steps; e.g. down=200,coarse=400 (default: off)',
+  'std_loss': 'weight of the standardization loss on the GELU pre-activations (e.g. '
+  '1e-3; default 0: off)',
+  'std_loss_layers': "layers the standardization loss regularises: 'all' or e.g. '0,2'",
+  'optimizer': 'auto (Ouroboros with --compensation auto: muon; otherwise adamw), adamw '
+  '(the paper), nadamw (Nesterov, b1 0.99) or muon (orthogonalised momentum on '
+  'the layer kernels, Adam at --learning-rate elsewhere)',
+  'muon_learning_rate': 'muon: peak rate of the layer kernels (tiny: 0.02)',
+  'momentum': "the optimizer's first-moment decay (AdamW/NAdamW b1, Muon's beta); default "
+  'none: its own (0.9, 0.99, 0.95)',
+  'compensation': 'ouroboros staleness compensation: auto (default, G > 1: the measured '
+  'recipe, Muon + predict + dc (replay: Muon + predict); G=2, 1000 steps: '
+  "2.44 val bpb against 3.48 for the paper's AdamW at its best rate and "
+  '2.40 for backprop; docs/results/quality.md), none (the '
+  'paper: AdamW, no compensation) or a comma list of predict (forward at w + '
+  'gap * last update), pipemare (rate / gap^(1-t/T)), dc (DC-ASGD-a, graph '
+  'stash), shrink (delayed gradients x --shrink)',
+  'dc_lambda': 'dc: strength lambda_0 of DC-ASGD-a (tiny: 1.0)',
+  'shrink': 'shrink: factor on delayed gradients, in (0, 1] (tiny: 0.5)',
+  'pipemare_steps': 'pipemare: steps to reach the full rate (0: a quarter of --steps)',
+}
+
+
 def _add_field_flags(parser: argparse.ArgumentParser) -> None:
   """One flag per config field, default SUPPRESS so only flags given show up in the namespace."""
-  model_group = parser.add_argument_group('model (ModelConfig)')
-  train_group = parser.add_argument_group('training (TrainConfig)')
-  schedule_group = parser.add_argument_group('schedule (ScheduleConfig)')
-  tiny = config.flat(config.get_preset('tiny'))
-  special = {
-    'preset': f'starting point: {", ".join(config.PRESETS)} (default tiny)',
-    'out': 'output directory (default runs/<preset>-<schedule>)',
-    'data': "'default' (embedded Shakespeare), 'text:PATH[,PATH]', 'tfds:NAME[:FEATURE]', or "
-    "the paper's corpora from local files: 'enwik8:PATH' (enwik8 or enwik8.zip), 'text8:PATH', "
-    "'wikitext103:DIR' (word level: metric perplexity, --vocab-size 267735)",
-    'arch': 'gpt (default) or transformer-xl (relative positions; with --mem-len, segment '
-    'recurrence)',
-    'mem_len': 'transformer-xl: hidden states each layer keeps from the previous segments '
-    '(default 0: none); the training batches then continue each other row by row',
-    'clamp_len': 'transformer-xl: relative distances beyond this share its encoding (0: off)',
-    'attn_dropout': 'transformer-xl: dropout on the attention probabilities',
-    'untie_r': 'transformer-xl: true gives every layer its own biases u, v (the reference '
-    "code's --untie_r); default false: one global pair, as the paper writes it",
-    'eval_mem_len': 'transformer-xl: memory length when evaluating (default: --mem-len)',
-    'data_order': 'windows (shuffled windows), segments (B contiguous streams, as Transformer-XL '
-    'trains) or auto (default: segments for a model with a memory)',
-    'download': 'tfds: let TFDS download and prepare a dataset that is not prepared yet '
-    '(default: never touch the network, fail in seconds)',
-    'data_dir': 'TFDS data dir (default $OUROBOROS_DATA_DIR or ~/.cache/ouroboros_jax/tfds)',
-    'schedule': f'one of {", ".join(schedules.SCHEDULES)} (tiny: backprop)',
-    'microbatches': 'gpipe, the exact pipelines and ouroboros: micro-batches per data replica '
-    '(default 4; ouroboros: 1 on CPU, up to 8 on an accelerator; the other schedules step on '
-    'the whole batch)',
-    'chunks': 'interleaved: model chunks per device, v (default 2; zb_v always runs 2); the '
-    'layers are cut into --stages x v groups',
-    'stash': 'ouroboros: graph or replay (tiny: graph)',
-    'stash_policy': 'ouroboros graph stash: all (every VJP residual), dots (matmul outputs), '
-    'dots_no_batch, nothing (inputs and weights only); less kept = less memory '
-    'traffic, more recompute, same gradient (default nothing)',
-    'stash_memory': 'ouroboros: device (default) or pinned_host, where the stash and the '
-    "forward's weights wait for their delayed backward (host memory: less device memory, a "
-    'transfer each way per step)',
-    'layers_per_stage': "e.g. '2,4,4,4' (default: balanced by FLOPs)",
-    'pld': 'progressive layer dropping: THETA_BAR,GAMMA (e.g. 0.5,0.001, or default); keep '
-    'prob. of layer l: 1-(l/L)(1-theta(t)), theta(t)=(1-theta_bar)exp(-gamma t)'
-    '+theta_bar; pre-LN only; any schedule (default: off)',
-    'growth': 'MSLT / progressive stacking plan: METHOD:DEPTHxSTEPS,...[,all:STEPS]'
-    '[,init=copy_top|random][,embed=train], METHOD mslt (train only the new top '
-    'layers, the rest forward only) or stacking (train all); one STEPS may be * '
-    '(the rest); steps add up to --steps; e.g. mslt:1x300,2x300,4x*; backprop only '
-    '(default: off)',
-    'vcycle': 'multi-level V-cycle plan: down=N[/N..],coarse=N[,up=N[/N..]][,levels=K]'
-    '[,alpha=0.5][,width=1][,depth=1][,lr_scale=1][,opt=carry|reset]; up[0] '
-    'defaults to the rest of --steps; e.g. down=200,coarse=400 (default: off)',
-    'std_loss': 'weight of the standardization loss on the GELU pre-activations (e.g. '
-    '1e-3; default 0: off)',
-    'std_loss_layers': "layers the standardization loss regularises: 'all' or e.g. '0,2'",
-    'optimizer': 'auto (Ouroboros with --compensation auto: muon; otherwise adamw), adamw '
-    '(the paper), nadamw (Nesterov, b1 0.99) or muon (orthogonalised momentum on '
-    'the layer kernels, Adam at --learning-rate elsewhere)',
-    'muon_learning_rate': 'muon: peak rate of the layer kernels (tiny: 0.02)',
-    'momentum': "the optimizer's first-moment decay (AdamW/NAdamW b1, Muon's beta); default "
-    'none: its own (0.9, 0.99, 0.95)',
-    'compensation': 'ouroboros staleness compensation: auto (default, G > 1: the measured '
-    'recipe, Muon + predict + dc (replay: Muon + predict); G=2, 1000 steps: '
-    "2.44 val bpb against 3.48 for the paper's AdamW at its best rate and "
-    '2.40 for backprop; docs/results/quality.md), none (the '
-    'paper: AdamW, no compensation) or a comma list of predict (forward at w + '
-    'gap * last update), pipemare (rate / gap^(1-t/T)), dc (DC-ASGD-a, graph '
-    'stash), shrink (delayed gradients x --shrink)',
-    'dc_lambda': 'dc: strength lambda_0 of DC-ASGD-a (tiny: 1.0)',
-    'shrink': 'shrink: factor on delayed gradients, in (0, 1] (tiny: 0.5)',
-    'pipemare_steps': 'pipemare: steps to reach the full rate (0: a quarter of --steps)',
+  groups = {  # created in this order: the order of the sections in --help
+    config.ModelConfig: parser.add_argument_group('model (ModelConfig)'),
+    config.TrainConfig: parser.add_argument_group('training (TrainConfig)'),
+    config.ScheduleConfig: parser.add_argument_group('schedule (ScheduleConfig)'),
   }
+  tiny = config.flat(config.get_preset('tiny'))
   for name, (kind, optional, owner, _) in config.fields().items():
-    group = {config.ModelConfig: model_group, config.ScheduleConfig: schedule_group}.get(
-      owner, train_group
-    )
-    help_text = special.get(name, f'(tiny: {tiny[name]})')
-    if kind is bool:  # --pre-ln, --pre-ln false, --no-pre-ln
-      group.add_argument(
-        config.flag(name),
-        dest=name,
-        nargs='?',
-        const=True,
-        type=_bool,
-        default=argparse.SUPPRESS,
-        metavar='true|false',
-        help=help_text,
-      )
-      group.add_argument(
-        '--no-' + config.flag(name)[2:],
-        dest=name,
-        action='store_false',
-        default=argparse.SUPPRESS,
-        help=f'same as {config.flag(name)} false',
-      )
+    group = groups.get(owner, groups[config.TrainConfig])
+    help_text = _FIELD_HELP.get(name, f'(tiny: {tiny[name]})')
+    if kind is bool:
+      _add_bool_flag(group, name, help_text)
     else:
-      parse = _optional(kind) if optional else kind
       group.add_argument(
         config.flag(name),
         dest=name,
-        type=parse,
+        type=_optional(kind) if optional else kind,
         default=argparse.SUPPRESS,
         metavar=kind.__name__.upper(),
         help=help_text,
       )
+
+
+def _add_bool_flag(group, name: str, help_text: str) -> None:
+  """--pre-ln, --pre-ln false and --no-pre-ln."""
+  group.add_argument(
+    config.flag(name),
+    dest=name,
+    nargs='?',
+    const=True,
+    type=_bool,
+    default=argparse.SUPPRESS,
+    metavar='true|false',
+    help=help_text,
+  )
+  group.add_argument(
+    '--no-' + config.flag(name)[2:],
+    dest=name,
+    action='store_false',
+    default=argparse.SUPPRESS,
+    help=f'same as {config.flag(name)} false',
+  )
 
 
 def _cpu_devices_flag(parser):
@@ -226,6 +233,20 @@ def _process_flags(parser):
   )
 
 
+def _json_flag(parser):
+  parser.add_argument('--json', action='store_true', help='print one JSON object')
+
+
+def _run_flags(parser, *, processes: bool) -> argparse.ArgumentParser:
+  """The flags after a run's own: --cpu-devices, the process group's (`processes`) and one per
+  config field."""
+  _cpu_devices_flag(parser)
+  if processes:
+    _process_flags(parser)
+  _add_field_flags(parser)
+  return parser
+
+
 def make_parser() -> argparse.ArgumentParser:
   """The root parser; `parser.commands` maps each subcommand to its own parser."""
   parser = _Parser(
@@ -237,12 +258,28 @@ def make_parser() -> argparse.ArgumentParser:
     dest='command', metavar='{train,sample,bench,compile,plan,launch}', parser_class=_Parser
   )
   sub.required = True
+  parser.commands = {  # added in this order, listed in this order by --help
+    'train': _train_parser(sub),
+    'sample': _sample_parser(sub),
+    'bench': _bench_parser(sub),
+    'compile': _compile_parser(sub),
+    'plan': _plan_parser(sub),
+    'launch': _launch_parser(sub),
+  }
+  return parser
 
-  train = sub.add_parser(
+
+def _subcommand(sub, name: str, summary: str, description: str | None = None):
+  """A subcommand's parser (no abbreviated flags); `summary` is its line in the root's --help."""
+  return sub.add_parser(name, help=summary, allow_abbrev=False, description=description)
+
+
+def _train_parser(sub) -> argparse.ArgumentParser:
+  train = _subcommand(
+    sub,
     'train',
-    help='train a byte-level Transformer LM',
-    allow_abbrev=False,
-    description='Train a preset; any field can be overridden by its flag.',
+    'train a byte-level Transformer LM',
+    'Train a preset; any field can be overridden by its flag.',
   )
   train.add_argument(
     '--resume',
@@ -259,11 +296,11 @@ def make_parser() -> argparse.ArgumentParser:
     'checkpoints are moved to OUT/checkpoints-set-aside)',
   )
   train.add_argument('--quiet', action='store_true', help='no progress bar or eval lines')
-  _cpu_devices_flag(train)
-  _process_flags(train)
-  _add_field_flags(train)
+  return _run_flags(train, processes=True)
 
-  sample = sub.add_parser('sample', help='generate text from a checkpoint', allow_abbrev=False)
+
+def _sample_parser(sub) -> argparse.ArgumentParser:
+  sample = _subcommand(sub, 'sample', 'generate text from a checkpoint')
   sample.add_argument(
     '--ckpt',
     required=True,
@@ -276,11 +313,15 @@ def make_parser() -> argparse.ArgumentParser:
   sample.add_argument('--seed', type=int, default=0)
   sample.add_argument('--step', type=int, default=None, help='checkpoint step (default latest)')
   _cpu_devices_flag(sample)
-  bench = sub.add_parser(
+  return sample
+
+
+def _bench_parser(sub) -> argparse.ArgumentParser:
+  bench = _subcommand(
+    sub,
     'bench',
-    help='steady-state speed of every schedule vs its ideal',
-    allow_abbrev=False,
-    description='See ouroboros_jax/perf/bench.py. Model and '
+    'steady-state speed of every schedule vs its ideal',
+    'See ouroboros_jax/perf/bench.py. Model and '
     'batch come from --preset and the field flags; --stages sets G.',
   )
   bench.add_argument('--bench-steps', type=int, default=20, help='timed steps per setting')
@@ -292,34 +333,35 @@ def make_parser() -> argparse.ArgumentParser:
     help='comma-separated settings to run, by label prefix (e.g. '
     '"backprop,model_parallel,ouroboros pipelined/graph"); default all',
   )
-  _cpu_devices_flag(bench)
-  _process_flags(bench)
-  _add_field_flags(bench)
+  return _run_flags(bench, processes=True)
 
-  compile_ = sub.add_parser(
+
+_TOPOLOGY_HELP = (
+  'a TPU topology libtpu knows, e.g. v5e:2x2, v5e:2x4, v4:2x2x1, v5p:2x2x1, v6e:2x2 '
+  '(compile-only devices; needs pip install "ouroboros-jax[tpu]"); default: the local devices'
+)
+
+
+def _compile_parser(sub) -> argparse.ArgumentParser:
+  compile_ = _subcommand(
+    sub,
     'compile',
-    help="a run's per-device memory, from its step compiled for a device (none needed)",
-    allow_abbrev=False,
-    description='Build the run `train` would (same flags) with abstract parameters, compile its '
+    "a run's per-device memory, from its step compiled for a device (none needed)",
+    'Build the run `train` would (same flags) with abstract parameters, compile its '
     "step for --topology (or the local devices) and report one device's memory; exit status 1 "
     'if it does not fit. See ouroboros_jax/perf/compile.py.',
   )
-  compile_.add_argument(
-    '--topology',
-    default=None,
-    metavar='NAME',
-    help='a TPU topology libtpu knows, e.g. v5e:2x2, v5e:2x4, v4:2x2x1, v5p:2x2x1, v6e:2x2 '
-    '(compile-only devices; needs pip install "ouroboros-jax[tpu]"); default: the local devices',
-  )
-  compile_.add_argument('--json', action='store_true', help='print one JSON object')
-  _cpu_devices_flag(compile_)
-  _add_field_flags(compile_)
+  compile_.add_argument('--topology', default=None, metavar='NAME', help=_TOPOLOGY_HELP)
+  _json_flag(compile_)
+  return _run_flags(compile_, processes=False)
 
-  plan = sub.add_parser(
+
+def _plan_parser(sub) -> argparse.ArgumentParser:
+  plan = _subcommand(
+    sub,
     'plan',
-    help='every schedule x micro-batches x stash: compiled memory, predicted step time',
-    allow_abbrev=False,
-    description="For the run train's flags describe, compile every schedule (G = all devices) "
+    'every schedule x micro-batches x stash: compiled memory, predicted step time',
+    "For the run train's flags describe, compile every schedule (G = all devices) "
     'at each --try-microbatches and, for ouroboros, each --try-stash and forward, for --topology '
     "(or the local devices); print each per-device peak beside the simulator's step time and "
     'mark the fastest setting that fits. See ouroboros_jax/perf/plan.py.',
@@ -359,16 +401,15 @@ def make_parser() -> argparse.ArgumentParser:
     metavar='NAME',
     help="the simulator's rates (default: the topology's TPU generation, else nvlink-300GBps)",
   )
-  plan.add_argument('--json', action='store_true', help='print one JSON object')
+  _json_flag(plan)
   plan.add_argument(
     '--render', default=None, metavar='FILE', help='print the table of a saved --json plan'
   )
-  _cpu_devices_flag(plan)
-  _add_field_flags(plan)
+  return _run_flags(plan, processes=False)
 
-  launch = sub.add_parser(
-    'launch', help='run N local processes as one multi-host job', allow_abbrev=False
-  )
+
+def _launch_parser(sub) -> argparse.ArgumentParser:
+  launch = _subcommand(sub, 'launch', 'run N local processes as one multi-host job')
   launch.add_argument('--processes', type=int, required=True, metavar='N')
   launch.add_argument('--pin-cpus', action='store_true', help='pin process i to core i')
   launch.add_argument(
@@ -379,15 +420,7 @@ def make_parser() -> argparse.ArgumentParser:
     nargs=argparse.REMAINDER,
     help='-- then the command for each process, e.g. -- train --stages 2',
   )
-  parser.commands = {
-    'train': train,
-    'sample': sample,
-    'bench': bench,
-    'compile': compile_,
-    'plan': plan,
-    'launch': launch,
-  }
-  return parser
+  return launch
 
 
 def config_from_args(args: argparse.Namespace) -> config.TrainConfig:
@@ -490,16 +523,18 @@ def _run_bench(args) -> None:
 
   bench.run(
     cfg.model,
-    batch_size=cfg.batch_size,
-    stages=stages,
-    out_dir=cfg.out or 'runs/bench',
-    steps=args.bench_steps,
-    warmup=args.warmup,
-    settings=bench.select_settings(stages, args.only, cfg.model.num_layers),
-    stash_policy=cfg.schedule.stash_policy,
-    optimizer=optimizer,
-    compensation=cfg.resolved_compensation(),
-    layers_per_stage=cfg.layers_per_stage and list(ring.plans.layers_per_stage),
+    bench.BenchConfig(
+      batch_size=cfg.batch_size,
+      stages=stages,
+      out_dir=cfg.out or 'runs/bench',
+      steps=args.bench_steps,
+      warmup=args.warmup,
+      settings=bench.select_settings(stages, args.only, cfg.model.num_layers),
+      stash_policy=cfg.schedule.stash_policy,
+      optimizer=optimizer,
+      compensation=cfg.resolved_compensation(),
+      layers_per_stage=cfg.layers_per_stage and list(ring.plans.layers_per_stage),
+    ),
   )
 
 
@@ -527,11 +562,13 @@ def _run_plan(args) -> int:
   result = plan_lib.plan(
     cfg,
     args.topology,
-    microbatches=counts,
-    stashes=stashes,
-    schedules=args.try_schedules and tuple(args.try_schedules.split(',')),
-    memories=tuple(args.try_stash_memory.split(',')),
-    stages=args.try_stages and _int_list(args.try_stages, '--try-stages'),
+    plan_lib.Tries(
+      microbatches=counts,
+      stashes=stashes,
+      schedules=args.try_schedules and tuple(args.try_schedules.split(',')),
+      memories=tuple(args.try_stash_memory.split(',')),
+      stages=args.try_stages and _int_list(args.try_stages, '--try-stages'),
+    ),
     hardware=args.hardware,
     log=plan_lib.main_log,  # progress on stderr, the result on stdout
   )
@@ -575,7 +612,11 @@ def _run_launch(args) -> None:
   rest = args.rest[1:] if args.rest[:1] == ['--'] else args.rest
   reasons = []
   code = launch.launch(
-    args.processes, rest, pin_cpus=args.pin_cpus, timeout_s=args.timeout, reasons=reasons
+    args.processes,
+    rest,
+    options=launch.LaunchOptions(pin_cpus=args.pin_cpus),
+    timeout_s=args.timeout,
+    reasons=reasons,
   )
   if code:  # the children's output is above, on stdout; one line on stderr says why
     raise launch.LaunchFailed(code, reasons[0] if reasons else f'exit status {code}')

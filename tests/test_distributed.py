@@ -58,9 +58,9 @@ def test_two_processes_equal_two_simulated_devices(tmp_path, stash):
   code = launch.launch(
     2,
     [stash, str(tmp_path / 'multi.npy')],
+    options=launch.LaunchOptions(program=[sys.executable, str(script)]),
     timeout_s=240,
     out=out,
-    program=[sys.executable, str(script)],
   )
   assert code == 0, out.getvalue()[-3000:]
   assert out.getvalue().count('processes 2 loss') == 2
@@ -96,7 +96,11 @@ def test_a_killed_process_makes_launch_fail_fast(tmp_path):
   out = io.StringIO()
   start = time.monotonic()
   code = launch.launch(
-    2, [], grace_s=60, timeout_s=180, out=out, program=[sys.executable, str(script)]
+    2,
+    [],
+    options=launch.LaunchOptions(program=[sys.executable, str(script)], grace_s=60),
+    timeout_s=180,
+    out=out,
   )
   assert code == 17, out.getvalue()[-2000:]
   assert time.monotonic() - start < 120
@@ -140,7 +144,8 @@ LAUNCHER = textwrap.dedent("""
     import sys
     from ouroboros_jax.runtime import launch
     child = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(300)"
-    sys.exit(launch.launch(2, [], grace_s=5, program=[sys.executable, '-c', child]))
+    options = launch.LaunchOptions(program=[sys.executable, '-c', child], grace_s=5)
+    sys.exit(launch.launch(2, [], options=options))
 """)
 
 
@@ -381,7 +386,11 @@ def test_a_failing_process_ends_its_peers_within_seconds(tmp_path):
   out = io.StringIO()
   start = time.monotonic()
   code = launch.launch(
-    2, [], failure_grace_s=100, timeout_s=120, out=out, program=[sys.executable, str(script)]
+    2,
+    [],
+    options=launch.LaunchOptions(program=[sys.executable, str(script)], failure_grace_s=100),
+    timeout_s=120,
+    out=out,
   )
   took = time.monotonic() - start
   text = out.getvalue()

@@ -93,8 +93,7 @@ def test_train_growth_runs_a_plan(params):
     cfg,
     iter(batches),
     lambda phase: optax.chain(optax.add_decayed_weights(0.1), optax.sgd(1e-2)),
-    params=start,
-    on_phase_end=lambda i, p: ends.setdefault(i, p),
+    growth.GrowthRun(params=start, on_phase_end=lambda i, p: ends.setdefault(i, p)),
   )
   assert [r['phase'] for r in log] == [0, 0, 1, 1]
   assert [r['frozen'] for r in log] == [0, 0, 1, 1]

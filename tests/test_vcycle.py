@@ -173,8 +173,9 @@ def test_train_vcycle_runs_the_cycle():
     BIG,
     iter(batches),
     lambda level: optax.sgd(0.1 * 2**level),
-    params=params0,
-    on_phase_end=lambda level, phase, p: seen.setdefault((level, phase), p),
+    vcycle.VCycleRun(
+      params=params0, on_phase_end=lambda level, phase, p: seen.setdefault((level, phase), p)
+    ),
   )
   assert [(r['level'], r['phase']) for r in log] == [(0, 'down')] * 2 + [(1, 'coarse')] * 2 + [
     (0, 'up')

@@ -279,36 +279,50 @@ def make_step(
 # ----------------------------------------------------------------------------- the driver
 
 
-def train_growth(
-  plan: GrowthPlan,
-  cfg: ModelConfig,
-  batches: Iterable[dict],
-  tx_factory: Callable[[int], optax.GradientTransformation],
-  *,
-  key: jax.Array | None = None,
-  params: dict | None = None,
-  clip_norm: float | None = 1.0,
-  seed: int = 0,
-  on_phase_end: Callable[[int, dict], None] | None = None,
-  on_step: Callable[[dict, dict], None] | None = None,
-):
-  """Runs a whole plan with plain backprop (one device). Returns (params, log).
+@dataclasses.dataclass(frozen=True)
+class GrowthRun:
+  """How `train_growth` runs a plan: where it starts, the step's settings and the callbacks.
 
-  cfg: the full-size model (num_layers = plan.depths[-1]); the phases run the same config with
-    fewer layers. params: optional starting parameters of depth plan.depths[0] (else
-    `init_params` with `key`, default key(seed)). tx_factory(phase_index) -> the phase's
-    optimizer. log: one dict per step {'phase', 'step' (global, from 0), 'depth', 'frozen',
-    'loss' (of that step's batch), 'flops' (cumulative estimate, `costs.step_flops`)}.
+  key: initialises the parameters (default key(seed)) and the layers `init='random'` adds.
+  params: optional starting parameters of depth plan.depths[0] (else `init_params` with `key`).
+  clip_norm, seed: the global-norm clipping and the dropout keys' seed of every step
+    (`make_step`).
   on_phase_end: optional callback(phase_index, params) after every phase (evaluation,
     checkpoints, tests).
   on_step: optional callback(log row, params) after every step (the loss is then still on the
     device: row['loss'] is a jax scalar; the log keeps floats).
   """
+
+  key: jax.Array | None = None
+  params: dict | None = None
+  clip_norm: float | None = 1.0
+  seed: int = 0
+  on_phase_end: Callable[[int, dict], None] | None = None
+  on_step: Callable[[dict, dict], None] | None = None
+
+
+def train_growth(
+  plan: GrowthPlan,
+  cfg: ModelConfig,
+  batches: Iterable[dict],
+  tx_factory: Callable[[int], optax.GradientTransformation],
+  run: GrowthRun | None = None,
+):
+  """Runs a whole plan with plain backprop (one device). Returns (params, log).
+
+  cfg: the full-size model (num_layers = plan.depths[-1]); the phases run the same config with
+    fewer layers. tx_factory(phase_index) -> the phase's optimizer. run: the starting point, the
+    step's settings and the callbacks (default `GrowthRun()`). log: one dict per step {'phase',
+    'step' (global, from 0), 'depth', 'frozen', 'loss' (of that step's batch), 'flops'
+    (cumulative estimate, `costs.step_flops`)}.
+  """
+  run = run or GrowthRun()
   plan.validate(cfg)
   cfg.validate()
   batches: Iterator[dict] = iter(batches)
-  key = jax.random.key(seed) if key is None else key
+  key = jax.random.key(run.seed) if run.key is None else run.key
   key_init, key_grow = jax.random.split(key)
+  params = run.params
   if params is None:
     params = transformer.init_params(dataclasses.replace(cfg, num_layers=plan.depths[0]), key_init)
   log, t, flops, opt_state = [], 0, 0.0, None
@@ -327,8 +341,8 @@ def train_growth(
       tx,
       num_frozen,
       train_embedding=plan.train_embedding,
-      clip_norm=clip_norm,
-      seed=seed,
+      clip_norm=run.clip_norm,
+      seed=run.seed,
     )
     for _ in range(steps):
       batch = next(batches)
@@ -345,12 +359,12 @@ def train_growth(
         'loss': loss,
         'flops': flops,
       }
-      if on_step is not None:
-        on_step(row, params)
+      if run.on_step is not None:
+        run.on_step(row, params)
       log.append({**row, 'loss': float(loss)})
       t += 1
-    if on_phase_end is not None:
-      on_phase_end(phase_index, params)
+    if run.on_phase_end is not None:
+      run.on_phase_end(phase_index, params)
   return params, log
 
 

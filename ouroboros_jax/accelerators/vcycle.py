@@ -61,7 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ouroboros_jax import costs, partition, schedules, staged
+from ouroboros_jax import costs, partition, placement, schedules
 from ouroboros_jax import model as transformer
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.model import ModelConfig
@@ -317,77 +317,108 @@ class VCyclePlan:
       raise ConfigError(f'unknown V-cycle opt_state {self.opt_state!r}; choose carry or reset.')
 
 
-def train_vcycle(
-  plan: VCyclePlan,
-  cfg: ModelConfig,
-  batches: Iterable[dict],
-  tx_factory: Callable[[int], optax.GradientTransformation],
-  *,
-  schedule_config: schedules.ScheduleConfig | None = None,
-  key: jax.Array | None = None,
-  params: dict | None = None,
-  on_phase_end: Callable[[int, str, dict], None] | None = None,
-  on_step: Callable[[dict, Callable[[], dict]], None] | None = None,
-):
-  """Runs one (multi-level) V-cycle. Returns (params of M1, log, the level configs).
+@dataclasses.dataclass(frozen=True)
+class VCycleRun:
+  """How `train_vcycle` runs a plan: every level's schedule, where it starts, the callbacks.
 
-  tx_factory(level) -> that level's optimizer (give smaller levels a larger lr).
   schedule_config: how every level trains (default backprop); with several stages each level is
-    cut by `partition.balance_layers`. log: one dict per step {'level', 'phase' ('down' |
-    'coarse' | 'up'), 'step' (global), 'loss', 'flops' (cumulative, `costs.step_flops`)}.
+    cut by `partition.balance_layers`.
+  key: initialises M1's parameters when `params` is None (default key(schedule_config.seed)).
+  params: optional starting parameters of M1.
   on_phase_end: optional callback(level, phase, params) with the level's {'embed', 'layers',
     'head'} params after its 'down' / 'coarse' / 'up' training and after 'interpolate'.
   on_step: optional callback(log row, params_fn) after every step; params_fn() returns the
     level's current {'embed', 'layers', 'head'} params (the row's loss is still a jax scalar).
   """
-  report = on_phase_end or (lambda level, phase, params: None)
+
+  schedule_config: schedules.ScheduleConfig | None = None
+  key: jax.Array | None = None
+  params: dict | None = None
+  on_phase_end: Callable[[int, str, dict], None] | None = None
+  on_step: Callable[[dict, Callable[[], dict]], None] | None = None
+
+
+def train_vcycle(
+  plan: VCyclePlan,
+  cfg: ModelConfig,
+  batches: Iterable[dict],
+  tx_factory: Callable[[int], optax.GradientTransformation],
+  run: VCycleRun | None = None,
+):
+  """Runs one (multi-level) V-cycle. Returns (params of M1, log, the level configs).
+
+  tx_factory(level) -> that level's optimizer (give smaller levels a larger lr). run: the
+  schedule, the starting point and the callbacks (default `VCycleRun()`). log: one dict per
+  step {'level', 'phase' ('down' | 'coarse' | 'up'), 'step' (global), 'loss', 'flops'
+  (cumulative, `costs.step_flops`)}.
+  """
+  run = run or VCycleRun()
   plan.validate()
   configs = level_configs(cfg, plan.levels, width=plan.width, depth=plan.depth)
-  schedule_config = schedule_config or schedules.ScheduleConfig()
+  schedule_config = run.schedule_config or schedules.ScheduleConfig()
   for c in configs:
     c.validate()
     costs.check_stages(c.num_layers, schedule_config.num_stages)
-  batches = iter(batches)
-  first = next(batches)
-  batches = itertools.chain([first], batches)
-  example = jax.tree.map(np.zeros_like, jax.device_get(first))  # fixes the state's shapes
+  cycle = _Cycle(plan, configs, schedule_config, tx_factory, run, iter(batches))
+  params = run.params
   if params is None:
     params = transformer.init_params(
-      cfg, jax.random.key(schedule_config.seed) if key is None else key
+      cfg, jax.random.key(schedule_config.seed) if run.key is None else run.key
     )
-  log, counter = [], {'t': 0, 'flops': 0.0}
-  layers_per_stage = [partition.balance_layers(c, schedule_config.num_stages) for c in configs]
+  return cycle.run_level(0, params), cycle.log, configs
 
-  def train(level, state, schedule, steps, phase):
+
+class _Cycle:
+  """A running V-cycle: its plan and levels, the batches, the log and the FLOPs so far."""
+
+  def __init__(self, plan, configs, schedule_config, tx_factory, run: VCycleRun, batches):
+    self.plan, self.configs, self.schedule_config = plan, configs, schedule_config
+    self.tx_factory, self.run = tx_factory, run
+    first = next(batches)
+    self.batches = itertools.chain([first], batches)
+    self.example = jax.tree.map(np.zeros_like, jax.device_get(first))  # fixes the state's shapes
+    self.log, self.t, self.flops = [], 0, 0.0
+    self.layers_per_stage = [
+      partition.balance_layers(c, schedule_config.num_stages) for c in configs
+    ]
+
+  def report(self, level: int, phase: str, params: dict) -> None:
+    if self.run.on_phase_end is not None:
+      self.run.on_phase_end(level, phase, params)
+
+  def train(self, level: int, state, schedule, steps: int, phase: str):
+    """`steps` steps of `schedule` from `state`, a log row each."""
     for _ in range(steps):
-      batch = next(batches)
-      state, metrics = schedule.step(state, staged.place_batch(batch, schedule.mesh))
+      batch = next(self.batches)
+      state, metrics = schedule.step(state, placement.place_batch(batch, schedule.mesh))
       tokens = batch['inputs'].shape[0] * batch['inputs'].shape[1]
-      counter['flops'] += costs.step_flops(configs[level], tokens)
+      self.flops += costs.step_flops(self.configs[level], tokens)
       row = {
         'level': level,
         'phase': phase,
-        'step': counter['t'],
+        'step': self.t,
         'loss': metrics['loss'],
-        'flops': counter['flops'],
+        'flops': self.flops,
       }
-      if on_step is not None:
-        on_step(row, lambda: _layout(tuple(layers_per_stage[level]))[1](state.params))
-      log.append({**row, 'loss': float(metrics['loss'])})
-      counter['t'] += 1
+      if self.run.on_step is not None:
+        self.run.on_step(row, lambda: _layout(tuple(self.layers_per_stage[level]))[1](state.params))
+      self.log.append({**row, 'loss': float(metrics['loss'])})
+      self.t += 1
     return state
 
-  def run_level(level: int, params: dict) -> dict:
-    level_cfg = configs[level]
-    model = partition.transformer_stages(level_cfg, layers_per_stage[level])
-    schedule = schedules.build_schedule(schedule_config, model, tx_factory(level))
-    to_staged, from_staged = _layout(tuple(layers_per_stage[level]))
+  def run_level(self, level: int, params: dict) -> dict:
+    """Level `level` from `params`: down (at the smallest level: coarse) training, then the
+    levels below on its coalescing, the interpolation and up training. Returns its params."""
+    plan, level_cfg = self.plan, self.configs[level]
+    model = partition.transformer_stages(level_cfg, self.layers_per_stage[level])
+    schedule = schedules.build_schedule(self.schedule_config, model, self.tx_factory(level))
+    to_staged, from_staged = _layout(tuple(self.layers_per_stage[level]))
     # One program, not an eager op per optimizer-state leaf; the state is then put on the
     # schedule's mesh, where its step returns it (else the second step compiles again).
-    init = lambda p, b: staged.onto_mesh(jax.jit(schedule.init)(p, b), schedule.mesh)
-    state = init(to_staged(params), example)
+    init = lambda p, b: placement.onto_mesh(jax.jit(schedule.init)(p, b), schedule.mesh)
+    state = init(to_staged(params), self.example)
     last = level == plan.levels - 1
-    state = train(
+    state = self.train(
       level,
       state,
       schedule,
@@ -395,7 +426,7 @@ def train_vcycle(
       'coarse' if last else 'down',
     )
     before = from_staged(state.params)
-    report(level, 'coarse' if last else 'down', before)
+    self.report(level, 'coarse' if last else 'down', before)
     if last:
       return before
     small_cfg, small = coalesce(
@@ -405,20 +436,18 @@ def train_vcycle(
       depth=plan.depth,
       tied_compensation=plan.tied_compensation,
     )
-    small = run_level(level + 1, small)
+    small = self.run_level(level + 1, small)
     back = decoalesce(small_cfg, small, level_cfg, tied_compensation=plan.tied_compensation)
     merged = interpolate(before, back, plan.alpha)
-    report(level, 'interpolate', merged)
+    self.report(level, 'interpolate', merged)
     # A fresh state: step 0 and empty pipes (a delayed schedule's stashes hold forwards of the
     # weights from before the dip); 'carry' keeps the level's optimizer state.
-    fresh = init(to_staged(merged), example)
+    fresh = init(to_staged(merged), self.example)
     state = fresh.replace(opt_state=state.opt_state) if plan.opt_state == 'carry' else fresh
-    state = train(level, state, schedule, plan.up_steps[level], 'up')
+    state = self.train(level, state, schedule, plan.up_steps[level], 'up')
     after = from_staged(state.params)
-    report(level, 'up', after)
+    self.report(level, 'up', after)
     return after
-
-  return run_level(0, params), log, configs
 
 
 @functools.lru_cache(maxsize=None)
@@ -447,32 +476,54 @@ def parse_plan(text: str, total_steps: int) -> tuple[VCyclePlan, float]:
   must add up to `total_steps`. E.g. --vcycle down=200,coarse=400 for --steps 1000.
   """
 
-  def bad(why: str):
-    return ConfigError(
-      f'--vcycle {text!r}: {why}; the syntax is down=N[/N..],coarse=N'
-      '[,up=N[/N..]][,levels=K][,alpha=A][,width=0|1][,depth=0|1]'
-      '[,lr_scale=S][,opt=carry|reset], e.g. --vcycle down=200,coarse=400.'
-    )
+  options = _plan_options(text)
+  fields, lr_scale = _plan_values(text, options)
+  levels, down, coarse = fields['levels'], fields['down_steps'], fields['coarse_steps']
+  if levels < 2:
+    raise _bad_plan(text, f'levels must be >= 2, got {levels}')
+  if coarse is None or len(down) != levels - 1:
+    raise _bad_plan(text, f'a {levels}-level cycle needs coarse=N and {levels - 1} down steps')
+  up = _up_steps(text, options, fields, total_steps)
+  if min((*down, coarse, *up)) < 0:
+    raise _bad_plan(text, 'step counts must be >= 0')
+  if not lr_scale > 0:
+    raise _bad_plan(text, f'lr_scale must be positive, got {lr_scale}')
+  plan = VCyclePlan(**fields, up_steps=up, opt_state=options.get('opt', 'carry'))
+  try:
+    plan.validate()
+  except ConfigError as e:
+    raise _bad_plan(text, str(e).rstrip('.')) from None
+  return plan, lr_scale
 
+
+_PLAN_OPTIONS = ('levels', 'down', 'coarse', 'up', 'alpha', 'width', 'depth', 'lr_scale', 'opt')
+
+
+def _bad_plan(text: str, why: str) -> ConfigError:
+  return ConfigError(
+    f'--vcycle {text!r}: {why}; the syntax is down=N[/N..],coarse=N'
+    '[,up=N[/N..]][,levels=K][,alpha=A][,width=0|1][,depth=0|1]'
+    '[,lr_scale=S][,opt=carry|reset], e.g. --vcycle down=200,coarse=400.'
+  )
+
+
+def _plan_options(text: str) -> dict[str, str]:
+  """--vcycle's KEY=VALUE items, every KEY one of `_PLAN_OPTIONS`."""
   options = {}
   for item in filter(None, (i.strip() for i in text.split(','))):
     key, sep, value = item.partition('=')
     if not sep:
-      raise bad(f'{item!r} is not KEY=VALUE')
+      raise _bad_plan(text, f'{item!r} is not KEY=VALUE')
     options[key.strip()] = value.strip()
-  unknown = set(options) - {
-    'levels',
-    'down',
-    'coarse',
-    'up',
-    'alpha',
-    'width',
-    'depth',
-    'lr_scale',
-    'opt',
-  }
+  unknown = set(options) - set(_PLAN_OPTIONS)
   if unknown:
-    raise bad(f'unknown option {sorted(unknown)[0]!r}')
+    raise _bad_plan(text, f'unknown option {sorted(unknown)[0]!r}')
+  return options
+
+
+def _plan_values(text: str, options: dict[str, str]) -> tuple[dict, float]:
+  """The numbers and switches of --vcycle (VCyclePlan's fields but up_steps and opt_state; the
+  down steps () and coarse steps None when not given) and lr_scale."""
   try:
     levels = int(options.get('levels', 2))
     down = tuple(int(v) for v in options['down'].split('/')) if 'down' in options else ()
@@ -484,48 +535,42 @@ def parse_plan(text: str, total_steps: int) -> tuple[VCyclePlan, float]:
       raise ValueError
     width, depth = (flags[k] in ('1', 'true') for k in ('width', 'depth'))
   except ValueError:
-    raise bad('a value is not a number (width/depth take 0 or 1)') from None
-  if levels < 2:
-    raise bad(f'levels must be >= 2, got {levels}')
-  if coarse is None or len(down) != levels - 1:
-    raise bad(f'a {levels}-level cycle needs coarse=N and {levels - 1} down steps')
+    raise _bad_plan(text, 'a value is not a number (width/depth take 0 or 1)') from None
+  fields = {
+    'levels': levels,
+    'down_steps': down,
+    'coarse_steps': coarse,
+    'alpha': alpha,
+    'width': width,
+    'depth': depth,
+  }
+  return fields, lr_scale
+
+
+def _up_steps(text: str, options: dict[str, str], fields: dict, total_steps: int):
+  """The up steps: given (one may be *, the rest of `total_steps`) or (the rest, down[1:])."""
+  levels, down, coarse = fields['levels'], fields['down_steps'], fields['coarse_steps']
   if 'up' in options:
     try:
       up = tuple(-1 if v == '*' else int(v) for v in options['up'].split('/'))
     except ValueError:
-      raise bad('up steps must be integers or *') from None
+      raise _bad_plan(text, 'up steps must be integers or *') from None
     if len(up) != levels - 1:
-      raise bad(f'a {levels}-level cycle needs {levels - 1} up steps')
+      raise _bad_plan(text, f'a {levels}-level cycle needs {levels - 1} up steps')
   else:
     up = (-1,) + down[1:]
   known = sum(down) + coarse + sum(u for u in up if u >= 0)
   if sum(u < 0 for u in up) > 1:
-    raise bad('only one up step may be *')
+    raise _bad_plan(text, 'only one up step may be *')
   if any(u < 0 for u in up):
     if known > total_steps:
-      raise bad(f'its phases take {known} steps but --steps is {total_steps}')
-    up = tuple(total_steps - known if u < 0 else u for u in up)
-  elif known != total_steps:
-    raise bad(f'its phases take {known} steps but --steps is {total_steps}; make them add up')
-  if min((*down, coarse, *up)) < 0:
-    raise bad('step counts must be >= 0')
-  if not lr_scale > 0:
-    raise bad(f'lr_scale must be positive, got {lr_scale}')
-  plan = VCyclePlan(
-    levels=levels,
-    down_steps=down,
-    coarse_steps=coarse,
-    up_steps=up,
-    alpha=alpha,
-    width=width,
-    depth=depth,
-    opt_state=options.get('opt', 'carry'),
-  )
-  try:
-    plan.validate()
-  except ConfigError as e:
-    raise bad(str(e).rstrip('.')) from None
-  return plan, lr_scale
+      raise _bad_plan(text, f'its phases take {known} steps but --steps is {total_steps}')
+    return tuple(total_steps - known if u < 0 else u for u in up)
+  if known != total_steps:
+    raise _bad_plan(
+      text, f'its phases take {known} steps but --steps is {total_steps}; make them add up'
+    )
+  return up
 
 
 def level_steps(plan: VCyclePlan) -> list[int]:

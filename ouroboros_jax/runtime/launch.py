@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import os
 import re
 import shutil
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Sequence
 
 from ouroboros_jax.errors import ConfigError, UserError
 from ouroboros_jax.runtime import distributed, host
@@ -137,35 +139,52 @@ def _exit_status(code: int) -> int:
   return code if code > 0 else 128 - code
 
 
+@dataclasses.dataclass(frozen=True)
+class LaunchOptions:
+  """How `launch` starts its children and how long it gives them to stop.
+
+  program: what each child runs before the launch's args (default `python -m ouroboros_jax`;
+    tests and experiments pass their own script).
+  pin_cpus: pin child i to core i (`taskset`).
+  grace_s: after a stop signal, the seconds the children have to stop (a `train` saves its
+    checkpoint) before they are killed.
+  failure_grace_s: after the first failure, the seconds the others have to stop.
+  """
+
+  program: Sequence[str] | None = None
+  pin_cpus: bool = False
+  grace_s: float = 45.0
+  failure_grace_s: float = 10.0
+
+
 def launch(
   num_processes: int,
   args: list[str],
   *,
-  pin_cpus: bool = False,
-  grace_s: float = 45.0,
-  failure_grace_s: float = 10.0,
+  options: LaunchOptions | None = None,
   timeout_s: float | None = None,
   out=None,
-  program: list[str] | None = None,
   reasons: list | None = None,
 ) -> int:
   """Runs the N children to completion; returns 0 or the first non-zero exit code.
 
-  program: what each child runs before `args` (default `python -m ouroboros_jax`; tests and
-  experiments pass their own script).
+  options: how the children run and stop (default `LaunchOptions()`).
+  timeout_s: if given, every process is stopped after this many seconds (then 124 is returned
+  unless a process failed before).
   reasons: if given, a failed launch appends one line saying why (the first `error:` line a
   child printed, or the first failure's exit status).
   """
   out = out or sys.stdout
-  _check_launch(num_processes, args, program, timeout_s, pin_cpus)
+  options = options or LaunchOptions()
+  _check_launch(num_processes, args, options, timeout_s)
   handlers = {}
   if threading.current_thread() is threading.main_thread():
     handlers = {sig: signal.signal(sig, _raise_stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
   children = _Children(out)
   try:
-    command = [*(program or [sys.executable, '-m', 'ouroboros_jax']), *args]
-    children.start(num_processes, command, pin_cpus)
-    first_failure = children.supervise(grace_s, failure_grace_s, timeout_s)
+    command = [*(options.program or [sys.executable, '-m', 'ouroboros_jax']), *args]
+    children.start(num_processes, command, options.pin_cpus)
+    first_failure = children.supervise(options, timeout_s)
   finally:
     children.end()
     for sig, handler in handlers.items():
@@ -179,19 +198,19 @@ def launch(
   return first_failure
 
 
-def _check_launch(num_processes, args, program, timeout_s, pin_cpus) -> None:
+def _check_launch(num_processes, args, options: LaunchOptions, timeout_s) -> None:
   if num_processes < 1:
     raise ConfigError(f'--processes must be >= 1, got {num_processes}.')
-  if not args and program is None:
+  if not args and options.program is None:
     raise ConfigError(
       'nothing to launch: give the command after --, e.g. '
       '`ouroboros launch --processes 2 -- train --schedule ouroboros --stages 2`.'
     )
-  if program is None:
+  if options.program is None:
     check_command(args)
   if timeout_s is not None and not timeout_s > 0:
     raise ConfigError(f'--timeout must be a positive number of seconds, got {timeout_s}.')
-  if pin_cpus and shutil.which('taskset') is None:
+  if options.pin_cpus and shutil.which('taskset') is None:
     raise ConfigError('--pin-cpus needs `taskset` (util-linux); install it or drop --pin-cpus.')
 
 
@@ -228,12 +247,12 @@ class _Children:
       th.start()
       self.threads.append(th)
 
-  def supervise(self, grace_s: float, failure_grace_s: float, timeout_s: float | None) -> int:
-    """Waits for every child; after the first failure the others get failure_grace_s to stop
-    (a `train` that fails tells its peers, which end within a second), after a stop signal
-    grace_s (to save their checkpoint). Returns the first failure's exit status (0: none so
-    far)."""
-    out = self.out
+  def supervise(self, options: LaunchOptions, timeout_s: float | None) -> int:
+    """Waits for every child; after the first failure the others get options.failure_grace_s
+    to stop (a `train` that fails tells its peers, which end within a second), after a stop
+    signal options.grace_s (to save their checkpoint). Returns the first failure's exit status
+    (0: none so far)."""
+    out, failure_grace_s = self.out, options.failure_grace_s
     first_failure, failed_at, started = 0, None, time.monotonic()
     try:
       while any(p.poll() is None for p in self.procs):
@@ -263,7 +282,7 @@ class _Children:
       signum = stop.signum if isinstance(stop, _Stop) else signal.SIGINT
       out.write(f'[launch] {signal.Signals(signum).name}: passing it on to every process\n')
       out.flush()
-      _stop_children(self.procs, signum, grace_s)
+      _stop_children(self.procs, signum, options.grace_s)
       return first_failure or 128 + signum
     return first_failure
 

@@ -126,11 +126,13 @@ def _run_growth(cfg: TrainConfig, batches, on_step):
     cfg.model,
     batches,
     tx_factory,
-    key=jax.random.key(cfg.seed),
-    clip_norm=cfg.schedule.clip_norm,
-    seed=cfg.seed,
-    on_step=lambda row, p: on_step(
-      row, dataclasses.replace(cfg.model, num_layers=row['depth']), lambda: p
+    growth.GrowthRun(
+      key=jax.random.key(cfg.seed),
+      clip_norm=cfg.schedule.clip_norm,
+      seed=cfg.seed,
+      on_step=lambda row, p: on_step(
+        row, dataclasses.replace(cfg.model, num_layers=row['depth']), lambda: p
+      ),
     ),
   )
   return params
@@ -152,8 +154,10 @@ def _run_vcycle(cfg: TrainConfig, batches, on_step):
     cfg.model,
     batches,
     tx_factory,
-    schedule_config=cfg.schedule_config(),
-    key=jax.random.key(cfg.seed),
-    on_step=lambda row, params_fn: on_step(row, configs[row['level']], params_fn),
+    vcycle.VCycleRun(
+      schedule_config=cfg.schedule_config(),
+      key=jax.random.key(cfg.seed),
+      on_step=lambda row, params_fn: on_step(row, configs[row['level']], params_fn),
+    ),
   )
   return params
