@@ -66,7 +66,7 @@ from ouroboros_jax.choices import MICROBATCHED
 from ouroboros_jax.perf import simulate as sim
 
 STAGES = (1, 2, 4, 8, 16, 32, 64)
-# label -> (schedule, simulate() keywords); data_parallel gets D = G at run time.
+# label -> (schedule, its simulate.Run keywords); data_parallel gets D = G at run time.
 VARIANTS = {
   'data_parallel': ('data_parallel', {}),
   'model_parallel': ('model_parallel', {}),
@@ -113,10 +113,10 @@ def predict(model: sim.ModelShape, hardware: sim.Hardware, stages) -> tuple[list
   """One row per (G, variant) that fits the model; and the G values that do not (G > layers)."""
   rows, skipped = [], [g for g in stages if g > model.num_layers]
   for num_stages in [g for g in stages if g <= model.num_layers]:
-    costs = sim.preset_costs(model, hardware, num_stages)
+    costs = sim.transformer_costs(model, hardware, num_stages)
     for label, (schedule, kwargs) in VARIANTS.items():
       kwargs = dict(kwargs, data_parallel=num_stages) if schedule == 'data_parallel' else kwargs
-      result = sim.simulate(schedule, costs, **kwargs)
+      result = sim.simulate(sim.Run(schedule, **kwargs), costs)
       rows.append(
         {
           'model': model.name,
@@ -201,7 +201,7 @@ def plot_gantt(path: str, num_stages: int = 4, steps_shown: int = 3) -> None:
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
-  costs = sim.preset_costs(sim.GPT2_SMALL, sim.NVLINK, num_stages)
+  costs = sim.transformer_costs(sim.GPT2_SMALL, sim.NVLINK, num_stages)
   runs = [
     ('model_parallel', 'model_parallel', {}),
     ('gpipe M=4', 'gpipe', {'microbatches': 4}),
@@ -219,7 +219,7 @@ def plot_gantt(path: str, num_stages: int = 4, steps_shown: int = 3) -> None:
   }
   fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.2 * len(runs)))
   for ax, (title, schedule, kwargs) in zip(axes, runs):
-    result = sim.simulate(schedule, costs, **kwargs)
+    result = sim.simulate(sim.Run(schedule, **kwargs), costs)
     t1 = result.step_ends[-1]
     t0 = result.step_ends[-1 - steps_shown]
     lanes = list(range(num_stages)) + sorted(
@@ -281,7 +281,7 @@ def _per_stage(text: str, num_stages: int, schedule: str) -> list[float]:
 
 
 def measured_setting(row: dict) -> tuple[str, sim.StageCosts, dict]:
-  """(schedule, StageCosts, simulate() keywords) of one measured-CSV row."""
+  """(schedule, StageCosts, its simulate.Run keywords) of one measured-CSV row."""
   schedule = row['schedule'].strip()
   devices = int(row['stages'])
   num_stages = 1 if schedule in ('backprop', 'data_parallel') else devices
@@ -319,7 +319,7 @@ def compare_measured(path: str) -> list[dict]:
   out = []
   for row in rows:
     schedule, costs, kwargs = measured_setting(row)
-    result = sim.simulate(schedule, costs, **kwargs)
+    result = sim.simulate(sim.Run(schedule, **kwargs), costs)
     measured = float(row['step_time_s'])
     out.append(
       {

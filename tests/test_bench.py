@@ -35,9 +35,9 @@ def test_bench_names_its_own_flags_and_refuses_an_empty_only(tmp_path):
   with pytest.raises(
     ConfigError, match=r'^--bench-steps must be >= 1 \(timed steps per setting\), got 0'
   ):
-    bench.run(model, batch_size=4, stages=2, out_dir=str(tmp_path), steps=0)
+    bench.run(model, bench.BenchConfig(batch_size=4, stages=2, out_dir=str(tmp_path), steps=0))
   with pytest.raises(ConfigError, match=r'^--warmup must be >= 0'):
-    bench.run(model, batch_size=4, stages=2, out_dir=str(tmp_path), warmup=-1)
+    bench.run(model, bench.BenchConfig(batch_size=4, stages=2, out_dir=str(tmp_path), warmup=-1))
   for only in ('', ' , '):
     with pytest.raises(
       ConfigError, match=r'names no setting; give comma-separated label prefixes from: backprop, '

@@ -107,13 +107,14 @@ def test_ouroboros_cuts_the_batch_on_accelerators_only():
   pipeline = ScheduleConfig(name='1f1b', num_stages=4)
   assert pipeline.for_platform('tpu', 32) == pipeline
   with pytest.raises(ConfigError, match='unknown stash setting'):
-    plan.settings(4, stashes=('everything',))
+    plan.settings(4, plan.Tries(stashes=('everything',)))
 
 
 def test_stages_that_leave_devices_over_run_data_replicas():
   from ouroboros_jax.training import config
 
-  labels = [s.label for s in plan.settings(4, (8,), ('graph/nothing',), stages=(2, 4))]
+  tries = plan.Tries((8,), ('graph/nothing',), stages=(2, 4))
+  labels = [s.label for s in plan.settings(4, tries)]
   assert labels[:3] == ['backprop', 'data_parallel', 'model_parallel G=2xR=2']
   assert 'ouroboros G=2xR=2 locked graph/nothing M=8' in labels
   assert 'ouroboros locked graph/nothing M=8' in labels  # G = 4: one ring of every device

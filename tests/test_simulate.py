@@ -57,7 +57,7 @@ def random_costs(rng: random.Random, num_stages: int, **kwargs):
 @pytest.mark.parametrize('microbatches', [1, 4, 8])
 def test_gpipe_reproduces_the_analytic_bubble(num_stages, microbatches):
   G, M, F, B = num_stages, microbatches, 1.0, 2.0
-  result = sim.simulate('gpipe', costs([F] * G, [B] * G), microbatches=M)
+  result = sim.simulate(sim.Run('gpipe', microbatches=M), costs([F] * G, [B] * G))
   bubble = (G - 1) / (M + G - 1)
   assert result.idle_fraction == pytest.approx(bubble, abs=TOL)
   assert all(i == pytest.approx(bubble, abs=TOL) for i in result.per_device_idle)
@@ -99,19 +99,19 @@ def test_model_parallel_is_the_sum_of_everything(num_stages):
 @pytest.mark.parametrize('num_stages', [2, 3, 6])
 def test_pipelined_ouroboros_is_the_busiest_device(num_stages):
   c = random_costs(random.Random(10 + num_stages), num_stages)
-  result = sim.simulate('ouroboros', c, forward='pipelined')
+  result = sim.simulate(sim.Run('ouroboros', forward='pipelined'), c)
   device0 = c.embed_forward_s + c.forward_s[0] + c.head_s + c.backward_s[0] + c.embed_backward_s
   others = [f + b for f, b in zip(c.forward_s[1:], c.backward_s[1:])]
   assert result.step_time == pytest.approx(max(device0, *others), abs=TOL)
   # Hops that fit inside a step are hidden: only what reads them waits, a step later.
   hops = dataclasses.replace(c, latency=0.1, activation_bytes=1e6, bandwidth=1e8)
-  linked = sim.simulate('ouroboros', hops, forward='pipelined')
+  linked = sim.simulate(sim.Run('ouroboros', forward='pipelined'), hops)
   assert linked.step_time == pytest.approx(result.step_time, abs=TOL)
 
 
 def test_pipelined_equal_stages_reach_the_g_fold_speedup():
   G = 8
-  result = sim.simulate('ouroboros', costs([1.0] * G, [2.0] * G), forward='pipelined')
+  result = sim.simulate(sim.Run('ouroboros', forward='pipelined'), costs([1.0] * G, [2.0] * G))
   assert result.step_time == pytest.approx(3.0, abs=TOL)
   assert result.speedup == pytest.approx(G, abs=TOL)
   assert result.idle_fraction == pytest.approx(0.0, abs=TOL)
@@ -120,11 +120,11 @@ def test_pipelined_equal_stages_reach_the_g_fold_speedup():
 @pytest.mark.parametrize('forward', ['locked', 'pipelined'])
 def test_replay_adds_the_forward_to_every_backward(forward):
   c = random_costs(random.Random(3), 4)
-  replay = sim.simulate('ouroboros', c, forward=forward, stash='replay')
+  replay = sim.simulate(sim.Run('ouroboros', forward=forward, stash='replay'), c)
   recompute = dataclasses.replace(c, backward_s=[f + b for f, b in zip(c.forward_s, c.backward_s)])
-  graph = sim.simulate('ouroboros', recompute, forward=forward, stash='graph')
+  graph = sim.simulate(sim.Run('ouroboros', forward=forward, stash='graph'), recompute)
   assert replay.step_time == pytest.approx(graph.step_time, abs=TOL)
-  assert replay.step_time > sim.simulate('ouroboros', c, forward=forward).step_time
+  assert replay.step_time > sim.simulate(sim.Run('ouroboros', forward=forward), c).step_time
 
 
 def test_link_latency_adds_g_hops_to_the_locked_forward():
@@ -146,15 +146,15 @@ def test_data_parallel_all_reduce(replicas):
   c = random_costs(
     random.Random(replicas), 3, grad_bytes=grad_bytes, bandwidth=bandwidth, latency=latency
   )
-  result = sim.simulate('data_parallel', c, data_parallel=D)
+  result = sim.simulate(sim.Run('data_parallel', data_parallel=D), c)
   all_reduce = 2 * (D - 1) / D * grad_bytes / bandwidth + 2 * (D - 1) * latency
   assert result.step_time == pytest.approx(c.total_compute_s() / D + all_reduce, abs=TOL)
   assert result.num_devices == D
   measured = dataclasses.replace(c, allreduce_s=0.5)
   expected = c.total_compute_s() / D + (0.5 if D > 1 else 0.0)
-  assert sim.simulate('data_parallel', measured, data_parallel=D).step_time == pytest.approx(
-    expected, abs=TOL
-  )
+  assert sim.simulate(
+    sim.Run('data_parallel', data_parallel=D), measured
+  ).step_time == pytest.approx(expected, abs=TOL)
 
 
 def test_one_device_is_backprop_for_every_schedule():
@@ -168,10 +168,9 @@ def test_one_device_is_backprop_for_every_schedule():
     ('ouroboros', {'forward': 'pipelined'}),
     ('data_parallel', {}),
   ]:
-    assert sim.simulate(schedule, c, **kwargs).step_time == pytest.approx(expected, abs=TOL), (
-      schedule,
-      kwargs,
-    )
+    assert sim.simulate(sim.Run(schedule, **kwargs), c).step_time == pytest.approx(
+      expected, abs=TOL
+    ), (schedule, kwargs)
 
 
 def test_the_idle_fractions_the_schedules_advertise():
@@ -180,7 +179,9 @@ def test_the_idle_fractions_the_schedules_advertise():
     c = costs([1.0] * G, [2.0] * G)
     assert sim.simulate('model_parallel', c).idle_fraction == pytest.approx((G - 1) / G)
     assert sim.simulate('ouroboros', c).idle_fraction == pytest.approx((G - 1) / (G + 2))
-    assert sim.simulate('data_parallel', c, data_parallel=G).idle_fraction == pytest.approx(0)
+    assert sim.simulate(
+      sim.Run('data_parallel', data_parallel=G), c
+    ).idle_fraction == pytest.approx(0)
 
 
 def test_the_simulator_needs_only_the_standard_library():
@@ -250,7 +251,7 @@ def test_no_schedule_beats_the_physical_limit(num_stages):
       microbatch_overhead_s=rng.choice([0.0, 0.01]),
     )
     for schedule, kwargs in ALL_SETTINGS + [('data_parallel', {'data_parallel': num_stages})]:
-      result = sim.simulate(schedule, c, **kwargs)
+      result = sim.simulate(sim.Run(schedule, **kwargs), c)
       assert result.speedup <= result.num_devices + TOL, (schedule, kwargs, result.speedup)
       assert all(-TOL <= i <= 1 + TOL for i in result.per_device_idle)
 
@@ -262,7 +263,7 @@ def test_timeline_never_overlaps_on_a_device_or_a_link(schedule, kwargs):
   c = random_costs(
     random.Random(7), 3, latency=0.05, activation_bytes=1e6, bandwidth=1e7, grad_bytes=1e6
   )
-  result = sim.simulate(schedule, c, **kwargs)
+  result = sim.simulate(sim.Run(schedule, **kwargs), c)
   lanes = {}
   for span in result.timeline:
     assert span.end >= span.start >= 0
@@ -291,13 +292,13 @@ def test_bad_settings_are_refused():
   with pytest.raises(ValueError, match='unknown schedule'):
     sim.simulate('pipedream', c)
   with pytest.raises(ValueError, match='stash'):
-    sim.simulate('ouroboros', c, stash='none')
+    sim.simulate(sim.Run('ouroboros', stash='none'), c)
   with pytest.raises(ValueError, match='forward'):
-    sim.simulate('ouroboros', c, forward='eager')
+    sim.simulate(sim.Run('ouroboros', forward='eager'), c)
   with pytest.raises(ValueError, match='microbatches=4'):
-    sim.simulate('gpipe', c, microbatches=4)
+    sim.simulate(sim.Run('gpipe', microbatches=4), c)
   with pytest.raises(ValueError, match='hybrid'):
-    sim.simulate('gpipe', c, data_parallel=2)
+    sim.simulate(sim.Run('gpipe', data_parallel=2), c)
   with pytest.raises(ValueError, match='one entry per stage'):
     costs([1.0], [1.0, 2.0])
 
@@ -308,16 +309,9 @@ def test_bad_settings_are_refused():
 def test_transformer_costs_from_flops():
   L, d, f, seq, V, batch, G = 4, 64, 256, 32, 100, 2, 2
   c = sim.transformer_costs(
-    L,
-    d,
-    f,
-    seq,
-    V,
-    batch,
+    sim.ModelShape('test', L, d, f, seq, V, batch),
+    sim.Hardware('test', flops_per_s=1e9, bandwidth=1e9, latency=0.0),
     G,
-    flops_per_s=1e9,
-    bandwidth=1e9,
-    latency=0.0,
     layers_per_stage=(1, 3),
     bytes_per_value=4,
   )
@@ -331,13 +325,13 @@ def test_transformer_costs_from_flops():
 
 
 def test_balanced_split_gives_device_0_fewer_layers_and_stops_at_the_layer_count():
-  c = sim.preset_costs(sim.GPT2_SMALL, sim.NVLINK, 4)
+  c = sim.transformer_costs(sim.GPT2_SMALL, sim.NVLINK, 4)
   per_layer = cost_model.layer_flops(768, 3072, 1024) * 32 * 1024 / sim.NVLINK.flops_per_s
   layers = [f / per_layer for f in c.forward_s]
   assert all(n == pytest.approx(round(n)) for n in layers) and sum(layers) == pytest.approx(12)
   assert layers[0] < min(layers[1:])  # device 0 also carries the head
   with pytest.raises(ValueError, match='--stages 16 cuts the model into 16 groups'):
-    sim.preset_costs(sim.GPT2_SMALL, sim.NVLINK, 16)
+    sim.transformer_costs(sim.GPT2_SMALL, sim.NVLINK, 16)
   assert sim.GPT2_SMALL.params == pytest.approx(124e6, rel=0.05)
   assert 1e9 < sim.ONE_B.params < 1.5e9
 
@@ -439,7 +433,8 @@ def test_the_exact_pipelines_run_from_their_tables(name, chunks, num_stages, mic
   table = tables.place(tables.build(name, num_stages, microbatches, chunks))
   bubble = tables.bubble(table)
   result = sim.simulate(
-    name, costs([1.0] * num_stages, [2.0] * num_stages), microbatches=microbatches, chunks=chunks
+    sim.Run(name, microbatches=microbatches, chunks=chunks),
+    costs([1.0] * num_stages, [2.0] * num_stages),
   )
   assert result.idle_fraction == pytest.approx(bubble / (1 + bubble), abs=TOL)
   assert result.step_time == pytest.approx(3 * (1 + bubble), abs=TOL)
@@ -447,8 +442,10 @@ def test_the_exact_pipelines_run_from_their_tables(name, chunks, num_stages, mic
 
 def test_zero_bubble_beats_1f1b_which_matches_gpipe_in_time():
   c = costs([1.0] * 4, [2.0] * 4, latency=0.01)
-  step = {name: sim.simulate(name, c, microbatches=8).step_time for name in ('gpipe', '1f1b')}
-  step['zb_h1'] = sim.simulate('zb_h1', c, microbatches=8).step_time
+  step = {
+    name: sim.simulate(sim.Run(name, microbatches=8), c).step_time for name in ('gpipe', '1f1b')
+  }
+  step['zb_h1'] = sim.simulate(sim.Run('zb_h1', microbatches=8), c).step_time
   assert step['zb_h1'] < step['1f1b']
   assert step['1f1b'] == pytest.approx(step['gpipe'], rel=0.05)
 
@@ -457,7 +454,9 @@ def test_zb_v_beats_zb_h1_on_free_links_but_pays_for_its_longer_chain_of_hops():
   """ZB-V's half-stage chunks halve ZB-H1's bubble when transfers are free; its V sends a
   micro-batch over 2p - 2 hops each way instead of p - 1, so latency eats the gain."""
   step = lambda name, latency: (
-    sim.simulate(name, costs([1.0] * 4, [2.0] * 4, latency=latency), microbatches=8).step_time
+    sim.simulate(
+      sim.Run(name, microbatches=8), costs([1.0] * 4, [2.0] * 4, latency=latency)
+    ).step_time
   )
   assert step('zb_v', 0.0) < step('zb_h1', 0.0) < step('1f1b', 0.0)
   assert step('zb_v', 0.05) > step('zb_h1', 0.05)

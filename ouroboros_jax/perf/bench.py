@@ -33,7 +33,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -42,13 +42,15 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ouroboros_jax import costs, partition, staged
+from ouroboros_jax import costs, partition, placement
 from ouroboros_jax import model as transformer
 from ouroboros_jax.choices import FORWARD_MODES, MICROBATCHED, STASH_MODES
 from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.optimizers import make_optimizer
 from ouroboros_jax.perf import simulate
-from ouroboros_jax.schedules import ScheduleConfig, build_schedule, ring
-from ouroboros_jax.schedules.compensation import Compensation, make_optimizer
+from ouroboros_jax.schedules import ScheduleConfig, build_schedule
+from ouroboros_jax.schedules.compensation import Compensation
+from ouroboros_jax.schedules.stash import GraphStash
 from ouroboros_jax.update import GroupedOptimizer
 
 
@@ -84,6 +86,36 @@ class Setting:
       forward=self.forward if self.forward != '-' else 'locked',
       compensation=(compensation if self.schedule == 'ouroboros' else Compensation()),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+  """What `run` benchmarks (the `bench` flags): batches of `batch_size` rows, G = `stages`,
+  `steps` timed steps per setting after `warmup` untimed ones. `stash_policy`, `optimizer` and
+  `compensation` (Ouroboros settings only) time a training recipe's own costs: Muon's
+  orthogonalisation, weight prediction's extra pass over the weights."""
+
+  batch_size: int
+  stages: int
+  out_dir: str
+  steps: int = 20
+  warmup: int = 3
+  settings: Sequence[Setting] | None = None  # None: default_settings
+  layers_per_stage: Sequence[int] | None = None  # None: balanced by FLOPs
+  stash_policy: str = 'all'
+  optimizer: str = 'adamw'
+  compensation: Compensation = Compensation()
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+  """What every setting runs: the model, its (whole, host) parameters, one batch, and the
+  G-stage split the pieces are measured on."""
+
+  cfg: transformer.ModelConfig
+  params: dict
+  batch: dict
+  layers_per_stage: tuple[int, ...]
 
 
 def default_settings(devices: int, num_layers: int | None = None) -> list[Setting]:
@@ -134,20 +166,16 @@ def bench_optimizer(name: str = 'adamw'):
 
 
 def measure_pieces(
-  cfg,
-  model,
-  params,
-  batch,
-  layers_per_stage,
-  repeats: int = 10,
-  stash_policy: str = 'all',
-  optimizer: str = 'adamw',
+  work: Workload, repeats: int = 10, stash_policy: str = 'all', optimizer: str = 'adamw'
 ) -> dict:
   """Seconds of each piece alone on this process's first device: per-group forward and backward
   (from a kept graph), and device 0's extra work (embedding and head, forward + backward)."""
+  layers_per_stage = work.layers_per_stage
+  model = partition.transformer_stages(work.cfg, layers_per_stage)
+  params = partition.to_staged(work.params, layers_per_stage)
   device = jax.local_devices()[0]
-  params, batch = jax.device_put((params, batch), device)
-  stash = ring.Stash(model, 'graph', stash_policy)
+  params, batch = jax.device_put((params, work.batch), device)
+  stash = GraphStash(model, stash_policy)
   key = jax.random.key(0)
   x = jax.jit(model.embed)(params['embed'], batch['inputs'], None)
   fwd, bwd = [], []
@@ -235,19 +263,7 @@ def measure_links(activation_shape, grad_elems: int, repeats: int = 10) -> tuple
   return link, reduce
 
 
-def time_setting(
-  setting: Setting,
-  cfg,
-  params,
-  batch,
-  layers_per_stage,
-  *,
-  steps: int,
-  warmup: int,
-  stash_policy: str = 'all',
-  optimizer: str = 'adamw',
-  compensation: Compensation = Compensation(),
-) -> dict | None:
+def time_setting(setting: Setting, work: Workload, bench: BenchConfig) -> dict | None:
   """Compile and time one setting; None on processes whose devices it does not use."""
   needed = setting.devices
   if needed > jax.device_count():
@@ -258,26 +274,26 @@ def time_setting(
   devices = jax.devices()[:needed]
   if not any(d.process_index == jax.process_index() for d in devices):
     return None
-  config = setting.schedule_config(stash_policy=stash_policy, compensation=compensation)
+  config = setting.schedule_config(stash_policy=bench.stash_policy, compensation=bench.compensation)
   split = (
-    (cfg.num_layers,)
+    (work.cfg.num_layers,)
     if setting.schedule in ('backprop', 'data_parallel')
-    else partition.balance_layers(cfg, config.stage_groups)
+    else partition.balance_layers(work.cfg, config.stage_groups)
     if config.stage_groups != setting.devices
-    else layers_per_stage
+    else work.layers_per_stage
   )
-  model = partition.transformer_stages(cfg, split)
-  schedule = build_schedule(config, model, bench_optimizer(optimizer), devices=devices)
-  state = schedule.init(partition.to_staged(params, split), batch)
-  placed = staged.place_batch(batch, schedule.mesh)
+  model = partition.transformer_stages(work.cfg, split)
+  schedule = build_schedule(config, model, bench_optimizer(bench.optimizer), devices=devices)
+  state = schedule.init(partition.to_staged(work.params, split), work.batch)
+  placed = placement.place_batch(work.batch, schedule.mesh)
   start = time.perf_counter()
   compiled = schedule.step.lower(state, placed).compile()
   compile_s = time.perf_counter() - start
-  for _ in range(warmup):
+  for _ in range(bench.warmup):
     state, metrics = compiled(state, placed)
   jax.block_until_ready(state)
   times, busy = [], []
-  for _ in range(steps):
+  for _ in range(bench.steps):
     start, start_cpu = time.perf_counter(), time.process_time()
     state, metrics = compiled(state, placed)
     jax.block_until_ready((state, metrics))
@@ -293,7 +309,7 @@ def time_setting(
     'step_time_s': step_s,
     'busy_s': busy_s,
     'compile_s': compile_s,
-    'tokens_per_s': batch['inputs'].size / step_s,
+    'tokens_per_s': work.batch['inputs'].size / step_s,
     'idle_fraction': schedule.idle_fraction,
   }
 
@@ -312,54 +328,21 @@ def simulated(setting: Setting, pieces: dict, link_s: float, allreduce_s: float)
     bandwidth=1.0 / link_s if link_s else np.inf,
     allreduce_s=allreduce_s,
   )
-  return simulate.simulate(
+  run = simulate.Run(
     setting.schedule,
-    costs,
     microbatches=setting.microbatches,
     data_parallel=setting.devices if setting.schedule == 'data_parallel' else 1,
     stash=setting.stash if setting.stash != '-' else 'graph',
     forward=setting.forward if setting.forward != '-' else 'locked',
-  ).step_time
-
-
-def run(
-  cfg: transformer.ModelConfig,
-  *,
-  batch_size: int,
-  stages: int,
-  out_dir: str,
-  steps: int = 20,
-  warmup: int = 3,
-  settings: list[Setting] | None = None,
-  layers_per_stage=None,
-  stash_policy: str = 'all',
-  optimizer: str = 'adamw',
-  compensation: Compensation = Compensation(),
-  log=print,
-) -> list[dict]:
-  """Benchmarks every setting; process 0 writes the outputs and returns the rows.
-
-  `optimizer` and `compensation` (Ouroboros settings only) time a training recipe's own costs:
-  Muon's orthogonalisation, weight prediction's extra pass over the weights."""
-  cfg.validate()
-  if steps < 1:
-    raise ConfigError(f'--bench-steps must be >= 1 (timed steps per setting), got {steps}.')
-  if warmup < 0:
-    raise ConfigError(f'--warmup must be >= 0 (untimed steps before timing), got {warmup}.')
-  settings = settings or default_settings(stages, cfg.num_layers)
-  layers_per_stage = tuple(layers_per_stage or partition.balance_layers(cfg, stages))
-  rng = np.random.default_rng(0)
-  batch = {
-    k: rng.integers(0, cfg.vocab_size, (batch_size, cfg.seq_len)).astype(np.int32)
-    for k in ('inputs', 'targets')
-  }
-  params = jax.device_get(transformer.init_params(cfg, jax.random.key(0)))
-  staged_params = partition.to_staged(params, layers_per_stage)
-  staged_model = partition.transformer_stages(cfg, layers_per_stage)
-  pieces, policy_pieces = _measure_pieces(
-    cfg, staged_model, staged_params, batch, layers_per_stage, stash_policy, optimizer
   )
-  activation_shape = (batch_size, cfg.seq_len, cfg.d_model)
+  return simulate.simulate(run, costs).step_time
+
+
+def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dict]:
+  """Benchmarks every setting of `bench`; process 0 writes the outputs and returns the rows."""
+  work = _workload(cfg, bench)
+  pieces, policy_pieces = _measure_pieces(work, bench)
+  activation_shape = (bench.batch_size, cfg.seq_len, cfg.d_model)
   link_s, allreduce_s = measure_links(activation_shape, pieces['grad_bytes'] // 4)
   log(
     f'pieces: forward {np.round(pieces["fwd"], 4)} s, backward {np.round(pieces["bwd"], 4)} s, '
@@ -367,26 +350,15 @@ def run(
     f'hop {link_s:.4f} s, all-reduce {allreduce_s:.4f} s'
   )
   rows = []
-  for setting in settings:
-    measured = time_setting(
-      setting,
-      cfg,
-      params,
-      batch,
-      layers_per_stage,
-      steps=steps,
-      warmup=warmup,
-      stash_policy=stash_policy,
-      optimizer=optimizer,
-      compensation=compensation,
-    )
+  for setting in bench.settings or default_settings(bench.stages, cfg.num_layers):
+    measured = time_setting(setting, work, bench)
     multihost_utils.sync_global_devices(f'bench {setting.label}')
     if measured is None:
       continue
     own = policy_pieces if setting.schedule == 'ouroboros' and setting.stash == 'graph' else pieces
     row = _row(setting, measured, own, link_s, allreduce_s)
     row['mfu'] = mfu(
-      cfg, batch_size * cfg.seq_len, row['step_time_s'], setting.devices, jax.devices()[0]
+      cfg, bench.batch_size * cfg.seq_len, row['step_time_s'], setting.devices, jax.devices()[0]
     )
     rows.append(row)
     log(
@@ -395,39 +367,53 @@ def run(
       f'compile {row["compile_s"]:.1f} s'
     )
   if jax.process_index() == 0:
-    write_outputs(
-      rows,
-      out_dir,
-      {
-        'model': dataclasses.asdict(cfg),
-        'batch_size': batch_size,
-        'stages': stages,
-        'layers_per_stage': layers_per_stage,
-        'processes': jax.process_count(),
-        'devices': [str(d) for d in jax.devices()],
-        'steps': steps,
-        'warmup': warmup,
-        'stash_policy': stash_policy,
-        'optimizer': optimizer,
-        'compensation': ','.join(compensation.names()) or 'none',
-      },
-      log,
-    )
+    write_outputs(rows, bench.out_dir, _meta(work, bench), log)
   return rows
 
 
-def _measure_pieces(
-  cfg, staged_model, staged_params, batch, layers_per_stage, stash_policy, optimizer
-):
+def _workload(cfg: transformer.ModelConfig, bench: BenchConfig) -> Workload:
+  """The checked model, its parameters and one random batch of token ids."""
+  cfg.validate()
+  if bench.steps < 1:
+    raise ConfigError(f'--bench-steps must be >= 1 (timed steps per setting), got {bench.steps}.')
+  if bench.warmup < 0:
+    raise ConfigError(f'--warmup must be >= 0 (untimed steps before timing), got {bench.warmup}.')
+  layers_per_stage = tuple(bench.layers_per_stage or partition.balance_layers(cfg, bench.stages))
+  rng = np.random.default_rng(0)
+  batch = {
+    k: rng.integers(0, cfg.vocab_size, (bench.batch_size, cfg.seq_len)).astype(np.int32)
+    for k in ('inputs', 'targets')
+  }
+  params = jax.device_get(transformer.init_params(cfg, jax.random.key(0)))
+  return Workload(cfg, params, batch, layers_per_stage)
+
+
+def _meta(work: Workload, bench: BenchConfig) -> dict:
+  """What bench.json records of the run beside its rows."""
+  return {
+    'model': dataclasses.asdict(work.cfg),
+    'batch_size': bench.batch_size,
+    'stages': bench.stages,
+    'layers_per_stage': work.layers_per_stage,
+    'processes': jax.process_count(),
+    'devices': [str(d) for d in jax.devices()],
+    'steps': bench.steps,
+    'warmup': bench.warmup,
+    'stash_policy': bench.stash_policy,
+    'optimizer': bench.optimizer,
+    'compensation': ','.join(bench.compensation.names()) or 'none',
+  }
+
+
+def _measure_pieces(work: Workload, bench: BenchConfig) -> tuple[dict, dict]:
   """(pieces, the pieces of the graph stash's --stash-policy): a policy that keeps less has its
   own, slower, backward, measured apart for the Ouroboros graph settings only."""
   measure = lambda **kw: on_process0_alone(
-    lambda: measure_pieces(
-      cfg, staged_model, staged_params, batch, layers_per_stage, optimizer=optimizer, **kw
-    )
+    lambda: measure_pieces(work, optimizer=bench.optimizer, **kw)
   )
   pieces = measure()
-  return pieces, pieces if stash_policy == 'all' else measure(stash_policy=stash_policy)
+  policy = bench.stash_policy
+  return pieces, pieces if policy == 'all' else measure(stash_policy=policy)
 
 
 # Dense bf16 peak FLOP/s of one device, by a name its `device_kind` contains (vendors' data

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ouroboros_jax import model as transformer
-from ouroboros_jax import partition, staged
+from ouroboros_jax import partition, placement
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.runtime import host
 from ouroboros_jax.schedules import build_schedule
@@ -117,6 +117,39 @@ def compile_step(cfg: TrainConfig, topology: str | None = None) -> dict:
   returns its per-device memory (see the module docstring). User errors raise ConfigError;
   a step too large for the device is a result (fits False), not an error."""
   quiet_libtpu()
+  devices = _target_devices(cfg, topology)
+  # The step is traced here, maybe for another platform: pin the attention kernel the target's
+  # run would pick ('auto' would look at this machine's backend).
+  cfg = config.override(cfg, {'attention': cfg.model.attention_kind(devices[0].platform)})
+  run = cfg.schedule_config(devices[0].platform)
+  schedule, state, batch = _abstract_step(cfg, run, devices)
+
+  device = devices[0]
+  report = _run_report(cfg, run, topology, device)
+  report.update(
+    params_bytes=shard_bytes(state.params),
+    opt_state_bytes=shard_bytes(state.opt_state),
+    ring_bytes=shard_bytes({k: v for k, v in state.ring.items() if k != placement.HOST}),
+    host_ring_bytes=shard_bytes(state.ring.get(placement.HOST, {})),
+    batch_bytes=shard_bytes(batch),
+  )
+  start = time.perf_counter()
+  try:
+    stats = schedule.step.lower(state, batch).compile().memory_analysis()
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    oom = parse_out_of_memory(str(e))
+    if oom is None:
+      raise
+    report['compile_s'] = time.perf_counter() - start
+    return _out_of_memory_report(report, shard_bytes(state) + report['batch_bytes'], *oom, e)
+  report['compile_s'] = time.perf_counter() - start
+  report['compiler_oom'] = None
+  report.update(_memory_analysis(stats))
+  return _verdict(report, device_capacity(device))
+
+
+def _target_devices(cfg: TrainConfig, topology: str | None) -> list:
+  """The devices cfg's step is compiled for, once cfg is checked against them."""
   cfg.validate()
   if cfg.growth or cfg.vcycle:
     raise ConfigError(
@@ -134,10 +167,12 @@ def compile_step(cfg: TrainConfig, topology: str | None = None) -> dict:
     )
   for flag, dtype in (('--dtype', cfg.model.dtype), ('--param-dtype', cfg.model.param_dtype)):
     _check_dtype(flag, dtype, devices[0])
-  # The step is traced here, maybe for another platform: pin the attention kernel the target's
-  # run would pick ('auto' would look at this machine's backend).
-  cfg = config.override(cfg, {'attention': cfg.model.attention_kind(devices[0].platform)})
+  return devices
 
+
+def _abstract_step(cfg: TrainConfig, run, devices: list) -> tuple:
+  """(schedule, state, batch) of cfg's run on `devices`: the state and batch abstract (no memory
+  spent), each leaf with its sharding."""
   layers_per_stage = cfg.plans.layers_per_stage
   params = jax.eval_shape(
     lambda: partition.to_staged(
@@ -145,15 +180,17 @@ def compile_step(cfg: TrainConfig, topology: str | None = None) -> dict:
     )
   )
   model = loop.staged_model(cfg, layers_per_stage)
-  run = cfg.schedule_config(devices[0].platform)
   schedule = build_schedule(run, model, make_optimizer(cfg), devices=devices)
   example = loop.example_batch(cfg)
-  batch = _placed(example, staged.named(staged.batch_spec(example), schedule.mesh))
+  batch = _placed(example, placement.named(placement.batch_spec(example), schedule.mesh))
   state = jax.eval_shape(schedule.init, params, batch)
-  state = _placed(state, staged.state_shardings(state, schedule.mesh))
+  state = _placed(state, placement.state_shardings(state, schedule.mesh))
+  return schedule, state, batch
 
-  device = devices[0]
-  report = {
+
+def _run_report(cfg: TrainConfig, run, topology: str | None, device) -> dict:
+  """What was compiled, for what: the report's first fields."""
+  return {
     'preset': cfg.preset,
     'schedule': run.name,
     'stages': run.num_stages,
@@ -166,40 +203,26 @@ def compile_step(cfg: TrainConfig, topology: str | None = None) -> dict:
     'topology': topology,
     'platform': device.platform,
     'device_kind': device.device_kind,
-    'devices': needed,
-    'params_bytes': shard_bytes(state.params),
-    'opt_state_bytes': shard_bytes(state.opt_state),
-    'ring_bytes': shard_bytes({k: v for k, v in state.ring.items() if k != staged.HOST}),
-    'host_ring_bytes': shard_bytes(state.ring.get(staged.HOST, {})),
-    'batch_bytes': shard_bytes(batch),
+    'devices': cfg.schedule.num_stages * cfg.schedule.data_parallel,
   }
-  start = time.perf_counter()
-  try:
-    stats = schedule.step.lower(state, batch).compile().memory_analysis()
-  except Exception as e:  # pylint: disable=broad-exception-caught
-    oom = parse_out_of_memory(str(e))
-    if oom is None:
-      raise
-    report['compile_s'] = time.perf_counter() - start
-    return _out_of_memory_report(report, shard_bytes(state) + report['batch_bytes'], *oom, e)
-  report['compile_s'] = time.perf_counter() - start
-  report['compiler_oom'] = None
+
+
+def _memory_analysis(stats) -> dict:
+  """The compiled step's memory, from XLA's `memory_analysis()` (None: not reported)."""
   if stats is None:  # a backend that does not report
-    report.update(dict.fromkeys(_COMPILED_FIELDS))
-  else:
-    report.update(
-      code_bytes=stats.generated_code_size_in_bytes,
-      argument_bytes=stats.argument_size_in_bytes,
-      output_bytes=stats.output_size_in_bytes,
-      alias_bytes=stats.alias_size_in_bytes,
-      temp_bytes=stats.temp_size_in_bytes,
-      compiler_peak_bytes=getattr(stats, 'peak_memory_in_bytes', None),
-      peak_bytes=stats.argument_size_in_bytes
-      + stats.output_size_in_bytes
-      + stats.temp_size_in_bytes
-      - stats.alias_size_in_bytes,
-    )
-  return _verdict(report, device_capacity(device))
+    return dict.fromkeys(_COMPILED_FIELDS)
+  return dict(
+    code_bytes=stats.generated_code_size_in_bytes,
+    argument_bytes=stats.argument_size_in_bytes,
+    output_bytes=stats.output_size_in_bytes,
+    alias_bytes=stats.alias_size_in_bytes,
+    temp_bytes=stats.temp_size_in_bytes,
+    compiler_peak_bytes=getattr(stats, 'peak_memory_in_bytes', None),
+    peak_bytes=stats.argument_size_in_bytes
+    + stats.output_size_in_bytes
+    + stats.temp_size_in_bytes
+    - stats.alias_size_in_bytes,
+  )
 
 
 _COMPILED_FIELDS = (

@@ -84,18 +84,24 @@ class Setting:
     return flags
 
 
-def settings(
-  num_devices: int,
-  microbatches=DEFAULT_MICROBATCHES,
-  stashes=DEFAULT_STASH,
-  schedules=None,
-  memories=('device',),
-  stages=None,
-):
-  """Every setting on `num_devices` devices, of `schedules` (None: all): the stage schedules at
-  each G of `stages` (None: G = num_devices) with num_devices / G data replicas, Ouroboros' in
-  each of `memories` (where its stash waits)."""
-  stages = stages or (num_devices,)
+@dataclasses.dataclass(frozen=True)
+class Tries:
+  """The settings to try (the --try-* flags): each count of `microbatches`, each of `stashes`
+  (STASH_SETTINGS), the `schedules` (None: all), each of `memories` (where Ouroboros' stash
+  waits) and each G of `stages` (None: G = every device)."""
+
+  microbatches: tuple[int, ...] = DEFAULT_MICROBATCHES
+  stashes: tuple[str, ...] = DEFAULT_STASH
+  schedules: tuple[str, ...] | None = None
+  memories: tuple[str, ...] = ('device',)
+  stages: tuple[int, ...] | None = None
+
+
+def settings(num_devices: int, tries: Tries = Tries()) -> list[Setting]:
+  """Every setting of `tries` on `num_devices` devices: the stage schedules at each G of
+  tries.stages with num_devices / G data replicas, Ouroboros' in each of tries.memories."""
+  microbatches, stashes, memories = tries.microbatches, tries.stashes, tries.memories
+  schedules, stages = tries.schedules, tries.stages or (num_devices,)
   for g in stages:
     if g < 1 or num_devices % g:
       raise ConfigError(
@@ -157,51 +163,48 @@ def predicted_step_s(cfg: TrainConfig, setting: Setting, hardware: simulate.Hard
   data = setting.schedule == 'data_parallel'
   replicas = 1 if data else setting.data_parallel
   stages = setting.stages if setting.schedule not in ('backprop', 'data_parallel') else 1
-  costs = simulate.transformer_costs(
+  shape = simulate.ModelShape(
+    cfg.preset,
     num_layers=model.num_layers,
     d_model=model.d_model,
     d_ff=model.d_ff,
     seq_len=model.seq_len,
     vocab=model.vocab_size,
     batch=cfg.batch_size // replicas,
-    num_stages=stages,
-    bytes_per_value=2 if model.dtype == 'bfloat16' else 4,
-    **hardware.rates(),
+  )
+  costs = simulate.transformer_costs(
+    shape, hardware, stages, bytes_per_value=2 if model.dtype == 'bfloat16' else 4
   )
   stash = 'graph'
   if setting.stash and (setting.stash == 'replay' or setting.stash.endswith('/nothing')):
     stash = 'replay'  # the backward first re-runs the group's forward
-  result = simulate.simulate(
+  run = simulate.Run(
     setting.schedule,
-    costs,
     microbatches=setting.microbatches or 1,
     data_parallel=setting.data_parallel if data else 1,
     stash=stash,
     forward=setting.forward or 'locked',
   )
-  return result.step_time
+  return simulate.simulate(run, costs).step_time
 
 
 def plan(
   cfg: TrainConfig,
   topology: str | None,
+  tries: Tries = Tries(),
   *,
-  microbatches=DEFAULT_MICROBATCHES,
-  stashes=DEFAULT_STASH,
-  schedules=None,
-  memories=('device',),
-  stages=None,
   hardware: str | None = None,
   log: Callable[[str], None] | None = None,
 ) -> dict:
-  """{'rows': one dict per setting (compile_step's report, the label and the predicted step
-  time), 'fastest': the label of the fastest setting that fits (None if none does)}."""
+  """{'rows': one dict per setting of `tries` (compile_step's report, the label and the
+  predicted step time), 'fastest': the label of the fastest setting that fits (None if none
+  does)}."""
   import jax
 
   devices = compile_lib.topology_devices(topology) if topology else jax.devices()
   rates = hardware_for(topology, hardware)
   rows = []
-  for setting in settings(len(devices), microbatches, stashes, schedules, memories, stages):
+  for setting in settings(len(devices), tries):
     run = config.override(cfg, setting.flags())
     try:
       report = compile_lib.compile_step(run, topology)

@@ -1,7 +1,7 @@
 """A discrete-event performance model of every schedule: predicted step time, idle time, speedup.
 
-    costs = transformer_costs(**GPT2_SMALL.shape(), num_stages=4, **NVLINK.rates())
-    result = simulate('ouroboros', costs, forward='pipelined')
+    costs = transformer_costs(GPT2_SMALL, NVLINK, num_stages=4)
+    result = simulate(Run('ouroboros', forward='pipelined'), costs)
     result.step_time, result.speedup, result.idle_fraction, result.timeline  # a Gantt chart's rows
 
 What is and is not modelled, and each schedule's step: docs/algorithm.md ("Step time"). Needs
@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from ouroboros_jax import costs
 from ouroboros_jax.choices import EXACT_PIPELINES, FORWARD_MODES, SCHEDULES, STASH_MODES
@@ -158,10 +158,10 @@ class Graph:
     self.step_tasks.append(index)
     return index
 
-  def send(
-    self, src: int, dst: int, kind: str, step: int, batch: int, nbytes: float, after: int
-  ) -> int:
-    """A transfer of `after`'s output; a device sending to itself costs nothing."""
+  def send(self, after: int, dst: int, kind: str, step: int, batch: int, nbytes: float) -> int:
+    """A transfer of `after`'s output from the device that computed it to `dst`; a device
+    sending to itself costs nothing."""
+    src = self.tasks[after].resource[1]  # ('device', src)
     if src == dst:
       return after
     return self._add(
@@ -252,7 +252,7 @@ def _locked_forward(g: Graph, t: int) -> int:
   x = g.compute(0, 'embed_fwd', t, t, c.embed_forward_s)
   for s in range(G):
     x = g.compute(s, 'fwd', t, t, c.forward_s[s], [x])
-    x = g.send(s, (s + 1) % G, 'act', t, t, c.activation_bytes, x)
+    x = g.send(x, (s + 1) % G, 'act', t, t, c.activation_bytes)
   return x
 
 
@@ -261,10 +261,10 @@ def emit_model_parallel(g: Graph, t: int, state: dict, **_) -> None:
   nbytes = c.activation_bytes
   x = g.compute(0, 'head', t, t, c.head_s, [_locked_forward(g, t)])
   # Locked backward: the head's delta goes to G-1, then each device hands dx to s-1.
-  delta = g.send(0, G - 1, 'grad', t, t, nbytes, x)
+  delta = g.send(x, G - 1, 'grad', t, t, nbytes)
   for s in reversed(range(G)):
     y = g.compute(s, 'bwd', t, t, c.backward_s[s], [delta])
-    delta = g.send(s, s - 1, 'grad', t, t, nbytes, y) if s > 0 else y
+    delta = g.send(y, s - 1, 'grad', t, t, nbytes) if s > 0 else y
   g.compute(0, 'embed_bwd', t, t, c.embed_backward_s, [delta])
   g.end_step(t)
 
@@ -280,16 +280,16 @@ def emit_gpipe(g: Graph, t: int, state: dict, *, microbatches: int, **_) -> None
     x = g.compute(0, 'embed_fwd', t, m, c.embed_forward_s / M)
     for s in range(G):
       x = g.compute(s, 'fwd', t, m, fwd(s), [x])
-      x = g.send(s, (s + 1) % G, 'act', t, m, nbytes, x)
+      x = g.send(x, (s + 1) % G, 'act', t, m, nbytes)
     outputs.append(x)
   # The head runs once on all M outputs (vmapped), then the mirrored backward, last m first.
   head = g.compute(0, 'head', t, 0, c.head_s, outputs)
-  deltas = {m: g.send(0, G - 1, 'grad', t, m, nbytes, head) for m in reversed(range(M))}
+  deltas = {m: g.send(head, G - 1, 'grad', t, m, nbytes) for m in reversed(range(M))}
   for m in reversed(range(M)):
     delta = deltas[m]
     for s in reversed(range(G)):
       y = g.compute(s, 'bwd', t, m, bwd(s), [delta])
-      delta = g.send(s, s - 1, 'grad', t, m, nbytes, y) if s > 0 else y
+      delta = g.send(y, s - 1, 'grad', t, m, nbytes) if s > 0 else y
     g.compute(0, 'embed_bwd', t, m, c.embed_backward_s / M, [delta])
   g.end_step(t)
 
@@ -318,9 +318,7 @@ def emit_table(g: Graph, t: int, state: dict, *, table, **_) -> None:
       deps = []
       if needed is not None:
         kind = 'act' if op.kind == 'F' else 'grad'
-        deps.append(
-          g.send(pipeline.place_of(needed[2])[0], d, kind, t, op.microbatch, nbytes, done[needed])
-        )
+        deps.append(g.send(done[needed], d, kind, t, op.microbatch, nbytes))
       if op.kind == 'F' and k == 0:
         deps.append(g.compute(d, 'embed_fwd', t, op.microbatch, c.embed_forward_s / m))
       task = g.compute(
@@ -345,13 +343,13 @@ def emit_ouroboros_locked(g: Graph, t: int, state: dict, *, stash: str, microbat
 
   def head(m):  # in the round micro-batch m arrives, after device 0's forward of that round
     task = g.compute(0, 'head', t, t, c.head_s / M + extra, [arrivals[m]])
-    state[('delta', t, G - 1, m)] = g.send(0, G - 1, 'grad', t, t, nbytes, task)
+    state[('delta', t, G - 1, m)] = g.send(task, G - 1, 'grad', t, t, nbytes)
 
   for m in range(M):
     x = g.compute(0, 'embed_fwd', t, t, c.embed_forward_s / M)
     for s in range(G):
       x = g.compute(s, 'fwd', t, t, c.forward_s[s] / M + extra, [x])
-      x = g.send(s, (s + 1) % G, 'act', t, t, nbytes, x)
+      x = g.send(x, (s + 1) % G, 'act', t, t, nbytes)
     arrivals.append(x)
     if m >= G - 1:
       head(m - G + 1)
@@ -368,7 +366,7 @@ def emit_ouroboros_locked(g: Graph, t: int, state: dict, *, stash: str, microbat
       delta = state.pop(('delta', t - 1, s, m))
       y = g.compute(s, 'bwd', t, batch, _backward_s(c, s, stash) / M + extra, [forward_done, delta])
       if s > 0:
-        state[('delta', t, s - 1, m)] = g.send(s, s - 1, 'grad', t, batch, nbytes, y)
+        state[('delta', t, s - 1, m)] = g.send(y, s - 1, 'grad', t, batch, nbytes)
       else:
         g.compute(0, 'embed_bwd', t, batch, c.embed_backward_s / M, [y])
   g.end_step(t)
@@ -393,20 +391,20 @@ def emit_ouroboros_pipelined(
           else state.pop(('act', t - 1, s - 1, m))
         )
         y = g.compute(s, 'fwd', t, batch, c.forward_s[s] / M + extra, [x])
-        state[('act', t, s, m)] = g.send(s, (s + 1) % G, 'act', t, batch, nbytes, y)
+        state[('act', t, s, m)] = g.send(y, (s + 1) % G, 'act', t, batch, nbytes)
       head_batch = t - lags(G, 'pipelined')[0]
       if s == 0 and head_batch >= 0:
         # Head of batch t - G, whose last-stage output arrived during step t-1.
         arrived = state.pop(('act', t - 1, G - 1, m))
         head = g.compute(0, 'head', t, head_batch, c.head_s / M + extra, [arrived])
-        state[('delta', t, G - 1, m)] = g.send(0, G - 1, 'grad', t, head_batch, nbytes, head)
+        state[('delta', t, G - 1, m)] = g.send(head, G - 1, 'grad', t, head_batch, nbytes)
       # Backward of batch t - 2G + s with the error gradient s+1 (or the head) sent at step t-1.
       batch = backward_batch(t, s, G, 'pipelined')
       if batch >= 0:
         delta = state.pop(('delta', t - 1, s, m))
         y = g.compute(s, 'bwd', t, batch, _backward_s(c, s, stash) / M + extra, [delta])
         if s > 0:
-          state[('delta', t, s - 1, m)] = g.send(s, s - 1, 'grad', t, batch, nbytes, y)
+          state[('delta', t, s - 1, m)] = g.send(y, s - 1, 'grad', t, batch, nbytes)
         else:
           g.compute(0, 'embed_bwd', t, batch, c.embed_backward_s / M, [y])
   g.end_step(t)
@@ -436,46 +434,43 @@ class SimResult:
     return [1.0 - busy / self.step_time for busy in self.per_device_busy]
 
 
-def simulate(
-  schedule: str,
-  costs: StageCosts,
-  *,
-  microbatches: int = 4,
-  data_parallel: int = 1,
-  stash: str = 'graph',
-  forward: str = 'locked',
-  steps: int | None = None,
-  chunks: int | None = None,
-) -> SimResult:
-  """Run `schedule` on `costs` for `steps` steps (default 3G + 10) and measure its steady state.
+@dataclasses.dataclass(frozen=True)
+class Run:
+  """A schedule and its settings, as `simulate` runs it.
 
-  `microbatches` is gpipe's and Ouroboros' M; `data_parallel` is data_parallel's replica count R (the stage
-  schedules run on G = costs.num_stages devices); `stash` and `forward` are Ouroboros' modes
-  (the other schedules keep no stash and ignore them). The exact pipelines of
-  `schedules.tables` ('1f1b', 'interleaved' with `chunks` per device (default 2), 'zb_h1', 'zb_v')
-  run from the same tables the executor runs, with M micro-batches.
+  `microbatches` is gpipe's, the exact pipelines' and Ouroboros' M (None: 4 for the pipelines,
+  1 for Ouroboros, whose step takes the whole batch unless told otherwise, as the library's does
+  on CPU); `data_parallel` is data_parallel's replica count R (the stage schedules run on
+  G = costs.num_stages devices); `stash` and `forward` are Ouroboros' modes (the other schedules
+  keep no stash and ignore them); `chunks` is the interleaved pipeline's model chunks per device
+  (None: 2).
   """
+
+  schedule: str
+  microbatches: int | None = None
+  data_parallel: int = 1
+  stash: str = 'graph'
+  forward: str = 'locked'
+  chunks: int | None = None
+
+  @property
+  def num_microbatches(self) -> int:
+    if self.microbatches is not None:
+      return self.microbatches
+    return 1 if self.schedule == 'ouroboros' else 4
+
+
+def simulate(run: Run | str, costs: StageCosts, steps: int | None = None) -> SimResult:
+  """Run `run` (a `Run`, or a schedule's name with Run's defaults) on `costs` for `steps` steps
+  (default 3G + 10) and measure its steady state.
+
+  The exact pipelines of `schedules.tables` ('1f1b', 'interleaved', 'zb_h1', 'zb_v') run from the
+  same tables the executor runs, with M micro-batches.
+  """
+  run = Run(run) if isinstance(run, str) else run
   G = costs.num_stages
-  table = None
-  if schedule in TABLE_PIPELINES:
-    table = tables.place(tables.build(schedule, G, microbatches, chunks))
-  else:
-    _check(schedule, costs, microbatches, data_parallel, stash, forward)
-  devices = {'backprop': 1, 'data_parallel': data_parallel}.get(schedule, G)
-  emit = {
-    'backprop': emit_backprop,
-    'data_parallel': emit_data_parallel,
-    'model_parallel': emit_model_parallel,
-    'gpipe': emit_gpipe,
-  }.get(schedule, emit_table)
-  if schedule == 'ouroboros':  # G = 1 has no delay: Ouroboros is backprop there
-    emit = (
-      emit_backprop
-      if G == 1
-      else emit_ouroboros_locked
-      if forward == 'locked'
-      else emit_ouroboros_pipelined
-    )
+  emit, table = _emitter(run, costs)
+  devices = {'backprop': 1, 'data_parallel': run.data_parallel}.get(run.schedule, G)
   warmup = 2 * max(G, devices) + 2  # the pipelined forward fills in 2G steps
   steps = steps if steps is not None else 3 * max(G, devices) + 10
   if steps < warmup + 3:
@@ -486,15 +481,42 @@ def simulate(
     whole = sum(costs.update_s)
     graph.update_s = (
       [whole] * devices
-      if schedule in ('backprop', 'data_parallel') or G == 1
+      if run.schedule in ('backprop', 'data_parallel') or G == 1
       else list(costs.update_s)
     )
+  options = dict(
+    microbatches=run.num_microbatches, replicas=run.data_parallel, stash=run.stash, table=table
+  )
   for t in range(steps):
-    emit(
-      graph, t, state, microbatches=microbatches, replicas=data_parallel, stash=stash, table=table
-    )
-  times = execute(graph.tasks)
+    emit(graph, t, state, **options)
+  return _steady_state(run.schedule, graph, execute(graph.tasks), warmup, devices)
 
+
+def _emitter(run: Run, costs: StageCosts) -> tuple[Callable[..., None], tables.Table | None]:
+  """The function that emits one step of `run` (checked), and an exact pipeline's table."""
+  G = costs.num_stages
+  if run.schedule in TABLE_PIPELINES:
+    return emit_table, tables.place(tables.build(run.schedule, G, run.num_microbatches, run.chunks))
+  _check(run, costs)
+  if run.schedule == 'ouroboros':  # G = 1 has no delay: Ouroboros is backprop there
+    if G == 1:
+      return emit_backprop, None
+    return (emit_ouroboros_locked if run.forward == 'locked' else emit_ouroboros_pipelined), None
+  emit = {
+    'backprop': emit_backprop,
+    'data_parallel': emit_data_parallel,
+    'model_parallel': emit_model_parallel,
+    'gpipe': emit_gpipe,
+  }.get(run.schedule, emit_table)
+  return emit, None
+
+
+def _steady_state(
+  schedule: str, graph: Graph, times: list[tuple[float, float]], warmup: int, devices: int
+) -> SimResult:
+  """The result of the simulated steps: step time, busy and idle time over the steps after
+  `warmup`, and the timeline of every step."""
+  steps = len(graph.step_end)
   step_ends = [times[graph.step_end[t]][1] for t in range(steps)]
   window = range(warmup, steps)
   step_time = statistics.median(step_ends[t] - step_ends[t - 1] for t in window)
@@ -522,12 +544,14 @@ def simulate(
     sum(idle) / devices,
     busy,
     timeline,
-    backprop_time(costs),
+    backprop_time(graph.costs),
     step_ends,
   )
 
 
-def _check(schedule, costs, microbatches, data_parallel, stash, forward) -> None:
+def _check(run: Run, costs: StageCosts) -> None:
+  schedule, microbatches, data_parallel = run.schedule, run.num_microbatches, run.data_parallel
+  stash, forward = run.stash, run.forward
   if schedule not in SCHEDULES:
     raise ValueError(f'unknown schedule {schedule!r}; choose one of {", ".join(SCHEDULES)}.')
   if stash not in STASH_MODES:
@@ -551,29 +575,24 @@ def _check(schedule, costs, microbatches, data_parallel, stash, forward) -> None
 
 
 def transformer_costs(
-  num_layers: int,
-  d_model: int,
-  d_ff: int,
-  seq_len: int,
-  vocab: int,
-  batch: int,
+  model: ModelShape,
+  hardware: Hardware,
   num_stages: int,
-  flops_per_s: float,
-  bandwidth: float,
-  latency: float,
   layers_per_stage: Sequence[int] | None = None,
   bytes_per_value: int = 2,
 ) -> StageCosts:
-  """StageCosts of a decoder-only Transformer with tied embeddings cut into `num_stages` groups.
+  """StageCosts of `model`, a decoder-only Transformer with tied embeddings, cut into
+  `num_stages` groups, on `hardware`.
 
-  `flops_per_s` is the *effective* rate (peak x utilisation). Backward = 2 x forward. The
-  embedding's lookup and scatter-add gradient are memory-bound and tiny; they are counted as
+  `hardware.flops_per_s` is the *effective* rate (peak x utilisation). Backward = 2 x forward.
+  The embedding's lookup and scatter-add gradient are memory-bound and tiny; they are counted as
   2 d_model FLOPs per token each, a placeholder that keeps them on device 0's timeline.
   """
+  num_layers, d_model, flops_per_s = model.num_layers, model.d_model, hardware.flops_per_s
   costs.check_stages(num_layers, num_stages)
-  tokens = batch * seq_len
-  per_layer = costs.layer_flops(d_model, d_ff, seq_len) * tokens / flops_per_s
-  head = costs.head_flops(d_model, vocab) * tokens / flops_per_s
+  tokens = model.batch * model.seq_len
+  per_layer = costs.layer_flops(d_model, model.d_ff, model.seq_len) * tokens / flops_per_s
+  head = costs.head_flops(d_model, model.vocab) * tokens / flops_per_s
   if layers_per_stage is None:
     # Forward costs on both sides: the backward is 2x either way, so the balance is the same.
     layers_per_stage = costs.balance_layers(num_layers, num_stages, per_layer, head)
@@ -582,7 +601,6 @@ def transformer_costs(
       f'layers_per_stage {tuple(layers_per_stage)} must give {num_stages} stages '
       f'summing to {num_layers} layers.'
     )
-  params = num_layers * (4 * d_model**2 + 2 * d_model * d_ff) + vocab * d_model
   embed = 2 * d_model * tokens / flops_per_s
   return StageCosts(
     forward_s=[n * per_layer for n in layers_per_stage],
@@ -591,10 +609,10 @@ def transformer_costs(
     embed_forward_s=embed,
     embed_backward_s=embed,
     activation_bytes=tokens * d_model * bytes_per_value,
-    grad_bytes=params * bytes_per_value,
-    bandwidth=bandwidth,
-    latency=latency,
-    batch_size=batch,
+    grad_bytes=model.params * bytes_per_value,
+    bandwidth=hardware.bandwidth,
+    latency=hardware.latency,
+    batch_size=model.batch,
   )
 
 
@@ -607,9 +625,6 @@ class ModelShape:
   seq_len: int
   vocab: int
   batch: int
-
-  def shape(self) -> dict:
-    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != 'name'}
 
   @property
   def params(self) -> int:
@@ -625,9 +640,6 @@ class Hardware:
   bandwidth: float  # bytes / s per link direction
   latency: float  # seconds per message
 
-  def rates(self) -> dict:
-    return {'flops_per_s': self.flops_per_s, 'bandwidth': self.bandwidth, 'latency': self.latency}
-
 
 GPT2_SMALL = ModelShape(
   'gpt2-small', num_layers=12, d_model=768, d_ff=3072, seq_len=1024, vocab=50257, batch=32
@@ -640,7 +652,3 @@ NVLINK = Hardware('nvlink-300GBps', flops_per_s=0.4 * 300e12, bandwidth=300e9, l
 NETWORK = Hardware('network-25GBps', flops_per_s=0.4 * 300e12, bandwidth=25e9, latency=5e-6)
 MODELS = {m.name: m for m in (GPT2_SMALL, ONE_B)}
 HARDWARE = {h.name: h for h in (NVLINK, NETWORK)}
-
-
-def preset_costs(model: ModelShape, hardware: Hardware, num_stages: int) -> StageCosts:
-  return transformer_costs(**model.shape(), num_stages=num_stages, **hardware.rates())
