@@ -16,49 +16,40 @@ from helpers import assert_one_line_error, run_cli
 SMALL = ('--d-model', 32, '--num-layers', 2, '--seq-len', 32, '--batch-size', 8)
 
 
-def test_plan_lists_every_setting_with_memory_and_step_time(tmp_path):
+def _plan(*flags):
+  """`ouroboros plan` of SMALL on 2 simulated CPU devices with M = 2: (the run, its JSON)."""
   result = run_cli(
-    'plan',
-    *SMALL,
-    '--cpu-devices',
-    2,
-    '--try-schedules',
-    'backprop,1f1b,ouroboros',
-    '--try-microbatches',
-    '2',
-    '--try-stash',
-    'graph/nothing,graph/all',
-    '--try-stash-memory',
-    'device,pinned_host',
-    '--json',
-    timeout=300,
+    'plan', *SMALL, '--cpu-devices', 2, '--try-microbatches', '2', *flags, '--json', timeout=300
   )
   assert result.returncode == 0, result.stderr[-2000:]
   out = json.loads(result.stdout)
+  for r in out['rows']:
+    assert r['peak_bytes'] > 0 and r['step_s'] > 0, r
+    assert r['devices'] == (1 if r['schedule'] == 'backprop' else 2)
+  return result, out
+
+
+def test_plan_lists_every_setting_with_memory_and_step_time(tmp_path):
+  result, out = _plan(
+    '--try-schedules', 'backprop,1f1b,ouroboros', '--try-stash', 'graph/nothing,graph/all'
+  )
   labels = [r['label'] for r in out['rows']]
   assert labels == [
     'backprop',
     '1f1b M=2',
     *[
-      f'ouroboros {forward} {stash} M={m}{host}'
+      f'ouroboros {forward} {stash} M={m}'
       for forward in ('locked', 'pipelined')
       for stash in ('graph/nothing', 'graph/all')
-      for host in ('', ' host')
       for m in (2,)
     ],
   ]
   rows = {r['label']: r for r in out['rows']}
-  for r in out['rows']:
-    assert r['peak_bytes'] > 0 and r['step_s'] > 0, r
-    assert r['devices'] == (1 if r['schedule'] == 'backprop' else 2)
   assert rows['ouroboros locked graph/all M=2']['stash'] == 'graph/all'
   assert rows['ouroboros locked graph/all M=2']['microbatches'] == 2
   # Keeping nothing of the forward holds less than keeping all of it.
   nothing, everything = (rows[f'ouroboros locked graph/{p} M=2'] for p in ('nothing', 'all'))
   assert nothing['ring_bytes'] < everything['ring_bytes']
-  # ... and a stash in host memory leaves the device's ring.
-  in_host = rows['ouroboros locked graph/all M=2 host']
-  assert in_host['host_ring_bytes'] > 0 and in_host['ring_bytes'] < everything['ring_bytes']
   # CPU devices do not say how much memory they have: the fastest is the fastest overall.
   assert out['fastest'] == min(out['rows'], key=lambda r: r['step_s'])['label']
 
@@ -69,6 +60,29 @@ def test_plan_lists_every_setting_with_memory_and_step_time(tmp_path):
   saved.write_text(result.stdout)
   rendered = run_cli('plan', '--render', saved)
   assert rendered.returncode == 0 and rendered.stdout.strip() == table, rendered.stderr
+
+
+def test_plan_tries_the_stash_in_host_memory():
+  """--try-stash-memory device,pinned_host: each Ouroboros setting twice, the host one with its
+  stash out of the device's ring."""
+  _, out = _plan(
+    '--try-schedules',
+    'ouroboros',
+    '--try-stash',
+    'graph/all',
+    '--try-stash-memory',
+    'device,pinned_host',
+  )
+  labels = [r['label'] for r in out['rows']]
+  assert labels == [
+    f'ouroboros {forward} graph/all M=2{host}'
+    for forward in ('locked', 'pipelined')
+    for host in ('', ' host')
+  ]
+  rows = {r['label']: r for r in out['rows']}
+  everything = rows['ouroboros locked graph/all M=2']
+  in_host = rows['ouroboros locked graph/all M=2 host']
+  assert in_host['host_ring_bytes'] > 0 and in_host['ring_bytes'] < everything['ring_bytes']
 
 
 def test_plan_marks_the_fastest_setting_that_fits():
