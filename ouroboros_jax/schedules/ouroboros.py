@@ -244,7 +244,7 @@ def _forward_wave(ring: _Ring, params, forward_params, buffers, seen, t) -> _For
     y, kept, memory = jax.lax.cond(
       active, run_forward, lambda x, m, mem: (x, no_kept, mem), x, m, memory
     )
-    kept_M = _write_micro(kept_M, kept, m, active)
+    kept_M = ring_lib.set_where(kept_M, m, kept, active)
     memory_M = jax.tree.map(lambda a, new: a.at[m].set(new), memory_M, memory)
     sent = ring_lib.send_forward(y, num_stages)
     if pipelined:  # to be received during step t + 1; the head reads last step's
@@ -336,14 +336,6 @@ def _new_buffers(ring: _Ring, buffers, fwd: _Forwarded, written, delta_next_M, t
 
 def _zeros(shapes):
   return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
-
-
-def _write_micro(kept_M, kept, m, when):
-  """What this step keeps of its M micro-batches ([M, ...]), micro-batch m's entry set to kept
-  where `when`; a select, not a cond, so that XLA updates the buffer in place."""
-  old = jax.tree.map(lambda buf: buf[m], kept_M)
-  kept = jax.tree.map(lambda new, o: jnp.where(when, new, o), kept, old)
-  return jax.tree.map(lambda buf, v: buf.at[m].set(v), kept_M, kept)
 
 
 # -- the state and the step --------------------------------------------------------------------

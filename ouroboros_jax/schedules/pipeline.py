@@ -261,8 +261,8 @@ def _send(executor: _Executor, carry: _Carry, op, sent) -> _Carry:
     hop = [(d, (d + o) % p) for d in range(p)]
     got = sent if o == 0 else jax.lax.ppermute(sent, STAGE, hop)
     store, slot = op[f'store_{o}'], op[f'slot_{o}']
-    activations = _keep(activations, slot, got, store == tables.ACTIVATIONS)
-    gradients = _keep(gradients, slot, got, store == tables.GRADIENTS)
+    activations = ring.set_where(activations, slot, got, store == tables.ACTIVATIONS)
+    gradients = ring.set_where(gradients, slot, got, store == tables.GRADIENTS)
   return carry._replace(activations=activations, gradients=gradients)
 
 
@@ -361,8 +361,3 @@ def _add_chunk_grad(carry: _Carry, op, g_chunk) -> _Carry:
 
 def _add(a: PyTree, b: PyTree) -> PyTree:
   return jax.tree.map(jnp.add, a, b)
-
-
-def _keep(buffer: jax.Array, slot, value: jax.Array, where) -> jax.Array:
-  """buffer with `value` in `slot` where `where`, unchanged otherwise (in place under jit)."""
-  return buffer.at[slot].set(jnp.where(where, value, buffer[slot]))

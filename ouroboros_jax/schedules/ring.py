@@ -49,6 +49,14 @@ def whole_batch(tree):
   return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), tree)
 
 
+def set_where(buffers, slot, values, when):
+  """Buffers [slots, ...] with `values` in `slot` where `when` and unchanged elsewhere: a select,
+  not a cond, so that XLA updates the buffers in place under jit."""
+  old = jax.tree.map(lambda buf: buf[slot], buffers)
+  values = jax.tree.map(lambda new, o: jnp.where(when, new, o), values, old)
+  return jax.tree.map(lambda buf, v: buf.at[slot].set(v), buffers, values)
+
+
 def microbatch_key(key, m, num_microbatches: int):
   """Micro-batch m's dropout key: the batch's own key when the batch is not cut (as the exact
   pipelines do), so one micro-batch is the un-chunked step bit for bit."""
