@@ -97,24 +97,6 @@ def from_staged(staged: dict, layers_per_stage: Sequence[int]) -> dict:
   }
 
 
-def with_side_channel(x_BxLxD, value):
-  """x [B, L, D] -> [B, L, D+1] with `value` (a scalar) in the extra channel.
-
-  A stage function sees only its activations, so what must travel from stage to stage beside
-  them (PLD's step, the standardization loss accumulated so far) rides in one extra channel; the
-  ring, the pipelines and the stashes carry it like any activation.
-  """
-  channel = jnp.full(x_BxLxD.shape[:-1] + (1,), value, x_BxLxD.dtype)
-  return jnp.concatenate([x_BxLxD, channel], -1)
-
-
-def split_side_channel(x, d_model: int):
-  """x [B, L, D+1] -> (x [B, L, D], the channel's value); x [B, L, D] -> (x, None)."""
-  if x.shape[-1] == d_model + 1:
-    return x[..., :d_model], x[0, 0, d_model]
-  return x, None
-
-
 def transformer_stages(cfg: ModelConfig, layers_per_stage: Sequence[int]) -> StagedModel:
   """The Transformer LM as embed -> stages -> tied head, for any schedule (`cfg.arch`: the GPT
   model of model.py, or Transformer-XL, `txl_stages`)."""

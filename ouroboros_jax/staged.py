@@ -6,6 +6,13 @@ A model is given to a schedule as a `StagedModel`: three pure functions
     stage(stage_params, x, stage_index, rng)         -> x          (one layer group)
     loss(head_params, embed_params, x, targets)      -> (loss, metrics)   (module K)
 
+The activations x may be any pytree whose leaves lead with the batch axis (the standardization
+loss carries {'h': hidden states, 'aux': the auxiliary loss so far, per row}); ring buffers,
+stashes and the pipelines' inboxes hold them leaf by leaf. A model whose stages need the index of
+the batch they run on (PLD's theta(t)) sets `takes_batch_index`: every schedule then calls
+`stage(..., batch_index=t)`, with t the batch's index (the step that consumes it), the same t
+its dropout key `batch_key(seed, t)` comes from.
+
 with parameters laid out as
 
     params = {'embed': ..., 'stages': <every leaf stacked on a leading axis of size G>, 'head': ...}
@@ -87,14 +94,19 @@ class StagedModel:
   # Names of top-level stage-parameter leaves ([G, N, ...]) that are ONE parameter used by every
   # layer of every stage (Transformer-XL's global biases u and v); see update.py.
   shared: tuple[str, ...] = ()
+  # The stages take `batch_index=t` (see the module docstring).
+  takes_batch_index: bool = False
 
-  def run_stage(self, stage_params, x, stage_index, rng, memory=None):
+  def run_stage(self, stage_params, x, stage_index, rng, memory=None, batch_index=None):
     """(y, new memory): one stage with its memory; (y, None) for a model without one."""
     if self.memory is None:
-      return self.stage(stage_params, x, stage_index, rng), None
-    return self.memory.stage(stage_params, x, stage_index, rng, memory)
+      return self.stage(stage_params, x, stage_index, rng, **self._index(batch_index)), None
+    return self.memory.stage(stage_params, x, stage_index, rng, memory, **self._index(batch_index))
 
-  def recurrent_loss(self, params: PyTree, batch: dict, key, memory_G):
+  def _index(self, batch_index) -> dict:
+    return {'batch_index': batch_index} if self.takes_batch_index else {}
+
+  def recurrent_loss(self, params: PyTree, batch: dict, key, memory_G, batch_index=None):
     """`forward_loss` with every stage's memory (leaves [G, ...]), shaped for
     `jax.value_and_grad(..., has_aux=True)`: (loss, (metrics, the new memory [G, ...]))."""
     x = self.embed(params['embed'], batch['inputs'], piece_rng(key, EMBED_PIECE))
@@ -102,27 +114,40 @@ class StagedModel:
     for s in range(stage_count(params)):
       at = lambda a: a[s]
       x, memory_s = self.run_stage(
-        jax.tree.map(at, params['stages']), x, s, piece_rng(key, s), jax.tree.map(at, memory_G)
+        jax.tree.map(at, params['stages']),
+        x,
+        s,
+        piece_rng(key, s),
+        jax.tree.map(at, memory_G),
+        batch_index,
       )
       new.append(memory_s)
     loss, metrics = self.loss(params['head'], params['embed'], x, batch['targets'])
     return loss, (metrics, jax.tree.map(lambda *m: jnp.stack(m), *new))
 
-  def forward_loss(self, params: PyTree, batch: dict, key: jax.Array | None = None):
+  def forward_loss(
+    self, params: PyTree, batch: dict, key: jax.Array | None = None, batch_index=None
+  ):
     """Plain composition on one device: embed, every stage in order, loss.
 
     `key` is the batch's dropout key (None: no dropout); the pieces draw from it exactly as they
-    do inside the parallel schedules (`piece_rng`).
+    do inside the parallel schedules (`piece_rng`). `batch_index` is the batch's t, for a model
+    that `takes_batch_index`.
     """
     x = self.embed(params['embed'], batch['inputs'], piece_rng(key, EMBED_PIECE))
     for s in range(stage_count(params)):
       stage_params = jax.tree.map(lambda a: a[s], params['stages'])
-      x = self.stage(stage_params, x, s, piece_rng(key, s))
+      x = self.stage(stage_params, x, s, piece_rng(key, s), **self._index(batch_index))
     return self.loss(params['head'], params['embed'], x, batch['targets'])
 
 
 def stage_count(params: PyTree) -> int:
   return jax.tree.leaves(params['stages'])[0].shape[0]
+
+
+def batch_rows(x: PyTree) -> int:
+  """The number of examples in activations x (every leaf leads with the batch axis)."""
+  return jax.tree.leaves(x)[0].shape[0]
 
 
 @flax.struct.dataclass

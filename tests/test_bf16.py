@@ -24,7 +24,7 @@ import pytest
 
 from ouroboros_jax import model as transformer
 from ouroboros_jax import partition
-from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.accelerators import pld, stdloss
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule, reference
 from ouroboros_jax.training import config as train_config
 
@@ -178,11 +178,35 @@ def test_bf16_ouroboros_checkpoint_round_trips(tmp_path):
 
 
 @pytest.mark.parametrize('flag', ['pld', 'std_loss'])
-def test_side_channel_accelerators_refuse_bf16_in_one_line(flag):
-  value = {'pld': 'default', 'std_loss': 1e-3}[flag]
-  cfg = train_config.override(train_config.get_preset('tiny'), {'dtype': 'bfloat16', flag: value})
-  with pytest.raises(ConfigError, match='float32 channel.*drop --dtype'):
-    cfg.check_accelerators()
+def test_pld_and_stdloss_train_in_bf16_as_their_reference(flag):
+  """PLD (stages given the batch index) and the standardization loss (activations
+  {'h', 'aux'} with a float32 'aux') pass the config check in bf16, and a 2-device replay
+  Ouroboros ring with their stages equals the slow reference in bf16; 'aux' stays float32 in
+  the ring's buffers while the hidden states are bf16."""
+  value = {'pld': '0.5,0.3', 'std_loss': 0.1}[flag]
+  cfg = train_config.override(
+    train_config.get_preset('tiny'), {'dtype': 'bfloat16', 'num_layers': 4, flag: value}
+  )
+  cfg.check_accelerators()
+  model_cfg = transformer.ModelConfig(
+    d_model=16, num_heads=2, num_layers=4, d_ff=32, seq_len=8, dtype='bfloat16'
+  )
+  layers = (2, 2)
+  params = partition.to_staged(transformer.init_params(model_cfg, jax.random.key(0)), layers)
+  if flag == 'pld':
+    model = pld.pld_stages(model_cfg, layers, 0.5, 0.3)
+  else:
+    model = stdloss.stdloss_stages(model_cfg, layers, 0.1, 1)
+  batches = random_batches(6, batch=BATCH)
+  config = ScheduleConfig(name='ouroboros', num_stages=2, stash='replay')
+  state, losses = run_schedule(config, model, SGD, params, batches)
+  want, want_losses, _ = reference.run(model, SGD, params, batches, stash='replay')
+  assert max_abs_diff(state.params, params) > 0.01
+  assert max_abs_diff(state.params, want) < 1e-6
+  np.testing.assert_allclose(losses[2:], want_losses[2:], rtol=1e-6)
+  dtypes = {x.dtype for x in jax.tree.leaves(state.ring['delta'])}
+  want_dtypes = {jnp.dtype('bfloat16')} | ({jnp.dtype('float32')} if flag == 'std_loss' else set())
+  assert dtypes == want_dtypes
 
 
 def test_embedding_gradient_accumulates_in_float32():

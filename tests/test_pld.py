@@ -1,5 +1,5 @@
 """Progressive layer dropping: schedules, gate statistics, skipped compute, evaluation, and the
-step channel through a ring schedule."""
+batch index the schedules hand the stages."""
 
 from __future__ import annotations
 
@@ -64,17 +64,16 @@ def test_empirical_keep_rate_matches_p(t):
 
 def test_stage_draws_the_gates_of_its_global_layers(params):
   """Stage 1 of (1, 3) holds global layers 2..4: its output is `model.layers` with the gates
-  drawn for p_2..p_4 at the step carried by the activation, and 1/p scaling."""
+  drawn for p_2..p_4 at the batch index it is given, and 1/p scaling."""
   t, theta_bar, gamma = 300, 0.5, 0.01
   model = pld.pld_stages(CFG, LAYERS_PER_STAGE, theta_bar, gamma)
   staged_params = partition.to_staged(params, LAYERS_PER_STAGE)
   stage1 = jax.tree.map(lambda a: a[1], staged_params['stages'])
   x_BxLxD = jax.random.normal(jax.random.key(1), (2, SEQ, CFG.d_model))
-  x = jnp.concatenate([x_BxLxD, jnp.full((2, SEQ, 1), float(t))], -1)
 
   @jax.jit
   def both(rng):
-    got = model.stage(stage1, x, 1, rng)
+    got = model.stage(stage1, x_BxLxD, 1, rng, batch_index=t)
     p_N = pld.keep_probs(t, 4, theta_bar, gamma, jnp.arange(2, 5))
     active_N, scale_N = pld.draw_gates(pld.gate_key(rng), p_N)
     want = transformer.layers(CFG, stage1, x_BxLxD, rng, active_N=active_N, scale_N=scale_N)
@@ -83,8 +82,7 @@ def test_stage_draws_the_gates_of_its_global_layers(params):
   dropped_any = False
   for seed in range(6):
     got, want, active_N = both(jax.random.key(seed))
-    np.testing.assert_array_equal(got[..., : CFG.d_model], want)
-    np.testing.assert_array_equal(got[..., CFG.d_model], float(t))  # the step travels on
+    np.testing.assert_array_equal(got, want)
     dropped_any |= not bool(np.all(active_N))
   assert dropped_any
 
@@ -107,10 +105,10 @@ def test_a_dropped_layer_costs_no_compute(params):
   `conditional` branch: a layer whose gate is off runs none of them."""
   model = pld.pld_stages(CFG, LAYERS_PER_STAGE, 0.5, 0.01)
   stage1 = jax.tree.map(lambda a: a[1], partition.to_staged(params, LAYERS_PER_STAGE)['stages'])
-  x = jnp.zeros((2, SEQ, CFG.d_model + 1))
+  x = jnp.zeros((2, SEQ, CFG.d_model))
   hlo = (
-    jax.jit(lambda p, x, k: model.stage(p, x, 1, k))
-    .lower(stage1, x, jax.random.key(0))
+    jax.jit(lambda p, x, k, t: model.stage(p, x, 1, k, batch_index=t))
+    .lower(stage1, x, jax.random.key(0), jnp.int32(0))
     .compile()
     .as_text()
   )
@@ -170,41 +168,42 @@ def test_evaluation_is_the_plain_model(params):
 
   @jax.jit
   def losses(staged_params, params):
-    late = pld.with_step(batch, 10_000)
     return (
-      model.forward_loss(staged_params, batch)[0],  # evaluation, plain batch
-      model.forward_loss(staged_params, late)[0],  # evaluation, step carried
-      model.forward_loss(staged_params, late, jax.random.key(3))[0],  # training
+      model.forward_loss(staged_params, batch)[0],  # evaluation, no batch index
+      model.forward_loss(staged_params, batch, None, 10_000)[0],  # evaluation, late batch
+      model.forward_loss(staged_params, batch, jax.random.key(3), 10_000)[0],  # training
       transformer.loss_fn(CFG, params, batch)[0],
     )  # the plain model
 
-  plain, with_step, train, want = map(float, losses(staged_params, params))
-  assert plain == with_step
+  plain, late, train, want = map(float, losses(staged_params, params))
+  assert plain == late
   np.testing.assert_allclose(plain, want, rtol=1e-6)
   assert train != plain  # training at a late step draws gates and scales
 
 
 def test_training_without_the_step_and_post_ln_are_errors(params):
   model = pld.pld_stages(CFG, LAYERS_PER_STAGE)
-  with pytest.raises(ConfigError, match='with_step'):
+  with pytest.raises(ConfigError, match='no batch index'):
     model.forward_loss(partition.to_staged(params, LAYERS_PER_STAGE), batch_of(), jax.random.key(0))
   with pytest.raises(ConfigError, match='pre-LN'):
     pld.pld_stages(transformer.ModelConfig(pre_ln=False), (4,))
 
 
 def test_runs_inside_a_ring_schedule(params):
-  """The step rides in the batch through a 2-device ring (`model_parallel`): the loss of its
-  first step is the single-device PLD loss of that batch with the same draws, and those draws
-  do drop layers."""
+  """A 2-device ring (`model_parallel`) hands each stage the index of its batch: the loss of
+  step 1000 is the single-device PLD loss of that batch with the same draws, and those draws do
+  drop layers."""
   model = pld.pld_stages(CFG, LAYERS_PER_STAGE, 0.5, 0.05)
   staged_params = partition.to_staged(params, LAYERS_PER_STAGE)
-  batch = pld.with_step(batch_of(0, 4), 1000)
+  batch = batch_of(0, 4)
   schedule = build_schedule(
     ScheduleConfig(name='model_parallel', num_stages=2), model, staged.adamw(1e-2)
   )
-  state, metrics = schedule.step(schedule.init(staged_params, batch), batch)
-  key = staged.batch_key(0, 0)  # the schedule's dropout key of batch 0
-  want = jax.jit(lambda p: model.forward_loss(p, batch, key)[0])(staged_params)
+  state = schedule.init(staged_params, batch)
+  state = state.replace(step=jax.device_put(jnp.int32(1000), state.step.sharding))
+  state, metrics = schedule.step(state, batch)
+  key = staged.batch_key(0, 1000)  # the schedule's dropout key of batch 1000
+  want = jax.jit(lambda p: model.forward_loss(p, batch, key, 1000)[0])(staged_params)
   np.testing.assert_allclose(float(metrics['loss']), float(want), rtol=1e-6)
   assert all(np.all(np.isfinite(a)) for a in jax.tree.leaves(jax.device_get(state.params)))
   dropped = 0
@@ -240,10 +239,10 @@ def test_stage_keep_rate_and_scale_match_p_l():
   @jax.jit
   def read(batch_index):
     key = staged.batch_key(0, batch_index)
-    h = jnp.zeros((1, 1, CFG.d_model + 1)).at[..., -1].set(float(t))
+    h = jnp.zeros((1, 1, CFG.d_model))
     for s in range(2):
       stage_params = jax.tree.map(lambda a: a[s], staged_params['stages'])
-      h = model.stage(stage_params, h, s, staged.piece_rng(key, s))
+      h = model.stage(stage_params, h, s, staged.piece_rng(key, s), batch_index=t)
     return h[0, 0, : CFG.num_layers]
 
   added_nL = np.asarray(jax.vmap(read)(jnp.arange(n)))
@@ -262,7 +261,7 @@ def test_stage_keep_rate_and_scale_match_p_l():
 
 
 def test_ouroboros_with_pld_matches_the_slow_reference(params, stash='replay'):
-  """PLD inside the stages of a 2-device Ouroboros ring (the step rides in the batch): after 6
+  """PLD inside the stages of a 2-device Ouroboros ring (stages get the batch index): after 6
   steps the parameters equal the slow reference's (`reference.py`), which runs the same
   `pld_stages` model with Python deques; and layers were really dropped on the way. Replay mode:
   the delayed backward re-runs each stage, so it must draw the gates of the batch's own step
@@ -272,7 +271,7 @@ def test_ouroboros_with_pld_matches_the_slow_reference(params, stash='replay'):
   theta_bar, gamma = 0.5, 0.5
   model = pld.pld_stages(CFG, LAYERS_PER_STAGE, theta_bar, gamma)
   staged_params = partition.to_staged(params, LAYERS_PER_STAGE)
-  batches = [pld.with_step(batch_of(seed, 4), t) for t, seed in enumerate(range(6))]
+  batches = [batch_of(seed, 4) for seed in range(6)]
   tx = staged.adamw(1e-2, eps=1e-6)
   schedule = build_schedule(ScheduleConfig(name='ouroboros', num_stages=2, stash=stash), model, tx)
   state = schedule.init(staged_params, batches[0])

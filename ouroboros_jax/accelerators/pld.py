@@ -17,30 +17,11 @@ At evaluation (rng None) every layer runs, unscaled: the plain model. Defaults t
 gamma = 0.001 are DeepSpeed's; the paper's heuristic is gamma ~ 100 / total steps. PLD needs
 pre-LN blocks: with post-LN blocks a skipped layer would also skip its LayerNorms (ConfigError).
 
-Where the step t comes from. A `StagedModel` stage is called as `stage(params, x, s, rng)` and
-the schedules give it no step; its rng is `fold_in(batch_key(seed, t), s + 1)`, from which t
-cannot be recovered. So the step travels *with the data*, which every schedule already routes to
-every stage exactly as the model needs it:
-
-    batch = pld.with_step(batch, t)     # inputs [B, L] -> [B, L, 2]: (token, step) pairs
-    embed(inputs [B, L, 2])  -> x [B, L, D+1]: the residual stream plus one channel holding t
-    stage(x [B, L, D+1])     -> strips the channel, draws its gates at t, runs its layers with
-                                `active_N` / `scale_N`, and puts the channel back
-    loss(x [B, L, D+1])      -> strips the channel
-
-This works unchanged under backprop, data parallelism, model parallelism, GPipe and Ouroboros:
-the stash of a delayed backward keeps x with its step, so a `replay` re-run draws the same gates
-at the same t from the same key as the forward did (the gradient is of the network that ran).
-The step is stored in float32, exact for t < 2^24; the channel is `stop_gradient`-ed. Plain
-[B, L] inputs are accepted for evaluation; training on them raises a ConfigError unless the
-caller passes `step=` to the stage itself (see `pld_stages`).
-
-The cost of the channel: one slice and one concatenate of the activation per stage (memory
-traffic, no FLOPs), and D+1 floats per token on the wire between stages. It is kept on purpose
-over a `step` argument of the stage function: the channel needs no change to the `StagedModel`
-interface or to any schedule, and under Ouroboros it is the *batch's* step that travels with the
-stashed activation, which is exactly what a delayed or replayed backward must see (a schedule
-passing its current step would hand a replay the wrong t). `tests/test_pld.py` checks the sharded
+Where the step t comes from. The gates of batch t are drawn at theta(t), t the batch's index
+(the step that consumes it). `pld_stages` sets `StagedModel.takes_batch_index`, so every schedule
+calls a stage with `batch_index=t` of the batch it runs: under Ouroboros a delayed or replayed
+backward re-runs the stage with the *batch's* t and its key, so it draws the gates of the
+forward (the gradient is of the network that ran). `tests/test_pld.py` checks the sharded
 Ouroboros step with PLD against the slow reference, in both stash modes.
 
 `training/loop.py` wires it up (`--pld THETA_BAR,GAMMA`); `kept_layers` re-draws the gates on the host,
@@ -54,7 +35,6 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ouroboros_jax import model as transformer
 from ouroboros_jax import partition, staged
@@ -183,38 +163,6 @@ def pld_loss_fn(
   return transformer.head_loss(cfg, params['head'], params['embed'], x_BxLxD, batch['targets'])
 
 
-# ----------------------------------------------------------------------------- the step channel
-
-
-def with_step(batch: dict, step) -> dict:
-  """Batch t for a `pld_stages` model: inputs [B, L] -> [B, L, 2] holding (token, t).
-
-  Works on numpy and JAX arrays; `step` is the index of the training step that consumes the
-  batch (`TrainState.step` before the step), the t of theta(t).
-  """
-  tokens = batch['inputs']
-  xp = np if isinstance(tokens, np.ndarray) else jnp
-  steps = xp.full(tokens.shape, step, dtype=tokens.dtype)
-  return {**batch, 'inputs': xp.stack([tokens, steps], axis=-1)}
-
-
-def _split_channel(cfg: ModelConfig, x):
-  """x [B, L, D+1] -> (x [B, L, D], step); x [B, L, D] -> (x, None)."""
-  x_BxLxD, step = partition.split_side_channel(x, cfg.d_model)
-  return x_BxLxD, None if step is None else jax.lax.stop_gradient(step)
-
-
-def _join_channel(x_BxLxD, step):
-  if step is None:
-    return x_BxLxD
-  if x_BxLxD.dtype != jnp.float32:
-    raise ConfigError(
-      f'the PLD step channel is stored in the activations, which are '
-      f'{x_BxLxD.dtype}; it needs float32 (exact steps up to 2^24).'
-    )
-  return partition.with_side_channel(x_BxLxD, jax.lax.stop_gradient(step))
-
-
 def pld_stages(
   cfg: ModelConfig,
   layers_per_stage: Sequence[int],
@@ -223,11 +171,10 @@ def pld_stages(
 ) -> StagedModel:
   """`partition.transformer_stages` with progressive layer dropping in every stage.
 
-  Feed training batches through `with_step(batch, t)` (and build a schedule's state from a
-  `with_step` example batch, so its buffers have the step channel). The stage function is
-  `stage(params, x, stage_index, rng, step=None)`: an explicit `step` (if a schedule ever passes
-  one) wins over the channel. Each stage draws the gates of its own global layers from its own
-  rng, so the draw is the same wherever the stage runs (one device, a ring, a pipeline).
+  Every schedule passes a stage the index t of its batch (`batch_index`; a single-device call:
+  `model.forward_loss(params, batch, key, batch_index=t)`). Each stage draws the gates of its own
+  global layers from its own rng, so the draw is the same wherever the stage runs (one device, a
+  ring, a pipeline).
   """
   check_config(cfg, theta_bar, gamma)
   mask_GxN = jnp.asarray(partition.stage_mask(layers_per_stage))
@@ -235,43 +182,35 @@ def pld_stages(
   uneven = len(set(layers_per_stage)) > 1
 
   def embed(embed_params, inputs, rng):
-    if inputs.ndim == 3:  # (token, step) pairs from `with_step`
-      x_BxLxD = transformer.embed(cfg, embed_params, inputs[..., 0], rng)
-      return _join_channel(x_BxLxD, inputs[0, 0, 1].astype(jnp.float32))
     return transformer.embed(cfg, embed_params, inputs, rng)
 
-  def stage(stage_params, x, stage_index, rng, step=None):
-    x_BxLxD, carried = _split_channel(cfg, x)
-    step = carried if step is None else step
+  def stage(stage_params, x_BxLxD, stage_index, rng, batch_index=None):
     active_N = mask_GxN[stage_index] if uneven else None
-    if rng is None:
-      y = transformer.layers(cfg, stage_params, x_BxLxD, None, active_N=active_N)
-    else:
-      if step is None:
-        raise ConfigError(
-          'a PLD stage is training (it has an rng) but does not know the step: '
-          'feed batches through pld.with_step(batch, step) (and build the '
-          'schedule state from a with_step example batch).'
-        )
-      first = jnp.asarray(first_G)[stage_index]
-      y = pld_layers(
-        cfg,
-        stage_params,
-        x_BxLxD,
-        rng,
-        step,
-        theta_bar=theta_bar,
-        gamma=gamma,
-        first_layer=first,
-        active_N=active_N,
+    if rng is None:  # evaluation: every layer, unscaled
+      return transformer.layers(cfg, stage_params, x_BxLxD, None, active_N=active_N)
+    if batch_index is None:
+      raise ConfigError(
+        'a PLD stage is training (it has an rng) but was given no batch index: call '
+        'forward_loss(params, batch, key, batch_index=t), or run it through a schedule.'
       )
-    return _join_channel(y, carried)
+    return pld_layers(
+      cfg,
+      stage_params,
+      x_BxLxD,
+      rng,
+      batch_index,
+      theta_bar=theta_bar,
+      gamma=gamma,
+      first_layer=jnp.asarray(first_G)[stage_index],
+      active_N=active_N,
+    )
 
-  def loss(head_params, embed_params, x, targets):
-    x_BxLxD, _ = _split_channel(cfg, x)
+  def loss(head_params, embed_params, x_BxLxD, targets):
     return transformer.head_loss(cfg, head_params, embed_params, x_BxLxD, targets)
 
-  return StagedModel(embed=embed, stage=stage, loss=loss, tied_embedding=cfg.tie_embeddings)
+  return StagedModel(
+    embed=embed, stage=stage, loss=loss, tied_embedding=cfg.tie_embeddings, takes_batch_index=True
+  )
 
 
 def expected_layer_fraction(

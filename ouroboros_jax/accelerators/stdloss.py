@@ -15,15 +15,14 @@ Where it is measured in the Transformer (`site`):
   'mlp_input'             the input of the MLP, LN(h) (pre-LN) or h (post-LN) [B, L, D].
 
 Single device: `loss_with_stdloss(cfg, params, batch, weight, layer)`. Inside pipeline stages
-(any schedule, no change to the schedules): `stdloss_stages(...)` returns a `StagedModel` whose
-activations carry one extra channel holding the weighted auxiliary loss accumulated so far; each
-stage adds the terms of the regularised layers it holds, the head adds the channel to the task
-loss. Its gradient travels back through the channel like any activation gradient (stale under
-Ouroboros, as the rest of that stage's gradient). The statistics are those of the examples the
-stage sees: a data replica's share of the batch, a GPipe micro-batch. The channel costs one
-slice and one concatenate of the activation per stage and D+1 floats per token between stages.
-(A cleaner hook would be a stage that returns (x, aux_loss) and schedules that add the aux
-losses to the head's; the channel needs no change to the schedules.)
+(any schedule): `stdloss_stages(...)` returns a `StagedModel` whose activations are
+{'h': the hidden states [B, L, D], 'aux': the weighted auxiliary loss so far [B] (float32, the
+same value in every row)}; each stage adds the terms of the regularised layers it holds, the head
+adds mean(aux) to the task loss. Its gradient travels back through 'aux' like any activation
+gradient (stale under Ouroboros, as the rest of that stage's gradient). The statistics are those
+of the examples the stage sees: a data replica's share of the batch, a micro-batch. 'aux' is
+kept per row because every leaf of an activation leads with the batch axis (staged.py), so the
+schedules cut it into replicas and micro-batches as they cut the hidden states.
 
 The layer is `model.Block`'s computation written out (`block_with_site`), so that the site
 activation can be returned; it uses the block's own submodules and `model.dropout`, and a test
@@ -178,8 +177,8 @@ def stdloss_stages(
   eps: float = 1e-5,
 ) -> StagedModel:
   """`partition.transformer_stages` plus the standardization loss of global layer `layer`
-  (0-based; or a sequence of layers), carried to the head in an extra activation channel (see
-  the module docstring). Every stage runs the same code (`layers_with_stdloss` with its slice of
+  (0-based; or a sequence of layers), carried to the head beside the hidden states (see the
+  module docstring). Every stage runs the same code (`layers_with_stdloss` with its slice of
   a [G, N] weight table), so it is SPMD-uniform: no branch on the stage index, and a graph-mode
   Ouroboros stash has one fixed structure.
 
@@ -195,34 +194,24 @@ def stdloss_stages(
   weight_GxN = jnp.asarray(np.where(mask_GxN, weight_N[index_GxN], 0.0))
   mask_GxN = jnp.asarray(mask_GxN)
   uneven = len(set(layers_per_stage)) > 1
-  d = cfg.d_model
 
-  def embed(embed_params, tokens, rng):  # the loss so far rides in a side channel
-    x_BxLxD = transformer.embed(cfg, embed_params, tokens, rng)
-    return partition.with_side_channel(x_BxLxD, 0.0)
+  def embed(embed_params, tokens, rng):
+    h_BxLxD = transformer.embed(cfg, embed_params, tokens, rng)
+    return {'h': h_BxLxD, 'aux': jnp.zeros(h_BxLxD.shape[:1], jnp.float32)}
 
   def stage(stage_params, x, stage_index, rng):
-    x_BxLxD, so_far = partition.split_side_channel(x, d)
     active_N = mask_GxN[stage_index] if uneven else None
     if rng is None:  # evaluation: plain layers, nothing added
-      y = transformer.layers(cfg, stage_params, x_BxLxD, None, active_N=active_N)
-      return partition.with_side_channel(y, so_far)
-    y, std = layers_with_stdloss(
-      cfg,
-      stage_params,
-      x_BxLxD,
-      rng,
-      weight_GxN[stage_index],
-      site=site,
-      eps=eps,
-      active_N=active_N,
+      h = transformer.layers(cfg, stage_params, x['h'], None, active_N=active_N)
+      return {'h': h, 'aux': x['aux']}
+    h, std = layers_with_stdloss(
+      cfg, stage_params, x['h'], rng, weight_GxN[stage_index], site=site, eps=eps, active_N=active_N
     )
-    return partition.with_side_channel(y, so_far + std.astype(so_far.dtype))
+    return {'h': h, 'aux': x['aux'] + std}
 
   def loss(head_params, embed_params, x, targets):
-    x_BxLxD, std = partition.split_side_channel(x, d)
-    task, _ = transformer.head_loss(cfg, head_params, embed_params, x_BxLxD, targets)
-    total = task + std.astype(task.dtype)
+    task, _ = transformer.head_loss(cfg, head_params, embed_params, x['h'], targets)
+    total = task + jnp.mean(x['aux']).astype(task.dtype)
     return total, {'loss': total, 'task_loss': task}
 
   return StagedModel(embed=embed, stage=stage, loss=loss, tied_embedding=cfg.tie_embeddings)

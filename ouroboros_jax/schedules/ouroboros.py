@@ -185,7 +185,7 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t):
   received_M = (
     fwd.delta_fresh_M
     if ring.num_stages == 1
-    else ring_lib.microbatches(buffers['delta'][0, 0], ring.num_microbatches)
+    else ring_lib.microbatches(_local(buffers['delta']), ring.num_microbatches)
   )
   g_stage, g_embed_stale, delta_next_M = _backward_chain(
     ring, params, pending, (received_M, fwd.delta_fresh_M), backward_batch, t
@@ -224,11 +224,12 @@ def _forward_wave(ring: _Ring, params, forward_params, buffers, seen, t) -> _For
   cut = lambda tree: ring_lib.microbatches(tree, num_micro)
   forward_s = ring_lib.local_stage_params(forward_params)  # = params_s unless predicted
   inputs_M, targets_M = cut(seen['inputs']), cut(seen['targets'])
-  received_M = cut(buffers['act'][0, 0]) if pipelined else None
+  received_M = cut(_local(buffers['act'])) if pipelined else None
   memory_M = cut(ring_lib.local_memory(buffers))  # or None
   x_like = jax.eval_shape(lambda: ring_lib.embed(model, forward_params['embed'], inputs_M[0], None))
-  key_f = ring.key(t - s if pipelined else t)
-  run_forward = lambda x, m, mem: stash.forward(forward_s, x, s, ring.micro_key(key_f, m), mem)
+  b_f = t - s if pipelined else t  # the batch group s forwards
+  key_f = ring.key(b_f)
+  run_forward = lambda x, m, mem: stash.forward(forward_s, x, s, ring.micro_key(key_f, m), mem, b_f)
   first_memory = jax.tree.map(lambda a: a[0], memory_M)
   no_kept = _zeros(jax.eval_shape(run_forward, x_like, 0, first_memory)[1])
   head_zeros = _zeros(jax.eval_shape(lambda: ring_lib.head(model, params, x_like, targets_M[0])))
@@ -239,7 +240,7 @@ def _forward_wave(ring: _Ring, params, forward_params, buffers, seen, t) -> _For
     active = (m >= 0) & (m < num_micro)
     m = jnp.clip(m, 0, num_micro - 1)
     x0 = ring_lib.embed(model, forward_params['embed'], inputs_M[m], ring.micro_key(ring.key(t), m))
-    x = jnp.where(s == 0, x0, received_M[m] if pipelined else received)
+    x = _select(s == 0, x0, _at(received_M, m) if pipelined else received)
     memory = jax.tree.map(lambda a: a[m], memory_M)
     y, kept, memory = jax.lax.cond(
       active, run_forward, lambda x, m, mem: (x, no_kept, mem), x, m, memory
@@ -248,8 +249,8 @@ def _forward_wave(ring: _Ring, params, forward_params, buffers, seen, t) -> _For
     memory_M = jax.tree.map(lambda a, new: a.at[m].set(new), memory_M, memory)
     sent = ring_lib.send_forward(y, num_stages)
     if pipelined:  # to be received during step t + 1; the head reads last step's
-      sent_M = sent_M.at[m].set(sent)
-      m_h, x_h = r, received_M[r]
+      sent_M = _set(sent_M, m, sent)
+      m_h, x_h = r, _at(received_M, r)
     else:  # group G-1's output of micro-batch r - (G - 1) has just reached device 0
       m_h, x_h = r - (num_stages - 1), sent
     head_on = (m_h >= 0) & (t_async >= ring.head_lag)
@@ -258,13 +259,13 @@ def _forward_wave(ring: _Ring, params, forward_params, buffers, seen, t) -> _For
       model, params, x_h, targets_M[m_h], 1.0 / num_micro, when=head_on
     )
     head_sum = jax.tree.map(jnp.add, head_sum, (loss, g_head, g_embed))
-    delta_fresh_M = delta_fresh_M.at[m_h].set(jnp.where(head_on, delta, delta_fresh_M[m_h]))
+    delta_fresh_M = ring_lib.set_where(delta_fresh_M, m_h, delta, head_on)
     return sent, kept_M, memory_M, head_sum, delta_fresh_M, sent_M
 
   rounds = num_micro if pipelined else num_micro + num_stages - 1
-  zeros_M = jnp.zeros((num_micro, *x_like.shape), x_like.dtype)
+  zeros_M = jax.tree.map(lambda a: jnp.zeros((num_micro, *a.shape), a.dtype), x_like)
   carry = (
-    jnp.zeros(x_like.shape, x_like.dtype),
+    _zeros(x_like),
     jax.tree.map(lambda a: jnp.zeros((num_micro, *a.shape), a.dtype), no_kept),
     memory_M,
     head_zeros[:3],
@@ -296,18 +297,19 @@ def _backward_chain(ring: _Ring, params, pending, deltas, backward_batch, t):
   def backward_micro(m, carry):
     g_stage, g_embed, delta_next_M = carry
     key_m = ring.micro_key(key_b, m)
-    kept = jax.tree.map(lambda a: a[m], stash_b)
-    g_m, dx = ring_lib.mask(valid, stash.backward(at_weights, kept, received_M[m], s, key_m))
+    kept, delta = _at(stash_b, m), _at(received_M, m)
+    g_m, dx = ring_lib.mask(
+      valid, stash.backward(at_weights, kept, delta, s, key_m, backward_batch)
+    )
     g_embed_m = ring_lib.embed_backward(model, params['embed'], inputs_b_M[m], key_m, dx)
-    sent = ring_lib.send_backward(jnp.where(s == 0, delta_fresh_M[m], dx), ring.num_stages)
+    sent = ring_lib.send_backward(_select(s == 0, _at(delta_fresh_M, m), dx), ring.num_stages)
     add = lambda a, b: jax.tree.map(jnp.add, a, b)
-    return add(g_stage, g_m), add(g_embed, g_embed_m), delta_next_M.at[m].set(sent)
+    return add(g_stage, g_m), add(g_embed, g_embed_m), _set(delta_next_M, m, sent)
 
-  x_like = jax.ShapeDtypeStruct(received_M.shape[1:], received_M.dtype)
-  no_kept = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stash_b)
-  backward_shapes = lambda kept, x: stash.backward(at_weights, kept, x, s, key_b)
-  no_grad = _zeros(jax.eval_shape(backward_shapes, no_kept, x_like))
-  zeros_M = jnp.zeros(received_M.shape, received_M.dtype)
+  one = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
+  backward_shapes = lambda kept, x: stash.backward(at_weights, kept, x, s, key_b, backward_batch)
+  no_grad = _zeros(jax.eval_shape(backward_shapes, one(stash_b), one(received_M)))
+  zeros_M = _zeros(received_M)
   return jax.lax.fori_loop(
     0, ring.num_microbatches, backward_micro, (no_grad[0], _zeros(params['embed']), zeros_M)
   )
@@ -336,6 +338,25 @@ def _new_buffers(ring: _Ring, buffers, fwd: _Forwarded, written, delta_next_M, t
 
 def _zeros(shapes):
   return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+
+
+# Activations and their gradients are pytrees (staged.py): indexed, written and selected leaf by
+# leaf.
+def _at(tree_M, m):
+  return jax.tree.map(lambda a: a[m], tree_M)
+
+
+def _set(tree_M, m, value):
+  return jax.tree.map(lambda a, v: a.at[m].set(v), tree_M, value)
+
+
+def _select(pred, on_true, on_false):
+  return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def _local(buffer):
+  """This device's entry of a ring buffer [G, R, ...] (its stage and data replica)."""
+  return jax.tree.map(lambda a: a[0, 0], buffer)
 
 
 # -- the state and the step --------------------------------------------------------------------
@@ -369,7 +390,13 @@ def _init(ring: _Ring, params, example_batch):
   )
   # Stage index and key traced, as in the step: what a graph stash keeps can depend on it.
   _, kept, _ = jax.eval_shape(
-    ring.stash.forward, params_s, x_micro, jnp.int32(0), jax.random.key(0), memory_micro
+    ring.stash.forward,
+    params_s,
+    x_micro,
+    jnp.int32(0),
+    jax.random.key(0),
+    memory_micro,
+    jnp.int32(0),
   )
   buffer = lambda a, *lead: jnp.zeros((num_stages, replicas, *lead, *a.shape), a.dtype)
 
@@ -380,14 +407,14 @@ def _init(ring: _Ring, params, example_batch):
     buffers = {
       **placement.empty_memory(ring.model, params, example_batch, replicas),
       'batches': jax.tree.map(lambda a: buffer(a, ring.depth), local),
-      'delta': buffer(x),
+      'delta': jax.tree.map(buffer, x),
     }
     if ring.config.stash_memory == 'pinned_host':  # waits in host memory (placement.HOST)
       buffers[placement.HOST] = stash
     else:
       buffers.update(stash)
     if ring.pipelined:  # the activation in flight to each device
-      buffers['act'] = buffer(x)
+      buffers['act'] = jax.tree.map(buffer, x)
     return buffers
 
   return placement.init_state(ring.optimizer, params, ring.mesh, fresh_buffers)
@@ -422,7 +449,7 @@ def _grads(ring: _Ring, state: TrainState, forward_params, batch, t, t_async):
         params,
         jax.tree.map(lambda a: a[m], batch_M),
         ring.micro_key(ring.key(t), m),
-        ring.num_stages,
+        t,
         memory,
       )
       memory_M = jax.tree.map(lambda a, new: a.at[m].set(new), memory_M, memory)

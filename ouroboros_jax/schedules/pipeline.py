@@ -176,7 +176,8 @@ class _Step(NamedTuple):
   inputs: jax.Array  # [m, b, ...]: the micro-batches
   targets: jax.Array  # [m, b, ...]
   key: jax.Array  # the batch's dropout key on this data replica
-  nothing: jax.Array  # shaped as an activation: what a tick sends when it sends nothing
+  index: jax.Array  # the batch's index t (for a model that takes it)
+  nothing: PyTree  # shaped as an activation: what a tick sends when it sends nothing
 
   def key_of(self, i):
     return ring.microbatch_key(self.key, i, self.inputs.shape[0])
@@ -195,8 +196,8 @@ def _device_grads(executor: _Executor, params, batch, t, buffers):
   key = replica_key(executor.seed, t, executor.replicas)
   inputs, targets = ring.microbatches((batch['inputs'], batch['targets']), m)
   x_like = jax.eval_shape(lambda: ring.embed(executor.model, params['embed'], inputs[0], key))
-  nothing = jnp.full(x_like.shape, executor.bubble_fill, x_like.dtype)
-  step = _Step(params, inputs, targets, key, nothing)
+  nothing = jax.tree.map(lambda a: jnp.full(a.shape, executor.bubble_fill, a.dtype), x_like)
+  step = _Step(params, inputs, targets, key, t, nothing)
   # A memory (leaves [v, 1, B/R, ...]: this device's chunks) cut into micro-batch rows.
   memory = jax.tree.map(
     lambda a: a[:, 0].reshape(a.shape[0], m, -1, *a.shape[3:]), buffers.get('memory')
@@ -223,10 +224,12 @@ def _start(executor: _Executor, step: _Step, memory) -> _Carry:
   slots = lambda like: jax.tree.map(
     lambda a: jnp.zeros((program.stash_slots, *a.shape), a.dtype), like
   )
-  inbox = lambda count: jnp.full((count, *x.shape), executor.bubble_fill, x.dtype)
+  inbox = lambda count: jax.tree.map(
+    lambda a: jnp.full((count, *a.shape), executor.bubble_fill, a.dtype), x
+  )
   first_memory = jax.tree.map(lambda a: a[0, 0], memory)
   _, kept_like, _ = jax.eval_shape(
-    lambda: executor.stash.forward(step.chunk(0), x, 0, step.key_of(0), first_memory)
+    lambda: executor.stash.forward(step.chunk(0), x, 0, step.key_of(0), first_memory, step.index)
   )
   split = executor.model.weight_split
   return _Carry(
@@ -280,9 +283,10 @@ def _forward(executor: _Executor, step: _Step, carry: _Carry, op):
   to the next stage, or the head's gradient to this stage's own B."""
   i, k, c = op['microbatch'], op['stage'], op['chunk']
   embed = lambda: ring.embed(executor.model, step.params['embed'], step.inputs[i], step.key_of(i))
-  x = jax.lax.cond(k == 0, embed, lambda: carry.activations[op['inbox_slot']])
+  received = lambda: _slot(carry.activations, op['inbox_slot'])
+  x = jax.lax.cond(k == 0, embed, received)
   memory = jax.tree.map(lambda a: a[c, i], carry.memory)  # None without a memory
-  y, kept, memory = executor.stash.forward(step.chunk(c), x, k, step.key_of(i), memory)
+  y, kept, memory = executor.stash.forward(step.chunk(c), x, k, step.key_of(i), memory, step.index)
   zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
   no_head = lambda: (jnp.zeros(()), zeros(step.params['head']), zeros(step.params['embed']), y)
   head = lambda: _head(executor, step, y, i)
@@ -344,19 +348,24 @@ def _weight_grad(executor: _Executor, step: _Step, carry: _Carry, op):
 def _kept_and_delta(executor: _Executor, carry: _Carry, op):
   """The residuals F kept for this op's (micro-batch, chunk), and its output gradient."""
   kept = ring.read_slot(carry.stash, op['stash_slot'], executor.program.stash_slots)
-  return kept, carry.gradients[op['inbox_slot']]
+  return kept, _slot(carry.gradients, op['inbox_slot'])
 
 
 def _backward(executor: _Executor, step: _Step, carry: _Carry, op):
   """The chunk's whole VJP: (weight gradient, input gradient)."""
   kept, delta = _kept_and_delta(executor, carry, op)
   params_c, key = step.chunk(op['chunk']), step.key_of(op['microbatch'])
-  return executor.stash.backward(params_c, kept, delta, op['stage'], key)
+  return executor.stash.backward(params_c, kept, delta, op['stage'], key, step.index)
 
 
 def _add_chunk_grad(carry: _Carry, op, g_chunk) -> _Carry:
   add_at = lambda g, w: g.at[op['chunk']].add(w)
   return carry._replace(grad_chunks=jax.tree.map(add_at, carry.grad_chunks, g_chunk))
+
+
+def _slot(inbox: PyTree, slot) -> PyTree:
+  """One slot of an inbox (activations are pytrees, staged.py)."""
+  return jax.tree.map(lambda a: a[slot], inbox)
 
 
 def _add(a: PyTree, b: PyTree) -> PyTree:

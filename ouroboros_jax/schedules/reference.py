@@ -190,13 +190,12 @@ class SlowRing:
     memory = model.memory and staged.Memory(
       init=model.memory.init, stage=jax.jit(model.memory.stage)
     )
-    self.model = staged.StagedModel(
+    self.model = dataclasses.replace(
+      model,
       embed=jax.jit(model.embed),
       stage=jax.jit(model.stage),
       loss=jax.jit(model.loss),
-      tied_embedding=model.tied_embedding,
       memory=memory,
-      shared=model.shared,
     )
     self.memory = [None] * self.num_stages  # group s's memory (Transformer-XL), once it runs
     self.num_micro = options.microbatches
@@ -277,7 +276,7 @@ class SlowRing:
       micro = self.micro(batch, m)
       if model.memory is None:
         (loss_m, _), grads_m = jax.value_and_grad(model.forward_loss, has_aux=True)(
-          self.params, micro, self.key(t, m)
+          self.params, micro, self.key(t, m), t
         )
       else:
         rows = micro['inputs'].shape[0]
@@ -286,7 +285,7 @@ class SlowRing:
           *[self.memory_of(s, rows * self.num_micro, m) for s in range(self.num_stages)],
         )
         (loss_m, (_, memory_G)), grads_m = jax.value_and_grad(model.recurrent_loss, has_aux=True)(
-          self.params, micro, self.key(t, m), memory_G
+          self.params, micro, self.key(t, m), memory_G, t
         )
         for s in range(self.num_stages):
           self.set_memory(s, m, jax.tree.map(lambda a, s=s: a[s], memory_G))
@@ -329,9 +328,10 @@ class SlowRing:
       if carried is None:  # pipelined: nothing has reached this group yet
         continue
       b, x = carried
-      key_b, memory = self.key(b, m), self.memory_of(s, x.shape[0] * self.num_micro, m)
-      run_s = lambda p, h, s=s, key_b=key_b, memory=memory: model.run_stage(
-        p, h, s, staged.piece_rng(key_b, s), memory
+      rows = staged.batch_rows(x) * self.num_micro
+      key_b, memory = self.key(b, m), self.memory_of(s, rows, m)
+      run_s = lambda p, h, s=s, b=b, key_b=key_b, memory=memory: model.run_stage(
+        p, h, s, staged.piece_rng(key_b, s), memory, b
       )
       if self.options.stash == 'graph':
         y, vjp_fn, new_memory = jax.vjp(
@@ -388,8 +388,8 @@ class SlowRing:
         g_stages[s], dx = kept(delta)
       else:
         x, memory = kept
-        run_s = lambda p, h, s=s, memory=memory: model.run_stage(
-          p, h, s, staged.piece_rng(key_b, s), memory
+        run_s = lambda p, h, s=s, b=b, key_b=key_b, memory=memory: model.run_stage(
+          p, h, s, staged.piece_rng(key_b, s), memory, b
         )
         vjp_fn = jax.vjp(run_s, self.stage_params(params, s), x, has_aux=True)[1]
         g_stages[s], dx = vjp_fn(delta)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from ouroboros_jax import placement, staged
-from ouroboros_jax.schedules.stash import GraphStash, Stash
+from ouroboros_jax.schedules.stash import GraphStash
 from ouroboros_jax.staged import DATA, EMBED_PIECE, STAGE, StagedModel
 
 
@@ -96,12 +96,12 @@ def embed(model: StagedModel, embed_params, tokens, key):
   return model.embed(embed_params, tokens, staged.piece_rng(key, EMBED_PIECE))
 
 
-def locked_forward(stash: Stash, params_s, x, key, num_stages: int, memory=None):
-  """G rounds: in round r only device r runs its group on x (and keeps its stash); then every
-  device passes x on to the next. Returns (the last group's output, now on device 0, kept, this
-  device's new memory (None without one))."""
+def locked_forward(forward, x, num_stages: int, memory=None):
+  """G rounds: in round r only device r runs its group on x (`forward(x) -> (y, kept, new
+  memory)`, a stash's forward) and keeps its stash; then every device passes x on to the next.
+  Returns (the last group's output, now on device 0, kept, this device's new memory (None
+  without one))."""
   s = jax.lax.axis_index(STAGE)
-  forward = lambda x: stash.forward(params_s, x, s, key, memory)
   _, kept_shape, _ = jax.eval_shape(forward, x)
   empty = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), kept_shape)
 
@@ -134,21 +134,20 @@ def head(model: StagedModel, params, x, targets, weight: float = 1.0, when=True)
   return on_stage(jnp.where(when, jax.lax.axis_index(STAGE), -1), 0, loss_and_grads)
 
 
-def locked_backward(stash: Stash, params_s, kept, delta, key, num_stages: int):
+def locked_backward(backward, delta, num_stages: int):
   """The head's delta (on device 0) goes to device G-1; then rounds r = G-1 .. 0 in which only
-  device r back-propagates and hands its input gradient to r - 1. Returns (this device's group
-  gradient, and on device 0 the input gradient of group 0)."""
+  device r back-propagates (`backward(delta) -> (group gradient, input gradient)`, a stash's
+  backward) and hands its input gradient to r - 1. Returns (this device's group gradient, and on
+  device 0 the input gradient of group 0)."""
   s = jax.lax.axis_index(STAGE)
-  g_shape, _ = jax.eval_shape(lambda: stash.backward(params_s, kept, delta, s, key))
+  g_shape, _ = jax.eval_shape(backward, delta)
   no_grad = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), g_shape)
 
   def backward_round(i, carry):
     send, g_stage = carry
     received = send_backward(send, num_stages)  # device r hears from r + 1 (G-1 from 0)
     g_stage, send = jax.lax.cond(
-      s == num_stages - 1 - i,
-      lambda: stash.backward(params_s, kept, received, s, key),
-      lambda: (g_stage, send),
+      s == num_stages - 1 - i, lambda: backward(received), lambda: (g_stage, send)
     )
     return send, g_stage
 
@@ -192,19 +191,22 @@ def with_memory(buffers, memory):
   return {**buffers, 'memory': jax.tree.map(lambda a: a[None, None], memory)}
 
 
-def locked_grads(model: StagedModel, params, batch, key, num_stages: int, memory=None):
-  """Plain synchronous backprop over the ring: the exact gradient of `batch`, as (grads, loss,
-  this device's new memory (None without one)).
+def locked_grads(model: StagedModel, params, batch, key, batch_index, memory=None):
+  """Plain synchronous backprop over the ring: the exact gradient of `batch` (batch
+  `batch_index`, dropout key `key`), as (grads, loss, this device's new memory (None without
+  one)).
 
   Locked forward, head on device 0, locked backward, embedding backward; in every round all
   devices but one wait. This is `model_parallel`'s step and Ouroboros' synchronous warm-up.
   """
-  stash = GraphStash(model)
+  stash, s, num_stages = GraphStash(model), jax.lax.axis_index(STAGE), jax.lax.axis_size(STAGE)
   params_s = local_stage_params(params)
   x = embed(model, params['embed'], batch['inputs'], key)
-  x, kept, memory = locked_forward(stash, params_s, x, key, num_stages, memory)
+  forward = lambda x: stash.forward(params_s, x, s, key, memory, batch_index)
+  x, kept, memory = locked_forward(forward, x, num_stages, memory)
   loss, g_head, g_embed_out, delta = head(model, params, x, batch['targets'])
-  g_stage, dx = locked_backward(stash, params_s, kept, delta, key, num_stages)
+  backward = lambda delta: stash.backward(params_s, kept, delta, s, key, batch_index)
+  g_stage, dx = locked_backward(backward, delta, num_stages)
   g_embed_in = embed_backward(model, params['embed'], batch['inputs'], key, dx)
   grads, loss = gather_grads(jax.tree.map(jnp.add, g_embed_out, g_embed_in), g_head, g_stage, loss)
   return grads, loss, memory

@@ -2,8 +2,12 @@
 
 Every stash has the same two halves (the `Stash` protocol):
 
-  forward(params_s, x, stage_index, key, memory=None) -> (y, kept, new memory or None)
-  backward(params_s, kept, delta, stage_index, key)   -> (weight gradient, input gradient)
+  forward(params_s, x, stage_index, key, memory=None, batch_index=None)
+      -> (y, kept, new memory or None)
+  backward(params_s, kept, delta, stage_index, key, batch_index=None)
+      -> (weight gradient, input gradient)
+
+(`key` is the batch's dropout key, `batch_index` its t, for a model that `takes_batch_index`.)
 
   GraphStash   the forward's VJP residuals (as DDG): the gradient is taken at the weights of
                the forward. A checkpoint `policy` (STASH_POLICIES) chooses which residuals
@@ -45,9 +49,9 @@ class Stash(Protocol):
 
   at_forward_weights: bool
 
-  def forward(self, params_s, x, stage_index, key, memory=None): ...
+  def forward(self, params_s, x, stage_index, key, memory=None, batch_index=None): ...
 
-  def backward(self, params_s, kept, delta, stage_index, key): ...
+  def backward(self, params_s, kept, delta, stage_index, key, batch_index=None): ...
 
 
 def make_stash(model: StagedModel, mode: str = 'graph', policy: str = 'all', **options) -> Stash:
@@ -55,9 +59,10 @@ def make_stash(model: StagedModel, mode: str = 'graph', policy: str = 'all', **o
   return GraphStash(model, policy, **options) if mode == 'graph' else ReplayStash(model)
 
 
-def _run(model: StagedModel, params_s, x, stage_index, key, memory=None):
+def _run(model: StagedModel, params_s, x, stage_index, key, memory=None, batch_index=None):
   """(the group's output, its new memory (None without one)), with the group's dropout key."""
-  return model.run_stage(params_s, x, stage_index, staged.piece_rng(key, stage_index), memory)
+  rng = staged.piece_rng(key, stage_index)
+  return model.run_stage(params_s, x, stage_index, rng, memory, batch_index)
 
 
 class GraphStash:
@@ -75,8 +80,8 @@ class GraphStash:
   def __init__(self, model: StagedModel, policy: str = 'all', keep_weights: bool = True):
     self.model, self.policy, self.keep_weights = model, STASH_POLICIES[policy], keep_weights
 
-  def _vjp(self, params_s, x, stage_index, key, memory=None):
-    run = lambda p, h: _run(self.model, p, h, stage_index, key, memory)
+  def _vjp(self, params_s, x, stage_index, key, memory=None, batch_index=None):
+    run = lambda p, h: _run(self.model, p, h, stage_index, key, memory, batch_index)
     if self.policy is not None:
       run = jax.checkpoint(run, policy=self.policy)
     return jax.vjp(run, params_s, x, has_aux=True)  # (y, vjp_fn, new memory)
@@ -85,15 +90,16 @@ class GraphStash:
     """The shape of the memory a forward on x_like read (None for a model without one)."""
     if self.model.memory is None:
       return None
-    return jax.eval_shape(lambda p: self.model.memory.init(p, x_like.shape[0]), params_s)
+    rows = staged.batch_rows(x_like)
+    return jax.eval_shape(lambda p: self.model.memory.init(p, rows), params_s)
 
-  def forward(self, params_s, x, stage_index, key, memory=None):
-    y, vjp_fn, new_memory = self._vjp(params_s, x, stage_index, key, memory)
+  def forward(self, params_s, x, stage_index, key, memory=None, batch_index=None):
+    y, vjp_fn, new_memory = self._vjp(params_s, x, stage_index, key, memory, batch_index)
     leaves = jax.tree.leaves(vjp_fn)
     return y, leaves if self.keep_weights else without_weights(leaves, params_s), new_memory
 
-  def backward(self, params_s, kept, delta, stage_index, key):
-    vjp_of = lambda h, m: self._vjp(params_s, h, stage_index, key, m)[1]
+  def backward(self, params_s, kept, delta, stage_index, key, batch_index=None):
+    vjp_of = lambda h, m: self._vjp(params_s, h, stage_index, key, m, batch_index)[1]
     memory_like = self._memory_like(params_s, delta)
     treedef, positions = vjp_layout(vjp_of, params_s, delta, memory_like)
     if not self.keep_weights:
@@ -110,13 +116,13 @@ class ReplayStash:
   def __init__(self, model: StagedModel):
     self.model = model
 
-  def forward(self, params_s, x, stage_index, key, memory=None):
-    y, new_memory = _run(self.model, params_s, x, stage_index, key, memory)
+  def forward(self, params_s, x, stage_index, key, memory=None, batch_index=None):
+    y, new_memory = _run(self.model, params_s, x, stage_index, key, memory, batch_index)
     return y, (x if self.model.memory is None else (x, memory)), new_memory
 
-  def backward(self, params_s, kept, delta, stage_index, key):
+  def backward(self, params_s, kept, delta, stage_index, key, batch_index=None):
     x, memory = (kept, None) if self.model.memory is None else kept
-    run = lambda p, h: _run(self.model, p, h, stage_index, key, memory)
+    run = lambda p, h: _run(self.model, p, h, stage_index, key, memory, batch_index)
     return jax.vjp(run, params_s, x, has_aux=True)[1](delta)
 
 
@@ -136,9 +142,9 @@ class TappedStash:
     run = lambda h, taps: self.split.stage(params_s, h, stage_index, rng, taps)
     return jax.vjp(run, x, self.split.taps(params_s, x), has_aux=True)
 
-  def forward(self, params_s, x, stage_index, key, memory=None):
-    """The models with a weight split have no memory."""
-    del memory
+  def forward(self, params_s, x, stage_index, key, memory=None, batch_index=None):
+    """The models with a weight split have no memory and do not take the batch index."""
+    del memory, batch_index
     y, vjp_fn, inputs = self._vjp(params_s, x, stage_index, key)
     kept = {'vjp': without_weights(jax.tree.leaves(vjp_fn), params_s), 'inputs': inputs}
     return y, kept, None
@@ -154,7 +160,8 @@ class TappedStash:
     """W: the weight gradient from the taps' gradients and the recorded inputs."""
     return self.split.weight_grad(params_s, kept['inputs'], tap_grads)
 
-  def backward(self, params_s, kept, delta, stage_index, key):
+  def backward(self, params_s, kept, delta, stage_index, key, batch_index=None):
+    del batch_index
     dx, tap_grads = self.input_grad(params_s, kept, delta, stage_index, key)
     return self.weight_grad(params_s, kept, tap_grads), dx
 

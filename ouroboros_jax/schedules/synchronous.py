@@ -64,7 +64,9 @@ def build_backprop(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
 
   def step(state: TrainState, batch: dict):
     key = staged.batch_key(config.seed, state.step)
-    grads, loss, buffers = whole_model_grads(model, state.params, batch, key, state.ring)
+    grads, loss, buffers = whole_model_grads(
+      model, state.params, batch, key, state.step, state.ring
+    )
     new_state, metrics = synchronous_update(optimizer, state, grads, loss)
     return new_state.replace(ring=buffers), metrics
 
@@ -74,15 +76,17 @@ def build_backprop(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
 # ----------------------------------------------------------------------------- shared plumbing
 
 
-def whole_model_grads(model: StagedModel, params, batch, key, buffers):
-  """(grads, loss, buffers) of the plain composition on one device (or one data replica):
-  with a memory (`buffers['memory']`, leaves [G, 1, ...]) every stage reads and renews its own."""
+def whole_model_grads(model: StagedModel, params, batch, key, t, buffers):
+  """(grads, loss, buffers) of the plain composition on one device (or one data replica), for
+  batch t: with a memory (`buffers['memory']`, leaves [G, 1, ...]) every stage reads and renews
+  its own."""
   if 'memory' not in buffers:
-    (loss, _), grads = jax.value_and_grad(model.forward_loss, has_aux=True)(params, batch, key)
+    value_and_grad = jax.value_and_grad(model.forward_loss, has_aux=True)
+    (loss, _), grads = value_and_grad(params, batch, key, t)
     return grads, loss, buffers
   memory_G = jax.tree.map(lambda a: a[:, 0], buffers['memory'])
   (loss, (_, memory_G)), grads = jax.value_and_grad(model.recurrent_loss, has_aux=True)(
-    params, batch, key, memory_G
+    params, batch, key, memory_G, t
   )
   return grads, loss, {'memory': jax.tree.map(lambda a: a[:, None], memory_G)}
 
@@ -180,7 +184,7 @@ def build_data_parallel(
 
   def device_grads(params, batch, t, buffers):
     key = replica_key(config.seed, t, replicas)
-    grads, loss, buffers = whole_model_grads(model, params, batch, key, buffers)
+    grads, loss, buffers = whole_model_grads(model, params, batch, key, t, buffers)
     return (*jax.lax.pmean((grads, loss), DATA), buffers)
 
   return synchronous_schedule(config, model, tx, mesh, device_grads, idle_fraction=0.0)
@@ -217,7 +221,7 @@ def build_model_parallel(
   def device_grads(params, batch, t, buffers):
     key = replica_key(config.seed, t, replicas)
     memory = ring.local_memory(buffers)
-    grads, loss, memory = ring.locked_grads(model, params, batch, key, num_stages, memory)
+    grads, loss, memory = ring.locked_grads(model, params, batch, key, t, memory)
     return grads, loss, ring.with_memory(buffers, memory)
 
   idle = model_parallel_idle_fraction(num_stages)

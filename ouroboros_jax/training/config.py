@@ -282,11 +282,6 @@ class TrainConfig:
         f'{" and ".join(on)} cannot be combined yet (each one changes the step '
         'in its own way); use one of them per run.'
       )
-    if (self.pld or self.std_loss) and self.model.dtype != 'float32':
-      raise ConfigError(
-        f'{on[0]} carries its values beside the activations in a float32 channel, and '
-        f'--dtype is {self.model.dtype}; drop --dtype or {on[0]}.'
-      )
     if self.pld:
       pld.check_config(self.model, *self.plans.pld)
     if self.std_loss and not self.std_loss > 0:

@@ -26,8 +26,8 @@ carry `train_s`, `cpu_s` and `flops` (model FLOPs spent so far, counted from the
 computed, see `step_flops`).
 
 Accelerators (docs/guides/accelerators.md): `--pld` and `--std-loss` swap the staged model
-(`staged_model`) and run in this loop under any schedule (PLD batches carry their step,
-`training_batch`); `--growth` and `--vcycle` change the model's shape mid-run and are run by
+(`staged_model`) and run in this loop under any schedule (the schedules pass PLD's stages the
+batch index); `--growth` and `--vcycle` change the model's shape mid-run and are run by
 `phased.train_phased` with the library drivers (`growth.train_growth`, `vcycle.train_vcycle`).
 
 Losses are checked for NaN/Inf at every host sync (every `log_every` steps, and always before a
@@ -85,12 +85,6 @@ def staged_model(cfg: TrainConfig, layers_per_stage) -> staged.StagedModel:
   return partition.transformer_stages(cfg.model, layers_per_stage)
 
 
-def training_batch(cfg: TrainConfig, batch: dict, step) -> dict:
-  """Batch `step` as the step function takes it: PLD stages need the step with the tokens
-  (`pld.with_step`); everything else takes the batch as it is."""
-  return pld.with_step(batch, step) if cfg.pld else batch
-
-
 def step_flops(cfg: TrainConfig, steps) -> np.ndarray:
   """Model FLOPs of each step in `steps`, counted from the layers actually computed
   (`costs.step_flops`). With PLD the layers run are counted from the gates each step really
@@ -120,8 +114,7 @@ def step_flops(cfg: TrainConfig, steps) -> np.ndarray:
 
 def example_batch(cfg: TrainConfig) -> dict:
   shape_BxL = (cfg.batch_size, cfg.model.seq_len)
-  batch = {'inputs': np.zeros(shape_BxL, np.int32), 'targets': np.zeros(shape_BxL, np.int32)}
-  return training_batch(cfg, batch, 0)
+  return {'inputs': np.zeros(shape_BxL, np.int32), 'targets': np.zeros(shape_BxL, np.int32)}
 
 
 def evaluate(schedule, params, tokens, cfg: TrainConfig, max_batches: int | None) -> float:
@@ -318,7 +311,7 @@ def _loop(run: _Run, step: int) -> dict:
     batch = next(run.train_it)
     report.crc = batch_crc32(batch, report.crc)
     run.state, metrics = run.schedule.step(
-      run.state, placement.place_batch(training_batch(cfg, batch, step), run.schedule.mesh)
+      run.state, placement.place_batch(batch, run.schedule.mesh)
     )
     step += 1
     pending.append((step, {k: metrics[k] for k in ('loss', 'loss_batch', 'grad_norm')}))
