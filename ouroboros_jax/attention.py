@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.errors import ConfigError, field_ref
 
 IMPLEMENTATIONS = ('auto', 'xla', 'blockwise', 'cudnn', 'pallas')
 _MASKED = float(jnp.finfo(jnp.float32).min)  # the masked score (finite: no inf - inf = nan)
@@ -39,16 +39,17 @@ def check(name: str, dtype, *, relative: bool = False) -> None:
   """One-line ConfigError for an implementation that cannot run this attention in this dtype."""
   if name not in IMPLEMENTATIONS:
     raise ConfigError(
-      f'unknown attention {name!r}; choose --attention from {", ".join(IMPLEMENTATIONS)}.'
+      f'unknown {field_ref("attention", name)}; choose one of {", ".join(IMPLEMENTATIONS)}.'
     )
   if relative and name in ('cudnn', 'pallas'):
     raise ConfigError(
-      f'--attention {name} has no relative positions (Transformer-XL); use blockwise, xla or auto.'
+      f'{field_ref("attention", name)} has no relative positions (Transformer-XL); use '
+      'blockwise, xla or auto.'
     )
   if name == 'cudnn' and not _half(dtype):
     raise ConfigError(
       f'cuDNN attention needs bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}; use '
-      '--dtype bfloat16 or --attention blockwise.'
+      f'{field_ref("dtype", "bfloat16")} or {field_ref("attention", "blockwise")}.'
     )
 
 
@@ -76,8 +77,8 @@ def check_platform(name: str, platform: str) -> None:
   kernel_platform = {'cudnn': 'gpu', 'pallas': 'tpu'}.get(name)
   if kernel_platform and platform != kernel_platform:
     raise ConfigError(
-      f'--attention {name} runs on {kernel_platform.upper()}s only and this run is on '
-      f'{platform}; use --attention auto.'
+      f'{field_ref("attention", name)} runs on {kernel_platform.upper()}s only and this run is '
+      f'on {platform}; use {field_ref("attention", "auto")}.'
     )
 
 
@@ -143,8 +144,8 @@ def relative_attention(
     )
   if dropping:
     raise ConfigError(
-      'blockwise attention has no attention dropout; use --attention xla (or auto) or '
-      '--attn-dropout 0.'
+      f'blockwise attention has no attention dropout; use {field_ref("attention", "xla")} (or '
+      f'auto) or {field_ref("attn_dropout", 0)}.'
     )
   dtype = q_BxLxHxK.dtype
   return blockwise_attention(

@@ -760,4 +760,7 @@ def _stopped_message(args, signum: int) -> str:
 
 
 def _one_line(exc: BaseException) -> str:
+  """The error's message on one line; a user error's config fields as their flags."""
+  if isinstance(exc, errors.UserError):
+    return ' '.join(errors.render(exc.marked, config.field_flag).split())
   return ' '.join(str(exc).split())

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ouroboros_jax.errors import ConfigError  # standard library only, like this module: the
+from ouroboros_jax.errors import (
+  ConfigError,
+  field_ref,
+)  # standard library only, like this module: the
 
 # simulator reads the costs without JAX or NumPy
 
@@ -50,12 +53,13 @@ def step_flops(cfg, tokens: int, trained_layers=None, frozen_layers: int = 0):
 def check_stages(num_layers: int, num_stages: int) -> None:
   """Every stage holds at least one layer."""
   if num_stages < 1:
-    raise ConfigError(f'--stages must be >= 1, got {num_stages}.')
+    raise ConfigError(f'{field_ref("num_stages")} must be >= 1, got {num_stages}.')
   if num_stages > num_layers:
     raise ConfigError(
-      f'--stages {num_stages} cuts the model into {num_stages} groups of whole layers, one or '
-      f'more each, but the model has only {num_layers} layer{"s" * (num_layers != 1)}; use '
-      f'--stages {num_layers} or fewer, or --num-layers {num_stages} or more.'
+      f'{field_ref("num_stages", num_stages)} cuts the model into {num_stages} groups of '
+      f'whole layers, one or more each, but the model has only {num_layers} '
+      f'layer{"s" * (num_layers != 1)}; use {field_ref("num_stages", num_layers)} or fewer, or '
+      f'{field_ref("num_layers", num_stages)} or more.'
     )
 
 

@@ -4,6 +4,10 @@ Every one of them carries a one-line message that names the problem and the fix;
 command prints it as `error: <message>` and exits with the error's `exit_code`, never with a
 traceback. Anything else that escapes is a bug and keeps its traceback.
 
+A message names a config field as `field` or `field=value` in backquotes (`field_ref`). Raised
+from a Python call, the error reads as Python (stash='graph'); the command line prints the same
+error with its flags (--stash graph), through `render(error.marked, flag_of)`.
+
     UserError                 base class (exit status 2)
       ConfigError             a setting that cannot work (flags, shapes, plans, combinations)
         CheckpointError       nothing to resume, or a checkpoint that does not fit the flags
@@ -14,11 +18,43 @@ traceback. Anything else that escapes is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import re
+from typing import Any, Callable
+
+_FIELD = re.compile(r'`([a-z_][a-z0-9_]*)(?:=([^`]*))?`')
+
+
+def field_ref(name: str, value: Any = ...) -> str:
+  """A config field (and a value for it) as an error message names it: `name` / `name=value`."""
+  return f'`{name}`' if value is ... else f'`{name}={value!r}`'
+
+
+def render(message: str, flag_of: Callable[[str], str | None] | None = None) -> str:
+  """A message's field references as Python writes them, or with `flag_of` (a field's name ->
+  its command-line flag, None for a name that is not a field) as the command line does."""
+
+  def one(match):
+    name, value = match.groups()
+    flag = flag_of(name) if flag_of else None
+    if flag is None:
+      return name if value is None else f'{name}={value}'
+    if value is None:
+      return flag
+    value = value.strip('\'"')
+    return flag if value == 'True' else f'{flag} {value}'
+
+  return _FIELD.sub(one, message)
+
 
 class UserError(Exception):
-  """A problem the user can fix; str(error) is one line."""
+  """A problem the user can fix; str(error) is one line. `marked`: the message with its field
+  references (`render`)."""
 
   exit_code = 2
+
+  def __init__(self, message: Any = ''):
+    self.marked = str(message)
+    super().__init__(render(self.marked))
 
 
 class ConfigError(UserError, ValueError):

@@ -38,7 +38,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ouroboros_jax import attention as attention_kernels
-from ouroboros_jax.errors import ConfigError  # re-exported: ouroboros_jax.model.ConfigError
+from ouroboros_jax.errors import (
+  ConfigError,
+  field_ref,
+)  # re-exported: ouroboros_jax.model.ConfigError
 
 Params = dict[str, Any]
 
@@ -85,59 +88,54 @@ class ModelConfig:
     for name in ('vocab_size', 'd_model', 'num_heads', 'num_layers', 'd_ff', 'seq_len'):
       if getattr(self, name) <= 0:
         raise ConfigError(
-          f'{name} must be positive, got {getattr(self, name)}; '
-          f'set --{name.replace("_", "-")} to a positive integer.'
+          f'{field_ref(name)} must be a positive integer, got {getattr(self, name)}.'
         )
     if self.d_model % self.num_heads:
       raise ConfigError(
-        f'd_model={self.d_model} is not divisible by num_heads={self.num_heads}; '
-        'choose --d-model as a multiple of --num-heads.'
+        f'{field_ref("d_model", self.d_model)} is not divisible by '
+        f'{field_ref("num_heads", self.num_heads)}; choose {field_ref("d_model")} as a multiple '
+        f'of {field_ref("num_heads")}.'
       )
     if self.layer_unroll < 0:
       raise ConfigError(
-        f'layer_unroll must be >= 0 (0: unroll every layer), got '
-        f'{self.layer_unroll}; fix --layer-unroll.'
+        f'{field_ref("layer_unroll")} must be >= 0 (0: unroll every layer), got '
+        f'{self.layer_unroll}.'
       )
     if not 0.0 <= self.dropout < 1.0:
-      raise ConfigError(f'dropout must be in [0, 1), got {self.dropout}; fix --dropout.')
+      raise ConfigError(f'{field_ref("dropout")} must be in [0, 1), got {self.dropout}.')
     if self.arch not in ARCHS:
-      raise ConfigError(f'unknown model {self.arch!r}; use --model {" or ".join(ARCHS)}.')
+      raise ConfigError(f'unknown model {field_ref("arch", self.arch)}; use {" or ".join(ARCHS)}.')
     for name in ('mem_len', 'clamp_len'):
       if getattr(self, name) < 0:
-        raise ConfigError(
-          f'{name} must be >= 0 (0: off), got {getattr(self, name)}; fix --{name.replace("_", "-")}.'
-        )
+        raise ConfigError(f'{field_ref(name)} must be >= 0 (0: off), got {getattr(self, name)}.')
     if not 0.0 <= self.attn_dropout < 1.0:
-      raise ConfigError(
-        f'attn_dropout must be in [0, 1), got {self.attn_dropout}; fix --attn-dropout.'
-      )
+      raise ConfigError(f'{field_ref("attn_dropout")} must be in [0, 1), got {self.attn_dropout}.')
     if self.arch != 'transformer-xl':
       for name in ('mem_len', 'clamp_len', 'attn_dropout', 'untie_r'):
         if getattr(self, name):
           raise ConfigError(
-            f'--{name.replace("_", "-")} is a Transformer-XL setting but the model is '
-            f'{self.arch!r}; add --model transformer-xl or drop --{name.replace("_", "-")}.'
+            f'{field_ref(name)} is a Transformer-XL setting but the model is '
+            f'{self.arch!r}; use {field_ref("arch", "transformer-xl")} or drop '
+            f'{field_ref(name)}.'
           )
     for name, choices in (('dtype', DTYPES), ('param_dtype', DTYPES)):
       if getattr(self, name) not in choices:
         raise ConfigError(
-          f'unknown {name.replace("_", " ")} {getattr(self, name)!r}; choose '
-          f'--{name.replace("_", "-")} from {", ".join(choices)}.'
+          f'unknown {field_ref(name, getattr(self, name))}; choose one of {", ".join(choices)}.'
         )
     attention_kernels.check(
       self.attention, self.compute_dtype, relative=self.arch == 'transformer-xl'
     )
     if self.attention == 'blockwise' and self.attn_dropout:
       raise ConfigError(
-        '--attention blockwise has no attention dropout; use --attention auto (it runs xla when '
-        'dropping) or --attn-dropout 0.'
+        f'{field_ref("attention", "blockwise")} has no attention dropout; use '
+        f'{field_ref("attention", "auto")} (it runs xla when dropping) or '
+        f'{field_ref("attn_dropout", 0)}.'
       )
     if self.attention_block < 1:
-      raise ConfigError(
-        f'attention_block must be >= 1, got {self.attention_block}; fix --attention-block.'
-      )
+      raise ConfigError(f'{field_ref("attention_block")} must be >= 1, got {self.attention_block}.')
     if not 0.0 < self.init_std < float('inf'):
-      raise ConfigError(f'init_std must be a positive number, got {self.init_std}; fix --init-std.')
+      raise ConfigError(f'{field_ref("init_std")} must be a positive number, got {self.init_std}.')
 
   @property
   def head_dim(self) -> int:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import jax
 import optax
 
-from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.errors import ConfigError, field_ref
 
 OPTIMIZERS = ('adamw', 'nadamw', 'muon')
 
@@ -101,4 +101,4 @@ def make_optimizer(
       eps=eps,
       muon_weight_dimension_numbers=muon_dimensions,
     )
-  raise ConfigError(f'unknown optimizer {name!r}; use --optimizer {" or ".join(OPTIMIZERS)}.')
+  raise ConfigError(f'unknown {field_ref("optimizer", name)}; use {" or ".join(OPTIMIZERS)}.')

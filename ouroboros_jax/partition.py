@@ -17,7 +17,7 @@ import numpy as np
 
 from ouroboros_jax import costs, txl
 from ouroboros_jax import model as transformer
-from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.errors import ConfigError, field_ref
 from ouroboros_jax.model import ModelConfig
 from ouroboros_jax.staged import Memory, StagedModel, WeightSplit
 
@@ -34,20 +34,23 @@ def parse_layers_per_stage(
   try:
     counts = tuple(int(c) for c in (text.split(',') if isinstance(text, str) else text))
   except ValueError:
-    raise ConfigError(f'--layers-per-stage must be comma-separated integers, got {text!r}.')
+    raise ConfigError(
+      f'{field_ref("layers_per_stage")} must be comma-separated integers, got {text!r}.'
+    )
   if any(c < 1 for c in counts):
     raise ConfigError(
-      f'--layers-per-stage {text} has a stage with no layers; every stage needs at least one.'
+      f'{field_ref("layers_per_stage", text)} has a stage with no layers; every stage needs '
+      'at least one.'
     )
   if sum(counts) != num_layers:
     raise ConfigError(
-      f'--layers-per-stage {text} sums to {sum(counts)} but the model has '
+      f'{field_ref("layers_per_stage", text)} sums to {sum(counts)} but the model has '
       f'{num_layers} layers; make them add up.'
     )
   if num_stages is not None and len(counts) != num_stages:
     raise ConfigError(
-      f'--layers-per-stage {text} gives {len(counts)} stages but --stages is '
-      f'{num_stages}; make them agree.'
+      f'{field_ref("layers_per_stage", text)} gives {len(counts)} stages but '
+      f'{field_ref("num_stages")} is {num_stages}; make them agree.'
     )
   return counts
 

@@ -13,7 +13,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.errors import ConfigError, field_ref
 from ouroboros_jax.staged import DATA, STAGE, PyTree, Schedule, StagedModel, TrainState
 from ouroboros_jax.update import GroupedOptimizer
 
@@ -64,19 +64,19 @@ def make_mesh(num_stages: int, data_parallel: int = 1, devices=None) -> Mesh:
   needed = num_stages * data_parallel
   if num_stages < 1 or data_parallel < 1:
     raise ConfigError(
-      f'stages ({num_stages}) and data parallel degree ({data_parallel}) must be '
-      '>= 1; fix --stages / --data-parallel.'
+      f'{field_ref("num_stages")} ({num_stages}) and {field_ref("data_parallel")} ({data_parallel}) must be >= 1.'
     )
   processes = jax.process_count()
   if needed > len(devices):
     more = (
       f'launch {needed} processes of one device each (`ouroboros launch --processes {needed}`)'
       if processes > 1
-      else f'on a CPU machine simulate more with --cpu-devices {needed}'
+      else f'on a CPU machine simulate more (jax_num_cpu_devices={needed}; the command: '
+      f'--cpu-devices {needed})'
     )
     raise ConfigError(
       f'{num_stages} stages x {data_parallel} data replicas need {needed} devices but only '
-      f'{len(devices)} are visible; use fewer --stages/--data-parallel, or {more}.'
+      f'{len(devices)} are visible; use fewer {field_ref("num_stages")} / {field_ref("data_parallel")}, or {more}.'
     )
   used = devices[:needed]
   idle = sorted({d.process_index for d in devices} - {d.process_index for d in used})
@@ -85,7 +85,7 @@ def make_mesh(num_stages: int, data_parallel: int = 1, devices=None) -> Mesh:
     raise ConfigError(
       f'{num_stages} stages x {data_parallel} data replicas use {needed} of the {len(devices)} '
       f'devices of {processes} processes, leaving process(es) {", ".join(map(str, idle))} '
-      f'without one; use --stages x --data-parallel = {len(devices)}, or fewer processes.'
+      f'without one; use {field_ref("num_stages")} x {field_ref("data_parallel")} = {len(devices)}, or fewer processes.'
     )
   grid = np.asarray(used).reshape(num_stages, data_parallel)
   return Mesh(grid, (STAGE, DATA))
@@ -180,8 +180,9 @@ def check_pinned_host(mesh: Mesh) -> None:
   kinds = {m.kind for m in device.addressable_memories()}
   if 'pinned_host' not in kinds:
     raise ConfigError(
-      f'--stash-memory pinned_host needs host memory the device can reach, and {device.platform} '
-      f'devices have only {", ".join(sorted(kinds))}; use --stash-memory device.'
+      f'{field_ref("stash_memory", "pinned_host")} needs host memory the device can reach, and '
+      f'{device.platform} devices have only {", ".join(sorted(kinds))}; use '
+      f'{field_ref("stash_memory", "device")}.'
     )
 
 
@@ -253,11 +254,11 @@ def check_batch(batch: dict, replicas: int, microbatches: int = 1) -> None:
     return
   if microbatches > 1:
     raise ConfigError(
-      f'batch size {size} is not divisible by --data-parallel x --microbatches = {replicas} x '
-      f'{microbatches} = {divisor}; choose --batch-size as a multiple of {divisor} or change '
-      '--data-parallel / --microbatches.'
+      f'batch size {size} is not divisible by {field_ref("data_parallel")} x {field_ref("microbatches")} = '
+      f'{replicas} x {microbatches} = {divisor}; choose {field_ref("batch_size")} as a multiple of {divisor} '
+      f'or change {field_ref("data_parallel")} / {field_ref("microbatches")}.'
     )
   raise ConfigError(
-    f'batch size {size} is not divisible by --data-parallel = {replicas}; '
-    f'choose --batch-size as a multiple of {replicas} or change --data-parallel.'
+    f'batch size {size} is not divisible by {field_ref("data_parallel")} = {replicas}; '
+    f'choose {field_ref("batch_size")} as a multiple of {replicas} or change {field_ref("data_parallel")}.'
   )

@@ -3,8 +3,10 @@ the CLI in a subprocess, a tiny training config."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -12,9 +14,10 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
+from ouroboros_jax import errors, partition, staged
 from ouroboros_jax import model as transformer
-from ouroboros_jax import partition, staged
 from ouroboros_jax.schedules import build_schedule
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -112,6 +115,23 @@ def run_cli(*args, timeout=90, **kwargs):
     timeout=timeout,
     **kwargs,
   )
+
+
+def cli_message(error: errors.UserError) -> str:
+  """A user error as the command line prints it: its config fields as their flags."""
+  from ouroboros_jax.training import config
+
+  return errors.render(error.marked, config.field_flag)
+
+
+@contextlib.contextmanager
+def raises_for_cli(pattern: str):
+  """The block raises a ConfigError that, as the command line prints it, matches `pattern`,
+  and that, raised to a Python caller, names no command-line flag."""
+  with pytest.raises(errors.ConfigError) as info:
+    yield info
+  assert re.search(pattern, cli_message(info.value)), cli_message(info.value)
+  assert not re.search(r'(?<![\w-])--[a-z]', str(info.value)), str(info.value)
 
 
 def assert_one_line_error(result, code: int, *words: str):

@@ -17,6 +17,8 @@ import pytest
 
 from ouroboros_jax import attention
 
+from helpers import raises_for_cli
+
 F32_TOL = dict(rtol=1e-4, atol=2e-5)
 
 
@@ -268,7 +270,7 @@ def test_impossible_kernel_choices_are_one_line_config_errors():
   attention.check_platform('blockwise', 'cpu')  # portable: no error
   with pytest.raises(ConfigError, match='no relative positions'):
     gpt.ModelConfig(arch='transformer-xl', attention='pallas').validate()
-  with pytest.raises(ConfigError, match='--dtype bfloat16'):
+  with raises_for_cli('--dtype bfloat16'):
     gpt.ModelConfig(attention='cudnn').validate()
   assert gpt.ModelConfig(seq_len=1024, attention_block=256).attention_kind('cpu') == 'blockwise'
   assert gpt.ModelConfig(dtype='bfloat16').attention_kind('gpu') == 'cudnn'

@@ -18,7 +18,14 @@ from ouroboros_jax.perf import memory
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule, pipeline, tables
 from ouroboros_jax.training.config import get_preset, override
 
-from helpers import adam, max_abs_diff, random_batches, run_schedule, tiny_transformer
+from helpers import (
+  adam,
+  max_abs_diff,
+  raises_for_cli,
+  random_batches,
+  run_schedule,
+  tiny_transformer,
+)
 
 STEPS, BATCH = 4, 8
 ATOL = 5e-5  # float32 after 4 Adam steps at lr 1e-2 (measured: ~5e-6)
@@ -130,14 +137,14 @@ def test_xla_memory_orders_1f1b_below_gpipe_at_twice_as_many_microbatches_as_sta
 
 def test_bad_pipeline_settings_name_the_flag_and_the_fix():
   model, params = tiny_transformer(4, num_layers=4)
-  with pytest.raises(ConfigError, match='--microbatches 6 is not a multiple of --stages 4; use 8'):
+  with raises_for_cli('--microbatches 6 is not a multiple of --stages 4; use --microbatches 8'):
     build_schedule(ScheduleConfig(name='interleaved', num_stages=4, microbatches=6), model, adam())
-  with pytest.raises(ConfigError, match='--chunks 3 applies to --schedule interleaved only'):
+  with raises_for_cli('--chunks 3 applies to --schedule interleaved only'):
     ScheduleConfig(name='ouroboros', num_stages=2, chunks=3).validate()
   schedule = build_schedule(
     ScheduleConfig(name='1f1b', num_stages=2, microbatches=4, data_parallel=2), model, adam()
   )
-  with pytest.raises(ConfigError, match='--data-parallel x --microbatches = 2 x 4 = 8'):
+  with raises_for_cli('--data-parallel x --microbatches = 2 x 4 = 8'):
     schedule.init(params, random_batches(1, batch=4)[0])
   with pytest.raises(ConfigError, match='2 x 2 chunks = 4 groups, more than the model.s 3 layers'):
     override(get_preset('tiny'), {'schedule': 'zb_v', 'stages': 2, 'num_layers': 3}).validate()

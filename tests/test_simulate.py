@@ -330,7 +330,7 @@ def test_balanced_split_gives_device_0_fewer_layers_and_stops_at_the_layer_count
   layers = [f / per_layer for f in c.forward_s]
   assert all(n == pytest.approx(round(n)) for n in layers) and sum(layers) == pytest.approx(12)
   assert layers[0] < min(layers[1:])  # device 0 also carries the head
-  with pytest.raises(ValueError, match='--stages 16 cuts the model into 16 groups'):
+  with pytest.raises(ValueError, match='num_stages=16 cuts the model into 16 groups'):
     sim.transformer_costs(sim.GPT2_SMALL, sim.NVLINK, 16)
   assert sim.GPT2_SMALL.params == pytest.approx(124e6, rel=0.05)
   assert 1e9 < sim.ONE_B.params < 1.5e9

@@ -11,7 +11,7 @@ from ouroboros_jax import staged
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.schedules import tables
 
-from helpers import max_abs_diff, random_batches, tiny_transformer
+from helpers import max_abs_diff, raises_for_cli, random_batches, tiny_transformer
 
 GRID = [(2, 2), (2, 4), (4, 4), (4, 8), (4, 16), (8, 16)]  # interleaved needs m % p == 0
 UNEVEN = [(4, 6), (3, 5)]  # the others take any m
@@ -114,20 +114,18 @@ def test_a_table_that_reads_before_the_value_exists_is_refused():
 
 
 def test_bad_pipeline_settings_are_one_line_errors():
-  with pytest.raises(ConfigError, match='--microbatches 6 is not a multiple of --stages 4; use 8'):
+  with raises_for_cli('--microbatches 6 is not a multiple of --stages 4; use --microbatches 8'):
     tables.build('interleaved', 4, 6, 2)
   with pytest.raises(ConfigError, match='unknown pipeline'):
     tables.build('pipedream', 2, 2)
-  with pytest.raises(ConfigError, match='--chunks 2 needs --schedule interleaved'):
+  with raises_for_cli('--chunks 2 needs --schedule interleaved'):
     tables.build('1f1b', 2, 2, 2)
   with pytest.raises(ConfigError, match='zb_v runs two chunks per device'):
     tables.build('zb_v', 2, 2, 3)
 
 
 def test_interleaved_needs_two_chunks_and_zb_v_exactly_two():
-  with pytest.raises(
-    ConfigError, match=r'interleaved 1F1B needs --chunks >= 2.*got 1.*--schedule 1f1b'
-  ):
+  with raises_for_cli(r'interleaved 1F1B needs --chunks >= 2.*got 1.*--schedule 1f1b'):
     tables.build('interleaved', 2, 4, 1)
   with pytest.raises(ConfigError, match='zb_v runs two chunks per device'):
     tables.build('zb_v', 2, 4, 1)

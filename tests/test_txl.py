@@ -11,6 +11,8 @@ from ouroboros_jax import attention, txl
 from ouroboros_jax import model as gpt
 from ouroboros_jax.errors import ConfigError
 
+from helpers import raises_for_cli
+
 CFG = gpt.ModelConfig(
   arch='transformer-xl', vocab_size=32, d_model=32, num_heads=4, num_layers=2, d_ff=64, seq_len=8
 )
@@ -114,7 +116,7 @@ def test_clamp_len_shares_far_distances():
   ],
 )
 def test_bad_settings_name_the_flag(change, flag):
-  with pytest.raises(ConfigError, match=flag) as info:
+  with raises_for_cli(flag) as info:
     dataclasses.replace(CFG, **change).validate()
   assert '\n' not in str(info.value)
 
@@ -151,7 +153,7 @@ def test_eval_mem_len_needs_a_memory():
   from ouroboros_jax.training import config
 
   cfg = config.override(config.get_preset('tiny'), {'eval_mem_len': 8})
-  with pytest.raises(ConfigError, match='--model transformer-xl'):
+  with raises_for_cli('--model transformer-xl'):
     cfg.validate()
 
 

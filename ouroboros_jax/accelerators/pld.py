@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from ouroboros_jax import model as transformer
 from ouroboros_jax import partition, staged
-from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.errors import ConfigError, field_ref
 from ouroboros_jax.model import ModelConfig
 from ouroboros_jax.staged import StagedModel
 
@@ -97,8 +97,7 @@ def check_config(cfg: ModelConfig, theta_bar: float, gamma: float) -> None:
   if not cfg.pre_ln:
     raise ConfigError(
       'progressive layer dropping needs pre-LN blocks (a skipped post-LN layer '
-      'would skip its LayerNorms too); use --pre-ln (not --no-pre-ln) or turn '
-      'PLD off.'
+      f'would skip its LayerNorms too); use {field_ref("pre_ln", True)} or turn PLD off.'
     )
   if not (0.0 < theta_bar <= 1.0 and gamma >= 0.0):
     raise ConfigError(

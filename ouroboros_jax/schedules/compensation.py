@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.errors import ConfigError, field_ref
 
 PyTree = Any
 COMPENSATIONS = ('predict', 'pipemare', 'dc', 'shrink')
@@ -84,22 +84,22 @@ def spec_names(spec: str) -> tuple[str, ...]:
   unknown = [n for n in names if n not in ('auto', 'none', *COMPENSATIONS)]
   if unknown:
     raise ConfigError(
-      f'unknown --compensation {",".join(unknown)}; use auto, none, or a comma list of '
-      f'{", ".join(COMPENSATIONS)} (e.g. --compensation predict,dc).'
+      f'unknown {field_ref("compensation")} {",".join(unknown)}; use auto, none, or a comma '
+      f'list of {", ".join(COMPENSATIONS)} (e.g. {field_ref("compensation", "predict,dc")}).'
     )
   repeated = sorted({n for n in names if names.count(n) > 1}, key=names.index)
   if repeated:
     raise ConfigError(
-      f'--compensation {spec} lists {", ".join(repeated)} more than once; name each '
-      f'compensation once (--compensation {",".join(dict.fromkeys(names))}).'
+      f'{field_ref("compensation", spec)} lists {", ".join(repeated)} more than once; name '
+      f'each compensation once ({field_ref("compensation", ",".join(dict.fromkeys(names)))}).'
     )
   alone = next((n for n in names if n in ('auto', 'none')), None)
   if alone and len(names) > 1:
     meaning = 'means no compensation' if alone == 'none' else 'picks the recipe itself'
     raise ConfigError(
-      f'--compensation {spec}: {alone} ({meaning}) cannot be combined with other '
-      f'compensations; use --compensation {alone} or --compensation '
-      f'{",".join(n for n in names if n != alone)}.'
+      f'{field_ref("compensation", spec)}: {alone} ({meaning}) cannot be combined with other '
+      f'compensations; use {field_ref("compensation", alone)} or '
+      f'{field_ref("compensation", ",".join(n for n in names if n != alone))}.'
     )
   if alone == 'none':
     return ()
@@ -121,12 +121,13 @@ def parse(
   if not names:
     return Compensation()
   if not dc_lambda > 0:
-    raise ConfigError(f'--dc-lambda must be > 0, got {dc_lambda}.')
+    raise ConfigError(f'{field_ref("dc_lambda")} must be > 0, got {dc_lambda}.')
   if not 0 < shrink <= 1:
-    raise ConfigError(f'--shrink must be in (0, 1], got {shrink}.')
+    raise ConfigError(f'{field_ref("shrink")} must be in (0, 1], got {shrink}.')
   if pipemare_steps < 0:
     raise ConfigError(
-      f'--pipemare-steps must be >= 0 (0: a quarter of --steps), got {pipemare_steps}.'
+      f'{field_ref("pipemare_steps")} must be >= 0 (0: a quarter of {field_ref("steps")}), '
+      f'got {pipemare_steps}.'
     )
   return Compensation(
     predict='predict' in names,
@@ -140,9 +141,9 @@ def check_fits(compensation: Compensation, stash: str) -> None:
   """One-line ConfigError for a compensation that cannot work with the stash mode."""
   if compensation.dc_lambda and stash != 'graph':
     raise ConfigError(
-      "--compensation dc needs the gradient at the forward's weights, which "
-      'only --stash graph keeps (replay takes it at the current weights); use '
-      '--stash graph or drop dc.'
+      f"{field_ref('compensation', 'dc')} needs the gradient at the forward's weights, which "
+      f'only {field_ref("stash", "graph")} keeps (replay takes it at the current weights); use '
+      f'{field_ref("stash", "graph")} or drop dc.'
     )
 
 

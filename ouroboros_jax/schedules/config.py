@@ -15,7 +15,7 @@ from ouroboros_jax.choices import (
   STASH_MODES,
   TIED_GRAD_MODES,
 )
-from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.errors import ConfigError, field_ref
 from ouroboros_jax.schedules.compensation import Compensation, check_fits
 
 DEFAULT_MICROBATCHES = 4  # gpipe and the exact pipelines without --microbatches
@@ -51,7 +51,7 @@ class ScheduleConfig:
   # TrainConfig resolves it from --compensation
 
   def validate(self) -> None:
-    """One-line ConfigError, naming the flag, for a setting no schedule can run (checked once
+    """One-line ConfigError, naming the field, for a setting no schedule can run (checked once
     per config: `TrainConfig.validate` and `build_schedule` both ask)."""
     self._validated  # noqa: B018
 
@@ -59,59 +59,57 @@ class ScheduleConfig:
   def _validated(self) -> bool:
     from ouroboros_jax.schedules.stash import STASH_POLICIES  # late: it imports JAX's policies
 
-    for name, flag in (
-      ('num_stages', 'stages'),
-      ('data_parallel', 'data-parallel'),
-      ('microbatches', 'microbatches'),
-    ):
+    for name in ('num_stages', 'data_parallel', 'microbatches'):
       if getattr(self, name) is not None and getattr(self, name) < 1:
         raise ConfigError(
-          f'--{flag} must be >= 1, got {getattr(self, name)}; set it to a positive integer.'
+          f'{field_ref(name)} must be >= 1, got {getattr(self, name)}; set it to a positive '
+          'integer.'
         )
     if self.sync_warmup_steps < 0:
       raise ConfigError(
-        f'sync_warmup_steps must be >= 0, got {self.sync_warmup_steps}; fix --sync-warmup-steps.'
+        f'{field_ref("sync_warmup_steps")} must be >= 0, got {self.sync_warmup_steps}.'
       )
     if self.clip_norm is not None and self.clip_norm < 0:
       raise ConfigError(
-        f'clip_norm must be >= 0 (0 turns clipping off), got {self.clip_norm}; fix --clip-norm.'
+        f'{field_ref("clip_norm")} must be >= 0 (0 turns clipping off), got {self.clip_norm}.'
       )
-    for value, choices, flag in (
-      (self.name, SCHEDULES, 'schedule'),
-      (self.stash, STASH_MODES, 'stash'),
-      (self.stash_policy, tuple(STASH_POLICIES), 'stash-policy'),
-      (self.stash_memory, STASH_MEMORIES, 'stash-memory'),
-      (self.forward, FORWARD_MODES, 'forward'),
-      (self.tied_grad, TIED_GRAD_MODES, 'tied-grad'),
+    for name, choices in (
+      ('name', SCHEDULES),
+      ('stash', STASH_MODES),
+      ('stash_policy', tuple(STASH_POLICIES)),
+      ('stash_memory', STASH_MEMORIES),
+      ('forward', FORWARD_MODES),
+      ('tied_grad', TIED_GRAD_MODES),
     ):
-      if value not in choices:
+      if getattr(self, name) not in choices:
         raise ConfigError(
-          f'unknown {flag.replace("-", " ")} {value!r}; choose --{flag} from {", ".join(choices)}.'
+          f'unknown {field_ref(name, getattr(self, name))}; choose one of {", ".join(choices)}.'
         )
     if self.name == 'backprop' and self.data_parallel > 1:
       raise ConfigError(
         f'backprop runs on one device; for {self.data_parallel} replicas use '
-        '--schedule data_parallel.'
+        f'{field_ref("name", "data_parallel")}.'
       )
     if self.name != 'ouroboros':  # the Ouroboros-only settings must not pass silently
       defaults = ScheduleConfig()
       for name in ('stash', 'stash_memory', 'forward', 'sync_warmup_steps'):
         if getattr(self, name) != getattr(defaults, name):
           raise ConfigError(
-            f'--{name.replace("_", "-")} {getattr(self, name)} applies to '
-            f'--schedule ouroboros only, not {self.name}; drop it or use '
-            '--schedule ouroboros.'
+            f'{field_ref(name, getattr(self, name))} applies to '
+            f'{field_ref("name", "ouroboros")} only, not {self.name}; drop it or use '
+            f'{field_ref("name", "ouroboros")}.'
           )
       if self.compensation.active:
         raise ConfigError(
-          f'--compensation {",".join(self.compensation.names())} compensates '
-          f'delayed gradients, and --schedule {self.name} has none; use '
-          '--schedule ouroboros or --compensation none.'
+          f'{field_ref("compensation", ",".join(self.compensation.names()))} compensates '
+          f'delayed gradients, and {field_ref("name", self.name)} has none; use '
+          f'{field_ref("name", "ouroboros")} or {field_ref("compensation", "none")}.'
         )
     if self.name not in MICROBATCHED and self.microbatches not in (None, 1):
       raise ConfigError(
-        f'--microbatches {self.microbatches} applies to --schedule {", ".join(MICROBATCHED)} '
-        f'only, not {self.name} (it steps on the whole batch); drop it.'
+        f'{field_ref("microbatches", self.microbatches)} applies to '
+        f'{field_ref("name")} {", ".join(MICROBATCHED)} only, not {self.name} (it steps on the '
+        'whole batch); drop it.'
       )
     if self.name in EXACT_PIPELINES or self.name == 'gpipe':
       from ouroboros_jax.schedules import tables
@@ -119,7 +117,8 @@ class ScheduleConfig:
       tables.build(self.name, self.num_stages, self.num_microbatches, self.chunks)
     elif self.chunks not in (None, 1):
       raise ConfigError(
-        f'--chunks {self.chunks} applies to --schedule interleaved only, not {self.name}; drop it.'
+        f'{field_ref("chunks", self.chunks)} applies to {field_ref("name", "interleaved")} '
+        f'only, not {self.name}; drop it.'
       )
     check_fits(self.compensation, self.stash)
     return True

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from ouroboros_jax import staged
-from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.errors import ConfigError, field_ref
 from ouroboros_jax.schedules.delays import backward_batch
 from ouroboros_jax.staged import EMBED_PIECE
 from ouroboros_jax.update import GroupedOptimizer
@@ -207,7 +207,8 @@ class SlowRing:
     if active and model.shared:
       raise ConfigError(
         'the slow reference has no staleness compensation for parameters shared by every layer '
-        '(Transformer-XL global u, v); compare without compensation, or with --untie-r.'
+        '(Transformer-XL global u, v); compare without compensation, or with '
+        f'{field_ref("untie_r", True)}.'
       )
     self.slow = SlowCompensation(comp, tx, params, options.clip_norm) if active else None
     self.streams = [_Stream(self.num_stages) for _ in range(self.num_micro)]

@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ouroboros_jax import placement, staged
-from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.errors import ConfigError, field_ref
 from ouroboros_jax.schedules import ring
 from ouroboros_jax.schedules.config import ScheduleConfig
 from ouroboros_jax.staged import DATA, STAGE, Schedule, StagedModel, TrainState
@@ -125,9 +125,9 @@ def synchronous_schedule(
       placement.check_batch(example_batch, replicas, microbatches)
     if groups > 1 and staged.stage_count(params) != groups:
       runs = (
-        f'has --stages {num_stages}'
+        f'has {field_ref("num_stages", num_stages)}'
         if groups == num_stages
-        else f'runs {groups} (--stages {num_stages} x {groups // num_stages} chunks)'
+        else f'runs {groups} ({field_ref("num_stages", num_stages)} x {groups // num_stages} chunks)'
       )
       raise ConfigError(
         f'the parameters have {staged.stage_count(params)} stage groups but {name} {runs}; cut '

@@ -28,7 +28,7 @@ import dataclasses
 from typing import NamedTuple
 
 from ouroboros_jax.choices import EXACT_PIPELINES
-from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.errors import ConfigError, field_ref
 
 KINDS = ('F', 'B', 'W')
 PIPELINES = ('gpipe', *EXACT_PIPELINES)
@@ -83,29 +83,36 @@ def build(name: str, num_stages: int, microbatches: int, chunks: int | None = No
   """The named schedule for p = num_stages devices and m = microbatches, with `chunks` model
   chunks per device (None: the schedule's own, DEFAULT_CHUNKS); one-line errors."""
   if name not in PIPELINES:
-    raise ConfigError(f'unknown pipeline {name!r}; choose --schedule from {", ".join(PIPELINES)}.')
+    raise ConfigError(
+      f'unknown pipeline {field_ref("name", name)}; choose one of {", ".join(PIPELINES)}.'
+    )
   chunks = DEFAULT_CHUNKS.get(name, 1) if chunks is None else chunks
   if num_stages < 1 or microbatches < 1 or chunks < 1:
     raise ConfigError(
-      f'a pipeline needs --stages, --microbatches and chunks >= 1, got {num_stages}, '
-      f'{microbatches} and {chunks}.'
+      f'a pipeline needs {field_ref("num_stages")}, {field_ref("microbatches")} and '
+      f'{field_ref("chunks")} >= 1, got {num_stages}, {microbatches} and {chunks}.'
     )
   if name == 'interleaved' and chunks < 2:
     raise ConfigError(
-      f'interleaved 1F1B needs --chunks >= 2 model chunks per device (one chunk is plain 1F1B), '
-      f'got {chunks}; use --chunks 2 or more, or --schedule 1f1b.'
+      f'interleaved 1F1B needs {field_ref("chunks")} >= 2 model chunks per device (one chunk '
+      f'is plain 1F1B), got {chunks}; use {field_ref("chunks", 2)} or more, or '
+      f'{field_ref("name", "1f1b")}.'
     )
   if name == 'zb_v' and chunks != 2:
-    raise ConfigError(f'zb_v runs two chunks per device (its V); drop --chunks {chunks}.')
+    raise ConfigError(
+      f'zb_v runs two chunks per device (its V); drop {field_ref("chunks", chunks)}.'
+    )
   if name not in DEFAULT_CHUNKS and chunks != 1:
     raise ConfigError(
-      f'{name} runs one chunk per device; --chunks {chunks} needs --schedule interleaved.'
+      f'{name} runs one chunk per device; {field_ref("chunks", chunks)} needs '
+      f'{field_ref("name", "interleaved")}.'
     )
   if name == 'interleaved' and microbatches % num_stages:
     raise ConfigError(
-      f'interleaved 1F1B sends micro-batches round the devices in groups of --stages: '
-      f'--microbatches {microbatches} is not a multiple of --stages {num_stages}; use '
-      f'{-(-microbatches // num_stages) * num_stages}.'
+      f'interleaved 1F1B sends micro-batches round the devices in groups of '
+      f'{field_ref("num_stages")}: {field_ref("microbatches", microbatches)} is not a multiple '
+      f'of {field_ref("num_stages", num_stages)}; use '
+      f'{field_ref("microbatches", -(-microbatches // num_stages) * num_stages)}.'
     )
   fused = name not in ('zb_h1', 'zb_v')
   if name == 'zb_v':

@@ -39,7 +39,7 @@ from typing import Any, Mapping
 import optax
 
 from ouroboros_jax import optimizers
-from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.errors import ConfigError, field_ref
 from ouroboros_jax.model import ModelConfig
 from ouroboros_jax.schedules.config import ScheduleConfig
 
@@ -93,8 +93,10 @@ class TrainConfig:
   optimizer: str = 'auto'  # auto, adamw, nadamw (b1 0.99), muon (kernels; Adam elsewhere)
   muon_learning_rate: float = 0.02  # muon: the kernels' peak rate (--learning-rate: the rest)
   momentum: float | None = None  # b1 / Muon's beta; None: the optimizer's own (0.9, 0.99, 0.95)
-  compensation: str = 'auto'  # auto, none (the paper) or a comma list of predict, pipemare,
-  # dc, shrink (ouroboros only)
+  # The flag's text: auto, none (the paper) or a comma list of predict, pipemare, dc, shrink
+  # (ouroboros only); parsed once, with the strengths below, into the typed record
+  # `resolved_compensation()` (what ScheduleConfig.compensation holds).
+  compensation: str = 'auto'
   dc_lambda: float = 1.0  # dc: DC-ASGD-a's strength lambda_0
   shrink: float = 0.5  # shrink: factor on delayed gradients
   pipemare_steps: int = 0  # pipemare: steps T to the full rate (0: a quarter of --steps)
@@ -123,22 +125,20 @@ class TrainConfig:
     self.model.validate()
     for name, value in flat(self).items():  # nan and inf pass every comparison below
       if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f'{name} must be a finite number, got {value}; fix {flag(name)}.')
+        raise ConfigError(f'{field_ref(name)} must be a finite number, got {value}.')
       if (
         isinstance(value, int)
         and not isinstance(value, bool)
         and name != 'seed'
         and abs(value) >= 2**31
       ):
-        raise ConfigError(f'{name} {value} is out of range (at most 2**31 - 1); fix {flag(name)}.')
+        raise ConfigError(f'{field_ref(name, value)} is out of range (at most 2**31 - 1).')
     for name in ('out', 'compensation', 'data'):
       value = getattr(self, name)
       if value is not None and not value.strip():
-        raise ConfigError(f'{flag(name)} is empty; give it a value or leave the flag out.')
+        raise ConfigError(f'{field_ref(name)} is empty; give it a value or leave it out.')
     if self.seed >= 2**32:
-      raise ConfigError(
-        f'seed must be below 2**32 (the PRNG keeps 32 bits), got {self.seed}; fix --seed.'
-      )
+      raise ConfigError(f'`seed` must be below 2**32 (the PRNG keeps 32 bits), got {self.seed}.')
     for name in (
       'batch_size',
       'steps',
@@ -150,22 +150,17 @@ class TrainConfig:
     ):
       if getattr(self, name) <= 0:
         raise ConfigError(
-          f'{name} must be positive, got {getattr(self, name)}; '
-          f'set {flag(name)} to a positive integer.'
+          f'{field_ref(name)} must be a positive integer, got {getattr(self, name)}.'
         )
     for name in ('warmup_steps', 'seed'):
       if getattr(self, name) < 0:
-        raise ConfigError(f'{name} must be >= 0, got {getattr(self, name)}; fix {flag(name)}.')
+        raise ConfigError(f'{field_ref(name)} must be >= 0, got {getattr(self, name)}.')
     if not self.learning_rate > 0:
-      raise ConfigError(
-        f'learning_rate must be positive, got {self.learning_rate}; fix --learning-rate.'
-      )
+      raise ConfigError(f'`learning_rate` must be positive, got {self.learning_rate}.')
     if not 0.0 <= self.min_lr_ratio <= 1.0:
-      raise ConfigError(
-        f'min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}; fix --min-lr-ratio.'
-      )
+      raise ConfigError(f'`min_lr_ratio` must be in [0, 1], got {self.min_lr_ratio}.')
     if self.weight_decay < 0:
-      raise ConfigError(f'weight_decay must be >= 0, got {self.weight_decay}; fix --weight-decay.')
+      raise ConfigError(f'`weight_decay` must be >= 0, got {self.weight_decay}.')
     self.check_compensation()  # before the schedule: an unknown --compensation names itself
     # Checked as on CPU: asking JAX for its backend here would start it before a multi-process
     # run joins its group (the accelerators' default micro-batches always divide the batch).
@@ -173,27 +168,30 @@ class TrainConfig:
     run = self.schedule
     if run.name == 'ouroboros' and run.sync_warmup_steps >= self.steps:
       raise ConfigError(
-        f'--sync-warmup-steps {run.sync_warmup_steps} is not shorter than --steps {self.steps}, '
-        'so the whole run would be synchronous backprop; use --sync-warmup-steps below '
-        f'{self.steps} (or more --steps), or --schedule backprop.'
+        f'{field_ref("sync_warmup_steps", run.sync_warmup_steps)} is not shorter than '
+        f'{field_ref("steps", self.steps)}, so the whole run would be synchronous backprop; use '
+        f'`sync_warmup_steps` below {self.steps} (or more `steps`), or '
+        f'{field_ref("schedule", "backprop")}.'
       )
     if run.name in ('backprop', 'data_parallel') and run.num_stages > 1:
       raise ConfigError(
-        f'--schedule {run.name} runs every layer on each device, so --stages '
-        f'{run.num_stages} does nothing; drop --stages or choose --schedule '
-        'model_parallel, gpipe or ouroboros.'
+        f'{field_ref("schedule", run.name)} runs every layer on each device, so '
+        f'{field_ref("stages", run.num_stages)} does nothing; drop `stages` or choose a `schedule` '
+        'of model_parallel, gpipe or ouroboros.'
       )
     if run.stage_groups > self.model.num_layers and run.stage_groups > run.num_stages:
       raise ConfigError(
-        f'--schedule {run.name} cuts the layers into --stages {run.num_stages} x '
+        f'{field_ref("schedule", run.name)} cuts the layers into '
+        f'{field_ref("stages", run.num_stages)} x '
         f'{run.stage_groups // run.num_stages} chunks = {run.stage_groups} groups, more than the '
-        f"model's {self.model.num_layers} layers; use fewer --stages or --chunks, or more "
-        '--num-layers.'
+        f"model's {self.model.num_layers} layers; use fewer `stages` or `chunks`, or more "
+        '`num_layers`.'
       )
     if self.batch_size % self.schedule.data_parallel:
       raise ConfigError(
-        f'batch_size {self.batch_size} is not divisible by data_parallel '
-        f'{self.schedule.data_parallel}; choose --batch-size as a multiple of it.'
+        f'{field_ref("batch_size", self.batch_size)} is not divisible by '
+        f'{field_ref("data_parallel", self.schedule.data_parallel)}; choose `batch_size` as a '
+        'multiple of it.'
       )
     self.plans  # parses --layers-per-stage, --pld, --growth, --vcycle, --std-loss-layers
     self.check_accelerators()
@@ -215,24 +213,23 @@ class TrainConfig:
     """Transformer-XL's settings fit the run (one line naming the flag)."""
     if self.data_order not in DATA_ORDERS:
       raise ConfigError(
-        f'unknown data order {self.data_order!r}; use --data-order {" or ".join(DATA_ORDERS)}.'
+        f'unknown {field_ref("data_order", self.data_order)}; use {" or ".join(DATA_ORDERS)}.'
       )
     if self.eval_mem_len is not None and self.eval_mem_len < 0:
-      raise ConfigError(f'eval_mem_len must be >= 0, got {self.eval_mem_len}; fix --eval-mem-len.')
+      raise ConfigError(f'`eval_mem_len` must be >= 0, got {self.eval_mem_len}.')
     xl = self.model.arch == 'transformer-xl'
     if self.eval_mem_len is not None and not self.model.mem_len:
       raise ConfigError(
-        '--eval-mem-len needs a model with a memory; add --model transformer-xl --mem-len N, or '
-        'drop --eval-mem-len.'
+        f'`eval_mem_len` needs a model with a memory; add {field_ref("model", "transformer-xl")} '
+        'and a `mem_len`, or drop `eval_mem_len`.'
       )
     if not xl:
       return
-    on = [f for f, v in (('--pld', self.pld), ('--std-loss', self.std_loss),
-                         ('--growth', self.growth), ('--vcycle', self.vcycle)) if v]  # fmt: skip
+    on = [field_ref(f) for f in ('pld', 'std_loss', 'growth', 'vcycle') if getattr(self, f)]
     if on:
       raise ConfigError(
         f'{on[0]} runs the GPT model only (it rewrites its layers); drop {on[0]} or use '
-        '--model gpt.'
+        f'{field_ref("model", "gpt")}.'
       )
 
   @functools.cached_property
@@ -285,14 +282,14 @@ class TrainConfig:
     if self.pld:
       pld.check_config(self.model, *self.plans.pld)
     if self.std_loss and not self.std_loss > 0:
-      raise ConfigError(f'--std-loss is a weight >= 0, got {self.std_loss}.')
+      raise ConfigError(f'`std_loss` is a weight >= 0, got {self.std_loss}.')
     if self.growth:
       if self.schedule.name != 'backprop':
         raise ConfigError(
-          f'--growth runs on --schedule backprop only: MSLT and stacking change '
+          f'`growth` runs on {field_ref("schedule", "backprop")} only: MSLT and stacking change '
           f'the depth mid-run, which would change the layers of every stage of '
-          f'{self.schedule.name!r} (and MSLT freezes whole stages); drop --schedule '
-          f'or --growth.'
+          f'{self.schedule.name!r} (and MSLT freezes whole stages); drop `schedule` '
+          f'or `growth`.'
         )
     if self.vcycle:
       plan, _ = self.plans.vcycle
@@ -303,31 +300,28 @@ class TrainConfig:
         costs.check_stages(level_cfg.num_layers, self.schedule.num_stages)
       if self.layers_per_stage:
         raise ConfigError(
-          '--vcycle cuts every level with the balanced split; drop --layers-per-stage.'
+          '`vcycle` cuts every level with the balanced split; drop `layers_per_stage`.'
         )
     if (self.growth or self.vcycle) and self.schedule.sync_warmup_steps:
-      raise ConfigError('--sync-warmup-steps does not apply to --growth / --vcycle runs; drop it.')
+      raise ConfigError('`sync_warmup_steps` does not apply to `growth` / `vcycle` runs; drop it.')
 
   def check_compensation(self) -> None:
     """--optimizer and --compensation name known pieces that fit the schedule (one line)."""
-    from ouroboros_jax.schedules import compensation
-
     if self.optimizer not in ('auto', *optimizers.OPTIMIZERS):
       raise ConfigError(
-        f'unknown optimizer {self.optimizer!r}; use --optimizer auto, '
+        f'unknown {field_ref("optimizer", self.optimizer)}; use auto, '
         f'{", ".join(optimizers.OPTIMIZERS)}.'
       )
     if self.momentum is not None and not 0 <= self.momentum < 1:
-      raise ConfigError(f'momentum must be in [0, 1), got {self.momentum}; fix --momentum.')
+      raise ConfigError(f'`momentum` must be in [0, 1), got {self.momentum}.')
     if not self.muon_learning_rate > 0:
       raise ConfigError(
         f'muon_learning_rate must be positive, got {self.muon_learning_rate}; '
-        'fix --muon-learning-rate.'
+        'fix `muon_learning_rate`.'
       )
     if (self.growth or self.vcycle) and self.resolved_optimizer() != 'adamw':
-      raise ConfigError('--growth and --vcycle runs use AdamW; drop --optimizer.')
-    compensation.spec_names(self.compensation)  # the flag's spelling, 'auto' included
-    self.resolved_compensation()  # and the strengths of what it resolves to
+      raise ConfigError('`growth` and `vcycle` runs use AdamW; drop `optimizer`.')
+    self.resolved_compensation()  # the flag's spelling, 'auto' included, and the strengths
 
   @property
   def uses_recipe(self) -> bool:
@@ -345,7 +339,12 @@ class TrainConfig:
     return RECIPE_OPTIMIZER if self.uses_recipe else 'adamw'
 
   def resolved_compensation(self):
-    """--compensation and its strengths as a compensation.Compensation."""
+    """--compensation and its strengths as the typed record the schedules take
+    (`ScheduleConfig.compensation`), parsed once per config."""
+    return self._compensation
+
+  @functools.cached_property
+  def _compensation(self):
     from ouroboros_jax.schedules import compensation
 
     spec = self.compensation
@@ -373,12 +372,12 @@ class TrainConfig:
       ids = tuple(int(v) for v in self.std_loss_layers.split(','))
     except ValueError:
       raise ConfigError(
-        f"--std-loss-layers takes 'all' or 0-based layer indices like 0,2; got "
+        f"`std_loss_layers` takes 'all' or 0-based layer indices like 0,2; got "
         f'{self.std_loss_layers!r}.'
       ) from None
     if not ids or any(not 0 <= i < self.model.num_layers for i in ids):
       raise ConfigError(
-        f"--std-loss-layers {self.std_loss_layers} is outside the model's "
+        f"`std_loss_layers` {self.std_loss_layers} is outside the model's "
         f'{self.model.num_layers} layers; choose from 0 .. '
         f'{self.model.num_layers - 1}.'
       )
@@ -535,7 +534,7 @@ PRESETS: dict[str, TrainConfig] = {
 
 def get_preset(name: str) -> TrainConfig:
   if name not in PRESETS:
-    raise ConfigError(f'unknown preset {name!r}; choose --preset from {", ".join(PRESETS)}.')
+    raise ConfigError(f'unknown {field_ref("preset", name)}; choose one of {", ".join(PRESETS)}.')
   return PRESETS[name]
 
 
@@ -544,6 +543,15 @@ def get_preset(name: str) -> TrainConfig:
 
 def flag(name: str) -> str:
   return '--' + name.replace('_', '-')
+
+
+def field_flag(name: str) -> str | None:
+  """The command-line flag of a config field, by its flat name or its name in ModelConfig,
+  ScheduleConfig or TrainConfig (`num_stages` -> --stages); None for a name that is not one."""
+  by_attribute = {f.attribute: flat_name for flat_name, f in fields().items()}
+  if name in fields():
+    return flag(name)
+  return flag(by_attribute[name]) if name in by_attribute else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -601,8 +609,8 @@ def override(cfg: TrainConfig, values: Mapping[str, Any]) -> TrainConfig:
   for name, value in values.items():
     if name not in known:
       close = difflib.get_close_matches(name, known, n=1)
-      hint = f'; did you mean {flag(close[0])}?' if close else '; see --help for the fields.'
-      raise ConfigError(f'unknown field {flag(name)}{hint}')
+      hint = f'; did you mean {field_ref(close[0])}?' if close else ' (see `config.fields()`).'
+      raise ConfigError(f'unknown field {field_ref(name)}{hint}')
     field = known[name]
     changes[field.owner][field.attribute] = value
   nested = {
