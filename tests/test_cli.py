@@ -19,7 +19,7 @@ from ouroboros_jax import cli
 from ouroboros_jax.model import ConfigError
 from ouroboros_jax.training import config
 
-from helpers import assert_one_line_error, raises_for_cli, run_cli
+from helpers import assert_one_line_error, cli_message, raises_for_cli, run_cli
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 SMALL = [
@@ -115,17 +115,17 @@ def test_presets_are_valid_and_have_the_documented_shapes():
 @pytest.mark.parametrize(
   'args, words',
   [
-    (['--preset', 'huge'], ['unknown preset', 'huge', 'tiny']),
+    (['--preset', 'huge'], ['unknown --preset huge', 'tiny']),
     (['--nonsense', '1'], ['unknown flag', '--nonsense']),
-    (['--d-model', '30', '--num-heads', '4'], ['d_model=30', 'num_heads=4', 'divisible']),
-    (['--num-layers', '0'], ['num_layers must be positive', '--num-layers']),
-    (['--batch-size', '-1'], ['batch_size must be positive']),
+    (['--d-model', '30', '--num-heads', '4'], ['--d-model 30', '--num-heads 4', 'divisible']),
+    (['--num-layers', '0'], ['--num-layers must be a positive integer, got 0']),
+    (['--batch-size', '-1'], ['--batch-size must be a positive integer']),
     (['--d-model', 'x'], ['--d-model', "invalid int value: 'x'"]),
     (
       ['--schedule', 'ouroboros', '--stages', '3', '--num-layers', '2'],
       ['--stages 3', 'only 2 layers', '--num-layers 3 or more'],
     ),
-    (['--schedule', 'nope'], ['unknown schedule', 'backprop']),
+    (['--schedule', 'nope'], ['unknown --schedule nope', 'backprop']),
   ],
 )
 def test_bad_settings_fail_in_one_line(args, words):
@@ -370,7 +370,7 @@ def test_silent_settings_are_refused_and_booleans_take_values():
   args = parser.parse_args(['train', '--learning-rate', '-1e-3'])
   assert cli.config_from_args(args).learning_rate == -1e-3
   assert_one_line_error(
-    run_cli('train', '--learning-rate', '-1e-3'), 2, 'learning_rate must be positive'
+    run_cli('train', '--learning-rate', '-1e-3'), 2, '--learning-rate must be positive'
   )
   assert_one_line_error(run_cli('train', '--compensation', ''), 2, '--compensation is empty')
 
@@ -380,7 +380,7 @@ def _refused(flags: list[str], *words: str) -> None:
   cfg = cli.config_from_args(cli.make_parser().parse_args(['train', *flags]))
   with pytest.raises(ConfigError) as error:
     cfg.validate()
-  message = str(error.value)
+  message = cli_message(error.value)
   assert '\n' not in message
   for word in words:
     assert word in message, (word, message)

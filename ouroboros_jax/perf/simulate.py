@@ -20,10 +20,9 @@ from ouroboros_jax.choices import EXACT_PIPELINES, FORWARD_MODES, SCHEDULES, STA
 from ouroboros_jax.schedules import tables
 from ouroboros_jax.schedules.delays import backward_batch, forward_batch, lags
 
-# The exact pipelines the simulator runs from their tables. gpipe keeps its own emitter, the
-# classic placement (the head once on device 0 on all M outputs), whose formulas the tests pin;
-# the library's gpipe now runs from its table (head per micro-batch on the last stage's device).
-TABLE_PIPELINES = EXACT_PIPELINES
+# The pipelines the simulator runs from their tables, as the library's executor does: GPipe and
+# the exact pipelines (the head per micro-batch on the last stage's device).
+TABLE_PIPELINES = ('gpipe', *EXACT_PIPELINES)
 
 # ----------------------------------------------------------------------------- costs
 
@@ -269,31 +268,6 @@ def emit_model_parallel(g: Graph, t: int, state: dict, **_) -> None:
   g.end_step(t)
 
 
-def emit_gpipe(g: Graph, t: int, state: dict, *, microbatches: int, **_) -> None:
-  c, G, M = g.costs, g.costs.num_stages, microbatches
-  nbytes, extra = c.activation_bytes / M, c.microbatch_overhead_s
-  fwd = lambda s: c.forward_s[s] / M + extra
-  bwd = lambda s: c.backward_s[s] / M + extra
-  # Forward: micro-batch m enters device 0 at iteration m and moves one stage per iteration.
-  outputs = []
-  for m in range(M):
-    x = g.compute(0, 'embed_fwd', t, m, c.embed_forward_s / M)
-    for s in range(G):
-      x = g.compute(s, 'fwd', t, m, fwd(s), [x])
-      x = g.send(x, (s + 1) % G, 'act', t, m, nbytes)
-    outputs.append(x)
-  # The head runs once on all M outputs (vmapped), then the mirrored backward, last m first.
-  head = g.compute(0, 'head', t, 0, c.head_s, outputs)
-  deltas = {m: g.send(head, G - 1, 'grad', t, m, nbytes) for m in reversed(range(M))}
-  for m in reversed(range(M)):
-    delta = deltas[m]
-    for s in reversed(range(G)):
-      y = g.compute(s, 'bwd', t, m, bwd(s), [delta])
-      delta = g.send(y, s - 1, 'grad', t, m, nbytes) if s > 0 else y
-    g.compute(0, 'embed_bwd', t, m, c.embed_backward_s / M, [delta])
-  g.end_step(t)
-
-
 def emit_table(g: Graph, t: int, state: dict, *, table, **_) -> None:
   """An exact pipeline from its table (`schedules.tables`), tick by tick: the operation each
   device runs, after the value it reads has arrived. F of a chunk costs the stage's forward / (M
@@ -495,9 +469,9 @@ def simulate(run: Run | str, costs: StageCosts, steps: int | None = None) -> Sim
 def _emitter(run: Run, costs: StageCosts) -> tuple[Callable[..., None], tables.Table | None]:
   """The function that emits one step of `run` (checked), and an exact pipeline's table."""
   G = costs.num_stages
+  _check(run, costs)
   if run.schedule in TABLE_PIPELINES:
     return emit_table, tables.place(tables.build(run.schedule, G, run.num_microbatches, run.chunks))
-  _check(run, costs)
   if run.schedule == 'ouroboros':  # G = 1 has no delay: Ouroboros is backprop there
     if G == 1:
       return emit_backprop, None
@@ -506,8 +480,7 @@ def _emitter(run: Run, costs: StageCosts) -> tuple[Callable[..., None], tables.T
     'backprop': emit_backprop,
     'data_parallel': emit_data_parallel,
     'model_parallel': emit_model_parallel,
-    'gpipe': emit_gpipe,
-  }.get(run.schedule, emit_table)
+  }[run.schedule]
   return emit, None
 
 
@@ -565,7 +538,7 @@ def _check(run: Run, costs: StageCosts) -> None:
   batch = costs.batch_size
   for name, parts, applies in (
     ('data_parallel', data_parallel, schedule == 'data_parallel'),
-    ('microbatches', microbatches, schedule in ('gpipe', 'ouroboros')),
+    ('microbatches', microbatches, schedule in ('ouroboros', *TABLE_PIPELINES)),
   ):
     if applies and batch is not None and batch % parts:
       raise ValueError(f'batch {batch} cannot be cut into {name}={parts} equal parts.')
