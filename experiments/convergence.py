@@ -29,12 +29,13 @@ import json
 import os
 import sys
 
-# Every run uses the library's defaults ('auto'): AdamW for backprop, the measured recipe (Muon +
-# weight prediction + DC-ASGD; Muon + prediction with replay) for Ouroboros with G > 1. Add
-# `--set compensation=none --set optimizer=adamw` for the paper's method. backprop-muon is the
+# Every Ouroboros run uses the library's defaults ('auto'): the measured recipe (Muon + weight
+# prediction + DC-ASGD; Muon + prediction with replay) for G > 1. Add `--set compensation=none
+# --set optimizer=adamw` for the paper's method. 'backprop' is backprop with AdamW (the default
+# before every schedule trained with Muon); backprop-muon, today's default for backprop, is the
 # best synchronous run of experiments/lr_sweep.py (Muon at its best rate there, 0.04).
 RUNS = {
-  'backprop': dict(schedule='backprop', stages=1),
+  'backprop': dict(schedule='backprop', stages=1, optimizer='adamw'),
   'backprop-muon': dict(schedule='backprop', stages=1, optimizer='muon', muon_learning_rate=0.04),
   'ouroboros-g2-graph': dict(schedule='ouroboros', stages=2, stash='graph'),
   'ouroboros-g2-replay': dict(schedule='ouroboros', stages=2, stash='replay'),

@@ -140,10 +140,12 @@ _FIELD_HELP = {
   'std_loss': 'weight of the standardization loss on the GELU pre-activations (e.g. '
   '1e-3; default 0: off)',
   'std_loss_layers': "layers the standardization loss regularises: 'all' or e.g. '0,2'",
-  'optimizer': 'auto (Ouroboros with --compensation auto: muon; otherwise adamw), adamw '
-  '(the paper), nadamw (Nesterov, b1 0.99) or muon (orthogonalised momentum on '
-  'the layer kernels, Adam at --learning-rate elsewhere)',
-  'muon_learning_rate': 'muon: peak rate of the layer kernels (tiny: 0.02)',
+  'optimizer': 'auto (default: muon for every schedule, the best measured: backprop 2.40 val '
+  'bpb against 2.62 with adamw at 1000 steps; adamw with --compensation none, the paper), '
+  'adamw, nadamw (Nesterov, b1 0.99) or muon (orthogonalised momentum on the layer kernels, '
+  'Adam at --learning-rate elsewhere)',
+  'muon_learning_rate': 'muon: peak rate of the layer kernels (default: 0.04 for exact '
+  'gradients, 0.02 for ouroboros with G > 1, each measured best)',
   'momentum': "the optimizer's first-moment decay (AdamW/NAdamW b1, Muon's beta); default "
   'none: its own (0.9, 0.99, 0.95)',
   'compensation': 'ouroboros staleness compensation: auto (default, G > 1: the measured '

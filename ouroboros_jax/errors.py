@@ -4,7 +4,7 @@ Every one of them carries a one-line message that names the problem and the fix;
 command prints it as `error: <message>` and exits with the error's `exit_code`, never with a
 traceback. Anything else that escapes is a bug and keeps its traceback.
 
-A message names a config field as `field` or `field=value` in backquotes (`field_ref`). Raised
+A message names a config field as ‹field› or ‹field=value› (`field_ref`). Raised
 from a Python call, the error reads as Python (stash='graph'); the command line prints the same
 error with its flags (--stash graph), through `render(error.marked, flag_of)`.
 
@@ -21,12 +21,12 @@ from __future__ import annotations
 import re
 from typing import Any, Callable
 
-_FIELD = re.compile(r'`([a-z_][a-z0-9_]*)(?:=([^`]*))?`')
+_FIELD = re.compile(r'‹([a-z_][a-z0-9_]*)(?:=([^›]*))?›')
 
 
 def field_ref(name: str, value: Any = ...) -> str:
-  """A config field (and a value for it) as an error message names it: `name` / `name=value`."""
-  return f'`{name}`' if value is ... else f'`{name}={value!r}`'
+  """A config field (and a value for it) as an error message marks it: ‹name› / ‹name=value›."""
+  return f'‹{name}›' if value is ... else f'‹{name}={value!r}›'
 
 
 def render(message: str, flag_of: Callable[[str], str | None] | None = None) -> str:

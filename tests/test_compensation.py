@@ -283,20 +283,29 @@ def test_checkpoints_carry_the_compensation_state_and_resume_bitwise(tmp_path, p
     )
 
 
-def test_auto_gives_ouroboros_the_recipe_and_everything_else_the_paper():
+def test_auto_gives_every_schedule_muon_and_ouroboros_the_recipe():
+  """--optimizer auto: Muon for every schedule, at the kernel rate measured best for exact (0.04)
+  or delayed (0.02) gradients; Ouroboros with G > 1 also gets the recipe's compensations;
+  --compensation none is the paper's AdamW."""
   from ouroboros_jax.training import config
 
   tiny = config.get_preset('tiny')
   ring = config.override(tiny, {'schedule': 'ouroboros', 'stages': 2})
   assert ring.resolved_optimizer() == config.RECIPE_OPTIMIZER == 'muon'
+  assert ring.resolved_muon_learning_rate() == 0.02
   assert ring.resolved_compensation() == compensation.parse(
     config.RECIPE_COMPENSATION, steps=ring.steps
   )
   assert config.override(ring, {'stash': 'replay'}).resolved_compensation().dc_lambda == 0
-  for paper in (
+  for exact in (
     tiny,
-    config.override(ring, {'compensation': 'none'}),
     config.override(ring, {'stages': 1}),
+    config.override(tiny, {'schedule': 'zb_h1', 'stages': 2}),
   ):
-    assert paper.resolved_optimizer() == 'adamw'
-    assert paper.resolved_compensation() == Compensation()
+    assert exact.resolved_optimizer() == 'muon'
+    assert exact.resolved_muon_learning_rate() == 0.04
+    assert exact.resolved_compensation() == Compensation()
+  paper = config.override(ring, {'compensation': 'none'})
+  assert paper.resolved_optimizer() == 'adamw'
+  assert paper.resolved_compensation() == Compensation()
+  assert config.override(tiny, {'muon_learning_rate': 0.01}).resolved_muon_learning_rate() == 0.01

@@ -21,6 +21,7 @@ from helpers import (
   adam,
   assert_trees_equal,
   max_abs_diff,
+  raises_for_cli,
   random_batches,
   run_schedule,
   save_and_restore,
@@ -238,7 +239,7 @@ def test_graph_stash_policies_keep_the_forward_time_gradient(forward):
 
 def test_unknown_stash_policy_is_a_clear_error():
   model, params = tiny_transformer(2)
-  with pytest.raises(ConfigError, match='stash policy'):
+  with raises_for_cli('unknown --stash-policy most'):
     build_schedule(
       ScheduleConfig(name='ouroboros', num_stages=2, stash_policy='most'), model, adam()
     )
