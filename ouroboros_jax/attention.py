@@ -86,10 +86,40 @@ def _half(dtype) -> bool:
   return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def causal_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, *, implementation='xla', block=512):
+class Kernel(NamedTuple):
+  """Which implementation computes attention (IMPLEMENTATIONS; 'auto' picks by platform, dtype and
+  length, `resolve`) and the block size of the blockwise and Pallas kernels."""
+
+  implementation: str = 'xla'
+  block: int = 512
+
+
+class Relative(NamedTuple):
+  """Transformer-XL's relative-position inputs: the projected encodings of the distances J-1 .. 0
+  (`r_net(pos_JxD)`), the content and position biases u and v, and each row's first valid key
+  (key_start = M - the filled memory slots)."""
+
+  r_JxHxK: jax.Array
+  content_bias_HxK: jax.Array
+  position_bias_HxK: jax.Array
+  key_start_B: jax.Array
+
+
+class Dropout(NamedTuple):
+  """Attention dropout on the probabilities: off unless rate > 0 and there is an rng."""
+
+  rate: float = 0.0
+  rng: jax.Array | None = None
+
+  @property
+  def on(self) -> bool:
+    return self.rate > 0.0 and self.rng is not None
+
+
+def causal_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, kernel: Kernel = Kernel()):
   """softmax(q k^T / sqrt(K) + causal mask) v, as `jax.nn.dot_product_attention(is_causal=True)`."""
-  platform = jax.default_backend()
-  impl = resolve(implementation, platform, q_BxLxHxK.dtype, k_BxLxHxK.shape[1], block)
+  platform, block = jax.default_backend(), kernel.block
+  impl = resolve(kernel.implementation, platform, q_BxLxHxK.dtype, k_BxLxHxK.shape[1], block)
   if impl == 'blockwise':
     return blockwise_attention(q_BxLxHxK, k_BxLxHxK, v_BxLxHxK, block=block)
   if impl == 'pallas':
@@ -103,60 +133,33 @@ def relative_attention(
   q_BxLxHxK,
   k_BxJxHxK,
   v_BxJxHxK,
-  r_JxHxK,
-  content_bias_HxK,
-  position_bias_HxK,
-  key_start_B,
-  *,
-  implementation='xla',
-  block=512,
-  dropout_rate=0.0,
-  rng=None,
+  relative: Relative,
+  kernel: Kernel = Kernel(),
+  dropout: Dropout = Dropout(),
 ):
   """Transformer-XL attention of L queries over J = M + L keys ([memory, segment]):
 
       score[i, j] = ((q_i + u) . k_j + (q_i + v) . r[J - 1 - (i + M - j)]) / sqrt(K)
 
-  r_JxHxK: the projected encodings of the distances J-1 .. 0 (`r_net(pos_JxD)`); u, v the content
-  and position biases; query i sees key j iff key_start_B[b] <= j <= i + M (key_start = M - the
-  filled memory slots). Attention dropout (dropout_rate > 0 with an rng) needs the probabilities
-  themselves: 'auto' then runs 'xla', and an explicit 'blockwise' raises ValueError.
+  with r, u, v and the key starts from `relative`: query i sees key j iff
+  key_start_B[b] <= j <= i + M. Attention dropout needs the probabilities themselves: 'auto' then
+  runs 'xla', and an explicit 'blockwise' raises ConfigError.
   """
-  dropping = dropout_rate > 0.0 and rng is not None
-  if implementation == 'auto' and dropping:
+  if kernel.implementation == 'auto' and dropout.on:
     impl = 'xla'
   else:
-    platform = jax.default_backend()
+    platform, keys = jax.default_backend(), k_BxJxHxK.shape[1]
     impl = resolve(
-      implementation, platform, q_BxLxHxK.dtype, k_BxJxHxK.shape[1], block, relative=True
+      kernel.implementation, platform, q_BxLxHxK.dtype, keys, kernel.block, relative=True
     )
   if impl == 'xla':
-    return plain_relative_attention(
-      q_BxLxHxK,
-      k_BxJxHxK,
-      v_BxJxHxK,
-      r_JxHxK,
-      content_bias_HxK,
-      position_bias_HxK,
-      key_start_B,
-      dropout_rate=dropout_rate,
-      rng=rng,
-    )
-  if dropping:
+    return plain_relative_attention(q_BxLxHxK, k_BxJxHxK, v_BxJxHxK, relative, dropout)
+  if dropout.on:
     raise ConfigError(
       f'blockwise attention has no attention dropout; use {field_ref("attention", "xla")} (or '
       f'auto) or {field_ref("attn_dropout", 0)}.'
     )
-  dtype = q_BxLxHxK.dtype
-  return blockwise_attention(
-    (q_BxLxHxK + content_bias_HxK).astype(dtype),
-    k_BxJxHxK,
-    v_BxJxHxK,
-    (q_BxLxHxK + position_bias_HxK).astype(dtype),
-    r_JxHxK,
-    key_start_B,
-    block=block,
-  )
+  return blockwise_attention(q_BxLxHxK, k_BxJxHxK, v_BxJxHxK, relative, block=kernel.block)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,18 +185,10 @@ def relative_mask(seq_len: int, num_keys: int, key_start_B):
 
 
 def plain_relative_attention(
-  q_BxLxHxK,
-  k_BxJxHxK,
-  v_BxJxHxK,
-  r_JxHxK,
-  content_bias_HxK,
-  position_bias_HxK,
-  key_start_B,
-  *,
-  dropout_rate=0.0,
-  rng=None,
+  q_BxLxHxK, k_BxJxHxK, v_BxJxHxK, relative: Relative, dropout: Dropout = Dropout()
 ):
   """`relative_attention` as txl.py's RelBlock computed it: [B, H, L, J] scores, rel_shift."""
+  r_JxHxK, content_bias_HxK, position_bias_HxK, key_start_B = relative
   l, j, k = q_BxLxHxK.shape[1], k_BxJxHxK.shape[1], q_BxLxHxK.shape[3]
   f32 = jnp.float32  # scores accumulate and come out in float32 whatever the inputs' dtype
   content_BxHxLxJ = jnp.einsum(
@@ -205,9 +200,9 @@ def plain_relative_attention(
   score_BxHxLxJ = (content_BxHxLxJ + position_BxHxLxJ) * k**-0.5
   score_BxHxLxJ = jnp.where(relative_mask(l, j, key_start_B), score_BxHxLxJ, _MASKED)
   prob_BxHxLxJ = jax.nn.softmax(score_BxHxLxJ, axis=-1).astype(q_BxLxHxK.dtype)
-  if dropout_rate > 0.0 and rng is not None:  # inverted dropout, as model.dropout
-    keep = jax.random.bernoulli(rng, 1.0 - dropout_rate, prob_BxHxLxJ.shape)
-    prob_BxHxLxJ = jnp.where(keep, prob_BxHxLxJ / (1.0 - dropout_rate), 0)
+  if dropout.on:  # inverted dropout, as model.dropout
+    keep = jax.random.bernoulli(dropout.rng, 1.0 - dropout.rate, prob_BxHxLxJ.shape)
+    prob_BxHxLxJ = jnp.where(keep, prob_BxHxLxJ / (1.0 - dropout.rate), 0)
   return jnp.einsum('bhlj,bjhk->blhk', prob_BxHxLxJ, v_BxJxHxK)
 
 
@@ -216,16 +211,21 @@ def plain_relative_attention(
 
 
 def blockwise_attention(
-  qu_BxLxHxK, k_BxJxHxK, v_BxJxHxK, qv_BxLxHxK=None, r_JxHxK=None, key_start_B=None, *, block=512
+  q_BxLxHxK, k_BxJxHxK, v_BxJxHxK, relative: Relative | None = None, *, block=512
 ):
   """Flash attention: y_BxLxHxK, never an L x J array (forward or backward).
 
-  qu: the content queries (q + u); qv, r: the position queries (q + v) and distance encodings
-  (Transformer-XL; None for plain causal attention); key_start_B: first valid key per row (None:
-  0). Query i (of L) sees key j (of J) iff key_start_B[b] <= j <= i + J - L. Gradients flow to
-  qu, k, v, qv and r.
+  Causal (relative None): query i (of L) sees key j (of J) iff j <= i + J - L. Transformer-XL
+  (`relative`): the content queries q + u, the position queries q + v against the distance
+  encodings r, and only keys from each row's key_start_B on. Gradients flow to q, k, v, r, u, v.
   """
-  b, l, h, k = qu_BxLxHxK.shape
+  b, l, h, k = q_BxLxHxK.shape
+  key_start_B = r_JxHxK = None
+  qu_BxLxHxK = q_BxLxHxK
+  if relative is not None:
+    r_JxHxK, u_HxK, pv_HxK, key_start_B = relative
+    qu_BxLxHxK = (q_BxLxHxK + u_HxK).astype(q_BxLxHxK.dtype)
+    qv_BxLxHxK = (q_BxLxHxK + pv_HxK).astype(q_BxLxHxK.dtype)
   j = k_BxJxHxK.shape[1]
   if j < l:
     raise ValueError(f'blockwise attention needs at least as many keys as queries: {j} < {l}.')
@@ -247,15 +247,14 @@ def blockwise_attention(
     r_HxRxK = jnp.pad(jnp.swapaxes(r_JxHxK, 0, 1), ((0, 0), (lp - l, jp - plan.mem - 1), (0, 0)))
   if key_start_B is None:
     key_start_B = jnp.zeros((b,), jnp.int32)
-  y_HxBxLxK = _flash(
-    plan,
+  ops = _Operands(
     heads_first(qu_BxLxHxK, lp),
     heads_first(k_BxJxHxK, jp),
     heads_first(v_BxJxHxK, jp),
     qv_HxBxLxK,
     r_HxRxK,
-    jnp.asarray(key_start_B, jnp.int32),
   )
+  y_HxBxLxK = _flash(plan, ops, jnp.asarray(key_start_B, jnp.int32))
   return jnp.transpose(y_HxBxLxK[:, :, :l], (1, 2, 0, 3))
 
 
@@ -311,12 +310,24 @@ def _window_start(plan: _Plan, qb, kb):
   return plan.num_q * plan.block_q - (qb + 1) * plan.block_q + kb * plan.block_k
 
 
-def _scores(plan: _Plan, qb, kb, qu_HxBxQxK, k_HxBxJxK, qv_HxBxQxK, r_HxWxK, key_start_B):
+class _Operands(NamedTuple):
+  """What the blockwise kernel differentiates, head-major: the content queries qu [H, B, L, K],
+  keys and values [H, B, J, K], and (relative, else None) the position queries qv [H, B, L, K]
+  and the distance encodings r [H, R, K]; or one block pair's slices of them."""
+
+  qu: jax.Array
+  k: jax.Array
+  v: jax.Array
+  qv: jax.Array | None
+  r: jax.Array | None
+
+
+def _scores(plan: _Plan, qb, kb, blocks: _Operands, key_start_B):
   """Block pair (qb, kb): scaled float32 scores [H, B, Q, J] and where they are valid."""
   f32 = jnp.float32
-  score = jnp.einsum('hbqd,hbjd->hbqj', qu_HxBxQxK, k_HxBxJxK, preferred_element_type=f32)
+  score = jnp.einsum('hbqd,hbjd->hbqj', blocks.qu, blocks.k, preferred_element_type=f32)
   if plan.relative:
-    position = jnp.einsum('hbqd,hwd->hbqw', qv_HxBxQxK, r_HxWxK, preferred_element_type=f32)
+    position = jnp.einsum('hbqd,hwd->hbqw', blocks.qv, blocks.r, preferred_element_type=f32)
     score = score + _skew(position)
   i_Qx1 = qb * plan.block_q + jnp.arange(plan.block_q)[:, None]
   j_1xJ = kb * plan.block_k + jnp.arange(plan.block_k)[None]
@@ -325,15 +336,17 @@ def _scores(plan: _Plan, qb, kb, qu_HxBxQxK, k_HxBxJxK, qv_HxBxQxK, r_HxWxK, key
   return score * plan.scale, valid_1xBxQxJ
 
 
-def _slices(plan: _Plan, qb, kb, qu, k, v, qv, r):
+def _slices(plan: _Plan, qb, kb, ops: _Operands) -> _Operands:
   """The blocks of pair (qb, kb): query rows, key rows and the window of distances."""
   bq, bk = plan.block_q, plan.block_k
   rows = lambda x, start, size: lax.dynamic_slice_in_dim(x, start, size, axis=2)
-  qv_blk = rows(qv, qb * bq, bq) if plan.relative else None
+  qv_blk = rows(ops.qv, qb * bq, bq) if plan.relative else None
   r_win = None
   if plan.relative:
-    r_win = lax.dynamic_slice_in_dim(r, _window_start(plan, qb, kb), plan.window, axis=1)
-  return rows(qu, qb * bq, bq), rows(k, kb * bk, bk), rows(v, kb * bk, bk), qv_blk, r_win
+    r_win = lax.dynamic_slice_in_dim(ops.r, _window_start(plan, qb, kb), plan.window, axis=1)
+  return _Operands(
+    rows(ops.qu, qb * bq, bq), rows(ops.k, kb * bk, bk), rows(ops.v, kb * bk, bk), qv_blk, r_win
+  )
 
 
 def _add_rows(x, update, start, axis):
@@ -342,9 +355,9 @@ def _add_rows(x, update, start, axis):
   return lax.dynamic_update_slice_in_dim(x, old + update, start, axis=axis)
 
 
-def _forward(plan: _Plan, qu, k, v, qv, r, key_start_B):
+def _forward(plan: _Plan, ops: _Operands, key_start_B):
   """(y_HxBxLxK, lse_HxBxL): an online softmax over the key blocks each query block sees."""
-  h, b, lp, d = qu.shape
+  h, b, lp, d = ops.qu.shape
   bq, bk = plan.block_q, plan.block_k
   f32 = jnp.float32
   # Key blocks wholly before every row's first valid key (unfilled memory) are skipped.
@@ -357,14 +370,14 @@ def _forward(plan: _Plan, qu, k, v, qv, r, key_start_B):
 
     def key_block(kb, stats):
       max_HxBxQ, sum_HxBxQ, acc_HxBxQxK = stats
-      qu_blk, k_blk, v_blk, qv_blk, r_win = _slices(plan, qb, kb, qu, k, v, qv, r)
-      score, valid = _scores(plan, qb, kb, qu_blk, k_blk, qv_blk, r_win, key_start_B)
+      blocks = _slices(plan, qb, kb, ops)
+      score, valid = _scores(plan, qb, kb, blocks, key_start_B)
       score = jnp.where(valid, score, _MASKED)
       new_max = jnp.maximum(max_HxBxQ, score.max(-1))
       prob_HxBxQxJ = jnp.where(valid, jnp.exp(score - new_max[..., None]), 0.0)
       rescale = jnp.exp(max_HxBxQ - new_max)  # earlier blocks' terms, to the new maximum
       acc_HxBxQxK = acc_HxBxQxK * rescale[..., None] + jnp.einsum(
-        'hbqj,hbjd->hbqd', prob_HxBxQxJ.astype(v.dtype), v_blk, preferred_element_type=f32
+        'hbqj,hbjd->hbqd', prob_HxBxQxJ.astype(ops.v.dtype), blocks.v, preferred_element_type=f32
       )
       return new_max, sum_HxBxQ * rescale + prob_HxBxQxJ.sum(-1), acc_HxBxQxK
 
@@ -380,24 +393,25 @@ def _forward(plan: _Plan, qu, k, v, qv, r, key_start_B):
     lse_blk = max_HxBxQ + jnp.log(sum_HxBxQ)
     return y_HxBxLxK, lax.dynamic_update_slice_in_dim(lse_HxBxL, lse_blk, qb * bq, axis=2)
 
-  init = (jnp.zeros((h, b, lp, d), qu.dtype), jnp.zeros((h, b, lp), f32))
+  init = (jnp.zeros((h, b, lp, d), ops.qu.dtype), jnp.zeros((h, b, lp), f32))
   return lax.fori_loop(0, plan.num_q, query_block, init)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(plan: _Plan, qu, k, v, qv, r, key_start_B):
-  return _forward(plan, qu, k, v, qv, r, key_start_B)[0]
+def _flash(plan: _Plan, ops: _Operands, key_start_B):
+  return _forward(plan, ops, key_start_B)[0]
 
 
-def _flash_fwd(plan: _Plan, qu, k, v, qv, r, key_start_B):
-  y, lse = _forward(plan, qu, k, v, qv, r, key_start_B)
-  return y, (qu, k, v, qv, r, key_start_B, y, lse)  # all linear in L: no probabilities kept
+def _flash_fwd(plan: _Plan, ops: _Operands, key_start_B):
+  y, lse = _forward(plan, ops, key_start_B)
+  return y, (ops, key_start_B, y, lse)  # all linear in L: no probabilities kept
 
 
 def _flash_bwd(plan: _Plan, residuals, dy_HxBxLxK):
   """Per key block, over the query blocks that see it: recompute the probabilities from the saved
   log-sum-exp, accumulate dk, dv for the block and add into dq (and dqv, dr) in place."""
-  qu, k, v, qv, r, key_start_B, y, lse_HxBxL = residuals
+  ops, key_start_B, y, lse_HxBxL = residuals
+  qu, k = ops.qu, ops.k
   bq, bk, f32 = plan.block_q, plan.block_k, jnp.float32
   # D_i = sum_j P_ij dP_ij = dy_i . y_i: the softmax backward's row term, without P.
   delta_HxBxL = jnp.sum(dy_HxBxLxK.astype(f32) * y.astype(f32), -1)
@@ -413,9 +427,10 @@ def _flash_bwd(plan: _Plan, residuals, dy_HxBxLxK):
 
     def query_block(qb, carry):
       dk_HxBxJxK, dv_HxBxJxK, dqu, dqv, dr = carry
-      qu_blk, k_blk, v_blk, qv_blk, r_win = _slices(plan, qb, kb, qu, k, v, qv, r)
+      blocks = _slices(plan, qb, kb, ops)
+      qu_blk, k_blk, v_blk, qv_blk, r_win = blocks
       dy_blk = rows(dy_HxBxLxK, qb)
-      score, valid = _scores(plan, qb, kb, qu_blk, k_blk, qv_blk, r_win, key_start_B)
+      score, valid = _scores(plan, qb, kb, blocks, key_start_B)
       prob = jnp.where(valid, jnp.exp(score - rows(lse_HxBxL, qb)[..., None]), 0.0)
       dv_HxBxJxK += jnp.einsum(
         'hbqj,hbqd->hbjd', prob.astype(dy_blk.dtype), dy_blk, preferred_element_type=f32
@@ -451,10 +466,10 @@ def _flash_bwd(plan: _Plan, residuals, dy_HxBxLxK):
     return dqu, dk, dv, dqv, dr
 
   zeros_like = lambda x: None if x is None else jnp.zeros(x.shape, f32)
-  init = tuple(zeros_like(x) for x in (qu, k, v, qv, r))
+  init = tuple(zeros_like(x) for x in ops)
   grads = lax.fori_loop(0, plan.num_k, key_block, init)
   cast = lambda g, x: None if x is None else g.astype(x.dtype)
-  return (*(cast(g, x) for g, x in zip(grads, (qu, k, v, qv, r))), None)
+  return _Operands(*(cast(g, x) for g, x in zip(grads, ops))), None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -218,9 +218,8 @@ class Block(nnx.Module):
     qkv_BxLxC = self.sublayer('qkv', x_BxLxD, taps)
     qkv_BxLx3xHxK = qkv_BxLxC.reshape(b, l, 3, self.cfg.num_heads, self.cfg.head_dim)
     q, k, v = (qkv_BxLx3xHxK[:, :, i] for i in range(3))
-    y_BxLxHxK = attention_kernels.causal_attention(
-      q, k, v, implementation=self.cfg.attention, block=self.cfg.attention_block
-    )
+    kernel = attention_kernels.Kernel(self.cfg.attention, self.cfg.attention_block)
+    y_BxLxHxK = attention_kernels.causal_attention(q, k, v, kernel)
     return self.sublayer('attn_out', y_BxLxHxK.reshape(b, l, -1), taps)
 
   def mlp(self, x_BxLxD, taps=None):
@@ -354,25 +353,29 @@ def embed(cfg: ModelConfig, embed_params: Params, tokens_BxL, rng=None):
   return dropout(x_BxLxD, cfg.dropout, rng)
 
 
-def layers(
-  cfg: ModelConfig,
-  layer_params: Params,
-  x_BxLxD,
-  rng=None,
-  *,
-  active_N=None,
-  scale_N=None,
-  taps_N=None,
-):
-  """Runs a stack of N layers (params with a leading axis N) over x by `lax.scan`.
+class PerLayer(NamedTuple):
+  """What a stack of N layers may change layer by layer (`layers`; None: nothing).
 
-  active_N: optional bool per layer; an inactive layer is skipped by `lax.cond` (no FLOPs), which
-    is how uneven pipeline stages are padded and how dropped layers cost nothing.
-  scale_N: optional per-layer multiplier of the residual branches (1/keep-probability for PLD).
-  taps_N: optional zero taps per layer ({name: [N, B, L, C]}, `zero_taps`); then returns
-    (x, the tapped sub-layers' inputs per layer), for `tapped_weight_grads`.
+  active_N: bool per layer; an inactive layer is skipped by `lax.cond` (no FLOPs), which is how
+    uneven pipeline stages are padded and how dropped layers cost nothing.
+  scale_N: a multiplier of each layer's residual branches (1/keep-probability for PLD).
+  taps_N: zero taps per layer ({name: [N, B, L, C]}, `zero_taps`); `layers` then also returns
+    the tapped sub-layers' inputs per layer, for `tapped_weight_grads`.
+  """
+
+  active_N: Any = None
+  scale_N: Any = None
+  taps_N: Any = None
+
+
+def layers(
+  cfg: ModelConfig, layer_params: Params, x_BxLxD, rng=None, per_layer: PerLayer = PerLayer()
+):
+  """Runs a stack of N layers (params with a leading axis N) over x by `lax.scan`, with what
+  `per_layer` changes layer by layer; (x, the tapped inputs) when it has taps.
   cfg.layer_unroll layers run per scan iteration (0: all of them, no loop).
   """
+  active_N, scale_N, taps_N = per_layer
   block_def = _graphdefs(cfg)[1]
   num = jax.tree.leaves(layer_params)[0].shape[0]
   rngs_N = None if rng is None else jax.random.split(rng, num)
@@ -401,7 +404,7 @@ def layers(
 
 
 def zero_taps(cfg: ModelConfig, num_layers: int, x_BxLxD) -> dict:
-  """Zero taps for `layers(..., taps_N=)`: {sub-layer: [N, B, L, C]}."""
+  """Zero taps for `layers(..., PerLayer(taps_N=...))`: {sub-layer: [N, B, L, C]}."""
   return {
     name: jnp.zeros((num_layers, *x_BxLxD.shape[:-1], width), x_BxLxD.dtype)
     for name, width in tap_widths(cfg).items()

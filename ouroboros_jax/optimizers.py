@@ -57,6 +57,9 @@ def muon_dimensions(tree):
   return jax.tree_util.tree_map_with_path(dims, tree)
 
 
+B2, EPS = 0.999, 1e-8  # Adam's (and the Adam part of Muon's) second moment and epsilon
+
+
 def make_optimizer(
   name: str,
   learning_rate,
@@ -64,10 +67,9 @@ def make_optimizer(
   weight_decay: float = 0.0,
   muon_learning_rate=None,
   b1: float | None = None,
-  b2: float = 0.999,
-  eps: float = 1e-8,
 ) -> optax.GradientTransformation:
-  """The base optimizer by name; weight decay on layer kernels only, in every case.
+  """The base optimizer by name; weight decay on layer kernels only, in every case; Adam's second
+  moment decay B2 and epsilon EPS.
 
   adamw   optax.adamw (b1 0.9): the paper's optimizer.
   nadamw  optax.nadamw with b1 0.99 by default: Nesterov momentum with a long memory, the recipe
@@ -78,14 +80,14 @@ def make_optimizer(
   """
   if name == 'adamw':
     return adamw(
-      learning_rate, b1=0.9 if b1 is None else b1, b2=b2, eps=eps, weight_decay=weight_decay
+      learning_rate, b1=0.9 if b1 is None else b1, b2=B2, eps=EPS, weight_decay=weight_decay
     )
   if name == 'nadamw':
     return optax.nadamw(
       learning_rate,
       b1=0.99 if b1 is None else b1,
-      b2=b2,
-      eps=eps,
+      b2=B2,
+      eps=EPS,
       weight_decay=weight_decay,
       mask=kernel_mask,
     )
@@ -97,8 +99,8 @@ def make_optimizer(
       weight_decay_mask=kernel_mask,
       adam_learning_rate=learning_rate,
       adam_b1=0.9,
-      adam_b2=b2,
-      eps=eps,
+      adam_b2=B2,
+      eps=EPS,
       muon_weight_dimension_numbers=muon_dimensions,
     )
   raise ConfigError(f'unknown {field_ref("optimizer", name)}; use {" or ".join(OPTIMIZERS)}.')

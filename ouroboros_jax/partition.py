@@ -111,7 +111,8 @@ def transformer_stages(cfg: ModelConfig, layers_per_stage: Sequence[int]) -> Sta
   def stage(stage_params, x_BxLxD, stage_index, rng, taps_N=None):
     # Even splits need no masking; uneven ones skip their padding slots (no FLOPs spent).
     active_N = mask_GxN[stage_index] if uneven else None
-    return transformer.layers(cfg, stage_params, x_BxLxD, rng, active_N=active_N, taps_N=taps_N)
+    per_layer = transformer.PerLayer(active_N=active_N, taps_N=taps_N)
+    return transformer.layers(cfg, stage_params, x_BxLxD, rng, per_layer)
 
   layer_count = lambda stage_params: jax.tree.leaves(stage_params)[0].shape[0]
   return StagedModel(

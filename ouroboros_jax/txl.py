@@ -87,14 +87,9 @@ class RelBlock(nnx.Module):
       q_BxLxHxK,
       k_BxJxHxK,
       v_BxJxHxK,
-      r_JxHxK,
-      u_HxK,
-      v_HxK,
-      key_start_B,
-      implementation=cfg.attention,
-      block=cfg.attention_block,
-      dropout_rate=cfg.attn_dropout,
-      rng=rng,
+      attention_kernels.Relative(r_JxHxK, u_HxK, v_HxK, key_start_B),
+      attention_kernels.Kernel(cfg.attention, cfg.attention_block),
+      attention_kernels.Dropout(cfg.attn_dropout, rng),
     )
     return self.attn_out(y_BxLxHxK.reshape(b, l, d))
 

@@ -39,13 +39,13 @@ def _value_and_vjp(fn, args, cotangent):
 
 def _causal(implementation, block):
   return lambda q, k, v: attention.causal_attention(
-    q, k, v, implementation=implementation, block=block
+    q, k, v, attention.Kernel(implementation, block)
   )
 
 
 def _relative(implementation, block, key_start_B):
   return lambda q, k, v, r, u, pv: attention.relative_attention(
-    q, k, v, r, u, pv, key_start_B, implementation=implementation, block=block
+    q, k, v, attention.Relative(r, u, pv, key_start_B), attention.Kernel(implementation, block)
   )
 
 
@@ -158,13 +158,13 @@ def test_blockwise_temporaries_grow_linearly_with_length():
 
   def gpt(implementation, l):
     fn = lambda q, k, v: attention.causal_attention(
-      q, k, v, implementation=implementation, block=block
+      q, k, v, attention.Kernel(implementation, block)
     )
     return _temp_bytes(fn, *[spec(1, l, 2, 8)] * 3)
 
   def txl(implementation, l):  # M = L: J = 2L keys
     fn = lambda q, k, v, r, u, pv, start: attention.relative_attention(
-      q, k, v, r, u, pv, start, implementation=implementation, block=block
+      q, k, v, attention.Relative(r, u, pv, start), attention.Kernel(implementation, block)
     )
     kv = spec(1, 2 * l, 2, 8)
     shapes = (spec(1, l, 2, 8), kv, kv, spec(2 * l, 2, 8), spec(2, 8), spec(2, 8))
@@ -204,8 +204,13 @@ def test_attention_dropout_runs_plain():
   key_start_B, rng = jnp.asarray([0, 4], jnp.int32), jax.random.key(5)
 
   def run(impl, dropout_rate=0.0, key=None):
-    fn = lambda *inputs: attention.relative_attention(
-      *inputs, implementation=impl, block=8, dropout_rate=dropout_rate, rng=key
+    fn = lambda q, k, v, r, u, pv, start: attention.relative_attention(
+      q,
+      k,
+      v,
+      attention.Relative(r, u, pv, start),
+      attention.Kernel(impl, 8),
+      attention.Dropout(dropout_rate, key),
     )
     return jax.jit(fn)(*args, key_start_B)
 
@@ -233,7 +238,7 @@ _TPU_COMPILE = textwrap.dedent("""
   device = topologies.get_topology_desc('v5e:2x2', 'tpu').devices[0]
   sharding = jax.sharding.SingleDeviceSharding(device)
   spec = jax.ShapeDtypeStruct((2, 1000, 4, 64), jnp.bfloat16, sharding=sharding)
-  fn = lambda q, k, v: attention.causal_attention(q, k, v, implementation='pallas', block=512)
+  fn = lambda q, k, v: attention.causal_attention(q, k, v, attention.Kernel('pallas', 512))
   loss = lambda *a: jnp.sum(fn(*a).astype(jnp.float32) ** 2)
   for f in (fn, jax.value_and_grad(loss, argnums=(0, 1, 2))):
     compiled = jax.jit(f, in_shardings=(sharding,) * 3).lower(spec, spec, spec).compile()

@@ -76,7 +76,7 @@ def test_stage_draws_the_gates_of_its_global_layers(params):
     got = model.stage(stage1, x_BxLxD, 1, rng, batch_index=t)
     p_N = pld.keep_probs(t, 4, theta_bar, gamma, jnp.arange(2, 5))
     active_N, scale_N = pld.draw_gates(pld.gate_key(rng), p_N)
-    want = transformer.layers(CFG, stage1, x_BxLxD, rng, active_N=active_N, scale_N=scale_N)
+    want = transformer.layers(CFG, stage1, x_BxLxD, rng, transformer.PerLayer(active_N, scale_N))
     return got, want, active_N
 
   dropped_any = False
@@ -149,7 +149,7 @@ def test_dropped_layer_is_skipped_exactly(params):
   key, batch = keys[wanted[0]], batch_of()
   loss_and_grads = jax.jit(
     jax.value_and_grad(
-      lambda p: pld.pld_loss_fn(CFG, p, batch, key, t, theta_bar=theta_bar, gamma=gamma)[0]
+      lambda p: pld.pld_loss_fn(CFG, p, batch, key, t, pld.Rates(theta_bar, gamma))[0]
     )
   )
   nan_params = {**params, 'layers': jax.tree.map(lambda a: a.at[3].set(jnp.nan), params['layers'])}

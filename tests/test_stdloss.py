@@ -68,7 +68,7 @@ def single_device(params, batch, weight):
   """(total, aux), grads of `loss_with_stdloss`; the plain loss; layer WHICH's GELU input by
   hand (its input, then the attention half and mlp_in(LN(h)))."""
   (total, aux), grads = jax.value_and_grad(
-    lambda p: stdloss.loss_with_stdloss(CFG, p, batch, weight, WHICH), has_aux=True
+    lambda p: stdloss.loss_with_stdloss(CFG, p, batch, stdloss.StdLoss(weight, WHICH)), has_aux=True
   )(params)
   x = transformer.embed(CFG, params['embed'], batch['inputs'])
   x = transformer.layers(CFG, jax.tree.map(lambda a: a[:WHICH], params['layers']), x)
@@ -77,7 +77,9 @@ def single_device(params, batch, weight):
   )
   h = x + block.attention(block.ln_attn(x))
   pre = block.mlp_in(block.ln_mlp(h))
-  _, eval_aux = stdloss.loss_with_stdloss(CFG, params, batch, weight, WHICH, training=False)
+  _, eval_aux = stdloss.loss_with_stdloss(
+    CFG, params, batch, stdloss.StdLoss(weight, WHICH), training=False
+  )
   return total, aux, grads, transformer.loss_fn(CFG, params, batch)[0], pre, eval_aux['total']
 
 
@@ -153,7 +155,9 @@ def test_written_out_block_is_the_models_post_ln_with_dropout():
   batch, key = batch_of(2), jax.random.key(4)
   got, want = jax.jit(
     lambda p: (
-      stdloss.loss_with_stdloss(cfg, p, batch, 0.5, 1, key, site='mlp_input')[1]['loss'],
+      stdloss.loss_with_stdloss(cfg, p, batch, stdloss.StdLoss(0.5, 1, 'mlp_input'), key)[1][
+        'loss'
+      ],
       transformer.loss_fn(cfg, p, batch, key)[0],
     )
   )(params)

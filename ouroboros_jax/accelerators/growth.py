@@ -306,7 +306,7 @@ def train_growth(
   cfg: ModelConfig,
   batches: Iterable[dict],
   tx_factory: Callable[[int], optax.GradientTransformation],
-  run: GrowthRun | None = None,
+  run: GrowthRun = GrowthRun(),
 ):
   """Runs a whole plan with plain backprop (one device). Returns (params, log).
 
@@ -316,7 +316,6 @@ def train_growth(
     'step' (global, from 0), 'depth', 'frozen', 'loss' (of that step's batch), 'flops'
     (cumulative estimate, `costs.step_flops`)}.
   """
-  run = run or GrowthRun()
   plan.validate(cfg)
   cfg.validate()
   batches: Iterator[dict] = iter(batches)

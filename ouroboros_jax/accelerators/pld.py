@@ -31,7 +31,7 @@ so the FLOPs a run reports are those of the layers it really ran.
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -109,56 +109,38 @@ def check_config(cfg: ModelConfig, theta_bar: float, gamma: float) -> None:
 # ----------------------------------------------------------------------------- single device
 
 
-def pld_layers(
-  cfg: ModelConfig,
-  layer_params,
-  x_BxLxD,
-  rng,
-  step,
-  *,
-  theta_bar: float = DEFAULT_THETA_BAR,
-  gamma: float = DEFAULT_GAMMA,
-  first_layer: int = 0,
-  active_N=None,
-):
-  """`model.layers` with PLD gates for layers first_layer+1 .. first_layer+N (global, 1-based).
+class Rates(NamedTuple):
+  """PLD's schedules: theta(t) falls from 1 to theta_bar at rate gamma (module docstring)."""
+
+  theta_bar: float = DEFAULT_THETA_BAR
+  gamma: float = DEFAULT_GAMMA
+
+
+def pld_layers(cfg: ModelConfig, layer_params, x_BxLxD, rng, keep_N, active_N=None):
+  """`model.layers` with PLD gates drawn at keep probabilities keep_N (p_l(t) of these N layers,
+  `keep_probs` at their global indices).
 
   rng None (evaluation): every layer (of `active_N`, when given) runs, unscaled. Otherwise the
   gates are drawn from `gate_key(rng)` and the layers' dropout keys come from rng, as in the
   plain model (so theta = 1 gives the plain model, dropout masks included).
   """
   if rng is None:
-    return transformer.layers(cfg, layer_params, x_BxLxD, None, active_N=active_N)
-  num = jax.tree.leaves(layer_params)[0].shape[0]
-  p_N = keep_probs(
-    jax.lax.stop_gradient(step), cfg.num_layers, theta_bar, gamma, first_layer + 1 + jnp.arange(num)
-  )
-  gate_N, scale_N = draw_gates(gate_key(rng), p_N)
+    return transformer.layers(cfg, layer_params, x_BxLxD, None, transformer.PerLayer(active_N))
+  gate_N, scale_N = draw_gates(gate_key(rng), keep_N)
   if active_N is not None:
     gate_N = gate_N & active_N
-  return transformer.layers(
-    cfg, layer_params, x_BxLxD, rng, active_N=gate_N, scale_N=scale_N.astype(x_BxLxD.dtype)
-  )
+  per_layer = transformer.PerLayer(gate_N, scale_N.astype(x_BxLxD.dtype))
+  return transformer.layers(cfg, layer_params, x_BxLxD, rng, per_layer)
 
 
-def pld_loss_fn(
-  cfg: ModelConfig,
-  params,
-  batch: dict,
-  rng,
-  step,
-  *,
-  theta_bar: float = DEFAULT_THETA_BAR,
-  gamma: float = DEFAULT_GAMMA,
-):
-  """`model.loss_fn` with PLD on {'embed', 'layers', 'head'} params (plain [B, L] inputs; the
-  step is an argument). Same key use as `model.loss_fn`, so theta = 1 gives its value."""
-  check_config(cfg, theta_bar, gamma)
+def pld_loss_fn(cfg: ModelConfig, params, batch: dict, rng, step, rates: Rates = Rates()):
+  """`model.loss_fn` with PLD on {'embed', 'layers', 'head'} params at training step `step`.
+  Same key use as `model.loss_fn`, so theta = 1 gives its value."""
+  check_config(cfg, *rates)
   rng_embed, rng_layers = (None, None) if rng is None else jax.random.split(rng)
   x_BxLxD = transformer.embed(cfg, params['embed'], batch['inputs'], rng_embed)
-  x_BxLxD = pld_layers(
-    cfg, params['layers'], x_BxLxD, rng_layers, step, theta_bar=theta_bar, gamma=gamma
-  )
+  keep_L = keep_probs(step, cfg.num_layers, *rates)
+  x_BxLxD = pld_layers(cfg, params['layers'], x_BxLxD, rng_layers, keep_L)
   return transformer.head_loss(cfg, params['head'], params['embed'], x_BxLxD, batch['targets'])
 
 
@@ -186,23 +168,15 @@ def pld_stages(
   def stage(stage_params, x_BxLxD, stage_index, rng, batch_index=None):
     active_N = mask_GxN[stage_index] if uneven else None
     if rng is None:  # evaluation: every layer, unscaled
-      return transformer.layers(cfg, stage_params, x_BxLxD, None, active_N=active_N)
+      return transformer.layers(cfg, stage_params, x_BxLxD, None, transformer.PerLayer(active_N))
     if batch_index is None:
       raise ConfigError(
         'a PLD stage is training (it has an rng) but was given no batch index: call '
         'forward_loss(params, batch, key, batch_index=t), or run it through a schedule.'
       )
-    return pld_layers(
-      cfg,
-      stage_params,
-      x_BxLxD,
-      rng,
-      batch_index,
-      theta_bar=theta_bar,
-      gamma=gamma,
-      first_layer=jnp.asarray(first_G)[stage_index],
-      active_N=active_N,
-    )
+    ids_N = jnp.asarray(first_G)[stage_index] + 1 + jnp.arange(max(layers_per_stage))
+    keep_N = keep_probs(batch_index, cfg.num_layers, theta_bar, gamma, ids_N)
+    return pld_layers(cfg, stage_params, x_BxLxD, rng, keep_N, active_N)
 
   def loss(head_params, embed_params, x_BxLxD, targets):
     return transformer.head_loss(cfg, head_params, embed_params, x_BxLxD, targets)

@@ -14,7 +14,7 @@ Where it is measured in the Transformer (`site`):
                           of the layer's nonlinearity, as in the paper.
   'mlp_input'             the input of the MLP, LN(h) (pre-LN) or h (post-LN) [B, L, D].
 
-Single device: `loss_with_stdloss(cfg, params, batch, weight, layer)`. Inside pipeline stages
+Single device: `loss_with_stdloss(cfg, params, batch, StdLoss(weight, layer))`. Inside pipeline stages
 (any schedule): `stdloss_stages(...)` returns a `StagedModel` whose activations are
 {'h': the hidden states [B, L, D], 'aux': the weighted auxiliary loss so far [B] (float32, the
 same value in every row)}; each stage adds the terms of the regularised layers it holds, the head
@@ -31,7 +31,7 @@ checks it against the model.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -44,9 +44,26 @@ from ouroboros_jax.model import ModelConfig
 from ouroboros_jax.staged import StagedModel
 
 SITES = ('mlp_preact', 'mlp_input')
+EPS = 1e-5  # added to each channel's variance (`standardization_loss`)
 
 
-def standardization_loss(x, *, eps: float = 1e-5):
+class StdLoss(NamedTuple):
+  """The auxiliary loss of a run: weight * L_std of `layers`' (0-based: an int or a sequence)
+  activation at `site`."""
+
+  weight: float
+  layers: int | Sequence[int]
+  site: str = 'mlp_preact'
+
+
+class Terms(NamedTuple):
+  """Which layers of a stack add their L_std, how strongly (weight_N, 0 for none), at `site`."""
+
+  weight_N: Any
+  site: str = 'mlp_preact'
+
+
+def standardization_loss(x, *, eps: float = EPS):
   """0.5 * sum_i (mu_i^2 + var_i - log var_i - 1) over the last axis (channels i), with the mean
   and population variance of each channel over all other axes. `eps` is added to the variance
   (inside the log and out) so a constant channel gives a large, finite loss."""
@@ -78,27 +95,16 @@ def block_with_site(cfg: ModelConfig, block_params, x_BxLxD, rng=None, site: str
   return out.astype(x_BxLxD.dtype), (pre if site == 'mlp_preact' else u)
 
 
-def layers_with_stdloss(
-  cfg: ModelConfig,
-  layer_params,
-  x_BxLxD,
-  rng,
-  weight_N,
-  *,
-  site: str = 'mlp_preact',
-  eps: float = 1e-5,
-  active_N=None,
-):
+def layers_with_stdloss(cfg: ModelConfig, layer_params, x_BxLxD, rng, terms: Terms, active_N=None):
   """`model.layers` (same scan, same per-layer dropout keys, same `lax.cond` skip of inactive
-  layers) that also returns sum_l weight_N[l] * L_std(layer l's `site` activation).
+  layers) that also returns sum_l weight_N[l] * L_std(layer l's `site` activation), `terms`.
 
-  weight_N: [N] weight per layer (0 for a layer that is not regularised). The statistics are
-  computed in every layer (one mean/variance reduction of the activation each: no matmul), so
-  the same code serves every pipeline stage whichever layers it holds.
+  The statistics are computed in every layer (one mean/variance reduction of the activation
+  each: no matmul), so the same code serves every pipeline stage whichever layers it holds.
   """
   num = jax.tree.leaves(layer_params)[0].shape[0]
   rngs_N = None if rng is None else jax.random.split(rng, num)
-  weight_N = jnp.asarray(weight_N, jnp.float32)
+  weight_N, site = jnp.asarray(terms.weight_N, jnp.float32), terms.site
 
   def body(carry, per_layer):
     x, aux = carry
@@ -106,7 +112,7 @@ def layers_with_stdloss(
 
     def run(x):
       y, act = block_with_site(cfg, params, x, layer_rng, site)
-      return y, standardization_loss(act, eps=eps)
+      return y, standardization_loss(act)
 
     if active is None:
       y, l_std = run(x)
@@ -137,33 +143,26 @@ def _layer_weights(num_layers: int, weight: float, layer) -> np.ndarray:
 
 
 def loss_with_stdloss(
-  cfg: ModelConfig,
-  params,
-  batch: dict,
-  weight: float,
-  layer,
-  rng=None,
-  *,
-  site: str = 'mlp_preact',
-  training: bool = True,
-  eps: float = 1e-5,
+  cfg: ModelConfig, params, batch: dict, std_loss: StdLoss, rng=None, *, training: bool = True
 ):
-  """Task loss + weight * standardization loss of `layer`'s (0-based; or a sequence of layers)
-  `site` activation, composed like `model.loss_fn` (same dropout keys: the task loss is its).
+  """Task loss + weight * standardization loss of the chosen layers' site activation
+  (`std_loss`), composed like `model.loss_fn` (same dropout keys: the task loss is its).
 
   -> (total, {'loss': task loss, 'stdloss': the unweighted auxiliary loss (summed over the
   chosen layers), 'total': total}). training=False returns the task loss alone as total.
   """
-  if site not in SITES:
-    raise ConfigError(f'unknown standardization-loss site {site!r}; choose {", ".join(SITES)}.')
-  chosen_L = _layer_weights(cfg.num_layers, 1.0, layer)
+  if std_loss.site not in SITES:
+    raise ConfigError(
+      f'unknown standardization-loss site {std_loss.site!r}; choose {", ".join(SITES)}.'
+    )
+  chosen_L = _layer_weights(cfg.num_layers, 1.0, std_loss.layers)
   rng_embed, rng_layers = (None, None) if rng is None else jax.random.split(rng)
   x_BxLxD = transformer.embed(cfg, params['embed'], batch['inputs'], rng_embed)
   x_BxLxD, std = layers_with_stdloss(
-    cfg, params['layers'], x_BxLxD, rng_layers, chosen_L, site=site, eps=eps
+    cfg, params['layers'], x_BxLxD, rng_layers, Terms(chosen_L, std_loss.site)
   )
   task, _ = transformer.head_loss(cfg, params['head'], params['embed'], x_BxLxD, batch['targets'])
-  total = task + weight * std if training else task
+  total = task + std_loss.weight * std if training else task
   return total, {'loss': task, 'stdloss': std, 'total': total}
 
 
@@ -174,7 +173,6 @@ def stdloss_stages(
   layer,
   *,
   site: str = 'mlp_preact',
-  eps: float = 1e-5,
 ) -> StagedModel:
   """`partition.transformer_stages` plus the standardization loss of global layer `layer`
   (0-based; or a sequence of layers), carried to the head beside the hidden states (see the
@@ -202,11 +200,10 @@ def stdloss_stages(
   def stage(stage_params, x, stage_index, rng):
     active_N = mask_GxN[stage_index] if uneven else None
     if rng is None:  # evaluation: plain layers, nothing added
-      h = transformer.layers(cfg, stage_params, x['h'], None, active_N=active_N)
+      h = transformer.layers(cfg, stage_params, x['h'], None, transformer.PerLayer(active_N))
       return {'h': h, 'aux': x['aux']}
-    h, std = layers_with_stdloss(
-      cfg, stage_params, x['h'], rng, weight_GxN[stage_index], site=site, eps=eps, active_N=active_N
-    )
+    terms = Terms(weight_GxN[stage_index], site)
+    h, std = layers_with_stdloss(cfg, stage_params, x['h'], rng, terms, active_N)
     return {'h': h, 'aux': x['aux'] + std}
 
   def loss(head_params, embed_params, x, targets):

@@ -54,7 +54,7 @@ from ouroboros_jax import placement
 from ouroboros_jax.schedules import ring, tables
 from ouroboros_jax.schedules.config import ScheduleConfig
 from ouroboros_jax.schedules.stash import GraphStash, TappedStash
-from ouroboros_jax.schedules.synchronous import replica_key, synchronous_schedule
+from ouroboros_jax.schedules.synchronous import DeviceGrads, replica_key, synchronous_schedule
 from ouroboros_jax.staged import DATA, STAGE, PyTree, Schedule, StagedModel
 
 
@@ -125,9 +125,8 @@ def build_pipeline(
   )
   mesh = placement.make_mesh(pipeline.num_stages, config.data_parallel, devices)
   device_grads = functools.partial(_device_grads, executor)
-  return synchronous_schedule(
-    config, model, tx, mesh, device_grads, idle_fraction(table), stage_order=executor.stage_order
-  )
+  grads = DeviceGrads(device_grads, idle_fraction(table), executor.stage_order)
+  return synchronous_schedule(config, model, tx, mesh, grads)
 
 
 @dataclasses.dataclass(frozen=True)

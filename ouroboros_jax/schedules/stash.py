@@ -59,13 +59,18 @@ def make_stash(model: StagedModel, mode: str = 'graph', policy: str = 'all', **o
   return GraphStash(model, policy, **options) if mode == 'graph' else ReplayStash(model)
 
 
-def _run(model: StagedModel, params_s, x, stage_index, key, memory=None, batch_index=None):
-  """(the group's output, its new memory (None without one)), with the group's dropout key."""
-  rng = staged.piece_rng(key, stage_index)
-  return model.run_stage(params_s, x, stage_index, rng, memory, batch_index)
+class _ModelStash:
+  """A stash of a `StagedModel`'s stage (`self.model`)."""
+
+  model: StagedModel
+
+  def _run(self, params_s, x, stage_index, key, memory=None, batch_index=None):
+    """(the group's output, its new memory (None without one)), with the group's dropout key."""
+    rng = staged.piece_rng(key, stage_index)
+    return self.model.run_stage(params_s, x, stage_index, rng, memory, batch_index)
 
 
-class GraphStash:
+class GraphStash(_ModelStash):
   """The forward's VJP residuals. Only the VJP's leaves are kept; its tree structure is rebuilt
   in the backward from an abstract trace of the same forward (`vjp_layout`), so the backward does
   not depend on which forward was traced before it. A group maps its input to an output of the
@@ -81,7 +86,7 @@ class GraphStash:
     self.model, self.policy, self.keep_weights = model, STASH_POLICIES[policy], keep_weights
 
   def _vjp(self, params_s, x, stage_index, key, memory=None, batch_index=None):
-    run = lambda p, h: _run(self.model, p, h, stage_index, key, memory, batch_index)
+    run = lambda p, h: self._run(p, h, stage_index, key, memory, batch_index)
     if self.policy is not None:
       run = jax.checkpoint(run, policy=self.policy)
     return jax.vjp(run, params_s, x, has_aux=True)  # (y, vjp_fn, new memory)
@@ -107,7 +112,7 @@ class GraphStash:
     return jax.tree.unflatten(treedef, kept)(delta)
 
 
-class ReplayStash:
+class ReplayStash(_ModelStash):
   """Only the group's input, and the memory the forward read (a model with a memory keeps
   (input, memory)); the backward re-runs the forward at the weights it is given."""
 
@@ -117,12 +122,12 @@ class ReplayStash:
     self.model = model
 
   def forward(self, params_s, x, stage_index, key, memory=None, batch_index=None):
-    y, new_memory = _run(self.model, params_s, x, stage_index, key, memory, batch_index)
+    y, new_memory = self._run(params_s, x, stage_index, key, memory, batch_index)
     return y, (x if self.model.memory is None else (x, memory)), new_memory
 
   def backward(self, params_s, kept, delta, stage_index, key, batch_index=None):
     x, memory = (kept, None) if self.model.memory is None else kept
-    run = lambda p, h: _run(self.model, p, h, stage_index, key, memory, batch_index)
+    run = lambda p, h: self._run(p, h, stage_index, key, memory, batch_index)
     return jax.vjp(run, params_s, x, has_aux=True)[1](delta)
 
 

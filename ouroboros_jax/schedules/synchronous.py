@@ -12,7 +12,7 @@ schedules.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -91,18 +91,22 @@ def whole_model_grads(model: StagedModel, params, batch, key, t, buffers):
   return grads, loss, {'memory': jax.tree.map(lambda a: a[:, None], memory_G)}
 
 
+class DeviceGrads(NamedTuple):
+  """A synchronous schedule's gradient on each device of its mesh (see `synchronous_schedule`),
+  the fraction of device time it leaves idle, and (v chunks per device) the order in which the
+  devices hold the stage groups."""
+
+  fn: Callable
+  idle_fraction: float
+  stage_order: list[int] | None = None
+
+
 def synchronous_schedule(
-  config: ScheduleConfig,
-  model: StagedModel,
-  tx,
-  mesh: Mesh,
-  device_grads: Callable,
-  idle_fraction: float,
-  stage_order: list[int] | None = None,
+  config: ScheduleConfig, model: StagedModel, tx, mesh: Mesh, grads: DeviceGrads
 ) -> Schedule:
   """A synchronous schedule (`config.name`) from its per-device gradient.
 
-  device_grads(params, batch, t, buffers) -> (grads, loss, buffers) runs inside one
+  grads.fn(params, batch, t, buffers) -> (grads, loss, buffers) runs inside one
   `jax.shard_map` over the (stage, data) mesh: it sees its stage's parameters (leading axis 1),
   its replica's share of the batch, the step index t and its share of `TrainState.ring` (a
   model's memory, if it has one; else {}), and returns gradients laid out as the parameters
@@ -110,9 +114,11 @@ def synchronous_schedule(
   loss, both already averaged over `data`, and the renewed buffers. The optimizer step is
   `synchronous_update`, as for every schedule.
 
-  `stage_order` (v chunks per device): the parameters' stage groups in the order the devices hold
-  them, v consecutive per device; the step gathers them so (and their gradients back).
+  `grads.stage_order` (v chunks per device): the parameters' stage groups in the order the
+  devices hold them, v consecutive per device; the step gathers them so (and their gradients
+  back).
   """
+  device_grads, idle_fraction, stage_order = grads
   num_stages, replicas = mesh.shape[STAGE], mesh.shape[DATA]
   name = config.name
   microbatches = config.num_microbatches
@@ -187,7 +193,7 @@ def build_data_parallel(
     grads, loss, buffers = whole_model_grads(model, params, batch, key, t, buffers)
     return (*jax.lax.pmean((grads, loss), DATA), buffers)
 
-  return synchronous_schedule(config, model, tx, mesh, device_grads, idle_fraction=0.0)
+  return synchronous_schedule(config, model, tx, mesh, DeviceGrads(device_grads, 0.0))
 
 
 # ----------------------------------------------------------------------------- model parallel
@@ -225,4 +231,4 @@ def build_model_parallel(
     return grads, loss, ring.with_memory(buffers, memory)
 
   idle = model_parallel_idle_fraction(num_stages)
-  return synchronous_schedule(config, model, tx, mesh, device_grads, idle)
+  return synchronous_schedule(config, model, tx, mesh, DeviceGrads(device_grads, idle))
