@@ -240,8 +240,8 @@ def _forward_wave(ring: _Ring, params, forward_params, buffers, seen, t) -> _For
     active = (m >= 0) & (m < num_micro)
     m = jnp.clip(m, 0, num_micro - 1)
     x0 = ring_lib.embed(model, forward_params['embed'], inputs_M[m], ring.micro_key(ring.key(t), m))
-    x = _select(s == 0, x0, _at(received_M, m) if pipelined else received)
-    memory = jax.tree.map(lambda a: a[m], memory_M)
+    x = ring_lib.select(s == 0, x0, ring_lib.at(received_M, m) if pipelined else received)
+    memory = ring_lib.at(memory_M, m)
     y, kept, memory = jax.lax.cond(
       active, run_forward, lambda x, m, mem: (x, no_kept, mem), x, m, memory
     )
@@ -249,8 +249,8 @@ def _forward_wave(ring: _Ring, params, forward_params, buffers, seen, t) -> _For
     memory_M = jax.tree.map(lambda a, new: a.at[m].set(new), memory_M, memory)
     sent = ring_lib.send_forward(y, num_stages)
     if pipelined:  # to be received during step t + 1; the head reads last step's
-      sent_M = _set(sent_M, m, sent)
-      m_h, x_h = r, _at(received_M, r)
+      sent_M = ring_lib.set_at(sent_M, m, sent)
+      m_h, x_h = r, ring_lib.at(received_M, r)
     else:  # group G-1's output of micro-batch r - (G - 1) has just reached device 0
       m_h, x_h = r - (num_stages - 1), sent
     head_on = (m_h >= 0) & (t_async >= ring.head_lag)
@@ -297,14 +297,16 @@ def _backward_chain(ring: _Ring, params, pending, deltas, backward_batch, t):
   def backward_micro(m, carry):
     g_stage, g_embed, delta_next_M = carry
     key_m = ring.micro_key(key_b, m)
-    kept, delta = _at(stash_b, m), _at(received_M, m)
+    kept, delta = ring_lib.at(stash_b, m), ring_lib.at(received_M, m)
     g_m, dx = ring_lib.mask(
       valid, stash.backward(at_weights, kept, delta, s, key_m, backward_batch)
     )
     g_embed_m = ring_lib.embed_backward(model, params['embed'], inputs_b_M[m], key_m, dx)
-    sent = ring_lib.send_backward(_select(s == 0, _at(delta_fresh_M, m), dx), ring.num_stages)
+    sent = ring_lib.send_backward(
+      ring_lib.select(s == 0, ring_lib.at(delta_fresh_M, m), dx), ring.num_stages
+    )
     add = lambda a, b: jax.tree.map(jnp.add, a, b)
-    return add(g_stage, g_m), add(g_embed, g_embed_m), _set(delta_next_M, m, sent)
+    return add(g_stage, g_m), add(g_embed, g_embed_m), ring_lib.set_at(delta_next_M, m, sent)
 
   one = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
   backward_shapes = lambda kept, x: stash.backward(at_weights, kept, x, s, key_b, backward_batch)
@@ -338,20 +340,6 @@ def _new_buffers(ring: _Ring, buffers, fwd: _Forwarded, written, delta_next_M, t
 
 def _zeros(shapes):
   return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
-
-
-# Activations and their gradients are pytrees (staged.py): indexed, written and selected leaf by
-# leaf.
-def _at(tree_M, m):
-  return jax.tree.map(lambda a: a[m], tree_M)
-
-
-def _set(tree_M, m, value):
-  return jax.tree.map(lambda a, v: a.at[m].set(v), tree_M, value)
-
-
-def _select(pred, on_true, on_false):
-  return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
 def _local(buffer):
@@ -443,14 +431,9 @@ def _grads(ring: _Ring, state: TrainState, forward_params, batch, t, t_async):
 
     def micro(m, carry):
       grads, loss, memory_M = carry
-      memory = jax.tree.map(lambda a: a[m], memory_M)
+      memory = ring_lib.at(memory_M, m)
       grads_m, loss_m, memory = ring_lib.locked_grads(
-        ring.model,
-        params,
-        jax.tree.map(lambda a: a[m], batch_M),
-        ring.micro_key(ring.key(t), m),
-        t,
-        memory,
+        ring.model, params, ring_lib.at(batch_M, m), ring.micro_key(ring.key(t), m), t, memory
       )
       memory_M = jax.tree.map(lambda a, new: a.at[m].set(new), memory_M, memory)
       add = lambda total, g: total + g / num_micro

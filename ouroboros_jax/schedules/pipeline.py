@@ -282,7 +282,7 @@ def _forward(executor: _Executor, step: _Step, carry: _Carry, op):
   to the next stage, or the head's gradient to this stage's own B."""
   i, k, c = op['microbatch'], op['stage'], op['chunk']
   embed = lambda: ring.embed(executor.model, step.params['embed'], step.inputs[i], step.key_of(i))
-  received = lambda: _slot(carry.activations, op['inbox_slot'])
+  received = lambda: ring.at(carry.activations, op['inbox_slot'])
   x = jax.lax.cond(k == 0, embed, received)
   memory = jax.tree.map(lambda a: a[c, i], carry.memory)  # None without a memory
   y, kept, memory = executor.stash.forward(step.chunk(c), x, k, step.key_of(i), memory, step.index)
@@ -347,7 +347,7 @@ def _weight_grad(executor: _Executor, step: _Step, carry: _Carry, op):
 def _kept_and_delta(executor: _Executor, carry: _Carry, op):
   """The residuals F kept for this op's (micro-batch, chunk), and its output gradient."""
   kept = ring.read_slot(carry.stash, op['stash_slot'], executor.program.stash_slots)
-  return kept, _slot(carry.gradients, op['inbox_slot'])
+  return kept, ring.at(carry.gradients, op['inbox_slot'])
 
 
 def _backward(executor: _Executor, step: _Step, carry: _Carry, op):
@@ -360,11 +360,6 @@ def _backward(executor: _Executor, step: _Step, carry: _Carry, op):
 def _add_chunk_grad(carry: _Carry, op, g_chunk) -> _Carry:
   add_at = lambda g, w: g.at[op['chunk']].add(w)
   return carry._replace(grad_chunks=jax.tree.map(add_at, carry.grad_chunks, g_chunk))
-
-
-def _slot(inbox: PyTree, slot) -> PyTree:
-  """One slot of an inbox (activations are pytrees, staged.py)."""
-  return jax.tree.map(lambda a: a[slot], inbox)
 
 
 def _add(a: PyTree, b: PyTree) -> PyTree:

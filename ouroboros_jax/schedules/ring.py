@@ -49,6 +49,23 @@ def whole_batch(tree):
   return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), tree)
 
 
+# Activations and their gradients are pytrees (staged.py): indexed, written and selected leaf by
+# leaf.
+def at(tree, i):
+  """Entry i of every leaf ([n, ...] -> [...])."""
+  return jax.tree.map(lambda a: a[i], tree)
+
+
+def set_at(tree, i, values):
+  """Every leaf with entry i replaced by the matching leaf of `values`."""
+  return jax.tree.map(lambda a, v: a.at[i].set(v), tree, values)
+
+
+def select(pred, on_true, on_false):
+  """on_true where pred, else on_false, leaf by leaf."""
+  return jax.tree.map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
 def set_where(buffers, slot, values, when):
   """Buffers [slots, ...] with `values` in `slot` where `when` and unchanged elsewhere: a select,
   not a cond, so that XLA updates the buffers in place under jit."""

@@ -325,12 +325,7 @@ class TrainConfig:
   @property
   def uses_recipe(self) -> bool:
     """--compensation auto on a delayed schedule: the measured recipe applies (see RECIPE_*)."""
-    return (
-      self.compensation == 'auto'
-      and self.schedule.name == 'ouroboros'
-      and self.schedule.num_stages > 1
-      and not (self.growth or self.vcycle)
-    )
+    return self.compensation == 'auto' and self.delayed and not (self.growth or self.vcycle)
 
   @property
   def delayed(self) -> bool:
