@@ -40,6 +40,10 @@ import sys
 OUROBOROS = dict(schedule='ouroboros', stages=2)
 G4 = dict(schedule='ouroboros', stages=4)
 PIPELINED = dict(schedule='ouroboros', stages=2, forward='pipelined')
+# The streamed ring (--flow stream): M micro-batches per update flow across updates, so every
+# group's gradient is ceil(lag / M) updates old: 1 for G = 4 locked and pipelined G = 2 at M = 4.
+STREAM4 = dict(microbatches=4, flow='stream')
+PIPELINED_G4 = dict(schedule='ouroboros', stages=4, forward='pipelined')
 ADAMW_RATES = (2.5e-3, 5e-3, 1e-2)
 MUON_RATES = (0.01, 0.02, 0.04, 0.08)
 
@@ -121,6 +125,23 @@ RECIPES = {
     dict(PIPELINED, optimizer='muon', compensation='predict,dc', warmup_steps=200),
     (0.01,),
   ),
+  'g4-stream4-muon-predict-dc': (
+    dict(G4, **STREAM4, optimizer='muon', compensation='predict,dc'),
+    (0.02,),
+  ),
+  'pipelined-g2-stream4-muon-predict-dc': (
+    dict(PIPELINED, **STREAM4, optimizer='muon', compensation='predict,dc'),
+    (0.02,),
+  ),
+  # Pipelined G = 4 (gaps 8, 6, 4, 2 as one batch; streamed with M = 8: every gap 1).
+  'pipelined-g4-muon-predict-dc': (
+    dict(PIPELINED_G4, optimizer='muon', compensation='predict,dc'),
+    (0.01,),
+  ),
+  'pipelined-g4-stream8-muon-predict-dc': (
+    dict(PIPELINED_G4, microbatches=8, flow='stream', optimizer='muon', compensation='predict,dc'),
+    (0.02,),
+  ),
 }
 SYNCHRONOUS = ('backprop-adamw', 'backprop-muon')
 # Recipes without a grid of their own take the best rate of another's (G = 4 and pipelined: the
@@ -138,6 +159,10 @@ FINALISTS = (
   'pipelined-g2-muon-predict',
   'g4-muon-predict-dc',
   'pipelined-g2-muon-predict-dc',
+  'g4-stream4-muon-predict-dc',
+  'pipelined-g2-stream4-muon-predict-dc',
+  'pipelined-g4-muon-predict-dc',
+  'pipelined-g4-stream8-muon-predict-dc',
 )
 
 

@@ -125,6 +125,10 @@ _FIELD_HELP = {
   'stash_memory': 'ouroboros: device (default) or pinned_host, where the stash and the '
   "forward's weights wait for their delayed backward (host memory: less device memory, a "
   'transfer each way per step)',
+  'flow': 'ouroboros with --microbatches M: batch (default; the M micro-batches of a step go '
+  "round the ring as one batch: the paper's delays of G - s steps) or stream (they stream across "
+  'updates, PipeDream-2BW style: a gradient is ceil(lag / M) updates old, at most 1 once M >= G '
+  'locked, 2G pipelined; less stash too)',
   'layers_per_stage': "e.g. '2,4,4,4' (default: balanced by FLOPs)",
   'pld': 'progressive layer dropping: THETA_BAR,GAMMA (e.g. 0.5,0.001, or default); keep '
   'prob. of layer l: 1-(l/L)(1-theta(t)), theta(t)=(1-theta_bar)exp(-gamma t)'

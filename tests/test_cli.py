@@ -425,6 +425,19 @@ def test_microbatches_on_a_schedule_without_them_is_refused():
     assert cfg.schedule.num_microbatches == micro, flags
 
 
+def test_streamed_micro_batches_are_an_ouroboros_flag():
+  _refused(
+    ['--schedule', '1f1b', '--stages', '2', '--flow', 'stream'],
+    '--flow stream applies to --schedule ouroboros only',
+    'not 1f1b',
+  )
+  _refused(['--schedule', 'ouroboros', '--flow', 'streams'], 'unknown --flow streams', 'batch')
+  flags = ['--schedule', 'ouroboros', '--stages', '2', '--microbatches', '4', '--flow', 'stream']
+  cfg = cli.config_from_args(cli.make_parser().parse_args(['train', *flags]))
+  cfg.validate()
+  assert cfg.schedule_config().flow == 'stream'
+
+
 def test_too_many_stages_says_each_stage_needs_a_whole_layer():
   _refused(
     ['--schedule', 'ouroboros', '--stages', '3', '--num-layers', '2'],

@@ -198,6 +198,7 @@ def _run_report(cfg: TrainConfig, run, topology: str | None, device) -> dict:
     'microbatches': run.num_microbatches,
     'stash': _stash(run),
     'forward': run.forward if run.name == 'ouroboros' else None,
+    'flow': run.flow if run.name == 'ouroboros' else None,
     'dtype': cfg.model.dtype,
     'param_dtype': cfg.model.param_dtype,
     'topology': topology,
@@ -355,7 +356,9 @@ def _one_line(exc: BaseException) -> str:
 def format_report(report: dict) -> str:
   """The human table of one report: one device's share, the capacity and the verdict."""
   run = report['schedule'] + ''.join(
-    f', {v}' for v in (report['stash'], report['forward'], report['dtype']) if v
+    f', {v}'
+    for v in (report['stash'], report['forward'], report.get('flow'), report['dtype'])
+    if v and v != 'batch'
   )
   where = report['topology'] or f'the local {report["platform"]}'
   plural = 's' if report['devices'] > 1 else ''

@@ -8,6 +8,7 @@ import math
 
 from ouroboros_jax.choices import (
   EXACT_PIPELINES,
+  FLOW_MODES,
   FORWARD_MODES,
   MICROBATCHED,
   SCHEDULES,
@@ -45,6 +46,8 @@ class ScheduleConfig:
   # 'nothing' keeps each group's input and weights and recomputes the rest (docs/memory.md)
   stash_memory: str = 'device'  # ouroboros: where the stash waits, 'device' or 'pinned_host'
   forward: str = 'locked'  # ouroboros: 'locked' (the paper) or 'pipelined'
+  flow: str = 'batch'  # ouroboros: a step's micro-batches travel the ring as one batch ('batch',
+  # the paper's delays) or stream across updates ('stream': ceil(lag / M) updates; delays.py)
   sync_warmup_steps: int = 0  # ouroboros: plain backprop over the ring first
   tied_grad: str = 'sum'  # ouroboros: 'sum' or 'mean' of the tied embedding's two grads
   compensation: Compensation = Compensation()  # ouroboros: staleness compensation (none: paper);
@@ -79,6 +82,7 @@ class ScheduleConfig:
       ('stash_policy', tuple(STASH_POLICIES)),
       ('stash_memory', STASH_MEMORIES),
       ('forward', FORWARD_MODES),
+      ('flow', FLOW_MODES),
       ('tied_grad', TIED_GRAD_MODES),
     ):
       if getattr(self, name) not in choices:
@@ -92,7 +96,7 @@ class ScheduleConfig:
       )
     if self.name != 'ouroboros':  # the Ouroboros-only settings must not pass silently
       defaults = ScheduleConfig()
-      for name in ('stash', 'stash_memory', 'forward', 'sync_warmup_steps'):
+      for name in ('stash', 'stash_memory', 'forward', 'flow', 'sync_warmup_steps'):
         if getattr(self, name) != getattr(defaults, name):
           raise ConfigError(
             f'{field_ref(name, getattr(self, name))} applies to '

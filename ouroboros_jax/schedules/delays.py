@@ -2,9 +2,83 @@
 
 Read by the schedule, the slow reference, the simulator and the compensations. G = num_stages,
 s = 0..G-1 the layer group, t the step (batch t enters at step t). See docs/algorithm.md.
+
+With M micro-batches per step the ring's clock is the tick: micro-batch m of batch t is item
+u = t*M + m and enters the ring at tick u. Under `flow='batch'` the M micro-batches of a step
+travel as one batch (a message between neighbours takes M ticks, one step), so every delay is
+the paper's, counted in batches. Under `flow='stream'` they stream continuously across updates
+(a message takes one tick), so group s's gradient is about ceil(lag / M) updates old, where lag
+is its lag in micro-batches: at most one update once M reaches the largest lag, at any depth
+(PipeDream-2BW's constant delay, Narayanan et al., ICML 2021).
 """
 
 from __future__ import annotations
+
+import dataclasses
+
+
+def _ceil_div(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  """Item u's ticks on the ring, and what they imply for the buffers and the compensations."""
+
+  num_stages: int
+  forward: str = 'locked'  # 'locked' or 'pipelined'
+  microbatches: int = 1
+  flow: str = 'batch'  # 'batch' or 'stream'
+
+  @property
+  def hop(self) -> int:
+    """Ticks a message takes from a device to its neighbour."""
+    return self.microbatches if self.flow == 'batch' else 1
+
+  @property
+  def forward_hop(self) -> int:
+    """Ticks between group s's forward of an item and group s + 1's: 0 in the locked wave."""
+    return self.hop if self.forward == 'pipelined' and self.num_stages > 1 else 0
+
+  @property
+  def head_ticks(self) -> int:
+    """The head computes item u's loss at tick u + head_ticks."""
+    return self.num_stages * self.forward_hop
+
+  def forward_ticks(self, stage: int) -> int:
+    """Group `stage` forwards item u at tick u + forward_ticks(stage)."""
+    return stage * self.forward_hop
+
+  def backward_ticks(self, stage: int) -> int:
+    """Group `stage` back-propagates item u at tick u + backward_ticks(stage): one hop per group
+    from the head back to it (0 when G = 1: the backward follows the head at once)."""
+    if self.num_stages == 1:
+      return 0
+    return self.head_ticks + (self.num_stages - stage) * self.hop
+
+  def first_step(self, ticks: int) -> int:
+    """The first step in which an event `ticks` after an item's entry happens to a real item."""
+    return ticks // self.microbatches
+
+  @property
+  def stage_gaps(self) -> list[int]:
+    """Updates between the weights group s forwards an item with and those its gradient is
+    applied to: ceil of its forward-to-backward ticks over M (exact under flow='batch')."""
+    return [
+      _ceil_div(self.backward_ticks(s) - self.forward_ticks(s), self.microbatches)
+      for s in range(self.num_stages)
+    ]
+
+  @property
+  def embed_gap(self) -> int:
+    """The same for the embedding, module 1's first piece (it embeds an item at its entry)."""
+    return _ceil_div(self.backward_ticks(0), self.microbatches)
+
+  @property
+  def depth(self) -> int:
+    """Slots, each a step's worth of items (or a step's weights), that a device keeps so that
+    everything in flight survives until its backward: ceil(largest lag / M) + 1."""
+    return self.embed_gap + 1
 
 
 def staleness(num_stages: int) -> list[int]:
@@ -14,11 +88,11 @@ def staleness(num_stages: int) -> list[int]:
 
 
 def lags(num_stages: int, forward: str = 'locked') -> tuple[int, list[int]]:
-  """(head lag, per-group backward lag): at step t the head computes the loss of batch
-  t - head_lag and group s back-propagates batch t - lag[s]; neither updates before its lag."""
-  if num_stages > 1 and forward == 'pipelined':
-    return num_stages, [2 * num_stages - s for s in range(num_stages)]
-  return 0, staleness(num_stages)
+  """(head lag, per-group backward lag) in steps, whole batches: at step t the head computes the
+  loss of batch t - head_lag and group s back-propagates batch t - lag[s]; neither updates
+  before its lag."""
+  timing = Timing(num_stages, forward)
+  return timing.head_ticks, [timing.backward_ticks(s) for s in range(num_stages)]
 
 
 def backward_batch(t: int, stage: int, num_stages: int, forward: str = 'locked') -> int:
@@ -28,15 +102,17 @@ def backward_batch(t: int, stage: int, num_stages: int, forward: str = 'locked')
 
 def forward_batch(t: int, stage: int, num_stages: int, forward: str = 'locked') -> int:
   """The batch group `stage` forwards at step t (negative: none yet)."""
-  return t - stage if num_stages > 1 and forward == 'pipelined' else t
+  return t - Timing(num_stages, forward).forward_ticks(stage)
 
 
-def version_gaps(num_stages: int, forward: str = 'locked') -> tuple[int, list[int]]:
+def version_gaps(
+  num_stages: int, forward: str = 'locked', microbatches: int = 1, flow: str = 'batch'
+) -> tuple[int, list[int]]:
   """(embedding gap, per-group gaps): how many updates lie between the weights a module's forward
   of a batch uses and the weights that batch's gradient is applied to. Locked: group s forwards
   batch t at step t and applies its gradient at step t + (G - s). Pipelined: it forwards batch b
   at step b + s and back-propagates it at step b + 2G - s, a gap of 2(G - s); the embedding
-  (module 1's first piece) embeds batch t at step t, a gap of 2G. The head is always fresh (0)."""
-  head_lag, backward_lags = lags(num_stages, forward)
-  offset = (lambda s: s) if head_lag else (lambda s: 0)  # the step group s forwards batch 0
-  return backward_lags[0], [lag - offset(s) for s, lag in enumerate(backward_lags)]
+  (module 1's first piece) embeds batch t at step t, a gap of 2G. The head is always fresh (0).
+  Streamed micro-batches: `Timing`."""
+  timing = Timing(num_stages, forward, microbatches, flow)
+  return timing.embed_gap, timing.stage_gaps

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from ouroboros_jax import placement, staged
 from ouroboros_jax.schedules import compensation
 from ouroboros_jax.schedules import ring as ring_lib
-from ouroboros_jax.schedules.delays import lags, version_gaps
+from ouroboros_jax.schedules.delays import Timing
 from ouroboros_jax.schedules.stash import Stash, make_stash
 from ouroboros_jax.staged import STAGE, Schedule, StagedModel, TrainState
 from ouroboros_jax.update import GroupedOptimizer
@@ -57,10 +57,7 @@ class _Ring:
   optimizer: GroupedOptimizer  # its tx wrapped with the update-side compensations
   stash: Stash  # what a device keeps of each batch until its delayed backward
   mesh: Any
-  head_lag: int  # the head computes the loss of batch t - head_lag
-  backward_lags: tuple[int, ...]  # group s back-propagates batch t - backward_lags[s]
-  embed_gap: int  # version gaps (delays.version_gaps), for the compensations
-  stage_gaps: tuple[int, ...]
+  timing: Timing  # when each group sees which micro-batch (delays.py)
   compensation: compensation.Compensation
 
   @property
@@ -69,19 +66,36 @@ class _Ring:
 
   @property
   def pipelined(self) -> bool:
-    return self.config.forward == 'pipelined' and self.num_stages > 1
+    return self.timing.forward_hop > 0
 
   @property
   def num_microbatches(self) -> int:
     return self.config.num_microbatches
 
-  def micro_key(self, key, m):
-    return ring_lib.microbatch_key(key, m, self.num_microbatches)
-
   @property
   def depth(self) -> int:
-    """Stash slots per device: G + 1 locked, 2G + 1 pipelined."""
-    return max(self.backward_lags) + 1
+    """Slots per device, each a step's micro-batches (or weights): G + 1 locked and 2G + 1
+    pipelined as one batch; ceil(largest lag / M) + 1 streamed."""
+    return self.timing.depth
+
+  @property
+  def aligned(self) -> bool:
+    """Whether every event of a step happens to the M items of one batch (as one batch)."""
+    return self.timing.flow == 'batch' or self.num_microbatches == 1
+
+  def items(self, t, ticks):
+    """The M items (micro-batches u = t'M + m) that an event `ticks` after their entry happens
+    to during step t, in tick order."""
+    return t * self.num_microbatches + jnp.arange(self.num_microbatches) - ticks
+
+  def real(self, items):
+    """Which items entered the ring (none do during the synchronous warm-up)."""
+    return items >= self.config.sync_warmup_steps * self.num_microbatches
+
+  def item_key(self, item):
+    """Item u's dropout key: micro-batch u % M of batch u // M."""
+    num_micro = self.num_microbatches
+    return ring_lib.microbatch_key(self.key(item // num_micro), item % num_micro, num_micro)
 
   def key(self, batch_index):
     return staged.batch_key(self.config.seed, batch_index)
@@ -97,26 +111,24 @@ def build(
   num_stages = config.num_stages
   comp = config.compensation
   compensation.check_fits(comp, config.stash)
-  head_lag, backward_lags = lags(num_stages, config.forward)
+  timing = Timing(num_stages, config.forward, config.num_microbatches, config.flow)
   mesh = placement.make_mesh(num_stages, config.data_parallel, devices)
   if config.stash_memory == 'pinned_host':
     placement.check_pinned_host(mesh)
-  embed_gap, stage_gaps = version_gaps(num_stages, config.forward)
   if num_stages == 1:  # no delay, nothing to compensate: exactly the paper's G = 1 step
     comp = compensation.Compensation()
   ring = _Ring(
     config=config,
     model=model,
     optimizer=GroupedOptimizer(
-      compensation.wrap(comp, tx, max([embed_gap, *stage_gaps])), config.clip_norm, model.shared
+      compensation.wrap(comp, tx, max([timing.embed_gap, *timing.stage_gaps])),
+      config.clip_norm,
+      model.shared,
     ),
-    # Graph: the weights are kept once per batch ('weights'), not once per micro-batch.
+    # Graph: the weights are kept once per step ('weights'), not once per micro-batch.
     stash=make_stash(model, config.stash, config.stash_policy, keep_weights=False),
     mesh=mesh,
-    head_lag=head_lag,
-    backward_lags=tuple(backward_lags),
-    embed_gap=embed_gap,
-    stage_gaps=tuple(stage_gaps),
+    timing=timing,
     compensation=comp,
   )
   return placement.make_schedule(
@@ -130,212 +142,233 @@ def build(
 
 
 # -- one step on one device of the ring: the four steps of the algorithm ---------------------------
+#
+# The ring's clock is the tick: micro-batch m of batch t is item u = tM + m and enters at tick u
+# (delays.Timing). Step t runs ticks tM .. tM + M - 1: first the forward of all of them (the
+# wave), then the backward of all of them (the chain). Nothing the backward of a tick reads is
+# written by a later tick's forward, and the weights change only between steps, so this is the
+# tick-by-tick order of the algorithm. A message between neighbours waits in a FIFO of `hop`
+# ticks: M as one batch (it arrives next step), 1 streamed (next tick).
 
 
 class _Forwarded(NamedTuple):
   """What the forward wave and the head of one step leave on a device."""
 
-  kept_M: Any  # what the stash keeps of each of this step's micro-batches
+  kept_M: Any  # what the stash keeps of each item this device forwarded, in tick order
   memory_M: Any  # the model's renewed memory, micro-batch by micro-batch (None without one)
-  loss: jax.Array  # device 0: the head's loss of its batch
+  loss: jax.Array  # device 0: the head's loss of its items
   g_head: Any  # device 0: the head's gradient ...
   g_embed: Any  # ... and the tied embedding's head-side gradient, both fresh
-  delta_fresh_M: jax.Array  # device 0: the head's delta_{G-1} of each micro-batch
-  sent_M: jax.Array  # pipelined: each micro-batch's output, received during step t + 1
+  delta_fresh_M: jax.Array  # device 0: the head's delta_{G-1} of each of its items
+  act_fifo: Any  # pipelined: the activations in flight to this device
 
 
 def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t):
   """Step t of the ring on device s (inside the shard_map): (grads, new buffers, loss)."""
-  s, depth = jax.lax.axis_index(STAGE), ring.depth
-  backward_batch = t - jnp.asarray(ring.backward_lags)[s]  # the batch group s back-propagates
-  forward_batch = t - s if ring.pipelined else t  # the batch group s forwards
+  s, depth, timing = jax.lax.axis_index(STAGE), ring.depth, ring.timing
+  forward_ticks = s * timing.forward_hop
+  backward_ticks = jnp.asarray([timing.backward_ticks(g) for g in range(ring.num_stages)])[s]
   local = lambda tree: jax.tree.map(lambda a: a[0, 0], tree)
   kept_buffers = buffers.get(placement.HOST, buffers)  # offloaded, or beside the others
   stash_S, weights_S = local(kept_buffers['stash']), local(kept_buffers.get('weights'))
-  batches_S = local(buffers['batches'])
-
-  # 0. Read what the delayed backward and the head need *before* this step writes its own
-  #    slots. With G > 1 every lag is >= 1, so the slots differ, and reading first lets XLA
-  #    (on CPU with host.CPU_XLA_FLAGS) update the buffers in place instead of copying them.
-  read = lambda: ring_lib.read_slot(
-    (stash_S, weights_S, batches_S['inputs']), backward_batch, depth
-  )
-  if ring.num_stages > 1:
-    pending = read()
-  head_targets = (
-    batch['targets']
-    if ring.head_lag == 0
-    else ring_lib.read_slot(batches_S['targets'], t - ring.head_lag, depth)
-  )
-  batches_S = ring_lib.write_slot(batches_S, batch, t, depth)
+  by_item = lambda tree: ring_lib.slots_by_microbatch(tree, ring.num_microbatches)
+  batches_S = ring_lib.write_slot(local(buffers['batches']), batch, t, depth)
+  # Weights by step (a version), in slot t - forward_ticks // M: one slot per batch in flight.
+  version_shift = forward_ticks // ring.num_microbatches
   if weights_S is not None:  # graph: the backward differentiates at the forward's weights
     forward_s = ring_lib.local_stage_params(forward_params)
-    weights_S = ring_lib.write_slot(weights_S, forward_s, forward_batch, depth)
+    weights_S = ring_lib.write_slot(weights_S, forward_s, t - version_shift, depth)
 
   # 1. Forward and 2. head, one micro-batch at a time.
-  seen = {'inputs': batch['inputs'], 'targets': head_targets}
-  fwd = _forward_wave(ring, params, forward_params, buffers, seen, t)
-  # One write of the slot after the wave, rather than the stash carried through it: a loop's
-  # carry is a buffer of its own, and carrying the stash would cost copies of all of it.
-  stash_S = ring_lib.write_slot(stash_S, fwd.kept_M, forward_batch, depth)
-  if ring.num_stages == 1:  # lag 0: the backward needs what was just kept
-    pending = read()
+  read = lambda buffers, items: ring_lib.read_items(buffers, items[0], depth, ring.aligned)
+  head_targets_M = read(by_item(batches_S['targets']), ring.items(t, timing.head_ticks))
+  fwd = _forward_wave(ring, params, forward_params, buffers, head_targets_M, batch['inputs'], t)
+  # One write after the wave, rather than the stash carried through it: a loop's carry is a
+  # buffer of its own, and carrying the stash would cost copies of all of it. Written before the
+  # backward reads: it never reads an item this step overwrites (Timing.depth).
+  items_f = ring.items(t, forward_ticks)
+  stash_S = ring_lib.write_items(stash_S, fwd.kept_M, items_f[0], depth, ring.aligned)
 
-  # 3. Backward, all devices at once, with the error gradient received during step t - 1.
-  received_M = (
-    fwd.delta_fresh_M
-    if ring.num_stages == 1
-    else ring_lib.microbatches(_local(buffers['delta']), ring.num_microbatches)
+  # 3. Backward, all devices at once, each on the items whose error gradients reach it now.
+  items_b = ring.items(t, backward_ticks)
+  pending = _Pending(
+    kept_M=read(stash_S, items_b),
+    inputs_M=read(by_item(batches_S['inputs']), items_b),
+    weights=_backward_weights(ring, weights_S, items_b, forward_ticks, version_shift),
+    items=items_b,
   )
-  g_stage, g_embed_stale, delta_next_M = _backward_chain(
-    ring, params, pending, (received_M, fwd.delta_fresh_M), backward_batch, t
-  )
+  g_stage, g_embed_stale, delta_fifo = _backward_chain(ring, params, pending, buffers, fwd)
 
   # 4. Gradients, each on the device that owns it (embed and head live on device 0).
   g_embed = jax.tree.map(jnp.add, fwd.g_embed, g_embed_stale)
-  t_async = t - ring.config.sync_warmup_steps
   if ring.config.tied_grad == 'mean' and ring.model.tied_embedding:
-    both = t_async >= ring.backward_lags[0]
+    both = ring.real(ring.items(t, timing.backward_ticks(0))[-1])  # module 1's stale one too
     g_embed = jax.tree.map(lambda g: jnp.where(both, 0.5 * g, g), g_embed)
   grads, loss = ring_lib.gather_grads(g_embed, fwd.g_head, g_stage, fwd.loss)
   kept = {'stash': stash_S} if weights_S is None else {'stash': stash_S, 'weights': weights_S}
-  written = {'batches': batches_S, 'kept': kept}
-  new_buffers = _new_buffers(ring, buffers, fwd, written, delta_next_M, t)
+  new_buffers = {'batches': batches_S, 'delta': ring_lib.whole_batch(delta_fifo)}
+  if placement.HOST in buffers:
+    new_buffers[placement.HOST] = kept
+  else:
+    new_buffers.update(kept)
+  if ring.pipelined:
+    new_buffers['act'] = ring_lib.whole_batch(fwd.act_fifo)
+  if fwd.memory_M is not None:
+    new_buffers['memory'] = ring_lib.whole_batch(fwd.memory_M)
   return grads, jax.tree.map(lambda a: a[None, None], new_buffers), loss
 
 
-def _forward_wave(ring: _Ring, params, forward_params, buffers, seen, t) -> _Forwarded:
-  """Steps 1 and 2 on device s: the forward of this step's micro-batches and the head on each.
+def _forward_wave(ring: _Ring, params, forward_params, buffers, head_targets_M, inputs, t):
+  """Steps 1 and 2 on device s: the forward of this step's ticks and the head on each.
 
-  Locked: a wave in which group s forwards micro-batch r - s in round r (only device 0 in
-  round 0, as in the paper when M = 1), so the forward takes M + G - 1 rounds of 1/M of the
-  work. Pipelined: every group forwards micro-batch r in round r, on what its predecessor sent
-  during step t - 1. The head runs on device 0 on each micro-batch of its batch as it arrives:
-  fresh loss, head gradient and delta_{G-1}, each 1/M of the batch's. `seen` holds the batch's
-  inputs and the targets of the batch the head sees."""
+  Locked: a wave in which group s forwards micro-batch r - s of batch t in round r (only device
+  0 in round 0, as in the paper when M = 1), so the forward takes M + G - 1 rounds of 1/M of the
+  work. Pipelined: in round r every group forwards what its predecessor sent `hop` ticks ago
+  (item tM + r - s * hop). The head runs on device 0 on each item as it arrives: fresh loss,
+  head gradient and delta_{G-1}, each 1/M of a batch's. `head_targets_M` are the targets of
+  the items the head sees this step, `inputs` the batch entering the ring."""
   model, stash, num_stages, num_micro = (
     ring.model,
     ring.stash,
     ring.num_stages,
     ring.num_microbatches,
   )
-  pipelined, s = ring.pipelined, jax.lax.axis_index(STAGE)
-  t_async = t - ring.config.sync_warmup_steps
-  cut = lambda tree: ring_lib.microbatches(tree, num_micro)
+  pipelined, s, hop = ring.pipelined, jax.lax.axis_index(STAGE), ring.timing.hop
   forward_s = ring_lib.local_stage_params(forward_params)  # = params_s unless predicted
-  inputs_M, targets_M = cut(seen['inputs']), cut(seen['targets'])
-  received_M = cut(_local(buffers['act'])) if pipelined else None
-  memory_M = cut(ring_lib.local_memory(buffers))  # or None
+  inputs_M = ring_lib.microbatches(inputs, num_micro)
+  items_f = ring.items(t, s * ring.timing.forward_hop)  # the items group s forwards, in order
+  items_h = ring.items(t, ring.timing.head_ticks)  # the items the head sees
+  memory_M = ring_lib.microbatches(ring_lib.local_memory(buffers), num_micro)  # or None
   x_like = jax.eval_shape(lambda: ring_lib.embed(model, forward_params['embed'], inputs_M[0], None))
-  b_f = t - s if pipelined else t  # the batch group s forwards
-  key_f = ring.key(b_f)
-  run_forward = lambda x, m, mem: stash.forward(forward_s, x, s, ring.micro_key(key_f, m), mem, b_f)
+
+  def run_forward(x, item, memory):
+    key = ring.item_key(item)
+    return stash.forward(forward_s, x, s, key, memory, item // num_micro)
+
   first_memory = jax.tree.map(lambda a: a[0], memory_M)
-  no_kept = _zeros(jax.eval_shape(run_forward, x_like, 0, first_memory)[1])
-  head_zeros = _zeros(jax.eval_shape(lambda: ring_lib.head(model, params, x_like, targets_M[0])))
+  no_kept = _zeros(jax.eval_shape(run_forward, x_like, items_f[0], first_memory)[1])
+  head_zeros = _zeros(
+    jax.eval_shape(lambda: ring_lib.head(model, params, x_like, head_targets_M[0]))
+  )
 
   def forward_round(r, carry):
-    received, kept_M, memory_M, head_sum, delta_fresh_M, sent_M = carry
-    m = r if pipelined else r - s
-    active = (m >= 0) & (m < num_micro)
-    m = jnp.clip(m, 0, num_micro - 1)
-    x0 = ring_lib.embed(model, forward_params['embed'], inputs_M[m], ring.micro_key(ring.key(t), m))
-    x = ring_lib.select(s == 0, x0, ring_lib.at(received_M, m) if pipelined else received)
-    memory = ring_lib.at(memory_M, m)
-    y, kept, memory = jax.lax.cond(
-      active, run_forward, lambda x, m, mem: (x, no_kept, mem), x, m, memory
+    received, kept_M, memory_M, head_sum, delta_fresh_M, act_fifo = carry
+    j = r if pipelined else r - s  # this round's index among the items group s forwards
+    active = (j >= 0) & (j < num_micro)
+    j = jnp.clip(j, 0, num_micro - 1)
+    item = items_f[j]
+    x0 = ring_lib.embed(
+      model, forward_params['embed'], inputs_M[j], ring.item_key(t * num_micro + j)
     )
-    kept_M = ring_lib.set_where(kept_M, m, kept, active)
-    memory_M = jax.tree.map(lambda a, new: a.at[m].set(new), memory_M, memory)
+    if pipelined:  # what the predecessor sent hop ticks ago; its slot takes what comes now
+      received = ring_lib.at(act_fifo, r % hop)
+    x = ring_lib.select(s == 0, x0, received)
+    memory = ring_lib.at(memory_M, item % num_micro)
+    y, kept, new_memory = jax.lax.cond(
+      active, run_forward, lambda x, item, mem: (x, no_kept, mem), x, item, memory
+    )
+    kept_M = ring_lib.set_where(kept_M, j, kept, active)
+    # Only a real item renews the memory (while a pipe fills, a group forwards zeros).
+    memory_M = ring_lib.set_where(memory_M, item % num_micro, new_memory, ring.real(item))
     sent = ring_lib.send_forward(y, num_stages)
-    if pipelined:  # to be received during step t + 1; the head reads last step's
-      sent_M = ring_lib.set_at(sent_M, m, sent)
-      m_h, x_h = r, ring_lib.at(received_M, r)
+    if pipelined:  # device 0's head reads what G-1 sent hop ticks ago
+      act_fifo = ring_lib.set_at(act_fifo, r % hop, sent)
+      k, x_h = r, received
     else:  # group G-1's output of micro-batch r - (G - 1) has just reached device 0
-      m_h, x_h = r - (num_stages - 1), sent
-    head_on = (m_h >= 0) & (t_async >= ring.head_lag)
-    m_h = jnp.clip(m_h, 0, num_micro - 1)
+      k, x_h = r - (num_stages - 1), sent
+    head_on = (k >= 0) & ring.real(items_h[jnp.clip(k, 0, num_micro - 1)])
+    k = jnp.clip(k, 0, num_micro - 1)
     loss, g_head, g_embed, delta = ring_lib.head(
-      model, params, x_h, targets_M[m_h], 1.0 / num_micro, when=head_on
+      model, params, x_h, head_targets_M[k], 1.0 / num_micro, when=head_on
     )
     head_sum = jax.tree.map(jnp.add, head_sum, (loss, g_head, g_embed))
-    delta_fresh_M = ring_lib.set_where(delta_fresh_M, m_h, delta, head_on)
-    return sent, kept_M, memory_M, head_sum, delta_fresh_M, sent_M
+    delta_fresh_M = ring_lib.set_where(delta_fresh_M, k, delta, head_on)
+    return sent, kept_M, memory_M, head_sum, delta_fresh_M, act_fifo
 
   rounds = num_micro if pipelined else num_micro + num_stages - 1
   zeros_M = jax.tree.map(lambda a: jnp.zeros((num_micro, *a.shape), a.dtype), x_like)
+  act_fifo = ring_lib.microbatches(_local(buffers['act']), hop) if pipelined else None
   carry = (
     _zeros(x_like),
     jax.tree.map(lambda a: jnp.zeros((num_micro, *a.shape), a.dtype), no_kept),
     memory_M,
     head_zeros[:3],
     zeros_M,
-    zeros_M,
+    act_fifo,
   )
-  _, kept_M, memory_M, (loss, g_head, g_embed), delta_fresh_M, sent_M = jax.lax.fori_loop(
+  _, kept_M, memory_M, (loss, g_head, g_embed), delta_fresh_M, act_fifo = jax.lax.fori_loop(
     0, rounds, forward_round, carry
   )
-  return _Forwarded(kept_M, memory_M, loss, g_head, g_embed, delta_fresh_M, sent_M)
+  return _Forwarded(kept_M, memory_M, loss, g_head, g_embed, delta_fresh_M, act_fifo)
 
 
-def _backward_chain(ring: _Ring, params, pending, deltas, backward_batch, t):
-  """Step 3 on device s, one micro-batch at a time: group s finishes batch `backward_batch`
-  (t - (G - s); pipelined t - (2G - s)) from `pending` (its stash, weights and inputs of that
-  batch) and the error gradients `deltas` (received during step t - 1; the head's fresh ones).
-  Module 1 ends at the embedding: device 0 turns dx into V's stale input-side gradient. The one
-  hop of the backward: s hands dx to s - 1; device 0 hands the head's delta to G - 1.
-  Returns (stage gradient, embedding gradient, the deltas sent, by micro-batch)."""
-  model, stash, s = ring.model, ring.stash, jax.lax.axis_index(STAGE)
-  stash_b, weights_b, inputs_b = pending
-  received_M, delta_fresh_M = deltas
-  valid = t - ring.config.sync_warmup_steps >= jnp.asarray(ring.backward_lags)[s]  # pipe full
-  inputs_b_M = ring_lib.microbatches(inputs_b, ring.num_microbatches)
-  key_b = ring.key(backward_batch)
+class _Pending(NamedTuple):
+  """What group s needs for the backward of this step's items: what its forward kept of them,
+  their inputs (for the embedding's gradient on device 0), the weights their forward ran at
+  (graph; None: replay at the current ones) and the items' indices."""
+
+  kept_M: Any
+  inputs_M: Any
+  weights: Any  # a function m -> the weights item m was forwarded with, or None
+  items: jax.Array
+
+
+def _backward_weights(ring: _Ring, weights_S, items_b, forward_ticks, version_shift):
+  """m -> the weights item items_b[m] was forwarded with (graph; None: replay). As one batch the
+  step's items share one version; streamed they span two, both read once."""
+  if weights_S is None:
+    return None
+  num_micro = ring.num_microbatches
+  version = (items_b + forward_ticks) // num_micro - version_shift
+  read = lambda v: ring_lib.read_slot(weights_S, v, ring.depth)
+  if ring.aligned:
+    weights = read(version[0])
+    return lambda m: weights
+  older, newer = read(version[0]), read(version[0] + 1)
+  return lambda m: ring_lib.select(version[m] == version[0], older, newer)
+
+
+def _backward_chain(ring: _Ring, params, pending: _Pending, buffers, fwd: _Forwarded):
+  """Step 3 on device s, one tick at a time: group s back-propagates item u = pending.items[m]
+  with the error gradient its successor sent `hop` ticks ago (device G-1: the head's; G = 1: the
+  fresh one). Module 1 ends at the embedding: device 0 turns dx into V's stale input-side
+  gradient. The one hop of the backward: s hands dx to s - 1; device 0 hands the head's delta
+  to G - 1. Returns (stage gradient, embedding gradient, the FIFO of error gradients in flight
+  to this device)."""
+  model, stash, s, hop = ring.model, ring.stash, jax.lax.axis_index(STAGE), ring.timing.hop
   params_s = ring_lib.local_stage_params(params)
-  at_weights = params_s if weights_b is None else weights_b  # replay: the current weights
+  delta_fresh_M = fwd.delta_fresh_M
 
   def backward_micro(m, carry):
-    g_stage, g_embed, delta_next_M = carry
-    key_m = ring.micro_key(key_b, m)
-    kept, delta = ring_lib.at(stash_b, m), ring_lib.at(received_M, m)
+    g_stage, g_embed, fifo = carry
+    item = pending.items[m]
+    key = ring.item_key(item)
+    kept = ring_lib.at(pending.kept_M, m)
+    # G = 1: the head's fresh delta, no hop
+    delta = ring_lib.at(delta_fresh_M, m) if ring.num_stages == 1 else ring_lib.at(fifo, m % hop)
+    at_weights = params_s if pending.weights is None else pending.weights(m)
+    batch_index = item // ring.num_microbatches
     g_m, dx = ring_lib.mask(
-      valid, stash.backward(at_weights, kept, delta, s, key_m, backward_batch)
+      ring.real(item), stash.backward(at_weights, kept, delta, s, key, batch_index)
     )
-    g_embed_m = ring_lib.embed_backward(model, params['embed'], inputs_b_M[m], key_m, dx)
+    inputs = ring_lib.at(pending.inputs_M, m)
+    g_embed_m = ring_lib.embed_backward(model, params['embed'], inputs, key, dx)
     sent = ring_lib.send_backward(
       ring_lib.select(s == 0, ring_lib.at(delta_fresh_M, m), dx), ring.num_stages
     )
     add = lambda a, b: jax.tree.map(jnp.add, a, b)
-    return add(g_stage, g_m), add(g_embed, g_embed_m), ring_lib.set_at(delta_next_M, m, sent)
+    return add(g_stage, g_m), add(g_embed, g_embed_m), ring_lib.set_at(fifo, m % hop, sent)
 
   one = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
-  backward_shapes = lambda kept, x: stash.backward(at_weights, kept, x, s, key_b, backward_batch)
-  no_grad = _zeros(jax.eval_shape(backward_shapes, one(stash_b), one(received_M)))
-  zeros_M = _zeros(received_M)
-  return jax.lax.fori_loop(
-    0, ring.num_microbatches, backward_micro, (no_grad[0], _zeros(params['embed']), zeros_M)
+  at_weights = params_s if pending.weights is None else pending.weights(0)
+  backward_shapes = lambda kept, x: stash.backward(
+    at_weights, kept, x, s, ring.item_key(pending.items[0]), 0
   )
-
-
-def _new_buffers(ring: _Ring, buffers, fwd: _Forwarded, written, delta_next_M, t):
-  """The ring buffers this step leaves for the next one, on device s (`written`: the batches
-  and the stash with this step's slots written)."""
-  kept = written['kept']
-  new_buffers = {'batches': written['batches'], 'delta': ring_lib.whole_batch(delta_next_M)}
-  if placement.HOST in buffers:
-    new_buffers[placement.HOST] = kept
-  else:
-    new_buffers.update(kept)
-  if ring.pipelined:
-    new_buffers['act'] = ring_lib.whole_batch(fwd.sent_M)
-  if fwd.memory_M is not None:
-    new_memory = ring_lib.whole_batch(fwd.memory_M)
-    if ring.pipelined:  # while the pipe fills, group s forwards nothing real (t_async < s)
-      s, t_async = jax.lax.axis_index(STAGE), t - ring.config.sync_warmup_steps
-      old = ring_lib.local_memory(buffers)
-      new_memory = jax.tree.map(lambda a, b: jnp.where(t_async >= s, a, b), new_memory, old)
-    new_buffers['memory'] = new_memory
-  return new_buffers
+  no_grad = _zeros(jax.eval_shape(backward_shapes, one(pending.kept_M), one(delta_fresh_M)))
+  fifo = ring_lib.microbatches(_local(buffers['delta']), hop)
+  return jax.lax.fori_loop(
+    0, ring.num_microbatches, backward_micro, (no_grad[0], _zeros(params['embed']), fifo)
+  )
 
 
 def _zeros(shapes):
@@ -367,8 +400,11 @@ def _init(ring: _Ring, params, example_batch):
     lambda a: jax.ShapeDtypeStruct((a.shape[0] // num_micro, *a.shape[1:]), a.dtype), local
   )
   params_s = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params['stages'])
-  x = jax.eval_shape(ring.model.embed, params['embed'], local['inputs'], None)
   x_micro = jax.eval_shape(ring.model.embed, params['embed'], micro['inputs'], None)
+  hop = ring.timing.hop  # a FIFO of `hop` micro-batches in flight to each device
+  in_flight = jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct((hop * a.shape[0], *a.shape[1:]), a.dtype), x_micro
+  )
   memory = jax.eval_shape(
     lambda: placement.empty_memory(ring.model, params, example_batch, replicas)
   )
@@ -395,14 +431,14 @@ def _init(ring: _Ring, params, example_batch):
     buffers = {
       **placement.empty_memory(ring.model, params, example_batch, replicas),
       'batches': jax.tree.map(lambda a: buffer(a, ring.depth), local),
-      'delta': jax.tree.map(buffer, x),
+      'delta': jax.tree.map(buffer, in_flight),
     }
     if ring.config.stash_memory == 'pinned_host':  # waits in host memory (placement.HOST)
       buffers[placement.HOST] = stash
     else:
       buffers.update(stash)
     if ring.pipelined:  # the activation in flight to each device
-      buffers['act'] = jax.tree.map(buffer, x)
+      buffers['act'] = jax.tree.map(buffer, in_flight)
     return buffers
 
   return placement.init_state(ring.optimizer, params, ring.mesh, fresh_buffers)
@@ -433,7 +469,7 @@ def _grads(ring: _Ring, state: TrainState, forward_params, batch, t, t_async):
       grads, loss, memory_M = carry
       memory = ring_lib.at(memory_M, m)
       grads_m, loss_m, memory = ring_lib.locked_grads(
-        ring.model, params, ring_lib.at(batch_M, m), ring.micro_key(ring.key(t), m), t, memory
+        ring.model, params, ring_lib.at(batch_M, m), ring.item_key(t * num_micro + m), t, memory
       )
       memory_M = jax.tree.map(lambda a, new: a.at[m].set(new), memory_M, memory)
       add = lambda total, g: total + g / num_micro
@@ -462,16 +498,16 @@ def _grads(ring: _Ring, state: TrainState, forward_params, batch, t, t_async):
 
 def _step(ring: _Ring, state: TrainState, batch: dict):
   placement.check_batch(batch, ring.config.data_parallel, ring.num_microbatches)
-  model, t = ring.model, state.step
+  model, t, timing = ring.model, state.step, ring.timing
   t_async = t - ring.config.sync_warmup_steps
   warm = t_async < 0
   # Each group's version gap, 0 during the synchronous warm-up. The tied embedding counts as
   # fresh for the update (it gets the head's fresh gradient every step); its forward in module 1
   # is predicted with module 1's gap.
   no_gap = lambda gap: jnp.where(warm, 0, gap)
-  gap_G = jnp.asarray(ring.stage_gaps)
+  gap_G = jnp.asarray(timing.stage_gaps)
   delays = {
-    'embed': no_gap(0 if model.tied_embedding else ring.embed_gap),
+    'embed': no_gap(0 if model.tied_embedding else timing.embed_gap),
     'stages': no_gap(gap_G),
     'head': jnp.int32(0),
   }
@@ -480,20 +516,24 @@ def _step(ring: _Ring, state: TrainState, batch: dict):
     forward_params = compensation.predict_weights(
       state.params,
       state.opt_state,
-      {'embed': no_gap(ring.embed_gap), 'stages': no_gap(gap_G), 'head': 0},
+      {'embed': no_gap(timing.embed_gap), 'stages': no_gap(gap_G), 'head': 0},
     )
   grads, buffers, loss = _grads(ring, state, forward_params, batch, t, t_async)
 
-  # A module starts updating once its first gradient exists (t_async >= its lag).
-  head_ready = warm | (t_async >= ring.head_lag)
+  # A module starts updating in the first step in which a real item reaches it.
+  first = lambda ticks: timing.first_step(ticks)
+  head_ready = warm | (t_async >= first(timing.head_ticks))
+  backward_G = [timing.backward_ticks(s) for s in range(ring.num_stages)]
   ready = {
-    'embed': (head_ready & model.tied_embedding) | warm | (t_async >= ring.backward_lags[0]),
-    'stages': warm | (t_async >= jnp.asarray(ring.backward_lags)),
+    'embed': (head_ready & model.tied_embedding) | warm | (t_async >= first(backward_G[0])),
+    'stages': warm | (t_async >= jnp.asarray([first(ticks) for ticks in backward_G])),
     'head': head_ready,
   }
   params, opt_state, grad_norm = ring.optimizer.apply(
     state.params, state.opt_state, grads, ready, delays if ring.compensation.active else None
   )
   new_state = state.replace(step=t + 1, params=params, opt_state=opt_state, ring=buffers)
-  loss_batch = jnp.where(warm, t, t - ring.head_lag)
+  # The batch of the step's first head item (streamed, the head's items may span two batches).
+  head_batch = (t * ring.num_microbatches - timing.head_ticks) // ring.num_microbatches
+  loss_batch = jnp.where(warm, t, head_batch)
   return new_state, {'loss': loss, 'loss_batch': loss_batch, 'grad_norm': grad_norm}

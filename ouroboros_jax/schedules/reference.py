@@ -18,22 +18,9 @@ import jax.numpy as jnp
 
 from ouroboros_jax import staged
 from ouroboros_jax.errors import ConfigError, field_ref
-from ouroboros_jax.schedules.delays import backward_batch
+from ouroboros_jax.schedules.delays import Timing
 from ouroboros_jax.staged import EMBED_PIECE
 from ouroboros_jax.update import GroupedOptimizer
-
-
-def expected_backward_batch(t: int, stage: int, num_stages: int, forward: str) -> int:
-  """The batch group `stage` back-propagates at step t (derived in ouroboros.py's docstring)."""
-  return backward_batch(t, stage, num_stages, forward)
-
-
-def backward_step(b: int, stage: int, num_stages: int, forward: str) -> int:
-  """The step at which group `stage` back-propagates batch b (inverting the rule above)."""
-  t = b
-  while expected_backward_batch(t, stage, num_stages, forward) != b:
-    t += 1
-  return t
 
 
 class SlowCompensation:
@@ -129,7 +116,9 @@ class Options:
   tied_grad: str = 'sum'
   sync_warmup_steps: int = 0
   compensation: Any = None  # a compensation.Compensation; None: none
-  microbatches: int = 1  # the batch cut into M micro-batches, each its own stream round the ring
+  microbatches: int = 1  # the batch cut into M micro-batches
+  flow: str = 'batch'  # 'batch': each micro-batch its own stream, one tick per step; 'stream':
+  # one stream of micro-batches, M ticks per step
 
 
 def run(model: staged.StagedModel, tx, params, batches, **options):
@@ -145,10 +134,13 @@ def run(model: staged.StagedModel, tx, params, batches, **options):
   forward='pipelined': at step t group 0 forwards batch t and group s > 0 forwards what group
   s - 1 produced at step t - 1; the head sees group G-1's output one step later.
 
-  microbatches=M: rows m*B/M .. (m+1)*B/M - 1 of every batch form stream m, which goes round the
-  ring exactly as a whole batch would (its own stashes, inboxes and memory rows; dropout key
-  fold_in(key of the batch, m)), with the head's loss weighted 1/M. Every step sums the M
-  streams' gradients and applies them once: what one step on the whole batch computes.
+  microbatches=M: rows m*B/M .. (m+1)*B/M - 1 of a batch are its micro-batch m (dropout key
+  fold_in(key of the batch, m)), and the head's loss is weighted 1/M. A stream is a queue of
+  micro-batches going round the ring one tick at a time, with its own stashes and inboxes.
+  flow='batch': micro-batch m of every batch forms stream m, which ticks once per step, exactly
+  as a whole batch would. flow='stream': one stream takes micro-batch m of batch t at tick
+  tM + m and ticks M times per step. Either way every step sums the gradients of its ticks and
+  applies them once.
   """
   ring = SlowRing(model, tx, params, Options(**options))
   for t in range(len(batches)):
@@ -157,26 +149,29 @@ def run(model: staged.StagedModel, tx, params, batches, **options):
 
 
 class _Stream:
-  """One micro-batch's ring: `stashes[s]` holds (batch, step, VJP or input) of every batch in
-  flight in group s, `delta_inbox[s]` the error gradient sent to group s during the previous
-  step, `act_inbox[s]` (pipelined) the activation sent to it, `head_inbox` (pipelined) what
-  group G-1 sent the head."""
+  """A queue of micro-batches round the ring, one tick at a time: `stashes[s]` holds (clock,
+  step, VJP or input) of every item in flight in group s, `delta_inbox[s]` the error gradient
+  sent to group s during the previous tick, `act_inbox[s]` (pipelined) the activation sent to
+  it, `head_inbox` (pipelined) what group G-1 sent the head. Item `clock` is micro-batch
+  `item(clock)` = (batch, m)."""
 
-  def __init__(self, num_stages: int):
+  def __init__(self, num_stages: int, item):
+    self.item = item
     self.stashes = [collections.deque() for _ in range(num_stages)]
     self.delta_inbox = [None] * num_stages
     self.act_inbox = [None] * num_stages
     self.head_inbox = None
 
 
-class _MicroBatches:
-  """batches[b] cut to one micro-batch's rows (lazily)."""
+class _Items:
+  """items[clock]: the data of a stream's item (micro-batch m of batch b), cut lazily."""
 
-  def __init__(self, batches, cut):
-    self.batches, self.cut = batches, cut
+  def __init__(self, batches, stream: _Stream, cut):
+    self.batches, self.stream, self.cut = batches, stream, cut
 
-  def __getitem__(self, b):
-    return self.cut(self.batches[b])
+  def __getitem__(self, clock):
+    b, m = self.stream.item(clock)
+    return self.cut(self.batches[b], m)
 
 
 class SlowRing:
@@ -211,7 +206,14 @@ class SlowRing:
         f'{field_ref("untie_r", True)}.'
       )
     self.slow = SlowCompensation(comp, tx, params, options.clip_norm) if active else None
-    self.streams = [_Stream(self.num_stages) for _ in range(self.num_micro)]
+    if options.flow == 'stream':
+      self.streams = [_Stream(self.num_stages, lambda c: divmod(c, self.num_micro))]
+    else:
+      self.streams = [
+        _Stream(self.num_stages, lambda c, m=m: (c, m)) for m in range(self.num_micro)
+      ]
+    # In its own clock every stream's delays are those of one batch per tick.
+    self.timing = Timing(self.num_stages, options.forward)
     self.losses, self.updated = [], []
 
   def key(self, batch_index, m=0):
@@ -226,24 +228,37 @@ class SlowRing:
   def stage_params(self, params, s):
     return jax.tree.map(lambda a: a[s], params['stages'])
 
+  def ticks(self, t: int):
+    """(stream, clock) of the ticks of step t, in order."""
+    if self.options.flow == 'stream':
+      return [(self.streams[0], t * self.num_micro + m) for m in range(self.num_micro)]
+    return [(stream, t) for stream in self.streams]
+
   def step(self, t: int, batches) -> None:
     if t < self.options.sync_warmup_steps:
       return self.warmup_step(t, batches[t])
     forward_params = self.forward_params(t)
     total, losses = None, []
-    for m, stream in enumerate(self.streams):
-      micro_batches = _MicroBatches(batches, lambda b, m=m: self.micro(b, m))
-      head_input = self.forward(stream, m, forward_params, t, micro_batches[t])
-      loss, g_head, g_embed, delta_head = self.head(head_input, micro_batches)
-      g_stages, ready, gap, g_embed = self.backward(
-        stream, m, t, micro_batches, delta_head, g_embed
+    ready, gap, head_ready = [False] * self.num_stages, [0] * self.num_stages, False
+    for stream, clock in self.ticks(t):
+      items = _Items(batches, stream, self.micro)
+      head_input = self.forward(stream, forward_params, t, clock, items)
+      loss, g_head, g_embed, delta_head = self.head(head_input, items)
+      g_stages, ready_s, gap_s, g_embed = self.backward(
+        stream, t, clock, items, delta_head, g_embed
       )
+      ready = [a or b for a, b in zip(ready, ready_s)]
+      gap = [max(a, b) for a, b in zip(gap, gap_s)]
+      head_ready |= delta_head is not None
       grads = (g_head, g_embed, g_stages)
       total = grads if total is None else jax.tree.map(jnp.add, total, grads)
-      losses.append(loss)
+      if loss is not None:
+        losses.append(loss)
     g_head, g_embed, g_stages = total
-    self.losses.append(None if losses[0] is None else sum(losses))
-    self.update(g_embed, g_head, g_stages, ready, gap, head_ready=delta_head is not None)
+    if self.options.tied_grad == 'mean' and self.model.tied_embedding and head_ready and ready[0]:
+      g_embed = jax.tree.map(lambda g: 0.5 * g, g_embed)  # the head's and module 1's
+    self.losses.append(sum(losses) if losses else None)
+    self.update(g_embed, g_head, g_stages, ready, gap, head_ready=head_ready)
 
   def memory_of(self, s: int, rows: int, m: int = 0):
     """Micro-batch m's rows of group s's memory (an empty one before its first forward); None
@@ -304,60 +319,64 @@ class SlowRing:
 
   def forward_params(self, t: int):
     """The current weights (or, predicting, the weights each group's gradient of this step's
-    forward will be applied to)."""
-    num_stages, forward = self.num_stages, self.options.forward
-    if not (self.slow and num_stages > 1):
+    forward will be applied to: delays.Timing's gaps)."""
+    if not (self.slow and self.num_stages > 1):
       return self.params
-    gaps = {
-      s: backward_step(t - (s if self.pipelined else 0), s, num_stages, forward) - t
-      for s in range(num_stages)
-    }
-    gaps['embed'] = backward_step(t, 0, num_stages, forward) - t
-    return self.slow.predicted(self.params, gaps)
-
-  def forward(self, stream: _Stream, m: int, forward_params, t: int, batch):
-    """Forward of one stream; every group keeps its VJP (graph) or its input (replay). Returns
-    what reaches the head: (batch index, activation), or None."""
-    num_stages, model = self.num_stages, self.model
-    embedded = model.embed(
-      forward_params['embed'], batch['inputs'], staged.piece_rng(self.key(t, m), EMBED_PIECE)
+    o = self.options
+    timing = Timing(self.num_stages, o.forward, self.num_micro, o.flow)
+    return self.slow.predicted(
+      self.params, {**dict(enumerate(timing.stage_gaps)), 'embed': timing.embed_gap}
     )
-    new_act, carried = [None] * num_stages, (t, embedded)
+
+  def stage_fn(self, stream: _Stream, s: int, clock: int, memory):
+    """Group s's forward of item `clock`, as a function of (its weights, its input)."""
+    b, m = stream.item(clock)
+    key = staged.piece_rng(self.key(b, m), s)
+    return lambda p, h: self.model.run_stage(p, h, s, key, memory, b)
+
+  def forward(self, stream: _Stream, forward_params, t: int, clock: int, items):
+    """Tick `clock` of one stream at step t: item `clock` enters, and every group forwards what
+    reaches it, keeping its VJP (graph) or its input (replay). Returns what reaches the head:
+    (clock of the item, activation), or None."""
+    num_stages, model = self.num_stages, self.model
+    b, m = stream.item(clock)
+    embedded = model.embed(
+      forward_params['embed'], items[clock]['inputs'], staged.piece_rng(self.key(b, m), EMBED_PIECE)
+    )
+    new_act, carried = [None] * num_stages, (clock, embedded)
     for s in range(num_stages):
       if self.pipelined and s > 0:
         carried = stream.act_inbox[s]
       if carried is None:  # pipelined: nothing has reached this group yet
         continue
-      b, x = carried
-      rows = staged.batch_rows(x) * self.num_micro
-      key_b, memory = self.key(b, m), self.memory_of(s, rows, m)
-      run_s = lambda p, h, s=s, b=b, key_b=key_b, memory=memory: model.run_stage(
-        p, h, s, staged.piece_rng(key_b, s), memory, b
-      )
+      c, x = carried
+      m = stream.item(c)[1]
+      memory = self.memory_of(s, staged.batch_rows(x) * self.num_micro, m)
+      run_s = self.stage_fn(stream, s, c, memory)
       if self.options.stash == 'graph':
         y, vjp_fn, new_memory = jax.vjp(
           run_s, self.stage_params(forward_params, s), x, has_aux=True
         )
-        stream.stashes[s].append((b, t, vjp_fn))
+        stream.stashes[s].append((c, t, vjp_fn))
       else:  # replay keeps the input and the memory the forward read
         y, new_memory = run_s(self.stage_params(forward_params, s), x)
-        stream.stashes[s].append((b, t, (x, memory)))
+        stream.stashes[s].append((c, t, (x, memory)))
       self.set_memory(s, m, new_memory)
-      carried = (b, y)
+      carried = (c, y)
       new_act[(s + 1) % num_stages] = carried
     if not self.pipelined:
       return carried
     head_input, stream.head_inbox, stream.act_inbox = stream.head_inbox, new_act[0], new_act
     return head_input
 
-  def head(self, head_input, batches):
-    """Module K: (loss, head gradient, its embed gradient, delta_{G-1}) of the micro-batch that
+  def head(self, head_input, items):
+    """Module K: (loss, head gradient, its embed gradient, delta_{G-1}) of the item that
     reached the head, fresh and weighted 1/M; None, zeros and None while the pipe fills."""
     zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
     if head_input is None:
       return None, zeros(self.params['head']), zeros(self.params['embed']), None
-    b, x = head_input
-    targets = batches[b]['targets']
+    clock, x = head_input
+    targets = items[clock]['targets']
     loss, head_vjp = jax.vjp(
       lambda hp, ep, h: self.model.loss(hp, ep, h, targets)[0],
       self.params['head'],
@@ -367,43 +386,40 @@ class SlowRing:
     weight = 1.0 / self.num_micro
     return (float(loss) * weight, *head_vjp(jnp.full_like(loss, weight)))
 
-  def backward(self, stream: _Stream, m: int, t: int, batches, delta_head, g_embed):
-    """Every group back-propagates the batch its delayed error gradient belongs to; returns
-    (stage gradients, which groups have one, their gaps, the embedding's gradient)."""
+  def backward(self, stream: _Stream, t: int, clock: int, items, delta_head, g_embed):
+    """Tick `clock` at step t: every group back-propagates the item its delayed error gradient
+    belongs to; returns (stage gradients, which groups have one, their gaps in steps, the
+    embedding's gradient)."""
     num_stages, params, model = self.num_stages, self.params, self.model
     new_inbox = [None] * num_stages
     g_stages = [
       jax.tree.map(jnp.zeros_like, self.stage_params(params, s)) for s in range(num_stages)
     ]
     ready = [False] * num_stages
-    gap = [0] * num_stages  # steps since the forward of the batch applied now
+    gap = [0] * num_stages  # steps since the forward of the item applied now
     for s in range(num_stages):
       delta = delta_head if num_stages == 1 else stream.delta_inbox[s]
       if delta is None:
         continue
-      b, forward_step, kept = stream.stashes[s].popleft()
-      assert b == expected_backward_batch(t, s, num_stages, self.options.forward), (s, b, t)
+      c, forward_step, kept = stream.stashes[s].popleft()
+      assert c == clock - self.timing.backward_ticks(s), (s, c, clock)
       gap[s] = t - forward_step
-      key_b = self.key(b, m)
       if self.options.stash == 'graph':
         g_stages[s], dx = kept(delta)
       else:
         x, memory = kept
-        run_s = lambda p, h, s=s, b=b, key_b=key_b, memory=memory: model.run_stage(
-          p, h, s, staged.piece_rng(key_b, s), memory, b
-        )
+        run_s = self.stage_fn(stream, s, c, memory)
         vjp_fn = jax.vjp(run_s, self.stage_params(params, s), x, has_aux=True)[1]
         g_stages[s], dx = vjp_fn(delta)
       ready[s] = True
       if s > 0:
         new_inbox[s - 1] = dx
         continue
-      # Module 1 ends at the embedding of batch b.
-      embed_b = lambda e: model.embed(e, batches[b]['inputs'], staged.piece_rng(key_b, EMBED_PIECE))
-      g_stale = jax.vjp(embed_b, params['embed'])[1](dx)[0]
+      # Module 1 ends at the embedding of item c.
+      key = staged.piece_rng(self.key(*stream.item(c)), EMBED_PIECE)
+      embed_c = lambda e: model.embed(e, items[c]['inputs'], key)
+      g_stale = jax.vjp(embed_c, params['embed'])[1](dx)[0]
       g_embed = jax.tree.map(jnp.add, g_embed, g_stale)
-      if self.options.tied_grad == 'mean' and model.tied_embedding and delta_head is not None:
-        g_embed = jax.tree.map(lambda g: 0.5 * g, g_embed)
     if num_stages > 1:
       new_inbox[num_stages - 1] = delta_head
     stream.delta_inbox = new_inbox

@@ -44,6 +44,11 @@ def microbatches(tree, num_microbatches: int):
   return jax.tree.map(lambda a: a.reshape(num_microbatches, -1, *a.shape[1:]), tree)
 
 
+def slots_by_microbatch(tree, num_microbatches: int):
+  """Ring buffers of batches [depth, B, ...] seen as [depth, M, B/M, ...], slot by micro-batch."""
+  return jax.tree.map(lambda a: a.reshape(a.shape[0], num_microbatches, -1, *a.shape[2:]), tree)
+
+
 def whole_batch(tree):
   """`microbatches` undone: leaves [M, B/M, ...] -> [B, ...]."""
   return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), tree)
@@ -78,6 +83,41 @@ def microbatch_key(key, m, num_microbatches: int):
   """Micro-batch m's dropout key: the batch's own key when the batch is not cut (as the exact
   pipelines do), so one micro-batch is the un-chunked step bit for bit."""
   return key if num_microbatches == 1 else jax.random.fold_in(key, m)
+
+
+def read_items(buffers, first, depth: int, aligned: bool):
+  """The M consecutive items first .. first + M - 1 from ring buffers [depth, M, ...] that hold
+  item u in slot (u // M % depth, u % M): leaves [M, ...], in device memory wherever the buffers
+  live. `aligned` (first a multiple of M): one slot; otherwise they span two. Slots are read
+  whole, as a host-memory buffer can only be sliced by a scalar index."""
+
+  def read(buf):
+    num_micro, block = buf.shape[1], first // buf.shape[1]
+    if aligned:
+      return placement.to_device(buf[block % depth])
+    two = [placement.to_device(buf[(block + i) % depth]) for i in (0, 1)]
+    return jax.lax.dynamic_slice_in_dim(jnp.concatenate(two), first % num_micro, num_micro)
+
+  return jax.tree.map(read, buffers)
+
+
+def write_items(buffers, values, first, depth: int, aligned: bool):
+  """Ring buffers [depth, M, ...] with the M items from `first` on overwritten by `values`
+  ([M, ...]); `read_items` says how."""
+
+  def write(buf, v):
+    num_micro, block = buf.shape[1], first // buf.shape[1]
+    if aligned:
+      return buf.at[block % depth].set(placement.into_space_of(v, buf))
+    slots = [(block + i) % depth for i in (0, 1)]
+    two = jnp.concatenate([placement.to_device(buf[slot]) for slot in slots])
+    two = jax.lax.dynamic_update_slice_in_dim(two, v, first % num_micro, 0)
+    for i, slot in enumerate(slots):
+      part = two[i * num_micro : (i + 1) * num_micro]
+      buf = buf.at[slot].set(placement.into_space_of(part, buf))
+    return buf
+
+  return jax.tree.map(write, buffers, values)
 
 
 def read_slot(buffers, batch_index, depth: int):

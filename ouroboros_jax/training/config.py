@@ -435,6 +435,7 @@ _FLAT_SCHEDULE_FIELDS = (
   'stash_policy',
   'stash_memory',
   'forward',
+  'flow',
   'sync_warmup_steps',
   'tied_grad',
 )

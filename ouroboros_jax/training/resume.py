@@ -20,6 +20,7 @@ RESUME_FIELDS = (
   'stash_policy',
   'stash_memory',
   'forward',
+  'flow',
   'microbatches',
   'batch_size',
   'seed',

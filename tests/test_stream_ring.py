@@ -1,0 +1,132 @@
+"""Ouroboros with streamed micro-batches (`flow='stream'`): the M micro-batches of a step flow
+round the ring one tick apart and across updates, so group s's gradient is ceil(lag / M)
+updates old (delays.Timing). Checked against the slow reference, which runs one stream of
+micro-batches M ticks per step (reference.py)."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from ouroboros_jax.schedules import ScheduleConfig, build_schedule, reference
+from ouroboros_jax.schedules.compensation import Compensation
+from ouroboros_jax.schedules.delays import Timing
+
+from helpers import (
+  adam,
+  assert_trees_equal,
+  max_abs_diff,
+  random_batches,
+  run_schedule,
+  save_and_restore,
+  tiny_transformer,
+)
+
+RECIPE = Compensation(predict=True, dc_lambda=0.5)  # the default recipe's compensations
+
+
+def test_streamed_gaps_are_one_update_once_M_covers_the_lag():
+  """Locked, group s lags G - s micro-batches; pipelined 2(G - s): ceil over M updates."""
+  assert Timing(4, 'locked', 4, 'stream').stage_gaps == [1, 1, 1, 1]
+  assert Timing(8, 'locked', 8, 'stream').stage_gaps == [1] * 8
+  assert Timing(4, 'pipelined', 4, 'stream').stage_gaps == [2, 2, 1, 1]
+  assert Timing(4, 'pipelined', 8, 'stream').stage_gaps == [1] * 4
+  assert Timing(4, 'locked', 2, 'stream').stage_gaps == [2, 2, 1, 1]
+  # as one batch the gaps stay the paper's, whatever M
+  assert Timing(4, 'locked', 4, 'batch').stage_gaps == [4, 3, 2, 1]
+  assert Timing(4, 'pipelined', 4, 'batch').stage_gaps == [8, 6, 4, 2]
+
+
+@pytest.mark.parametrize(
+  'num_stages, stash, forward, micro, comp',
+  [
+    (3, 'graph', 'locked', 4, None),  # M > G: every gap 1, two weight versions in a step
+    (3, 'replay', 'pipelined', 2, None),  # items straddle steps on both sides
+    (4, 'graph', 'pipelined', 2, RECIPE),  # gaps 2, 2, 1, 1; the default compensations
+    (2, 'graph', 'locked', 2, RECIPE),
+  ],
+  ids=['graph-locked', 'replay-pipelined', 'graph-pipelined-recipe', 'graph-locked-recipe'],
+)
+def test_streamed_ring_matches_slow_reference(num_stages, stash, forward, micro, comp):
+  """Which micro-batch each group back-propagates, with which weights, and the update: the
+  schedule equals the reference's one stream of micro-batches, with dropout."""
+  model, params = tiny_transformer(num_stages, dropout=0.1)
+  batches = random_batches(num_stages + 4, seed=2)
+  options = dict(stash=stash, forward=forward, microbatches=micro, seed=3, flow='stream')
+  config = ScheduleConfig(
+    name='ouroboros', num_stages=num_stages, compensation=comp or Compensation(), **options
+  )
+  state, losses = run_schedule(config, model, adam(), params, batches)
+  want, want_losses, _ = reference.run(model, adam(), params, batches, compensation=comp, **options)
+  np.testing.assert_allclose(
+    [x for x in losses if x], [x for x in want_losses if x is not None], rtol=1e-5
+  )
+  assert max_abs_diff(params, want) > 1e-2  # training really moved the weights
+  assert max_abs_diff(state.params, want) < 2e-5
+  # ... and streaming is not batching: the same micro-batches as one batch end elsewhere
+  batched, _, _ = reference.run(
+    model, adam(), params, batches, compensation=comp, **{**options, 'flow': 'batch'}
+  )
+  assert max_abs_diff(batched, want) > 1e-3
+
+
+def test_streamed_transformer_xl_warmup_mean_tie_and_replicas_match_reference():
+  """A memory renewed micro-batch by micro-batch in tick order, the synchronous warm-up, a
+  mean tie, and two data replicas each streaming its own rows."""
+  model, params = tiny_transformer(2, num_layers=4, arch='transformer-xl', mem_len=8)
+  batches = random_batches(7, seed=1, batch=8)
+  options = dict(microbatches=2, sync_warmup_steps=2, tied_grad='mean', seed=5, flow='stream')
+  state, _ = run_schedule(
+    ScheduleConfig(name='ouroboros', num_stages=2, **options), model, adam(), params, batches
+  )
+  want, _, _ = reference.run(model, adam(), params, batches, **options)
+  assert max_abs_diff(state.params, want) < 2e-5
+  # Two replicas, each streaming its own rows: fed the same half-batch twice they agree, so
+  # their mean gradient is one half-batch stream's, which the reference runs alone.
+  halves = [{k: v[:4] for k, v in b.items()} for b in batches]
+  twice = [{k: np.concatenate([v, v]) for k, v in b.items()} for b in halves]
+  replicated, _ = run_schedule(
+    ScheduleConfig(name='ouroboros', num_stages=2, data_parallel=2, **options),
+    model,
+    adam(),
+    params,
+    twice,
+  )
+  half, _, _ = reference.run(model, adam(), params, halves, **options)
+  assert max_abs_diff(replicated.params, half) < 2e-5
+  assert max_abs_diff(half, want) > 1e-3
+
+
+def test_one_microbatch_streams_as_one_batch_and_the_stash_shrinks(tmp_path):
+  """M = 1: streaming is the paper's ring, bit for bit. M = 4 at G = 4: two steps of items
+  kept per device instead of G + 1, and a checkpoint resumes the stream exactly."""
+  model, params = tiny_transformer(4, dropout=0.1)
+  batches = random_batches(8, seed=6)
+  run = lambda flow, micro: run_schedule(
+    ScheduleConfig(name='ouroboros', num_stages=4, microbatches=micro, flow=flow, seed=1),
+    model,
+    adam(),
+    params,
+    batches,
+  )
+  assert_trees_equal(run('stream', 1)[0].params, run('batch', 1)[0].params)
+  streamed, batched = run('stream', 4)[0], run('batch', 4)[0]
+  depth = lambda state: jax.tree.leaves(state.ring['stash'])[0].shape[2]
+  assert (depth(streamed), depth(batched)) == (2, 5)
+  assert (
+    jax.tree.leaves(streamed.ring['delta'])[0].shape[2] * 4
+    == (jax.tree.leaves(batched.ring['delta'])[0].shape[2])
+  )  # one micro-batch in flight per hop, not a whole batch
+
+  config = ScheduleConfig(name='ouroboros', num_stages=4, microbatches=4, flow='stream', seed=1)
+  schedule = build_schedule(config, model, adam())
+  state = schedule.init(params, batches[0])
+  for batch in batches[:4]:
+    state, _ = schedule.step(state, batch)
+  restored, _ = save_and_restore(schedule, state, params, batches[0], tmp_path, {'position': 4})
+  for batch in batches[4:]:
+    state, _ = schedule.step(state, batch)
+    restored, _ = schedule.step(restored, batch)
+  assert_trees_equal(restored.params, state.params)
+  assert_trees_equal(state.params, streamed.params)
