@@ -43,7 +43,7 @@ def test_bench_names_its_own_flags_and_refuses_an_empty_only(tmp_path):
       ConfigError, match=r'names no setting; give comma-separated label prefixes from: backprop, '
     ):
       bench.select_settings(2, only, 2)
-  assert bench.select_settings(2, None, 2) == bench.default_settings(2, 2)  # all 16
+  assert bench.select_settings(2, None, 2) == bench.default_settings(2, 2)  # all 18
   assert [s.label for s in bench.select_settings(2, 'backprop', 2)] == ['backprop']
 
 

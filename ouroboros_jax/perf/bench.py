@@ -61,12 +61,14 @@ class Setting:
   microbatches: int = 1
   stash: str = '-'
   forward: str = '-'
+  flow: str = 'batch'  # ouroboros: --flow
 
   @property
   def label(self) -> str:
     if self.schedule == 'ouroboros':
       micro = '' if self.microbatches == 1 else f'M={self.microbatches} '
-      return f'ouroboros {micro}{self.forward}/{self.stash}'
+      flow = 'stream ' if self.flow == 'stream' else ''
+      return f'ouroboros {micro}{flow}{self.forward}/{self.stash}'
     if self.schedule in MICROBATCHED:
       return f'{self.schedule} M={self.microbatches}'
     return self.schedule
@@ -84,6 +86,7 @@ class Setting:
       stash=self.stash if self.stash != '-' else 'graph',
       stash_policy=stash_policy,
       forward=self.forward if self.forward != '-' else 'locked',
+      flow=self.flow if self.schedule == 'ouroboros' else 'batch',
       compensation=(compensation if self.schedule == 'ouroboros' else Compensation()),
     )
 
@@ -129,6 +132,12 @@ def default_settings(devices: int, num_layers: int | None = None) -> list[Settin
     out += [Setting(name, g, microbatches=8) for name in ('interleaved', 'zb_v')]
   out += [Setting('ouroboros', g, stash=s, forward=f) for f in FORWARD_MODES for s in STASH_MODES]
   out += [Setting('ouroboros', g, 8, stash='graph', forward=f) for f in FORWARD_MODES]
+  # Streamed micro-batches at the smallest M that makes every gap one update (G locked, 2G
+  # pipelined)
+  out += [
+    Setting('ouroboros', g, g * (1 + (f == 'pipelined')), 'graph', f, flow='stream')
+    for f in FORWARD_MODES
+  ]
   return out
 
 
@@ -453,6 +462,7 @@ def _row(setting: Setting, measured: dict, own: dict, link_s: float, allreduce_s
     'microbatches': setting.microbatches if setting.schedule in MICROBATCHED else '',
     'stash': setting.stash,
     'forward': setting.forward,
+    'flow': setting.flow,
     **measured,
     'fwd_s_per_stage': per_stage(own['fwd']),
     'bwd_s_per_stage': per_stage(own['bwd']),
