@@ -78,6 +78,10 @@ VARIANTS = {
   'ouroboros locked replay': ('ouroboros', {'forward': 'locked', 'stash': 'replay'}),
   'ouroboros pipelined': ('ouroboros', {'forward': 'pipelined'}),
   'ouroboros pipelined replay': ('ouroboros', {'forward': 'pipelined', 'stash': 'replay'}),
+  # --flow stream runs the batch flow's step at the same M (only the indices differ); M = 8
+  # locked and 16 pipelined make every gradient one update old up to G = 8.
+  'ouroboros stream locked M=8': ('ouroboros', {'forward': 'locked', 'microbatches': 8}),
+  'ouroboros stream pipelined M=16': ('ouroboros', {'forward': 'pipelined', 'microbatches': 16}),
 }
 COLUMNS = [
   'model',
