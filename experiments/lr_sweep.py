@@ -126,10 +126,6 @@ RECIPES = {
     dict(PIPELINED, optimizer='muon', compensation='predict,dc', warmup_steps=200),
     (0.01,),
   ),
-  'g2-stream2-muon-predict-dc': (
-    dict(OUROBOROS, microbatches=2, flow='stream', optimizer='muon', compensation='predict,dc'),
-    (0.02,),
-  ),
   'g4-stream4-muon-predict-dc': (
     dict(G4, **STREAM4, optimizer='muon', compensation='predict,dc'),
     (0.02,),
@@ -176,7 +172,6 @@ FINALISTS = (
   'pipelined-g2-muon-predict',
   'g4-muon-predict-dc',
   'pipelined-g2-muon-predict-dc',
-  'g2-stream2-muon-predict-dc',
   'g4-stream4-muon-predict-dc',
   'pipelined-g2-stream4-muon-predict-dc',
   'pipelined-g4-muon-predict-dc',

@@ -182,7 +182,8 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t):
   # 1. Forward and 2. head, one micro-batch at a time.
   read = lambda buffers, items: ring_lib.read_items(buffers, items[0], depth, ring.aligned)
   head_targets_M = read(by_item(batches_S['targets']), ring.items(t, timing.head_ticks))
-  fwd = _forward_wave(ring, params, forward_params, buffers, head_targets_M, batch['inputs'], t)
+  seen = {'inputs': batch['inputs'], 'head_targets_M': head_targets_M}
+  fwd = _forward_wave(ring, params, forward_params, buffers, seen, t)
   # One write after the wave, rather than the stash carried through it: a loop's carry is a
   # buffer of its own, and carrying the stash would cost copies of all of it. Written before the
   # backward reads: it never reads an item this step overwrites (Timing.depth).
@@ -218,32 +219,27 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t):
   return grads, jax.tree.map(lambda a: a[None, None], new_buffers), loss
 
 
-def _forward_wave(ring: _Ring, params, forward_params, buffers, head_targets_M, inputs, t):
+def _forward_wave(ring: _Ring, params, forward_params, buffers, seen, t) -> _Forwarded:
   """Steps 1 and 2 on device s: the forward of this step's ticks and the head on each.
 
   Locked: a wave in which group s forwards micro-batch r - s of batch t in round r (only device
   0 in round 0, as in the paper when M = 1), so the forward takes M + G - 1 rounds of 1/M of the
   work. Pipelined: in round r every group forwards what its predecessor sent `hop` ticks ago
   (item tM + r - s * hop). The head runs on device 0 on each item as it arrives: fresh loss,
-  head gradient and delta_{G-1}, each 1/M of a batch's. `head_targets_M` are the targets of
-  the items the head sees this step, `inputs` the batch entering the ring."""
-  model, stash, num_stages, num_micro = (
-    ring.model,
-    ring.stash,
-    ring.num_stages,
-    ring.num_microbatches,
-  )
+  head gradient and delta_{G-1}, each 1/M of a batch's. `seen` holds the inputs of the batch
+  entering the ring and the targets of the items the head sees this step."""
+  model, num_stages, num_micro = ring.model, ring.num_stages, ring.num_microbatches
+  head_targets_M = seen['head_targets_M']
   pipelined, s, hop = ring.pipelined, jax.lax.axis_index(STAGE), ring.timing.hop
   forward_s = ring_lib.local_stage_params(forward_params)  # = params_s unless predicted
-  inputs_M = ring_lib.microbatches(inputs, num_micro)
+  inputs_M = ring_lib.microbatches(seen['inputs'], num_micro)
   items_f = ring.items(t, s * ring.timing.forward_hop)  # the items group s forwards, in order
   items_h = ring.items(t, ring.timing.head_ticks)  # the items the head sees
   memory_M = ring_lib.microbatches(ring_lib.local_memory(buffers), num_micro)  # or None
   x_like = jax.eval_shape(lambda: ring_lib.embed(model, forward_params['embed'], inputs_M[0], None))
 
   def run_forward(x, item, memory):
-    key = ring.item_key(item)
-    return stash.forward(forward_s, x, s, key, memory, item // num_micro)
+    return ring.stash.forward(forward_s, x, s, ring.item_key(item), memory, item // num_micro)
 
   first_memory = jax.tree.map(lambda a: a[0], memory_M)
   no_kept = _zeros(jax.eval_shape(run_forward, x_like, items_f[0], first_memory)[1])
