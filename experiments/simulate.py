@@ -78,10 +78,14 @@ VARIANTS = {
   'ouroboros locked replay': ('ouroboros', {'forward': 'locked', 'stash': 'replay'}),
   'ouroboros pipelined': ('ouroboros', {'forward': 'pipelined'}),
   'ouroboros pipelined replay': ('ouroboros', {'forward': 'pipelined', 'stash': 'replay'}),
-  # --flow stream runs the batch flow's step at the same M (only the indices differ); M = 8
-  # locked and 16 pipelined make every gradient one update old up to G = 8.
-  'ouroboros stream locked M=8': ('ouroboros', {'forward': 'locked', 'microbatches': 8}),
-  'ouroboros stream pipelined M=16': ('ouroboros', {'forward': 'pipelined', 'microbatches': 16}),
+  # --flow stream runs the batch flow's step at the same M (only the indices differ), at the
+  # smallest M that makes every gradient one update old: M = G locked, 2G pipelined
+  # (`microbatches_per_stage`, resolved per G in `predict`).
+  'ouroboros stream locked M=G': ('ouroboros', {'forward': 'locked', 'microbatches_per_stage': 1}),
+  'ouroboros stream pipelined M=2G': (
+    'ouroboros',
+    {'forward': 'pipelined', 'microbatches_per_stage': 2},
+  ),
 }
 COLUMNS = [
   'model',
@@ -120,6 +124,9 @@ def predict(model: sim.ModelShape, hardware: sim.Hardware, stages) -> tuple[list
     costs = sim.transformer_costs(model, hardware, num_stages)
     for label, (schedule, kwargs) in VARIANTS.items():
       kwargs = dict(kwargs, data_parallel=num_stages) if schedule == 'data_parallel' else kwargs
+      if 'microbatches_per_stage' in kwargs:
+        kwargs = dict(kwargs, microbatches=kwargs['microbatches_per_stage'] * num_stages)
+        del kwargs['microbatches_per_stage']
       result = sim.simulate(sim.Run(schedule, **kwargs), costs)
       rows.append(
         {
