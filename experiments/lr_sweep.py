@@ -128,10 +128,27 @@ RECIPES = {
   ),
   'g4-stream4-muon-predict-dc': (
     dict(G4, **STREAM4, optimizer='muon', compensation='predict,dc'),
+    (0.01, 0.02, 0.04),
+  ),
+  # G = 2 locked (the default stage count) streamed with M = 2: both gaps 1 (as one batch: 2, 1).
+  'g2-stream2-muon-predict-dc': (
+    dict(OUROBOROS, microbatches=2, flow='stream', optimizer='muon', compensation='predict,dc'),
     (0.02,),
   ),
   'pipelined-g2-stream4-muon-predict-dc': (
     dict(PIPELINED, **STREAM4, optimizer='muon', compensation='predict,dc'),
+    (0.01, 0.02, 0.04),
+  ),
+  # Levers on the streamed ring (every gap one update): AsyncPP's look-ahead (Ajanthan et al.,
+  # ICML 2025: Nesterov momentum with a long memory, 0.99, so the look-ahead reaches past the
+  # delay) applied to Muon's Nesterov momentum; and less momentum, since asynchrony itself acts
+  # as momentum (Mitliagkas et al. 2016).
+  'g4-stream4-muon-predict-dc-beta0.99': (
+    dict(G4, **STREAM4, optimizer='muon', compensation='predict,dc', momentum=0.99),
+    (0.02,),
+  ),
+  'g4-stream4-muon-predict-dc-beta0.9': (
+    dict(G4, **STREAM4, optimizer='muon', compensation='predict,dc', momentum=0.9),
     (0.02,),
   ),
   # Pipelined G = 4 (gaps 8, 6, 4, 2 as one batch; streamed with M = 8: every gap 1).
@@ -173,6 +190,7 @@ FINALISTS = (
   'g4-muon-predict-dc',
   'pipelined-g2-muon-predict-dc',
   'g4-stream4-muon-predict-dc',
+  'g2-stream2-muon-predict-dc',
   'pipelined-g2-stream4-muon-predict-dc',
   'pipelined-g4-muon-predict-dc',
   'pipelined-g4-stream8-muon-predict-dc',
@@ -182,9 +200,11 @@ FINALISTS = (
 )
 
 
-for _overrides, _ in RECIPES.values():  # explicit, so the library's 'auto' default does not leak in
+for _overrides, _ in RECIPES.values():  # explicit, so the library's 'auto' defaults do not leak in
   _overrides.setdefault('optimizer', 'adamw')
   _overrides.setdefault('compensation', 'none')
+  if _overrides['schedule'] == 'ouroboros':
+    _overrides.setdefault('flow', 'batch')
 
 
 def rate_field(overrides: dict) -> str:

@@ -8,7 +8,9 @@ EXACT_PIPELINES = ('1f1b', 'interleaved', 'zb_h1', 'zb_v')
 MICROBATCHED = ('gpipe', *EXACT_PIPELINES, 'ouroboros')  # they cut a batch into micro-batches
 SCHEDULES = ('backprop', 'data_parallel', 'model_parallel', 'gpipe', *EXACT_PIPELINES, 'ouroboros')
 FORWARD_MODES = ('locked', 'pipelined')  # Ouroboros: the paper's forward, or one hop per step
-FLOW_MODES = ('batch', 'stream')  # Ouroboros: micro-batches as one batch, or streamed (delays.py)
+# Ouroboros: micro-batches as one batch, or streamed (delays.py); auto: streamed under a
+# compensation (the recipe), as one batch without (the paper's method)
+FLOW_MODES = ('auto', 'batch', 'stream')
 STASH_MODES = ('graph', 'replay')  # Ouroboros: keep the VJP, or the input to replay it
 STASH_MEMORIES = ('device', 'pinned_host')  # Ouroboros: where the stash waits (JAX memory kinds)
 TIED_GRAD_MODES = ('sum', 'mean')  # a tied embedding: sum or average its two gradients

@@ -114,8 +114,8 @@ _FIELD_HELP = {
   'data_dir': 'TFDS data dir (default $OUROBOROS_DATA_DIR or ~/.cache/ouroboros_jax/tfds)',
   'schedule': f'one of {", ".join(schedules.SCHEDULES)} (tiny: backprop)',
   'microbatches': 'gpipe, the exact pipelines and ouroboros: micro-batches per data replica '
-  '(default 4; ouroboros: 1 on CPU, up to 8 on an accelerator; the other schedules step on '
-  'the whole batch)',
+  '(default 4; ouroboros: 1 on CPU, up to 8 on an accelerator, and streamed at least G '
+  'locked, 2G pipelined; the other schedules step on the whole batch)',
   'chunks': 'interleaved: model chunks per device, v (default 2; zb_v always runs 2); the '
   'layers are cut into --stages x v groups',
   'stash': 'ouroboros: graph or replay (tiny: graph)',
@@ -125,10 +125,11 @@ _FIELD_HELP = {
   'stash_memory': 'ouroboros: device (default) or pinned_host, where the stash and the '
   "forward's weights wait for their delayed backward (host memory: less device memory, a "
   'transfer each way per step)',
-  'flow': 'ouroboros with --microbatches M: batch (default; the M micro-batches of a step go '
-  "round the ring as one batch: the paper's delays of G - s steps) or stream (they stream across "
-  'updates, PipeDream-2BW style: a gradient is ceil(lag / M) updates old, at most 1 once M >= G '
-  'locked, 2G pipelined; less stash too)',
+  'flow': 'ouroboros: auto (default: stream under a --compensation, batch with --compensation none), '
+  "batch (the M micro-batches of a step go round the ring as one batch: the paper's delays of "
+  'G - s steps) or stream (they stream across updates, PipeDream-2BW style: a gradient is '
+  'ceil(lag / M) updates old, 1 once M >= G locked, 2G pipelined; less stash too). Streamed '
+  'without --microbatches, M is at least that (CPU: G locked, 2G pipelined)',
   'layers_per_stage': "e.g. '2,4,4,4' (default: balanced by FLOPs)",
   'pld': 'progressive layer dropping: THETA_BAR,GAMMA (e.g. 0.5,0.001, or default); keep '
   'prob. of layer l: 1-(l/L)(1-theta(t)), theta(t)=(1-theta_bar)exp(-gamma t)'

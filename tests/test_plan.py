@@ -124,6 +124,31 @@ def test_ouroboros_cuts_the_batch_on_accelerators_only():
     plan.settings(4, plan.Tries(stashes=('everything',)))
 
 
+def test_the_recipe_streams_with_enough_micro_batches_for_gaps_of_one_update():
+  from ouroboros_jax import cli
+  from ouroboros_jax.schedules import delays
+
+  def run(*flags, platform='cpu'):
+    cfg = cli.config_from_args(cli.make_parser().parse_args(['train', *flags]))
+    cfg.validate()
+    got = cfg.schedule_config(platform)
+    return got.resolved_flow, got.num_microbatches
+
+  g2 = ('--schedule', 'ouroboros', '--stages', '2')
+  assert run(*g2) == ('stream', 2)  # the recipe: lags 2, 1 micro-batches
+  assert run(*g2, '--forward', 'pipelined') == ('stream', 4)  # 2G
+  assert run(*g2, platform='tpu') == ('stream', 8)  # the accelerator's own default reaches it
+  assert run(*g2, '--forward', 'pipelined', '--batch-size', '6') == ('stream', 6)  # no 4 in 6
+  assert run(*g2, '--microbatches', '1') == ('stream', 1)  # as asked (M = 1: one batch, bitwise)
+  assert run(*g2, '--compensation', 'none') == ('batch', 1)  # the paper's method, unchanged
+  assert run(*g2, '--compensation', 'none', platform='tpu') == ('batch', 8)
+  assert run(*g2, '--flow', 'batch') == ('batch', 1)
+  g4 = ScheduleConfig(name='ouroboros', num_stages=4, flow='stream').for_platform('cpu', 32)
+  assert delays.version_gaps(4, 'locked', g4.num_microbatches, 'stream') == (1, [1, 1, 1, 1])
+  assert delays.version_gaps(4, 'locked', 1, 'stream') == (4, [4, 3, 2, 1])
+  assert ScheduleConfig(name='1f1b', num_stages=4).resolved_flow == 'batch'
+
+
 def test_stages_that_leave_devices_over_run_data_replicas():
   from ouroboros_jax.training import config
 

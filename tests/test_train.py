@@ -262,6 +262,21 @@ def test_resume_compares_what_the_settings_resolve_to_not_their_spelling():
     checkpoint.CheckpointError, match='--optimizer muon but the flags give --optimizer adamw'
   ):
     resume.check_resumable(saved, config.override(auto, {'optimizer': 'adamw'}), (1, 1), 'OUT')
+  # --flow auto of the recipe on CPU: streamed, 2 micro-batches (both gaps one update)
+  streamed = config.override(auto, {'flow': 'stream', 'microbatches': 2})
+  assert resume.check_resumable(saved, streamed, (1, 1), 'OUT') == []
+  # a run saved before --flow ran as one batch: resumed with today's defaults it is refused,
+  # naming the flags that resume it
+  before = json.loads(json.dumps(saved))
+  del before['config']['schedule']['flow']
+  with pytest.raises(
+    checkpoint.CheckpointError,
+    match='made with --flow batch --microbatches 1 but the flags give --flow stream '
+    '--microbatches 2',
+  ):
+    resume.check_resumable(before, auto, (1, 1), 'OUT')
+  as_before = config.override(auto, {'flow': 'batch'})
+  assert resume.check_resumable(before, as_before, (1, 1), 'OUT') == []
 
 
 def test_sample_generates_the_requested_bytes(short_run):

@@ -86,7 +86,7 @@ class Setting:
       stash=self.stash if self.stash != '-' else 'graph',
       stash_policy=stash_policy,
       forward=self.forward if self.forward != '-' else 'locked',
-      flow=self.flow if self.schedule == 'ouroboros' else 'batch',
+      flow=self.flow if self.schedule == 'ouroboros' else 'auto',
       compensation=(compensation if self.schedule == 'ouroboros' else Compensation()),
     )
 

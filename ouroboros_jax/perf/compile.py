@@ -198,7 +198,7 @@ def _run_report(cfg: TrainConfig, run, topology: str | None, device) -> dict:
     'microbatches': run.num_microbatches,
     'stash': _stash(run),
     'forward': run.forward if run.name == 'ouroboros' else None,
-    'flow': run.flow if run.name == 'ouroboros' else None,
+    'flow': run.resolved_flow if run.name == 'ouroboros' else None,
     'dtype': cfg.model.dtype,
     'param_dtype': cfg.model.param_dtype,
     'topology': topology,

@@ -18,12 +18,15 @@ from ouroboros_jax.choices import (
 )
 from ouroboros_jax.errors import ConfigError, field_ref
 from ouroboros_jax.schedules.compensation import Compensation, check_fits
+from ouroboros_jax.schedules.delays import unit_gap_microbatches
 
 DEFAULT_MICROBATCHES = 4  # gpipe and the exact pipelines without --microbatches
-# Ouroboros without --microbatches: the whole batch at once on CPU, where memory is plentiful
-# and small chunks only add steps; on an accelerator up to 8 micro-batches (`for_platform`),
-# which the TPU compiler measured fitting GPT-2-small at batch 32 on four v5e chips in
-# 3.2 GiB per chip, against 8.6 GiB un-chunked (docs/memory.md).
+# Ouroboros without --microbatches, as one batch: the whole batch at once on CPU, where memory is
+# plentiful and small chunks only add steps; on an accelerator up to 8 micro-batches
+# (`for_platform`): the TPU compiler fits GPT-2-small at batch 32 on four v5e chips in 3.4 GiB
+# per chip, against 8.6 GiB un-chunked, and in 2.2 GiB streamed (docs/memory.md). Streamed (the
+# recipe's flow), at least enough micro-batches that every gradient is one update old (G locked,
+# 2G pipelined: `delays.unit_gap_microbatches`).
 OUROBOROS_MICROBATCHES = 1
 OUROBOROS_ACCELERATOR_MICROBATCHES = 8
 
@@ -46,8 +49,9 @@ class ScheduleConfig:
   # 'nothing' keeps each group's input and weights and recomputes the rest (docs/memory.md)
   stash_memory: str = 'device'  # ouroboros: where the stash waits, 'device' or 'pinned_host'
   forward: str = 'locked'  # ouroboros: 'locked' (the paper) or 'pipelined'
-  flow: str = 'batch'  # ouroboros: a step's micro-batches travel the ring as one batch ('batch',
-  # the paper's delays) or stream across updates ('stream': ceil(lag / M) updates; delays.py)
+  flow: str = 'auto'  # ouroboros: a step's micro-batches travel the ring as one batch ('batch',
+  # the paper's delays) or stream across updates ('stream': ceil(lag / M) updates; delays.py);
+  # 'auto': `resolved_flow`
   sync_warmup_steps: int = 0  # ouroboros: plain backprop over the ring first
   tied_grad: str = 'sum'  # ouroboros: 'sum' or 'mean' of the tied embedding's two grads
   compensation: Compensation = Compensation()  # ouroboros: staleness compensation (none: paper);
@@ -127,16 +131,30 @@ class ScheduleConfig:
     check_fits(self.compensation, self.stash)
     return True
 
+  @property
+  def resolved_flow(self) -> str:
+    """--flow auto: 'stream' under a staleness compensation (the recipe: every gradient one update
+    old once M reaches the lag, docs/results/quality.md), 'batch' without one (the paper's method,
+    bit for bit)."""
+    if self.flow != 'auto':
+      return self.flow
+    return 'stream' if self.compensation.active else 'batch'
+
   def for_platform(self, platform: str, batch_size: int) -> ScheduleConfig:
-    """This config as it runs on `platform` ('cpu', 'gpu', 'tpu') with batches of batch_size:
-    Ouroboros without --microbatches cuts each replica's batch into the largest divisor of it
-    up to OUROBOROS_ACCELERATOR_MICROBATCHES on an accelerator, and not at all on CPU."""
-    if self.name != 'ouroboros' or self.microbatches is not None or platform == 'cpu':
+    """This config as it runs on `platform` ('cpu', 'gpu', 'tpu') with batches of batch_size.
+    Ouroboros without --microbatches cuts each replica's batch: as one batch, into the largest
+    power-of-two divisor of it up to OUROBOROS_ACCELERATOR_MICROBATCHES on an accelerator and not
+    at all on CPU; streamed, into at least `delays.unit_gap_microbatches` (the smallest divisor
+    of the batch that reaches it, or every row its own micro-batch)."""
+    if self.name != 'ouroboros' or self.microbatches is not None:
       return self
     local = max(batch_size // self.data_parallel, 1)
-    return dataclasses.replace(
-      self, microbatches=math.gcd(OUROBOROS_ACCELERATOR_MICROBATCHES, local)
-    )
+    micro = 1 if platform == 'cpu' else math.gcd(OUROBOROS_ACCELERATOR_MICROBATCHES, local)
+    if self.resolved_flow == 'stream':
+      need = unit_gap_microbatches(self.num_stages, self.forward)
+      if micro < need:
+        micro = next((m for m in range(need, local + 1) if local % m == 0), local)
+    return self if micro == 1 else dataclasses.replace(self, microbatches=micro)
 
   @property
   def num_microbatches(self) -> int:

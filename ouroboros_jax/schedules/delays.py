@@ -81,6 +81,12 @@ class Timing:
     return self.embed_gap + 1
 
 
+def unit_gap_microbatches(num_stages: int, forward: str = 'locked') -> int:
+  """The fewest streamed micro-batches per update that make every gradient at most one update
+  old: the embedding's lag in micro-batches, G locked and 2G pipelined (1 when G = 1)."""
+  return max(Timing(num_stages, forward, 1, 'stream').embed_gap, 1)
+
+
 def staleness(num_stages: int) -> list[int]:
   """Steps between the forward and the backward of each layer group in the locked forward: G - s
   (0 when G = 1)."""

@@ -111,7 +111,7 @@ def build(
   num_stages = config.num_stages
   comp = config.compensation
   compensation.check_fits(comp, config.stash)
-  timing = Timing(num_stages, config.forward, config.num_microbatches, config.flow)
+  timing = Timing(num_stages, config.forward, config.num_microbatches, config.resolved_flow)
   mesh = placement.make_mesh(num_stages, config.data_parallel, devices)
   if config.stash_memory == 'pinned_host':
     placement.check_pinned_host(mesh)

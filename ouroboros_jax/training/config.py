@@ -257,8 +257,10 @@ class TrainConfig:
       import jax
 
       platform = jax.default_backend()
-    run = self.schedule.for_platform(platform, self.batch_size)
-    return dataclasses.replace(run, seed=self.seed, compensation=self.resolved_compensation())
+    run = dataclasses.replace(
+      self.schedule, seed=self.seed, compensation=self.resolved_compensation()
+    )
+    return run.for_platform(platform, self.batch_size)  # after the compensation: it picks the flow
 
   def check_accelerators(self) -> None:
     """The accelerator flags parse, fit the model, and combine with the schedule (one-line
@@ -411,7 +413,8 @@ class TrainConfig:
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> 'TrainConfig':
     """From `to_dict`'s output; also reads the flat layout of runs written before the schedule
-    settings were nested (`schedule` a name, `stages`, `stash`, ... beside it)."""
+    settings were nested (`schedule` a name, `stages`, `stash`, ... beside it), and runs written
+    before --flow (they ran as one batch)."""
     d = dict(d)
     model = ModelConfig(**d.pop('model', {}))
     schedule = d.pop('schedule', {})
@@ -421,6 +424,10 @@ class TrainConfig:
         if name in d:
           schedule[name] = d.pop(name)
     schedule = {k: v for k, v in schedule.items() if k not in _RESOLVED_SCHEDULE_FIELDS}
+    if schedule.get('name') == 'ouroboros':
+      schedule.setdefault('flow', 'batch')  # saved before --flow: the ring ran as one batch
+    elif schedule.get('flow') == 'batch':  # saved as the default before --flow auto
+      del schedule['flow']  # (no other schedule has a flow)
     return cls(model=model, schedule=ScheduleConfig(**schedule), **d)
 
 

@@ -46,12 +46,15 @@ def run_meta(cfg: TrainConfig, layers_per_stage) -> dict:
 
 def resolved(cfg: TrainConfig) -> dict:
   """The RESUME_FIELDS whose spelling is not what the run does, as the run does them: `--optimizer
-  auto` of a recipe run is muon, `--compensation auto` predict,dc, --microbatches of a schedule
-  without micro-batches 1. A resume compares these, not the spellings."""
+  auto` of a recipe run is muon, `--compensation auto` predict,dc, `--flow auto` stream,
+  --microbatches of a schedule without micro-batches 1. A resume compares these, not the
+  spellings."""
+  run = cfg.schedule_config()
   return {
     'optimizer': cfg.resolved_optimizer(),
     'compensation': ','.join(cfg.resolved_compensation().names()) or 'none',
-    'microbatches': cfg.schedule_config().num_microbatches,
+    'flow': run.resolved_flow if run.name == 'ouroboros' else 'batch',
+    'microbatches': run.num_microbatches,
   }
 
 
