@@ -171,33 +171,51 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t):
   local = lambda tree: jax.tree.map(lambda a: a[0, 0], tree)
   kept_buffers = buffers.get(placement.HOST, buffers)  # offloaded, or beside the others
   stash_S, weights_S = local(kept_buffers['stash']), local(kept_buffers.get('weights'))
+  batches_S = local(buffers['batches'])
   by_item = lambda tree: ring_lib.slots_by_microbatch(tree, ring.num_microbatches)
-  batches_S = ring_lib.write_slot(local(buffers['batches']), batch, t, depth)
-  # Weights by step (a version), in slot t - forward_ticks // M: one slot per batch in flight.
-  version_shift = forward_ticks // ring.num_microbatches
+  read = lambda buffers, items: ring_lib.read_items(buffers, items[0], depth, ring.aligned)
+  version_shift = forward_ticks // ring.num_microbatches  # weights by step: one slot per batch
+  items_b = ring.items(t, backward_ticks)
+
+  def read_pending(stash_S, batches_S, weights_S):
+    return _Pending(
+      kept_M=read(stash_S, items_b),
+      inputs_M=read(by_item(batches_S['inputs']), items_b),
+      weights=_backward_weights(ring, weights_S, items_b, forward_ticks, version_shift),
+      items=items_b,
+    )
+
+  # As one batch with G > 1 nothing this step writes is read this step: read first, so that XLA
+  # updates the ring buffers in place (read after a write, each would cost a copy of all its
+  # slots). Streamed, the backward reaches items that entered this step: write, then read.
+  read_first = ring.aligned and ring.num_stages > 1
+  items_h = ring.items(t, timing.head_ticks)
+  if read_first:
+    pending = read_pending(stash_S, batches_S, weights_S)
+    head_targets_M = (
+      ring_lib.microbatches(batch['targets'], ring.num_microbatches)
+      if timing.head_ticks == 0  # the locked head sees the batch entering now
+      else read(by_item(batches_S['targets']), items_h)
+    )
+  batches_S = ring_lib.write_slot(batches_S, batch, t, depth)
   if weights_S is not None:  # graph: the backward differentiates at the forward's weights
     forward_s = ring_lib.local_stage_params(forward_params)
     weights_S = ring_lib.write_slot(weights_S, forward_s, t - version_shift, depth)
+  if not read_first:
+    head_targets_M = read(by_item(batches_S['targets']), items_h)
 
   # 1. Forward and 2. head, one micro-batch at a time.
-  read = lambda buffers, items: ring_lib.read_items(buffers, items[0], depth, ring.aligned)
-  head_targets_M = read(by_item(batches_S['targets']), ring.items(t, timing.head_ticks))
   seen = {'inputs': batch['inputs'], 'head_targets_M': head_targets_M}
   fwd = _forward_wave(ring, params, forward_params, buffers, seen, t)
   # One write after the wave, rather than the stash carried through it: a loop's carry is a
-  # buffer of its own, and carrying the stash would cost copies of all of it. Written before the
-  # backward reads: it never reads an item this step overwrites (Timing.depth).
+  # buffer of its own, and carrying the stash would cost copies of all of it. It never
+  # overwrites an item the backward reads this step (Timing.depth).
   items_f = ring.items(t, forward_ticks)
   stash_S = ring_lib.write_items(stash_S, fwd.kept_M, items_f[0], depth, ring.aligned)
 
   # 3. Backward, all devices at once, each on the items whose error gradients reach it now.
-  items_b = ring.items(t, backward_ticks)
-  pending = _Pending(
-    kept_M=read(stash_S, items_b),
-    inputs_M=read(by_item(batches_S['inputs']), items_b),
-    weights=_backward_weights(ring, weights_S, items_b, forward_ticks, version_shift),
-    items=items_b,
-  )
+  if not read_first:
+    pending = read_pending(stash_S, batches_S, weights_S)
   g_stage, g_embed_stale, delta_fifo = _backward_chain(ring, params, pending, buffers, fwd)
 
   # 4. Gradients, each on the device that owns it (embed and head live on device 0).
