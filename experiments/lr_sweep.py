@@ -128,7 +128,7 @@ RECIPES = {
   ),
   'g4-stream4-muon-predict-dc': (
     dict(G4, **STREAM4, optimizer='muon', compensation='predict,dc'),
-    (0.01, 0.02, 0.04),
+    (0.02,),
   ),
   # G = 2 locked (the default stage count) streamed with M = 2: both gaps 1 (as one batch: 2, 1).
   'g2-stream2-muon-predict-dc': (
@@ -137,7 +137,7 @@ RECIPES = {
   ),
   'pipelined-g2-stream4-muon-predict-dc': (
     dict(PIPELINED, **STREAM4, optimizer='muon', compensation='predict,dc'),
-    (0.01, 0.02, 0.04),
+    (0.02,),
   ),
   # Levers on the streamed ring (every gap one update): AsyncPP's look-ahead (Ajanthan et al.,
   # ICML 2025: Nesterov momentum with a long memory, 0.99, so the look-ahead reaches past the
