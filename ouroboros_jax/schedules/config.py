@@ -23,7 +23,7 @@ from ouroboros_jax.schedules.delays import unit_gap_microbatches
 DEFAULT_MICROBATCHES = 4  # gpipe and the exact pipelines without --microbatches
 # Ouroboros without --microbatches, as one batch: the whole batch at once on CPU, where memory is
 # plentiful and small chunks only add steps; on an accelerator up to 8 micro-batches
-# (`for_platform`): the TPU compiler fits GPT-2-small at batch 32 on four v5e chips in 3.4 GiB
+# (`for_platform`): the TPU compiler fits GPT-2-small at batch 32 on four v5e chips in 2.7 GiB
 # per chip, against 8.6 GiB un-chunked, and in 2.2 GiB streamed (docs/memory.md). Streamed (the
 # recipe's flow), at least enough micro-batches that every gradient is one update old (G locked,
 # 2G pipelined: `delays.unit_gap_microbatches`).
