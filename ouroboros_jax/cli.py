@@ -605,11 +605,6 @@ def _compile_target(args) -> config.TrainConfig:
   from ouroboros_jax.perf import compile as compile_lib
 
   compile_lib.quiet_libtpu()  # before JAX first loads libtpu
-  if args.topology is not None:
-    import jax
-
-    # Executables of compile-only devices cannot be read back from JAX's persistent cache.
-    jax.config.update('jax_enable_compilation_cache', False)
   return cfg
 
 

@@ -216,18 +216,6 @@ TINY_RUN = (
 ).split()
 
 
-def _cached_env(env=None) -> dict:
-  """The environment with the test session's compilation cache: the runs of one test compile the
-  same programs."""
-  import jax
-
-  return {
-    **(os.environ if env is None else env),
-    'JAX_COMPILATION_CACHE_DIR': jax.config.jax_compilation_cache_dir,
-    'JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS': '0.5',
-  }
-
-
 def _small_corpus(tmp_path, text_corpus) -> str:
   """20 KB of text: the final test evaluation stays short."""
   path = tmp_path / 'corpus.txt'
@@ -288,7 +276,6 @@ def test_sigterm_to_the_launcher_stops_every_process_at_one_checkpointed_step(
   common = [*TINY_RUN, *data_parallel, '--data', corpus, '--quiet']
   stopped = subprocess.Popen(
     [*run, *common, '--steps', '100000', '--out', str(tmp_path / 'a')],
-    env=_cached_env(),
     stdout=subprocess.PIPE,
     stderr=subprocess.STDOUT,
     text=True,
@@ -313,7 +300,6 @@ def test_sigterm_to_the_launcher_stops_every_process_at_one_checkpointed_step(
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
       text=True,
-      env=_cached_env(),
     )
     for out, extra in (('a', ['--resume']), ('b', []))
   )
@@ -343,7 +329,7 @@ def test_sigterm_to_every_process_of_a_cluster_run_stops_them_at_one_step(tmp_pa
         + ['--data', _small_corpus(tmp_path, text_corpus), '--steps', '100000']
         + ['--out', str(tmp_path / 'run'), '--coordinator', f'127.0.0.1:{port}']
         + ['--num-processes', '2', '--process-id', str(i)],
-        env=_cached_env(env),
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

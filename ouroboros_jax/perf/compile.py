@@ -82,8 +82,11 @@ def topology_devices(name: str) -> list:
   if not _libtpu_installed():
     raise ConfigError(f'--topology needs libtpu (the TPU compiler); install it: {INSTALL_TPU}.')
   quiet_libtpu()
+  import jax
   from jax.experimental import topologies
 
+  # Executables of compile-only devices cannot be read back from JAX's persistent cache.
+  jax.config.update('jax_enable_compilation_cache', False)
   try:
     return topologies.get_topology_desc(name, 'tpu').devices
   except Exception as e:  # pylint: disable=broad-exception-caught
