@@ -231,3 +231,39 @@ def test_the_microbatched_ring_and_a_host_stash_need_less_memory_on_a_tpu():
   moved = chunked['argument_bytes'] - in_host['argument_bytes']
   assert moved >= in_host['host_ring_bytes'], (in_host, chunked)
   assert in_host['peak_bytes'] < chunked['peak_bytes'], (in_host, chunked)
+
+
+TWICE = """
+import json, sys
+from ouroboros_jax.perf import compile as compile_lib
+from ouroboros_jax.training import config
+
+cfg = config.override(config.get_preset('tiny'), {**json.loads(sys.argv[1]), 'num_layers': 1})
+for _ in range(2):  # a new schedule each time: the second compile would read the first's entry
+  print(json.dumps(compile_lib.compile_step(cfg, sys.argv[2])), flush=True)
+"""
+
+
+@needs_libtpu
+def test_a_topology_compile_keeps_out_of_a_users_compilation_cache(tmp_path):
+  """With $JAX_COMPILATION_CACHE_DIR set, a second compile of the same step would read back an
+  executable of compile-only devices, which JAX cannot load (it warns and compiles again)."""
+  cache = tmp_path / 'cache'
+  env = _env(
+    JAX_COMPILATION_CACHE_DIR=str(cache),
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0',
+  )
+  run = subprocess.run(
+    [sys.executable, '-c', TWICE, json.dumps(SMALL), TOPOLOGY],
+    cwd=REPO_ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert run.returncode == 0, run.stderr[-3000:]
+  assert not run.stderr.strip(), run.stderr[-3000:]
+  first, second = map(json.loads, run.stdout.splitlines())
+  assert first['fits'] and first['peak_bytes'] == second['peak_bytes'] > 0
+  assert not (cache.exists() and any(cache.iterdir()))  # nothing was written to it
