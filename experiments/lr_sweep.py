@@ -218,6 +218,11 @@ def parse_args(argv=None):
   )
   parser.add_argument('--phases', default='grid,final', help='grid, final, or both')
   parser.add_argument('--grid-steps', type=int, default=200)
+  parser.add_argument(
+    '--rates',
+    type=lambda text: tuple(float(r) for r in text.split(',')),
+    help="comma-separated rates for the grid in place of each recipe's own (e.g. 0.01,0.02,0.04)",
+  )
   parser.add_argument('--final-steps', type=int, default=1000)
   parser.add_argument('--eval-every', type=int, default=100, help='final runs')
   parser.add_argument('--eval-batches', type=int, default=40)
@@ -270,6 +275,7 @@ def run_phase(phase, names, args, base, best=None):
   rows = []
   for name in names:
     overrides, grid = RECIPES[name]
+    grid = args.rates or grid
     rates = grid if phase == 'grid' else (best[name],)
     if (phase == 'grid' and len(grid) == 1 and name in FINALISTS) or (
       phase == 'final' and name not in FINALISTS
