@@ -103,20 +103,14 @@ def test_one_microbatch_streams_as_one_batch_and_the_stash_shrinks(tmp_path):
   kept per device instead of G + 1, and a checkpoint resumes the stream exactly."""
   model, params = tiny_transformer(4, dropout=0.1)
   batches = random_batches(8, seed=6)
-  run = lambda flow, micro: run_schedule(
-    ScheduleConfig(name='ouroboros', num_stages=4, microbatches=micro, flow=flow, seed=1),
-    model,
-    adam(),
-    params,
-    batches,
+  config = lambda flow, micro: ScheduleConfig(
+    name='ouroboros', num_stages=4, microbatches=micro, flow=flow, seed=1
   )
+  run = lambda flow, micro: run_schedule(config(flow, micro), model, adam(), params, batches)
   assert_trees_equal(run('stream', 1)[0].params, run('batch', 1)[0].params)
   streamed = run('stream', 4)[0]
-  batched = build_schedule(  # the ring's buffers have their shapes from the start
-    ScheduleConfig(name='ouroboros', num_stages=4, microbatches=4, flow='batch', seed=1),
-    model,
-    adam(),
-  ).init(params, batches[0])
+  # the ring's buffers have their shapes from the start
+  batched = build_schedule(config('batch', 4), model, adam()).init(params, batches[0])
   depth = lambda state: jax.tree.leaves(state.ring['stash'])[0].shape[2]
   assert (depth(streamed), depth(batched)) == (2, 5)
   assert (
@@ -124,8 +118,7 @@ def test_one_microbatch_streams_as_one_batch_and_the_stash_shrinks(tmp_path):
     == (jax.tree.leaves(batched.ring['delta'])[0].shape[2])
   )  # one micro-batch in flight per hop, not a whole batch
 
-  config = ScheduleConfig(name='ouroboros', num_stages=4, microbatches=4, flow='stream', seed=1)
-  schedule = build_schedule(config, model, adam())
+  schedule = build_schedule(config('stream', 4), model, adam())
   state = schedule.init(params, batches[0])
   for batch in batches[:4]:
     state, _ = schedule.step(state, batch)
