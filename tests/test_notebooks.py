@@ -76,8 +76,9 @@ def test_notebook_is_stored_clean_and_starts_right(path):
 @pytest.mark.parametrize('path', NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_runs(path, tmp_path, monkeypatch, prepared_data_dir):
   # The kernel inherits this environment: smoke mode, the prepared corpus (from the fixture,
-  # already in $OUROBOROS_DATA_DIR), this checkout first on the path, and none of the test
-  # suite's XLA_FLAGS (the notebook sets its own devices, as it does for a user).
+  # already in $OUROBOROS_DATA_DIR), this checkout first on the path, and of the test suite's
+  # XLA_FLAGS only its compile-speed settings (the notebook sets its own devices, as it does for
+  # a user).
   monkeypatch.setenv(SMOKE_ENV, '1')
   monkeypatch.setenv(
     'PYTHONPATH',
@@ -85,7 +86,12 @@ def test_notebook_runs(path, tmp_path, monkeypatch, prepared_data_dir):
       [str(REPO_ROOT)] + [p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep) if p]
     ),
   )
-  monkeypatch.delenv('XLA_FLAGS', raising=False)
+  compile_speed_flags = [
+    f
+    for f in os.environ.get('XLA_FLAGS', '').split()
+    if not f.startswith('--xla_force_host_platform_device_count')
+  ]
+  monkeypatch.setenv('XLA_FLAGS', ' '.join(compile_speed_flags))
   nb = read(path)
   # One extra cell at the end says which interpreter the kernel ran: this one (ipykernel's
   # `python3` kernelspec resolves to the interpreter that starts it).
