@@ -23,7 +23,9 @@ from ouroboros_jax.runtime import host  # noqa: E402  (initialises no JAX backen
 # * backend optimisation level 0 (test_schedules.py and test_ouroboros.py: 304 s -> 187 s);
 # * the classic loop emitters for fusions instead of the newer fusion emitters, and code generated
 #   as one module rather than split for parallel compilation (on 2 busy cores there is no spare
-#   core to use): backend compile time of the slow-reference tests 41.7 s -> 11.5 s.
+#   core to use): backend compile time of the slow-reference tests 41.7 s -> 11.5 s. Only the
+#   tests use them: their run time is mixed (`ouroboros bench --preset tiny`: backprop's step
+#   67.5 -> 85.1 ms, ZB-H1's 83.5 -> 80.9 ms).
 # Each only where the installed XLA knows it: an unknown flag aborts XLA's start-up.
 _FAST_COMPILE_FLAGS = (
   '--xla_backend_optimization_level=0',
