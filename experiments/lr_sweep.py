@@ -160,6 +160,19 @@ RECIPES = {
     dict(PIPELINED_G4, microbatches=8, flow='stream', optimizer='muon', compensation='predict,dc'),
     (0.02,),
   ),
+  # Exact gradients with the same lower momentum, to keep the comparison like with like.
+  'backprop-muon-beta0.9': (dict(schedule='backprop', optimizer='muon', momentum=0.9), (0.04,)),
+  'pipelined-g4-stream8-muon-predict-dc-beta0.9': (
+    dict(
+      PIPELINED_G4,
+      microbatches=8,
+      flow='stream',
+      optimizer='muon',
+      compensation='predict,dc',
+      momentum=0.9,
+    ),
+    (0.01,),
+  ),
   # backprop at half its 1000-step rate, for the 5000-step pairs (a longer run may want less)
   'backprop-muon-0.02': (dict(schedule='backprop', optimizer='muon'), (0.02,)),
   # G = 8 needs 8 layers: its own best synchronous run at that depth.
