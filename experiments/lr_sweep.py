@@ -173,10 +173,30 @@ RECIPES = {
     ),
     (0.01,),
   ),
+  # The shallower streamed settings at the same lower momentum.
+  'g2-stream2-muon-predict-dc-beta0.9': (
+    dict(
+      OUROBOROS,
+      microbatches=2,
+      flow='stream',
+      optimizer='muon',
+      compensation='predict,dc',
+      momentum=0.9,
+    ),
+    (0.02,),
+  ),
+  'pipelined-g2-stream4-muon-predict-dc-beta0.9': (
+    dict(PIPELINED, **STREAM4, optimizer='muon', compensation='predict,dc', momentum=0.9),
+    (0.02,),
+  ),
   # backprop at half its 1000-step rate, for the 5000-step pairs (a longer run may want less)
   'backprop-muon-0.02': (dict(schedule='backprop', optimizer='muon'), (0.02,)),
   # G = 8 needs 8 layers: its own best synchronous run at that depth.
   'backprop-muon-8l': (dict(schedule='backprop', optimizer='muon', num_layers=8), (0.04,)),
+  'backprop-muon-8l-beta0.9': (
+    dict(schedule='backprop', optimizer='muon', num_layers=8, momentum=0.9),
+    (0.04,),
+  ),
   'g8-stream8-muon-predict-dc': (
     dict(G8, microbatches=8, flow='stream', optimizer='muon', compensation='predict,dc'),
     (0.02,),
@@ -231,6 +251,12 @@ def parse_args(argv=None):
   )
   parser.add_argument('--phases', default='grid,final', help='grid, final, or both')
   parser.add_argument('--grid-steps', type=int, default=200)
+  parser.add_argument(
+    '--grid-eval-every',
+    type=int,
+    default=None,
+    help='grid runs: evaluate every N steps as well (default: only at the end)',
+  )
   parser.add_argument(
     '--rates',
     type=lambda text: tuple(float(r) for r in text.split(',')),
@@ -296,7 +322,7 @@ def run_phase(phase, names, args, base, best=None):
       continue
     for rate in rates:
       steps = args.grid_steps if phase == 'grid' else args.final_steps
-      every = steps if phase == 'grid' else args.eval_every
+      every = (args.grid_eval_every or steps) if phase == 'grid' else args.eval_every
       out = os.path.join(args.out, phase, f'{name}@{rate:g}')
       print(f'== {phase} {name} rate {rate:g}', flush=True)
       for step, bpb in train_one(
