@@ -40,11 +40,19 @@ import sys
 OUROBOROS = dict(schedule='ouroboros', stages=2)
 G4 = dict(schedule='ouroboros', stages=4)
 PIPELINED = dict(schedule='ouroboros', stages=2, forward='pipelined')
-# The streamed ring (--flow stream): M micro-batches per update flow across updates, so every
-# group's gradient is ceil(lag / M) updates old: 1 for G = 4 locked and pipelined G = 2 at M = 4.
-STREAM4 = dict(microbatches=4, flow='stream')
 G8 = dict(schedule='ouroboros', stages=8, num_layers=8)
 PIPELINED_G4 = dict(schedule='ouroboros', stages=4, forward='pipelined')
+
+
+def stream(microbatches):
+  """The streamed ring (--flow stream): M micro-batches per update flow across updates, so
+  every group's gradient is ceil(lag / M) updates old: 1 once M reaches the ring's lag."""
+  return dict(microbatches=microbatches, flow='stream')
+
+
+STREAM4 = stream(4)  # G = 4 locked and pipelined G = 2: every gradient one update old
+# The library's default recipe for Ouroboros (Muon + weight prediction + DC-ASGD).
+DEFAULT_RECIPE = dict(optimizer='muon', compensation='predict,dc')
 ADAMW_RATES = (2.5e-3, 5e-3, 1e-2)
 MUON_RATES = (0.01, 0.02, 0.04, 0.08)
 
@@ -160,33 +168,19 @@ RECIPES = {
     dict(PIPELINED_G4, microbatches=8, flow='stream', optimizer='muon', compensation='predict,dc'),
     (0.02,),
   ),
-  # Exact gradients with the same lower momentum, to keep the comparison like with like.
+  # Exact gradients with the same lower momentum, to keep the comparison like with like, and
+  # every streamed setting at it.
   'backprop-muon-beta0.9': (dict(schedule='backprop', optimizer='muon', momentum=0.9), (0.04,)),
   'pipelined-g4-stream8-muon-predict-dc-beta0.9': (
-    dict(
-      PIPELINED_G4,
-      microbatches=8,
-      flow='stream',
-      optimizer='muon',
-      compensation='predict,dc',
-      momentum=0.9,
-    ),
+    dict(PIPELINED_G4, **stream(8), **DEFAULT_RECIPE, momentum=0.9),
     (0.01,),
   ),
-  # The shallower streamed settings at the same lower momentum.
   'g2-stream2-muon-predict-dc-beta0.9': (
-    dict(
-      OUROBOROS,
-      microbatches=2,
-      flow='stream',
-      optimizer='muon',
-      compensation='predict,dc',
-      momentum=0.9,
-    ),
+    dict(OUROBOROS, **stream(2), **DEFAULT_RECIPE, momentum=0.9),
     (0.02,),
   ),
   'pipelined-g2-stream4-muon-predict-dc-beta0.9': (
-    dict(PIPELINED, **STREAM4, optimizer='muon', compensation='predict,dc', momentum=0.9),
+    dict(PIPELINED, **stream(4), **DEFAULT_RECIPE, momentum=0.9),
     (0.02,),
   ),
   # backprop at half its 1000-step rate, for the 5000-step pairs (a longer run may want less)
