@@ -166,3 +166,32 @@ def test_a_config_written_before_the_schedule_was_nested_still_reads():
   assert config.TrainConfig.from_dict(flat) == cfg
   assert config.TrainConfig.from_dict(cfg.to_dict()) == cfg
   assert 'seed' not in cfg.to_dict()['schedule']  # TrainConfig's --seed gives it
+
+
+# What a machine that only compiles, plans or times may lack (the device image: docs/device.md).
+DATA_STACK = ('grain', 'tensorflow_datasets', 'array_record', 'tensorboardX')
+_BLOCK_DATA_STACK = f"""
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+  def find_spec(self, name, path, target=None):
+    if name.partition('.')[0] in {DATA_STACK!r}:
+      raise ImportError('the data stack is not installed here: ' + name)
+sys.meta_path.insert(0, Block())
+"""
+
+
+def test_bench_compile_and_plan_import_nothing_of_the_data_stack():
+  """`ouroboros bench`, `compile` and `plan` run where Grain, TFDS, array_record and
+  tensorboardX are missing; the training loop, which reads data, does need them."""
+  import subprocess
+  import sys
+
+  modules = ('cli', 'perf.bench', 'perf.compile', 'perf.plan', 'perf.simulate', 'training.assemble')
+  check = _BLOCK_DATA_STACK + ''.join(f'import ouroboros_jax.{m}\n' for m in modules)
+  run = lambda code: subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
+  done = run(
+    check + 'print(sorted(m for m in sys.modules if m.partition(".")[0] in ' + f'{DATA_STACK!r}))'
+  )
+  assert done.returncode == 0 and done.stdout.strip() == '[]', done.stderr[-2000:]
+  loop = run(_BLOCK_DATA_STACK + 'import ouroboros_jax.training.loop')
+  assert loop.returncode != 0 and 'the data stack is not installed here' in loop.stderr

@@ -44,7 +44,7 @@ from ouroboros_jax import partition, placement
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.runtime import host
 from ouroboros_jax.schedules import build_schedule
-from ouroboros_jax.training import config, loop
+from ouroboros_jax.training import assemble, config
 from ouroboros_jax.training.config import TrainConfig, make_optimizer
 
 GIB = 2**30
@@ -182,9 +182,9 @@ def _abstract_step(cfg: TrainConfig, run, devices: list) -> tuple:
       transformer.init_params(cfg.model, jax.random.key(cfg.seed)), layers_per_stage
     )
   )
-  model = loop.staged_model(cfg, layers_per_stage)
+  model = assemble.staged_model(cfg, layers_per_stage)
   schedule = build_schedule(run, model, make_optimizer(cfg), devices=devices)
-  example = loop.example_batch(cfg)
+  example = assemble.example_batch(cfg)
   batch = _placed(example, placement.named(placement.batch_spec(example), schedule.mesh))
   state = jax.eval_shape(schedule.init, params, batch)
   state = _placed(state, placement.state_shardings(state, schedule.mesh))

@@ -49,40 +49,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ouroboros_jax import attention, costs, partition, placement, schedules, staged
-from ouroboros_jax import model as transformer
-from ouroboros_jax.accelerators import pld, stdloss
+from ouroboros_jax import costs, partition, placement, schedules
+from ouroboros_jax.accelerators import pld
 from ouroboros_jax.errors import NonFiniteLossError
 from ouroboros_jax.training import checkpoint, data, phased, resume, rundir
-from ouroboros_jax.training.config import TrainConfig, make_optimizer
+from ouroboros_jax.training.assemble import build, example_batch, staged_model  # noqa: F401
+from ouroboros_jax.training.config import TrainConfig
 from ouroboros_jax.training.metrics import MetricsLog, Report, batch_crc32
 
 # ----------------------------------------------------------------------------- building blocks
-
-
-def build(cfg: TrainConfig):
-  """(schedule, staged initial params, layers_per_stage) for a config; nothing is trained."""
-  layers_per_stage = cfg.plans.layers_per_stage
-  attention.check_platform(cfg.model.attention, jax.default_backend())
-  # One compiled init instead of hundreds of eager ops (seconds on CPU).
-  init = jax.jit(
-    lambda key: partition.to_staged(transformer.init_params(cfg.model, key), layers_per_stage)
-  )
-  params = init(jax.random.key(cfg.seed))
-  model = staged_model(cfg, layers_per_stage)
-  schedule = schedules.build_schedule(cfg.schedule_config(), model, make_optimizer(cfg))
-  return schedule, params, layers_per_stage
-
-
-def staged_model(cfg: TrainConfig, layers_per_stage) -> staged.StagedModel:
-  """The Transformer cut into stages, with PLD or the standardization loss when asked for."""
-  if cfg.pld:
-    return pld.pld_stages(cfg.model, layers_per_stage, *cfg.plans.pld)
-  if cfg.std_loss:
-    return stdloss.stdloss_stages(
-      cfg.model, layers_per_stage, cfg.std_loss, cfg.plans.std_loss_layers
-    )
-  return partition.transformer_stages(cfg.model, layers_per_stage)
 
 
 def step_flops(cfg: TrainConfig, steps) -> np.ndarray:
@@ -110,11 +85,6 @@ def step_flops(cfg: TrainConfig, steps) -> np.ndarray:
         float,
       )
   return costs.step_flops(cfg.model, cfg.tokens_per_step, trained_layers=layers)
-
-
-def example_batch(cfg: TrainConfig) -> dict:
-  shape_BxL = (cfg.batch_size, cfg.model.seq_len)
-  return {'inputs': np.zeros(shape_BxL, np.int32), 'targets': np.zeros(shape_BxL, np.int32)}
 
 
 def evaluate(schedule, params, tokens, cfg: TrainConfig, max_batches: int | None) -> float:
