@@ -36,7 +36,8 @@ Measured CSV (`--measured`), written by a benchmark, one row per measured settin
     fwd_s_per_stage   forward seconds of each layer group on the step's whole batch, measured
                       alone: G values joined by ';', or one value meaning every stage. For
                       backprop / data_parallel, the groups of any split of the model (only their
-                      sum is used; data_parallel divides it by D, gpipe each stage by M)
+                      sum is used; data_parallel divides it by D, the micro-batched schedules
+                      each stage by M, unless fwd_s_per_stage_micro is given)
     bwd_s_per_stage   the same for the backward of each group from its kept graph (graph
                       mode: without replay's recomputed forward, which the simulator adds)
     head_s            device 0's extra work on the whole batch: head forward + backward, plus
@@ -50,6 +51,11 @@ Measured CSV (`--measured`), written by a benchmark, one row per measured settin
     update_s_per_stage   the optimizer update (clip + AdamW) of each stage's parameters (device
                       0's with the embedding and head), G values joined by ';'; default free
     microbatch_overhead_s   gpipe: fixed seconds added to every micro-batch task; default 0
+    fwd_s_per_stage_micro   forward seconds of each layer group on ONE micro-batch of the row's
+                      setting, B / M rows (M = microbatches; D for data_parallel, whose
+                      replicas each compute B / D rows), measured alone, joined by ';' like
+                      fwd_s_per_stage; empty or absent: fwd_s_per_stage / M (perfect scaling)
+    bwd_s_per_stage_micro   the same for the backward (graph mode, as bwd_s_per_stage)
 
 It prints and writes (measured_vs_predicted.csv) the predicted step time next to the measured
 one with the relative error (predicted - measured) / measured.
@@ -298,6 +304,16 @@ def measured_setting(row: dict) -> tuple[str, sim.StageCosts, dict]:
   num_stages = 1 if schedule in ('backprop', 'data_parallel') else devices
   micro = int(_number(row.get('microbatches'), 1)) if schedule in MICROBATCHED else 1
   link, latency = _number(row.get('link_s')), _number(row.get('link_latency_s'))
+  # the micro-batch size whose measured costs the row may carry: data_parallel's replicas too
+  parts = devices if schedule == 'data_parallel' else micro
+  measured_micro = {
+    name: {parts: _per_stage(row[column], num_stages, schedule)}
+    for name, column in (
+      ('microbatch_forward_s', 'fwd_s_per_stage_micro'),
+      ('microbatch_backward_s', 'bwd_s_per_stage_micro'),
+    )
+    if parts > 1 and (row.get(column) or '').strip() not in ('', '-')
+  }
   costs = sim.StageCosts(
     forward_s=_per_stage(row['fwd_s_per_stage'], num_stages, schedule),
     backward_s=_per_stage(row['bwd_s_per_stage'], num_stages, schedule),
@@ -313,6 +329,7 @@ def measured_setting(row: dict) -> tuple[str, sim.StageCosts, dict]:
       if (row.get('update_s_per_stage') or '').strip()
       else ()
     ),
+    **measured_micro,
   )
   kwargs = {
     'microbatches': micro,

@@ -47,6 +47,42 @@ def test_bench_names_its_own_flags_and_refuses_an_empty_only(tmp_path):
   assert [s.label for s in bench.select_settings(2, 'backprop', 2)] == ['backprop']
 
 
+def test_pieces_include_each_micro_batch_and_the_rows_carry_the_setting_s_own(tmp_path):
+  """measure_pieces times every group on B / M rows for each M asked (an M that does not divide
+  the batch is skipped); a row carries its own M's times and its ideal uses them."""
+  import numpy as np
+  import pytest
+
+  from ouroboros_jax.model import ModelConfig
+  from ouroboros_jax.perf import bench
+
+  model = ModelConfig(d_model=32, num_heads=2, num_layers=2, d_ff=64, seq_len=16)
+  config = bench.BenchConfig(batch_size=4, stages=2, out_dir=str(tmp_path))
+  work = bench._workload(model, config)
+  pieces = bench.measure_pieces(work, repeats=1, microbatches=(2, 3, 4), micro_repeats=1)
+  assert set(pieces['fwd_micro']) == set(pieces['bwd_micro']) == {'2', '4'}
+  assert all(len(v) == 2 and min(v) > 0 for v in pieces['bwd_micro'].values())
+  gpipe = bench.Setting('gpipe', 2, microbatches=4)
+  assert bench.micro_size(gpipe) == 4
+  assert bench.micro_size(bench.Setting('data_parallel', 2)) == 2
+  assert bench.micro_size(bench.Setting('ouroboros', 2, stash='graph', forward='locked')) == 1
+  fake = {  # a micro-batch of a quarter of the batch costs 0.4 of it
+    'fwd': [1.0, 1.0],
+    'bwd': [2.0, 2.0],
+    'fwd_micro': {'4': [0.4, 0.4]},
+    'bwd_micro': {'4': [0.8, 0.8]},
+    'head': 0.0,
+    'update': [0.0, 0.0],
+  }
+  measured = {'step_time_s': 6.0, 'busy_s': 6.0, 'compile_s': 1.0, 'tokens_per_s': 1.0}
+  row = bench._row(gpipe, dict(measured, idle_fraction=0.2), fake, 0.0, 0.0)
+  assert row['fwd_s_per_stage_micro'] == '0.4;0.4' and row['bwd_s_per_stage_micro'] == '0.8;0.8'
+  assert row['ideal_s'] == pytest.approx(5 * 1.2)
+  row = bench._row(bench.Setting('gpipe', 2, 2), dict(measured, idle_fraction=0.0), fake, 0, 0)
+  assert row['fwd_s_per_stage_micro'] == '' and row['ideal_s'] == pytest.approx(3 * 1.5)
+  assert np.isfinite(row['predicted_s'])
+
+
 def test_two_process_bench_writes_every_row_with_its_ideal(tmp_path):
   out = io.StringIO()
   only = 'backprop,model_parallel,ouroboros pipelined/graph'

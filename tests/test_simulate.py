@@ -460,3 +460,54 @@ def test_zb_v_beats_zb_h1_on_free_links_but_pays_for_its_longer_chain_of_hops():
   )
   assert step('zb_v', 0.0) < step('zb_h1', 0.0) < step('1f1b', 0.0)
   assert step('zb_v', 0.05) > step('zb_h1', 0.05)
+
+
+# ----------------------------------------------------------------------------- micro-batch costs
+
+
+def test_measured_microbatch_costs_replace_perfect_scaling():
+  """A micro-batch of B / 4 rows measured at 0.4 of the batch (not 0.25): GPipe's step is
+  (M + G - 1) rounds of one micro-batch's f + b, the streamed ring's M of them per device."""
+  G, M, F, B, f, b = 2, 4, 1.0, 2.0, 0.4, 0.8
+  perfect = costs([F] * G, [B] * G)
+  measured = dataclasses.replace(
+    perfect, microbatch_forward_s={M: [f] * G}, microbatch_backward_s={M: [b] * G}
+  )
+  gpipe = lambda c, m=M: sim.simulate(sim.Run('gpipe', microbatches=m), c).step_time
+  assert gpipe(perfect) == pytest.approx((M + G - 1) * (F + B) / M, abs=TOL)
+  assert gpipe(measured) == pytest.approx((M + G - 1) * (f + b), abs=TOL)  # 6.0, not 3.75
+  assert gpipe(measured, 2) == pytest.approx(gpipe(perfect, 2), abs=TOL)  # M = 2 not measured
+  stream = lambda forward: (
+    sim.simulate(sim.Run('ouroboros', microbatches=M, forward=forward), measured).step_time
+  )
+  assert stream('pipelined') == pytest.approx(M * (f + b), abs=TOL)
+  assert stream('locked') == pytest.approx((M + G - 1) * f + M * b, abs=TOL)
+  replay = sim.simulate(sim.Run('ouroboros', microbatches=M, stash='replay'), measured)
+  assert replay.step_time == pytest.approx((M + G - 1) * f + M * (f + b), abs=TOL)
+  zb = sim.simulate(sim.Run('zb_h1', microbatches=M), measured).per_device_busy
+  assert zb == pytest.approx([M * (f + b)] * G, abs=TOL)  # B and W: half the measured b each
+  # data_parallel's replicas each compute B / D rows: the micro-batch cost at M = D
+  halves = dataclasses.replace(
+    perfect, microbatch_forward_s={2: [0.6] * G}, microbatch_backward_s={2: [1.1] * G}
+  )
+  dp = sim.simulate(sim.Run('data_parallel', data_parallel=2), halves)
+  assert dp.step_time == pytest.approx(G * (0.6 + 1.1), abs=TOL)
+  with pytest.raises(ValueError, match=r'microbatch_forward_s\[4\] needs'):
+    dataclasses.replace(perfect, microbatch_forward_s={4: [f]})
+  with pytest.raises(ValueError, match=r'microbatch_backward_s\[1\] needs M >= 2'):
+    dataclasses.replace(perfect, microbatch_backward_s={1: [b] * G})
+
+
+def test_measured_csv_reads_the_microbatch_columns(experiment, tmp_path):
+  header = MEASURED.splitlines()[0] + ',fwd_s_per_stage_micro,bwd_s_per_stage_micro'
+  path = tmp_path / 'micro.csv'
+  path.write_text(
+    f'{header}\n'
+    'gpipe,2,4,-,-,0.01,0.002,0.004,0,0,0.0008,0.0016\n'
+    'gpipe,2,4,-,-,0.01,0.002,0.004,0,0,,\n'
+    'data_parallel,2,,,,0.01,0.002;0.002,0.004;0.004,0,,0.0012;0.0012,0.0024;0.0024\n'
+  )
+  micro, perfect, dp = experiment.main(['--measured', str(path), '--out', str(tmp_path / 'o')])
+  assert micro['predicted_s'] == pytest.approx(5 * (0.0008 + 0.0016))
+  assert perfect['predicted_s'] == pytest.approx(5 * (0.002 + 0.004) / 4)
+  assert dp['predicted_s'] == pytest.approx(0.0024 + 0.0048)

@@ -6,13 +6,16 @@ has 2G layers for their 2G chunks; ouroboros locked and pipelined, graph and rep
 compiles the step (timed
 separately, not counted), runs `warmup` steps, then times `steps` more one by one and reports the
 **median** step time and tokens/s. It also measures, on process 0's device while every other
-process waits, each layer group's forward and backward, the head and each device's optimizer
-update, and then one activation hop and one gradient all-reduce between devices; from those
+process waits, each layer group's forward and backward (on the whole batch, and on one
+micro-batch of B / M rows for every M the settings use: a micro-batch rarely costs 1 / M of the
+batch), the head and each device's optimizer update, and then one activation hop and one
+gradient all-reduce between devices; from those
 the discrete-event simulator (`simulate.py`) gives each schedule's **ideal** step time (free links,
 no overheads) and its **predicted** one (measured links). Outputs, in --out:
 
   bench.csv       one row per setting (the columns `experiments/simulate.py --measured` reads,
-                  plus tokens_per_s, compile_s, ideal_s, predicted_s)
+                  fwd_s_per_stage_micro / bwd_s_per_stage_micro included, plus tokens_per_s,
+                  compile_s, ideal_s, predicted_s)
   bench.png       tokens/s of each setting, with its ideal marked
   bench.md        the table printed at the end
 
@@ -175,10 +178,20 @@ def bench_optimizer(name: str = 'adamw'):
 
 
 def measure_pieces(
-  work: Workload, repeats: int = 10, stash_policy: str = 'all', optimizer: str = 'adamw'
+  work: Workload,
+  repeats: int = 10,
+  stash_policy: str = 'all',
+  optimizer: str = 'adamw',
+  microbatches: Sequence[int] = (),
+  micro_repeats: int = 3,
 ) -> dict:
   """Seconds of each piece alone on this process's first device: per-group forward and backward
-  (from a kept graph), and device 0's extra work (embedding and head, forward + backward)."""
+  (from a kept graph), and device 0's extra work (embedding and head, forward + backward).
+
+  For every M in `microbatches` (M >= 2 dividing the batch) it also times each group's forward
+  and backward on B / M rows (`micro_repeats` times each), under 'fwd_micro' / 'bwd_micro'
+  keyed by str(M): what a micro-batch costs, which on a CPU (and a GPU at small micro-batches)
+  is more than 1 / M of the whole batch's time."""
   layers_per_stage = work.layers_per_stage
   model = partition.transformer_stages(work.cfg, layers_per_stage)
   params = partition.to_staged(work.params, layers_per_stage)
@@ -187,14 +200,27 @@ def measure_pieces(
   stash = GraphStash(model, stash_policy)
   key = jax.random.key(0)
   x = jax.jit(model.embed)(params['embed'], batch['inputs'], None)
+  rows = x.shape[0]
+  sizes = sorted({int(m) for m in microbatches if 1 < m <= rows and rows % m == 0})
   fwd, bwd = [], []
+  fwd_micro, bwd_micro = {str(m): [] for m in sizes}, {str(m): [] for m in sizes}
   for s in range(len(layers_per_stage)):
     params_s = jax.tree.map(lambda a: a[s], params['stages'])
     forward = jax.jit(lambda p, h: stash.forward(p, h, s, key))
-    fwd.append(_median_time(lambda p, h: forward(p, h)[0], params_s, x, repeats=repeats))
-    y, kept, _ = forward(params_s, x)
     backward = jax.jit(lambda p, k, d: stash.backward(p, k, d, s, key))
-    bwd.append(_median_time(backward, params_s, kept, jnp.ones_like(y), repeats=repeats))
+
+    def time_group(h, times):
+      f = _median_time(lambda p, h: forward(p, h)[0], params_s, h, repeats=times)
+      y, kept, _ = forward(params_s, h)
+      return f, _median_time(backward, params_s, kept, jnp.ones_like(y), repeats=times)
+
+    f_s, b_s = time_group(x, repeats)
+    fwd.append(f_s)
+    bwd.append(b_s)
+    for m in sizes:  # the first B / M rows: one micro-batch, as the schedules cut it
+      f_s, b_s = time_group(x[: rows // m], micro_repeats)
+      fwd_micro[str(m)].append(f_s)
+      bwd_micro[str(m)].append(b_s)
 
   def device0_extra(embed_p, head_p):
     h = model.embed(embed_p, batch['inputs'], None)
@@ -219,6 +245,8 @@ def measure_pieces(
   return {
     'fwd': fwd,
     'bwd': bwd,
+    'fwd_micro': fwd_micro,
+    'bwd_micro': bwd_micro,
     'head': head_s,
     'update': update,
     'activation_bytes': x.nbytes,
@@ -323,11 +351,29 @@ def time_setting(setting: Setting, work: Workload, bench: BenchConfig) -> dict |
   }
 
 
+def micro_size(setting: Setting) -> int:
+  """The M whose micro-batch (B / M rows) the setting computes: its micro-batches, data_parallel's
+  D replicas (each on B / D rows); 1 for a setting that computes the whole batch at once."""
+  if setting.schedule == 'data_parallel':
+    return setting.devices
+  return setting.microbatches if setting.schedule in MICROBATCHED else 1
+
+
+def micro_pieces(pieces: dict, setting: Setting) -> tuple[list[float], list[float]] | None:
+  """(forward, backward) per stage of one micro-batch of `setting`, None where not measured."""
+  m = str(micro_size(setting))
+  fwd, bwd = pieces.get('fwd_micro', {}).get(m), pieces.get('bwd_micro', {}).get(m)
+  return (fwd, bwd) if fwd and bwd else None
+
+
 def simulated(setting: Setting, pieces: dict, link_s: float, allreduce_s: float) -> float:
   stages = setting.devices if setting.schedule not in ('backprop', 'data_parallel') else 1
   fwd, bwd, update = pieces['fwd'], pieces['bwd'], pieces['update']
+  micro = micro_pieces(pieces, setting)
   if len(fwd) != stages:  # pieces were measured on the G-stage split: merge for one device
     fwd, bwd, update = [sum(fwd)], [sum(bwd)], [sum(update)]
+    micro = micro and ([sum(micro[0])], [sum(micro[1])])
+  m = micro_size(setting)
   costs = simulate.StageCosts(
     forward_s=fwd,
     backward_s=bwd,
@@ -336,6 +382,8 @@ def simulated(setting: Setting, pieces: dict, link_s: float, allreduce_s: float)
     activation_bytes=1.0 if link_s else 0.0,
     bandwidth=1.0 / link_s if link_s else np.inf,
     allreduce_s=allreduce_s,
+    microbatch_forward_s={m: micro[0]} if micro else {},
+    microbatch_backward_s={m: micro[1]} if micro else {},
   )
   run = simulate.Run(
     setting.schedule,
@@ -350,7 +398,8 @@ def simulated(setting: Setting, pieces: dict, link_s: float, allreduce_s: float)
 def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dict]:
   """Benchmarks every setting of `bench`; process 0 writes the outputs and returns the rows."""
   work = _workload(cfg, bench)
-  pieces, policy_pieces = _measure_pieces(work, bench)
+  settings = bench.settings or default_settings(bench.stages, cfg.num_layers)
+  pieces, policy_pieces = _measure_pieces(work, bench, settings)
   activation_shape = (bench.batch_size, cfg.seq_len, cfg.d_model)
   link_s, allreduce_s = measure_links(activation_shape, pieces['grad_bytes'] // 4)
   log(
@@ -358,13 +407,21 @@ def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dic
     f'update {np.round(pieces["update"], 4)} s, head+embed {pieces["head"]:.4f} s, '
     f'hop {link_s:.4f} s, all-reduce {allreduce_s:.4f} s'
   )
+  for name, measured in (('micro-batch', pieces), ('stash-policy micro-batch', policy_pieces)):
+    for m in measured['fwd_micro']:
+      log(
+        f'{name} pieces, M={m}: forward {np.round(measured["fwd_micro"][m], 4)} s, '
+        f'backward {np.round(measured["bwd_micro"][m], 4)} s'
+      )
+    if policy_pieces is pieces:
+      break
   rows = []
-  for setting in bench.settings or default_settings(bench.stages, cfg.num_layers):
+  for setting in settings:
     measured = time_setting(setting, work, bench)
     multihost_utils.sync_global_devices(f'bench {setting.label}')
     if measured is None:
       continue
-    own = policy_pieces if setting.schedule == 'ouroboros' and setting.stash == 'graph' else pieces
+    own = policy_pieces if _uses_policy(setting) else pieces
     row = _row(setting, measured, own, link_s, allreduce_s)
     row['mfu'] = mfu(
       cfg, bench.batch_size * cfg.seq_len, row['step_time_s'], setting.devices, jax.devices()[0]
@@ -414,15 +471,27 @@ def _meta(work: Workload, bench: BenchConfig) -> dict:
   }
 
 
-def _measure_pieces(work: Workload, bench: BenchConfig) -> tuple[dict, dict]:
+def _uses_policy(setting: Setting) -> bool:
+  """Whether the setting's stash keeps what --stash-policy says (the Ouroboros graph stash)."""
+  return setting.schedule == 'ouroboros' and setting.stash == 'graph'
+
+
+def _measure_pieces(
+  work: Workload, bench: BenchConfig, settings: Sequence[Setting]
+) -> tuple[dict, dict]:
   """(pieces, the pieces of the graph stash's --stash-policy): a policy that keeps less has its
-  own, slower, backward, measured apart for the Ouroboros graph settings only."""
-  measure = lambda **kw: on_process0_alone(
-    lambda: measure_pieces(work, optimizer=bench.optimizer, **kw)
+  own, slower, backward, measured apart for the Ouroboros graph settings only. Each is also timed
+  on the micro-batches of the settings that use it."""
+  measure = lambda micro, **kw: on_process0_alone(
+    lambda: measure_pieces(work, optimizer=bench.optimizer, microbatches=sorted(micro), **kw)
   )
-  pieces = measure()
   policy = bench.stash_policy
-  return pieces, pieces if policy == 'all' else measure(stash_policy=policy)
+  sizes = lambda chosen: {micro_size(s) for s in settings if chosen(s)} - {1}
+  if policy == 'all':
+    pieces = measure(sizes(lambda s: True))
+    return pieces, pieces
+  pieces = measure(sizes(lambda s: not _uses_policy(s)))
+  return pieces, measure(sizes(_uses_policy), stash_policy=policy)
 
 
 # Dense bf16 peak FLOP/s of one device, by a name its `device_kind` contains (vendors' data
@@ -455,6 +524,7 @@ def mfu(cfg: transformer.ModelConfig, tokens: int, step_s: float, devices: int, 
 def _row(setting: Setting, measured: dict, own: dict, link_s: float, allreduce_s: float) -> dict:
   """One setting's row: what was timed, its pieces, and the simulator's ideal and prediction."""
   per_stage = lambda values: ';'.join(f'{v:.6g}' for v in values)
+  micro = micro_pieces(own, setting)
   return {
     'schedule': setting.schedule,
     'label': setting.label,
@@ -466,6 +536,9 @@ def _row(setting: Setting, measured: dict, own: dict, link_s: float, allreduce_s
     **measured,
     'fwd_s_per_stage': per_stage(own['fwd']),
     'bwd_s_per_stage': per_stage(own['bwd']),
+    # one micro-batch (B / M rows, M = micro_size) of each group, '' where the setting has none
+    'fwd_s_per_stage_micro': per_stage(micro[0]) if micro else '',
+    'bwd_s_per_stage_micro': per_stage(micro[1]) if micro else '',
     'head_s': own['head'],
     'update_s_per_stage': per_stage(own['update']),
     'link_s': link_s,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 from ouroboros_jax import costs
 from ouroboros_jax.choices import EXACT_PIPELINES, FORWARD_MODES, SCHEDULES, STASH_MODES
@@ -29,7 +29,15 @@ TABLE_PIPELINES = ('gpipe', *EXACT_PIPELINES)
 
 @dataclasses.dataclass(frozen=True)
 class StageCosts:
-  """Seconds and bytes of one training step's pieces; every time is for the whole batch."""
+  """Seconds and bytes of one training step's pieces; every time is for the whole batch, except
+  the measured micro-batch times.
+
+  A schedule that cuts the batch into M equal micro-batches (gpipe, the table pipelines,
+  Ouroboros with M > 1; data_parallel's D replicas, each on B / D rows) charges a stage's forward
+  or backward of one micro-batch `microbatch_forward_s[M][s]` / `microbatch_backward_s[M][s]`
+  where measured, else forward_s[s] / M (perfect scaling, which small micro-batches miss: a
+  matmul of B / M rows rarely runs at the whole batch's rate).
+  """
 
   forward_s: Sequence[float]  # per stage s: its layer group's forward
   backward_s: Sequence[float]  # per stage s: backward from a kept graph, no recompute
@@ -45,11 +53,23 @@ class StageCosts:
   update_s: Sequence[float] = ()  # per stage s: the optimizer update of its parameters
   # (device 0's includes embedding and head); () = free
   batch_size: int | None = None  # when known, checked against R and M
+  # M -> per stage s: one micro-batch of B / M rows, measured (M >= 2; an M not given: / M)
+  microbatch_forward_s: Mapping[int, Sequence[float]] = dataclasses.field(default_factory=dict)
+  microbatch_backward_s: Mapping[int, Sequence[float]] = dataclasses.field(default_factory=dict)
 
   def __post_init__(self):
     object.__setattr__(self, 'forward_s', tuple(float(f) for f in self.forward_s))
     object.__setattr__(self, 'backward_s', tuple(float(b) for b in self.backward_s))
     object.__setattr__(self, 'update_s', tuple(float(u) for u in self.update_s))
+    for name in ('microbatch_forward_s', 'microbatch_backward_s'):
+      table = {int(m): tuple(float(v) for v in values) for m, values in getattr(self, name).items()}
+      for m, values in table.items():
+        if m < 2 or len(values) != len(self.forward_s) or min(values, default=0.0) < 0:
+          raise ValueError(
+            f'{name}[{m}] needs M >= 2 and one time >= 0 per stage ({len(self.forward_s)}); '
+            f'got {values}.'
+          )
+      object.__setattr__(self, name, table)
     if self.update_s and len(self.update_s) != len(self.forward_s):
       raise ValueError(f'update_s needs one entry per stage; got {len(self.update_s)}.')
     if not self.forward_s or len(self.forward_s) != len(self.backward_s):
@@ -72,6 +92,16 @@ class StageCosts:
   @property
   def num_stages(self) -> int:
     return len(self.forward_s)
+
+  def forward_of(self, s: int, microbatches: int = 1) -> float:
+    """Stage s's forward of one of `microbatches` equal micro-batches: measured, or / M."""
+    measured = self.microbatch_forward_s.get(microbatches) if microbatches > 1 else None
+    return measured[s] if measured else self.forward_s[s] / microbatches
+
+  def backward_of(self, s: int, microbatches: int = 1) -> float:
+    """Stage s's backward (from a kept graph) of one of `microbatches` equal micro-batches."""
+    measured = self.microbatch_backward_s.get(microbatches) if microbatches > 1 else None
+    return measured[s] if measured else self.backward_s[s] / microbatches
 
   def transfer_s(self, nbytes: float) -> float:
     """One message over one link."""
@@ -214,30 +244,33 @@ def execute(tasks: Sequence[Task]) -> list[tuple[float, float]]:
 # program order, and returns nothing; `state` carries what a later step needs (in-flight hops).
 
 
-def _backward_s(costs: StageCosts, s: int, stash: str) -> float:
-  # Replay keeps only the stage's input, so its backward first re-runs the forward.
-  return costs.backward_s[s] + (costs.forward_s[s] if stash == 'replay' else 0.0)
+def _backward_s(costs: StageCosts, s: int, stash: str, microbatches: int = 1) -> float:
+  """Stage s's backward of one of `microbatches` micro-batches. Replay keeps only the stage's
+  input, so its backward first re-runs the forward."""
+  recompute = costs.forward_of(s, microbatches) if stash == 'replay' else 0.0
+  return costs.backward_of(s, microbatches) + recompute
 
 
-def _whole_model(g: Graph, t: int, device: int, scale: float) -> int:
-  """Backprop of the whole model on one device, every time times `scale`; returns the last task."""
+def _whole_model(g: Graph, t: int, device: int, parts: int) -> int:
+  """Backprop of the whole model on one device, on 1 / `parts` of the batch (the layer groups at
+  their measured micro-batch times where given); returns the last task."""
   c = g.costs
-  x = g.compute(device, 'embed_fwd', t, t, c.embed_forward_s * scale)
+  x = g.compute(device, 'embed_fwd', t, t, c.embed_forward_s / parts)
   for s in range(c.num_stages):
-    x = g.compute(device, 'fwd', t, t, c.forward_s[s] * scale, [x])
-  x = g.compute(device, 'head', t, t, c.head_s * scale, [x])
+    x = g.compute(device, 'fwd', t, t, c.forward_of(s, parts), [x])
+  x = g.compute(device, 'head', t, t, c.head_s / parts, [x])
   for s in reversed(range(c.num_stages)):
-    x = g.compute(device, 'bwd', t, t, c.backward_s[s] * scale, [x])
-  return g.compute(device, 'embed_bwd', t, t, c.embed_backward_s * scale, [x])
+    x = g.compute(device, 'bwd', t, t, c.backward_of(s, parts), [x])
+  return g.compute(device, 'embed_bwd', t, t, c.embed_backward_s / parts, [x])
 
 
 def emit_backprop(g: Graph, t: int, state: dict, **_) -> None:
-  _whole_model(g, t, device=0, scale=1.0)
+  _whole_model(g, t, device=0, parts=1)
   g.end_step(t)
 
 
 def emit_data_parallel(g: Graph, t: int, state: dict, *, replicas: int, **_) -> None:
-  last = [_whole_model(g, t, device=d, scale=1.0 / replicas) for d in range(replicas)]
+  last = [_whole_model(g, t, device=d, parts=replicas) for d in range(replicas)]
   if replicas > 1:  # every replica needs every replica's gradient before its update
     for d in range(replicas):
       g.collective(d, 'allreduce', t, g.costs.allreduce_time(replicas), last)
@@ -270,17 +303,17 @@ def emit_model_parallel(g: Graph, t: int, state: dict, **_) -> None:
 
 def emit_table(g: Graph, t: int, state: dict, *, table, **_) -> None:
   """An exact pipeline from its table (`schedules.tables`), tick by tick: the operation each
-  device runs, after the value it reads has arrived. F of a chunk costs the stage's forward / (M
-  v); B and W half its backward each. The embedding runs before the first chunk's F and after
+  device runs, after the value it reads has arrived. F of a chunk costs the stage's forward of
+  one micro-batch (`StageCosts.forward_of`) / v; B and W half its backward each. The embedding runs before the first chunk's F and after
   its B; the head after the last chunk's F, on the same device."""
   del state
   c, pipeline = g.costs, table.pipeline
   m, v = pipeline.microbatches, pipeline.chunks
   last, nbytes, extra = pipeline.last_stage, c.activation_bytes / m, c.microbatch_overhead_s
   cost = {
-    'F': lambda d: c.forward_s[d] / (m * v) + extra,
-    'B': lambda d: c.backward_s[d] / (2 * m * v) + extra,
-    'W': lambda d: c.backward_s[d] / (2 * m * v) + extra,
+    'F': lambda d: c.forward_of(d, m) / v + extra,
+    'B': lambda d: c.backward_of(d, m) / (2 * v) + extra,
+    'W': lambda d: c.backward_of(d, m) / (2 * v) + extra,
   }
   done = {}  # (kind, micro-batch, virtual stage) -> the task that produced it
   for tick in range(len(table.grid[0])):
@@ -322,7 +355,7 @@ def emit_ouroboros_locked(g: Graph, t: int, state: dict, *, stash: str, microbat
   for m in range(M):
     x = g.compute(0, 'embed_fwd', t, t, c.embed_forward_s / M)
     for s in range(G):
-      x = g.compute(s, 'fwd', t, t, c.forward_s[s] / M + extra, [x])
+      x = g.compute(s, 'fwd', t, t, c.forward_of(s, M) + extra, [x])
       x = g.send(x, (s + 1) % G, 'act', t, t, nbytes)
     arrivals.append(x)
     if m >= G - 1:
@@ -338,7 +371,7 @@ def emit_ouroboros_locked(g: Graph, t: int, state: dict, *, stash: str, microbat
       continue
     for m in range(M):
       delta = state.pop(('delta', t - 1, s, m))
-      y = g.compute(s, 'bwd', t, batch, _backward_s(c, s, stash) / M + extra, [forward_done, delta])
+      y = g.compute(s, 'bwd', t, batch, _backward_s(c, s, stash, M) + extra, [forward_done, delta])
       if s > 0:
         state[('delta', t, s - 1, m)] = g.send(y, s - 1, 'grad', t, batch, nbytes)
       else:
@@ -364,7 +397,7 @@ def emit_ouroboros_pipelined(
           if s == 0
           else state.pop(('act', t - 1, s - 1, m))
         )
-        y = g.compute(s, 'fwd', t, batch, c.forward_s[s] / M + extra, [x])
+        y = g.compute(s, 'fwd', t, batch, c.forward_of(s, M) + extra, [x])
         state[('act', t, s, m)] = g.send(y, (s + 1) % G, 'act', t, batch, nbytes)
       head_batch = t - lags(G, 'pipelined')[0]
       if s == 0 and head_batch >= 0:
@@ -376,7 +409,7 @@ def emit_ouroboros_pipelined(
       batch = backward_batch(t, s, G, 'pipelined')
       if batch >= 0:
         delta = state.pop(('delta', t - 1, s, m))
-        y = g.compute(s, 'bwd', t, batch, _backward_s(c, s, stash) / M + extra, [delta])
+        y = g.compute(s, 'bwd', t, batch, _backward_s(c, s, stash, M) + extra, [delta])
         if s > 0:
           state[('delta', t, s - 1, m)] = g.send(y, s - 1, 'grad', t, batch, nbytes)
         else:
