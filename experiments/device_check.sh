@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# The device check (docs/device.md): everything this project needs a GPU machine for, in one
+# script that runs offline in under 8 minutes on the lent machine (one H100/H200, 16 CPU cores).
+#
+#   bash experiments/device_check.sh                       # from the repository root
+#   QUICK=1 PROCESSES=2 bash experiments/device_check.sh   # the dry run (tests/test_device_check.py)
+#
+# Steps, each with its own time limit, so that one broken step costs only itself:
+#   smoke    versions, devices, and a seconds-long step of every path below (device_smoke.py)
+#   gpu      (one GPU) the GPU correctness tests (tests/test_gpu.py); per-layer forward,
+#            backward and update times at the GPT-2-small and 1B shapes for the simulator
+#            (layer_costs.py); backprop's bf16 MFU at GPT-2-small with cuDNN attention
+#            (`ouroboros bench`, the largest batch that fits)
+#   cpu      real concurrency: `ouroboros launch --processes P --pin-cpus -- bench` for each P in
+#            $PROCESSES, one core per process, every schedule at its default streamed flow
+# The gpu steps run pinned to the cores the first cpu bench leaves free, beside it. At the end
+# summary.md (printed) and device_check.tar.gz (every log, CSV and table) go to $OUT.
+#
+# On the device machine: carry `.whl` (experiments/device_wheels.sh) for the data stack; the
+# check installs it with no index into /tmp/site. No GPU: the gpu steps are skipped.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/device_check}
+WORK=${WORK:-$(mktemp -d /tmp/device_check.XXXX)}
+PROCESSES=${PROCESSES:-4 8}
+QUICK=${QUICK:-0}
+DEADLINE=${DEADLINE:-560}  # seconds: the last cpu bench is cut short to leave time to pack up
+mkdir -p "$OUT" "$WORK"
+export PYTHONUNBUFFERED=1 OUROBOROS_DATA_DIR=${OUROBOROS_DATA_DIR:-$WORK/data}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+CORES=$(nproc)
+echo "step,seconds,status" >"$WORK/steps.csv"
+
+# step NAME LIMIT_S COMMAND...: runs it with a time limit, its output to NAME.log and the screen.
+step() {
+  local name=$1 limit=$2 start=$SECONDS
+  shift 2
+  echo "=== $name (limit ${limit}s)"
+  timeout --kill-after=10 "$limit" "$@" >"$WORK/$name.log" 2>&1
+  local status=$?
+  tail -n 25 "$WORK/$name.log"
+  echo "$name,$((SECONDS - start)),$status" >>"$WORK/steps.csv"
+  echo "=== $name: exit $status after $((SECONDS - start))s"
+  return $status
+}
+
+if [ "$QUICK" = 1 ]; then
+  SHAPE=(--d-model 64 --num-heads 2 --d-ff 256 --seq-len 32 --batch-size 8)
+  TIMED=(--bench-steps 1 --warmup 0)
+else
+  # Compute-dominated on one core per process: ~0.35 GFLOP per token and layer pair of passes.
+  SHAPE=(--d-model 512 --num-heads 8 --d-ff 2048 --seq-len 64 --batch-size 8)
+  TIMED=(--bench-steps 3 --warmup 1)
+fi
+
+cpu_bench() {  # cpu_bench P: every schedule on P pinned processes, 2P layers (ZB-V's chunks)
+  local p=$1
+  local only="backprop,model_parallel,gpipe M=8,1f1b M=8,zb_h1 M=8,interleaved M=8,zb_v M=8"
+  only+=",ouroboros M=$p stream,ouroboros M=$((2 * p)) stream"
+  [ "$QUICK" = 1 ] && only="backprop,zb_v M=8,ouroboros M=$((2 * p)) stream"
+  local limit=$((DEADLINE - SECONDS < 300 ? DEADLINE - SECONDS : 300))
+  step "cpu_g$p" "$limit" python3 -m ouroboros_jax launch --processes "$p" --pin-cpus -- \
+    bench --stages "$p" --num-layers $((2 * p)) "${SHAPE[@]}" "${TIMED[@]}" \
+    --optimizer muon --compensation predict,dc --only "$only" --out "$WORK/cpu_g$p"
+}
+
+step smoke 90 python3 experiments/device_smoke.py --out "$WORK"
+GPUS=$(python3 -c "import jax; print(len([d for d in jax.devices() if d.platform == 'gpu']))" \
+  2>/dev/null || echo 0)
+
+gpu_steps() {
+  local free=$1
+  local pin=()
+  command -v taskset >/dev/null && pin=(taskset -c "$free")
+  OUROBOROS_TEST_PLATFORMS=cuda,cpu step gpu_tests 120 "${pin[@]}" python3 -m pytest -q \
+    -p no:cacheprovider tests/test_gpu.py --junitxml "$WORK/gpu_tests.xml"
+  step layer_costs 120 "${pin[@]}" python3 experiments/layer_costs.py --out "$WORK/layer_costs"
+  step train_gpu 120 "${pin[@]}" python3 -m ouroboros_jax train --preset tiny --dtype bfloat16 \
+    --steps 50 --eval-every 50 --out "$WORK/train_gpu"
+  for batch in 64 32 16; do  # the largest batch that fits
+    step "mfu_b$batch" 120 "${pin[@]}" python3 -m ouroboros_jax bench --preset gpt2-small \
+      --vocab-size 50257 --dropout 0 --dtype bfloat16 --attention cudnn --stages 1 \
+      --only backprop --batch-size "$batch" --bench-steps 10 --warmup 2 \
+      --out "$WORK/mfu_b$batch" && break
+  done
+}
+
+set -- $PROCESSES
+FIRST=$1
+shift
+if [ "$GPUS" -gt 0 ]; then
+  gpu_steps "$FIRST-$((CORES - 1))" &  # beside the first cpu bench, on the cores it leaves
+  GPU_JOB=$!
+else
+  echo "=== no GPU: the gpu steps are skipped"
+fi
+cpu_bench "$FIRST"
+[ -n "${GPU_JOB:-}" ] && wait "$GPU_JOB"
+for p in "$@"; do
+  cpu_bench "$p"
+done
+
+python3 experiments/device_summary.py "$WORK" | tee "$WORK/summary.md"
+cp "$WORK/summary.md" "$OUT/summary.md"
+tar czf "$OUT/device_check.tar.gz" -C "$WORK" --exclude data .
+echo "wrote $OUT/summary.md and $OUT/device_check.tar.gz (from $WORK)"
