@@ -56,6 +56,11 @@ Measured CSV (`--measured`), written by a benchmark, one row per measured settin
                       replicas each compute B / D rows), measured alone, joined by ';' like
                       fwd_s_per_stage; empty or absent: fwd_s_per_stage / M (perfect scaling)
     bwd_s_per_stage_micro   the same for the backward (graph mode, as bwd_s_per_stage)
+    concurrent_slowdown   how many times longer a compute task takes while another device
+                      computes at once (the processes of one CPU share its memory bus):
+                      `bench.measure_concurrent_slowdown`; default 1 (devices independent)
+
+The table pipelines run tick by tick, as the library's executor runs them (`Run.lockstep`).
 
 It prints and writes (measured_vs_predicted.csv) the predicted step time next to the measured
 one with the relative error (predicted - measured) / measured.
@@ -330,8 +335,10 @@ def measured_setting(row: dict) -> tuple[str, sim.StageCosts, dict]:
       else ()
     ),
     **measured_micro,
+    concurrent_slowdown=_number(row.get('concurrent_slowdown'), 1.0),
   )
   kwargs = {
+    'lockstep': True,
     'microbatches': micro,
     'data_parallel': devices if schedule == 'data_parallel' else 1,
     'stash': _mode(row.get('stash'), 'graph'),

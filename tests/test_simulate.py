@@ -511,3 +511,67 @@ def test_measured_csv_reads_the_microbatch_columns(experiment, tmp_path):
   assert micro['predicted_s'] == pytest.approx(5 * (0.0008 + 0.0016))
   assert perfect['predicted_s'] == pytest.approx(5 * (0.002 + 0.004) / 4)
   assert dp['predicted_s'] == pytest.approx(0.0024 + 0.0048)
+
+
+# ----------------------------------------------------------------------------- shared devices
+
+
+@pytest.mark.parametrize('num_stages', [2, 3])
+def test_shared_execution_at_no_slowdown_is_the_one_pass_execution(num_stages):
+  """The event loop of `concurrent_slowdown` gives the one-pass schedule when nothing slows."""
+  c = random_costs(
+    random.Random(num_stages), num_stages, latency=0.01, activation_bytes=1e6, bandwidth=1e8
+  )
+  c = dataclasses.replace(c, update_s=[0.2] * num_stages)
+  for schedule, kwargs in ALL_SETTINGS + [
+    ('data_parallel', {'data_parallel': num_stages}),
+    ('zb_h1', {'microbatches': 4, 'lockstep': True}),
+    ('1f1b', {'microbatches': 4}),
+    ('ouroboros', {'microbatches': 4, 'forward': 'pipelined'}),
+  ]:
+    tasks = sim.task_graph(sim.Run(schedule, **kwargs), c, steps=8).tasks
+    one_pass = [t for span in sim.execute(tasks) for t in span]
+    shared = [t for span in sim._execute_shared(tasks, 1.0) for t in span]
+    assert shared == pytest.approx(one_pass, abs=1e-9), (schedule, kwargs)
+
+
+def test_concurrent_slowdown_slows_only_what_runs_beside_another_device():
+  """F = 1, B = 2 on G = 2 devices that run 1.5x slower while both compute: the pipelined ring
+  always computes on both, the locked forward on one at a time, model_parallel never on two."""
+  c = costs([1.0] * 2, [2.0] * 2, concurrent_slowdown=1.5)
+  step = lambda **kwargs: sim.simulate(sim.Run(**kwargs), c).step_time
+  assert step(schedule='ouroboros', forward='pipelined') == pytest.approx(1.5 * 3.0, abs=TOL)
+  assert step(schedule='ouroboros') == pytest.approx(2 * 1.0 + 1.5 * 2.0, abs=TOL)
+  assert step(schedule='model_parallel') == pytest.approx(6.0, abs=TOL)
+  assert step(schedule='data_parallel', data_parallel=2) == pytest.approx(1.5 * 3.0, abs=TOL)
+  assert step(schedule='backprop') == pytest.approx(6.0, abs=TOL)
+  # one device alone for part of a task: GPipe M = 2 with the head on the last device
+  half = sim.simulate(sim.Run('gpipe', microbatches=2), dataclasses.replace(c, head_s=1.0))
+  assert (
+    half.step_time
+    > sim.simulate(
+      sim.Run('gpipe', microbatches=2), costs([1.0] * 2, [2.0] * 2, head_s=1.0)
+    ).step_time
+  )
+  with pytest.raises(ValueError, match='concurrent_slowdown'):
+    costs([1.0], [1.0], concurrent_slowdown=0.0)
+
+
+def test_lockstep_ticks_make_1f1b_wait_for_the_slower_operation_of_each_tick():
+  """In lockstep (every tick ends with a ppermute) a tick lasts as long as its slowest operation:
+  1F1B's forward (1/M) beside a fused backward (2/M) loses time that GPipe, whose ticks are all
+  forwards then all backwards, does not; ZB's B and W are halves, as long as its F."""
+  c = costs([1.0] * 2, [2.0] * 2)
+  step = lambda name, lockstep: (
+    sim.simulate(sim.Run(name, microbatches=4, lockstep=lockstep), c).step_time
+  )
+  assert step('gpipe', True) == pytest.approx(step('gpipe', False), abs=TOL)
+  assert step('zb_h1', True) == pytest.approx(step('zb_h1', False), abs=TOL)
+  assert step('1f1b', False) == pytest.approx(step('gpipe', False), abs=TOL)
+  assert step('1f1b', True) > step('gpipe', True) + 0.5
+  # every tick's hop is on the critical path in lockstep, even an idle tick's
+  linked = dataclasses.replace(c, latency=0.01, activation_bytes=1.0, bandwidth=math.inf)
+  ticks = tables.ticks(tables.place(tables.build('gpipe', 2, 4)))
+  assert sim.simulate(sim.Run('gpipe', microbatches=4, lockstep=True), linked).step_time == (
+    pytest.approx(step('gpipe', True) + ticks * 0.01, abs=TOL)
+  )

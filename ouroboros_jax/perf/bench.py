@@ -8,10 +8,12 @@ separately, not counted), runs `warmup` steps, then times `steps` more one by on
 **median** step time and tokens/s. It also measures, on process 0's device while every other
 process waits, each layer group's forward and backward (on the whole batch, and on one
 micro-batch of B / M rows for every M the settings use: a micro-batch rarely costs 1 / M of the
-batch), the head and each device's optimizer update, and then one activation hop and one
-gradient all-reduce between devices; from those
-the discrete-event simulator (`simulate.py`) gives each schedule's **ideal** step time (free links,
-no overheads) and its **predicted** one (measured links). Outputs, in --out:
+batch), the head and each device's optimizer update; then one activation hop and one gradient
+all-reduce between devices, and how much slower a group's forward + backward runs while every
+process computes at once (`measure_concurrent_slowdown`). From those the discrete-event simulator
+(`simulate.py`) gives each schedule's **ideal** step time (free links, no overheads, devices that
+do not slow each other) and its **predicted** one (measured links, the measured slowdown of
+devices computing at once, the table pipelines run tick by tick). Outputs, in --out:
 
   bench.csv       one row per setting (the columns `experiments/simulate.py --measured` reads,
                   fwd_s_per_stage_micro / bwd_s_per_stage_micro included, plus tokens_per_s,
@@ -276,6 +278,51 @@ def on_process0_alone(measure: Callable[[], dict], max_bytes: int = 1 << 16) -> 
   return json.loads(encoded[encoded != 0].tobytes())
 
 
+def measure_concurrent_slowdown(work: Workload, repeats: int = 3) -> float:
+  """How many times longer a layer group's forward + backward takes while every other process
+  runs its own at the same time than alone: processes 0..G-1 each time stage p's forward and
+  backward on the whole batch, first one process at a time, then all at once (each for about
+  the same wall time), and the ratio of the sums (at least 1) is the same number on every
+  process. 1.0 with one process (devices of one process are not timed against each other).
+
+  Processes on one CPU share its memory bus and caches, so a schedule that computes on every
+  device at once (the pipelined ring, data parallelism, a full pipeline) runs each piece slower
+  than the pieces timed alone; `simulate.StageCosts.concurrent_slowdown` models that."""
+  stages = len(work.layers_per_stage)
+  if jax.process_count() == 1 or jax.process_count() < stages:
+    return 1.0
+  me = jax.process_index()
+  alone = np.zeros(jax.process_count())
+  together = np.zeros(jax.process_count())
+  if me < stages:
+    model = partition.transformer_stages(work.cfg, work.layers_per_stage)
+    params = partition.to_staged(work.params, work.layers_per_stage)
+    params, batch = jax.device_put((params, work.batch), jax.local_devices()[0])
+    stash, key = GraphStash(model, 'all'), jax.random.key(0)
+    x = jax.jit(model.embed)(params['embed'], batch['inputs'], None)
+    params_s = jax.tree.map(lambda a: a[me], params['stages'])
+    forward = jax.jit(lambda p, h: stash.forward(p, h, me, key))
+    backward = jax.jit(lambda p, k, d: stash.backward(p, k, d, me, key))
+
+    def piece():
+      y, kept, _ = forward(params_s, x)
+      return backward(params_s, kept, jnp.ones_like(y))
+
+    jax.block_until_ready(piece())  # compile and warm
+  for turn in range(stages):  # alone: one process at a time
+    multihost_utils.sync_global_devices(f'bench: concurrent, alone {turn}')
+    if me == turn:
+      alone[me] = _median_time(piece, repeats=repeats)
+  alone = np.asarray(multihost_utils.process_allgather(alone)).max(axis=0)
+  multihost_utils.sync_global_devices('bench: concurrent, together')
+  if me < stages:  # together: each about as long as the slowest stage's `repeats` runs
+    runs = max(repeats, round(repeats * alone[:stages].max() / alone[me]))
+    together[me] = _median_time(piece, repeats=runs)
+  together = np.asarray(multihost_utils.process_allgather(together)).max(axis=0)
+  # Computing beside another process never helps: a ratio under 1 is timing noise.
+  return max(1.0, float(together[:stages].sum() / alone[:stages].sum()))
+
+
 def measure_links(activation_shape, grad_elems: int, repeats: int = 10) -> tuple[float, float]:
   """(one activation hop between two devices, one all-reduce of every gradient), in seconds."""
   if jax.device_count() < 2:
@@ -366,7 +413,13 @@ def micro_pieces(pieces: dict, setting: Setting) -> tuple[list[float], list[floa
   return (fwd, bwd) if fwd and bwd else None
 
 
-def simulated(setting: Setting, pieces: dict, link_s: float, allreduce_s: float) -> float:
+def simulated(
+  setting: Setting, pieces: dict, link_s: float, allreduce_s: float, ideal: bool = False
+) -> float:
+  """The simulator's step time of `setting` from the measured pieces and links. `ideal`: free of
+  what the schedule's own execution adds (no slowdown of devices computing at once, each table
+  operation waiting only for its input); else as measured (the pieces' `concurrent_slowdown`,
+  the table executor's tick-by-tick lockstep)."""
   stages = setting.devices if setting.schedule not in ('backprop', 'data_parallel') else 1
   fwd, bwd, update = pieces['fwd'], pieces['bwd'], pieces['update']
   micro = micro_pieces(pieces, setting)
@@ -384,9 +437,11 @@ def simulated(setting: Setting, pieces: dict, link_s: float, allreduce_s: float)
     allreduce_s=allreduce_s,
     microbatch_forward_s={m: micro[0]} if micro else {},
     microbatch_backward_s={m: micro[1]} if micro else {},
+    concurrent_slowdown=1.0 if ideal else pieces.get('concurrent_slowdown', 1.0),
   )
   run = simulate.Run(
     setting.schedule,
+    lockstep=not ideal,  # the library's table executor: every tick ends with a ppermute
     microbatches=setting.microbatches,
     data_parallel=setting.devices if setting.schedule == 'data_parallel' else 1,
     stash=setting.stash if setting.stash != '-' else 'graph',
@@ -402,10 +457,15 @@ def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dic
   pieces, policy_pieces = _measure_pieces(work, bench, settings)
   activation_shape = (bench.batch_size, cfg.seq_len, cfg.d_model)
   link_s, allreduce_s = measure_links(activation_shape, pieces['grad_bytes'] // 4)
+  slowdown = measure_concurrent_slowdown(work)
+  pieces, policy_pieces = (
+    dict(pieces, concurrent_slowdown=slowdown),
+    dict(policy_pieces, concurrent_slowdown=slowdown),
+  )
   log(
     f'pieces: forward {np.round(pieces["fwd"], 4)} s, backward {np.round(pieces["bwd"], 4)} s, '
     f'update {np.round(pieces["update"], 4)} s, head+embed {pieces["head"]:.4f} s, '
-    f'hop {link_s:.4f} s, all-reduce {allreduce_s:.4f} s'
+    f'hop {link_s:.4f} s, all-reduce {allreduce_s:.4f} s, concurrent slowdown {slowdown:.3f}'
   )
   for name, measured in (('micro-batch', pieces), ('stash-policy micro-batch', policy_pieces)):
     for m in measured['fwd_micro']:
@@ -413,7 +473,7 @@ def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dic
         f'{name} pieces, M={m}: forward {np.round(measured["fwd_micro"][m], 4)} s, '
         f'backward {np.round(measured["bwd_micro"][m], 4)} s'
       )
-    if policy_pieces is pieces:
+    if bench.stash_policy == 'all':
       break
   rows = []
   for setting in settings:
@@ -543,7 +603,8 @@ def _row(setting: Setting, measured: dict, own: dict, link_s: float, allreduce_s
     'update_s_per_stage': per_stage(own['update']),
     'link_s': link_s,
     'allreduce_s': allreduce_s,
-    'ideal_s': simulated(setting, own, 0.0, 0.0),
+    'concurrent_slowdown': own.get('concurrent_slowdown', 1.0),
+    'ideal_s': simulated(setting, own, 0.0, 0.0, ideal=True),
     'predicted_s': simulated(setting, own, link_s, allreduce_s),
   }
 

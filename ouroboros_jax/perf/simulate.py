@@ -56,6 +56,10 @@ class StageCosts:
   # M -> per stage s: one micro-batch of B / M rows, measured (M >= 2; an M not given: / M)
   microbatch_forward_s: Mapping[int, Sequence[float]] = dataclasses.field(default_factory=dict)
   microbatch_backward_s: Mapping[int, Sequence[float]] = dataclasses.field(default_factory=dict)
+  # how many times longer a compute task takes while another device computes at the same time
+  # (devices that share a memory bus and caches: the processes of one CPU), measured as the
+  # stages' forward + backward timed on every device at once over the same timed alone; 1: none
+  concurrent_slowdown: float = 1.0
 
   def __post_init__(self):
     object.__setattr__(self, 'forward_s', tuple(float(f) for f in self.forward_s))
@@ -88,6 +92,8 @@ class StageCosts:
     )
     if min(*self.forward_s, *self.backward_s, *self.update_s, *scalars) < 0 or self.bandwidth <= 0:
       raise ValueError('costs must be >= 0 and the bandwidth > 0.')
+    if not self.concurrent_slowdown > 0:
+      raise ValueError(f'concurrent_slowdown must be > 0, got {self.concurrent_slowdown}.')
 
   @property
   def num_stages(self) -> int:
@@ -219,8 +225,11 @@ class Graph:
     self.step_end[step], self.step_tasks = self.barrier, []
 
 
-def execute(tasks: Sequence[Task]) -> list[tuple[float, float]]:
+def execute(tasks: Sequence[Task], slowdown: float = 1.0) -> list[tuple[float, float]]:
   """(start, end) of every task: as early as its dependencies and its resource allow.
+
+  `slowdown` (`StageCosts.concurrent_slowdown`) > 1: a compute task runs that many times slower
+  for as long as another device computes (`_execute_shared`); 1: every task takes its duration.
 
   This is the whole event loop. Every resource runs its tasks in a fixed order (a device's
   compiled program, a link's send order) and never pre-empts, so a task starts when both its
@@ -228,6 +237,8 @@ def execute(tasks: Sequence[Task]) -> list[tuple[float, float]]:
   emitted earlier, so one pass in emission order settles every start time: the same answer as a
   time-ordered event queue, without the queue.
   """
+  if slowdown != 1.0:
+    return _execute_shared(tasks, slowdown)
   times: list[tuple[float, float]] = []
   free_at: dict[tuple, float] = {}
   for task in tasks:
@@ -237,6 +248,64 @@ def execute(tasks: Sequence[Task]) -> list[tuple[float, float]]:
       free_at[task.resource] = start + task.duration
     times.append((start, start + task.duration))
   return times
+
+
+def _execute_shared(tasks: Sequence[Task], slowdown: float) -> list[tuple[float, float]]:
+  """`execute` where devices share something (a CPU's memory bus and caches): a compute task
+  does `duration` seconds of work, at rate 1 while it is the only device computing and at rate
+  1 / slowdown while another device computes too. Links, the network and barriers are not
+  slowed. An event loop: each resource still runs its tasks in program order, a task starts when
+  its dependencies have ended, and the rates change whenever a compute task starts or ends."""
+  queues: dict[tuple, list[int]] = {}
+  for index, task in enumerate(tasks):
+    if task.resource is not None:
+      queues.setdefault(task.resource, []).append(index)
+  heads = {resource: 0 for resource in queues}  # position of each resource's next task
+  barriers = [i for i, task in enumerate(tasks) if task.resource is None]
+  start, end = [math.nan] * len(tasks), [math.nan] * len(tasks)
+  running: dict[int, float] = {}  # task -> work left (seconds at rate 1)
+  ended = lambda i: not math.isnan(end[i])
+  now, left = 0.0, len(tasks)
+  while left:
+    changed = True
+    while changed:  # start all that can start now (zero-length tasks end at once)
+      changed = False
+      for i in [b for b in barriers if not ended(b) and all(ended(d) for d in tasks[b].deps)]:
+        start[i] = end[i] = max((end[d] for d in tasks[i].deps), default=0.0)
+        left, changed = left - 1, True
+      barriers = [b for b in barriers if not ended(b)]
+      for resource, queue in queues.items():
+        position = heads[resource]
+        if position == len(queue) or queue[position] in running:
+          continue
+        i = queue[position]
+        if all(ended(d) for d in tasks[i].deps):
+          start[i] = now
+          if tasks[i].duration > 0:
+            running[i] = tasks[i].duration
+          else:
+            end[i], heads[resource], left = now, position + 1, left - 1
+          changed = True
+    if not running:
+      if left:
+        raise RuntimeError('the task graph deadlocks (a dependency never ends).')
+      break
+    computing = {tasks[i].resource[1] for i in running if tasks[i].resource[0] == 'device'}
+
+    def rate(i):
+      kind, *where = tasks[i].resource
+      return 1.0 / slowdown if kind == 'device' and len(computing - {where[0]}) else 1.0
+
+    rates = {i: rate(i) for i in running}
+    step = min(work / rates[i] for i, work in running.items())
+    now += step
+    for i in list(running):
+      running[i] -= step * rates[i]
+      if running[i] <= 1e-12 * max(1.0, tasks[i].duration):
+        del running[i]
+        end[i], left = now, left - 1
+        heads[tasks[i].resource] += 1
+  return list(zip(start, end))
 
 
 # ----------------------------------------------------------------------------- schedules
@@ -301,42 +370,69 @@ def emit_model_parallel(g: Graph, t: int, state: dict, **_) -> None:
   g.end_step(t)
 
 
-def emit_table(g: Graph, t: int, state: dict, *, table, **_) -> None:
+def emit_table(g: Graph, t: int, state: dict, *, table, lockstep: bool = False, **_) -> None:
   """An exact pipeline from its table (`schedules.tables`), tick by tick: the operation each
   device runs, after the value it reads has arrived. F of a chunk costs the stage's forward of
-  one micro-batch (`StageCosts.forward_of`) / v; B and W half its backward each. The embedding runs before the first chunk's F and after
-  its B; the head after the last chunk's F, on the same device."""
+  one micro-batch (`StageCosts.forward_of`) / v; a split schedule's (ZB) B and W half its
+  backward each, a fused schedule's B all of it (one VJP; its W ticks compute nothing). The
+  embedding runs before the first chunk's F and after its B; the head after the last chunk's F,
+  on the same device.
+
+  `lockstep` (`Run.lockstep`): as the library's executor runs a table, every tick ends with one
+  `ppermute` per channel the table uses (idle ticks too), so a device starts tick k + 1 once its
+  own tick k, what it sent and what it received at the end of tick k are done; a value read at a
+  later tick has already arrived. Without it a device waits only for the values it reads."""
   del state
   c, pipeline = g.costs, table.pipeline
-  m, v = pipeline.microbatches, pipeline.chunks
+  m, v, fused = pipeline.microbatches, pipeline.chunks, pipeline.fused
   last, nbytes, extra = pipeline.last_stage, c.activation_bytes / m, c.microbatch_overhead_s
   cost = {
     'F': lambda d: c.forward_of(d, m) / v + extra,
-    'B': lambda d: c.backward_of(d, m) / (2 * v) + extra,
-    'W': lambda d: c.backward_of(d, m) / (2 * v) + extra,
+    'B': lambda d: c.backward_of(d, m) / ((1 if fused else 2) * v) + extra,
+    'W': lambda d: 0.0 if fused else c.backward_of(d, m) / (2 * v) + extra,
   }
+  p = len(table.grid)
+  channels = [o for o in _channels(table) if o] if lockstep else []
+  after_tick = [[] for _ in range(p)]  # lockstep: what device d's next tick waits for
   done = {}  # (kind, micro-batch, virtual stage) -> the task that produced it
   for tick in range(len(table.grid[0])):
+    ends = []  # per device: its last task of this tick
     for d, row in enumerate(table.grid):
-      op = row[tick]
+      op, deps = row[tick], list(after_tick[d])
       if op is None:
+        ends.append(g.compute(d, 'idle', t, -1, 0.0, deps) if lockstep else None)
         continue
       k, needed = pipeline.stage_of(d, op.chunk), tables.needs(pipeline, op, d)
-      deps = []
-      if needed is not None:
+      if needed is not None and not lockstep:
         kind = 'act' if op.kind == 'F' else 'grad'
         deps.append(g.send(done[needed], d, kind, t, op.microbatch, nbytes))
       if op.kind == 'F' and k == 0:
-        deps.append(g.compute(d, 'embed_fwd', t, op.microbatch, c.embed_forward_s / m))
+        deps.append(g.compute(d, 'embed_fwd', t, op.microbatch, c.embed_forward_s / m, deps))
       task = g.compute(
         d, {'F': 'fwd', 'B': 'bwd', 'W': 'wgrad'}[op.kind], t, op.microbatch, cost[op.kind](d), deps
       )
       if op.kind == 'F' and k == last:
         task = g.compute(d, 'head', t, op.microbatch, c.head_s / m, [task])
-      if op.kind == 'B' and k == 0:
-        g.compute(d, 'embed_bwd', t, op.microbatch, c.embed_backward_s / m, [task])
       done[(op.kind, op.microbatch, k)] = task
+      if op.kind == 'B' and k == 0:
+        task = g.compute(d, 'embed_bwd', t, op.microbatch, c.embed_backward_s / m, [task])
+      ends.append(task)
+    if lockstep:  # the tick's ppermutes: d sends to d + o on every channel o
+      after_tick = [[end] for end in ends]
+      for d in range(p):
+        for o in channels:
+          hop = g.send(ends[d], (d + o) % p, 'tick', t, tick, nbytes)
+          after_tick[d].append(hop)
+          after_tick[(d + o) % p].append(hop)
+  if lockstep:  # the last tick's ppermute ends inside the step
+    for d in range(p):
+      g.compute(d, 'idle', t, -1, 0.0, after_tick[d])
   g.end_step(t)
+
+
+def _channels(table) -> tuple[int, ...]:
+  """The offsets o of the table's sends (device d to d + o mod p), as `tables.program`."""
+  return tables.program(table).channels
 
 
 def emit_ouroboros_locked(g: Graph, t: int, state: dict, *, stash: str, microbatches: int, **_):
@@ -450,7 +546,9 @@ class Run:
   on CPU); `data_parallel` is data_parallel's replica count R (the stage schedules run on
   G = costs.num_stages devices); `stash` and `forward` are Ouroboros' modes (the other schedules
   keep no stash and ignore them); `chunks` is the interleaved pipeline's model chunks per device
-  (None: 2).
+  (None: 2); `lockstep` runs the table pipelines tick by tick as the library's executor does
+  (every tick ends with a `ppermute`; see `emit_table`), False: each operation waits only for
+  its input (the tables' idealised timing, whose bubble has a closed form).
   """
 
   schedule: str
@@ -459,6 +557,7 @@ class Run:
   stash: str = 'graph'
   forward: str = 'locked'
   chunks: int | None = None
+  lockstep: bool = False
 
   @property
   def num_microbatches(self) -> int:
@@ -476,13 +575,21 @@ def simulate(run: Run | str, costs: StageCosts, steps: int | None = None) -> Sim
   """
   run = Run(run) if isinstance(run, str) else run
   G = costs.num_stages
-  emit, table = _emitter(run, costs)
   devices = {'backprop': 1, 'data_parallel': run.data_parallel}.get(run.schedule, G)
   warmup = 2 * max(G, devices) + 2  # the pipelined forward fills in 2G steps
   steps = steps if steps is not None else 3 * max(G, devices) + 10
   if steps < warmup + 3:
     raise ValueError(f'steps={steps} leaves no steady state; use at least {warmup + 3}.')
+  graph = task_graph(run, costs, steps)
+  times = execute(graph.tasks, costs.concurrent_slowdown)
+  return _steady_state(run.schedule, graph, times, warmup, devices)
 
+
+def task_graph(run: Run, costs: StageCosts, steps: int) -> Graph:
+  """The tasks of `steps` training steps of `run` on `costs`, in emission order."""
+  G = costs.num_stages
+  emit, table = _emitter(run, costs)
+  devices = {'backprop': 1, 'data_parallel': run.data_parallel}.get(run.schedule, G)
   graph, state = Graph(costs), {}
   if costs.update_s:  # one device updates every parameter; a ring device, its own stage's
     whole = sum(costs.update_s)
@@ -492,11 +599,15 @@ def simulate(run: Run | str, costs: StageCosts, steps: int | None = None) -> Sim
       else list(costs.update_s)
     )
   options = dict(
-    microbatches=run.num_microbatches, replicas=run.data_parallel, stash=run.stash, table=table
+    microbatches=run.num_microbatches,
+    replicas=run.data_parallel,
+    stash=run.stash,
+    table=table,
+    lockstep=run.lockstep,
   )
   for t in range(steps):
     emit(graph, t, state, **options)
-  return _steady_state(run.schedule, graph, execute(graph.tasks), warmup, devices)
+  return graph
 
 
 def _emitter(run: Run, costs: StageCosts) -> tuple[Callable[..., None], tables.Table | None]:
