@@ -13,7 +13,7 @@
 #            (`ouroboros bench`, the largest batch that fits)
 #   cpu      real concurrency: `ouroboros launch --processes P --pin-cpus -- bench` for each P in
 #            $PROCESSES, one core per process, every schedule at its default streamed flow
-# The gpu steps run pinned to the cores the first cpu bench leaves free, beside it. At the end
+# The cpu benches run side by side on disjoint cores, the gpu steps on the cores left. At the end
 # summary.md (printed) and device_check.tar.gz (every log, CSV and table) go to $OUT.
 #
 # On the device machine: carry `.whl` (experiments/device_wheels.sh) for the data stack; the
@@ -24,6 +24,7 @@ OUT=${OUT:-runs/device_check}
 WORK=${WORK:-$(mktemp -d /tmp/device_check.XXXX)}
 PROCESSES=${PROCESSES:-4 8}
 QUICK=${QUICK:-0}
+PARTS=${PARTS:-smoke gpu_tests layer_costs train_gpu mfu cpu}  # which steps run
 DEADLINE=${DEADLINE:-560}  # seconds: the last cpu bench is cut short to leave time to pack up
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1 OUROBOROS_DATA_DIR=${OUROBOROS_DATA_DIR:-$WORK/data}
@@ -59,16 +60,19 @@ fi
 
 cpu_bench() {  # cpu_bench P: every schedule on P pinned processes, 2P layers (ZB-V's chunks)
   local p=$1
-  local only="backprop,model_parallel,gpipe M=8,1f1b M=8,zb_h1 M=8,interleaved M=8,zb_v M=8"
-  only+=",ouroboros M=$p stream,ouroboros M=$((2 * p)) stream"
+  # Ouroboros and ZB-V first: a bench cut short keeps the rows it measured first.
+  local only="ouroboros M=$p stream,ouroboros M=$((2 * p)) stream,zb_v M=8,zb_h1 M=8,1f1b M=8"
+  only+=",interleaved M=8,gpipe M=8,model_parallel,backprop"
   [ "$QUICK" = 1 ] && only="backprop,zb_v M=8,ouroboros M=$((2 * p)) stream"
+  only=${ONLY:-$only}
   local limit=$((DEADLINE - SECONDS < 300 ? DEADLINE - SECONDS : 300))
   step "cpu_g$p" "$limit" python3 -m ouroboros_jax launch --processes "$p" --pin-cpus -- \
     bench --stages "$p" --num-layers $((2 * p)) "${SHAPE[@]}" "${TIMED[@]}" \
     --optimizer muon --compensation predict,dc --only "$only" --out "$WORK/cpu_g$p"
 }
 
-step smoke 90 python3 experiments/device_smoke.py --out "$WORK"
+has() { [[ " $PARTS " == *" $1 "* ]]; }
+has smoke && step smoke 90 python3 experiments/device_smoke.py --out "$WORK"
 GPUS=$(python3 -c "import jax; print(len([d for d in jax.devices() if d.platform == 'gpu']))" \
   2>/dev/null || echo 0)
 
@@ -76,12 +80,12 @@ gpu_steps() {
   local free=$1
   local pin=()
   command -v taskset >/dev/null && pin=(taskset -c "$free")
-  OUROBOROS_TEST_PLATFORMS=cuda,cpu step gpu_tests 120 "${pin[@]}" python3 -m pytest -q \
+  has gpu_tests && OUROBOROS_TEST_PLATFORMS=cuda,cpu step gpu_tests 120 "${pin[@]}" python3 -m pytest -q \
     -p no:cacheprovider tests/test_gpu.py --junitxml "$WORK/gpu_tests.xml"
-  step layer_costs 120 "${pin[@]}" python3 experiments/layer_costs.py --out "$WORK/layer_costs"
-  step train_gpu 120 "${pin[@]}" python3 -m ouroboros_jax train --preset tiny --dtype bfloat16 \
+  has layer_costs && step layer_costs 120 "${pin[@]}" python3 experiments/layer_costs.py --out "$WORK/layer_costs"
+  has train_gpu && step train_gpu 120 "${pin[@]}" python3 -m ouroboros_jax train --preset tiny --dtype bfloat16 \
     --steps 50 --eval-every 50 --out "$WORK/train_gpu"
-  for batch in 64 32 16; do  # the largest batch that fits
+  has mfu && for batch in 64 32 16; do  # the largest batch that fits
     step "mfu_b$batch" 120 "${pin[@]}" python3 -m ouroboros_jax bench --preset gpt2-small \
       --vocab-size 50257 --dropout 0 --dtype bfloat16 --attention cudnn --stages 1 \
       --only backprop --batch-size "$batch" --bench-steps 10 --warmup 2 \
@@ -89,20 +93,24 @@ gpu_steps() {
   done
 }
 
-set -- $PROCESSES
-FIRST=$1
-shift
+# The cpu benches run side by side on disjoint cores (P0 on cores 0..P0-1, the next on the next
+# P1, ...) and the gpu steps on the cores left over; where the cores run out, one after another.
+next_core=0 jobs=()
+if has cpu; then
+  for p in $PROCESSES; do
+    if [ $((next_core + p)) -gt "$CORES" ]; then wait "${jobs[@]}"; jobs=() next_core=0; fi
+    (taskset -pc "$next_core-$((next_core + p - 1))" $BASHPID >/dev/null && cpu_bench "$p") &
+    jobs+=($!)
+    next_core=$((next_core + p))
+  done
+fi
 if [ "$GPUS" -gt 0 ]; then
-  gpu_steps "$FIRST-$((CORES - 1))" &  # beside the first cpu bench, on the cores it leaves
-  GPU_JOB=$!
+  free=$([ "$next_core" -lt "$CORES" ] && echo "$next_core-$((CORES - 1))" || echo "0-$((CORES - 1))")
+  gpu_steps "$free"
 else
   echo "=== no GPU: the gpu steps are skipped"
 fi
-cpu_bench "$FIRST"
-[ -n "${GPU_JOB:-}" ] && wait "$GPU_JOB"
-for p in "$@"; do
-  cpu_bench "$p"
-done
+[ ${#jobs[@]} -gt 0 ] && wait "${jobs[@]}"
 
 python3 experiments/device_summary.py "$WORK" | tee "$WORK/summary.md"
 cp "$WORK/summary.md" "$OUT/summary.md"

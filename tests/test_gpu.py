@@ -70,7 +70,9 @@ def test_cudnn_attention_equals_the_xla_and_blockwise_kernels():
 def _train(name, device, dtype, num_stages=1):
   """Unstaged parameters after STEPS steps of one schedule on the tiny Transformer, on `device`."""
   config = ScheduleConfig(name=name, num_stages=num_stages)
-  model, params = tiny_transformer(1, num_layers=4, layers_per_stage=(4,), dtype=dtype)
+  model, params = tiny_transformer(  # one kernel on both platforms ('auto' is cuDNN on a GPU)
+    1, num_layers=4, layers_per_stage=(4,), dtype=dtype, attention='xla'
+  )
   schedule = build_schedule(config, model, optax.sgd(0.5), devices=[device])
   batches = jax.device_get(random_batches(STEPS, batch=8))
   state = schedule.init(jax.device_put(params, device), batches[0])

@@ -147,7 +147,8 @@ def default_settings(devices: int, num_layers: int | None = None) -> list[Settin
 
 
 def select_settings(devices: int, only: str | None, num_layers: int | None = None) -> list[Setting]:
-  """The default settings whose label starts with one of the comma-separated prefixes in `only`."""
+  """The default settings whose label starts with one of the comma-separated prefixes in `only`,
+  in the order `only` names them."""
   settings = default_settings(devices, num_layers)
   if only is None:
     return settings
@@ -158,7 +159,8 @@ def select_settings(devices: int, only: str | None, num_layers: int | None = Non
       f'--only {only!r} names no setting; give comma-separated label prefixes from: {labels} '
       '(or drop --only to run them all).'
     )
-  chosen = [s for s in settings if any(s.label.startswith(p) for p in prefixes)]
+  # In the order --only names them: a run cut short has measured the settings named first.
+  chosen = list(dict.fromkeys(s for p in prefixes for s in settings if s.label.startswith(p)))
   if not chosen:
     raise ConfigError(f'--only {only!r} matches no setting; labels are: {labels}.')
   return chosen
@@ -177,6 +179,21 @@ def _median_time(fn, *args, repeats: int) -> float:
 def bench_optimizer(name: str = 'adamw'):
   """The optimizer every setting is timed with (its rate does not change the time)."""
   return make_optimizer(name, 1e-4, weight_decay=0.1, muon_learning_rate=1e-3)
+
+
+def _time_group(stash, params, s, key, x, repeats, sizes, micro_repeats):
+  """((forward, backward) seconds of group s on x, {str(M): the same on its first B / M rows})."""
+  params_s = jax.tree.map(lambda a: a[s], params['stages'])
+  forward = jax.jit(lambda p, h: stash.forward(p, h, s, key))
+  backward = jax.jit(lambda p, k, d: stash.backward(p, k, d, s, key))
+
+  def time_on(h, times):
+    f = _median_time(lambda p, h: forward(p, h)[0], params_s, h, repeats=times)
+    y, kept, _ = forward(params_s, h)
+    return f, _median_time(backward, params_s, kept, jnp.ones_like(y), repeats=times)
+
+  rows = x.shape[0]
+  return time_on(x, repeats), {str(m): time_on(x[: rows // m], micro_repeats) for m in sizes}
 
 
 def measure_pieces(
@@ -206,23 +223,18 @@ def measure_pieces(
   sizes = sorted({int(m) for m in microbatches if 1 < m <= rows and rows % m == 0})
   fwd, bwd = [], []
   fwd_micro, bwd_micro = {str(m): [] for m in sizes}, {str(m): [] for m in sizes}
-  for s in range(len(layers_per_stage)):
-    params_s = jax.tree.map(lambda a: a[s], params['stages'])
-    forward = jax.jit(lambda p, h: stash.forward(p, h, s, key))
-    backward = jax.jit(lambda p, k, d: stash.backward(p, k, d, s, key))
-
-    def time_group(h, times):
-      f = _median_time(lambda p, h: forward(p, h)[0], params_s, h, repeats=times)
-      y, kept, _ = forward(params_s, h)
-      return f, _median_time(backward, params_s, kept, jnp.ones_like(y), repeats=times)
-
-    f_s, b_s = time_group(x, repeats)
+  # Groups of the same layer count run the same program on the same shapes: each is compiled
+  # and timed once (compiling every group apart cost minutes at G = 8 on one CPU core).
+  timed = {}
+  for s, layers in enumerate(layers_per_stage):
+    if layers not in timed:
+      timed[layers] = _time_group(stash, params, s, key, x, repeats, sizes, micro_repeats)
+    (f_s, b_s), micro = timed[layers]
     fwd.append(f_s)
     bwd.append(b_s)
-    for m in sizes:  # the first B / M rows: one micro-batch, as the schedules cut it
-      f_s, b_s = time_group(x[: rows // m], micro_repeats)
-      fwd_micro[str(m)].append(f_s)
-      bwd_micro[str(m)].append(b_s)
+    for m, (f_s, b_s) in micro.items():
+      fwd_micro[m].append(f_s)
+      bwd_micro[m].append(b_s)
 
   def device0_extra(embed_p, head_p):
     h = model.embed(embed_p, batch['inputs'], None)
@@ -324,10 +336,13 @@ def measure_concurrent_slowdown(work: Workload, repeats: int = 3) -> float:
 
 
 def measure_links(activation_shape, grad_elems: int, repeats: int = 10) -> tuple[float, float]:
-  """(one activation hop between two devices, one all-reduce of every gradient), in seconds."""
+  """(one activation hop from device 0 to device 1 and back, one all-reduce of every gradient
+  over all devices), in seconds. Every process takes part, each with its own devices, as in the
+  schedules' steps: a collective over a subset of processes is not what they run."""
   if jax.device_count() < 2:
     return 0.0, 0.0
-  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:2]), ('x',))
+  n = jax.device_count()
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ('x',))
   hop = jax.jit(
     jax.shard_map(
       lambda a: jax.lax.ppermute(a, 'x', [(0, 1), (1, 0)]),
@@ -340,10 +355,13 @@ def measure_links(activation_shape, grad_elems: int, repeats: int = 10) -> tuple
     jax.shard_map(lambda a: jax.lax.psum(a, 'x'), mesh=mesh, in_specs=P('x'), out_specs=P('x'))
   )
   put = lambda shape: jax.make_array_from_callback(
-    shape, NamedSharding(mesh, P('x')), lambda idx: np.ones(shape, np.float32)[idx]
+    shape,
+    NamedSharding(mesh, P('x')),
+    lambda idx: np.ones(shape, np.float32)[idx],
+    dtype=np.float32,
   )
-  link = _median_time(hop, put((2, *activation_shape)), repeats=repeats)
-  reduce = _median_time(allreduce, put((2, grad_elems)), repeats=repeats)
+  link = _median_time(hop, put((n, *activation_shape)), repeats=repeats)
+  reduce = _median_time(allreduce, put((n, grad_elems)), repeats=repeats)
   return link, reduce
 
 

@@ -5,7 +5,7 @@
 starts `python -m ouroboros_jax <args>` N times with OUROBOROS_COORDINATOR /
 OUROBOROS_NUM_PROCESSES / OUROBOROS_PROCESS_ID set (see `distributed.py`), each process on the CPU
 backend with one device, single-threaded (so one process is one core's worth of work) and, with
---pin-cpus, pinned to its own core with `taskset`. Their output is forwarded line by line with a
+--pin-cpus, pinned to its own core with `taskset` (the i-th of the launcher's own cores). Their output is forwarded line by line with a
 `[pI]` prefix. The launcher returns the first non-zero exit code; when one process fails, the
 others end by themselves (a failing `train` posts its error for its peers, see
 `distributed.fail_every_process`) or are killed `failure_grace_s` seconds later (a process killed
@@ -58,6 +58,14 @@ def check_command(args: list[str]) -> None:
       f'launch sets {", ".join(given)} for each process itself; drop '
       f'{"them" if len(given) > 1 else "it"} from the command after --.'
     )
+
+
+def usable_cpus() -> list[int]:
+  """The cores this process may run on (its affinity: `taskset -c 8-15 ouroboros launch` pins
+  the children to 8, 9, ...), in order."""
+  if hasattr(os, 'sched_getaffinity'):
+    return sorted(os.sched_getaffinity(0))
+  return list(range(os.cpu_count() or 1))
 
 
 def free_port() -> int:
@@ -145,7 +153,7 @@ class LaunchOptions:
 
   program: what each child runs before the launch's args (default `python -m ouroboros_jax`;
     tests and experiments pass their own script).
-  pin_cpus: pin child i to core i (`taskset`).
+  pin_cpus: pin child i to the i-th core the launcher may use (`taskset`; `usable_cpus`).
   grace_s: after a stop signal, the seconds the children have to stop (a `train` saves its
     checkpoint) before they are killed.
   failure_grace_s: after the first failure, the seconds the others have to stop.
@@ -223,9 +231,9 @@ class _Children:
     self.failed = threading.Event()
 
   def start(self, num_processes: int, command: list[str], pin_cpus: bool) -> None:
-    port, cores = free_port(), os.cpu_count() or 1
+    port, cores = free_port(), usable_cpus()
     for i in range(num_processes):
-      cmd = ['taskset', '-c', str(i % cores), *command] if pin_cpus else command
+      cmd = ['taskset', '-c', str(cores[i % len(cores)]), *command] if pin_cpus else command
       # Its own session, so a Ctrl-C in the terminal reaches the launcher only, which passes it
       # on; and it dies with the launcher, however the launcher dies.
       p = subprocess.Popen(
