@@ -50,15 +50,20 @@ step() {
 }
 
 if [ "$QUICK" = 1 ]; then
-  SHAPE=(--d-model 64 --num-heads 2 --d-ff 256 --seq-len 32 --batch-size 8)
+  SHAPE=(--d-model 64 --num-heads 2 --d-ff 256 --seq-len 32)
   TIMED=(--bench-steps 1 --warmup 0)
 else
   # Compute-dominated on one core per process: ~0.35 GFLOP per token and layer pair of passes.
-  SHAPE=(--d-model 512 --num-heads 8 --d-ff 2048 --seq-len 64 --batch-size 8)
+  SHAPE=(--d-model 512 --num-heads 8 --d-ff 2048 --seq-len 64)
   TIMED=(--bench-steps 3 --warmup 1)
 fi
 
-cpu_bench() {  # cpu_bench P: every schedule on P pinned processes, 2P layers (ZB-V's chunks)
+# AdamW, not Muon: at 512 tokens a step, Muon's Newton-Schulz costs one CPU core ~4x a layer's
+# forward and backward (2.2 s against 0.6 s per stage at G = 8), and the step would time the
+# optimizer, not the schedule. Ouroboros keeps its compensations (prediction, DC).
+# cpu_bench P: every schedule on P pinned processes, 2P layers (ZB-V's chunks), a batch of at
+# least 8 rows that the pipelined stream's 2P micro-batches divide.
+cpu_bench() {
   local p=$1
   # Ouroboros and ZB-V first: a bench cut short keeps the rows it measured first.
   local only="ouroboros M=$p stream,ouroboros M=$((2 * p)) stream,zb_v M=8,zb_h1 M=8,1f1b M=8"
@@ -67,8 +72,9 @@ cpu_bench() {  # cpu_bench P: every schedule on P pinned processes, 2P layers (Z
   only=${ONLY:-$only}
   local limit=$((DEADLINE - SECONDS < 300 ? DEADLINE - SECONDS : 300))
   step "cpu_g$p" "$limit" python3 -m ouroboros_jax launch --processes "$p" --pin-cpus -- \
-    bench --stages "$p" --num-layers $((2 * p)) "${SHAPE[@]}" "${TIMED[@]}" \
-    --optimizer muon --compensation predict,dc --only "$only" --out "$WORK/cpu_g$p"
+    bench --stages "$p" --num-layers $((2 * p)) --batch-size $((p < 4 ? 8 : 2 * p)) \
+    "${SHAPE[@]}" "${TIMED[@]}" \
+    --optimizer adamw --compensation predict,dc --only "$only" --out "$WORK/cpu_g$p"
 }
 
 has() { [[ " $PARTS " == *" $1 "* ]]; }

@@ -536,7 +536,7 @@ def _run_bench(args) -> None:
       out_dir=cfg.out or 'runs/bench',
       steps=args.bench_steps,
       warmup=args.warmup,
-      settings=bench.select_settings(stages, args.only, cfg.model.num_layers),
+      settings=bench.select_settings(stages, args.only, cfg.model.num_layers, cfg.batch_size),
       stash_policy=cfg.schedule.stash_policy,
       optimizer=optimizer,
       compensation=cfg.resolved_compensation(),

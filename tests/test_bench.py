@@ -45,6 +45,15 @@ def test_bench_names_its_own_flags_and_refuses_an_empty_only(tmp_path):
       bench.select_settings(2, only, 2)
   assert bench.select_settings(2, None, 2) == bench.default_settings(2, 2)  # all 18
   assert [s.label for s in bench.select_settings(2, 'backprop', 2)] == ['backprop']
+  # --only's own order (a bench cut short keeps the rows named first), and batch sizes that
+  # cannot be cut refused before anything is measured: M = 2G = 4 does not divide 2 rows.
+  chosen = bench.select_settings(2, 'zb_v,backprop', 4)
+  assert [s.label for s in chosen] == ['zb_v M=8', 'backprop']
+  with pytest.raises(ConfigError, match=r'^--batch-size 2 cannot be cut .* ouroboros M=4 stream'):
+    bench.select_settings(2, 'backprop,ouroboros M=4 stream', 2, batch_size=2)
+  fitting = bench.select_settings(2, None, 2, batch_size=2)
+  assert fitting and all(2 % max(s.microbatches, 1) == 0 for s in fitting)
+  assert len(fitting) < len(bench.default_settings(2, 2))
 
 
 def test_pieces_include_each_micro_batch_and_the_rows_carry_the_setting_s_own(tmp_path):

@@ -146,12 +146,21 @@ def default_settings(devices: int, num_layers: int | None = None) -> list[Settin
   return out
 
 
-def select_settings(devices: int, only: str | None, num_layers: int | None = None) -> list[Setting]:
+def _rows_per_step_divisor(setting: Setting) -> int:
+  """What the batch must be a multiple of: its micro-batches, or data_parallel's replicas."""
+  return setting.devices if setting.schedule == 'data_parallel' else setting.microbatches
+
+
+def select_settings(
+  devices: int, only: str | None, num_layers: int | None = None, batch_size: int | None = None
+) -> list[Setting]:
   """The default settings whose label starts with one of the comma-separated prefixes in `only`,
-  in the order `only` names them."""
+  in the order `only` names them. With `batch_size`, a chosen setting that cannot cut that batch
+  is a ConfigError before anything is measured (by default such settings are left out)."""
   settings = default_settings(devices, num_layers)
+  fits = lambda s: batch_size is None or batch_size % _rows_per_step_divisor(s) == 0
   if only is None:
-    return settings
+    return [s for s in settings if fits(s)]
   labels = ', '.join(s.label for s in settings)
   prefixes = [p.strip() for p in only.split(',') if p.strip()]
   if not prefixes:
@@ -163,6 +172,12 @@ def select_settings(devices: int, only: str | None, num_layers: int | None = Non
   chosen = list(dict.fromkeys(s for p in prefixes for s in settings if s.label.startswith(p)))
   if not chosen:
     raise ConfigError(f'--only {only!r} matches no setting; labels are: {labels}.')
+  unfit = [s.label for s in chosen if not fits(s)]
+  if unfit:
+    raise ConfigError(
+      f'--batch-size {batch_size} cannot be cut into the micro-batches (or replicas) of '
+      f'{", ".join(unfit)}; use a --batch-size that they divide, or leave them out of --only.'
+    )
   return chosen
 
 

@@ -1,0 +1,69 @@
+"""The device check's dry run: experiments/device_check.sh as it runs on the lent GPU machine,
+shortened (2 processes, a tiny shape, one setting; no GPU here, so its GPU steps are skipped), and
+its summary of a bench that was cut short. The full check and its numbers: docs/device.md."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+import tarfile
+
+from helpers import REPO_ROOT
+
+
+def test_the_device_check_runs_its_cpu_part_on_two_processes_and_packs_a_summary(tmp_path):
+  out, work = tmp_path / 'out', tmp_path / 'work'
+  env = dict(
+    os.environ,
+    QUICK='1',
+    PROCESSES='2',
+    PARTS='cpu',
+    ONLY='ouroboros M=4 stream',
+    OUT=str(out),
+    WORK=str(work),
+  )
+  done = subprocess.run(
+    ['bash', 'experiments/device_check.sh'],
+    cwd=REPO_ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=150,
+  )
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  assert 'no GPU: the gpu steps are skipped' in done.stdout
+  steps = list(csv.DictReader(open(work / 'steps.csv')))
+  assert [(s['step'], s['status']) for s in steps] == [('cpu_g2', '0')]
+  rows = list(csv.DictReader(open(work / 'cpu_g2' / 'bench.csv')))
+  assert [r['label'] for r in rows] == ['ouroboros M=4 stream pipelined/graph']
+  assert float(rows[0]['step_time_s']) > 0 and float(rows[0]['ideal_s']) > 0
+  summary = (out / 'summary.md').read_text()
+  assert '**2 pinned processes, one core each**' in summary
+  assert '| ouroboros M=4 stream pipelined/graph |' in summary
+  assert 'GPU correctness: not run' in summary
+  with tarfile.open(out / 'device_check.tar.gz') as packed:
+    assert './cpu_g2/bench.csv' in packed.getnames()
+
+
+def test_the_summary_reads_a_bench_cut_short_from_process_0_s_log(tmp_path):
+  (tmp_path / 'steps.csv').write_text('step,seconds,status\ncpu_g8,260,137\n')
+  (tmp_path / 'cpu_g8.log').write_text(
+    '[p1] zb_v M=8          900.0 ms/step   455 tok/s  ideal   500.0 ms  compile 9.0 s\n'
+    '[p0] zb_v M=8         1000.0 ms/step   410 tok/s  ideal   500.0 ms  compile 9.0 s\n'
+    '[p0] ouroboros M=8 stream locked/graph    800.0 ms/step   512 tok/s  ideal  400.0 ms  '
+    'compile 9.0 s\n'
+    '[launch] SIGTERM: passing it on to every process\n'
+  )
+  done = subprocess.run(
+    [sys.executable, 'experiments/device_summary.py', str(tmp_path)],
+    cwd=REPO_ROOT,
+    capture_output=True,
+    text=True,
+  )
+  assert done.returncode == 0, done.stderr
+  assert '| cpu_g8 | 260 | 137 |' in done.stdout
+  assert '- zb_v M=8: 1000.0 ms' in done.stdout  # process 0's step, not process 1's
+  assert '- ouroboros M=8 stream locked/graph: 1.25x the throughput of ZB-V' in done.stdout
+  assert 'MFU: not measured' in done.stdout and 'versions: not recorded' in done.stdout
