@@ -23,6 +23,8 @@ one device at the same batch per step; data_parallel uses D = G replicas.
     python experiments/simulate.py
     python experiments/simulate.py --stages 1,2,4 --models 1b --hardware nvlink-300GBps
     python experiments/simulate.py --measured bench.csv     # predicted vs measured
+    python experiments/simulate.py --layer-costs docs/results/device_h200/layer_costs/layer_costs.csv \
+        --hardware nvlink-300GBps --stages 1,2,4,8     # from one layer's costs measured on a GPU
 
 Measured CSV (`--measured`), written by a benchmark, one row per measured setting:
 
@@ -70,6 +72,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import math
 import os
 
@@ -121,6 +124,13 @@ def parse_args(argv=None):
   parser.add_argument('--models', default=','.join(sim.MODELS), help=', '.join(sim.MODELS))
   parser.add_argument('--hardware', default=','.join(sim.HARDWARE), help=', '.join(sim.HARDWARE))
   parser.add_argument('--measured', metavar='CSV', help='compare with a benchmark CSV instead')
+  parser.add_argument(
+    '--layer-costs',
+    metavar='CSV',
+    help="one layer's measured costs (experiments/layer_costs.py) instead of a FLOP rate; "
+    '--hardware then gives only the links',
+  )
+  parser.add_argument('--optimizer', default='adamw', help='--layer-costs: whose update times')
   parser.add_argument('--no-plot', action='store_true', help='CSV and table only')
   return parser.parse_args(argv)
 
@@ -128,11 +138,15 @@ def parse_args(argv=None):
 # ----------------------------------------------------------------------------- predictions
 
 
-def predict(model: sim.ModelShape, hardware: sim.Hardware, stages) -> tuple[list[dict], list]:
-  """One row per (G, variant) that fits the model; and the G values that do not (G > layers)."""
+def predict(
+  model: sim.ModelShape, hardware: sim.Hardware, stages, costs_of=None
+) -> tuple[list[dict], list]:
+  """One row per (G, variant) that fits the model; and the G values that do not (G > layers).
+  costs_of(G): the StageCosts at G (default: `sim.transformer_costs` on `hardware`)."""
+  costs_of = costs_of or (lambda g: sim.transformer_costs(model, hardware, g))
   rows, skipped = [], [g for g in stages if g > model.num_layers]
   for num_stages in [g for g in stages if g <= model.num_layers]:
-    costs = sim.transformer_costs(model, hardware, num_stages)
+    costs = costs_of(num_stages)
     for label, (schedule, kwargs) in VARIANTS.items():
       kwargs = dict(kwargs, data_parallel=num_stages) if schedule == 'data_parallel' else kwargs
       if 'microbatches_per_stage' in kwargs:
@@ -171,6 +185,18 @@ def format_table(rows: list[dict]) -> str:
   for label in VARIANTS:
     lines.append(' | '.join([label, *(f'{speedup[label, g]:.2f}' for g in stages)]))
   return '\n'.join(lines)
+
+
+def read_layer_costs(path: str) -> dict:
+  """model -> (device, {rows: that row's costs as floats}) from experiments/layer_costs.py."""
+  out = {}
+  with open(path, newline='') as f:
+    for row in csv.DictReader(f):
+      device, rows = out.setdefault(row['model'], (row['device'], {}))
+      rows[int(row['rows'])] = {
+        k: float(v) for k, v in row.items() if k.endswith('_s') or '_s_' in k
+      }
+  return out
 
 
 def write_csv(path: str, rows: list[dict], columns: list[str]) -> None:
@@ -399,12 +425,19 @@ def main(argv=None):
     return rows
 
   stages = [int(g) for g in args.stages.split(',') if g]
+  measured = read_layer_costs(args.layer_costs) if args.layer_costs else None
   rows = []
   for model_name in [m for m in args.models.split(',') if m]:
     model = sim.MODELS[model_name]
     for hw_name in [h for h in args.hardware.split(',') if h]:
-      hardware = sim.HARDWARE[hw_name]
-      mine, skipped = predict(model, hardware, stages)
+      hardware, costs_of = sim.HARDWARE[hw_name], None
+      if measured is not None:
+        device, layer_rows = measured[model_name]
+        hardware = dataclasses.replace(hardware, name=f'{device} measured, {hardware.name} links')
+        costs_of = lambda g, m=model, h=hardware, r=layer_rows: sim.measured_transformer_costs(
+          m, h, g, r, args.optimizer
+        )
+      mine, skipped = predict(model, hardware, stages, costs_of)
       rows += mine
       print(f'\n## {model.name} ({model.params / 1e6:.0f}M parameters), {hardware.name}\n')
       print(format_table(mine))

@@ -575,3 +575,28 @@ def test_lockstep_ticks_make_1f1b_wait_for_the_slower_operation_of_each_tick():
   assert sim.simulate(sim.Run('gpipe', microbatches=4, lockstep=True), linked).step_time == (
     pytest.approx(step('gpipe', True) + ticks * 0.01, abs=TOL)
   )
+
+
+def test_costs_from_one_measured_layer_scale_by_each_stage_s_layers():
+  """experiments/layer_costs.py's rows -> StageCosts: every stage pays its layers' measured
+  forward, backward and update, device 0 also the head and the embedding's update, and a
+  measured micro-batch replaces the division by M."""
+  model = sim.ModelShape('m', num_layers=4, d_model=8, d_ff=32, seq_len=4, vocab=16, batch=32)
+  row = lambda f, b: {
+    'fwd_s_per_layer': f,
+    'bwd_s_per_layer': b,
+    'head_s': 3.0,
+    'update_s_per_layer_adamw': 0.5,
+    'update_s_embed_head_adamw': 0.25,
+  }
+  costs = sim.measured_transformer_costs(
+    model, sim.NVLINK, 2, {32: row(1.0, 2.0), 4: row(0.2, 0.3)}
+  )
+  layers = cost_model.balance_layers(4, 2, 3.0, 3.0)
+  assert sum(layers) == 4 and layers[0] < layers[1]  # device 0 carries the head
+  assert costs.forward_s == tuple(1.0 * n for n in layers)
+  assert costs.backward_s == tuple(2.0 * n for n in layers)
+  assert costs.update_s == (0.5 * layers[0] + 0.25, 0.5 * layers[1])
+  assert costs.head_s == 3.0 and costs.bandwidth == sim.NVLINK.bandwidth
+  assert costs.microbatch_forward_s == {8: tuple(0.2 * n for n in layers)}
+  assert costs.microbatch_backward_s == {8: tuple(0.3 * n for n in layers)}
