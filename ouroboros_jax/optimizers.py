@@ -3,14 +3,21 @@
 adamw   optax.adamw: the paper's optimizer.
 nadamw  optax.nadamw with b1 0.99 by default: Nesterov momentum with a long memory, the recipe
         of Ajanthan et al. (ICML 2025, arXiv 2505.01099) for asynchronous pipelines.
-muon    optax.contrib.muon on the layer kernels (Jordan et al. 2024), Adam on the rest.
+muon    optax.contrib.muon on the layer kernels (Jordan et al. 2024), Adam on the rest; which
+        leaves are matrices, and how: `muon_dimensions`, with the user's `muon_dims` for their
+        own model (`kernel_dims` for a DenseGeneral or Einsum kernel).
 
-Weight decay applies to layer kernels only (`kernel_mask`), so a parameter with a zero gradient
-does not move at all. The staleness compensations that wrap these live in
-schedules/compensation.py; the learning-rate schedule of a run in training/config.py.
+Weight decay applies to layer kernels only (`kernel_mask`; under Muon, to the leaves it
+orthogonalises), so a parameter with a zero gradient does not move at all. The staleness
+compensations that wrap these live in schedules/compensation.py; the learning-rate schedule of a run in training/config.py.
 """
 
 from __future__ import annotations
+
+import fnmatch
+import functools
+import warnings
+from collections.abc import Callable, Mapping
 
 import jax
 import optax
@@ -42,19 +49,116 @@ def adamw(
   )
 
 
-def muon_dimensions(tree):
-  """Muon's view of each parameter: a layer kernel [..., in, out] is a batch of in x out matrices
-  (the stacked layer axis is a batch axis of the orthogonalisation); everything else is None,
-  which optax.contrib.muon gives to Adam."""
+MuonDims = (
+  Mapping[str, 'optax.contrib.MuonDimensionNumbers | None']
+  | Callable[[str, jax.Array], 'optax.contrib.MuonDimensionNumbers | None']
+)
+"""A user's view of their matrices for Muon (`make_optimizer(..., muon_dims=)`), either
 
-  def dims(path, leaf):
-    if getattr(path[-1], 'key', None) != 'kernel' or leaf.ndim < 2:
-      return None
+- a mapping of leaf paths ('layers/attn/query/kernel'; glob patterns allowed, '*' crosses '/';
+  the first match wins) to `kernel_dims(...)` (or any `optax.contrib.MuonDimensionNumbers`), or
+  to None for Adam; a leaf no key matches gets the library's rule (`muon_dimensions`), or
+- a callable (path, leaf) -> MuonDimensionNumbers | None, which decides every leaf itself."""
+
+
+def kernel_dims(in_axes: int = 1, out_axes: int = 1) -> optax.contrib.MuonDimensionNumbers:
+  """Muon's view of a Flax `Dense` / `DenseGeneral` / `Einsum` kernel: its last `in_axes +
+  out_axes` axes are its input axes, then its output axes (DenseGeneral's `axis` and `features`),
+  orthogonalised as one (product of input axes) x (product of output axes) matrix; every axis in
+  front (stacked layers, stages) is a batch axis. Counted from the end, so one spec fits the
+  kernel stacked or not: q/k/v [(G, N,) D, H, K] is kernel_dims(1, 2), the output projection
+  [(G, N,) H, K, D] kernel_dims(2, 1), a Dense kernel [(G, N,) D, F] kernel_dims()."""
+  if in_axes < 1 or out_axes < 1:
+    raise ConfigError(
+      f'kernel_dims needs in_axes >= 1 and out_axes >= 1, got {in_axes}, {out_axes}.'
+    )
+  return optax.contrib.MuonDimensionNumbers(
+    reduction_axis=tuple(range(-(in_axes + out_axes), -out_axes)),
+    output_axis=tuple(range(-out_axes, 0)),
+  )
+
+
+# The library's own models (model.py, txl.py): the modules whose `kernel` is a [..., in, out]
+# matrix (any leading axes are stacked layers and stages), and the leaves that are no matrix.
+LIBRARY_KERNELS = frozenset({'qkv', 'attn_out', 'mlp_in', 'mlp_out', 'r_net', 'unembed'})
+NOT_MATRICES = frozenset({'bias', 'scale', 'embedding'})  # and names ending in '_bias'
+
+
+class MuonDimsWarning(UserWarning):
+  """A matrix-shaped leaf that `muon_dimensions`'s rule cannot place for certain."""
+
+
+def leaf_path(path) -> str:
+  """'layers/qkv/kernel': a key path of jax.tree_util as the '/'-joined names `MuonDims` match."""
+  names = []
+  for key in path:
+    for attr in ('key', 'name', 'idx'):
+      if hasattr(key, attr):
+        names.append(str(getattr(key, attr)))
+        break
+    else:
+      names.append(str(key))
+  return '/'.join(names)
+
+
+def _library_dims(path: str, leaf, warned: set[str] | None):
+  """The library's rule for one leaf; a warning, once per path in `warned`, where it guesses."""
+  names = path.split('/')
+  name, module = names[-1], (names[-2] if len(names) > 1 else '')
+  if leaf.ndim < 2 or name in NOT_MATRICES or name.endswith('_bias'):
+    return None
+  if name == 'kernel':
+    if leaf.ndim > 2 and module not in LIBRARY_KERNELS:
+      _warn_once(
+        warned,
+        path,
+        f'Muon reads the kernel {path!r} {tuple(leaf.shape)} as [..., in, out]: its leading '
+        f'{leaf.ndim - 2} axes are batch axes (stacked layers or stages). If it is a DenseGeneral or '
+        f'Einsum kernel with several input or output axes, pass muon_dims={{{path!r}: '
+        'optimizers.kernel_dims(in_axes=..., out_axes=...)}; kernel_dims() confirms [..., in, out].',
+      )
     return optax.contrib.MuonDimensionNumbers(
       reduction_axis=leaf.ndim - 2, output_axis=leaf.ndim - 1
     )
+  _warn_once(
+    warned,
+    path,
+    f"{path!r} {tuple(leaf.shape)} is matrix-shaped but not named 'kernel': Muon leaves it to "
+    f'Adam, without weight decay. Pass muon_dims={{{path!r}: optimizers.kernel_dims(in_axes=..., '
+    'out_axes=...)} to orthogonalise it (kernel_dims() for [..., in, out]), or None to confirm Adam.',
+  )
+  return None
 
-  return jax.tree_util.tree_map_with_path(dims, tree)
+
+def _warn_once(warned: set[str] | None, path: str, message: str) -> None:
+  if warned is not None:
+    if path in warned:
+      return
+    warned.add(path)
+  warnings.warn(message, MuonDimsWarning, stacklevel=2)
+
+
+def muon_dimensions(tree, dims: MuonDims | None = None, *, warned: set[str] | None = None):
+  """Muon's view of each parameter, a tree of `optax.contrib.MuonDimensionNumbers` (None: Adam) for
+  `optax.contrib.muon(muon_weight_dimension_numbers=)`: from the user's `dims` (`MuonDims`) where
+  it places a leaf, else from the library's rule for its own models. That rule orthogonalises a
+  leaf named 'kernel' as [..., in, out] (leading axes: stacked layers and stages, batch axes of the
+  orthogonalisation), and gives Adam to biases, norms' scales, embeddings and vectors. It warns
+  (`MuonDimsWarning`, naming the leaf and what to pass) where it guesses: a kernel of 3+ axes
+  outside the library's own modules (a DenseGeneral kernel looks the same), and a matrix-shaped
+  leaf not named 'kernel' (it gets Adam). `warned`: the paths already warned about, which are
+  not warned about again (make_optimizer keeps one set per optimizer); None: warn every call."""
+
+  def leaf_dims(key_path, leaf):
+    path = leaf_path(key_path)
+    if callable(dims):
+      return dims(path, leaf)
+    for pattern, spec in (dims or {}).items():
+      if fnmatch.fnmatchcase(path, pattern):
+        return spec
+    return _library_dims(path, leaf, warned)
+
+  return jax.tree_util.tree_map_with_path(leaf_dims, tree)
 
 
 B2, EPS = 0.999, 1e-8  # Adam's (and the Adam part of Muon's) second moment and epsilon
@@ -67,6 +171,7 @@ def make_optimizer(
   weight_decay: float = 0.0,
   muon_learning_rate=None,
   b1: float | None = None,
+  muon_dims: MuonDims | None = None,
 ) -> optax.GradientTransformation:
   """The base optimizer by name; weight decay on layer kernels only, in every case; Adam's second
   moment decay B2 and epsilon EPS.
@@ -76,7 +181,10 @@ def make_optimizer(
           of Ajanthan et al. (ICML 2025, arXiv 2505.01099) for asynchronous pipelines.
   muon    optax.contrib.muon (beta 0.95 by default, Nesterov) on the layer kernels at
           `muon_learning_rate`, Adam at `learning_rate` on embeddings, norms and biases
-          (Jordan et al. 2024, github.com/KellerJordan/Muon).
+          (Jordan et al. 2024, github.com/KellerJordan/Muon). Which leaves are matrices, and
+          which of their axes are inputs, outputs and batch: `muon_dimensions` with the user's
+          `muon_dims` (e.g. {'*/query/kernel': kernel_dims(1, 2)} for a DenseGeneral q
+          kernel [..., D, H, K]); its weight decay applies to every leaf it orthogonalises.
   """
   if name == 'adamw':
     return adamw(
@@ -96,11 +204,13 @@ def make_optimizer(
       learning_rate if muon_learning_rate is None else muon_learning_rate,
       beta=0.95 if b1 is None else b1,
       weight_decay=weight_decay,
-      weight_decay_mask=kernel_mask,
+      weight_decay_mask=None,  # every Muon leaf: the Adam leaves take adam_weight_decay (0)
       adam_learning_rate=learning_rate,
       adam_b1=0.9,
       adam_b2=B2,
       eps=EPS,
-      muon_weight_dimension_numbers=muon_dimensions,
+      muon_weight_dimension_numbers=functools.partial(
+        muon_dimensions, dims=muon_dims, warned=set()
+      ),
     )
   raise ConfigError(f'unknown {field_ref("optimizer", name)}; use {" or ".join(OPTIMIZERS)}.')
