@@ -9,7 +9,8 @@ muon    optax.contrib.muon on the layer kernels (Jordan et al. 2024), Adam on th
 
 Weight decay applies to layer kernels only (`kernel_mask`; under Muon, to the leaves it
 orthogonalises), so a parameter with a zero gradient does not move at all. The staleness
-compensations that wrap these live in schedules/compensation.py; the learning-rate schedule of a run in training/config.py.
+compensations that wrap these live in schedules/compensation.py; the learning-rate schedule of a
+run in training/config.py.
 """
 
 from __future__ import annotations
