@@ -226,10 +226,17 @@ def _start(executor: _Executor, step: _Step, memory) -> _Carry:
   inbox = lambda count: jax.tree.map(
     lambda a: jnp.full((count, *a.shape), executor.bubble_fill, a.dtype), x
   )
-  first_memory = jax.tree.map(lambda a: a[0, 0], memory)
-  _, kept_like, _ = jax.eval_shape(
-    lambda: executor.stash.forward(step.chunk(0), x, 0, step.key_of(0), first_memory, step.index)
-  )
+
+  # The stash's shape from F's own trace: stage, micro-batch and chunk traced int32 as F gets them
+  # (a table row's entries), not Python ints. What a stash keeps can depend on it: a stage that
+  # skips a pad layer by `jnp.where(stage_index ...)` keeps one residual set for a traced index
+  # and another for a Python int.
+  def forward_of(k, i, c):
+    memory_ci = jax.tree.map(lambda a: a[c, i], memory)
+    return executor.stash.forward(step.chunk(c), x, k, step.key_of(i), memory_ci, step.index)
+
+  index = jnp.zeros((), jnp.int32)  # operations_T's dtype
+  _, kept_like, _ = jax.eval_shape(forward_of, index, index, index)
   split = executor.model.weight_split
   return _Carry(
     stash=slots(kept_like),
