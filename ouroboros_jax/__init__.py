@@ -3,15 +3,17 @@
 The pieces a researcher imports into their own code:
 
     from ouroboros_jax import StagedModel, ScheduleConfig, build_schedule, adamw
-    from ouroboros_jax import Compensation, make_optimizer
+    from ouroboros_jax import recipe, Compensation, make_optimizer, kernel_dims
     from ouroboros_jax import TrainConfig, get_preset, override
 
 `StagedModel` describes any model as embed -> stages -> loss; `build_schedule` turns it into a
 pure, jitted `step(state, batch) -> (state, metrics)` for backprop, Ouroboros or a baseline.
-`ScheduleConfig(compensation=Compensation(predict=True))` with `make_optimizer('muon', ...)` is
-the staleness-robust Ouroboros (schedules/compensation.py); `Compensation()` is the paper's
-method. `ouroboros_jax.training.loop.train(cfg)` runs a whole `TrainConfig`. Every error a user can fix is
-a `UserError` (errors.py) with a one-line message. The folders are the layers:
+`recipe('ouroboros', num_stages, batch_size)` gives the library's default recipe, resolved as
+`ouroboros train` resolves it: the `ScheduleConfig` (compensation, flow and micro-batches for the
+platform) and the Optax optimizer (Muon) that `build_schedule` takes (training/recipe.py). A bare
+`ScheduleConfig(name='ouroboros')` is the paper's method (`Compensation()`, one batch).
+`ouroboros_jax.training.loop.train(cfg)` runs a whole `TrainConfig`. Every error a user can fix
+is a `UserError` (errors.py) with a one-line message. The folders are the layers:
 docs/architecture.md.
 """
 
@@ -21,7 +23,7 @@ import importlib
 
 from ouroboros_jax import txl  # noqa: F401  (registers Transformer-XL with model.init_params)
 from ouroboros_jax.errors import ConfigError, UserError
-from ouroboros_jax.optimizers import make_optimizer
+from ouroboros_jax.optimizers import kernel_dims, make_optimizer
 from ouroboros_jax.schedules import SCHEDULES, ScheduleConfig, build_schedule
 from ouroboros_jax.schedules.compensation import Compensation
 from ouroboros_jax.staged import Schedule, StagedModel, TrainState, adamw
@@ -31,6 +33,8 @@ _LAZY = {
   'TrainConfig': 'ouroboros_jax.training.config',
   'get_preset': 'ouroboros_jax.training.config',
   'override': 'ouroboros_jax.training.config',
+  'Recipe': 'ouroboros_jax.training.recipe',
+  'recipe': 'ouroboros_jax.training.recipe',
 }
 # Where the modules of the old flat layout went: `from ouroboros_jax import presets` still works.
 MOVED_MODULES = {
@@ -70,6 +74,7 @@ __all__ = [
   'SCHEDULES',
   'Compensation',
   'ConfigError',
+  'Recipe',
   'Schedule',
   'ScheduleConfig',
   'StagedModel',
@@ -79,6 +84,8 @@ __all__ = [
   'adamw',
   'build_schedule',
   'get_preset',
+  'kernel_dims',
   'make_optimizer',
   'override',
+  'recipe',
 ]

@@ -478,15 +478,17 @@ RECIPE_COMPENSATION = 'predict,dc'
 RECIPE_COMPENSATION_REPLAY = 'predict'
 
 
-def make_optimizer(cfg: TrainConfig):
+def make_optimizer(cfg: TrainConfig, *, muon_dims: optimizers.MuonDims | None = None):
   """--optimizer (Muon by default, `TrainConfig.resolved_optimizer`) with linear warmup and
-  cosine decay; Muon's kernels follow the same schedule to their own peak."""
+  cosine decay; Muon's kernels follow the same schedule to their own peak. `muon_dims`: a user's
+  model's matrices for Muon (`optimizers.muon_dimensions`; the CLI's own model needs none)."""
   return optimizers.make_optimizer(
     cfg.resolved_optimizer(),
     lr_schedule(cfg),
     weight_decay=cfg.weight_decay,
     muon_learning_rate=lr_schedule(cfg, peak=cfg.resolved_muon_learning_rate()),
     b1=cfg.momentum,
+    muon_dims=muon_dims,
   )
 
 

@@ -1,0 +1,101 @@
+"""`recipe`: the library's default recipe in one Python call, resolved where the CLI resolves it.
+
+    r = recipe('ouroboros', num_stages=2, batch_size=32, steps=1000)
+    schedule = build_schedule(r.schedule, model, r.optimizer)
+
+`ScheduleConfig(name='ouroboros')` on its own is the paper's method (no compensation, the step's
+batch travelling whole, one micro-batch). `recipe` gives what `ouroboros train` gives for the same
+flags: it builds the `TrainConfig` the CLI builds (the preset, the flags applied by
+`config.override`) and asks it the same questions, `TrainConfig.schedule_config` (the
+compensation, the flow and the micro-batches for the platform) and `config.make_optimizer` (the
+optimizer, its rates and their warmup and cosine decay). No default is restated here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, NamedTuple
+
+import optax
+
+from ouroboros_jax import optimizers
+from ouroboros_jax.errors import ConfigError, field_ref
+from ouroboros_jax.schedules.config import ScheduleConfig
+from ouroboros_jax.training import config
+
+# The TrainConfig flags that shape the schedule or the optimizer, besides ScheduleConfig's own
+# (--schedule, --stages, --microbatches, --flow, ...): what `recipe` takes as keywords.
+RECIPE_FLAGS = (
+  'optimizer',
+  'muon_learning_rate',
+  'momentum',
+  'compensation',
+  'dc_lambda',
+  'shrink',
+  'pipemare_steps',
+  'warmup_steps',
+  'min_lr_ratio',
+  'weight_decay',
+  'seed',
+)
+
+
+class Recipe(NamedTuple):
+  """A resolved run without its model: what `build_schedule(schedule, model, optimizer)` takes."""
+
+  schedule: ScheduleConfig  # resolved for the platform: compensation, flow, micro-batches
+  optimizer: optax.GradientTransformation  # with its learning-rate schedule over `config.steps`
+  config: config.TrainConfig  # the TrainConfig the CLI builds for the same flags
+
+
+def recipe(
+  name: str = 'ouroboros',
+  num_stages: int = 1,
+  batch_size: int | None = None,
+  *,
+  platform: str | None = None,
+  steps: int | None = None,
+  learning_rate: float | None = None,
+  preset: str = 'tiny',
+  muon_dims: optimizers.MuonDims | None = None,
+  **flags: Any,
+) -> Recipe:
+  """The schedule settings and the Optax optimizer `ouroboros train --preset PRESET --schedule
+  NAME --stages NUM_STAGES --batch-size ... --steps ... --learning-rate ...` resolves on
+  `platform` ('cpu', 'gpu', 'tpu'; None: `jax.default_backend()`).
+
+  batch_size, steps, learning_rate: None keeps the preset's (the micro-batches divide the batch;
+  the learning rates warm up and decay over `steps`). `flags`: any other flag that shapes the
+  schedule or the optimizer, by its field name: ScheduleConfig's (`microbatches=`, `forward=`,
+  `flow=`, `stash=`, `clip_norm=`, `data_parallel=`, ...) and `RECIPE_FLAGS`. The paper's method
+  is explicit: `compensation='none'` (which also makes `optimizer='auto'` AdamW). `muon_dims`:
+  your model's matrices for Muon (`optimizers.kernel_dims`; see `optimizers.muon_dimensions`).
+  Raises ConfigError (one line, naming the flag) where the CLI would."""
+  given = {'schedule': name, 'stages': num_stages, **flags}
+  for flag, value in (
+    ('batch_size', batch_size),
+    ('steps', steps),
+    ('learning_rate', learning_rate),
+  ):
+    if value is not None:
+      given[flag] = value
+  for flag in flags:
+    field = config.fields().get(flag)
+    if field is None or (field.owner is not ScheduleConfig and flag not in RECIPE_FLAGS):
+      known = [f for f, v in config.fields().items() if v.owner is ScheduleConfig]
+      close = difflib.get_close_matches(flag, known + list(RECIPE_FLAGS), n=1)
+      hint = f'; did you mean {field_ref(close[0])}?' if close else ''
+      raise ConfigError(
+        f'recipe() takes the flags of the schedule and the optimizer, not {field_ref(flag)}{hint}'
+      )
+  cfg = config.override(config.get_preset(preset), given)  # as the CLI's config_from_args
+  _validate(cfg)
+  return Recipe(cfg.schedule_config(platform), config.make_optimizer(cfg, muon_dims=muon_dims), cfg)
+
+
+def _validate(cfg: config.TrainConfig) -> None:
+  """The CLI's checks, for a model as deep as the schedule's groups: the preset's model is not
+  the one the schedule will run, whose layers meet the stages when it is built."""
+  deep = max(cfg.model.num_layers, cfg.schedule.stage_groups)
+  dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_layers=deep)).validate()

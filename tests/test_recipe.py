@@ -1,0 +1,124 @@
+"""`ouroboros_jax.recipe`: the library's default recipe in one Python call, equal to what the CLI
+resolves for the same flags (issue 39, item 2)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ouroboros_jax
+from ouroboros_jax import Compensation, ConfigError, ScheduleConfig, recipe
+from ouroboros_jax.training import config
+
+BATCH, STEPS = 32, 100
+
+
+def cli_config(**flags):
+  """The TrainConfig `ouroboros train` builds for these flags (cli.config_from_args)."""
+  return config.override(config.get_preset('tiny'), flags)
+
+
+@pytest.mark.parametrize('platform', ['cpu', 'gpu'])
+@pytest.mark.parametrize('forward', ['locked', 'pipelined'])
+@pytest.mark.parametrize('stages', [2, 4])
+def test_the_schedule_is_the_clis_field_by_field_and_not_the_papers(stages, forward, platform):
+  run = recipe(
+    'ouroboros', stages, batch_size=BATCH, platform=platform, steps=STEPS, forward=forward
+  ).schedule
+  cli = cli_config(
+    schedule='ouroboros', stages=stages, batch_size=BATCH, steps=STEPS, forward=forward
+  ).schedule_config(platform)
+  assert dataclasses.asdict(run) == dataclasses.asdict(cli)
+  # the library's recipe, not the paper's method
+  assert run.compensation.active and run.compensation != Compensation()
+  assert set(run.compensation.names()) == {'predict', 'dc'}
+  assert run.resolved_flow == cli.resolved_flow == 'stream'
+  assert run.num_microbatches > 1  # every gradient one update old
+  assert dataclasses.asdict(run) != dataclasses.asdict(
+    ScheduleConfig(name='ouroboros', num_stages=stages, forward=forward)
+  )
+
+
+def _grads_and_params():
+  k = jax.random.split(jax.random.key(0), 3)
+  params = {
+    'layers': {
+      'mlp_in': {'kernel': jax.random.normal(k[0], (2, 8, 16)), 'bias': jnp.zeros((2, 16))}
+    },
+    'embedding': jax.random.normal(k[1], (32, 8)),
+  }
+  grads = jax.tree.map(lambda p: jax.random.normal(k[2], p.shape), params)
+  return params, grads
+
+
+def _first_updates(tx, params, grads):
+  state = tx.init(params)
+  for _ in range(3):  # past the first warmup step, whose rate is 0
+    updates, state = tx.update(grads, state, params)
+  return updates
+
+
+@pytest.mark.parametrize('flags', [{}, {'compensation': 'none'}, {'stages': 1}])
+def test_the_optimizer_takes_the_clis_update(flags):
+  flags = {'schedule': 'ouroboros', 'stages': 2, **flags}
+  stages = flags.pop('stages')
+  params, grads = _grads_and_params()
+  got = recipe(
+    flags.pop('schedule'), stages, BATCH, platform='cpu', steps=STEPS, warmup_steps=1, **flags
+  ).optimizer
+  cfg = cli_config(
+    schedule='ouroboros', stages=stages, batch_size=BATCH, steps=STEPS, warmup_steps=1, **flags
+  )
+  want = config.make_optimizer(cfg)
+  ours, theirs = _first_updates(got, params, grads), _first_updates(want, params, grads)
+  jax.tree.map(np.testing.assert_array_equal, ours, theirs)
+  # and it is the recipe's optimizer, not the paper's AdamW, unless the paper is asked for
+  adam = config.make_optimizer(dataclasses.replace(cfg, optimizer='adamw'))
+  differs = jax.tree.leaves(
+    jax.tree.map(
+      lambda a, b: not np.allclose(a, b),
+      ours['layers'],
+      _first_updates(adam, params, grads)['layers'],
+    )
+  )
+  assert any(differs) == (flags.get('compensation') != 'none')
+
+
+def test_the_papers_method_is_explicit():
+  run = recipe('ouroboros', 2, BATCH, platform='cpu', compensation='none', optimizer='adamw')
+  assert run.config.resolved_optimizer() == 'adamw'
+  assert run.schedule.compensation == Compensation() and not run.schedule.compensation.active
+  assert run.schedule.resolved_flow == 'batch' and run.schedule.num_microbatches == 1
+  assert dataclasses.asdict(run.schedule) == dataclasses.asdict(
+    ScheduleConfig(name='ouroboros', num_stages=2)
+  )
+
+
+def test_platform_none_is_jaxs_backend_and_the_names_are_exported():
+  assert ouroboros_jax.recipe is recipe and 'recipe' in ouroboros_jax.__all__
+  run = recipe('ouroboros', 2, BATCH, steps=STEPS)
+  assert (
+    run.schedule
+    == recipe('ouroboros', 2, BATCH, steps=STEPS, platform=jax.default_backend()).schedule
+  )
+
+
+def test_flags_outside_the_schedule_and_optimizer_are_refused_in_one_line():
+  with pytest.raises(ConfigError, match='microbatches'):
+    recipe('ouroboros', 2, microbatch=4)
+  with pytest.raises(ConfigError, match='d_model'):
+    recipe('ouroboros', 2, d_model=64)
+  with pytest.raises(ConfigError, match='compensation'):
+    recipe('ouroboros', 2, compensation='nonsense')
+  with pytest.raises(ConfigError, match='compensat'):
+    recipe('gpipe', 2, compensation='predict')
+
+
+def test_a_deep_ring_needs_no_deep_preset():
+  """The preset's model (2 layers) is not the user's: 8 stages resolve."""
+  run = recipe('ouroboros', 8, 64, platform='gpu')
+  assert run.schedule.num_stages == 8 and run.schedule.num_microbatches == 8
