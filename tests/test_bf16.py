@@ -202,7 +202,11 @@ def test_pld_and_stdloss_train_in_bf16_as_their_reference(flag):
   state, losses = run_schedule(config, model, SGD, params, batches)
   want, want_losses, _ = reference.run(model, SGD, params, batches, stash='replay')
   assert max_abs_diff(state.params, params) > 0.01
-  assert max_abs_diff(state.params, want) < 1e-6
+  # The same operations on the same shapes, but two programs: where XLA:CPU fuses a bf16
+  # intermediate differently the parameters part by up to 1.2e-6 (the standardization loss's
+  # embedding and mlp_out kernel, seen on 2026-11-27 on the CI's kind of machine, 0.0 before);
+  # a wrong or stale gradient moves them by more than 1e-3.
+  assert max_abs_diff(state.params, want) < 1e-5
   np.testing.assert_allclose(losses[2:], want_losses[2:], rtol=1e-6)
   dtypes = {x.dtype for x in jax.tree.leaves(state.ring['delta'])}
   want_dtypes = {jnp.dtype('bfloat16')} | ({jnp.dtype('float32')} if flag == 'std_loss' else set())
