@@ -1,6 +1,8 @@
 """Training runs: configuration, the loop, data, checkpoints, metrics and sampling.
 
 config      TrainConfig, the presets and the flat field overrides the CLI uses
+recipe      `recipe(...)`: the resolved schedule settings and optimizer of `ouroboros train`, in Python
+assemble    a run's model and schedule from its config, without its data (compile, plan, bench)
 loop        `train(cfg)`: one run end to end, into its output directory
 data        the public face of the data: the corpora as Grain iterators, from
               corpora (which corpus, its splits and units), default_corpus (the embedded
