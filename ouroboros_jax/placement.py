@@ -5,6 +5,9 @@ the way every schedule's are."""
 
 from __future__ import annotations
 
+import functools
+import re
+from collections.abc import Mapping
 from typing import Callable
 
 import jax
@@ -24,13 +27,75 @@ def make_schedule(
   """A Schedule with its step and evaluation jitted the way every schedule's are; the step keeps
   the state where `init_state` placed it."""
   return Schedule(
-    init=init,
-    step=jit_step(keep_placement(step, mesh)),
+    init=explain_sharding(init),
+    step=explain_sharding(jit_step(keep_placement(step, mesh))),
     evaluate=jit_evaluate(model),
     mesh=mesh,
     idle_fraction=idle_fraction,
     name=name,
   )
+
+
+# ----------------------------------------------------------------------------- the user's shardings
+
+# What JAX says when a sharding annotation in the model (jax.lax.with_sharding_constraint, Flax's
+# nn.with_partitioning / nn.with_logical_constraint under a mesh) meets the step's mesh.
+_SHARDING_ERRORS = (
+  'with_sharding_constraint',
+  'sharding_constraint inside jit',
+  'should match the mesh of sharding',
+  'is not found in mesh',
+  'Mesh for all inputs should be equal',
+)
+
+
+def _user_sharding(message: str) -> str:
+  """The user's annotation as JAX's message shows it: its spec, or its mesh's axes."""
+  for pattern in (r'Got spec=(P\(.*?\))', r'Resource axis: .*? of (P\(.*?\)) is not found'):
+    if found := re.search(pattern, message):
+      return f'with_sharding_constraint(..., {found.group(1)})'
+  meshes = re.findall(r'AbstractMesh\(([^)]*)\)', message)
+  foreign = [m for m in meshes if STAGE not in m]
+  if foreign:
+    axes = tuple(re.findall(r"'([^']+)':", foreign[0]))
+    return f'a sharding on the mesh with axes {axes}'
+  return 'a with_sharding_constraint'
+
+
+def sharding_error(error: Exception) -> ConfigError | None:
+  """One line for a sharding annotation in the model that meets the schedule's mesh (None for
+  any other error): it names the annotation, the library's mesh axes and what to do."""
+  message = str(error)
+  if not any(text in message for text in _SHARDING_ERRORS):
+    return None
+  return ConfigError(
+    f'the model carries its own sharding annotation, {_user_sharding(message)}, but a schedule '
+    f'runs embed, stage and loss on its own mesh, axes {(STAGE, DATA)}, manual inside the ring: '
+    'each device already holds its stage and its share of the batch, so no annotation in the '
+    'model can apply there; remove it from the model (Flax: pass unboxed params, nn.unbox(params), '
+    'and no nn.with_logical_constraint rules or mesh around the step).'
+  )
+
+
+def explain_sharding(fn: Callable) -> Callable:
+  """`fn` (a schedule's init or jitted step) raising `sharding_error`'s one line, from JAX's,
+  when the model's own sharding annotation meets the schedule's mesh. A jitted step keeps its
+  `lower`, `trace`, ..."""
+
+  @functools.wraps(fn)
+  def call(*args, **kwargs):
+    try:
+      return fn(*args, **kwargs)
+    except Exception as error:  # only JAX's sharding errors are translated
+      explained = None if isinstance(error, ConfigError) else sharding_error(error)
+      if explained is None:
+        raise
+      raise explained from error
+
+  for name in ('lower', 'trace', 'eval_shape'):
+    if hasattr(fn, name):
+      setattr(call, name, getattr(fn, name))
+  return call
 
 
 def keep_placement(step_fn: Callable, mesh: Mesh) -> Callable:
@@ -89,6 +154,39 @@ def make_mesh(num_stages: int, data_parallel: int = 1, devices=None) -> Mesh:
     )
   grid = np.asarray(used).reshape(num_stages, data_parallel)
   return Mesh(grid, (STAGE, DATA))
+
+
+def check_stage_params(params: PyTree, config) -> None:
+  """One-line ConfigError, before anything is traced, unless every leaf of params['stages'] leads
+  with the axis `config`'s schedule needs: one slice per stage group (`config.stage_groups`).
+  backprop and data_parallel run every group on one device, so with num_stages=1 they take any
+  count (the same on every leaf)."""
+  if not isinstance(params, Mapping) or 'stages' not in params:
+    raise ConfigError(
+      "the parameters must be a dict {'embed': ..., 'stages': ..., 'head': ...} with every leaf "
+      "of 'stages' stacked on a leading axis, one slice per stage group (partition.to_staged)."
+    )
+  leaves = jax.tree_util.tree_leaves_with_path(params['stages'])
+  if not leaves:
+    return
+  lead = lambda leaf: getattr(leaf, 'shape', ())[:1]  # () for a leaf with no leading axis
+  where = lambda path: f"params['stages']{jax.tree_util.keystr(path)}"
+  name, num_stages, groups = config.name, config.num_stages, config.stage_groups
+  needs = f'{name} with {field_ref("num_stages", num_stages)}'
+  if groups != num_stages:
+    needs += f' x {groups // num_stages} chunks'
+  if name in ('backprop', 'data_parallel') and num_stages == 1:  # any count, on every leaf
+    first_path, first = leaves[0]
+    groups = lead(first)[0] if lead(first) else 1
+    needs = f'{name}, as {where(first_path)} has,'
+  for path, leaf in leaves:
+    if lead(leaf) != (groups,):
+      actual = f'leading axis {lead(leaf)[0]}' if lead(leaf) else 'no leading axis'
+      raise ConfigError(
+        f'{where(path)} has {actual}, but {needs} needs {groups} (one slice per stage group): '
+        'stack one slice per stage, e.g. with partition.to_staged(params, layers_per_stage) '
+        f'for {groups} groups.'
+      )
 
 
 def param_specs(params: PyTree) -> PyTree:

@@ -40,7 +40,9 @@ from jax.sharding import Mesh
 from ouroboros_jax.optimizers import adamw  # noqa: F401  (staged.adamw, as the notebooks write it)
 
 PyTree = Any
-STAGE, DATA = 'stage', 'data'
+# The ring's mesh axes, named so that no user's own mesh axis ('data', 'stage', 'model') can be
+# one of them: a model's sharding annotations on its own axes never meet the ring's manual axes.
+STAGE, DATA = 'ouroboros_stage', 'ouroboros_data'
 
 
 @dataclasses.dataclass(frozen=True)

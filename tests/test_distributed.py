@@ -39,7 +39,7 @@ SCRIPT = textwrap.dedent("""
     batches = [{k: rng.integers(0, 256, (4, 8)).astype(np.int32) for k in ('inputs', 'targets')}
                for _ in range(5)]
     place = lambda b: jax.tree.map(lambda a: jax.make_array_from_process_local_data(
-        NamedSharding(schedule.mesh, P('data')), a), b)
+        NamedSharding(schedule.mesh, P(staged.DATA)), a), b)
     state = schedule.init(params, batches[0])
     for batch in batches:
       state, metrics = schedule.step(state, place(batch))

@@ -310,7 +310,7 @@ def test_impossible_settings_are_clear_errors():
     with pytest.raises(ConfigError, match='need 16 devices'):
       build_schedule(ScheduleConfig(name=name, **fields), model, tx)
   schedule = build_schedule(ScheduleConfig(name='model_parallel', num_stages=4), model, tx)
-  with raises_for_cli('2 stage groups but model_parallel has --stages 4'):
+  with raises_for_cli(r'has leading axis 2, but model_parallel with --stages 4 needs 4 \(one'):
     schedule.init(partition.to_staged(initial_params(), (2, 2)), batches()[0])
   assert schedules.SCHEDULES == (
     'backprop',

@@ -397,6 +397,14 @@ def _local(buffer):
 # -- the state and the step --------------------------------------------------------------------
 
 
+def _device_shapes(ring: _Ring, fn, *args):
+  """`jax.eval_shape(fn, *args)` as one device runs fn inside the step's shard_map (the ring's
+  axes manual), so the model is traced here as the step traces it (its own sharding annotations
+  meet the same mesh: placement.sharding_error)."""
+  on_device = jax.shard_map(fn, mesh=ring.mesh, in_specs=P(), out_specs=P(), check_vma=False)
+  return jax.eval_shape(on_device, *args)
+
+
 def _init(ring: _Ring, params, example_batch):
   """The fresh TrainState, with zeroed ring buffers [G, R, ...]: the stash [slots, M, ...] and,
   graph, the forward's weights [slots, ...]; the batches in flight [slots, ...]; the error
@@ -414,7 +422,7 @@ def _init(ring: _Ring, params, example_batch):
     lambda a: jax.ShapeDtypeStruct((a.shape[0] // num_micro, *a.shape[1:]), a.dtype), local
   )
   params_s = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params['stages'])
-  x_micro = jax.eval_shape(ring.model.embed, params['embed'], micro['inputs'], None)
+  x_micro = _device_shapes(ring, ring.model.embed, params['embed'], micro['inputs'], None)
   hop = ring.timing.hop  # a FIFO of `hop` micro-batches in flight to each device
   in_flight = jax.tree.map(
     lambda a: jax.ShapeDtypeStruct((hop * a.shape[0], *a.shape[1:]), a.dtype), x_micro
@@ -427,7 +435,8 @@ def _init(ring: _Ring, params, example_batch):
     memory.get('memory'),
   )
   # Stage index and key traced, as in the step: what a graph stash keeps can depend on it.
-  _, kept, _ = jax.eval_shape(
+  _, kept, _ = _device_shapes(
+    ring,
     ring.stash.forward,
     params_s,
     x_micro,

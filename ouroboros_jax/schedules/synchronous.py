@@ -21,7 +21,6 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ouroboros_jax import placement, staged
-from ouroboros_jax.errors import ConfigError, field_ref
 from ouroboros_jax.schedules import ring
 from ouroboros_jax.schedules.config import ScheduleConfig
 from ouroboros_jax.staged import DATA, STAGE, Schedule, StagedModel, TrainState
@@ -129,16 +128,7 @@ def synchronous_schedule(
   def init(params, example_batch=None):
     if example_batch is not None:
       placement.check_batch(example_batch, replicas, microbatches)
-    if groups > 1 and staged.stage_count(params) != groups:
-      runs = (
-        f'has {field_ref("num_stages", num_stages)}'
-        if groups == num_stages
-        else f'runs {groups} ({field_ref("num_stages", num_stages)} x {groups // num_stages} chunks)'
-      )
-      raise ConfigError(
-        f'the parameters have {staged.stage_count(params)} stage groups but {name} {runs}; cut '
-        f'them with partition.to_staged(params, layers_per_stage) for {groups} groups.'
-      )
+    placement.check_stage_params(params, config)  # also for the builders called directly
     memory = lambda: placement.empty_memory(model, params, example_batch, replicas)
     return placement.init_state(optimizer, params, mesh, memory)
 
