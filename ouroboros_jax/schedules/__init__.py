@@ -21,7 +21,7 @@ from __future__ import annotations
 import optax
 
 from ouroboros_jax.choices import SCHEDULES
-from ouroboros_jax.placement import check_batch, check_stage_params
+from ouroboros_jax.placement import check_batch
 from ouroboros_jax.schedules import tables
 from ouroboros_jax.schedules.config import ScheduleConfig
 from ouroboros_jax.schedules.pipeline import build_gpipe, build_pipeline, gpipe_idle_fraction
@@ -55,19 +55,9 @@ def build_schedule(
   config: ScheduleConfig, model: StagedModel, tx: optax.GradientTransformation, *, devices=None
 ) -> Schedule:
   """The builder every caller uses: checks `config` (one-line ConfigErrors), then dispatches on
-  `config.name`. Its `init` checks the parameters' stage groups against `config` first
-  (`check_stage_params`), before anything is traced."""
+  `config.name`. Every schedule's `init` checks the parameters' stage groups against `config`
+  (`placement.check_stage_params`) before it traces anything."""
   config.validate()
-  schedule = _build(config, model, tx, devices)
-
-  def init(params, *args, **kwargs):
-    check_stage_params(params, config)
-    return schedule.init(params, *args, **kwargs)
-
-  return schedule._replace(init=init)
-
-
-def _build(config, model, tx, devices) -> Schedule:
   builders = {
     'backprop': build_backprop,
     'data_parallel': build_data_parallel,

@@ -415,6 +415,7 @@ def _init(ring: _Ring, params, example_batch):
     ring.num_microbatches,
   )
   placement.check_batch(example_batch, replicas, num_micro)
+  placement.check_stage_params(params, ring.config)  # before anything is traced
   local = jax.tree.map(
     lambda a: jax.ShapeDtypeStruct((a.shape[0] // replicas, *a.shape[1:]), a.dtype), example_batch
   )

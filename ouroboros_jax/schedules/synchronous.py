@@ -58,6 +58,7 @@ def build_backprop(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
   optimizer = grouped(config, model, tx)
 
   def init(params, example_batch=None):
+    placement.check_stage_params(params, config)
     memory = lambda: placement.empty_memory(model, params, example_batch)
     return placement.init_state(optimizer, params, mesh, memory)
 
@@ -128,7 +129,7 @@ def synchronous_schedule(
   def init(params, example_batch=None):
     if example_batch is not None:
       placement.check_batch(example_batch, replicas, microbatches)
-    placement.check_stage_params(params, config)  # also for the builders called directly
+    placement.check_stage_params(params, config)
     memory = lambda: placement.empty_memory(model, params, example_batch, replicas)
     return placement.init_state(optimizer, params, mesh, memory)
 
