@@ -16,8 +16,10 @@ do not slow each other) and its **predicted** one (measured links, the measured 
 devices computing at once, the table pipelines run tick by tick). Outputs, in --out:
 
   bench.csv       one row per setting (the columns `experiments/simulate.py --measured` reads,
-                  fwd_s_per_stage_micro / bwd_s_per_stage_micro included, plus tokens_per_s,
-                  compile_s, ideal_s, predicted_s)
+                  fwd_s_per_stage_micro / bwd_s_per_stage_micro and concurrent_slowdown
+                  included, plus tokens_per_s, compile_s, ideal_s, predicted_s, and host_load:
+                  the 1-minute load average after the setting, which above the process count
+                  says something else shared the cores and the row is not to be trusted)
   bench.png       tokens/s of each setting, with its ideal marked
   bench.md        the table printed at the end
 
@@ -428,7 +430,18 @@ def time_setting(setting: Setting, work: Workload, bench: BenchConfig) -> dict |
     'compile_s': compile_s,
     'tokens_per_s': work.batch['inputs'].size / step_s,
     'idle_fraction': schedule.idle_fraction,
+    'host_load': host_load(),
   }
+
+
+def host_load() -> float:
+  """The host's 1-minute load average (nan where unknown). The benchmark's own processes count:
+  with one pinned process per core, a load above the process count means something else shared
+  the cores while the setting was timed, and its times (and the pieces') are not to be trusted."""
+  try:
+    return os.getloadavg()[0]
+  except (AttributeError, OSError):
+    return float('nan')
 
 
 def micro_size(setting: Setting) -> int:
@@ -498,7 +511,8 @@ def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dic
   log(
     f'pieces: forward {np.round(pieces["fwd"], 4)} s, backward {np.round(pieces["bwd"], 4)} s, '
     f'update {np.round(pieces["update"], 4)} s, head+embed {pieces["head"]:.4f} s, '
-    f'hop {link_s:.4f} s, all-reduce {allreduce_s:.4f} s, concurrent slowdown {slowdown:.3f}'
+    f'hop {link_s:.4f} s, all-reduce {allreduce_s:.4f} s, concurrent slowdown {slowdown:.3f}, '
+    f'host load {host_load():.2f}'
   )
   for name, measured in (('micro-batch', pieces), ('stash-policy micro-batch', policy_pieces)):
     for m in measured['fwd_micro']:
