@@ -97,13 +97,8 @@ def time_layer(cfg: transformer.ModelConfig, params, rows: int, repeats: int) ->
   }
   params, batch = jax.device_put((params, batch), device)
   stash, key = GraphStash(model), jax.random.key(0)
-  layer = jax.tree.map(lambda a: a[0], params['stages'])
   x = jax.jit(model.embed)(params['embed'], batch['inputs'], None)
-  forward = jax.jit(lambda p, h: stash.forward(p, h, 0, key))
-  fwd = bench._median_time(lambda p, h: forward(p, h)[0], layer, x, repeats=repeats)
-  y, kept, _ = forward(layer, x)
-  backward = jax.jit(lambda p, k, d: stash.backward(p, k, d, 0, key))
-  bwd = bench._median_time(backward, layer, kept, jnp.ones_like(y), repeats=repeats)
+  (fwd, bwd), _ = bench.time_group(stash, params, 0, key, x, repeats)  # as `ouroboros bench` times
 
   def device0_extra(embed_p, head_p):
     h = model.embed(embed_p, batch['inputs'], None)

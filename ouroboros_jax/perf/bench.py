@@ -198,7 +198,7 @@ def bench_optimizer(name: str = 'adamw'):
   return make_optimizer(name, 1e-4, weight_decay=0.1, muon_learning_rate=1e-3)
 
 
-def _time_group(stash, params, s, key, x, repeats, sizes, micro_repeats):
+def time_group(stash, params, s, key, x, repeats, sizes=(), micro_repeats=3):
   """((forward, backward) seconds of group s on x, {str(M): the same on its first B / M rows})."""
   params_s = jax.tree.map(lambda a: a[s], params['stages'])
   forward = jax.jit(lambda p, h: stash.forward(p, h, s, key))
@@ -245,7 +245,7 @@ def measure_pieces(
   timed = {}
   for s, layers in enumerate(layers_per_stage):
     if layers not in timed:
-      timed[layers] = _time_group(stash, params, s, key, x, repeats, sizes, micro_repeats)
+      timed[layers] = time_group(stash, params, s, key, x, repeats, sizes, micro_repeats)
     (f_s, b_s), micro = timed[layers]
     fwd.append(f_s)
     bwd.append(b_s)
