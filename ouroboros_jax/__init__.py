@@ -2,11 +2,14 @@
 
 The pieces a researcher imports into their own code:
 
-    from ouroboros_jax import StagedModel, ScheduleConfig, build_schedule, adamw
+    from ouroboros_jax import from_layers, StagedModel, ScheduleConfig, build_schedule, adamw
     from ouroboros_jax import recipe, Compensation, make_optimizer, kernel_dims
     from ouroboros_jax import TrainConfig, get_preset, override
 
-`StagedModel` describes any model as embed -> stages -> loss; `build_schedule` turns it into a
+`from_layers(embed, layer, head, layers=..., num_stages=G)` stages a model of one embedding, N
+layers of one kind and a head (pure functions, Flax NNX or Linen modules) into a `StagedModel`
+and its stacked parameters, uneven splits included (staging.py). `StagedModel` describes any
+model as embed -> stages -> loss; `build_schedule` turns it into a
 pure, jitted `step(state, batch) -> (state, metrics)` for backprop, Ouroboros or a baseline.
 `recipe('ouroboros', num_stages, batch_size)` gives the library's default recipe, resolved as
 `ouroboros train` resolves it: the `ScheduleConfig` (compensation, flow and micro-batches for the
@@ -27,6 +30,7 @@ from ouroboros_jax.optimizers import kernel_dims, make_optimizer
 from ouroboros_jax.schedules import SCHEDULES, ScheduleConfig, build_schedule
 from ouroboros_jax.schedules.compensation import Compensation
 from ouroboros_jax.staged import Schedule, StagedModel, TrainState, adamw
+from ouroboros_jax.staging import Staging, from_layers
 
 # Loaded on first use: the training stack imports Orbax, Grain and TFDS.
 _LAZY = {
@@ -78,11 +82,13 @@ __all__ = [
   'Schedule',
   'ScheduleConfig',
   'StagedModel',
+  'Staging',
   'TrainConfig',
   'TrainState',
   'UserError',
   'adamw',
   'build_schedule',
+  'from_layers',
   'get_preset',
   'kernel_dims',
   'make_optimizer',

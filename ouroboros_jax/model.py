@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ouroboros_jax import attention as attention_kernels
+from ouroboros_jax import staging
 from ouroboros_jax.errors import (
   ConfigError,
   field_ref,
@@ -378,26 +379,21 @@ def layers(
   active_N, scale_N, taps_N = per_layer
   block_def = _graphdefs(cfg)[1]
   num = jax.tree.leaves(layer_params)[0].shape[0]
-  rngs_N = None if rng is None else jax.random.split(rng, num)
   scale_N = jnp.ones((num,), x_BxLxD.dtype) if scale_N is None else scale_N
 
-  def body(x, per_layer):
-    params, layer_rng, active, scale, zeros = per_layer
+  def layer(params, x, layer_rng, scale_and_zeros):
+    scale, zeros = scale_and_zeros
+    taps = None if zeros is None else Taps(zeros)
+    y = _merge(block_def, params)(x, layer_rng, scale, taps).astype(x.dtype)
+    return y, (None if taps is None else taps.inputs)
 
-    def run(x):
-      taps = None if zeros is None else Taps(zeros)
-      y = _merge(block_def, params)(x, layer_rng, scale, taps).astype(x.dtype)
-      return y, (None if taps is None else taps.inputs)
-
-    if active is None:
-      return run(x)
-    skip = lambda x: (x, jax.tree.map(jnp.zeros_like, jax.eval_shape(run, x)[1]))
-    return jax.lax.cond(active, run, skip, x)
-
-  x_BxLxD, inputs_N = jax.lax.scan(
-    body,
+  x_BxLxD, inputs_N = staging.scan_layers(
+    layer,
+    layer_params,
     x_BxLxD,
-    (layer_params, rngs_N, active_N, scale_N, taps_N),
+    rng,
+    active_N=active_N,
+    per_layer_N=(scale_N, taps_N),
     unroll=cfg.layer_unroll or True,
   )
   return x_BxLxD if taps_N is None else (x_BxLxD, inputs_N)

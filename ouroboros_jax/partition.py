@@ -3,8 +3,8 @@
 Device 0 of the ring holds module 1 (embedding + first layer group) *and* module K (final norm,
 output projection, softmax loss), so it should get fewer layers than the others. `balance_layers`
 picks per-stage layer counts minimising the largest per-device cost, counting the embedding, the
-head and the loss on device 0. Uneven splits are stored padded: stage parameters have shape
-[G, N, ...] with N = max layers per stage, and the padding layers are skipped by `lax.cond`.
+head and the loss on device 0. The layout itself (padding, the mask, stacking and the way back)
+is staging.py's, the same for the built-in models as for a user's (`staging.from_layers`).
 """
 
 from __future__ import annotations
@@ -13,13 +13,19 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ouroboros_jax import costs, txl
 from ouroboros_jax import model as transformer
 from ouroboros_jax.errors import ConfigError, field_ref
 from ouroboros_jax.model import ModelConfig
 from ouroboros_jax.staged import Memory, StagedModel, WeightSplit
+from ouroboros_jax.staging import (  # noqa: F401  (the stage layout, where the callers import it)
+  first_layers,
+  from_staged,
+  layer_index,
+  stage_mask,
+  to_staged,
+)
 
 
 def balance_layers(cfg: ModelConfig, num_stages: int) -> tuple[int, ...]:
@@ -53,51 +59,6 @@ def parse_layers_per_stage(
       f'{field_ref("num_stages")} is {num_stages}; make them agree.'
     )
   return counts
-
-
-def stage_mask(layers_per_stage: Sequence[int]) -> np.ndarray:
-  """[G, N] bool: which of the N padded layer slots of each stage hold a real layer."""
-  width = max(layers_per_stage)
-  return np.arange(width)[None, :] < np.asarray(layers_per_stage)[:, None]
-
-
-def first_layers(layers_per_stage: Sequence[int]) -> np.ndarray:
-  """[G]: the global index of each stage's first layer."""
-  return np.cumsum([0, *layers_per_stage])[:-1]
-
-
-def layer_index(layers_per_stage: Sequence[int]) -> np.ndarray:
-  """[G, N]: the global layer in each padded slot (slot (g, n) holds layer first[g] + n; padding
-  slots say 0, and `stage_mask` says which slots are real)."""
-  mask_GxN = stage_mask(layers_per_stage)
-  slots_GxN = first_layers(layers_per_stage)[:, None] + np.arange(mask_GxN.shape[1])[None]
-  return np.where(mask_GxN, slots_GxN, 0)
-
-
-def to_staged(params: dict, layers_per_stage: Sequence[int]) -> dict:
-  """{'embed','layers' [N,...],'head'} -> {'embed','stages' [G,N,...],'head'} (zero padding)."""
-  mask_GxN, index_GxN = stage_mask(layers_per_stage), layer_index(layers_per_stage)
-
-  def gather(a):
-    picked = a[index_GxN]
-    return jnp.where(mask_GxN.reshape(mask_GxN.shape + (1,) * (a.ndim - 1)), picked, 0)
-
-  return {
-    'embed': params['embed'],
-    'stages': jax.tree.map(gather, params['layers']),
-    'head': params['head'],
-  }
-
-
-def from_staged(staged: dict, layers_per_stage: Sequence[int]) -> dict:
-  """Inverse of `to_staged`: drop the padding, stack the layers back on one axis."""
-  mask_GxN = stage_mask(layers_per_stage)
-  rows, cols = np.nonzero(mask_GxN)  # row-major: stage by stage, layer by layer
-  return {
-    'embed': staged['embed'],
-    'layers': jax.tree.map(lambda a: a[rows, cols], staged['stages']),
-    'head': staged['head'],
-  }
 
 
 def transformer_stages(cfg: ModelConfig, layers_per_stage: Sequence[int]) -> StagedModel:

@@ -164,7 +164,8 @@ def check_stage_params(params: PyTree, config) -> None:
   if not isinstance(params, Mapping) or 'stages' not in params:
     raise ConfigError(
       "the parameters must be a dict {'embed': ..., 'stages': ..., 'head': ...} with every leaf "
-      "of 'stages' stacked on a leading axis, one slice per stage group (partition.to_staged)."
+      "of 'stages' stacked on a leading axis, one slice per stage group: ouroboros_jax.from_layers "
+      "stages a model's layers so."
     )
   leaves = jax.tree_util.tree_leaves_with_path(params['stages'])
   if not leaves:
@@ -184,8 +185,8 @@ def check_stage_params(params: PyTree, config) -> None:
       actual = f'leading axis {lead(leaf)[0]}' if lead(leaf) else 'no leading axis'
       raise ConfigError(
         f'{where(path)} has {actual}, but {needs} needs {groups} (one slice per stage group): '
-        'stack one slice per stage, e.g. with partition.to_staged(params, layers_per_stage) '
-        f'for {groups} groups.'
+        'stage the layers with ouroboros_jax.from_layers(..., '
+        f'num_stages={groups}).'
       )
 
 

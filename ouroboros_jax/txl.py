@@ -36,6 +36,7 @@ from flax import nnx
 
 from ouroboros_jax import attention as attention_kernels
 from ouroboros_jax import model as gpt
+from ouroboros_jax import staging
 from ouroboros_jax.model import ModelConfig, Params, dropout
 
 ARCH = 'transformer-xl'
@@ -194,25 +195,24 @@ def layers(
     filled_B, mem_len = memory['filled'], memory['hidden'].shape[2]
   key_start_B = mem_len - filled_B  # unfilled memory slots come first and are masked
   pos_JxD = positional_encoding(cfg, mem_len + seq_len, x_BxLxD.dtype)
-  rngs_N = None if rng is None else jax.random.split(rng, num)
 
-  def body(x, per_layer):
-    params, hidden_BxMxD, layer_rng, active = per_layer
+  def layer(params, x, layer_rng, hidden_BxMxD):
     pos_rng, block_rng = (None, None) if layer_rng is None else jax.random.split(layer_rng)
     pos = dropout(pos_JxD, cfg.dropout, pos_rng)
     read = jax.lax.stop_gradient(hidden_BxMxD)  # no gradient into a previous segment
+    y = nnx.merge(block_def, params)(x, read, key_start_B, pos, block_rng).astype(x.dtype)
+    kept = jnp.concatenate([read, jax.lax.stop_gradient(x)], axis=1)[:, seq_len:]
+    return y, kept
 
-    def run(x):
-      y = nnx.merge(block_def, params)(x, read, key_start_B, pos, block_rng).astype(x.dtype)
-      kept = jnp.concatenate([read, jax.lax.stop_gradient(x)], axis=1)[:, seq_len:]
-      return y, kept
-
-    if active is None:
-      return run(x)
-    return jax.lax.cond(active, run, lambda x: (x, hidden_BxMxD), x)
-
-  y_BxLxD, new_hidden_N = jax.lax.scan(
-    body, x_BxLxD, (layer_params, hidden_N, rngs_N, active_N), unroll=cfg.layer_unroll or True
+  y_BxLxD, new_hidden_N = staging.scan_layers(
+    layer,
+    layer_params,
+    x_BxLxD,
+    rng,
+    active_N=active_N,
+    per_layer_N=hidden_N,
+    skipped=lambda hidden_BxMxD: hidden_BxMxD,  # a skipped layer keeps its memory
+    unroll=cfg.layer_unroll or True,
   )
   if memory is None:
     return y_BxLxD, None

@@ -25,6 +25,7 @@ LAYERS = {
   'optimizers': 1,
   'placement': 1,
   'partition': 1,
+  'staging': 1,
   'costs': 1,
   'runtime': 1,
   'schedules': 2,

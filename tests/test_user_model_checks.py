@@ -153,8 +153,8 @@ def test_params_for_the_wrong_stage_count_are_one_line(name):
   chunks = f' x {needs // 2} chunks' if needs != 2 else ''
   want = (
     f"params['stages']{first} has leading axis 3, but {name} with num_stages=2{chunks} needs "
-    f'{needs} (one slice per stage group): stack one slice per stage, e.g. with '
-    f'partition.to_staged(params, layers_per_stage) for {needs} groups.'
+    f'{needs} (one slice per stage group): stage the layers with '
+    f'ouroboros_jax.from_layers(..., num_stages={needs}).'
   )
   schedule = build_schedule(config, model, optax.sgd(0.1))
   with pytest.raises(ConfigError) as caught:
@@ -171,8 +171,8 @@ def test_one_device_schedules_take_any_count_but_one_per_leaf(name):
     schedule.init(params, BATCH)
   assert str(caught.value) == (
     f"params['stages']['w_out'] has leading axis 2, but {name}, as params['stages']['w_in'] "
-    'has, needs 3 (one slice per stage group): stack one slice per stage, e.g. with '
-    'partition.to_staged(params, layers_per_stage) for 3 groups.'
+    'has, needs 3 (one slice per stage group): stage the layers with '
+    'ouroboros_jax.from_layers(..., num_stages=3).'
   )
   schedule.init(mlp_params(3), BATCH)  # any count, the same on every leaf
 

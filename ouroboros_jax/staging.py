@@ -1,0 +1,376 @@
+"""Staging a model: its layers stacked into stage groups, and `from_layers`, the one public way in.
+
+A model made of an embedding, N layers of one kind and a head becomes a `StagedModel` and its
+stacked parameters with one call:
+
+    staging = from_layers(embed, layer, head, layers=per_layer_params, num_stages=2)
+    schedule = build_schedule(config, staging.model, tx)
+    state = schedule.init(staging.params, example_batch)
+    ...
+    mine = staging.to_layers(state.params)      # back to the layout the layers came in
+
+`embed`, `layer` and `head` may each be a pure function, a Flax NNX module, or a Flax Linen
+module (or its `apply`). The N layers are cut into G contiguous stage groups of
+`layers_per_stage` layers; an uneven split is stored padded, leaves [G, max layers per stage, ...],
+and each stage skips its padding slots by `lax.cond` on its stage index (no FLOPs, no gradient),
+so every schedule runs it and the exact ones still equal backprop. The built-in Transformer and
+Transformer-XL are staged by the same pieces (`to_staged`, `stage_mask`, `scan_layers`).
+
+Shape letters: G stage groups, N layer slots per group (the most layers any group has).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ouroboros_jax.errors import ConfigError, field_ref
+from ouroboros_jax.staged import StagedModel
+
+PyTree = Any
+
+# ----------------------------------------------------------------------------- the stage layout
+
+
+def even_split(num_layers: int, num_stages: int) -> tuple[int, ...]:
+  """Layers per stage as even as they go, the extra layers on the last stages: device 0 also
+  holds the embedding and the head, so it gets the fewest."""
+  if not 1 <= num_stages <= num_layers:
+    raise ConfigError(
+      f'{num_layers} layers cannot fill {field_ref("num_stages", num_stages)} stage groups '
+      '(each needs at least one layer); use fewer stages or more layers.'
+    )
+  base, extra = divmod(num_layers, num_stages)
+  return tuple(base + (g >= num_stages - extra) for g in range(num_stages))
+
+
+def stage_mask(layers_per_stage: Sequence[int]) -> np.ndarray:
+  """[G, N] bool: which of the N padded layer slots of each stage hold a real layer."""
+  width = max(layers_per_stage)
+  return np.arange(width)[None, :] < np.asarray(layers_per_stage)[:, None]
+
+
+def first_layers(layers_per_stage: Sequence[int]) -> np.ndarray:
+  """[G]: the global index of each stage's first layer."""
+  return np.cumsum([0, *layers_per_stage])[:-1]
+
+
+def layer_index(layers_per_stage: Sequence[int]) -> np.ndarray:
+  """[G, N]: the global layer in each padded slot (slot (g, n) holds layer first[g] + n; padding
+  slots say 0, and `stage_mask` says which slots are real)."""
+  mask_GxN = stage_mask(layers_per_stage)
+  slots_GxN = first_layers(layers_per_stage)[:, None] + np.arange(mask_GxN.shape[1])[None]
+  return np.where(mask_GxN, slots_GxN, 0)
+
+
+def to_staged(params: dict, layers_per_stage: Sequence[int]) -> dict:
+  """{'embed','layers' [N,...],'head'} -> {'embed','stages' [G,N,...],'head'} (zero padding)."""
+  mask_GxN, index_GxN = stage_mask(layers_per_stage), layer_index(layers_per_stage)
+
+  def gather(a):
+    picked = a[index_GxN]
+    return jnp.where(mask_GxN.reshape(mask_GxN.shape + (1,) * (a.ndim - 1)), picked, 0)
+
+  return {
+    'embed': params['embed'],
+    'stages': jax.tree.map(gather, params['layers']),
+    'head': params['head'],
+  }
+
+
+def from_staged(staged: dict, layers_per_stage: Sequence[int]) -> dict:
+  """Inverse of `to_staged`: drop the padding, stack the layers back on one axis."""
+  mask_GxN = stage_mask(layers_per_stage)
+  rows, cols = np.nonzero(mask_GxN)  # row-major: stage by stage, layer by layer
+  return {
+    'embed': staged['embed'],
+    'layers': jax.tree.map(lambda a: a[rows, cols], staged['stages']),
+    'head': staged['head'],
+  }
+
+
+def scan_layers(
+  layer: Callable,
+  params_N: PyTree,
+  x: PyTree,
+  rng=None,
+  *,
+  active_N=None,
+  per_layer_N=None,
+  skipped: Callable | None = None,
+  unroll: int | bool = True,
+):
+  """Runs N stacked layers in order by `lax.scan`: `layer(params, x, rng, per_layer) -> (y, out)`
+  with each layer's slice of params_N, its own key (None without rng) and its slice of
+  per_layer_N (None: nothing). A layer with `active_N[n]` False is skipped by `lax.cond`: x
+  passes through, its out is `skipped(per_layer)` (default zeros), and it costs no FLOPs and gets
+  no gradient (the padding slots of an uneven split; dropped layers). Returns (x, the outs
+  stacked [N, ...])."""
+  num = jax.tree.leaves(params_N)[0].shape[0]
+  rngs_N = None if rng is None else jax.random.split(rng, num)
+
+  def body(x, sliced):
+    params, layer_rng, active, extra = sliced
+    run = lambda x: layer(params, x, layer_rng, extra)
+    if active is None:
+      return run(x)
+    if skipped is None:
+      skip = lambda x: (x, jax.tree.map(jnp.zeros_like, jax.eval_shape(run, x)[1]))
+    else:
+      skip = lambda x: (x, skipped(extra))
+    return jax.lax.cond(active, run, skip, x)
+
+  return jax.lax.scan(body, x, (params_N, rngs_N, active_N, per_layer_N), unroll=unroll)
+
+
+def layered_stage(layer: Callable, layers_per_stage: Sequence[int]) -> Callable:
+  """`stage(stage_params, x, stage_index, rng)` running a group's layers, `layer(params, x, rng)
+  -> x`, over leaves [N, ...]; an uneven split's padding slots are skipped by the stage index."""
+  mask_GxN = jnp.asarray(stage_mask(layers_per_stage))
+  uneven = len(set(layers_per_stage)) > 1
+
+  def stage(stage_params, x, stage_index, rng):
+    active_N = mask_GxN[stage_index] if uneven else None
+    one = lambda params, x, layer_rng, _: (layer(params, x, layer_rng), None)
+    return scan_layers(one, stage_params, x, rng, active_N=active_N)[0]
+
+  return stage
+
+
+# ----------------------------------------------------------------------------- from_layers
+
+
+class Staging(NamedTuple):
+  """What `from_layers` returns.
+
+  model: the `StagedModel` every schedule takes.
+  params: {'embed', 'stages' (leaves [G, N, ...]), 'head'}: what `Schedule.init` takes.
+  layers_per_stage: the layers of each stage group (N = the largest).
+  to_layers: staged params (e.g. `state.params`) -> {'embed', 'layers', 'head'}, the layers in
+    the layout they came in (a list of per-layer trees, or stacked [num_layers, ...]).
+  """
+
+  model: StagedModel
+  params: dict
+  layers_per_stage: tuple[int, ...]
+  to_layers: Callable[[dict], dict]
+
+
+def from_layers(
+  embed,
+  layer,
+  head,
+  *,
+  layers,
+  embed_params=None,
+  head_params=None,
+  loss: Callable | None = None,
+  num_stages: int | None = None,
+  layers_per_stage: Sequence[int] | None = None,
+  tied_embedding: bool = False,
+) -> Staging:
+  """A model of one embedding, N layers of one kind and a head, staged for every schedule.
+
+  embed: token ids -> activations x; layer: x -> x (one layer); head: x -> what `loss` takes
+  (logits). Each is one of
+    - a pure function: `embed(params, inputs, rng)`, `layer(params, x, rng)`, `head(params, x)`
+      (with `tied_embedding`: `head(params, embed_params, x)`); rng is the piece's dropout key,
+      None when the schedule draws none;
+    - a Flax NNX module, called as `module(x)` with the parameters (`nnx.Param`) it is given; its
+      other state (rngs, batch statistics) is the module's own and is not trained;
+    - a Flax Linen module or its `apply`, called as `apply({'params': p}, x)` (with
+      `rngs={'dropout': rng}` when there is a key).
+  layers: the N layers' parameters, a list (one tree per layer: Linen params, NNX `State`s or
+    NNX modules) or one tree stacked on a leading axis of N (`nn.scan`, `nnx.vmap`). For an NNX
+    `layer` it is the template whose structure every layer shares.
+  embed_params, head_params: their parameters; an NNX module's own when left out.
+  loss: (head's output, targets) -> loss or (loss, metrics); default: mean token cross-entropy
+    of logits. num_stages or layers_per_stage: the stage groups (`ScheduleConfig.stage_groups`:
+    num_stages, times 2 chunks for interleaved and zb_v); an uneven split pads and skips.
+  Linen's `Partitioned` boxes and NNX states are unboxed: the ring places the parameters itself.
+  Raises ConfigError (one line) for layers that do not match or do not fill the stages.
+  """
+  embed_fn, embed_default = _piece(embed, 'embed', takes_rng=True)
+  layer_fn, _ = _piece(layer, 'layer', takes_rng=True)
+  head_fn, head_default = _piece(head, 'head', takes_rng=False)
+  if tied_embedding and not _is_pure(head):
+    raise ConfigError(
+      f'{field_ref("tied_embedding")} needs a pure head, head(params, embed_params, x), to read '
+      'the embedding; pass one, or tie nothing.'
+    )
+  embed_params = _params(embed_params, embed_default, 'embed_params', 'embed')
+  head_params = _params(head_params, head_default, 'head_params', 'head')
+  stacked, as_given = _stack(layers)
+  num_layers = jax.tree.leaves(stacked)[0].shape[0]
+  if layers_per_stage is None:
+    if num_stages is None:
+      raise ConfigError(
+        f'from_layers needs {field_ref("num_stages")} or {field_ref("layers_per_stage")}; pass one.'
+      )
+    layers_per_stage = even_split(num_layers, num_stages)
+  else:
+    layers_per_stage = _checked_split(layers_per_stage, num_layers, num_stages)
+  loss = token_cross_entropy if loss is None else loss
+
+  def head_loss(head_p, embed_p, x, targets):
+    out = head_fn(head_p, embed_p, x) if tied_embedding else head_fn(head_p, x)
+    result = loss(out, targets)
+    return result if isinstance(result, tuple) else (result, {})
+
+  model = StagedModel(
+    embed=embed_fn,
+    stage=layered_stage(layer_fn, layers_per_stage),
+    loss=head_loss,
+    tied_embedding=tied_embedding,
+  )
+  params = to_staged(
+    {'embed': embed_params, 'layers': stacked, 'head': head_params}, layers_per_stage
+  )
+
+  def to_layers(staged_params: dict) -> dict:
+    flat = from_staged(staged_params, layers_per_stage)
+    return {**flat, 'layers': as_given(flat['layers'])}
+
+  return Staging(model, params, tuple(layers_per_stage), to_layers)
+
+
+def token_cross_entropy(logits_BxLxV, targets_BxL):
+  """Mean next-token cross-entropy (nats) of logits, computed in float32: (loss, {'loss'})."""
+  logp_BxLxV = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32))
+  loss = -jnp.take_along_axis(logp_BxLxV, targets_BxL[..., None], axis=-1).mean()
+  return loss, {'loss': loss}
+
+
+def _checked_split(layers_per_stage, num_layers: int, num_stages: int | None) -> tuple[int, ...]:
+  counts = tuple(int(c) for c in layers_per_stage)
+  if any(c < 1 for c in counts) or sum(counts) != num_layers:
+    raise ConfigError(
+      f'{field_ref("layers_per_stage", ",".join(map(str, counts)))} must give every stage at '
+      f'least one layer and add up to the {num_layers} layers given; fix the counts.'
+    )
+  if num_stages is not None and len(counts) != num_stages:
+    raise ConfigError(
+      f'{field_ref("layers_per_stage")} gives {len(counts)} stages but '
+      f'{field_ref("num_stages", num_stages)}; pass one of them.'
+    )
+  return counts
+
+
+# ----------------------------------------------------------------------------- the pieces
+
+
+def _nnx():
+  from flax import nnx
+
+  return nnx
+
+
+def _linen_module(piece):
+  """The Linen module of `piece` (a module, or a module's `apply`), or None."""
+  from flax import linen
+
+  if isinstance(piece, linen.Module):
+    return piece
+  owner = getattr(piece, '__self__', None)
+  if isinstance(owner, linen.Module) and getattr(piece, '__name__', '') == 'apply':
+    return owner
+  return None
+
+
+def _is_pure(piece) -> bool:
+  return not isinstance(piece, _nnx().Module) and _linen_module(piece) is None
+
+
+def _piece(piece, what: str, *, takes_rng: bool):
+  """(a pure function of (params, *args[, rng]), the module's own parameters or None)."""
+  nnx = _nnx()
+  if isinstance(piece, nnx.Module):
+    graphdef, params, rest = nnx.split(piece, nnx.Param, ...)
+
+    def call(p, *args):
+      if takes_rng:
+        args = args[:-1]  # an NNX module keeps its own rngs
+      return nnx.merge(graphdef, p, rest)(*args)
+
+    return call, nnx.to_pure_dict(params)
+  module = _linen_module(piece)
+  if module is not None:
+
+    def apply(p, *args):
+      rngs = None
+      if takes_rng:
+        *args, rng = args
+        rngs = None if rng is None else {'dropout': rng}
+      return module.apply({'params': p}, *args, rngs=rngs)
+
+    return apply, None
+  if not callable(piece):
+    raise ConfigError(
+      f'from_layers: {what} must be a function, an NNX module or a Linen module, got '
+      f'{type(piece).__name__}.'
+    )
+  return piece, None
+
+
+def _params(given, default, name: str, what: str):
+  if given is None and default is None:
+    raise ConfigError(
+      f'from_layers: pass {name}= (the parameters of {what}); only an NNX module brings its own.'
+    )
+  return _unbox(default if given is None else given)
+
+
+def _unbox(tree: PyTree) -> PyTree:
+  """Plain arrays: Linen's `Partitioned` boxes and NNX `State`s / `Variable`s / modules unboxed."""
+  from flax import linen
+
+  nnx = _nnx()
+  if isinstance(tree, nnx.Module):
+    tree = nnx.state(tree, nnx.Param)
+  if isinstance(tree, nnx.State):
+    tree = nnx.to_pure_dict(tree)
+  tree = linen.meta.unbox(tree)
+  is_variable = lambda v: isinstance(v, nnx.Variable)
+  return jax.tree.map(lambda v: v.value if is_variable(v) else v, tree, is_leaf=is_variable)
+
+
+def _stack(layers) -> tuple[PyTree, Callable[[PyTree], Any]]:
+  """(the layers stacked [N, ...], the way back to the layout they were given in)."""
+  if isinstance(layers, (list, tuple)):
+    if not layers:
+      raise ConfigError('from_layers: `layers` is empty; pass one parameter tree per layer.')
+    trees = [_unbox(tree) for tree in layers]
+    first = jax.tree.structure(trees[0])
+    for i, tree in enumerate(trees[1:], 1):
+      if jax.tree.structure(tree) != first:
+        raise ConfigError(
+          f'from_layers: layer {i} has other parameters than layer 0 ({_paths(tree, trees[0])}); '
+          'every layer must be the same kind.'
+        )
+      shapes = [(jnp.shape(a), jnp.result_type(a)) for a in jax.tree.leaves(tree)]
+      if shapes != [(jnp.shape(a), jnp.result_type(a)) for a in jax.tree.leaves(trees[0])]:
+        raise ConfigError(
+          f'from_layers: layer {i} has parameters of other shapes or dtypes than layer 0; every '
+          'layer must be the same kind.'
+        )
+    stacked = jax.tree.map(lambda *a: jnp.stack(a), *trees)
+    count = len(trees)
+    back = lambda stacked: [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(count)]
+    return stacked, back
+  stacked = _unbox(layers)
+  leading = {jnp.shape(a)[:1] for a in jax.tree.leaves(stacked)}
+  if len(leading) != 1 or () in leading:
+    raise ConfigError(
+      'from_layers: stacked `layers` must lead with the layer axis on every leaf (found leading '
+      f'axes {sorted(leading)}); pass a list with one tree per layer instead.'
+    )
+  return stacked, lambda stacked: stacked
+
+
+def _paths(tree, other) -> str:
+  names = lambda t: {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(t)}
+  differ = sorted(names(tree) ^ names(other))
+  return ', '.join(differ[:3]) or 'another structure'
