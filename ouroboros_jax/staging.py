@@ -151,12 +151,16 @@ class Staging(NamedTuple):
   layers_per_stage: the layers of each stage group (N = the largest).
   to_layers: staged params (e.g. `state.params`) -> {'embed', 'layers', 'head'}, the layers in
     the layout they came in (a list of per-layer trees, or stacked [num_layers, ...]).
+  muon_dims: Muon's view of every kernel the modules describe (Flax `Dense`, `DenseGeneral`,
+    NNX `Linear`, `LinearGeneral`: input axes, then output axes), by its path within its group,
+    for `recipe(..., muon_dims=)` / `make_optimizer(..., muon_dims=)`; {} for pure functions.
   """
 
   model: StagedModel
   params: dict
   layers_per_stage: tuple[int, ...]
   to_layers: Callable[[dict], dict]
+  muon_dims: dict
 
 
 def from_layers(
@@ -171,6 +175,7 @@ def from_layers(
   num_stages: int | None = None,
   layers_per_stage: Sequence[int] | None = None,
   tied_embedding: bool = False,
+  example_inputs=None,
 ) -> Staging:
   """A model of one embedding, N layers of one kind and a head, staged for every schedule.
 
@@ -190,6 +195,8 @@ def from_layers(
   loss: (head's output, targets) -> loss or (loss, metrics); default: mean token cross-entropy
     of logits. num_stages or layers_per_stage: the stage groups (`ScheduleConfig.stage_groups`:
     num_stages, times 2 chunks for interleaved and zb_v); an uneven split pads and skips.
+  example_inputs: token ids (shapes only, e.g. a batch's 'inputs'): Linen modules show their
+    kernels' layouts only when run, so `muon_dims` covers Linen pieces only when given these.
   Linen's `Partitioned` boxes and NNX states are unboxed: the ring places the parameters itself.
   Raises ConfigError (one line) for layers that do not match or do not fill the stages.
   """
@@ -234,7 +241,13 @@ def from_layers(
     flat = from_staged(staged_params, layers_per_stage)
     return {**flat, 'layers': as_given(flat['layers'])}
 
-  return Staging(model, params, tuple(layers_per_stage), to_layers)
+  dims = _muon_dims(
+    (embed, embed_fn, embed_params),
+    (layer, layer_fn, _first(stacked)),
+    (head, head_fn, head_params),
+    example_inputs,
+  )
+  return Staging(model, params, tuple(layers_per_stage), to_layers, dims)
 
 
 def token_cross_entropy(logits_BxLxV, targets_BxL):
@@ -242,6 +255,76 @@ def token_cross_entropy(logits_BxLxV, targets_BxL):
   logp_BxLxV = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32))
   loss = -jnp.take_along_axis(logp_BxLxV, targets_BxL[..., None], axis=-1).mean()
   return loss, {'loss': loss}
+
+
+def _first(stacked: PyTree) -> PyTree:
+  return jax.tree.map(lambda a: a[0], stacked)
+
+
+def _muon_dims(embed, layer, head, example_inputs) -> dict:
+  """{path within its group: kernel_dims} for the kernels of Flax's linear modules in the pieces
+  (NNX: read from the modules; Linen: recorded while the pieces run on `example_inputs`, shapes
+  only).
+  A path two groups read differently is left out (the library's rule then warns about it)."""
+  from ouroboros_jax.optimizers import kernel_dims
+
+  found: dict[str, Any] = {}
+  clashes = set()
+
+  def add(path, in_axes, out_axes):
+    key, dims = '/'.join(map(str, (*path, 'kernel'))), kernel_dims(in_axes, out_axes)
+    if found.setdefault(key, dims) != dims:
+      clashes.add(key)
+
+  nnx = _nnx()
+  for piece, _, _ in (embed, layer, head):
+    if isinstance(piece, nnx.Module):
+      for path, module in nnx.iter_graph(piece):
+        if isinstance(module, nnx.LinearGeneral):
+          add(path, len(module.in_features), len(module.out_features))
+        elif isinstance(module, nnx.Linear):
+          add(path, 1, 1)
+  linen = [piece for piece, _, _ in (embed, layer, head) if _linen_module(piece) is not None]
+  if linen and example_inputs is not None:
+    for path, in_axes, out_axes in _linen_kernels(embed, layer, head, example_inputs):
+      add(path, in_axes, out_axes)
+  return {key: dims for key, dims in found.items() if key not in clashes}
+
+
+def _linen_kernels(embed, layer, head, inputs) -> list[tuple[tuple[str, ...], int, int]]:
+  """(module path, input axes, output axes) of each Linen Dense / DenseGeneral the Linen pieces
+  call on `inputs` (`nn.intercept_methods` under `jax.eval_shape`: no FLOPs)."""
+  from flax import linen
+
+  calls, recording = [], [False]  # record inside the Linen pieces only: a pure function's
+  # modules may sit under other paths than its parameters'
+
+  def record(next_fun, args, kwargs, context):
+    module = context.module
+    linear = isinstance(module, (linen.Dense, linen.DenseGeneral))
+    if recording[0] and context.method_name == '__call__' and linear:
+      axis = getattr(module, 'axis', -1)
+      features = module.features
+      in_axes = len(axis) if isinstance(axis, (tuple, list)) else 1
+      out_axes = len(features) if isinstance(features, (tuple, list)) else 1
+      calls.append((tuple(module.scope.path), in_axes, out_axes))
+    return next_fun(*args, **kwargs)
+
+  def run(piece, p, *args):
+    recording[0] = _linen_module(piece[0]) is not None
+    try:
+      return piece[1](p, *args)
+    finally:
+      recording[0] = False
+
+  def trace(embed_p, layer_p, head_p):
+    x = run(embed, embed_p, inputs, None)
+    x = run(layer, layer_p, x, None)
+    return run(head, head_p, x) if _linen_module(head[0]) is not None else x
+
+  with linen.intercept_methods(record):
+    jax.eval_shape(trace, embed[2], layer[2], head[2])
+  return calls
 
 
 def _checked_split(layers_per_stage, num_layers: int, num_stages: int | None) -> tuple[int, ...]:

@@ -14,6 +14,7 @@ written from the paper's equations (`schedules/reference.py`), with the library'
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +24,9 @@ import pytest
 from flax import linen as nn
 from flax import nnx
 
-from ouroboros_jax import ScheduleConfig, from_layers
+from ouroboros_jax import ScheduleConfig, from_layers, kernel_dims, make_optimizer
 from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.optimizers import MuonDimsWarning
 from ouroboros_jax.schedules import reference
 from ouroboros_jax.schedules.compensation import Compensation
 from ouroboros_jax.staging import token_cross_entropy
@@ -301,3 +303,31 @@ def test_layers_of_another_kind_are_one_clear_line():
   odd['extra'] = {'kernel': jnp.ones((2, 2))}
   with pytest.raises(ConfigError, match=r'layer 2 has other parameters than layer 0'):
     from_layers(**{**pieces, 'layers': [*pieces['layers'][:2], odd]}, num_stages=2)
+
+
+# ----------------------------------------------------------------------------- Muon's view
+
+
+@pytest.mark.parametrize('framework', MODELS)
+def test_the_modules_tell_muon_how_to_read_their_kernels(framework):
+  """NNX modules are read directly, Linen ones while they run on example inputs: q/k/v
+  [D, 3, H, K] is one D x 3HK matrix, the output projection [H, K, D] one HK x D matrix."""
+  _, _, pieces, _ = MODELS[framework](3)
+  example = batches()[0]['inputs']
+  staging = from_layers(**pieces, num_stages=2, example_inputs=example)
+  mlp = ('Dense_0', 'Dense_1') if framework == 'linen' else ('up', 'down')
+  want = {
+    'qkv/kernel': kernel_dims(1, 3),
+    'out/kernel': kernel_dims(2, 1),
+    f'{mlp[0]}/kernel': kernel_dims(),
+    f'{mlp[1]}/kernel': kernel_dims(),
+    'kernel': kernel_dims(),  # the head
+  }
+  assert staging.muon_dims == want
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', MuonDimsWarning)  # every kernel placed: nothing guessed
+    make_optimizer('muon', 0.01, muon_dims=staging.muon_dims).init(staging.params['stages'])
+  with pytest.warns(MuonDimsWarning, match='out/kernel'):  # the rule alone would guess
+    make_optimizer('muon', 0.01).init(staging.params['stages'])
+  if framework == 'linen':  # without example inputs, Linen modules say nothing
+    assert from_layers(**pieces, num_stages=2).muon_dims == {}
