@@ -21,6 +21,7 @@ Shape letters: G stage groups, N layer slots per group (the most layers any grou
 
 from __future__ import annotations
 
+import collections.abc
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -422,7 +423,8 @@ def _unbox(tree: PyTree) -> PyTree:
 
 def _stack(layers) -> tuple[PyTree, Callable[[PyTree], Any]]:
   """(the layers stacked [N, ...], the way back to the layout they were given in)."""
-  if isinstance(layers, (list, tuple)):
+  if isinstance(layers, collections.abc.Sequence):  # a list, a tuple, an nnx.List of modules
+    layers = list(layers)
     if not layers:
       raise ConfigError('from_layers: `layers` is empty; pass one parameter tree per layer.')
     trees = [_unbox(tree) for tree in layers]

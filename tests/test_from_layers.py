@@ -140,7 +140,7 @@ def nnx_model(num_layers: int):
   loss = lambda p, batch: token_cross_entropy(
     nnx.merge(graphdef, p)(batch['inputs']), batch['targets']
   )[0]
-  pieces = dict(embed=lm.embed, layer=lm.blocks[0], head=lm.head, layers=list(lm.blocks))
+  pieces = dict(embed=lm.embed, layer=lm.blocks[0], head=lm.head, layers=lm.blocks)  # nnx.List
   to_mine = lambda back: {
     'embed': back['embed'],
     'head': back['head'],
