@@ -96,7 +96,7 @@ def time_layer(cfg: transformer.ModelConfig, params, rows: int, repeats: int) ->
     for k in ('inputs', 'targets')
   }
   params, batch = jax.device_put((params, batch), device)
-  stash, key = GraphStash(model), jax.random.key(0)
+  stash, key = GraphStash(model, 'all'), jax.random.key(0)  # the whole VJP, as bench's pieces
   x = jax.jit(model.embed)(params['embed'], batch['inputs'], None)
   (fwd, bwd), _ = bench.time_group(stash, params, 0, key, x, repeats)  # as `ouroboros bench` times
 

@@ -41,7 +41,7 @@ import signal
 import sys
 
 from ouroboros_jax import errors, schedules
-from ouroboros_jax.choices import MICROBATCHED
+from ouroboros_jax.choices import DEFAULT_STASH_POLICY, MICROBATCHED
 from ouroboros_jax.runtime import host
 from ouroboros_jax.training import config
 
@@ -121,7 +121,7 @@ _FIELD_HELP = {
   'stash': 'ouroboros: graph or replay (tiny: graph)',
   'stash_policy': 'ouroboros graph stash: all (every VJP residual), dots (matmul outputs), '
   'dots_no_batch, nothing (inputs and weights only); less kept = less memory '
-  'traffic, more recompute, same gradient (default nothing)',
+  f'traffic, more recompute, same gradient (default {DEFAULT_STASH_POLICY})',
   'stash_memory': 'ouroboros: device (default) or pinned_host, where the stash and the '
   "forward's weights wait for their delayed backward (host memory: less device memory, a "
   'transfer each way per step)',
@@ -668,7 +668,7 @@ def out_of_memory_message(args: argparse.Namespace, exc: BaseException) -> str:
     elif run.num_stages < model.num_layers:
       spread.append(f'more --stages (now {run.num_stages})')
     if run.name == 'ouroboros':
-      if run.stash == 'graph' and run.stash_policy != 'nothing':
+      if run.stash == 'graph' and run.stash_policy != 'nothing':  # the least it keeps
         spread.append('--stash-policy nothing')
       if run.stash_memory == 'device':
         spread.append('--stash-memory pinned_host')

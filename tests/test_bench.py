@@ -146,3 +146,26 @@ def test_mfu_is_model_flops_over_the_devices_bf16_peak():
   assert 0.1 < got < 0.3  # GPT-2 small at 1.3M tokens/s on 4 H100s: 19%
   assert bench.peak_flops(types.SimpleNamespace(device_kind='TPU v5 lite')) == 197e12
   assert math.isnan(bench.mfu(cfg, 1024, 1.0, 1, types.SimpleNamespace(device_kind='cpu')))
+
+
+def test_the_stash_policy_has_one_default():
+  """ScheduleConfig's graph-stash policy is the one default of every stash and of the bench; the
+  callers that keep every residual (the exact pipelines, backprop's ring, the bench's pieces of
+  the other schedules) say 'all' themselves."""
+  import inspect
+
+  from ouroboros_jax import choices
+  from ouroboros_jax.perf import bench
+  from ouroboros_jax.schedules import ScheduleConfig, stash
+
+  default = choices.DEFAULT_STASH_POLICY
+  assert default == ScheduleConfig().stash_policy == 'nothing'
+  for fn, name in (
+    (stash.make_stash, 'policy'),
+    (stash.GraphStash, 'policy'),
+    (bench.measure_pieces, 'stash_policy'),
+    (bench.Setting.schedule_config, 'stash_policy'),
+  ):
+    assert inspect.signature(fn).parameters[name].default == default, fn
+  assert bench.BenchConfig(batch_size=4, stages=2, out_dir='-').stash_policy == default
+  assert stash.GraphStash(None).policy is stash.STASH_POLICIES[default]

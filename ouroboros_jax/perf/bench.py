@@ -51,7 +51,7 @@ from jax.sharding import PartitionSpec as P
 
 from ouroboros_jax import costs, partition, placement
 from ouroboros_jax import model as transformer
-from ouroboros_jax.choices import FORWARD_MODES, MICROBATCHED, STASH_MODES
+from ouroboros_jax.choices import DEFAULT_STASH_POLICY, FORWARD_MODES, MICROBATCHED, STASH_MODES
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.optimizers import make_optimizer
 from ouroboros_jax.perf import simulate
@@ -81,7 +81,7 @@ class Setting:
     return self.schedule
 
   def schedule_config(
-    self, seed=0, stash_policy='all', compensation: Compensation = Compensation()
+    self, seed=0, stash_policy=DEFAULT_STASH_POLICY, compensation: Compensation = Compensation()
   ) -> ScheduleConfig:
     if self.schedule == 'data_parallel':
       return ScheduleConfig(name=self.schedule, data_parallel=self.devices, seed=seed)
@@ -112,7 +112,7 @@ class BenchConfig:
   warmup: int = 3
   settings: Sequence[Setting] | None = None  # None: default_settings
   layers_per_stage: Sequence[int] | None = None  # None: balanced by FLOPs
-  stash_policy: str = 'all'
+  stash_policy: str = DEFAULT_STASH_POLICY
   optimizer: str = 'adamw'
   compensation: Compensation = Compensation()
 
@@ -216,7 +216,7 @@ def time_group(stash, params, s, key, x, repeats, sizes=(), micro_repeats=3):
 def measure_pieces(
   work: Workload,
   repeats: int = 10,
-  stash_policy: str = 'all',
+  stash_policy: str = DEFAULT_STASH_POLICY,
   optimizer: str = 'adamw',
   microbatches: Sequence[int] = (),
   micro_repeats: int = 3,
@@ -594,10 +594,12 @@ def _measure_pieces(
   )
   policy = bench.stash_policy
   sizes = lambda chosen: {micro_size(s) for s in settings if chosen(s)} - {1}
+  # The pieces of every other setting keep the whole VJP ('all'), as the exact pipelines, backprop
+  # and the replay stash's backward do: nothing recomputed.
   if policy == 'all':
-    pieces = measure(sizes(lambda s: True))
+    pieces = measure(sizes(lambda s: True), stash_policy='all')
     return pieces, pieces
-  pieces = measure(sizes(lambda s: not _uses_policy(s)))
+  pieces = measure(sizes(lambda s: not _uses_policy(s)), stash_policy='all')
   return pieces, measure(sizes(_uses_policy), stash_policy=policy)
 
 

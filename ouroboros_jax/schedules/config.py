@@ -7,6 +7,7 @@ import functools
 import math
 
 from ouroboros_jax.choices import (
+  DEFAULT_STASH_POLICY,
   EXACT_PIPELINES,
   FLOW_MODES,
   FORWARD_MODES,
@@ -45,8 +46,8 @@ class ScheduleConfig:
   # per replica's batch; None: DEFAULT_MICROBATCHES there (`num_microbatches`), 1 elsewhere
   chunks: int | None = None  # interleaved: model chunks per device (None: 2; zb_v: always 2)
   stash: str = 'graph'  # ouroboros: 'graph' (DDG) or 'replay' (Features Replay)
-  stash_policy: str = 'nothing'  # ouroboros graph stash: which residuals (stash.STASH_POLICIES);
-  # 'nothing' keeps each group's input and weights and recomputes the rest (docs/memory.md)
+  stash_policy: str = DEFAULT_STASH_POLICY  # ouroboros graph stash: which residuals it keeps
+  # (stash.STASH_POLICIES)
   stash_memory: str = 'device'  # ouroboros: where the stash waits, 'device' or 'pinned_host'
   forward: str = 'locked'  # ouroboros: 'locked' (the paper) or 'pipelined'
   flow: str = 'auto'  # ouroboros: a step's micro-batches travel the ring as one batch ('batch',

@@ -117,8 +117,11 @@ def build_pipeline(
     model=model,
     pipeline=pipeline,
     program=tables.program(table),
-    # The weights stay put all step, so no stash keeps them.
-    stash=TappedStash(model.weight_split) if tapped else GraphStash(model, keep_weights=False),
+    # The weights stay put all step, so no stash keeps them; 'all': every residual of the VJP,
+    # as the exact pipelines have always kept them (they have no --stash-policy).
+    stash=(
+      TappedStash(model.weight_split) if tapped else GraphStash(model, 'all', keep_weights=False)
+    ),
     seed=config.seed,
     replicas=config.data_parallel,
     bubble_fill=bubble_fill,

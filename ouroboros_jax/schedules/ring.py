@@ -256,7 +256,8 @@ def locked_grads(model: StagedModel, params, batch, key, batch_index, memory=Non
   Locked forward, head on device 0, locked backward, embedding backward; in every round all
   devices but one wait. This is `model_parallel`'s step and Ouroboros' synchronous warm-up.
   """
-  stash, s, num_stages = GraphStash(model), jax.lax.axis_index(STAGE), jax.lax.axis_size(STAGE)
+  stash = GraphStash(model, 'all')  # the whole VJP, as backprop keeps it: nothing to recompute
+  s, num_stages = jax.lax.axis_index(STAGE), jax.lax.axis_size(STAGE)
   params_s = local_stage_params(params)
   x = embed(model, params['embed'], batch['inputs'], key)
   forward = lambda x: stash.forward(params_s, x, s, key, memory, batch_index)

@@ -28,6 +28,7 @@ from typing import Protocol
 import jax
 
 from ouroboros_jax import staged
+from ouroboros_jax.choices import DEFAULT_STASH_POLICY
 from ouroboros_jax.staged import StagedModel, WeightSplit
 
 # What graph mode keeps of a group's forward, as `jax.checkpoint` policies. 'all' keeps every
@@ -54,7 +55,9 @@ class Stash(Protocol):
   def backward(self, params_s, kept, delta, stage_index, key, batch_index=None): ...
 
 
-def make_stash(model: StagedModel, mode: str = 'graph', policy: str = 'all', **options) -> Stash:
+def make_stash(
+  model: StagedModel, mode: str = 'graph', policy: str = DEFAULT_STASH_POLICY, **options
+) -> Stash:
   """The stash `mode` names ('graph' with `policy` and `options`, or 'replay')."""
   return GraphStash(model, policy, **options) if mode == 'graph' else ReplayStash(model)
 
@@ -82,7 +85,9 @@ class GraphStash(_ModelStash):
 
   at_forward_weights = True
 
-  def __init__(self, model: StagedModel, policy: str = 'all', keep_weights: bool = True):
+  def __init__(
+    self, model: StagedModel, policy: str = DEFAULT_STASH_POLICY, keep_weights: bool = True
+  ):
     self.model, self.policy, self.keep_weights = model, STASH_POLICIES[policy], keep_weights
 
   def _vjp(self, params_s, x, stage_index, key, memory=None, batch_index=None):
