@@ -126,6 +126,10 @@ def test_presets_are_valid_and_have_the_documented_shapes():
       ['--stages 3', 'only 2 layers', '--num-layers 3 or more'],
     ),
     (['--schedule', 'nope'], ['unknown --schedule nope', 'backprop']),
+    (
+      ['--schedule', 'gpipe', '--stages', '2', '--stash-policy', 'all'],
+      ['--stash-policy all applies to --schedule ouroboros only, not gpipe'],
+    ),
   ],
 )
 def test_bad_settings_fail_in_one_line(args, words):
@@ -423,6 +427,48 @@ def test_microbatches_on_a_schedule_without_them_is_refused():
     cfg = cli.config_from_args(parser.parse_args(['train', *flags]))
     cfg.validate()
     assert cfg.schedule.num_microbatches == micro, flags
+
+
+def test_the_stash_policy_and_the_tie_are_ouroboros_graph_flags():
+  """--stash-policy and --tied-grad change nothing on the other schedules, nor --stash-policy on
+  the replay stash: refused in one line, as the other Ouroboros flags are."""
+  for schedule in ('gpipe', 'model_parallel', 'zb_h1'):
+    for flag, value in (('--stash-policy', 'all'), ('--tied-grad', 'mean')):
+      _refused(
+        ['--schedule', schedule, '--stages', '2', flag, value],
+        f'{flag} {value} applies to --schedule ouroboros only',
+        f'not {schedule}',
+        'drop it or use --schedule ouroboros',
+      )
+  _refused(['--tied-grad', 'mean'], '--tied-grad mean applies', 'not backprop')
+  _refused(
+    ['--schedule', 'ouroboros', '--stages', '2', '--stash', 'replay', '--stash-policy', 'dots'],
+    '--stash-policy dots chooses what --stash graph keeps',
+    '--stash replay keeps only the input',
+    'drop it or use --stash graph',
+  )
+  parser = cli.make_parser()
+  for flags in (
+    ['--schedule', 'gpipe', '--stages', '2'],
+    ['--schedule', 'ouroboros', '--stages', '2', '--stash', 'replay'],
+    ['--schedule', 'ouroboros', '--stages', '2', '--stash-policy', 'all', '--tied-grad', 'mean'],
+  ):
+    cli.config_from_args(parser.parse_args(['train', *flags])).validate()
+  # A run saved before (every config.json holds them; the policy's default was once 'all')
+  # still loads and resumes: what nothing read is dropped.
+  for saved, kept in (
+    ({'name': 'gpipe', 'num_stages': 2, 'stash_policy': 'all', 'tied_grad': 'mean'}, {}),
+    ({'name': 'ouroboros', 'num_stages': 2, 'stash': 'replay', 'stash_policy': 'all'}, {}),
+    (
+      {'name': 'ouroboros', 'num_stages': 2, 'stash_policy': 'all', 'tied_grad': 'mean'},
+      {'stash_policy': 'all', 'tied_grad': 'mean'},
+    ),
+  ):
+    cfg = config.get_preset('tiny')
+    old = config.TrainConfig.from_dict({**cfg.to_dict(), 'schedule': saved})
+    old.validate()
+    assert {k: getattr(old.schedule, k) for k in kept} == kept
+    assert old.schedule.stash_policy == kept.get('stash_policy', 'nothing')
 
 
 def test_streamed_micro_batches_are_an_ouroboros_flag():

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from ouroboros_jax import cli, placement, staged
-from ouroboros_jax.training import checkpoint, config, data, loop, metrics, sample
+from ouroboros_jax.training import checkpoint, config, data, loop, metrics, resume, sample
 
-from helpers import assert_trees_equal, host_tree, tiny_config
+from helpers import assert_trees_equal, host_tree, raises_for_cli, tiny_config
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -205,12 +205,17 @@ def test_resume_with_different_flags_names_them(short_run, tmp_path):
   other = config.override(cfg, {'d_model': 64, 'steps': 120})
   with pytest.raises(checkpoint.CheckpointError, match='--d-model 32.*--d-model 64'):
     loop.train(other, resume=True, quiet=True)
-  # What a graph stash keeps fixes the shape of the saved ring buffers.
-  other = config.override(cfg, {'stash_policy': 'dots'})
+  # What a graph stash keeps fixes the shape of Ouroboros' saved ring buffers ...
+  ring = config.override(cfg, {'schedule': 'ouroboros', 'stages': 2})
+  layers = ring.plans.layers_per_stage
+  other = config.override(ring, {'stash_policy': 'dots'})
   with pytest.raises(
     checkpoint.CheckpointError, match='--stash-policy nothing.*--stash-policy dots'
   ):
-    loop.train(other, resume=True, quiet=True)
+    resume.check_resumable(resume.run_meta(ring, layers), other, layers, 'OUT')
+  # ... and nothing of backprop's, where it is refused before any checkpoint is read.
+  with raises_for_cli('--stash-policy dots applies to --schedule ouroboros only, not backprop'):
+    loop.train(config.override(cfg, {'stash_policy': 'dots'}), resume=True, quiet=True)
 
 
 def test_fresh_run_refuses_an_out_dir_with_checkpoints(short_run):

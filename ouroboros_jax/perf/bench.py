@@ -83,18 +83,28 @@ class Setting:
   def schedule_config(
     self, seed=0, stash_policy=DEFAULT_STASH_POLICY, compensation: Compensation = Compensation()
   ) -> ScheduleConfig:
+    """The setting as a ScheduleConfig, every `auto` explicit: its own micro-batches and flow,
+    and `compensation` (default none, the paper's method). `stash_policy` and `compensation`
+    apply to Ouroboros only (stash_policy to its graph stash)."""
     if self.schedule == 'data_parallel':
       return ScheduleConfig(name=self.schedule, data_parallel=self.devices, seed=seed)
-    return ScheduleConfig(
+    config = ScheduleConfig(
       name=self.schedule,
       num_stages=self.devices,
       seed=seed,
       microbatches=self.microbatches,
-      stash=self.stash if self.stash != '-' else 'graph',
-      stash_policy=stash_policy,
+      compensation=Compensation(),
+    )
+    if self.schedule != 'ouroboros':
+      return config
+    stash = self.stash if self.stash != '-' else 'graph'
+    return dataclasses.replace(
+      config,
+      stash=stash,
+      stash_policy=stash_policy if stash == 'graph' else DEFAULT_STASH_POLICY,
       forward=self.forward if self.forward != '-' else 'locked',
-      flow=self.flow if self.schedule == 'ouroboros' else 'auto',
-      compensation=(compensation if self.schedule == 'ouroboros' else Compensation()),
+      flow=self.flow,
+      compensation=compensation,
     )
 
 

@@ -109,7 +109,7 @@ def stash_comparison(
   """Backprop and Ouroboros with each stash mode (and each graph stash policy), for the same
   model and batch."""
   rows = [memory_report(cfg, ScheduleConfig(name='backprop'), batch_size)]
-  modes = [('graph', policy) for policy in policies] + [('replay', 'all')]
+  modes = [('graph', policy) for policy in policies] + [('replay', 'nothing')]  # replay: no policy
   for stash, policy in modes:
     rows.append(
       memory_report(

@@ -101,7 +101,15 @@ class ScheduleConfig:
       )
     if self.name != 'ouroboros':  # the Ouroboros-only settings must not pass silently
       defaults = ScheduleConfig()
-      for name in ('stash', 'stash_memory', 'forward', 'flow', 'sync_warmup_steps'):
+      for name in (
+        'stash',
+        'stash_policy',
+        'stash_memory',
+        'forward',
+        'flow',
+        'sync_warmup_steps',
+        'tied_grad',
+      ):
         if getattr(self, name) != getattr(defaults, name):
           raise ConfigError(
             f'{field_ref(name, getattr(self, name))} applies to '
@@ -114,6 +122,12 @@ class ScheduleConfig:
           f'delayed gradients, and {field_ref("name", self.name)} has none; use '
           f'{field_ref("name", "ouroboros")} or {field_ref("compensation", "none")}.'
         )
+    if self.stash == 'replay' and self.stash_policy != DEFAULT_STASH_POLICY:
+      raise ConfigError(
+        f'{field_ref("stash_policy", self.stash_policy)} chooses what '
+        f'{field_ref("stash", "graph")} keeps, and {field_ref("stash", "replay")} keeps only '
+        f'the input; drop it or use {field_ref("stash", "graph")}.'
+      )
     if self.name not in MICROBATCHED and self.microbatches not in (None, 1):
       raise ConfigError(
         f'{field_ref("microbatches", self.microbatches)} applies to '

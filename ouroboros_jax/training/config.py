@@ -428,6 +428,13 @@ class TrainConfig:
       schedule.setdefault('flow', 'batch')  # saved before --flow: the ring ran as one batch
     elif schedule.get('flow') == 'batch':  # saved as the default before --flow auto
       del schedule['flow']  # (no other schedule has a flow)
+    # Saved before they were refused where nothing reads them (every config.json holds them, and
+    # the stash policy's default was 'all'): the other schedules' and the replay stash's.
+    unread = ('stash_policy', 'tied_grad') if schedule.get('name') != 'ouroboros' else ()
+    if schedule.get('stash') == 'replay':
+      unread = ('stash_policy', *unread)
+    for name in unread:
+      schedule.pop(name, None)
     return cls(model=model, schedule=ScheduleConfig(**schedule), **d)
 
 
