@@ -14,7 +14,8 @@ pure, jitted `step(state, batch) -> (state, metrics)` for backprop, Ouroboros or
 `recipe('ouroboros', num_stages, batch_size)` gives the library's default recipe, resolved as
 `ouroboros train` resolves it: the `ScheduleConfig` (compensation, flow and micro-batches for the
 platform) and the Optax optimizer (Muon) that `build_schedule` takes (training/recipe.py). A bare
-`ScheduleConfig(name='ouroboros')` is the paper's method (`Compensation()`, one batch).
+`ScheduleConfig(name='ouroboros')` resolves to the same schedule when built; the paper's method is
+`compensation=Compensation()`.
 `ouroboros_jax.training.loop.train(cfg)` runs a whole `TrainConfig`. Every error a user can fix
 is a `UserError` (errors.py) with a one-line message. The folders are the layers:
 docs/architecture.md.

@@ -26,6 +26,7 @@ from ouroboros_jax import model as transformer
 from ouroboros_jax import partition
 from ouroboros_jax.accelerators import pld, stdloss
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule, reference
+from ouroboros_jax.schedules.compensation import Compensation
 from ouroboros_jax.training import config as train_config
 
 from helpers import (
@@ -131,7 +132,9 @@ def test_ouroboros_in_bf16_equals_its_reference_and_sends_bf16(stash, forward):
   """Against the slow reference in bf16; its buffers and every ppermute payload are bf16."""
   model, params = tiny_transformer(3, num_layers=4, dtype='bfloat16')
   batches = random_batches(9, batch=BATCH)
-  config = ScheduleConfig(name='ouroboros', num_stages=3, stash=stash, forward=forward)
+  config = ScheduleConfig(
+    name='ouroboros', compensation=Compensation(), num_stages=3, stash=stash, forward=forward
+  )
   state, losses = run_schedule(config, model, SGD, params, batches)
   want, want_losses, _ = reference.run(model, SGD, params, batches, stash=stash, forward=forward)
   assert max_abs_diff(state.params, params) > 0.05
@@ -168,7 +171,9 @@ def test_transformer_xl_memory_is_bf16_and_ring_matches_backprop():
 def test_bf16_ouroboros_checkpoint_round_trips(tmp_path):
   model, params = tiny_transformer(2, num_layers=4, dtype='bfloat16')
   batches = random_batches(3, batch=BATCH)
-  schedule = build_schedule(ScheduleConfig(name='ouroboros', num_stages=2), model, SGD)
+  schedule = build_schedule(
+    ScheduleConfig(name='ouroboros', compensation=Compensation(), num_stages=2), model, SGD
+  )
   state = schedule.init(params, batches[0])
   for batch in batches:
     state, _ = schedule.step(state, batch)
@@ -198,7 +203,9 @@ def test_pld_and_stdloss_train_in_bf16_as_their_reference(flag):
   else:
     model = stdloss.stdloss_stages(model_cfg, layers, 0.1, 1)
   batches = random_batches(6, batch=BATCH)
-  config = ScheduleConfig(name='ouroboros', num_stages=2, stash='replay')
+  config = ScheduleConfig(
+    name='ouroboros', compensation=Compensation(), num_stages=2, stash='replay'
+  )
   state, losses = run_schedule(config, model, SGD, params, batches)
   want, want_losses, _ = reference.run(model, SGD, params, batches, stash='replay')
   assert max_abs_diff(state.params, params) > 0.01

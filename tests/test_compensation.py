@@ -13,6 +13,7 @@ from ouroboros_jax import optimizers
 from ouroboros_jax.model import ConfigError
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule, compensation, reference
 from ouroboros_jax.schedules.compensation import Compensation
+from ouroboros_jax.schedules.config import RECIPE_COMPENSATION
 from ouroboros_jax.update import GroupedOptimizer
 
 from helpers import (
@@ -53,8 +54,8 @@ def test_matches_slow_restatement(name, num_stages, forward):
   tx = adam()
   steps = 2 * num_stages + 4 if forward == 'pipelined' else 7
   batches = random_batches(steps, seed=3)
-  config = ScheduleConfig(
-    name='ouroboros', num_stages=num_stages, forward=forward, compensation=comp
+  config = ScheduleConfig(  # one micro-batch, as the reference's
+    name='ouroboros', num_stages=num_stages, forward=forward, compensation=comp, microbatches=1
   )
   state, losses = run_schedule(config, model, tx, params, batches)
   want, want_losses, _ = reference.run(
@@ -84,6 +85,7 @@ def test_with_data_parallel_warmup_and_replay(stash, forward):
     forward=forward,
     sync_warmup_steps=2,
     compensation=comp,
+    microbatches=1,  # as the reference's
   )
   state, _ = run_schedule(config, model, tx, params, batches)
   want, _, _ = reference.run(
@@ -93,12 +95,16 @@ def test_with_data_parallel_warmup_and_replay(stash, forward):
 
 
 def test_none_is_the_paper_exact_method_bit_for_bit():
+  """Compensation() is the paper's method: flow 'auto' gives the whole batch at once, bit for
+  bit, and the reference's numbers. A bare config is not it: 'auto' is the recipe."""
   model, params = tiny_transformer(2)
   batches = random_batches(6, seed=5)
-  config = ScheduleConfig(name='ouroboros', num_stages=2)
+  config = ScheduleConfig(name='ouroboros', num_stages=2, compensation=Compensation())
   a, _ = run_schedule(config, model, adam(), params, batches)
   b, _ = run_schedule(
-    ScheduleConfig(name='ouroboros', num_stages=2, compensation=Compensation()),
+    ScheduleConfig(
+      name='ouroboros', num_stages=2, compensation=Compensation(), flow='batch', microbatches=1
+    ),
     model,
     adam(),
     params,
@@ -107,6 +113,39 @@ def test_none_is_the_paper_exact_method_bit_for_bit():
   want, _, _ = reference.run(model, adam(), params, batches)
   assert max_abs_diff(a.params, b.params) == 0.0
   assert max_abs_diff(a.params, want) < 2e-5
+  recipe, _ = run_schedule(
+    ScheduleConfig(name='ouroboros', num_stages=2), model, adam(), params, batches
+  )
+  assert max_abs_diff(recipe.params, want) > 1e-4
+
+
+def test_auto_is_resolved_once_for_the_python_api_and_the_cli():
+  """ScheduleConfig's default compensation is 'auto', resolved by the one rule
+  (`ScheduleConfig.resolve_compensation`) that TrainConfig's --compensation auto uses too."""
+  from ouroboros_jax.schedules import config as schedule_config
+  from ouroboros_jax.training import config
+
+  recipe = compensation.parse(schedule_config.RECIPE_COMPENSATION, steps=0)
+  replay = compensation.parse(schedule_config.RECIPE_COMPENSATION_REPLAY, steps=0)
+  for fields, want in (
+    ({'num_stages': 2}, recipe),
+    ({'num_stages': 4, 'forward': 'pipelined'}, recipe),
+    ({'num_stages': 2, 'stash': 'replay'}, replay),
+    ({'num_stages': 1}, Compensation()),
+    ({'num_stages': 2, 'compensation': Compensation()}, Compensation()),
+  ):
+    run = ScheduleConfig(name='ouroboros', **fields)
+    assert ScheduleConfig().compensation == schedule_config.AUTO
+    assert run.resolved_compensation == want, fields
+    assert run.resolved_flow == ('stream' if want.active else 'batch')
+    if 'compensation' not in fields:
+      flags = {'schedule': 'ouroboros', 'stages': fields.pop('num_stages'), **fields}
+      cli = config.override(config.get_preset('tiny'), flags)
+      assert cli.resolved_compensation() == want
+      assert cli.schedule_config('cpu').compensation == run.for_platform('cpu', 32).compensation
+  assert ScheduleConfig(name='gpipe', num_stages=2).resolved_compensation == Compensation()
+  with raises_for_cli(r"--compensation predict,dc takes 'auto' \(the recipe\) or a Compensation"):
+    ScheduleConfig(name='ouroboros', num_stages=2, compensation='predict,dc').validate()
 
 
 def test_one_stage_with_every_compensation_is_uncompensated_bit_for_bit():
@@ -303,9 +342,7 @@ def test_auto_gives_every_schedule_muon_and_ouroboros_the_recipe():
   ring = config.override(tiny, {'schedule': 'ouroboros', 'stages': 2})
   assert ring.resolved_optimizer() == config.RECIPE_OPTIMIZER == 'muon'
   assert ring.resolved_muon_learning_rate() == 0.02
-  assert ring.resolved_compensation() == compensation.parse(
-    config.RECIPE_COMPENSATION, steps=ring.steps
-  )
+  assert ring.resolved_compensation() == compensation.parse(RECIPE_COMPENSATION, steps=ring.steps)
   assert config.override(ring, {'stash': 'replay'}).resolved_compensation().dc_lambda == 0
   for exact in (
     tiny,

@@ -31,10 +31,13 @@ SCRIPT = textwrap.dedent("""
     from jax.sharding import NamedSharding, PartitionSpec as P
     from ouroboros_jax import model as M, partition, staged
     from ouroboros_jax.schedules import ScheduleConfig, build_schedule
+    from ouroboros_jax.schedules.compensation import Compensation
     cfg = M.ModelConfig(d_model=16, num_heads=2, num_layers=4, d_ff=32, seq_len=8)
     params = jax.device_get(partition.to_staged(M.init_params(cfg, jax.random.key(0)), (2, 2)))
-    schedule = build_schedule(ScheduleConfig(name='ouroboros', num_stages=2, stash=sys.argv[1]),
-                              partition.transformer_stages(cfg, (2, 2)), staged.adamw(1e-2))
+    config = ScheduleConfig(name='ouroboros', num_stages=2, stash=sys.argv[1],
+                            compensation=Compensation())  # the paper's ring
+    schedule = build_schedule(config, partition.transformer_stages(cfg, (2, 2)),
+                              staged.adamw(1e-2))
     rng = np.random.default_rng(0)
     batches = [{k: rng.integers(0, 256, (4, 8)).astype(np.int32) for k in ('inputs', 'targets')}
                for _ in range(5)]

@@ -5,16 +5,25 @@ from __future__ import annotations
 from ouroboros_jax import model as transformer
 from ouroboros_jax.perf import memory
 from ouroboros_jax.schedules import ScheduleConfig
+from ouroboros_jax.schedules.compensation import Compensation
 
 
 def test_replay_ring_is_inputs_only_and_graph_ring_is_larger():
   cfg = transformer.ModelConfig(d_model=32, num_heads=2, num_layers=4, d_ff=64, seq_len=16)
   batch, stages = 4, 2
   replay = memory.memory_report(
-    cfg, ScheduleConfig(name='ouroboros', num_stages=stages, stash='replay'), batch, (2, 2)
+    cfg,
+    ScheduleConfig(
+      name='ouroboros', compensation=Compensation(), num_stages=stages, stash='replay'
+    ),
+    batch,
+    (2, 2),
   )
   graph = memory.memory_report(
-    cfg, ScheduleConfig(name='ouroboros', num_stages=stages, stash='graph'), batch, (2, 2)
+    cfg,
+    ScheduleConfig(name='ouroboros', compensation=Compensation(), num_stages=stages, stash='graph'),
+    batch,
+    (2, 2),
   )
   depth = stages + 1
   activation = batch * cfg.seq_len * cfg.d_model * 4

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule, reference
+from ouroboros_jax.schedules.compensation import Compensation
 
 from helpers import (
   adam,
@@ -38,7 +39,9 @@ def test_microbatched_ring_matches_slow_reference(num_stages, stash, forward, mi
   model, params = tiny_transformer(num_stages, dropout=0.1)
   batches = random_batches(2 * num_stages + 4, seed=2)
   options = dict(stash=stash, forward=forward, microbatches=micro, seed=3)
-  config = ScheduleConfig(name='ouroboros', num_stages=num_stages, **options)
+  config = ScheduleConfig(
+    name='ouroboros', compensation=Compensation(), num_stages=num_stages, **options
+  )
   state, losses = run_schedule(config, model, adam(), params, batches)
   want, want_losses, _ = reference.run(model, adam(), params, batches, **options)
   head_lag = num_stages if forward == 'pipelined' and num_stages > 1 else 0
@@ -57,11 +60,13 @@ def test_microbatched_transformer_xl_warmup_and_data_parallel_match_reference(st
   model, params = tiny_transformer(2, num_layers=4, **TXL)
   batches = random_batches(7, seed=1, batch=8)
   options = dict(stash=stash, microbatches=2, sync_warmup_steps=2, tied_grad='mean', seed=5)
-  config = ScheduleConfig(name='ouroboros', num_stages=2, **options)
+  config = ScheduleConfig(name='ouroboros', compensation=Compensation(), num_stages=2, **options)
   state, _ = run_schedule(config, model, adam(), params, batches)
   want, _, _ = reference.run(model, adam(), params, batches, **options)
   assert max_abs_diff(state.params, want) < 2e-5
-  replicas = ScheduleConfig(name='ouroboros', num_stages=2, data_parallel=2, **options)
+  replicas = ScheduleConfig(
+    name='ouroboros', compensation=Compensation(), num_stages=2, data_parallel=2, **options
+  )
   replicated, _ = run_schedule(replicas, model, adam(), params, batches)
   # The reference has no data replicas: two replicas of M = 2 are its four streams (without
   # dropout: each replica folds the same micro-batch indices into its key).
@@ -75,7 +80,9 @@ def test_microbatches_leave_the_step_unchanged_without_dropout(forward):
   model, params = tiny_transformer(3)
   batches = random_batches(10, seed=4)
   run = lambda m: run_schedule(
-    ScheduleConfig(name='ouroboros', num_stages=3, forward=forward, microbatches=m),
+    ScheduleConfig(
+      name='ouroboros', compensation=Compensation(), num_stages=3, forward=forward, microbatches=m
+    ),
     model,
     adam(),
     params,
@@ -95,7 +102,14 @@ def test_a_stash_in_host_memory_leaves_the_parameters_bit_identical(stash, forwa
   pinned memory; every value is the same, and a checkpoint keeps them there."""
   model, params = tiny_transformer(2, dropout=0.1)
   batches = random_batches(6, seed=2)
-  options = dict(name='ouroboros', num_stages=2, stash=stash, forward=forward, microbatches=2)
+  options = dict(
+    name='ouroboros',
+    compensation=Compensation(),
+    num_stages=2,
+    stash=stash,
+    forward=forward,
+    microbatches=2,
+  )
   on_device, _ = run_schedule(ScheduleConfig(**options), model, adam(), params, batches)
   config = ScheduleConfig(**options, stash_memory='pinned_host')
   in_host, _ = run_schedule(config, model, adam(), params, batches)

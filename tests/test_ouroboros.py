@@ -12,6 +12,7 @@ from ouroboros_jax import model as transformer
 from ouroboros_jax import partition, staged
 from ouroboros_jax.model import ConfigError
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule, reference
+from ouroboros_jax.schedules.compensation import Compensation
 from ouroboros_jax.schedules.delays import staleness
 from ouroboros_jax.staged import StagedModel
 from ouroboros_jax.update import GroupedOptimizer
@@ -40,7 +41,9 @@ def test_matches_slow_reference(num_stages, stash, pre_ln):
   model, params = tiny_transformer(num_stages, pre_ln=pre_ln)
   tx = adam(weight_decay=0.01)
   batches = random_batches(7)
-  config = ScheduleConfig(name='ouroboros', num_stages=num_stages, stash=stash)
+  config = ScheduleConfig(
+    name='ouroboros', compensation=Compensation(), num_stages=num_stages, stash=stash
+  )
   state, losses = run_schedule(config, model, tx, params, batches)
   want, want_losses, _ = reference.run(model, tx, params, batches, stash=stash)
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
@@ -55,7 +58,13 @@ def test_uneven_split_dropout_warmup_and_mean_tie_match_reference(stash):
   tx = adam()
   batches = random_batches(7, seed=1)
   config = ScheduleConfig(
-    name='ouroboros', num_stages=3, stash=stash, sync_warmup_steps=2, tied_grad='mean', seed=5
+    name='ouroboros',
+    compensation=Compensation(),
+    num_stages=3,
+    stash=stash,
+    sync_warmup_steps=2,
+    tied_grad='mean',
+    seed=5,
   )
   state, losses = run_schedule(config, model, tx, params, batches)
   want, want_losses, _ = reference.run(
@@ -72,7 +81,13 @@ def test_pipelined_forward_matches_slow_reference(num_stages, stash):
   tx = adam()
   steps = 2 * num_stages + 4  # past the pipe fill of 2G steps
   batches = random_batches(steps, seed=2)
-  config = ScheduleConfig(name='ouroboros', num_stages=num_stages, stash=stash, forward='pipelined')
+  config = ScheduleConfig(
+    name='ouroboros',
+    compensation=Compensation(),
+    num_stages=num_stages,
+    stash=stash,
+    forward='pipelined',
+  )
   schedule = build_schedule(config, model, tx)
   state = schedule.init(params, batches[0])
   losses, loss_batches = [], []
@@ -136,7 +151,11 @@ def test_delays_are_exactly_K_minus_k_and_no_early_updates():
     lambda tree: jax.tree.map(lambda _: 'frozen' if 'w' in tree else 'sgd', tree),
   )
   schedule = build_schedule(
-    ScheduleConfig(name='ouroboros', num_stages=num_stages, clip_norm=None), probe_model(), tx
+    ScheduleConfig(
+      name='ouroboros', compensation=Compensation(), num_stages=num_stages, clip_norm=None
+    ),
+    probe_model(),
+    tx,
   )
   state = schedule.init(params, batches[0])
   for t, batch in enumerate(batches):
@@ -166,7 +185,12 @@ def test_checkpoint_resume_is_bitwise_identical(tmp_path, stash, forward, micro)
   tx = adam()
   batches = random_batches(8)
   config = ScheduleConfig(
-    name='ouroboros', num_stages=3, stash=stash, forward=forward, microbatches=micro
+    name='ouroboros',
+    compensation=Compensation(),
+    num_stages=3,
+    stash=stash,
+    forward=forward,
+    microbatches=micro,
   )
   straight, _ = run_schedule(config, model, tx, params, batches)
 
@@ -224,7 +248,12 @@ def test_graph_stash_policies_keep_the_forward_time_gradient(forward):
   want, _, _ = reference.run(model, tx, params, batches, stash='graph', forward=forward)
   for policy in ('dots', 'nothing'):
     config = ScheduleConfig(
-      name='ouroboros', num_stages=2, stash='graph', forward=forward, stash_policy=policy
+      name='ouroboros',
+      compensation=Compensation(),
+      num_stages=2,
+      stash='graph',
+      forward=forward,
+      stash_policy=policy,
     )
     state, _ = run_schedule(config, model, tx, params, batches)
     assert max_abs_diff(state.params, want) < 2e-5, policy
@@ -278,7 +307,13 @@ def test_graph_mode_is_backprop_with_per_module_delays(num_stages):
   model, params = tiny_transformer(num_stages)
   tx = adam()
   batches = random_batches(7, seed=3)
-  config = ScheduleConfig(name='ouroboros', num_stages=num_stages, stash='graph', clip_norm=None)
+  config = ScheduleConfig(
+    name='ouroboros',
+    compensation=Compensation(),
+    num_stages=num_stages,
+    stash='graph',
+    clip_norm=None,
+  )
   state, _ = run_schedule(config, model, tx, params, batches)
   want = delayed_exact_gradients(model, tx, params, batches, num_stages)
   assert max_abs_diff(params, want) > 1e-2

@@ -10,6 +10,7 @@ import pytest
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.perf import plan
 from ouroboros_jax.schedules import ScheduleConfig
+from ouroboros_jax.schedules.compensation import Compensation
 
 from helpers import assert_one_line_error, run_cli
 
@@ -112,7 +113,7 @@ def test_plan_bad_input_is_one_line(flags, words):
 
 
 def test_ouroboros_cuts_the_batch_on_accelerators_only():
-  run = ScheduleConfig(name='ouroboros', num_stages=4, data_parallel=2)
+  run = ScheduleConfig(name='ouroboros', compensation=Compensation(), num_stages=4, data_parallel=2)
   assert run.for_platform('cpu', 32).num_microbatches == 1
   assert run.for_platform('tpu', 32).num_microbatches == 8  # 16 rows per replica
   assert run.for_platform('gpu', 12).num_microbatches == 2  # 6 rows: the largest divisor <= 8

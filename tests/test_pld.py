@@ -15,6 +15,7 @@ from ouroboros_jax import partition, staged
 from ouroboros_jax.accelerators import pld
 from ouroboros_jax.model import ConfigError
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule
+from ouroboros_jax.schedules.compensation import Compensation
 
 from helpers import random_batches
 
@@ -273,7 +274,11 @@ def test_ouroboros_with_pld_matches_the_slow_reference(params, stash='replay'):
   staged_params = partition.to_staged(params, LAYERS_PER_STAGE)
   batches = [batch_of(seed, 4) for seed in range(6)]
   tx = staged.adamw(1e-2, eps=1e-6)
-  schedule = build_schedule(ScheduleConfig(name='ouroboros', num_stages=2, stash=stash), model, tx)
+  schedule = build_schedule(
+    ScheduleConfig(name='ouroboros', compensation=Compensation(), num_stages=2, stash=stash),
+    model,
+    tx,
+  )
   state = schedule.init(staged_params, batches[0])
   for batch in batches:
     state, metrics = schedule.step(state, batch)

@@ -94,8 +94,53 @@ def test_the_papers_method_is_explicit():
   assert run.schedule.compensation == Compensation() and not run.schedule.compensation.active
   assert run.schedule.resolved_flow == 'batch' and run.schedule.num_microbatches == 1
   assert dataclasses.asdict(run.schedule) == dataclasses.asdict(
-    ScheduleConfig(name='ouroboros', num_stages=2)
+    ScheduleConfig(name='ouroboros', num_stages=2, compensation=Compensation(), microbatches=1)
   )
+
+
+@pytest.mark.parametrize('platform', ['cpu', 'gpu', 'tpu'])
+@pytest.mark.parametrize(
+  'stages, fields',
+  [
+    (2, {}),
+    (4, {'forward': 'pipelined'}),
+    (2, {'stash': 'replay'}),
+    (2, {'data_parallel': 2}),
+    (1, {}),
+    (2, {'flow': 'batch'}),
+  ],
+)
+def test_a_bare_config_resolves_to_the_recipes_schedule_field_by_field(stages, fields, platform):
+  """ScheduleConfig's `auto`s (compensation, flow, micro-batches) resolve as the CLI resolves
+  them: `for_platform`, which `build_schedule` calls with the batch it is given."""
+  bare = ScheduleConfig(name='ouroboros', num_stages=stages, **fields)
+  want = recipe('ouroboros', stages, BATCH, platform=platform, **fields).schedule
+  assert dataclasses.asdict(bare.for_platform(platform, BATCH)) == dataclasses.asdict(want)
+  if stages > 1:  # never the paper's method by accident
+    assert bare.resolved_compensation.active and want.compensation != Compensation()
+
+
+def test_building_a_bare_config_runs_the_recipes_schedule():
+  """build_schedule on `ScheduleConfig(name='ouroboros', num_stages=2)` takes the micro-batches
+  from the batch `init` sees: the same ring, step for step, as the recipe's resolved settings
+  (compensations, streamed flow, M = 2 on the CPU), and not the paper's method."""
+  from ouroboros_jax import build_schedule
+
+  from helpers import adam, assert_trees_equal, random_batches, run_schedule, tiny_transformer
+
+  model, params = tiny_transformer(2)
+  batches = random_batches(5, seed=7)
+  want = recipe('ouroboros', 2, len(batches[0]['inputs']), platform='cpu').schedule
+  assert want.num_microbatches == 2 and want.resolved_flow == 'stream'
+  bare, _ = run_schedule(
+    ScheduleConfig(name='ouroboros', num_stages=2), model, adam(), params, batches
+  )
+  resolved, _ = run_schedule(want, model, adam(), params, batches)
+  assert_trees_equal(bare, resolved)  # parameters, optimizer state and ring buffers alike
+  paper = ScheduleConfig(name='ouroboros', num_stages=2, compensation=Compensation())
+  ring = build_schedule(paper, model, adam()).init(params, batches[0]).ring
+  assert jax.tree.structure(ring) == jax.tree.structure(bare.ring)
+  assert jax.tree.leaves(ring['stash'])[0].shape != jax.tree.leaves(bare.ring['stash'])[0].shape
 
 
 def test_platform_none_is_jaxs_backend_and_the_names_are_exported():

@@ -34,6 +34,7 @@ from ouroboros_jax import model as transformer
 from ouroboros_jax import partition, placement, schedules, staged
 from ouroboros_jax.model import ConfigError
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule, ouroboros
+from ouroboros_jax.schedules.compensation import Compensation
 
 from helpers import cli_message, raises_for_cli
 
@@ -210,10 +211,10 @@ def test_ouroboros_warmup_is_backprop_and_data_parallel_ring_is_whole_batch_ring
   """Stage 2 x data 2 vs stage 2 x data 1, both with 2 synchronous warm-up steps then 3 delayed
   ones: the warm-up steps give backprop's training (they use model_parallel's gradient), the
   delayed steps do not, and splitting the batch over two rings changes nothing."""
-  warmup = 2
+  warmup, paper = 2, Compensation()
   one, two, plain = trajectories(
-    run('ouroboros', (2, 2), sync_warmup_steps=warmup),
-    run('ouroboros', (2, 2), sync_warmup_steps=warmup, data_parallel=2),
+    run('ouroboros', (2, 2), sync_warmup_steps=warmup, compensation=paper),
+    run('ouroboros', (2, 2), sync_warmup_steps=warmup, data_parallel=2, compensation=paper),
     BACKPROP,
   )
   assert_same_training(one, plain, 'ouroboros warm-up', steps=warmup)

@@ -78,7 +78,11 @@ def test_streamed_transformer_xl_warmup_mean_tie_and_replicas_match_reference():
   batches = random_batches(7, seed=1, batch=8)
   options = dict(microbatches=2, sync_warmup_steps=2, tied_grad='mean', seed=5, flow='stream')
   state, _ = run_schedule(
-    ScheduleConfig(name='ouroboros', num_stages=2, **options), model, adam(), params, batches
+    ScheduleConfig(name='ouroboros', compensation=Compensation(), num_stages=2, **options),
+    model,
+    adam(),
+    params,
+    batches,
   )
   want, _, _ = reference.run(model, adam(), params, batches, **options)
   assert max_abs_diff(state.params, want) < 2e-5
@@ -87,7 +91,9 @@ def test_streamed_transformer_xl_warmup_mean_tie_and_replicas_match_reference():
   halves = [{k: v[:4] for k, v in b.items()} for b in batches]
   twice = [{k: np.concatenate([v, v]) for k, v in b.items()} for b in halves]
   replicated, _ = run_schedule(
-    ScheduleConfig(name='ouroboros', num_stages=2, data_parallel=2, **options),
+    ScheduleConfig(
+      name='ouroboros', compensation=Compensation(), num_stages=2, data_parallel=2, **options
+    ),
     model,
     adam(),
     params,
@@ -104,7 +110,12 @@ def test_one_microbatch_streams_as_one_batch_and_the_stash_shrinks(tmp_path):
   model, params = tiny_transformer(4, dropout=0.1)
   batches = random_batches(8, seed=6)
   config = lambda flow, micro: ScheduleConfig(
-    name='ouroboros', num_stages=4, microbatches=micro, flow=flow, seed=1
+    name='ouroboros',
+    compensation=Compensation(),
+    num_stages=4,
+    microbatches=micro,
+    flow=flow,
+    seed=1,
   )
   run = lambda flow, micro: run_schedule(config(flow, micro), model, adam(), params, batches)
   assert_trees_equal(run('stream', 1)[0].params, run('batch', 1)[0].params)

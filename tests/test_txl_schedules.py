@@ -16,6 +16,7 @@ import pytest
 from ouroboros_jax import partition, txl
 from ouroboros_jax.model import ConfigError, ModelConfig
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule, reference
+from ouroboros_jax.schedules.compensation import Compensation
 
 from helpers import (
   SEQ,
@@ -83,7 +84,9 @@ def test_backprop_memory_is_the_previous_segments_hidden_states(backprop_run):
 def test_ouroboros_matches_slow_reference(num_stages, stash):
   model, params = _txl(num_stages, dropout=0.1)
   batches = random_batches(6, seed=1)
-  config = ScheduleConfig(name='ouroboros', num_stages=num_stages, stash=stash, seed=2)
+  config = ScheduleConfig(
+    name='ouroboros', compensation=Compensation(), num_stages=num_stages, stash=stash, seed=2
+  )
   state, losses = run_schedule(config, model, adam(), params, batches)
   want, want_losses, _ = reference.run(model, adam(), params, batches, stash=stash, seed=2)
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
@@ -103,7 +106,12 @@ def test_pipelined_ouroboros_with_warmup_matches_slow_reference(stash):
   # no tolerance tells a bug from rounding there.
   batches = random_batches(8, seed=5)
   config = ScheduleConfig(
-    name='ouroboros', num_stages=2, stash=stash, forward='pipelined', sync_warmup_steps=2
+    name='ouroboros',
+    compensation=Compensation(),
+    num_stages=2,
+    stash=stash,
+    forward='pipelined',
+    sync_warmup_steps=2,
   )
   state, _ = run_schedule(config, model, adam(), params, batches)
   want, _, _ = reference.run(
@@ -115,7 +123,7 @@ def test_pipelined_ouroboros_with_warmup_matches_slow_reference(stash):
 def test_resume_is_bitwise_with_the_memory_in_the_state(tmp_path):
   model, params = _txl(2)
   batches = random_batches(6)
-  config = ScheduleConfig(name='ouroboros', num_stages=2)
+  config = ScheduleConfig(name='ouroboros', compensation=Compensation(), num_stages=2)
   straight, _ = run_schedule(config, model, adam(), params, batches)
   schedule = build_schedule(config, model, adam())
   state = schedule.init(params, batches[0])

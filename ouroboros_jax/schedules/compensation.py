@@ -77,7 +77,7 @@ def spec_names(spec: str) -> tuple[str, ...]:
   """The compensations a --compensation spec lists (() for 'none' or ''): the one check of the
   flag's spelling, a one-line ConfigError for an unknown, repeated or contradictory name.
 
-  'auto' (TrainConfig's default: the recipe, `TrainConfig.resolved_compensation`) and 'none'
+  'auto' (the default: the recipe, `ScheduleConfig.resolve_compensation`) and 'none'
   stand alone; 'auto' comes back as ('auto',).
   """
   names = [n.strip() for n in spec.split(',') if n.strip()]
@@ -116,7 +116,7 @@ def parse(
   names = spec_names(spec)
   if names == ('auto',):
     raise ValueError(
-      "parse takes a resolved spec; TrainConfig.resolved_compensation resolves 'auto'."
+      "parse takes a resolved spec; ScheduleConfig.resolve_compensation resolves 'auto'."
     )
   if not names:
     return Compensation()

@@ -106,37 +106,48 @@ def build(
 ) -> Schedule:
   """The Ouroboros schedule: `init(params, example_batch)` and a jitted `step(state, batch)`.
 
-  `config.compensation` (compensation.py) wraps `tx` with the update-side compensations and,
-  with `predict`, runs each module's forward at its predicted weights."""
+  `config.compensation` (compensation.py; 'auto': `ScheduleConfig.resolve_compensation`) wraps
+  `tx` with the update-side compensations and, with `predict`, runs each module's forward at its
+  predicted weights. A config without ‹microbatches› takes them from the batch `init` and `step`
+  are given, resolved as the CLI resolves them (`ScheduleConfig.for_platform`, on the devices'
+  platform)."""
   num_stages = config.num_stages
-  comp = config.compensation
+  comp = config.resolved_compensation
   compensation.check_fits(comp, config.stash)
-  timing = Timing(num_stages, config.forward, config.num_microbatches, config.resolved_flow)
   mesh = placement.make_mesh(num_stages, config.data_parallel, devices)
   if config.stash_memory == 'pinned_host':
     placement.check_pinned_host(mesh)
   if num_stages == 1:  # no delay, nothing to compensate: exactly the paper's G = 1 step
     comp = compensation.Compensation()
-  ring = _Ring(
-    config=config,
-    model=model,
-    optimizer=GroupedOptimizer(
-      compensation.wrap(comp, tx, max([timing.embed_gap, *timing.stage_gaps])),
-      config.clip_norm,
-      model.shared,
-    ),
-    # Graph: the weights are kept once per step ('weights'), not once per micro-batch.
-    stash=make_stash(model, config.stash, config.stash_policy, keep_weights=False),
-    mesh=mesh,
-    timing=timing,
-    compensation=comp,
-  )
+  # Graph: the weights are kept once per step ('weights'), not once per micro-batch.
+  stash = make_stash(model, config.stash, config.stash_policy, keep_weights=False)
+  platform = mesh.devices.flat[0].platform
+
+  @functools.cache
+  def ring(batch_size: int) -> _Ring:  # the micro-batches, and what they imply, for this batch
+    run = config.for_platform(platform, batch_size)
+    timing = Timing(num_stages, run.forward, run.num_microbatches, run.resolved_flow)
+    return _Ring(
+      config=run,
+      model=model,
+      optimizer=GroupedOptimizer(
+        compensation.wrap(comp, tx, max([timing.embed_gap, *timing.stage_gaps])),
+        run.clip_norm,
+        model.shared,
+      ),
+      stash=stash,
+      mesh=mesh,
+      timing=timing,
+      compensation=comp,
+    )
+
+  rows = lambda batch: batch['inputs'].shape[0]
   return placement.make_schedule(
     'ouroboros',
     model,
-    ring.mesh,
-    functools.partial(_init, ring),
-    functools.partial(_step, ring),
+    mesh,
+    lambda params, example_batch: _init(ring(rows(example_batch)), params, example_batch),
+    lambda state, batch: _step(ring(rows(batch)), state, batch),
     idle_fraction(num_stages, forward=config.forward),
   )
 

@@ -41,7 +41,7 @@ import optax
 from ouroboros_jax import optimizers
 from ouroboros_jax.errors import ConfigError, field_ref
 from ouroboros_jax.model import ModelConfig
-from ouroboros_jax.schedules.config import ScheduleConfig
+from ouroboros_jax.schedules.config import AUTO, ScheduleConfig
 
 
 class Plans(typing.NamedTuple):
@@ -90,7 +90,8 @@ class TrainConfig:
   # Optimizer and staleness compensation (compensation.py).
   # 'auto': every schedule trains with the best measured optimizer, Muon (DEFAULT_OPTIMIZER), at
   # its own measured best rate (DEFAULT_MUON_RATES), and Ouroboros with G > 1 also with the
-  # measured compensations (RECIPE_COMPENSATION); --compensation none is the paper's AdamW.
+  # measured compensations (schedules.config.RECIPE_COMPENSATION); --compensation none is the
+  # paper's AdamW.
   optimizer: str = 'auto'  # auto, adamw, nadamw (b1 0.99), muon (kernels; Adam elsewhere)
   # muon: the kernels' peak rate (--learning-rate: the rest); None: DEFAULT_MUON_RATES
   muon_learning_rate: float | None = None
@@ -98,7 +99,7 @@ class TrainConfig:
   # The flag's text: auto, none (the paper) or a comma list of predict, pipemare, dc, shrink
   # (ouroboros only); parsed once, with the strengths below, into the typed record
   # `resolved_compensation()` (what ScheduleConfig.compensation holds).
-  compensation: str = 'auto'
+  compensation: str = AUTO
   dc_lambda: float = 1.0  # dc: DC-ASGD-a's strength lambda_0
   shrink: float = 0.5  # shrink: factor on delayed gradients
   pipemare_steps: int = 0  # pipemare: steps T to the full rate (0: a quarter of --steps)
@@ -325,14 +326,9 @@ class TrainConfig:
     self.resolved_compensation()  # the flag's spelling, 'auto' included, and the strengths
 
   @property
-  def uses_recipe(self) -> bool:
-    """--compensation auto on a delayed schedule: the measured recipe applies (see RECIPE_*)."""
-    return self.compensation == 'auto' and self.delayed and not (self.growth or self.vcycle)
-
-  @property
   def delayed(self) -> bool:
     """Ouroboros with more than one group: gradients arrive late."""
-    return self.schedule.name == 'ouroboros' and self.schedule.num_stages > 1
+    return self.schedule.delayed
 
   def resolved_optimizer(self) -> str:
     """--optimizer auto: Muon for every schedule; AdamW for the paper's method
@@ -351,23 +347,17 @@ class TrainConfig:
 
   def resolved_compensation(self):
     """--compensation and its strengths as the typed record the schedules take
-    (`ScheduleConfig.compensation`), parsed once per config."""
+    (`ScheduleConfig.compensation`), parsed once per config: 'auto' as
+    `ScheduleConfig.resolve_compensation` resolves it for every caller (none for --growth and
+    --vcycle, which train with AdamW alone)."""
     return self._compensation
 
   @functools.cached_property
   def _compensation(self):
-    from ouroboros_jax.schedules import compensation
-
     spec = self.compensation
-    if spec == 'auto':
-      spec = (
-        'none'
-        if not self.uses_recipe
-        else RECIPE_COMPENSATION
-        if self.schedule.stash == 'graph'
-        else RECIPE_COMPENSATION_REPLAY
-      )
-    return compensation.parse(
+    if spec == AUTO and (self.growth or self.vcycle):
+      spec = 'none'
+    return self.schedule.resolve_compensation(
       spec,
       steps=self.steps,
       dc_lambda=self.dc_lambda,
@@ -477,12 +467,7 @@ def lr_schedule(cfg: TrainConfig, steps: int | None = None, peak: float | None =
 DEFAULT_OPTIMIZER = 'muon'
 DEFAULT_MUON_RATES = {'exact': 0.04, 'delayed': 0.02}
 RECIPE_OPTIMIZER = DEFAULT_OPTIMIZER
-# The compensations `--compensation auto` gives Ouroboros: weight prediction for the forward and
-# DC-ASGD's delay compensation (G = 2, 1000 steps: 2.44 val bpb, +1.9% over backprop with Muon;
-# AdamW at its best rate 3.48). DC needs the graph stash; with replay the recipe is Muon +
-# prediction (2.46).
-RECIPE_COMPENSATION = 'predict,dc'
-RECIPE_COMPENSATION_REPLAY = 'predict'
+# The compensations `--compensation auto` gives Ouroboros: schedules.config.RECIPE_COMPENSATION.
 
 
 def make_optimizer(cfg: TrainConfig, *, muon_dims: optimizers.MuonDims | None = None):

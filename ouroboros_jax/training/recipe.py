@@ -3,8 +3,9 @@
     r = recipe('ouroboros', num_stages=2, batch_size=32, steps=1000)
     schedule = build_schedule(r.schedule, model, r.optimizer)
 
-`ScheduleConfig(name='ouroboros')` on its own is the paper's method (no compensation, the step's
-batch travelling whole, one micro-batch). `recipe` gives what `ouroboros train` gives for the same
+A bare `ScheduleConfig(name='ouroboros')` resolves its `auto`s when it is built, to the same
+schedule (`ScheduleConfig.for_platform`); the paper's method is `compensation=Compensation()`.
+`recipe` gives the resolved settings and the optimizer, what `ouroboros train` gives for the same
 flags: it builds the `TrainConfig` the CLI builds (the preset, the flags applied by
 `config.override`) and asks it the same questions, `TrainConfig.schedule_config` (the
 compensation, the flow and the micro-batches for the platform) and `config.make_optimizer` (the
