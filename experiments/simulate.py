@@ -62,7 +62,8 @@ Measured CSV (`--measured`), written by a benchmark, one row per measured settin
                       computes at once (the processes of one CPU share its memory bus):
                       `bench.measure_concurrent_slowdown`; default 1 (devices independent)
 
-The table pipelines run tick by tick, as the library's executor runs them (`Run.lockstep`).
+The table pipelines run tick by tick, as the library's executor runs them (`simulate`'s
+`lockstep`).
 
 It prints and writes (measured_vs_predicted.csv) the predicted step time next to the measured
 one with the relative error (predicted - measured) / measured.
@@ -78,29 +79,39 @@ import os
 
 from ouroboros_jax.choices import MICROBATCHED
 from ouroboros_jax.perf import simulate as sim
+from ouroboros_jax.schedules import ScheduleConfig
 
 STAGES = (1, 2, 4, 8, 16, 32, 64)
-# label -> (schedule, its simulate.Run keywords); data_parallel gets D = G at run time.
+
+
+def _ring(**fields):
+  """G -> the Ouroboros ScheduleConfig of `fields` on G stages."""
+  return lambda g: ScheduleConfig(name='ouroboros', num_stages=g, **fields)
+
+
+# A line of the plot across G -> the ScheduleConfig it runs at G. The names are the lines', not
+# ScheduleConfig.label (which names one G's setting: 'ouroboros M=4 stream locked/graph').
 VARIANTS = {
-  'data_parallel': ('data_parallel', {}),
-  'model_parallel': ('model_parallel', {}),
-  'gpipe M=4': ('gpipe', {'microbatches': 4}),
-  'gpipe M=8': ('gpipe', {'microbatches': 8}),
-  'zb_h1 M=8': ('zb_h1', {'microbatches': 8}),
-  'zb_v M=8': ('zb_v', {'microbatches': 8}),
-  'ouroboros locked': ('ouroboros', {'forward': 'locked'}),
-  'ouroboros locked replay': ('ouroboros', {'forward': 'locked', 'stash': 'replay'}),
-  'ouroboros pipelined': ('ouroboros', {'forward': 'pipelined'}),
-  'ouroboros pipelined replay': ('ouroboros', {'forward': 'pipelined', 'stash': 'replay'}),
+  'data_parallel': lambda g: ScheduleConfig(name='data_parallel', data_parallel=g),
+  'model_parallel': lambda g: ScheduleConfig(name='model_parallel', num_stages=g),
+  'gpipe M=4': lambda g: ScheduleConfig(name='gpipe', num_stages=g, microbatches=4),
+  'gpipe M=8': lambda g: ScheduleConfig(name='gpipe', num_stages=g, microbatches=8),
+  'zb_h1 M=8': lambda g: ScheduleConfig(name='zb_h1', num_stages=g, microbatches=8),
+  'zb_v M=8': lambda g: ScheduleConfig(name='zb_v', num_stages=g, microbatches=8),
+  'ouroboros locked': _ring(forward='locked'),
+  'ouroboros locked replay': _ring(forward='locked', stash='replay'),
+  'ouroboros pipelined': _ring(forward='pipelined'),
+  'ouroboros pipelined replay': _ring(forward='pipelined', stash='replay'),
   # --flow stream runs the batch flow's step at the same M (only the indices differ), at the
-  # smallest M that makes every gradient one update old: M = G locked, 2G pipelined
-  # (`microbatches_per_stage`, resolved per G in `predict`).
-  'ouroboros stream locked M=G': ('ouroboros', {'forward': 'locked', 'microbatches_per_stage': 1}),
-  'ouroboros stream pipelined M=2G': (
-    'ouroboros',
-    {'forward': 'pipelined', 'microbatches_per_stage': 2},
+  # smallest M that makes every gradient one update old: M = G locked, 2G pipelined.
+  'ouroboros stream locked M=G': lambda g: ScheduleConfig(
+    name='ouroboros', num_stages=g, microbatches=g, flow='stream'
+  ),
+  'ouroboros stream pipelined M=2G': lambda g: ScheduleConfig(
+    name='ouroboros', num_stages=g, microbatches=2 * g, forward='pipelined', flow='stream'
   ),
 }
+GANTT = ('model_parallel', 'gpipe M=4', 'ouroboros locked', 'ouroboros pipelined')  # gantt.png
 COLUMNS = [
   'model',
   'hardware',
@@ -147,22 +158,20 @@ def predict(
   rows, skipped = [], [g for g in stages if g > model.num_layers]
   for num_stages in [g for g in stages if g <= model.num_layers]:
     costs = costs_of(num_stages)
-    for label, (schedule, kwargs) in VARIANTS.items():
-      kwargs = dict(kwargs, data_parallel=num_stages) if schedule == 'data_parallel' else kwargs
-      if 'microbatches_per_stage' in kwargs:
-        kwargs = dict(kwargs, microbatches=kwargs['microbatches_per_stage'] * num_stages)
-        del kwargs['microbatches_per_stage']
-      result = sim.simulate(sim.Run(schedule, **kwargs), costs)
+    for label, config_at in VARIANTS.items():
+      config = config_at(num_stages)
+      result = sim.simulate(config, costs)
+      ring = config.name == 'ouroboros'
       rows.append(
         {
           'model': model.name,
           'hardware': hardware.name,
           'label': label,
-          'schedule': schedule,
+          'schedule': config.name,
           'devices': result.num_devices,
-          'microbatches': kwargs.get('microbatches', ''),
-          'stash': kwargs.get('stash', 'graph') if schedule == 'ouroboros' else '',
-          'forward': kwargs.get('forward', '') if schedule == 'ouroboros' else '',
+          'microbatches': '' if config.microbatches is None else config.microbatches,
+          'stash': config.stash if ring else '',
+          'forward': config.forward if ring else '',
           'step_time_s': result.step_time,
           'speedup': result.speedup,
           'idle_fraction': result.idle_fraction,
@@ -250,12 +259,7 @@ def plot_gantt(path: str, num_stages: int = 4, steps_shown: int = 3) -> None:
   import matplotlib.pyplot as plt
 
   costs = sim.transformer_costs(sim.GPT2_SMALL, sim.NVLINK, num_stages)
-  runs = [
-    ('model_parallel', 'model_parallel', {}),
-    ('gpipe M=4', 'gpipe', {'microbatches': 4}),
-    ('ouroboros locked', 'ouroboros', {}),
-    ('ouroboros pipelined', 'ouroboros', {'forward': 'pipelined'}),
-  ]
+  runs = [(label, VARIANTS[label](num_stages)) for label in GANTT]
   colors = {
     'fwd': 'tab:blue',
     'bwd': 'tab:orange',
@@ -266,8 +270,8 @@ def plot_gantt(path: str, num_stages: int = 4, steps_shown: int = 3) -> None:
     'grad': 'tab:red',
   }
   fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.2 * len(runs)))
-  for ax, (title, schedule, kwargs) in zip(axes, runs):
-    result = sim.simulate(sim.Run(schedule, **kwargs), costs)
+  for ax, (title, config) in zip(axes, runs):
+    result = sim.simulate(config, costs)
     t1 = result.step_ends[-1]
     t0 = result.step_ends[-1 - steps_shown]
     lanes = list(range(num_stages)) + sorted(
@@ -328,8 +332,8 @@ def _per_stage(text: str, num_stages: int, schedule: str) -> list[float]:
   return values
 
 
-def measured_setting(row: dict) -> tuple[str, sim.StageCosts, dict]:
-  """(schedule, StageCosts, its simulate.Run keywords) of one measured-CSV row."""
+def measured_setting(row: dict) -> tuple[ScheduleConfig, sim.StageCosts]:
+  """(the ScheduleConfig, its StageCosts) of one measured-CSV row."""
   schedule = row['schedule'].strip()
   devices = int(row['stages'])
   num_stages = 1 if schedule in ('backprop', 'data_parallel') else devices
@@ -363,14 +367,15 @@ def measured_setting(row: dict) -> tuple[str, sim.StageCosts, dict]:
     **measured_micro,
     concurrent_slowdown=_number(row.get('concurrent_slowdown'), 1.0),
   )
-  kwargs = {
-    'lockstep': True,
-    'microbatches': micro,
-    'data_parallel': devices if schedule == 'data_parallel' else 1,
-    'stash': _mode(row.get('stash'), 'graph'),
-    'forward': _mode(row.get('forward'), 'locked'),
-  }
-  return schedule, costs, kwargs
+  ring = dict(stash=_mode(row.get('stash'), 'graph'), forward=_mode(row.get('forward'), 'locked'))
+  config = ScheduleConfig(
+    name=schedule,
+    num_stages=num_stages,
+    data_parallel=devices if schedule == 'data_parallel' else 1,
+    microbatches=micro if schedule in MICROBATCHED else None,
+    **(ring if schedule == 'ouroboros' else {}),
+  )
+  return config, costs
 
 
 def compare_measured(path: str) -> list[dict]:
@@ -379,16 +384,16 @@ def compare_measured(path: str) -> list[dict]:
     rows = list(csv.DictReader(f))
   out = []
   for row in rows:
-    schedule, costs, kwargs = measured_setting(row)
-    result = sim.simulate(sim.Run(schedule, **kwargs), costs)
-    measured = float(row['step_time_s'])
+    config, costs = measured_setting(row)
+    result = sim.simulate(config, costs, lockstep=True)  # as the library's executor runs
+    measured, ring = float(row['step_time_s']), config.name == 'ouroboros'
     out.append(
       {
-        'schedule': schedule,
+        'schedule': config.name,
         'stages': int(row['stages']),
-        'microbatches': kwargs['microbatches'] if schedule in MICROBATCHED else '',
-        'stash': kwargs['stash'] if schedule == 'ouroboros' else '',
-        'forward': kwargs['forward'] if schedule == 'ouroboros' else '',
+        'microbatches': config.num_microbatches if config.name in MICROBATCHED else '',
+        'stash': config.stash if ring else '',
+        'forward': config.forward if ring else '',
         'measured_s': measured,
         'predicted_s': result.step_time,
         'rel_error': (result.step_time - measured) / measured,

@@ -495,15 +495,8 @@ def simulated(
     microbatch_backward_s={m: micro[1]} if micro else {},
     concurrent_slowdown=1.0 if ideal else pieces.get('concurrent_slowdown', 1.0),
   )
-  run = simulate.Run(
-    setting.schedule,
-    lockstep=not ideal,  # the library's table executor: every tick ends with a ppermute
-    microbatches=setting.microbatches,
-    data_parallel=setting.devices if setting.schedule == 'data_parallel' else 1,
-    stash=setting.stash if setting.stash != '-' else 'graph',
-    forward=setting.forward if setting.forward != '-' else 'locked',
-  )
-  return simulate.simulate(run, costs).step_time
+  # as measured: the library's table executor, every tick ends with a ppermute
+  return simulate.simulate(setting.schedule_config(), costs, lockstep=not ideal).step_time
 
 
 def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dict]:

@@ -31,6 +31,7 @@ from ouroboros_jax.choices import EXACT_PIPELINES, SCHEDULES, STASH_MEMORIES
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.perf import compile as compile_lib
 from ouroboros_jax.perf import simulate
+from ouroboros_jax.schedules import ScheduleConfig
 from ouroboros_jax.training import config
 from ouroboros_jax.training.config import TrainConfig
 
@@ -178,8 +179,9 @@ def predicted_step_s(cfg: TrainConfig, setting: Setting, hardware: simulate.Hard
   stash = 'graph'
   if setting.stash and (setting.stash == 'replay' or setting.stash.endswith('/nothing')):
     stash = 'replay'  # the backward first re-runs the group's forward
-  run = simulate.Run(
-    setting.schedule,
+  run = ScheduleConfig(
+    name=setting.schedule,
+    num_stages=stages,
     microbatches=setting.microbatches or 1,
     data_parallel=setting.data_parallel if data else 1,
     stash=stash,

@@ -1,11 +1,12 @@
 """A discrete-event performance model of every schedule: predicted step time, idle time, speedup.
 
     costs = transformer_costs(GPT2_SMALL, NVLINK, num_stages=4)
-    result = simulate(Run('ouroboros', forward='pipelined'), costs)
+    result = simulate(ScheduleConfig(name='ouroboros', num_stages=4, forward='pipelined'), costs)
     result.step_time, result.speedup, result.idle_fraction, result.timeline  # a Gantt chart's rows
 
 What is and is not modelled, and each schedule's step: docs/algorithm.md ("Step time"). Needs
-only the standard library.
+only the standard library at import: it reads a `ScheduleConfig` by its fields, and imports it
+(and so JAX) only to make one of a plain schedule name.
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from typing import Callable, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Sequence
 
 from ouroboros_jax import costs
 from ouroboros_jax.choices import EXACT_PIPELINES, FORWARD_MODES, SCHEDULES, STASH_MODES
 from ouroboros_jax.schedules import tables
 from ouroboros_jax.schedules.delays import backward_batch, forward_batch, lags
+
+if TYPE_CHECKING:  # read by duck typing: schedules.config imports JAX, this module must not
+  from ouroboros_jax.schedules.config import ScheduleConfig
 
 # The pipelines the simulator runs from their tables, as the library's executor does: GPipe and
 # the exact pipelines (the head per micro-batch on the last stage's device).
@@ -378,7 +382,7 @@ def emit_table(g: Graph, t: int, state: dict, *, table, lockstep: bool = False, 
   embedding runs before the first chunk's F and after its B; the head after the last chunk's F,
   on the same device.
 
-  `lockstep` (`Run.lockstep`): as the library's executor runs a table, every tick ends with one
+  `lockstep` (`simulate`'s): as the library's executor runs a table, every tick ends with one
   `ppermute` per channel the table uses (idle ticks too), so a device starts tick k + 1 once its
   own tick k, what it sent and what it received at the end of tick k are done; a value read at a
   later tick has already arrived. Without it a device waits only for the values it reads."""
@@ -537,65 +541,58 @@ class SimResult:
     return [1.0 - busy / self.step_time for busy in self.per_device_busy]
 
 
-@dataclasses.dataclass(frozen=True)
-class Run:
-  """A schedule and its settings, as `simulate` runs it.
+def simulate(
+  run: ScheduleConfig | str, costs: StageCosts, steps: int | None = None, *, lockstep: bool = False
+) -> SimResult:
+  """Run the schedule `run` (a `ScheduleConfig`, or a schedule's name with ScheduleConfig's
+  defaults) on `costs` for `steps` steps (default 3G + 10) and measure its steady state.
 
-  `microbatches` is gpipe's, the exact pipelines' and Ouroboros' M (None: 4 for the pipelines,
-  1 for Ouroboros, whose step takes the whole batch unless told otherwise, as the library's does
-  on CPU); `data_parallel` is data_parallel's replica count R (the stage schedules run on
-  G = costs.num_stages devices); `stash` and `forward` are Ouroboros' modes (the other schedules
-  keep no stash and ignore them); `chunks` is the interleaved pipeline's model chunks per device
-  (None: 2); `lockstep` runs the table pipelines tick by tick as the library's executor does
-  (every tick ends with a `ppermute`; see `emit_table`), False: each operation waits only for
-  its input (the tables' idealised timing, whose bubble has a closed form).
-  """
-
-  schedule: str
-  microbatches: int | None = None
-  data_parallel: int = 1
-  stash: str = 'graph'
-  forward: str = 'locked'
-  chunks: int | None = None
-  lockstep: bool = False
-
-  @property
-  def num_microbatches(self) -> int:
-    if self.microbatches is not None:
-      return self.microbatches
-    return 1 if self.schedule == 'ouroboros' else 4
-
-
-def simulate(run: Run | str, costs: StageCosts, steps: int | None = None) -> SimResult:
-  """Run `run` (a `Run`, or a schedule's name with Run's defaults) on `costs` for `steps` steps
-  (default 3G + 10) and measure its steady state.
-
+  G is costs.num_stages (a config's num_stages, where it is not 1, must equal it). The config
+  gives the name, M (its `num_microbatches`, which states the default), data_parallel's replica
+  count R (the stage schedules run on G devices), Ouroboros' `stash` and `forward` (the other
+  schedules keep no stash and ignore them) and the interleaved pipeline's `chunks`; what else it
+  says (the flow, the compensation) does not change the step's tasks.
   The exact pipelines of `schedules.tables` ('1f1b', 'interleaved', 'zb_h1', 'zb_v') run from the
-  same tables the executor runs, with M micro-batches.
+  same tables the executor runs, with M micro-batches. `lockstep` runs them tick by tick as the
+  library's executor does (every tick ends with a `ppermute`; see `emit_table`); False: each
+  operation waits only for its input (the tables' idealised timing, whose bubble has a closed
+  form).
   """
-  run = Run(run) if isinstance(run, str) else run
+  run = _config(run)
   G = costs.num_stages
-  devices = {'backprop': 1, 'data_parallel': run.data_parallel}.get(run.schedule, G)
+  devices = {'backprop': 1, 'data_parallel': run.data_parallel}.get(run.name, G)
   warmup = 2 * max(G, devices) + 2  # the pipelined forward fills in 2G steps
   steps = steps if steps is not None else 3 * max(G, devices) + 10
   if steps < warmup + 3:
     raise ValueError(f'steps={steps} leaves no steady state; use at least {warmup + 3}.')
-  graph = task_graph(run, costs, steps)
+  graph = task_graph(run, costs, steps, lockstep=lockstep)
   times = execute(graph.tasks, costs.concurrent_slowdown)
-  return _steady_state(run.schedule, graph, times, warmup, devices)
+  return _steady_state(run.name, graph, times, warmup, devices)
 
 
-def task_graph(run: Run, costs: StageCosts, steps: int) -> Graph:
+def _config(run: ScheduleConfig | str) -> ScheduleConfig:
+  """`run`, or the ScheduleConfig of a schedule's name (imported here: it imports JAX)."""
+  if not isinstance(run, str):
+    return run
+  from ouroboros_jax.schedules.config import ScheduleConfig
+
+  return ScheduleConfig(name=run)
+
+
+def task_graph(
+  run: ScheduleConfig | str, costs: StageCosts, steps: int, *, lockstep: bool = False
+) -> Graph:
   """The tasks of `steps` training steps of `run` on `costs`, in emission order."""
+  run = _config(run)
   G = costs.num_stages
   emit, table = _emitter(run, costs)
-  devices = {'backprop': 1, 'data_parallel': run.data_parallel}.get(run.schedule, G)
+  devices = {'backprop': 1, 'data_parallel': run.data_parallel}.get(run.name, G)
   graph, state = Graph(costs), {}
   if costs.update_s:  # one device updates every parameter; a ring device, its own stage's
     whole = sum(costs.update_s)
     graph.update_s = (
       [whole] * devices
-      if run.schedule in ('backprop', 'data_parallel') or G == 1
+      if run.name in ('backprop', 'data_parallel') or G == 1
       else list(costs.update_s)
     )
   options = dict(
@@ -603,20 +600,22 @@ def task_graph(run: Run, costs: StageCosts, steps: int) -> Graph:
     replicas=run.data_parallel,
     stash=run.stash,
     table=table,
-    lockstep=run.lockstep,
+    lockstep=lockstep,
   )
   for t in range(steps):
     emit(graph, t, state, **options)
   return graph
 
 
-def _emitter(run: Run, costs: StageCosts) -> tuple[Callable[..., None], tables.Table | None]:
+def _emitter(
+  run: ScheduleConfig, costs: StageCosts
+) -> tuple[Callable[..., None], tables.Table | None]:
   """The function that emits one step of `run` (checked), and an exact pipeline's table."""
   G = costs.num_stages
   _check(run, costs)
-  if run.schedule in TABLE_PIPELINES:
-    return emit_table, tables.place(tables.build(run.schedule, G, run.num_microbatches, run.chunks))
-  if run.schedule == 'ouroboros':  # G = 1 has no delay: Ouroboros is backprop there
+  if run.name in TABLE_PIPELINES:
+    return emit_table, tables.place(tables.build(run.name, G, run.num_microbatches, run.chunks))
+  if run.name == 'ouroboros':  # G = 1 has no delay: Ouroboros is backprop there
     if G == 1:
       return emit_backprop, None
     return (emit_ouroboros_locked if run.forward == 'locked' else emit_ouroboros_pipelined), None
@@ -624,7 +623,7 @@ def _emitter(run: Run, costs: StageCosts) -> tuple[Callable[..., None], tables.T
     'backprop': emit_backprop,
     'data_parallel': emit_data_parallel,
     'model_parallel': emit_model_parallel,
-  }[run.schedule]
+  }[run.name]
   return emit, None
 
 
@@ -666,11 +665,16 @@ def _steady_state(
   )
 
 
-def _check(run: Run, costs: StageCosts) -> None:
-  schedule, microbatches, data_parallel = run.schedule, run.num_microbatches, run.data_parallel
+def _check(run: ScheduleConfig, costs: StageCosts) -> None:
+  schedule, microbatches, data_parallel = run.name, run.num_microbatches, run.data_parallel
   stash, forward = run.stash, run.forward
   if schedule not in SCHEDULES:
     raise ValueError(f'unknown schedule {schedule!r}; choose one of {", ".join(SCHEDULES)}.')
+  if run.num_stages not in (1, costs.num_stages):
+    raise ValueError(
+      f'num_stages={run.num_stages} but the costs have {costs.num_stages} stages; give the '
+      'costs of one layer group per stage.'
+    )
   if stash not in STASH_MODES:
     raise ValueError(f'unknown stash {stash!r}; choose graph or replay.')
   if forward not in FORWARD_MODES:
