@@ -528,6 +528,7 @@ def _run_bench(args) -> None:
   _join_process_group(args)
   from ouroboros_jax.perf import bench
 
+  policy, compensation = cfg.schedule.stash_policy, cfg.resolved_compensation()
   bench.run(
     cfg.model,
     bench.BenchConfig(
@@ -536,10 +537,12 @@ def _run_bench(args) -> None:
       out_dir=cfg.out or 'runs/bench',
       steps=args.bench_steps,
       warmup=args.warmup,
-      settings=bench.select_settings(stages, args.only, cfg.model.num_layers, cfg.batch_size),
-      stash_policy=cfg.schedule.stash_policy,
+      settings=bench.select_settings(
+        stages, args.only, cfg.model.num_layers, cfg.batch_size, policy, compensation
+      ),
+      stash_policy=policy,
       optimizer=optimizer,
-      compensation=cfg.resolved_compensation(),
+      compensation=compensation,
       layers_per_stage=cfg.layers_per_stage and list(ring.plans.layers_per_stage),
     ),
   )

@@ -52,8 +52,55 @@ def test_bench_names_its_own_flags_and_refuses_an_empty_only(tmp_path):
   with pytest.raises(ConfigError, match=r'^--batch-size 2 cannot be cut .* ouroboros M=4 stream'):
     bench.select_settings(2, 'backprop,ouroboros M=4 stream', 2, batch_size=2)
   fitting = bench.select_settings(2, None, 2, batch_size=2)
-  assert fitting and all(2 % max(s.microbatches, 1) == 0 for s in fitting)
+  assert fitting and all(2 % bench.micro_size(s) == 0 for s in fitting)
   assert len(fitting) < len(bench.default_settings(2, 2))
+
+
+def test_the_settings_are_schedule_configs_of_the_paper_s_method():
+  """Each setting is the ScheduleConfig the bench builds and times, every `auto` explicit: its
+  own micro-batches and flow, and no compensation unless asked (the paper's method); the labels
+  bench.csv and --only have always used come from ScheduleConfig.label."""
+  from ouroboros_jax.perf import bench
+  from ouroboros_jax.schedules.compensation import Compensation
+
+  settings = bench.default_settings(2, 4)
+  assert [s.label for s in settings] == [
+    'backprop',
+    'data_parallel',
+    'model_parallel',
+    'gpipe M=2',
+    'gpipe M=4',
+    'gpipe M=8',
+    '1f1b M=4',
+    '1f1b M=8',
+    'zb_h1 M=4',
+    'zb_h1 M=8',
+    'interleaved M=8',
+    'zb_v M=8',
+    'ouroboros locked/graph',
+    'ouroboros locked/replay',
+    'ouroboros pipelined/graph',
+    'ouroboros pipelined/replay',
+    'ouroboros M=8 locked/graph',
+    'ouroboros M=8 pipelined/graph',
+    'ouroboros M=2 stream locked/graph',
+    'ouroboros M=4 stream pipelined/graph',
+  ]
+  assert [bench.num_devices(s) for s in settings[:3]] == [1, 2, 2]
+  for s in settings:
+    s.validate()
+    assert s.compensation == Compensation(), s.label
+    if s.name == 'ouroboros':
+      assert s.microbatches is not None and s.flow in ('batch', 'stream'), s.label
+  # --stash-policy and --compensation reach the Ouroboros settings (the graph stash's label
+  # names a policy that is not the default; the replay stash keeps only the input)
+  recipe = Compensation(predict=True, dc_lambda=1.0)
+  ring = {s.label: s for s in bench.default_settings(2, 4, 'all', recipe) if s.name == 'ouroboros'}
+  assert ring['ouroboros locked/graph/all'].compensation == recipe
+  assert ring['ouroboros locked/replay'].stash_policy == 'nothing'
+  assert bench.select_settings(2, 'ouroboros locked/graph', 4, stash_policy='dots') == [
+    s for s in bench.default_settings(2, 4, 'dots') if s.label == 'ouroboros locked/graph/dots'
+  ]
 
 
 def test_pieces_include_each_micro_batch_and_the_rows_carry_the_setting_s_own(tmp_path):
@@ -64,6 +111,7 @@ def test_pieces_include_each_micro_batch_and_the_rows_carry_the_setting_s_own(tm
 
   from ouroboros_jax.model import ModelConfig
   from ouroboros_jax.perf import bench
+  from ouroboros_jax.schedules import ScheduleConfig
 
   model = ModelConfig(d_model=32, num_heads=2, num_layers=2, d_ff=64, seq_len=16)
   config = bench.BenchConfig(batch_size=4, stages=2, out_dir=str(tmp_path))
@@ -71,10 +119,10 @@ def test_pieces_include_each_micro_batch_and_the_rows_carry_the_setting_s_own(tm
   pieces = bench.measure_pieces(work, repeats=1, microbatches=(2, 3, 4), micro_repeats=1)
   assert set(pieces['fwd_micro']) == set(pieces['bwd_micro']) == {'2', '4'}
   assert all(len(v) == 2 and min(v) > 0 for v in pieces['bwd_micro'].values())
-  gpipe = bench.Setting('gpipe', 2, microbatches=4)
+  gpipe = ScheduleConfig(name='gpipe', num_stages=2, microbatches=4)
   assert bench.micro_size(gpipe) == 4
-  assert bench.micro_size(bench.Setting('data_parallel', 2)) == 2
-  assert bench.micro_size(bench.Setting('ouroboros', 2, stash='graph', forward='locked')) == 1
+  assert bench.micro_size(ScheduleConfig(name='data_parallel', data_parallel=2)) == 2
+  assert bench.micro_size(ScheduleConfig(name='ouroboros', num_stages=2)) == 1
   fake = {  # a micro-batch of a quarter of the batch costs 0.4 of it
     'fwd': [1.0, 1.0],
     'bwd': [2.0, 2.0],
@@ -87,7 +135,8 @@ def test_pieces_include_each_micro_batch_and_the_rows_carry_the_setting_s_own(tm
   row = bench._row(gpipe, dict(measured, idle_fraction=0.2), fake, 0.0, 0.0)
   assert row['fwd_s_per_stage_micro'] == '0.4;0.4' and row['bwd_s_per_stage_micro'] == '0.8;0.8'
   assert row['ideal_s'] == pytest.approx(5 * 1.2)
-  row = bench._row(bench.Setting('gpipe', 2, 2), dict(measured, idle_fraction=0.0), fake, 0, 0)
+  gpipe = ScheduleConfig(name='gpipe', num_stages=2, microbatches=2)
+  row = bench._row(gpipe, dict(measured, idle_fraction=0.0), fake, 0, 0)
   assert row['fwd_s_per_stage_micro'] == '' and row['ideal_s'] == pytest.approx(3 * 1.5)
   assert np.isfinite(row['predicted_s'])
 
@@ -164,7 +213,8 @@ def test_the_stash_policy_has_one_default():
     (stash.make_stash, 'policy'),
     (stash.GraphStash, 'policy'),
     (bench.measure_pieces, 'stash_policy'),
-    (bench.Setting.schedule_config, 'stash_policy'),
+    (bench.default_settings, 'stash_policy'),
+    (bench.select_settings, 'stash_policy'),
   ):
     assert inspect.signature(fn).parameters[name].default == default, fn
   assert bench.BenchConfig(batch_size=4, stages=2, out_dir='-').stash_policy == default

@@ -62,65 +62,19 @@ from ouroboros_jax.update import GroupedOptimizer
 
 
 @dataclasses.dataclass(frozen=True)
-class Setting:
-  schedule: str
-  devices: int  # G for stage schedules, D for data_parallel, 1 for backprop
-  microbatches: int = 1
-  stash: str = '-'
-  forward: str = '-'
-  flow: str = 'batch'  # ouroboros: --flow
-
-  @property
-  def label(self) -> str:
-    if self.schedule == 'ouroboros':
-      micro = '' if self.microbatches == 1 else f'M={self.microbatches} '
-      flow = 'stream ' if self.flow == 'stream' else ''
-      return f'ouroboros {micro}{flow}{self.forward}/{self.stash}'
-    if self.schedule in MICROBATCHED:
-      return f'{self.schedule} M={self.microbatches}'
-    return self.schedule
-
-  def schedule_config(
-    self, seed=0, stash_policy=DEFAULT_STASH_POLICY, compensation: Compensation = Compensation()
-  ) -> ScheduleConfig:
-    """The setting as a ScheduleConfig, every `auto` explicit: its own micro-batches and flow,
-    and `compensation` (default none, the paper's method). `stash_policy` and `compensation`
-    apply to Ouroboros only (stash_policy to its graph stash)."""
-    if self.schedule == 'data_parallel':
-      return ScheduleConfig(name=self.schedule, data_parallel=self.devices, seed=seed)
-    config = ScheduleConfig(
-      name=self.schedule,
-      num_stages=self.devices,
-      seed=seed,
-      microbatches=self.microbatches,
-      compensation=Compensation(),
-    )
-    if self.schedule != 'ouroboros':
-      return config
-    stash = self.stash if self.stash != '-' else 'graph'
-    return dataclasses.replace(
-      config,
-      stash=stash,
-      stash_policy=stash_policy if stash == 'graph' else DEFAULT_STASH_POLICY,
-      forward=self.forward if self.forward != '-' else 'locked',
-      flow=self.flow,
-      compensation=compensation,
-    )
-
-
-@dataclasses.dataclass(frozen=True)
 class BenchConfig:
   """What `run` benchmarks (the `bench` flags): batches of `batch_size` rows, G = `stages`,
-  `steps` timed steps per setting after `warmup` untimed ones. `stash_policy`, `optimizer` and
-  `compensation` (Ouroboros settings only) time a training recipe's own costs: Muon's
-  orthogonalisation, weight prediction's extra pass over the weights."""
+  `steps` timed steps per setting after `warmup` untimed ones, each setting a ScheduleConfig
+  (`default_settings`, with `stash_policy` and `compensation` on its Ouroboros settings; a
+  setting's `label` names it). `stash_policy`, `optimizer` and `compensation` time a training
+  recipe's own costs: Muon's orthogonalisation, weight prediction's extra pass over the weights."""
 
   batch_size: int
   stages: int
   out_dir: str
   steps: int = 20
   warmup: int = 3
-  settings: Sequence[Setting] | None = None  # None: default_settings
+  settings: Sequence[ScheduleConfig] | None = None  # None: default_settings
   layers_per_stage: Sequence[int] | None = None  # None: balanced by FLOPs
   stash_policy: str = DEFAULT_STASH_POLICY
   optimizer: str = 'adamw'
@@ -138,39 +92,70 @@ class Workload:
   layers_per_stage: tuple[int, ...]
 
 
-def default_settings(devices: int, num_layers: int | None = None) -> list[Setting]:
-  """Every setting on `devices` devices; the two-chunk pipelines (interleaved, ZB-V) only when
-  the model has `num_layers` >= 2 x devices layers to cut into their chunks."""
-  g = devices
-  out = [Setting('backprop', 1), Setting('data_parallel', g), Setting('model_parallel', g)]
-  out += [Setting('gpipe', g, microbatches=m) for m in (2, 4, 8)]
-  out += [Setting(name, g, microbatches=m) for name in ('1f1b', 'zb_h1') for m in (4, 8)]
+def default_settings(
+  devices: int,
+  num_layers: int | None = None,
+  stash_policy: str = DEFAULT_STASH_POLICY,
+  compensation: Compensation = Compensation(),
+) -> list[ScheduleConfig]:
+  """Every setting on `devices` devices, each a ScheduleConfig with every `auto` explicit (its
+  own micro-batches and flow; `compensation`, by default none: the paper's method, on the
+  Ouroboros settings and none elsewhere; `stash_policy` on the Ouroboros graph stash); the
+  two-chunk pipelines (interleaved, ZB-V) only when the model has `num_layers` >= 2 x devices
+  layers to cut into their chunks."""
+  g, none = devices, Compensation()
+  stage = lambda name, **fields: ScheduleConfig(
+    name=name, num_stages=g, compensation=none, **fields
+  )
+
+  def ring(microbatches: int, stash: str, forward: str, flow: str = 'batch') -> ScheduleConfig:
+    return ScheduleConfig(
+      name='ouroboros',
+      num_stages=g,
+      microbatches=microbatches,
+      stash=stash,
+      stash_policy=stash_policy if stash == 'graph' else DEFAULT_STASH_POLICY,
+      forward=forward,
+      flow=flow,
+      compensation=compensation,
+    )
+
+  out = [
+    ScheduleConfig(name='backprop', compensation=none),
+    ScheduleConfig(name='data_parallel', data_parallel=g, compensation=none),
+    stage('model_parallel'),
+  ]
+  out += [stage('gpipe', microbatches=m) for m in (2, 4, 8)]
+  out += [stage(name, microbatches=m) for name in ('1f1b', 'zb_h1') for m in (4, 8)]
   if num_layers is None or num_layers >= 2 * g:
-    out += [Setting(name, g, microbatches=8) for name in ('interleaved', 'zb_v')]
-  out += [Setting('ouroboros', g, stash=s, forward=f) for f in FORWARD_MODES for s in STASH_MODES]
-  out += [Setting('ouroboros', g, 8, stash='graph', forward=f) for f in FORWARD_MODES]
+    out += [stage(name, microbatches=8) for name in ('interleaved', 'zb_v')]
+  out += [ring(1, s, f) for f in FORWARD_MODES for s in STASH_MODES]
+  out += [ring(8, 'graph', f) for f in FORWARD_MODES]
   # Streamed micro-batches at the smallest M that makes every gap one update (G locked, 2G
   # pipelined)
-  out += [
-    Setting('ouroboros', g, g * (1 + (f == 'pipelined')), 'graph', f, flow='stream')
-    for f in FORWARD_MODES
-  ]
+  out += [ring(g * (1 + (f == 'pipelined')), 'graph', f, flow='stream') for f in FORWARD_MODES]
   return out
 
 
-def _rows_per_step_divisor(setting: Setting) -> int:
-  """What the batch must be a multiple of: its micro-batches, or data_parallel's replicas."""
-  return setting.devices if setting.schedule == 'data_parallel' else setting.microbatches
+def num_devices(setting: ScheduleConfig) -> int:
+  """The devices a setting runs on: G for a stage schedule, D for data_parallel, 1 for backprop
+  (G x R on a stage x data mesh)."""
+  return setting.num_stages * setting.data_parallel
 
 
 def select_settings(
-  devices: int, only: str | None, num_layers: int | None = None, batch_size: int | None = None
-) -> list[Setting]:
+  devices: int,
+  only: str | None,
+  num_layers: int | None = None,
+  batch_size: int | None = None,
+  stash_policy: str = DEFAULT_STASH_POLICY,
+  compensation: Compensation = Compensation(),
+) -> list[ScheduleConfig]:
   """The default settings whose label starts with one of the comma-separated prefixes in `only`,
   in the order `only` names them. With `batch_size`, a chosen setting that cannot cut that batch
   is a ConfigError before anything is measured (by default such settings are left out)."""
-  settings = default_settings(devices, num_layers)
-  fits = lambda s: batch_size is None or batch_size % _rows_per_step_divisor(s) == 0
+  settings = default_settings(devices, num_layers, stash_policy, compensation)
+  fits = lambda s: batch_size is None or batch_size % micro_size(s) == 0
   if only is None:
     return [s for s in settings if fits(s)]
   labels = ', '.join(s.label for s in settings)
@@ -392,9 +377,9 @@ def measure_links(activation_shape, grad_elems: int, repeats: int = 10) -> tuple
   return link, reduce
 
 
-def time_setting(setting: Setting, work: Workload, bench: BenchConfig) -> dict | None:
+def time_setting(setting: ScheduleConfig, work: Workload, bench: BenchConfig) -> dict | None:
   """Compile and time one setting; None on processes whose devices it does not use."""
-  needed = setting.devices
+  needed = num_devices(setting)
   if needed > jax.device_count():
     raise ConfigError(
       f'{setting.label} needs {needed} devices but {jax.device_count()} exist; '
@@ -403,16 +388,15 @@ def time_setting(setting: Setting, work: Workload, bench: BenchConfig) -> dict |
   devices = jax.devices()[:needed]
   if not any(d.process_index == jax.process_index() for d in devices):
     return None
-  config = setting.schedule_config(stash_policy=bench.stash_policy, compensation=bench.compensation)
   split = (
     (work.cfg.num_layers,)
-    if setting.schedule in ('backprop', 'data_parallel')
-    else partition.balance_layers(work.cfg, config.stage_groups)
-    if config.stage_groups != setting.devices
+    if setting.name in ('backprop', 'data_parallel')
+    else partition.balance_layers(work.cfg, setting.stage_groups)
+    if setting.stage_groups != setting.num_stages
     else work.layers_per_stage
   )
   model = partition.transformer_stages(work.cfg, split)
-  schedule = build_schedule(config, model, bench_optimizer(bench.optimizer), devices=devices)
+  schedule = build_schedule(setting, model, bench_optimizer(bench.optimizer), devices=devices)
   state = schedule.init(partition.to_staged(work.params, split), work.batch)
   placed = placement.place_batch(work.batch, schedule.mesh)
   start = time.perf_counter()
@@ -454,15 +438,16 @@ def host_load() -> float:
     return float('nan')
 
 
-def micro_size(setting: Setting) -> int:
+def micro_size(setting: ScheduleConfig) -> int:
   """The M whose micro-batch (B / M rows) the setting computes: its micro-batches, data_parallel's
-  D replicas (each on B / D rows); 1 for a setting that computes the whole batch at once."""
-  if setting.schedule == 'data_parallel':
-    return setting.devices
-  return setting.microbatches if setting.schedule in MICROBATCHED else 1
+  D replicas (each on B / D rows); 1 for a setting that computes the whole batch at once. The
+  batch must be a multiple of it."""
+  if setting.name == 'data_parallel':
+    return setting.data_parallel
+  return setting.num_microbatches
 
 
-def micro_pieces(pieces: dict, setting: Setting) -> tuple[list[float], list[float]] | None:
+def micro_pieces(pieces: dict, setting: ScheduleConfig) -> tuple[list[float], list[float]] | None:
   """(forward, backward) per stage of one micro-batch of `setting`, None where not measured."""
   m = str(micro_size(setting))
   fwd, bwd = pieces.get('fwd_micro', {}).get(m), pieces.get('bwd_micro', {}).get(m)
@@ -470,13 +455,13 @@ def micro_pieces(pieces: dict, setting: Setting) -> tuple[list[float], list[floa
 
 
 def simulated(
-  setting: Setting, pieces: dict, link_s: float, allreduce_s: float, ideal: bool = False
+  setting: ScheduleConfig, pieces: dict, link_s: float, allreduce_s: float, ideal: bool = False
 ) -> float:
   """The simulator's step time of `setting` from the measured pieces and links. `ideal`: free of
   what the schedule's own execution adds (no slowdown of devices computing at once, each table
   operation waiting only for its input); else as measured (the pieces' `concurrent_slowdown`,
   the table executor's tick-by-tick lockstep)."""
-  stages = setting.devices if setting.schedule not in ('backprop', 'data_parallel') else 1
+  stages = setting.num_stages
   fwd, bwd, update = pieces['fwd'], pieces['bwd'], pieces['update']
   micro = micro_pieces(pieces, setting)
   if len(fwd) != stages:  # pieces were measured on the G-stage split: merge for one device
@@ -496,45 +481,48 @@ def simulated(
     concurrent_slowdown=1.0 if ideal else pieces.get('concurrent_slowdown', 1.0),
   )
   # as measured: the library's table executor, every tick ends with a ppermute
-  return simulate.simulate(setting.schedule_config(), costs, lockstep=not ideal).step_time
+  return simulate.simulate(setting, costs, lockstep=not ideal).step_time
 
 
 def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dict]:
   """Benchmarks every setting of `bench`; process 0 writes the outputs and returns the rows."""
   work = _workload(cfg, bench)
-  settings = bench.settings or default_settings(bench.stages, cfg.num_layers)
-  pieces, policy_pieces = _measure_pieces(work, bench, settings)
+  settings = bench.settings or default_settings(
+    bench.stages, cfg.num_layers, bench.stash_policy, bench.compensation
+  )
+  by_policy = _measure_pieces(work, bench, settings)
+  pieces = by_policy['all']
   activation_shape = (bench.batch_size, cfg.seq_len, cfg.d_model)
   link_s, allreduce_s = measure_links(activation_shape, pieces['grad_bytes'] // 4)
   slowdown = measure_concurrent_slowdown(work)
-  pieces, policy_pieces = (
-    dict(pieces, concurrent_slowdown=slowdown),
-    dict(policy_pieces, concurrent_slowdown=slowdown),
-  )
+  by_policy = {p: dict(measured, concurrent_slowdown=slowdown) for p, measured in by_policy.items()}
+  pieces = by_policy['all']
   log(
     f'pieces: forward {np.round(pieces["fwd"], 4)} s, backward {np.round(pieces["bwd"], 4)} s, '
     f'update {np.round(pieces["update"], 4)} s, head+embed {pieces["head"]:.4f} s, '
     f'hop {link_s:.4f} s, all-reduce {allreduce_s:.4f} s, concurrent slowdown {slowdown:.3f}, '
     f'host load {host_load():.2f}'
   )
-  for name, measured in (('micro-batch', pieces), ('stash-policy micro-batch', policy_pieces)):
+  for policy, measured in by_policy.items():
+    name = 'micro-batch' if policy == 'all' else f'stash-policy {policy} micro-batch'
     for m in measured['fwd_micro']:
       log(
         f'{name} pieces, M={m}: forward {np.round(measured["fwd_micro"][m], 4)} s, '
         f'backward {np.round(measured["bwd_micro"][m], 4)} s'
       )
-    if bench.stash_policy == 'all':
-      break
   rows = []
   for setting in settings:
     measured = time_setting(setting, work, bench)
     multihost_utils.sync_global_devices(f'bench {setting.label}')
     if measured is None:
       continue
-    own = policy_pieces if _uses_policy(setting) else pieces
-    row = _row(setting, measured, own, link_s, allreduce_s)
+    row = _row(setting, measured, by_policy[_policy(setting)], link_s, allreduce_s)
     row['mfu'] = mfu(
-      cfg, bench.batch_size * cfg.seq_len, row['step_time_s'], setting.devices, jax.devices()[0]
+      cfg,
+      bench.batch_size * cfg.seq_len,
+      row['step_time_s'],
+      num_devices(setting),
+      jax.devices()[0],
     )
     rows.append(row)
     log(
@@ -581,29 +569,30 @@ def _meta(work: Workload, bench: BenchConfig) -> dict:
   }
 
 
-def _uses_policy(setting: Setting) -> bool:
-  """Whether the setting's stash keeps what --stash-policy says (the Ouroboros graph stash)."""
-  return setting.schedule == 'ouroboros' and setting.stash == 'graph'
+def _policy(setting: ScheduleConfig) -> str:
+  """The stash policy a setting's backward runs with: its own on the Ouroboros graph stash
+  (--stash-policy); every other setting keeps the whole VJP ('all'), as the exact pipelines,
+  backprop and the replay stash's backward do: nothing recomputed."""
+  ring_graph = setting.name == 'ouroboros' and setting.stash == 'graph'
+  return setting.stash_policy if ring_graph else 'all'
 
 
 def _measure_pieces(
-  work: Workload, bench: BenchConfig, settings: Sequence[Setting]
-) -> tuple[dict, dict]:
-  """(pieces, the pieces of the graph stash's --stash-policy): a policy that keeps less has its
-  own, slower, backward, measured apart for the Ouroboros graph settings only. Each is also timed
-  on the micro-batches of the settings that use it."""
+  work: Workload, bench: BenchConfig, settings: Sequence[ScheduleConfig]
+) -> dict[str, dict]:
+  """{stash policy: the pieces measured with it}, 'all' first and always: a policy that keeps
+  less has its own, slower, backward, measured apart for the settings that use it (`_policy`).
+  Each is also timed on the micro-batches of those settings."""
   measure = lambda micro, **kw: on_process0_alone(
     lambda: measure_pieces(work, optimizer=bench.optimizer, microbatches=sorted(micro), **kw)
   )
-  policy = bench.stash_policy
-  sizes = lambda chosen: {micro_size(s) for s in settings if chosen(s)} - {1}
-  # The pieces of every other setting keep the whole VJP ('all'), as the exact pipelines, backprop
-  # and the replay stash's backward do: nothing recomputed.
-  if policy == 'all':
-    pieces = measure(sizes(lambda s: True), stash_policy='all')
-    return pieces, pieces
-  pieces = measure(sizes(lambda s: not _uses_policy(s)), stash_policy='all')
-  return pieces, measure(sizes(_uses_policy), stash_policy=policy)
+  policies = ['all', *sorted({_policy(s) for s in settings} - {'all'})]
+  return {
+    policy: measure(
+      {micro_size(s) for s in settings if _policy(s) == policy} - {1}, stash_policy=policy
+    )
+    for policy in policies
+  }
 
 
 # Dense bf16 peak FLOP/s of one device, by a name its `device_kind` contains (vendors' data
@@ -633,18 +622,20 @@ def mfu(cfg: transformer.ModelConfig, tokens: int, step_s: float, devices: int, 
   return float('nan') if peak is None else costs.step_flops(cfg, tokens) / step_s / (devices * peak)
 
 
-def _row(setting: Setting, measured: dict, own: dict, link_s: float, allreduce_s: float) -> dict:
+def _row(
+  setting: ScheduleConfig, measured: dict, own: dict, link_s: float, allreduce_s: float
+) -> dict:
   """One setting's row: what was timed, its pieces, and the simulator's ideal and prediction."""
   per_stage = lambda values: ';'.join(f'{v:.6g}' for v in values)
-  micro = micro_pieces(own, setting)
+  micro, ring = micro_pieces(own, setting), setting.name == 'ouroboros'
   return {
-    'schedule': setting.schedule,
+    'schedule': setting.name,
     'label': setting.label,
-    'stages': setting.devices,
-    'microbatches': setting.microbatches if setting.schedule in MICROBATCHED else '',
-    'stash': setting.stash,
-    'forward': setting.forward,
-    'flow': setting.flow,
+    'stages': num_devices(setting),
+    'microbatches': setting.num_microbatches if setting.name in MICROBATCHED else '',
+    'stash': setting.stash if ring else '-',
+    'forward': setting.forward if ring else '-',
+    'flow': setting.resolved_flow,
     **measured,
     'fwd_s_per_stage': per_stage(own['fwd']),
     'bwd_s_per_stage': per_stage(own['bwd']),

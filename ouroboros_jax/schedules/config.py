@@ -244,6 +244,34 @@ class ScheduleConfig:
     return OUROBOROS_MICROBATCHES if self.name == 'ouroboros' else DEFAULT_MICROBATCHES
 
   @property
+  def label(self) -> str:
+    """The setting in one short line, as `bench`, `plan` and their tables print it (and --only
+    matches): the name; 'G=gxR=r' for a stage schedule on several data replicas; a micro-batched
+    pipeline's 'M=m' (`num_microbatches`) and 'chunks=v' where given; Ouroboros' 'M=m' where it
+    cuts the batch, 'stream' where the flow is asked to stream, 'forward/stash', the graph
+    stash's policy where it is not the default ('locked/graph/all') and 'host' for a stash in
+    host memory; e.g. 'gpipe M=4', 'ouroboros M=8 stream locked/graph', 'model_parallel
+    G=2xR=2'. It leaves out the clip, the seed, the compensation, a flow left 'auto', the
+    warm-up and the tied gradient."""
+    parts = [self.name]
+    if self.name not in ('backprop', 'data_parallel') and self.data_parallel > 1:
+      parts.append(f'G={self.num_stages}xR={self.data_parallel}')
+    if self.name == 'ouroboros':
+      if self.microbatches not in (None, 1):
+        parts.append(f'M={self.microbatches}')
+      if self.flow == 'stream':
+        parts.append('stream')
+      policy = f'/{self.stash_policy}' if self.stash_policy != DEFAULT_STASH_POLICY else ''
+      parts.append(f'{self.forward}/{self.stash}{policy}')
+      if self.stash_memory == 'pinned_host':
+        parts.append('host')
+    elif self.name in MICROBATCHED:
+      parts.append(f'M={self.num_microbatches}')
+    if self.chunks is not None:
+      parts.append(f'chunks={self.chunks}')
+    return ' '.join(parts)
+
+  @property
   def stage_groups(self) -> int:
     """How many groups the layers are cut into: --stages x the chunks each device holds."""
     if self.name not in EXACT_PIPELINES:
