@@ -41,7 +41,9 @@ def _uncompensated(num_stages, forward, steps):
   """The reference's parameters without compensation (shared by the cases it is the same for)."""
   model, params = tiny_transformer(num_stages)
   batches = random_batches(steps, seed=3)
-  return reference.run(model, adam(), params, batches, forward=forward)[0]
+  return reference.run(
+    model, adam(), params, batches, forward=forward, compensation=Compensation()
+  )[0]
 
 
 @pytest.mark.parametrize('forward', ['locked', 'pipelined'])
@@ -58,9 +60,7 @@ def test_matches_slow_restatement(name, num_stages, forward):
     name='ouroboros', num_stages=num_stages, forward=forward, compensation=comp, microbatches=1
   )
   state, losses = run_schedule(config, model, tx, params, batches)
-  want, want_losses, _ = reference.run(
-    model, tx, params, batches, forward=forward, compensation=comp
-  )
+  want, want_losses, _ = reference.run(model, tx, params, batches, config)
   plain = _uncompensated(num_stages, forward, len(batches))
   skip = num_stages if forward == 'pipelined' else 0
   np.testing.assert_allclose(losses[skip:], want_losses[skip:], rtol=1e-5)
@@ -89,7 +89,15 @@ def test_with_data_parallel_warmup_and_replay(stash, forward):
   )
   state, _ = run_schedule(config, model, tx, params, batches)
   want, _, _ = reference.run(
-    model, tx, params, batches, stash=stash, forward=forward, sync_warmup_steps=2, compensation=comp
+    model,
+    tx,
+    params,
+    batches,
+    stash=stash,
+    forward=forward,
+    sync_warmup_steps=2,
+    compensation=comp,
+    microbatches=1,
   )
   assert max_abs_diff(state.params, want) < 2e-5
 
@@ -110,7 +118,7 @@ def test_none_is_the_paper_exact_method_bit_for_bit():
     params,
     batches,
   )
-  want, _, _ = reference.run(model, adam(), params, batches)
+  want, _, _ = reference.run(model, adam(), params, batches, compensation=Compensation())
   assert max_abs_diff(a.params, b.params) == 0.0
   assert max_abs_diff(a.params, want) < 2e-5
   recipe, _ = run_schedule(

@@ -4,6 +4,8 @@ slow reference runs the M chunks as M streams (reference.py)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -43,13 +45,15 @@ def test_microbatched_ring_matches_slow_reference(num_stages, stash, forward, mi
     name='ouroboros', compensation=Compensation(), num_stages=num_stages, **options
   )
   state, losses = run_schedule(config, model, adam(), params, batches)
-  want, want_losses, _ = reference.run(model, adam(), params, batches, **options)
+  want, want_losses, _ = reference.run(model, adam(), params, batches, config)
   head_lag = num_stages if forward == 'pipelined' and num_stages > 1 else 0
   np.testing.assert_allclose(losses[head_lag:], want_losses[head_lag:], rtol=1e-5)
   assert max_abs_diff(params, want) > 1e-2  # training really moved the weights
   assert max_abs_diff(state.params, want) < 2e-5
   # ... and the M streams are not one: the un-chunked reference ends elsewhere
-  whole, _, _ = reference.run(model, adam(), params, batches, **{**options, 'microbatches': 1})
+  whole, _, _ = reference.run(
+    model, adam(), params, batches, dataclasses.replace(config, microbatches=1)
+  )
   assert max_abs_diff(whole, want) > 1e-3
 
 
@@ -62,7 +66,7 @@ def test_microbatched_transformer_xl_warmup_and_data_parallel_match_reference(st
   options = dict(stash=stash, microbatches=2, sync_warmup_steps=2, tied_grad='mean', seed=5)
   config = ScheduleConfig(name='ouroboros', compensation=Compensation(), num_stages=2, **options)
   state, _ = run_schedule(config, model, adam(), params, batches)
-  want, _, _ = reference.run(model, adam(), params, batches, **options)
+  want, _, _ = reference.run(model, adam(), params, batches, config)
   assert max_abs_diff(state.params, want) < 2e-5
   replicas = ScheduleConfig(
     name='ouroboros', compensation=Compensation(), num_stages=2, data_parallel=2, **options
@@ -70,7 +74,9 @@ def test_microbatched_transformer_xl_warmup_and_data_parallel_match_reference(st
   replicated, _ = run_schedule(replicas, model, adam(), params, batches)
   # The reference has no data replicas: two replicas of M = 2 are its four streams (without
   # dropout: each replica folds the same micro-batch indices into its key).
-  four, _, _ = reference.run(model, adam(), params, batches, **{**options, 'microbatches': 4})
+  four, _, _ = reference.run(
+    model, adam(), params, batches, dataclasses.replace(config, microbatches=4)
+  )
   assert max_abs_diff(replicated.params, four) < 2e-5
 
 

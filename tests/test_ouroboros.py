@@ -45,7 +45,9 @@ def test_matches_slow_reference(num_stages, stash, pre_ln):
     name='ouroboros', compensation=Compensation(), num_stages=num_stages, stash=stash
   )
   state, losses = run_schedule(config, model, tx, params, batches)
-  want, want_losses, _ = reference.run(model, tx, params, batches, stash=stash)
+  want, want_losses, _ = reference.run(
+    model, tx, params, batches, stash=stash, compensation=Compensation()
+  )
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
   assert max_abs_diff(params, want) > 1e-2  # training really moved the weights
   assert max_abs_diff(state.params, want) < 2e-5  # ... and to the reference's values
@@ -68,7 +70,15 @@ def test_uneven_split_dropout_warmup_and_mean_tie_match_reference(stash):
   )
   state, losses = run_schedule(config, model, tx, params, batches)
   want, want_losses, _ = reference.run(
-    model, tx, params, batches, stash=stash, sync_warmup_steps=2, tied_grad='mean', seed=5
+    model,
+    tx,
+    params,
+    batches,
+    stash=stash,
+    sync_warmup_steps=2,
+    tied_grad='mean',
+    seed=5,
+    compensation=Compensation(),
   )
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
   assert max_abs_diff(state.params, want) < 2e-5
@@ -96,7 +106,7 @@ def test_pipelined_forward_matches_slow_reference(num_stages, stash):
     losses.append(float(metrics['loss']))
     loss_batches.append(int(metrics['loss_batch']))
   want, want_losses, updated = reference.run(
-    model, tx, params, batches, stash=stash, forward='pipelined'
+    model, tx, params, batches, stash=stash, forward='pipelined', compensation=Compensation()
   )
   assert loss_batches == [t - num_stages for t in range(steps)]  # the head lags G steps
   np.testing.assert_allclose(losses[num_stages:], want_losses[num_stages:], rtol=1e-5)
@@ -245,7 +255,9 @@ def test_graph_stash_policies_keep_the_forward_time_gradient(forward):
   model, params = tiny_transformer(2, dropout=0.1)
   tx = adam()
   batches = random_batches(6, seed=2)
-  want, _, _ = reference.run(model, tx, params, batches, stash='graph', forward=forward)
+  want, _, _ = reference.run(
+    model, tx, params, batches, stash='graph', forward=forward, compensation=Compensation()
+  )
   for policy in ('dots', 'nothing'):
     config = ScheduleConfig(
       name='ouroboros',
@@ -318,3 +330,18 @@ def test_graph_mode_is_backprop_with_per_module_delays(num_stages):
   want = delayed_exact_gradients(model, tx, params, batches, num_stages)
   assert max_abs_diff(params, want) > 1e-2
   assert max_abs_diff(state.params, want) < 2e-5
+
+
+def test_the_reference_resolves_a_bare_config_as_the_schedule_does():
+  """One record, one resolution: with no settings at all, the schedule and the slow reference
+  both run the library's recipe (prediction + DC, streamed, M = G on the CPU), the same way."""
+  model, params = tiny_transformer(2)
+  batches = random_batches(6, seed=7)
+  config = ScheduleConfig(name='ouroboros', num_stages=2)
+  state, _ = run_schedule(config, model, adam(), params, batches)
+  want, _, _ = reference.run(model, adam(), params, batches)
+  paper, _, _ = reference.run(model, adam(), params, batches, compensation=Compensation())
+  assert max_abs_diff(state.params, want) < 2e-5
+  assert max_abs_diff(paper, want) > 1e-3  # ... which is not the paper's method
+  with pytest.raises(ConfigError, match='one replica'):
+    reference.run(model, adam(), params, batches, data_parallel=2)

@@ -58,7 +58,7 @@ def test_streamed_ring_matches_slow_reference(num_stages, stash, forward, micro,
     name='ouroboros', num_stages=num_stages, compensation=comp or Compensation(), **options
   )
   state, losses = run_schedule(config, model, adam(), params, batches)
-  want, want_losses, _ = reference.run(model, adam(), params, batches, compensation=comp, **options)
+  want, want_losses, _ = reference.run(model, adam(), params, batches, config)
   np.testing.assert_allclose(
     [x for x in losses if x], [x for x in want_losses if x is not None], rtol=1e-5
   )
@@ -66,7 +66,7 @@ def test_streamed_ring_matches_slow_reference(num_stages, stash, forward, micro,
   assert max_abs_diff(state.params, want) < 2e-5
   # ... and streaming is not batching: the same micro-batches as one batch end elsewhere
   batched, _, _ = reference.run(
-    model, adam(), params, batches, compensation=comp, **{**options, 'flow': 'batch'}
+    model, adam(), params, batches, compensation=config.compensation, **{**options, 'flow': 'batch'}
   )
   assert max_abs_diff(batched, want) > 1e-3
 
@@ -84,7 +84,7 @@ def test_streamed_transformer_xl_warmup_mean_tie_and_replicas_match_reference():
     params,
     batches,
   )
-  want, _, _ = reference.run(model, adam(), params, batches, **options)
+  want, _, _ = reference.run(model, adam(), params, batches, compensation=Compensation(), **options)
   assert max_abs_diff(state.params, want) < 2e-5
   # Two replicas, each streaming its own rows: fed the same half-batch twice they agree, so
   # their mean gradient is one half-batch stream's, which the reference runs alone.
@@ -99,7 +99,7 @@ def test_streamed_transformer_xl_warmup_mean_tie_and_replicas_match_reference():
     params,
     twice,
   )
-  half, _, _ = reference.run(model, adam(), params, halves, **options)
+  half, _, _ = reference.run(model, adam(), params, halves, compensation=Compensation(), **options)
   assert max_abs_diff(replicated.params, half) < 2e-5
   assert max_abs_diff(half, want) > 1e-3
 

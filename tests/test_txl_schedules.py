@@ -88,7 +88,9 @@ def test_ouroboros_matches_slow_reference(num_stages, stash):
     name='ouroboros', compensation=Compensation(), num_stages=num_stages, stash=stash, seed=2
   )
   state, losses = run_schedule(config, model, adam(), params, batches)
-  want, want_losses, _ = reference.run(model, adam(), params, batches, stash=stash, seed=2)
+  want, want_losses, _ = reference.run(
+    model, adam(), params, batches, stash=stash, seed=2, compensation=Compensation()
+  )
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
   assert max_abs_diff(params, want) > 1e-2
   assert max_abs_diff(state.params, want) < 2e-5
@@ -115,7 +117,14 @@ def test_pipelined_ouroboros_with_warmup_matches_slow_reference(stash):
   )
   state, _ = run_schedule(config, model, adam(), params, batches)
   want, _, _ = reference.run(
-    model, adam(), params, batches, stash=stash, forward='pipelined', sync_warmup_steps=2
+    model,
+    adam(),
+    params,
+    batches,
+    stash=stash,
+    forward='pipelined',
+    sync_warmup_steps=2,
+    compensation=Compensation(),
   )
   assert max_abs_diff(state.params, want) < 2e-5
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from ouroboros_jax import staged
 from ouroboros_jax.errors import ConfigError, field_ref
+from ouroboros_jax.schedules.config import ScheduleConfig
 from ouroboros_jax.schedules.delays import Timing
 from ouroboros_jax.staged import EMBED_PIECE
 from ouroboros_jax.update import GroupedOptimizer
@@ -105,27 +105,17 @@ class SlowCompensation:
     return self.join(groups, num_stages)
 
 
-@dataclasses.dataclass(frozen=True)
-class Options:
-  """The schedule settings the reference takes (`ScheduleConfig`'s, as plain values)."""
+def run(
+  model: staged.StagedModel, tx, params, batches, config: ScheduleConfig | None = None, **fields
+):
+  """Trains on `batches` in order; returns (params, losses, updated).
 
-  stash: str = 'graph'
-  forward: str = 'locked'
-  clip_norm: float | None = 1.0
-  seed: int = 0
-  tied_grad: str = 'sum'
-  sync_warmup_steps: int = 0
-  compensation: Any = None  # a compensation.Compensation; None: none
-  microbatches: int = 1  # the batch cut into M micro-batches
-  flow: str = 'batch'  # 'batch': each micro-batch its own stream, one tick per step; 'stream':
-  # one stream of micro-batches, M ticks per step
-
-
-def run(model: staged.StagedModel, tx, params, batches, **options):
-  """Trains on `batches` in order; returns (params, losses, updated). `options`: `Options`.
-
-  `compensation` (a compensation.Compensation, default none) applies the staleness compensations
-  as `SlowCompensation` writes them, with `tx` as the base optimizer.
+  `config`: the Ouroboros settings as `build_schedule` takes them, the one record of a schedule's
+  settings (or its fields as keywords: `ScheduleConfig(name='ouroboros', num_stages=G, **fields)`
+  with G the params' groups). Its `auto`s resolve as the schedule resolves them
+  (`ScheduleConfig.for_platform` on JAX's backend and the batches' rows): the compensation is the
+  recipe on a delayed ring, `Compensation()` the paper's method. Its staleness compensation runs
+  as `SlowCompensation` writes it, with `tx` as the base optimizer. The reference is one replica.
 
   losses[t] is the loss the head computed at step t (None while the pipe fills), updated[t] lists
   the groups ('embed', 0..G-1, 'head') that changed their weights at step t.
@@ -142,7 +132,20 @@ def run(model: staged.StagedModel, tx, params, batches, **options):
   tM + m and ticks M times per step. Either way every step sums the gradients of its ticks and
   applies them once.
   """
-  ring = SlowRing(model, tx, params, Options(**options))
+  num_stages = staged.stage_count(params)
+  if config is None:
+    config = ScheduleConfig(name='ouroboros', num_stages=num_stages, **fields)
+  elif fields:
+    raise TypeError(f'reference.run takes a config or its fields, not both: {sorted(fields)}')
+  config.validate()
+  if (config.name, config.num_stages, config.data_parallel) != ('ouroboros', num_stages, 1):
+    raise ConfigError(
+      f'the slow reference runs {field_ref("name", "ouroboros")} on one replica of the '
+      f"params' {num_stages} groups, not {config.name} with {field_ref('num_stages', config.num_stages)}"
+      f' x {field_ref("data_parallel", config.data_parallel)}.'
+    )
+  rows = staged.batch_rows(batches[0]['inputs'])
+  ring = SlowRing(model, tx, params, config.for_platform(jax.default_backend(), rows))
   for t in range(len(batches)):
     ring.step(t, batches)
   return ring.params, ring.losses, ring.updated
@@ -178,10 +181,12 @@ class SlowRing:
   """The ring as Python objects: one `_Stream` per micro-batch, the weights, the optimizer and
   each group's memory (all rows) shared by them."""
 
-  def __init__(self, model: staged.StagedModel, tx, params, options: Options):
-    self.options, self.params = options, params
+  def __init__(self, model: staged.StagedModel, tx, params, config: ScheduleConfig):
+    """`config`: resolved (`ScheduleConfig.for_platform`), as `run` gives it."""
+    self.config, self.params = config, params
+    self.flow = config.resolved_flow
     self.num_stages = staged.stage_count(params)
-    self.pipelined = options.forward == 'pipelined' and self.num_stages > 1
+    self.pipelined = config.forward == 'pipelined' and self.num_stages > 1
     memory = model.memory and staged.Memory(
       init=model.memory.init, stage=jax.jit(model.memory.stage)
     )
@@ -193,31 +198,31 @@ class SlowRing:
       memory=memory,
     )
     self.memory = [None] * self.num_stages  # group s's memory (Transformer-XL), once it runs
-    self.num_micro = options.microbatches
-    optimizer = GroupedOptimizer(tx, options.clip_norm, model.shared)
+    self.num_micro = config.num_microbatches
+    optimizer = GroupedOptimizer(tx, config.clip_norm, model.shared)
     self.apply_gradients = jax.jit(optimizer.apply)
     self.opt_state = optimizer.init(params)
-    comp = options.compensation
-    active = comp is not None and comp.active
+    comp = config.resolved_compensation
+    active = comp.active
     if active and model.shared:
       raise ConfigError(
         'the slow reference has no staleness compensation for parameters shared by every layer '
         '(Transformer-XL global u, v); compare without compensation, or with '
         f'{field_ref("untie_r", True)}.'
       )
-    self.slow = SlowCompensation(comp, tx, params, options.clip_norm) if active else None
-    if options.flow == 'stream':
+    self.slow = SlowCompensation(comp, tx, params, config.clip_norm) if active else None
+    if self.flow == 'stream':
       self.streams = [_Stream(self.num_stages, lambda c: divmod(c, self.num_micro))]
     else:
       self.streams = [
         _Stream(self.num_stages, lambda c, m=m: (c, m)) for m in range(self.num_micro)
       ]
     # In its own clock every stream's delays are those of one batch per tick.
-    self.timing = Timing(self.num_stages, options.forward)
+    self.timing = Timing(self.num_stages, config.forward)
     self.losses, self.updated = [], []
 
   def key(self, batch_index, m=0):
-    key = staged.batch_key(self.options.seed, batch_index)
+    key = staged.batch_key(self.config.seed, batch_index)
     return key if self.num_micro == 1 else jax.random.fold_in(key, m)
 
   def micro(self, batch, m):
@@ -230,12 +235,12 @@ class SlowRing:
 
   def ticks(self, t: int):
     """(stream, clock) of the ticks of step t, in order."""
-    if self.options.flow == 'stream':
+    if self.flow == 'stream':
       return [(self.streams[0], t * self.num_micro + m) for m in range(self.num_micro)]
     return [(stream, t) for stream in self.streams]
 
   def step(self, t: int, batches) -> None:
-    if t < self.options.sync_warmup_steps:
+    if t < self.config.sync_warmup_steps:
       return self.warmup_step(t, batches[t])
     forward_params = self.forward_params(t)
     total, losses = None, []
@@ -255,7 +260,7 @@ class SlowRing:
       if loss is not None:
         losses.append(loss)
     g_head, g_embed, g_stages = total
-    if self.options.tied_grad == 'mean' and self.model.tied_embedding and head_ready and ready[0]:
+    if self.config.tied_grad == 'mean' and self.model.tied_embedding and head_ready and ready[0]:
       g_embed = jax.tree.map(lambda g: 0.5 * g, g_embed)  # the head's and module 1's
     self.losses.append(sum(losses) if losses else None)
     self.update(g_embed, g_head, g_stages, ready, gap, head_ready=head_ready)
@@ -322,8 +327,8 @@ class SlowRing:
     forward will be applied to: delays.Timing's gaps)."""
     if not (self.slow and self.num_stages > 1):
       return self.params
-    o = self.options
-    timing = Timing(self.num_stages, o.forward, self.num_micro, o.flow)
+    o = self.config
+    timing = Timing(self.num_stages, o.forward, self.num_micro, self.flow)
     return self.slow.predicted(
       self.params, {**dict(enumerate(timing.stage_gaps)), 'embed': timing.embed_gap}
     )
@@ -353,7 +358,7 @@ class SlowRing:
       m = stream.item(c)[1]
       memory = self.memory_of(s, staged.batch_rows(x) * self.num_micro, m)
       run_s = self.stage_fn(stream, s, c, memory)
-      if self.options.stash == 'graph':
+      if self.config.stash == 'graph':
         y, vjp_fn, new_memory = jax.vjp(
           run_s, self.stage_params(forward_params, s), x, has_aux=True
         )
@@ -404,7 +409,7 @@ class SlowRing:
       c, forward_step, kept = stream.stashes[s].popleft()
       assert c == clock - self.timing.backward_ticks(s), (s, c, clock)
       gap[s] = t - forward_step
-      if self.options.stash == 'graph':
+      if self.config.stash == 'graph':
         g_stages[s], dx = kept(delta)
       else:
         x, memory = kept
