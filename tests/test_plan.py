@@ -120,7 +120,10 @@ def test_ouroboros_cuts_the_batch_on_accelerators_only():
   explicit = ScheduleConfig(name='ouroboros', num_stages=4, microbatches=2)
   assert explicit.for_platform('tpu', 32).num_microbatches == 2
   pipeline = ScheduleConfig(name='1f1b', num_stages=4)
-  assert pipeline.for_platform('tpu', 32) == pipeline
+  assert pipeline.for_platform('tpu', 32) == ScheduleConfig(
+    name='1f1b', num_stages=4, microbatches=4
+  )
+  assert pipeline.for_platform('cpu', 32) == pipeline.for_platform('tpu', 32)  # any platform
   with pytest.raises(ConfigError, match='unknown stash setting'):
     plan.settings(4, plan.Tries(stashes=('everything',)))
 

@@ -94,7 +94,9 @@ def test_the_papers_method_is_explicit():
   assert run.schedule.compensation == Compensation() and not run.schedule.compensation.active
   assert run.schedule.resolved_flow == 'batch' and run.schedule.num_microbatches == 1
   assert dataclasses.asdict(run.schedule) == dataclasses.asdict(
-    ScheduleConfig(name='ouroboros', num_stages=2, compensation=Compensation(), microbatches=1)
+    ScheduleConfig(
+      name='ouroboros', num_stages=2, compensation=Compensation(), microbatches=1, flow='batch'
+    )
   )
 
 
@@ -167,3 +169,34 @@ def test_a_deep_ring_needs_no_deep_preset():
   """The preset's model (2 layers) is not the user's: 8 stages resolve."""
   run = recipe('ouroboros', 8, 64, platform='gpu')
   assert run.schedule.num_stages == 8 and run.schedule.num_microbatches == 8
+
+
+RESOLVED_CASES = [
+  dict(schedule='ouroboros', stages=2),
+  dict(schedule='ouroboros', stages=2, stash='replay', forward='pipelined'),
+  dict(schedule='ouroboros', stages=2, compensation='none'),
+  dict(schedule='gpipe', stages=2),
+  dict(schedule='backprop'),
+  dict(preset='gpt2-small', schedule='ouroboros', stages=4, dtype='bfloat16'),
+]
+
+
+@pytest.mark.parametrize('platform', ['cpu', 'gpu', 'tpu'])
+@pytest.mark.parametrize('flags', RESOLVED_CASES, ids=lambda f: '-'.join(map(str, f.values())))
+def test_the_resolved_run_spells_out_every_auto_once(flags, platform):
+  """`TrainConfig.resolved` (what config.json stores and a resume compares) has no `auto` left,
+  runs the same schedule and optimizer as the config it came from, and is its own resolution."""
+  flags = dict(flags)
+  cfg = config.override(config.get_preset(flags.pop('preset', 'tiny')), flags)
+  run = cfg.resolved(platform)
+  run.validate()
+  assert run.resolved(platform) == run
+  assert run.schedule_config(platform) == cfg.schedule_config(platform)
+  assert run.resolved_optimizer() == cfg.resolved_optimizer()
+  assert run.resolved_muon_learning_rate() == cfg.resolved_muon_learning_rate()
+  assert run.resolved_compensation() == cfg.resolved_compensation()
+  autos = {name: v for name, v in config.flat(run).items() if v == 'auto'}
+  if cfg.schedule.name != 'ouroboros':
+    assert autos.pop('flow') == 'auto'  # no flow outside Ouroboros: the field stays unset
+  assert autos == {}, autos
+  assert run.model.attention == cfg.model.attention_kind(platform)

@@ -210,15 +210,19 @@ class ScheduleConfig:
   def for_platform(self, platform: str, batch_size: int) -> ScheduleConfig:
     """This config resolved as it runs on `platform` ('cpu', 'gpu', 'tpu') with batches of
     batch_size, the one resolution of its defaults: the compensation as its record
-    (`resolved_compensation`) and Ouroboros' micro-batches. Ouroboros without --microbatches cuts
+    (`resolved_compensation`), Ouroboros' flow and micro-batches, and the pipelines' micro-batches
+    (DEFAULT_MICROBATCHES), every one written out. Ouroboros without --microbatches cuts
     each replica's batch: as one batch, into the largest power-of-two divisor of it up to
     OUROBOROS_ACCELERATOR_MICROBATCHES on an accelerator and not at all on CPU; streamed, into at
     least `delays.unit_gap_microbatches` (the smallest divisor of the batch that reaches it, or
     every row its own micro-batch). The CLI resolves here (`TrainConfig.schedule_config`), and so
     does `build_schedule`, on the devices' platform and the batch it steps on."""
-    if self.name != 'ouroboros':  # nothing to resolve ('auto' is no compensation there)
+    if self.name != 'ouroboros':  # 'auto' is no compensation there, and there is no flow
+      if self.name in MICROBATCHED and self.microbatches is None:
+        return dataclasses.replace(self, microbatches=self.num_microbatches)
       return self
     run = dataclasses.replace(self, compensation=self.resolved_compensation)
+    run = dataclasses.replace(run, flow=run.resolved_flow)  # after the compensation: it picks it
     if run.microbatches is not None:
       return run
     local = max(batch_size // run.data_parallel, 1)

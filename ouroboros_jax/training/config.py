@@ -263,6 +263,31 @@ class TrainConfig:
     )
     return run.for_platform(platform, self.batch_size)  # after the compensation: it picks the flow
 
+  def resolved(self, platform: str | None = None) -> TrainConfig:
+    """This run with every `auto` made explicit as it runs on `platform` (default: JAX's
+    backend), the one resolution of its defaults: the optimizer and Muon's rate, the staleness
+    compensation, Ouroboros' flow and micro-batches (`schedule_config`, `for_platform`), the
+    exact pipelines' micro-batches, the attention kernel and the data order. What config.json and
+    the checkpoints store, and what a resume compares; resolving it again changes nothing."""
+    if platform is None:
+      import jax
+
+      platform = jax.default_backend()
+    run = self.schedule_config(platform)  # the seed and compensation: TrainConfig's own fields
+    schedule = dataclasses.replace(self.schedule, flow=run.flow, microbatches=run.microbatches)
+    optimizer = self.resolved_optimizer()
+    return dataclasses.replace(
+      self,
+      schedule=schedule,
+      optimizer=optimizer,
+      muon_learning_rate=(
+        self.resolved_muon_learning_rate() if optimizer == 'muon' else self.muon_learning_rate
+      ),
+      compensation=','.join(self.resolved_compensation().names()) or 'none',
+      model=dataclasses.replace(self.model, attention=self.model.attention_kind(platform)),
+      data_order='segments' if self.segment_order else 'windows',
+    )
+
   def check_accelerators(self) -> None:
     """The accelerator flags parse, fit the model, and combine with the schedule (one-line
     ConfigErrors naming the flag). Which combinations work: docs/guides/accelerators.md."""
