@@ -80,8 +80,15 @@ def kernel_dims(in_axes: int = 1, out_axes: int = 1) -> optax.contrib.MuonDimens
 
 
 # The library's own models (model.py, txl.py): the modules whose `kernel` is a [..., in, out]
-# matrix (any leading axes are stacked layers and stages), and the leaves that are no matrix.
+# matrix (any leading axes are stacked layers and stages), as the `MuonDims` the CLI passes for
+# them (`training.config.make_optimizer`); a user's model gets no such exemption by name. And the
+# leaves that are no matrix.
 LIBRARY_KERNELS = frozenset({'qkv', 'attn_out', 'mlp_in', 'mlp_out', 'r_net', 'unembed'})
+LIBRARY_DIMS = {
+  pattern: kernel_dims()
+  for module in sorted(LIBRARY_KERNELS)
+  for pattern in (f'{module}/kernel', f'*/{module}/kernel')
+}
 NOT_MATRICES = frozenset({'bias', 'scale', 'embedding'})  # and names ending in '_bias'
 
 
@@ -105,11 +112,11 @@ def leaf_path(path) -> str:
 def _library_dims(path: str, leaf, warned: set[str] | None):
   """The library's rule for one leaf; a warning, once per path in `warned`, where it guesses."""
   names = path.split('/')
-  name, module = names[-1], (names[-2] if len(names) > 1 else '')
+  name = names[-1]
   if leaf.ndim < 2 or name in NOT_MATRICES or name.endswith('_bias'):
     return None
   if name == 'kernel':
-    if leaf.ndim > 2 and module not in LIBRARY_KERNELS:
+    if leaf.ndim > 2:
       _warn_once(
         warned,
         path,

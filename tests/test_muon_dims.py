@@ -200,9 +200,24 @@ def test_the_built_in_models_steps_are_unchanged_and_silent(arch):
   grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
   with warnings.catch_warnings():
     warnings.simplefilter('error', MuonDimsWarning)
-    new, old = muon(), old_muon(0.1)
+    new, old = muon(muon_dims=optimizers.LIBRARY_DIMS), old_muon(0.1)  # as the CLI's
     new_state, old_state = new.init(params), old.init(params)
     for _ in range(2):
       new_updates, new_state = new.update(grads, new_state, params)
       old_updates, old_state = old.update(grads, old_state, params)
       jax.tree.map(np.testing.assert_array_equal, new_updates, old_updates)
+
+
+def test_a_users_module_named_like_the_librarys_is_not_placed_silently():
+  """The built-in models' kernels are placed by the CLI's mapping (LIBRARY_DIMS), not by their
+  names: a user's DenseGeneral q/k/v called 'qkv' [G, N, D, 3, H, K] gets the warning under
+  `recipe`, which passes only the user's own muon_dims."""
+  from ouroboros_jax import recipe
+
+  stages = {'qkv': {'kernel': jnp.ones((2, 1, 8, 3, 2, 4))}}
+  with pytest.warns(MuonDimsWarning, match="'qkv/kernel'"):
+    recipe('ouroboros', 2, batch_size=8).optimizer.init(stages)
+  with warnings.catch_warnings():
+    warnings.simplefilter('error', MuonDimsWarning)
+    placed = {'qkv/kernel': optimizers.kernel_dims(1, 3)}
+    recipe('ouroboros', 2, batch_size=8, muon_dims=placed).optimizer.init(stages)

@@ -53,7 +53,7 @@ from ouroboros_jax import costs, partition, placement
 from ouroboros_jax import model as transformer
 from ouroboros_jax.choices import DEFAULT_STASH_POLICY, FORWARD_MODES, MICROBATCHED, STASH_MODES
 from ouroboros_jax.errors import ConfigError
-from ouroboros_jax.optimizers import make_optimizer
+from ouroboros_jax.optimizers import LIBRARY_DIMS, make_optimizer
 from ouroboros_jax.perf import simulate
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule
 from ouroboros_jax.schedules.compensation import Compensation
@@ -190,7 +190,9 @@ def _median_time(fn, *args, repeats: int) -> float:
 
 def bench_optimizer(name: str = 'adamw'):
   """The optimizer every setting is timed with (its rate does not change the time)."""
-  return make_optimizer(name, 1e-4, weight_decay=0.1, muon_learning_rate=1e-3)
+  return make_optimizer(
+    name, 1e-4, weight_decay=0.1, muon_learning_rate=1e-3, muon_dims=LIBRARY_DIMS
+  )
 
 
 def time_group(stash, params, s, key, x, repeats, sizes=(), micro_repeats=3):

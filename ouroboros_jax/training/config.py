@@ -495,10 +495,11 @@ RECIPE_OPTIMIZER = DEFAULT_OPTIMIZER
 # The compensations `--compensation auto` gives Ouroboros: schedules.config.RECIPE_COMPENSATION.
 
 
-def make_optimizer(cfg: TrainConfig, *, muon_dims: optimizers.MuonDims | None = None):
+def make_optimizer(cfg: TrainConfig, *, muon_dims: optimizers.MuonDims = optimizers.LIBRARY_DIMS):
   """--optimizer (Muon by default, `TrainConfig.resolved_optimizer`) with linear warmup and
-  cosine decay; Muon's kernels follow the same schedule to their own peak. `muon_dims`: a user's
-  model's matrices for Muon (`optimizers.muon_dimensions`; the CLI's own model needs none)."""
+  cosine decay; Muon's kernels follow the same schedule to their own peak. `muon_dims`: the
+  model's matrices for Muon (`optimizers.muon_dimensions`; default: the built-in models', the
+  CLI's; `recipe` passes a user's own)."""
   return optimizers.make_optimizer(
     cfg.resolved_optimizer(),
     lr_schedule(cfg),

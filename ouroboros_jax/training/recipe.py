@@ -92,7 +92,10 @@ def recipe(
       )
   cfg = config.override(config.get_preset(preset), given)  # as the CLI's config_from_args
   _validate(cfg)
-  return Recipe(cfg.schedule_config(platform), config.make_optimizer(cfg, muon_dims=muon_dims), cfg)
+  # A user's model: their muon_dims, never the built-in models' (which would place a user's
+  # module that happens to share a name, e.g. a DenseGeneral 'qkv', silently and wrongly).
+  optimizer = config.make_optimizer(cfg, muon_dims={} if muon_dims is None else muon_dims)
+  return Recipe(cfg.schedule_config(platform), optimizer, cfg)
 
 
 def _validate(cfg: config.TrainConfig) -> None:
