@@ -13,6 +13,8 @@ error with its flags (--stash graph), through `render(error.marked, flag_of)`.
         CheckpointError       nothing to resume, or a checkpoint that does not fit the flags
           CorruptCheckpointError   a checkpoint that does not read back whole
       DataError               missing, unreadable or unsuitable data
+      DiskFullError           a write into the run's directory found no space (names it and the
+                              space needed; what was written before is kept whole)
       NonFiniteLossError      the loss became NaN/Inf (exit status 3; names the last checkpoint)
 """
 
@@ -74,6 +76,11 @@ class DataError(UserError, ValueError):
 
   def __init__(self, message: str):
     super().__init__(_one_line(message))
+
+
+class DiskFullError(UserError):
+  """A write into a run's directory found no space left; the message names the directory, the
+  space the run needs there and the checkpoint to resume from."""
 
 
 class NonFiniteLossError(UserError, RuntimeError):

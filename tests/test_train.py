@@ -411,10 +411,11 @@ def test_a_damaged_checkpoint_falls_back_and_resumes_exactly(
     _damage(out / 'checkpoints' / '30', how)
     loop.train(resumed, resume=True, quiet=True)
     moved = [30]
-    said = capsys.readouterr().out
-    assert 'warning: checkpoint step 30 in ' in said
-    assert 'resuming from step 20, the newest readable checkpoint' in said
-    assert 'dropped its torn last line' in said
+    said = capsys.readouterr()
+    assert 'warning: checkpoint step 30 in ' in said.err and 'warning' not in said.out
+    assert 'resuming from step 20 in ' in said.out
+    assert ', the newest readable checkpoint' in said.out
+    assert 'dropped its torn last line' in said.out
   # Nothing deleted: the skipped checkpoints are set aside, the run wrote its own again...
   assert sorted(os.listdir(out / checkpoint.SET_ASIDE)) == [str(s) for s in moved]
   manager = checkpoint.make_manager(out, read_only=True)
@@ -433,6 +434,7 @@ def test_no_readable_checkpoint_is_one_clear_error(three_checkpoints, tmp_path):
   cfg, _ = three_checkpoints
   out = tmp_path / 'run'
   shutil.copytree(cfg.out_dir, out)
+  os.remove(out / 'summary.json')  # an unfinished run (a finished one has nothing to resume)
   for step in (10, 20, 30):
     _damage(out / 'checkpoints' / str(step), 'empty_meta')
   with pytest.raises(

@@ -21,9 +21,14 @@ Orbax reads back some damaged files without complaint (a flipped byte in an arra
 restored as a different number), and a resumed run must not continue from those.
 
 A checkpoint that cannot be read back whole (unreadable files, missing manifests, an empty
-`_METADATA`, a checksum that does not match) raises `CorruptCheckpointError`; `restore_newest`
-then falls back to the newest readable one, and `set_aside` moves the newer ones out of the
-manager's way into OUT/checkpoints-set-aside/ (nothing is ever deleted).
+`_METADATA`, a checksum that does not match) raises `CorruptCheckpointError`, naming the file
+and the reason (`_why`: not the store specs the libraries add); `newest_readable` (for
+`restore_newest` and sampling) then falls back to the newest readable one, with a warning on
+stderr for each one skipped, and `set_aside` moves the newer ones out of the manager's way into
+OUT/checkpoints-set-aside/ (nothing is ever deleted). When none reads, one error lists them.
+
+A save that finds the disk full leaves `<step>.orbax-checkpoint-tmp`, never a checkpoint;
+`remove_unfinished` removes it (training/loop.py, which reports the full disk in one line).
 
 Restoring needs the abstract TrainState (shapes, dtypes and shardings) of the run being resumed;
 `training/loop.py` gets it from the schedule's own `init`, so sharded multi-device states come back onto
@@ -34,9 +39,11 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -81,10 +88,69 @@ def _quiet_reads():
       stderr.write(held.getvalue())
 
 
-def _first_line(exc: BaseException) -> str:
+def _first_line(exc: BaseException, limit: int | None = 300) -> str:
   lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
   text = next((line for line in lines if not line.startswith('Traceback')), type(exc).__name__)
-  return ' '.join(text.split())[:300]
+  return ' '.join(text.split())[:limit]
+
+
+# What TensorStore and Orbax add to a read error besides the file and the reason: the store's
+# JSON spec, and Orbax's wrapper that prints the spec's Python binding.
+_SPEC = re.compile(r'\s*\[tensorstore_spec.*$|\s*See full TensorStore details:.*$', re.S)
+_LOCAL_FILE = re.compile(r'local file "([^"]+)"')
+_VALUE_SIZE = re.compile(r'value of size (\d+)')
+_JSON_FILES = ('metadata', '_METADATA', '_CHECKPOINT_METADATA', '_sharding')
+
+
+def _why(exc: BaseException, step_dir: str) -> str:
+  """Why a checkpoint did not read back, as `FILE: reason`: the innermost error the failure was
+  raised from, without the store specs and bindings the libraries add. A JSON file that does not
+  parse, and the data file of an array shorter than its index says (where one file has the size
+  reported), are named themselves."""
+  causes = [exc]
+  while causes[-1].__cause__ is not None and len(causes) < 20:
+    causes.append(causes[-1].__cause__)
+  texts = [_first_line(_SPEC.sub('', str(e)), None) for e in causes]
+  text = next((t for t in reversed(texts) if t and t != 'Exception'), texts[0])
+  files = _LOCAL_FILE.findall(text)
+  if not files:
+    broken = _unparsable_json(step_dir)
+    return (f'{broken}: {text}' if broken else text)[:400]
+  reason = text.rsplit('": ', 1)[-1]  # after the last quoted path: the reason itself
+  where = files[-1]
+  size = _VALUE_SIZE.search(reason)
+  if size and os.path.isdir(where):  # an OCDBT database: its data file of that size
+    sized = [
+      os.path.join(root, name)
+      for root, _, names in os.walk(where)
+      for name in names
+      if os.path.basename(root) == 'd' and os.path.getsize(os.path.join(root, name)) == int(size[1])
+    ]
+    where = sized[0] if len(sized) == 1 else where
+  return f'{where}: {reason}'[:400]
+
+
+def _unparsable_json(step_dir: str) -> str | None:
+  """The first of a checkpoint's JSON files that does not parse (empty or cut short), if any."""
+  for root, _, names in sorted(os.walk(step_dir)):
+    for name in sorted(names):
+      if name in _JSON_FILES or os.path.basename(root) == 'array_metadatas':
+        path = os.path.join(root, name)
+        try:
+          with open(path) as f:
+            json.load(f)
+        except ValueError:
+          return path
+        except OSError:
+          continue
+  return None
+
+
+def _unreadable(manager: ocp.CheckpointManager, step: int, exc: Exception):
+  where = os.path.join(str(manager.directory), str(step))
+  return CorruptCheckpointError(
+    f'checkpoint step {step} in {manager.directory} is unreadable ({_why(exc, where)})'
+  )
 
 
 def checkpoint_dir(out_dir: str) -> str:
@@ -217,9 +283,7 @@ def restore(manager: ocp.CheckpointManager, abstract_state, step: int | None = N
         ),
       )
   except Exception as e:  # pylint: disable=broad-exception-caught
-    raise CorruptCheckpointError(
-      f'checkpoint step {step} in {manager.directory} is unreadable ({_first_line(e)})'
-    ) from e
+    raise _unreadable(manager, step, e) from e
   data_state = dict(restored['data'])
   saved = data_state.pop('fingerprint', None)  # checkpoints from before checksums have none
   if saved is not None and fingerprint(restored['state']) != saved:
@@ -236,9 +300,56 @@ def read_meta(manager: ocp.CheckpointManager, step: int | None = None) -> dict:
     with _quiet_reads():
       return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))['meta']
   except Exception as e:  # pylint: disable=broad-exception-caught
-    raise CorruptCheckpointError(
-      f'checkpoint step {step} in {manager.directory} is unreadable ({_first_line(e)})'
-    ) from e
+    raise _unreadable(manager, step, e) from e
+
+
+def warn(text: str) -> None:
+  """A warning about a checkpoint: on stderr, in every command (`train`, `sample`)."""
+  print(text, file=sys.stderr, flush=True)
+
+
+def newest_readable(
+  manager: ocp.CheckpointManager,
+  read: Callable[[int], Any],
+  *,
+  step: int | None = None,
+  step_flag: str = '--resume-from',
+  say: Callable[[str], None] = warn,
+) -> tuple[Any, int, list[int]]:
+  """(read(s), s, the newer steps that did not read) for the newest checkpoint s that `read`
+  reads back whole, or for `step` alone.
+
+  `read(s)` raises CorruptCheckpointError for a checkpoint that does not read back whole, and
+  the one before it is tried; once one reads, each skipped one is reported with `say` (a
+  warning on stderr). Any other error (a checkpoint that does not fit the run) passes. No
+  readable one: one CorruptCheckpointError that lists them, and nothing else is said
+  (`train --resume` and `sample` say the same); for `step` alone, its error with `step_flag`,
+  the flag that picks another."""
+  steps = sorted(manager.all_steps(), reverse=True)
+  if step is not None:
+    if step not in steps:
+      raise CheckpointError(
+        f'{step_flag} {step}: no checkpoint for that step in '
+        f'{manager.directory} (it has {sorted(steps)}).'
+      )
+    steps = [step]
+  unreadable, warnings = [], []
+  for candidate in steps:
+    try:
+      found = read(candidate)
+    except CorruptCheckpointError as e:
+      if step is not None:  # the one asked for: its error says it all
+        raise CorruptCheckpointError(f'{e}; pick another with {step_flag} STEP.') from e
+      unreadable.append(candidate)
+      warnings.append(f'warning: {e}.')
+      continue
+    for warning in warnings:
+      say(warning)
+    return found, candidate, unreadable
+  raise CorruptCheckpointError(
+    f'no readable checkpoint in {manager.directory} (unreadable: steps {sorted(unreadable)}); '
+    'start a new run with another --out.'
+  )
 
 
 def restore_newest(
@@ -247,42 +358,22 @@ def restore_newest(
   check_meta: Callable[[dict], None],
   *,
   step: int | None = None,
-  say: Callable[[str], None] = print,
+  say: Callable[[str], None] = warn,
 ):
-  """(state, data_state, step) of the newest checkpoint that reads back whole, or of `step`.
+  """(state, data_state, step, the newer steps that did not read) of the newest checkpoint that
+  reads back whole, or of `step` (`newest_readable`).
 
   check_meta(meta) raises for a checkpoint that does not fit the run (a user error: no
   fallback). Each unreadable checkpoint is reported with `say` and the one before it is tried.
   """
-  steps = sorted(manager.all_steps(), reverse=True)
-  if step is not None:
-    if step not in steps:
-      raise CheckpointError(
-        f'--resume-from {step}: no checkpoint for that step in '
-        f'{manager.directory} (it has {sorted(steps)}).'
-      )
-    steps = [step]
-  unreadable = []
-  for candidate in steps:
-    try:
-      check_meta(read_meta(manager, candidate))
-      state, data_state, _ = restore(manager, abstract_state, candidate)
-    except CorruptCheckpointError as e:
-      unreadable.append(candidate)
-      say(f'warning: {e}.')
-      continue
-    if unreadable:
-      say(f'resuming from step {candidate}, the newest readable checkpoint.')
-    return state, data_state, candidate
-  others = (
-    '; pick another with --resume-from STEP'
-    if step is not None
-    else '; start a new run with another --out'
-  )
-  raise CorruptCheckpointError(
-    f'no readable checkpoint in {manager.directory} (unreadable: '
-    f'steps {sorted(unreadable)}){others}.'
-  )
+
+  def read(candidate):
+    check_meta(read_meta(manager, candidate))
+    state, data_state, _ = restore(manager, abstract_state, candidate)
+    return state, data_state
+
+  (state, data_state), step, unreadable = newest_readable(manager, read, step=step, say=say)
+  return state, data_state, step, unreadable
 
 
 def set_aside(out_dir: str, steps) -> str | None:
@@ -306,6 +397,22 @@ def set_aside(out_dir: str, steps) -> str | None:
 
     multihost_utils.sync_global_devices('ouroboros_jax.training.checkpoint.set_aside')
   return where
+
+
+def remove_unfinished(out_dir: str) -> None:
+  """Removes what saves cut short left in OUT/checkpoints (`<step>.orbax-checkpoint-tmp*`: never
+  a checkpoint). Only process 0 removes; call it when no save is in flight."""
+  where = checkpoint_dir(out_dir)
+  if jax.process_index() != 0 or not os.path.isdir(where):
+    return
+  for name in os.listdir(where):
+    if '.orbax-checkpoint-tmp' in name:
+      shutil.rmtree(os.path.join(where, name), ignore_errors=True)
+
+
+def state_bytes(state) -> int:
+  """Bytes of a state's arrays (the bulk of one checkpoint of it)."""
+  return sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, 'nbytes'))
 
 
 def checkpoint_size(out_dir: str, step: int) -> int:
@@ -354,9 +461,7 @@ def restore_single_device(
         ),
       )
   except Exception as e:  # pylint: disable=broad-exception-caught
-    raise CorruptCheckpointError(
-      f'checkpoint step {step} in {manager.directory} is unreadable ({_first_line(e)})'
-    ) from e
+    raise _unreadable(manager, step, e) from e
   saved = restored['data'].get('fingerprint')
   # The dict's leaves come in another order than the TrainState's: compare the per-leaf sums.
   pairs = lambda flat: sorted(zip(flat[::2], flat[1::2]))

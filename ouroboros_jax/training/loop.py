@@ -37,6 +37,7 @@ checkpoint is written), so a non-finite state is never saved; the run then stops
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -51,7 +52,7 @@ import numpy as np
 
 from ouroboros_jax import costs, partition, placement, schedules
 from ouroboros_jax.accelerators import pld
-from ouroboros_jax.errors import NonFiniteLossError
+from ouroboros_jax.errors import DiskFullError, NonFiniteLossError
 from ouroboros_jax.training import checkpoint, data, phased, resume, rundir
 from ouroboros_jax.training.assemble import build, example_batch, staged_model  # noqa: F401
 from ouroboros_jax.training.config import TrainConfig
@@ -191,6 +192,7 @@ def train(
     cfg, out=cfg.out_dir, layers_per_stage=','.join(map(str, cfg.plans.layers_per_stage))
   )
   options = _Options(resume or resume_from is not None, resume_from, quiet, on_step, t_start)
+  rundir.quiet_disk_full()  # a full disk is one DiskFullError, not a traceback per thread
   with rundir.claim(cfg.out_dir, lock=jax.process_index() == 0):
     return _run(cfg, options)
 
@@ -222,12 +224,69 @@ class _Run:
 
 def _run(cfg: TrainConfig, options: _Options) -> dict:
   resume.check_out_dir(cfg, options.resume)
+  if options.resume:
+    finished = resume.finished_summary(cfg, options.resume_from)
+    if finished is not None:  # nothing to train, and nothing is written
+      return finished
   splits, train_it = open_data(cfg)
   if cfg.growth or cfg.vcycle:
-    return phased.train_phased(cfg, splits, train_it, quiet=options.quiet, t_start=options.t_start)
+    with _disk_full_ends_run(cfg, None):
+      return phased.train_phased(
+        cfg, splits, train_it, quiet=options.quiet, t_start=options.t_start
+      )
   schedule, params, layers_per_stage = build(cfg)
   state = placement.onto_mesh(schedule.init(params, example_batch(cfg)), schedule.mesh)
   del params
+  with _disk_full_ends_run(cfg, checkpoint.state_bytes(state)):
+    return _train_state(cfg, options, (splits, train_it), schedule, state, layers_per_stage)
+
+
+@contextlib.contextmanager
+def _disk_full_ends_run(cfg: TrainConfig, checkpoint_bytes: int | None):
+  """A write into OUT that finds no space ends the run with one DiskFullError. Every write
+  before it is whole (checkpoints are renamed into place when complete, the other files are
+  written whole or not at all), so the run resumes from its last checkpoint."""
+  try:
+    yield
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    if not rundir.is_disk_full(e) or isinstance(e, DiskFullError):
+      raise
+    raise _disk_full(cfg, checkpoint_bytes) from e
+
+
+def _disk_full(cfg: TrainConfig, checkpoint_bytes: int | None) -> DiskFullError:
+  ckpt_dir = checkpoint.checkpoint_dir(cfg.out_dir)
+  checkpoint.remove_unfinished(cfg.out_dir)  # a save cut short never counted as a checkpoint
+  latest = checkpoint.latest_step(cfg.out_dir)
+  if latest is not None:  # a checkpoint as written, with its metadata
+    checkpoint_bytes = max(checkpoint_bytes or 0, checkpoint.checkpoint_size(cfg.out_dir, latest))
+  free = rundir.free_bytes(cfg.out_dir)
+  need = (
+    f'each checkpoint needs about {_size(checkpoint_bytes)}'
+    if checkpoint_bytes
+    else 'the run needs more'
+  )
+  free = f', {_size(free)} free' if free is not None else ''
+  resume_from = (
+    f'the last good checkpoint is step {latest} in {ckpt_dir}: free space there and continue '
+    'with --resume'
+    if latest is not None
+    else f'no checkpoint was saved in {ckpt_dir}: free space and start again with another --out'
+  )
+  return DiskFullError(
+    f'no space left on the device of {cfg.out_dir} ({need}{free}); {resume_from} (nothing '
+    'written before was lost).'
+  )
+
+
+def _size(num_bytes: int) -> str:
+  return f'{num_bytes / 2**20:.1f} MiB'
+
+
+def _train_state(cfg: TrainConfig, options: _Options, opened, schedule, state, layers_per_stage):
+  """The run from its fresh state (or, resuming, the checkpoint's) to its summary.
+  opened: (the splits, the train iterator) of `open_data`."""
+  splits, train_it = opened
   os.makedirs(cfg.out_dir, exist_ok=True)
   manager = checkpoint.make_manager(cfg.out_dir, keep=cfg.keep_checkpoints)
   try:
@@ -240,8 +299,9 @@ def _run(cfg: TrainConfig, options: _Options) -> dict:
       )
       train_it.set_state(data_state['iterator'])
       crc = data_state['crc32']
-    with open(os.path.join(cfg.out_dir, 'config.json'), 'w') as f:
-      json.dump(cfg.to_dict(), f, indent=2)
+    rundir.write_whole(
+      os.path.join(cfg.out_dir, 'config.json'), json.dumps(cfg.to_dict(), indent=2)
+    )
     start_step = int(jax.device_get(state.step))
     log = MetricsLog(cfg.out_dir, start_step if options.resume else None)
     report = Report(cfg, log, start_step=start_step, quiet=options.quiet, t_start=options.t_start)
@@ -260,13 +320,21 @@ def _run(cfg: TrainConfig, options: _Options) -> dict:
     )
     try:
       with rundir.stoppable(agreed=jax.process_count() > 1):
-        return _loop(run, start_step)
+        summary = _loop(run, start_step)
     finally:
       report.bar.close()
       log.close()
-  finally:
-    manager.wait_until_finished()  # an async save in flight must land, also on errors
-    manager.close()
+    manager.wait_until_finished()
+  except BaseException:
+    # An async save in flight must land, also on errors; if it fails too (a full disk), the
+    # error on its way says what happened.
+    with contextlib.suppress(Exception):
+      manager.wait_until_finished()
+    with contextlib.suppress(Exception):
+      manager.close()
+    raise
+  manager.close()
+  return summary
 
 
 def _loop(run: _Run, step: int) -> dict:

@@ -1,4 +1,4 @@
-"""What a run reports: metrics.jsonl and TensorBoard (`MetricsLog`), the clock, the FLOP and data
+"""What a run reports: metrics.jsonl and TensorBoard (`MetricsLog`, `EventFile`), the clock, the FLOP and data
 counters, the progress bar and the summary (`Report`), shared by every kind of run.
 
 Timing: a run's wall-clock is cut into laps (`Report.lap`). A lap that compiles (the first step,
@@ -14,6 +14,8 @@ import functools
 import json
 import math
 import os
+import socket
+import struct
 import sys
 import time
 import zlib
@@ -22,6 +24,7 @@ import jax
 import numpy as np
 
 from ouroboros_jax.errors import CheckpointError
+from ouroboros_jax.training import rundir
 
 LN2 = math.log(2.0)
 SCALARS = ('loss', 'bpb', 'tokens_per_s', 'grad_norm')  # what TensorBoard gets of a row
@@ -56,11 +59,12 @@ def read_metrics(path: str) -> list[dict]:
 
 
 class MetricsLog:
-  """metrics.jsonl + TensorBoard; on resume, rows past the resumed step are dropped first."""
+  """metrics.jsonl + TensorBoard; on resume, rows past the resumed step are dropped first.
+
+  Every row reaches both files whole, or neither (`rundir.append_whole`), so a write that finds
+  the disk full raises with the files as they were."""
 
   def __init__(self, out_dir: str, resume_step: int | None):
-    from tensorboardX import SummaryWriter
-
     # In a multi-process run every process computes the same metrics; process 0 writes them.
     self.writer = jax.process_index() == 0
     if not self.writer:
@@ -74,23 +78,82 @@ class MetricsLog:
       for name in os.listdir(tb_dir):
         if name.startswith('events.out.tfevents'):
           os.remove(os.path.join(tb_dir, name))
-    with open(self.path, 'w') as f:
-      f.writelines(json.dumps(r) + '\n' for r in rows)
+    rundir.write_whole(self.path, ''.join(json.dumps(r) + '\n' for r in rows))
     # purge_step hides TensorBoard events a previous (interrupted) run wrote past the resume step.
-    self.tb = SummaryWriter(tb_dir, purge_step=resume_step)
+    self.tb = EventFile(tb_dir, purge_step=resume_step)
 
   def write(self, row: dict) -> None:
     if not self.writer:
       return
-    with open(self.path, 'a') as f:
-      f.write(json.dumps(row) + '\n')
-    for key in SCALARS:
-      if key in row:
-        self.tb.add_scalar(f'{row["split"]}/{key}', row[key], row['step'])
+    fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+      size = os.fstat(fd).st_size
+      rundir.append_whole(fd, (json.dumps(row) + '\n').encode())
+      try:
+        self.tb.scalars(
+          row['step'], {f'{row["split"]}/{key}': row[key] for key in SCALARS if key in row}
+        )
+      except BaseException:  # the row goes into both files or neither
+        os.ftruncate(fd, size)
+        raise
+    finally:
+      os.close(fd)
 
   def close(self) -> None:
     if self.writer:
       self.tb.close()
+
+
+class EventFile:
+  """A TensorBoard event file (`events.out.tfevents.*` in `tb_dir`), written in the caller's
+  thread, each call's events whole or not at all. (tensorboardX's SummaryWriter writes from a
+  thread of its own, where a full disk is a traceback and a torn record.)
+
+  purge_step: the step a resumed run starts from; TensorBoard hides the events an earlier run
+  wrote at or past it (a SessionLog START at that step, as SummaryWriter(purge_step=) writes).
+  """
+
+  def __init__(self, tb_dir: str, purge_step: int | None = None):
+    from tensorboardX.proto import event_pb2
+
+    self._event_pb2 = event_pb2
+    os.makedirs(tb_dir, exist_ok=True)
+    name = f'events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}'
+    self.path = os.path.join(tb_dir, name)
+    self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    events = [event_pb2.Event(wall_time=time.time(), file_version='brain.Event:2')]
+    if purge_step is not None:
+      start = event_pb2.SessionLog(status=event_pb2.SessionLog.START)
+      events.append(event_pb2.Event(wall_time=time.time(), step=purge_step, session_log=start))
+    self._append(events)
+
+  def scalars(self, step: int, values: dict) -> None:
+    """One scalar event per tag in `values` at `step`."""
+    from tensorboardX.summary import scalar
+
+    now = time.time()
+    self._append(
+      [
+        self._event_pb2.Event(wall_time=now, step=int(step), summary=scalar(tag, float(value)))
+        for tag, value in values.items()
+      ]
+    )
+
+  def _append(self, events) -> None:
+    from tensorboardX.record_writer import masked_crc32c
+
+    records = []
+    for event in events:
+      data = event.SerializeToString()
+      header = struct.pack('Q', len(data))
+      records += [header, struct.pack('I', masked_crc32c(header)), data]
+      records.append(struct.pack('I', masked_crc32c(data)))
+    rundir.append_whole(self._fd, b''.join(records))
+
+  def close(self) -> None:
+    if self._fd is not None:
+      os.close(self._fd)
+      self._fd = None
 
 
 def duration(seconds: float) -> str:
@@ -227,9 +290,10 @@ class Report:
       'compile_cpu_s': self.compile_cpu_s,
       'train_cpu_s': self.train_cpu_s,
     }
-    if jax.process_index() == 0:
-      with open(os.path.join(self.cfg.out_dir, 'summary.json'), 'w') as f:
-        json.dump(summary, f, indent=2)
+    if jax.process_index() == 0:  # the old summary.json stays whole if this write fails
+      rundir.write_whole(
+        os.path.join(self.cfg.out_dir, 'summary.json'), json.dumps(summary, indent=2)
+      )
     quality = (
       f'val ppl {summary["val_ppl"]:.2f}, test ppl {summary["test_ppl"]:.2f}'
       if self.words

@@ -27,7 +27,7 @@ from ouroboros_jax import model as transformer
 from ouroboros_jax import staged
 from ouroboros_jax.accelerators import growth, vcycle
 from ouroboros_jax.errors import NonFiniteLossError
-from ouroboros_jax.training import data
+from ouroboros_jax.training import data, rundir
 from ouroboros_jax.training.config import TrainConfig, lr_schedule
 from ouroboros_jax.training.metrics import MetricsLog, Report, batch_crc32
 
@@ -97,8 +97,7 @@ def train_phased(
 ) -> dict:
   """A --growth or --vcycle run of cfg (see the module docstring); returns the summary."""
   os.makedirs(cfg.out_dir, exist_ok=True)
-  with open(os.path.join(cfg.out_dir, 'config.json'), 'w') as f:
-    json.dump(cfg.to_dict(), f, indent=2)
+  rundir.write_whole(os.path.join(cfg.out_dir, 'config.json'), json.dumps(cfg.to_dict(), indent=2))
   log = MetricsLog(cfg.out_dir, None)
   report = Report(cfg, log, quiet=quiet, t_start=t_start)
   reporter = _Reporter(cfg, report, splits)

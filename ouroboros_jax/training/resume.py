@@ -3,6 +3,7 @@ one (moving newer, unreadable ones aside)."""
 
 from __future__ import annotations
 
+import json
 import os
 
 from ouroboros_jax import model as transformer
@@ -112,7 +113,9 @@ def resume_state(cfg: TrainConfig, manager, target, layers_per_stage, resume_fro
   """(state, data state, manager) restored from the newest readable checkpoint (or resume_from).
 
   Newer checkpoints that are unreadable, or newer than resume_from, are moved aside (the run
-  will write those steps again) and the manager is reopened on what is left.
+  will write those steps again) and the manager is reopened on what is left. Says, in one line
+  on stdout, the step it resumes from (and the settings that changed); the warnings about
+  unreadable checkpoints go to stderr.
   """
   ckpt_dir = checkpoint.checkpoint_dir(cfg.out_dir)
   changed = []
@@ -120,7 +123,9 @@ def resume_state(cfg: TrainConfig, manager, target, layers_per_stage, resume_fro
   def check(meta):
     changed[:] = check_resumable(meta, cfg, layers_per_stage, ckpt_dir)
 
-  state, data_state, step = checkpoint.restore_newest(manager, target, check, step=resume_from)
+  state, data_state, step, unreadable = checkpoint.restore_newest(
+    manager, target, check, step=resume_from
+  )
   newer = [s for s in manager.all_steps() if s > step]
   if newer:
     manager.close()
@@ -130,9 +135,45 @@ def resume_state(cfg: TrainConfig, manager, target, layers_per_stage, resume_fro
       flush=True,
     )
     manager = checkpoint.make_manager(cfg.out_dir, keep=cfg.keep_checkpoints)
-  if changed:
-    print(f'resuming step {step} with changed settings: {"; ".join(changed)}.', flush=True)
+  print(
+    resuming_line(step, ckpt_dir, newest_readable=bool(unreadable), changed=changed), flush=True
+  )
   return state, data_state, manager
+
+
+def resuming_line(step: int, ckpt_dir: str, *, newest_readable: bool, changed: list[str]) -> str:
+  """'resuming from step 20 in OUT/checkpoints[, the newest readable checkpoint][, with changed
+  settings: --steps 30 -> 40].'"""
+  line = f'resuming from step {step} in {ckpt_dir}'
+  if newest_readable:
+    line += ', the newest readable checkpoint'
+  if changed:
+    line += f', with changed settings: {"; ".join(changed)}'
+  return line + '.'
+
+
+def finished_summary(cfg: TrainConfig, resume_from: int | None) -> dict | None:
+  """The summary of the run in OUT when it is finished and `--resume` has nothing to train: its
+  summary.json belongs to its newest checkpoint and --steps asks for no more steps. Says so in
+  one line; nothing in OUT is written. None otherwise (a larger --steps trains on; --resume-from
+  an earlier step trains again from there)."""
+  path = os.path.join(cfg.out_dir, 'summary.json')
+  try:
+    with open(path) as f:
+      summary = json.load(f)
+    step = int(summary['step'])
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+  if checkpoint.latest_step(cfg.out_dir) != step or cfg.steps > step:
+    return None
+  if resume_from is not None and resume_from != step:
+    return None
+  print(
+    f'{cfg.out_dir} holds a run finished at step {step} ({path}); nothing to resume and '
+    f'nothing changed: pass {config.flag("steps")} above {step} to train on.',
+    flush=True,
+  )
+  return summary
 
 
 def check_out_dir(cfg: TrainConfig, resume: bool) -> None:

@@ -19,6 +19,13 @@ catches SIGTERM itself (its preemption notifier) and tells every process, and th
 `stop_agreed` at every step, which is JAX's preemption sync point
 (`multihost_utils.reached_preemption_sync_point`): true in every process at the same step, where
 the loop saves a checkpoint and stops. A SIGINT or SIGHUP there is turned into that SIGTERM.
+
+A full disk: every file a run writes besides its checkpoints is written whole or not at all
+(`append_whole` for the rows of metrics.jsonl and TensorBoard, `write_whole` for config.json and
+summary.json, which replace the old file by a rename), so a write that finds no space leaves what
+was there as it was. `is_disk_full` recognises such a failure however a library wrapped it, and
+`quiet_disk_full` drops what Orbax, TensorStore and asyncio log about it from their threads: the
+run reports it as one `DiskFullError` (training/loop.py).
 """
 
 from __future__ import annotations
@@ -26,8 +33,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import signal
+import sys
 import tempfile
 from typing import Iterator
 
@@ -153,3 +162,121 @@ def stoppable(agreed: bool = False) -> Iterator[None]:
     yield
   finally:
     _STOP.update(loop_running=False, agreed=False)
+
+
+# ----------------------------------------------------------------------------- a full disk
+
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_FULL_TEXTS = tuple(os.strerror(code) for code in _FULL_ERRNOS)  # 'No space left on device', ...
+
+
+def is_disk_full(exc: BaseException | None) -> bool:
+  """Whether `exc`, or an exception it came from, is a write that found no space (ENOSPC or a
+  full quota), also as TensorStore reports it ('RESOURCE_EXHAUSTED: ... No space left on
+  device')."""
+  seen = set()
+  while exc is not None and id(exc) not in seen:
+    seen.add(id(exc))
+    if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
+      return True
+    if any(text in str(exc) for text in _FULL_TEXTS):
+      return True
+    exc = exc.__cause__ or exc.__context__
+  return False
+
+
+def free_bytes(path: str) -> int | None:
+  """Bytes an unprivileged writer may still use on the file system of `path` (None: unknown)."""
+  try:
+    stat = os.statvfs(path)
+  except OSError:
+    return None
+  return stat.f_bavail * stat.f_frsize
+
+
+def append_whole(fd: int, data: bytes) -> None:
+  """Appends `data` to the file open as `fd` (O_APPEND) entirely or not at all: a write that
+  fails part-way (a full disk) is cut off again, so the file keeps exactly what it had."""
+  size = os.fstat(fd).st_size
+  view = memoryview(data)
+  try:
+    while view:
+      view = view[os.write(fd, view) :]
+  except BaseException:
+    os.ftruncate(fd, size)
+    raise
+
+
+def write_whole(path: str, text: str) -> None:
+  """Writes `path` through a temporary file renamed over it: a write that fails (a full disk)
+  leaves the old file, or none, never a part of the new one."""
+  fd, temporary = tempfile.mkstemp(
+    dir=os.path.dirname(path) or '.', prefix=f'.{os.path.basename(path)}.', suffix='.tmp'
+  )
+  try:
+    try:
+      os.fchmod(fd, 0o644)
+      append_whole(fd, text.encode())
+    finally:
+      os.close(fd)
+    os.replace(temporary, path)
+  except BaseException:
+    with contextlib.suppress(OSError):
+      os.remove(temporary)
+    raise
+
+
+class _DiskFullRecords(logging.Filter):
+  """Drops the log records about a write that found no space."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (is_disk_full(exc) or any(text in record.getMessage() for text in _FULL_TEXTS))
+
+
+_DISK_FULL_RECORDS = _DiskFullRecords()
+
+
+def _late(exc: BaseException | None) -> bool:
+  """The 'Event loop is closed' of a TensorStore write or read still pending when Orbax gave up
+  on it (a full disk, a damaged checkpoint) and closed its event loop: TensorStore's thread calls
+  `call_soon_threadsafe` on that loop and prints the error (as an unraisable or an uncaught
+  one). Nothing is lost with it: the operation had failed already, and was reported."""
+  if not (isinstance(exc, RuntimeError) and str(exc) == 'Event loop is closed'):
+    return False
+  first = exc.__traceback__
+  return first is not None and first.tb_frame.f_code.co_name == 'call_soon_threadsafe'
+
+
+def _without_late_unraisable(hook):
+  def unraisable(info):
+    if not _late(info.exc_value):
+      hook(info)
+
+  unraisable.drops_late = True
+  return unraisable
+
+
+def _without_late_excepthook(hook):
+  def excepthook(kind, value, traceback):
+    if not _late(value):
+      hook(kind, value, traceback)
+
+  excepthook.drops_late = True
+  return excepthook
+
+
+def quiet_disk_full() -> None:
+  """From now on, what Orbax (absl) and asyncio log about a write that found no space is
+  dropped (a traceback from each of Orbax's save threads, one per pending TensorStore write,
+  some of them only when the process ends), and so is the late 'Event loop is closed' of the
+  writes still pending (`_late`). The run reports the failure itself, in one line. Anything
+  else passes."""
+  for name in ('absl', 'asyncio'):
+    logger = logging.getLogger(name)
+    if _DISK_FULL_RECORDS not in logger.filters:
+      logger.addFilter(_DISK_FULL_RECORDS)
+  if not getattr(sys.unraisablehook, 'drops_late', False):
+    sys.unraisablehook = _without_late_unraisable(sys.unraisablehook)
+  if not getattr(sys.excepthook, 'drops_late', False):
+    sys.excepthook = _without_late_excepthook(sys.excepthook)

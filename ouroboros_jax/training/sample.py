@@ -22,7 +22,6 @@ import functools
 import io
 import math
 import numbers
-import sys
 from collections.abc import Iterator
 from typing import BinaryIO, NamedTuple
 
@@ -53,22 +52,19 @@ def load(out_dir: str, step: int | None = None) -> tuple[ModelConfig, dict, int]
     )
   manager = checkpoint.make_manager(out_dir, read_only=True)
   try:
-    if step is not None and step not in manager.all_steps():
-      raise checkpoint.CheckpointError(
-        f'no checkpoint for step {step} in {manager.directory} '
-        f'(it has {list(manager.all_steps())}).'
-      )
-    # The step asked for, or the newest checkpoint that reads back whole.
-    candidates = [step] if step is not None else sorted(manager.all_steps(), reverse=True)
-    for i, step in enumerate(candidates):
-      try:
-        meta = checkpoint.read_meta(manager, step)
-        staged_params = checkpoint.restore_params_single_device(manager, step)
-        break
-      except checkpoint.CorruptCheckpointError as e:
-        if i == len(candidates) - 1:
-          raise
-        print(f'warning: {e}; using the one before it.', file=sys.stderr)
+    # The step asked for, or the newest checkpoint that reads back whole, found and reported
+    # as `train --resume` finds it (warnings on stderr, the same error when none reads).
+    (meta, staged_params), step, unreadable = checkpoint.newest_readable(
+      manager,
+      lambda s: (
+        checkpoint.read_meta(manager, s),
+        checkpoint.restore_params_single_device(manager, s),
+      ),
+      step=step,
+      step_flag='--step',
+    )
+    if unreadable:
+      checkpoint.warn(f'sampling from step {step}, the newest readable checkpoint.')
   finally:
     manager.close()
   cfg = config.TrainConfig.from_dict(meta['config'])
