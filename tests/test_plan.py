@@ -39,17 +39,17 @@ def test_plan_lists_every_setting_with_memory_and_step_time(tmp_path):
     'backprop',
     '1f1b M=2',
     *[
-      f'ouroboros {forward} {stash} M={m}'
+      f'ouroboros M=2 {forward}/{stash}'
       for forward in ('locked', 'pipelined')
-      for stash in ('graph/nothing', 'graph/all')
-      for m in (2,)
+      for stash in ('graph', 'graph/all')  # the default policy (nothing) goes unnamed
     ],
   ]
   rows = {r['label']: r for r in out['rows']}
-  assert rows['ouroboros locked graph/all M=2']['stash'] == 'graph/all'
-  assert rows['ouroboros locked graph/all M=2']['microbatches'] == 2
+  assert rows['ouroboros M=2 locked/graph/all']['stash'] == 'graph/all'  # compile's report
+  assert rows['ouroboros M=2 locked/graph/all']['stash_policy'] == 'all'  # train's flag
+  assert rows['ouroboros M=2 locked/graph/all']['microbatches'] == 2
   # Keeping nothing of the forward holds less than keeping all of it.
-  nothing, everything = (rows[f'ouroboros locked graph/{p} M=2'] for p in ('nothing', 'all'))
+  nothing, everything = (rows[f'ouroboros M=2 locked/{s}'] for s in ('graph', 'graph/all'))
   assert nothing['ring_bytes'] < everything['ring_bytes']
   # CPU devices do not say how much memory they have: the fastest is the fastest overall.
   assert out['fastest'] == min(out['rows'], key=lambda r: r['step_s'])['label']
@@ -76,13 +76,13 @@ def test_plan_tries_the_stash_in_host_memory():
   )
   labels = [r['label'] for r in out['rows']]
   assert labels == [
-    f'ouroboros {forward} graph/all M=2{host}'
+    f'ouroboros M=2 {forward}/graph/all{host}'
     for forward in ('locked', 'pipelined')
     for host in ('', ' host')
   ]
   rows = {r['label']: r for r in out['rows']}
-  everything = rows['ouroboros locked graph/all M=2']
-  in_host = rows['ouroboros locked graph/all M=2 host']
+  everything = rows['ouroboros M=2 locked/graph/all']
+  in_host = rows['ouroboros M=2 locked/graph/all host']
   assert in_host['host_ring_bytes'] > 0 and in_host['ring_bytes'] < everything['ring_bytes']
 
 
@@ -159,15 +159,34 @@ def test_stages_that_leave_devices_over_run_data_replicas():
   tries = plan.Tries((8,), ('graph/nothing',), stages=(2, 4))
   labels = [s.label for s in plan.settings(4, tries)]
   assert labels[:3] == ['backprop', 'data_parallel', 'model_parallel G=2xR=2']
-  assert 'ouroboros G=2xR=2 locked graph/nothing M=8' in labels
-  assert 'ouroboros locked graph/nothing M=8' in labels  # G = 4: one ring of every device
-  hybrid = plan.Setting('1f1b', stages=2, data_parallel=2, microbatches=4)
-  assert hybrid.flags() == dict(schedule='1f1b', stages=2, data_parallel=2, microbatches=4)
+  assert 'ouroboros G=2xR=2 M=8 locked/graph' in labels
+  assert 'ouroboros M=8 locked/graph' in labels  # G = 4: one ring of every device
+  hybrid = ScheduleConfig(name='1f1b', num_stages=2, data_parallel=2, microbatches=4)
+  flags = plan.train_flags(hybrid)
+  assert {k: flags[k] for k in ('schedule', 'stages', 'data_parallel', 'microbatches')} == dict(
+    schedule='1f1b', stages=2, data_parallel=2, microbatches=4
+  )
   cfg = config.get_preset('gpt2-small')
-  ring = plan.Setting('1f1b', stages=2, microbatches=4)
+  ring = ScheduleConfig(name='1f1b', num_stages=2, microbatches=4)
   # Two replicas each step on half the batch: faster than one ring on all of it.
   assert (
     0
     < plan.predicted_step_s(cfg, hybrid, plan.TPU_V5E)
     < plan.predicted_step_s(cfg, ring, plan.TPU_V5E)
   )
+
+
+def test_a_setting_is_the_schedule_config_its_train_flags_give():
+  """plan's settings are ScheduleConfigs built on the run's own: what the tries choose replaces
+  its fields (--try-stash graph/POLICY is the stash and its policy), the rest (the clip) stays;
+  `train_flags` is `config.override`'s inverse for a schedule."""
+  from ouroboros_jax.training import config
+
+  cfg = config.override(config.get_preset('tiny'), {'clip_norm': 0.5})
+  tries = plan.Tries((4,), ('graph/all', 'replay'), schedules=('ouroboros',))
+  for setting in plan.settings(2, tries, cfg.schedule):
+    assert setting.clip_norm == 0.5 and setting.num_stages == 2 and setting.microbatches == 4
+    assert (setting.stash, setting.stash_policy) in (('graph', 'all'), ('replay', 'nothing'))
+    run = config.override(cfg, plan.train_flags(setting))
+    assert run.schedule == setting
+    run.validate()

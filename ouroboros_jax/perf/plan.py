@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Callable
+from typing import Any, Callable
 
-from ouroboros_jax.choices import EXACT_PIPELINES, SCHEDULES, STASH_MEMORIES
+from ouroboros_jax.choices import DEFAULT_STASH_POLICY, EXACT_PIPELINES, SCHEDULES, STASH_MEMORIES
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.perf import compile as compile_lib
 from ouroboros_jax.perf import simulate
@@ -47,42 +47,19 @@ TPU_V6E = simulate.Hardware('tpu-v6e', flops_per_s=0.4 * 918e12, bandwidth=100e9
 HARDWARE = {h.name: h for h in (TPU_V5E, TPU_V4, TPU_V5P, TPU_V6E, *simulate.HARDWARE.values())}
 
 
-@dataclasses.dataclass(frozen=True)
-class Setting:
-  """One way to run the model: train's flags for it."""
+def train_flags(schedule: ScheduleConfig) -> dict[str, Any]:
+  """Every setting of `schedule` by its `ouroboros train` flag's flat name (`config.fields()`:
+  --schedule for `name`, --stages for `num_stages`, ...), as `config.override` takes them:
+  `config.override(cfg, train_flags(s))` runs cfg on the schedule `s` (all of it but the seed and
+  the compensation, which TrainConfig's own --seed and --compensation give)."""
+  flat = config.flat(dataclasses.replace(TrainConfig(), schedule=schedule))
+  return {n: v for n, v in flat.items() if config.fields()[n].owner is ScheduleConfig}
 
-  schedule: str
-  stages: int = 1
-  data_parallel: int = 1
-  microbatches: int | None = None
-  stash: str | None = None  # ouroboros: graph/POLICY or replay
-  forward: str | None = None  # ouroboros: locked or pipelined
-  stash_memory: str | None = None  # ouroboros: device or pinned_host
 
-  @property
-  def label(self) -> str:
-    parts = [self.schedule]
-    if self.schedule != 'data_parallel' and self.data_parallel > 1:  # a stage x data mesh
-      parts.append(f'G={self.stages}xR={self.data_parallel}')
-    if self.forward:
-      parts.append(self.forward)
-    if self.stash:
-      parts.append(self.stash)
-    if self.microbatches:
-      parts.append(f'M={self.microbatches}')
-    if self.stash_memory == 'pinned_host':
-      parts.append('host')
-    return ' '.join(parts)
-
-  def flags(self) -> dict:
-    flags = dict(schedule=self.schedule, stages=self.stages, data_parallel=self.data_parallel)
-    flags['microbatches'] = self.microbatches
-    if self.schedule == 'ouroboros':
-      mode, _, policy = self.stash.partition('/')
-      flags.update(stash=mode, forward=self.forward, stash_memory=self.stash_memory)
-      if policy:
-        flags['stash_policy'] = policy
-    return flags
+def _stash_fields(stash: str) -> dict[str, str]:
+  """A --try-stash setting ('graph/POLICY' or 'replay') as ScheduleConfig's stash fields."""
+  mode, _, policy = stash.partition('/')
+  return dict(stash=mode, stash_policy=policy or DEFAULT_STASH_POLICY)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,9 +75,13 @@ class Tries:
   stages: tuple[int, ...] | None = None
 
 
-def settings(num_devices: int, tries: Tries = Tries()) -> list[Setting]:
-  """Every setting of `tries` on `num_devices` devices: the stage schedules at each G of
-  tries.stages with num_devices / G data replicas, Ouroboros' in each of tries.memories."""
+def settings(
+  num_devices: int, tries: Tries = Tries(), base: ScheduleConfig = ScheduleConfig()
+) -> list[ScheduleConfig]:
+  """Every setting of `tries` on `num_devices` devices, each the ScheduleConfig `base` (`plan`'s:
+  the run's own) with what the tries choose: the stage schedules at each G of tries.stages with
+  num_devices / G data replicas, gpipe and the exact pipelines at each M, Ouroboros' at each M,
+  forward, stash (and its policy) and each of tries.memories."""
   microbatches, stashes, memories = tries.microbatches, tries.stashes, tries.memories
   schedules, stages = tries.schedules, tries.stages or (num_devices,)
   for g in stages:
@@ -125,24 +106,40 @@ def settings(num_devices: int, tries: Tries = Tries()) -> list[Setting]:
       raise ConfigError(
         f'unknown stash setting {stash!r}; choose --try-stash from {", ".join(STASH_SETTINGS)}.'
       )
-  out = [Setting('backprop')]
+
+  def setting(name, stages=1, data_parallel=1, microbatches=None, **ring) -> ScheduleConfig:
+    return dataclasses.replace(
+      base,
+      name=name,
+      num_stages=stages,
+      data_parallel=data_parallel,
+      microbatches=microbatches,
+      **ring,
+    )
+
+  out = [setting('backprop')]
   if num_devices > 1:
-    out.append(Setting('data_parallel', data_parallel=num_devices))
+    out.append(setting('data_parallel', data_parallel=num_devices))
   for g in (g for g in stages if g > 1):
     on = dict(stages=g, data_parallel=num_devices // g)
-    out.append(Setting('model_parallel', **on))
+    out.append(setting('model_parallel', **on))
     for name in ('gpipe', *EXACT_PIPELINES):
-      out += [Setting(name, **on, microbatches=m) for m in microbatches]
+      out += [setting(name, **on, microbatches=m) for m in microbatches]
     for forward in ('locked', 'pipelined'):
       for stash in stashes:
         for memory in memories:
           out += [
-            Setting(
-              'ouroboros', **on, microbatches=m, stash=stash, forward=forward, stash_memory=memory
+            setting(
+              'ouroboros',
+              **on,
+              microbatches=m,
+              forward=forward,
+              stash_memory=memory,
+              **_stash_fields(stash),
             )
             for m in microbatches
           ]
-  return [s for s in out if schedules is None or s.schedule in schedules]
+  return [s for s in out if schedules is None or s.name in schedules]
 
 
 def hardware_for(topology: str | None, name: str | None = None) -> simulate.Hardware:
@@ -156,14 +153,16 @@ def hardware_for(topology: str | None, name: str | None = None) -> simulate.Hard
   return HARDWARE.get(f'tpu-{generation}', simulate.NVLINK)
 
 
-def predicted_step_s(cfg: TrainConfig, setting: Setting, hardware: simulate.Hardware) -> float:
+def predicted_step_s(
+  cfg: TrainConfig, setting: ScheduleConfig, hardware: simulate.Hardware
+) -> float:
   """The simulator's steady-state step time of `setting` for cfg's model and batch. On a stage x
   data mesh, one replica's step on its share of the batch (the gradient all-reduce between the
   replicas is not modelled)."""
   model = cfg.model
-  data = setting.schedule == 'data_parallel'
+  data = setting.name == 'data_parallel'
   replicas = 1 if data else setting.data_parallel
-  stages = setting.stages if setting.schedule not in ('backprop', 'data_parallel') else 1
+  stages = setting.num_stages
   shape = simulate.ModelShape(
     cfg.preset,
     num_layers=model.num_layers,
@@ -176,16 +175,12 @@ def predicted_step_s(cfg: TrainConfig, setting: Setting, hardware: simulate.Hard
   costs = simulate.transformer_costs(
     shape, hardware, stages, bytes_per_value=2 if model.dtype == 'bfloat16' else 4
   )
-  stash = 'graph'
-  if setting.stash and (setting.stash == 'replay' or setting.stash.endswith('/nothing')):
-    stash = 'replay'  # the backward first re-runs the group's forward
-  run = ScheduleConfig(
-    name=setting.schedule,
-    num_stages=stages,
-    microbatches=setting.microbatches or 1,
+  # A graph stash that keeps nothing re-runs the group's forward in its backward, as replay does.
+  recomputes = setting.stash == 'replay' or setting.stash_policy == 'nothing'
+  run = dataclasses.replace(
+    setting,
     data_parallel=setting.data_parallel if data else 1,
-    stash=stash,
-    forward=setting.forward or 'locked',
+    stash='replay' if setting.name == 'ouroboros' and recomputes else setting.stash,
   )
   return simulate.simulate(run, costs).step_time
 
@@ -206,8 +201,9 @@ def plan(
   devices = compile_lib.topology_devices(topology) if topology else jax.devices()
   rates = hardware_for(topology, hardware)
   rows = []
-  for setting in settings(len(devices), tries):
-    run = config.override(cfg, setting.flags())
+  for setting in settings(len(devices), tries, cfg.schedule):
+    flags = train_flags(setting)
+    run = config.override(cfg, flags)
     try:
       report = compile_lib.compile_step(run, topology)
     except ConfigError as e:  # a setting this model cannot take (e.g. more stages than layers)
@@ -216,7 +212,7 @@ def plan(
       # A compiler that fails on one setting says nothing about the others: report it, go on.
       reason = ' '.join(str(e).split())[:300]
       report = {'error': f'the compiler failed: {reason}', 'fits': False, 'peak_bytes': None}
-    row = {'label': setting.label, **dataclasses.asdict(setting), **report}
+    row = {'label': setting.label, **flags, **report}
     row['step_s'] = predicted_step_s(cfg, setting, rates) if 'error' not in row else None
     rows.append(row)
     if log:
