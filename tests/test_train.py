@@ -74,10 +74,11 @@ def test_metrics_rows_and_files(short_run):
   events = [f for f in os.listdir(os.path.join(cfg.out_dir, 'tb')) if 'tfevents' in f]
   assert events and os.path.getsize(os.path.join(cfg.out_dir, 'tb', events[0])) > 0
   with open(os.path.join(cfg.out_dir, 'config.json')) as f:
-    # The resolved config: the balanced layer split is written out.
-    assert config.TrainConfig.from_dict(json.load(f)) == config.override(
-      cfg, {'layers_per_stage': '2'}
-    )
+    # The resolved run: every auto spelled out (`TrainConfig.resolved`), the balanced layer
+    # split written out.
+    saved = config.TrainConfig.from_dict(json.load(f))
+    assert saved == config.override(cfg.resolved('cpu'), {'layers_per_stage': '2'})
+    assert 'auto' not in {saved.optimizer, saved.compensation, saved.model.attention}
   with open(os.path.join(cfg.out_dir, 'summary.json')) as f:
     assert json.load(f)['val_bpb'] == summary['val_bpb']
 
@@ -112,7 +113,7 @@ def test_checkpoint_round_trip(short_run):
   assert meta['layers_per_stage'] == list(layers_per_stage)
   assert meta['schedule'] == 'backprop' and meta['stages'] == 1
   assert config.TrainConfig.from_dict(meta['config']) == config.override(
-    cfg, {'layers_per_stage': '2'}
+    cfg.resolved('cpu'), {'layers_per_stage': '2'}
   )
 
 
@@ -287,7 +288,7 @@ def test_resume_compares_what_the_settings_resolve_to_not_their_spelling():
 def test_sample_generates_the_requested_bytes(short_run):
   cfg, _, _ = short_run
   model_cfg, params, step = sample.load(cfg.out_dir)
-  assert model_cfg == cfg.model and step == 100
+  assert model_cfg == cfg.resolved('cpu').model and step == 100  # as the run resolved it
   # A prompt longer than the window makes the window slide.
   prompt = b'ROMEO:\n' * 12
   a = sample.generate(model_cfg, params, prompt, length=40, temperature=0.8, seed=1)

@@ -187,9 +187,10 @@ def train(
   """
   t_start = time.perf_counter()
   cfg.validate()
-  # The resolved config (what config.json and the checkpoints record): no implicit defaults left.
+  # The resolved run (what config.json and the checkpoints record, and a resume compares): every
+  # auto spelled out for this backend (`TrainConfig.resolved`), the output and the layer split.
   cfg = dataclasses.replace(
-    cfg, out=cfg.out_dir, layers_per_stage=','.join(map(str, cfg.plans.layers_per_stage))
+    cfg.resolved(), out=cfg.out_dir, layers_per_stage=','.join(map(str, cfg.plans.layers_per_stage))
   )
   options = _Options(resume or resume_from is not None, resume_from, quiet, on_step, t_start)
   rundir.quiet_disk_full()  # a full disk is one DiskFullError, not a traceback per thread

@@ -45,20 +45,6 @@ def run_meta(cfg: TrainConfig, layers_per_stage) -> dict:
   }
 
 
-def resolved(cfg: TrainConfig) -> dict:
-  """The RESUME_FIELDS whose spelling is not what the run does, as the run does them: `--optimizer
-  auto` of a recipe run is muon, `--compensation auto` predict,dc, `--flow auto` stream,
-  --microbatches of a schedule without micro-batches 1. A resume compares these, not the
-  spellings."""
-  run = cfg.schedule_config()
-  return {
-    'optimizer': cfg.resolved_optimizer(),
-    'compensation': ','.join(cfg.resolved_compensation().names()) or 'none',
-    'flow': run.resolved_flow if run.name == 'ouroboros' else 'batch',
-    'microbatches': run.num_microbatches,
-  }
-
-
 def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str) -> list[str]:
   """One-line CheckpointError naming the flags to use when the checkpoint does not fit cfg.
 
@@ -73,8 +59,9 @@ def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str)
       '--out.'
     )
   saved_cfg = TrainConfig.from_dict(saved['config'])
-  want = {**config.flat(saved_cfg), **resolved(saved_cfg)}
-  have = {**config.flat(cfg), **resolved(cfg)}
+  # The resolved runs (`TrainConfig.resolved`), not the spellings: --optimizer auto of a recipe
+  # run is muon, --compensation auto predict,dc, --flow auto stream, --attention auto xla here.
+  want, have = config.flat(saved_cfg.resolved()), config.flat(cfg.resolved())
   model_fields = [n for n, f in config.fields().items() if f.owner is transformer.ModelConfig]
   names = model_fields + list(RESUME_FIELDS)
   wrong = [n for n in names if want[n] != have[n]]
