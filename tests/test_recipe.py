@@ -200,3 +200,11 @@ def test_the_resolved_run_spells_out_every_auto_once(flags, platform):
     assert autos.pop('flow') == 'auto'  # no flow outside Ouroboros: the field stays unset
   assert autos == {}, autos
   assert run.model.attention == cfg.model.attention_kind(platform)
+
+
+def test_the_recipes_config_is_the_run_the_cli_stores():
+  """recipe(...).config is what `ouroboros train` writes to config.json for the same flags."""
+  run = recipe('ouroboros', 2, batch_size=BATCH, steps=STEPS, platform='gpu')
+  cli = cli_config(schedule='ouroboros', stages=2, batch_size=BATCH, steps=STEPS)
+  assert run.config == cli.resolved('gpu')
+  assert run.schedule == run.config.schedule_config('gpu')

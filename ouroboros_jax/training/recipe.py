@@ -47,7 +47,8 @@ class Recipe(NamedTuple):
 
   schedule: ScheduleConfig  # resolved for the platform: compensation, flow, micro-batches
   optimizer: optax.GradientTransformation  # with its learning-rate schedule over `config.steps`
-  config: config.TrainConfig  # the TrainConfig the CLI builds for the same flags
+  config: config.TrainConfig  # the run the CLI resolves for the same flags and stores in its
+  # config.json (`TrainConfig.resolved`: no auto left)
 
 
 def recipe(
@@ -95,7 +96,7 @@ def recipe(
   # A user's model: their muon_dims, never the built-in models' (which would place a user's
   # module that happens to share a name, e.g. a DenseGeneral 'qkv', silently and wrongly).
   optimizer = config.make_optimizer(cfg, muon_dims={} if muon_dims is None else muon_dims)
-  return Recipe(cfg.schedule_config(platform), optimizer, cfg)
+  return Recipe(cfg.schedule_config(platform), optimizer, cfg.resolved(platform))
 
 
 def _validate(cfg: config.TrainConfig) -> None:
