@@ -16,13 +16,13 @@ import jax.numpy as jnp
 
 from ouroboros_jax import costs, txl
 from ouroboros_jax import model as transformer
-from ouroboros_jax.errors import ConfigError, field_ref
 from ouroboros_jax.model import ModelConfig
 from ouroboros_jax.staged import Memory, StagedModel, WeightSplit
 from ouroboros_jax.staging import (  # noqa: F401  (the stage layout, where the callers import it)
   first_layers,
   from_staged,
   layer_index,
+  parse_layers_per_stage,
   stage_mask,
   to_staged,
 )
@@ -31,34 +31,6 @@ from ouroboros_jax.staging import (  # noqa: F401  (the stage layout, where the 
 def balance_layers(cfg: ModelConfig, num_stages: int) -> tuple[int, ...]:
   """Layers per stage, contiguous, minimising the most loaded device (`costs.balance_layers`)."""
   return costs.balance_layers(cfg.num_layers, num_stages, *costs.model_flops(cfg))
-
-
-def parse_layers_per_stage(
-  text: str | Sequence[int], num_layers: int, num_stages: int | None = None
-) -> tuple[int, ...]:
-  """'2,4,4,4' -> (2, 4, 4, 4), checked against the model depth and the stage count."""
-  try:
-    counts = tuple(int(c) for c in (text.split(',') if isinstance(text, str) else text))
-  except ValueError:
-    raise ConfigError(
-      f'{field_ref("layers_per_stage")} must be comma-separated integers, got {text!r}.'
-    )
-  if any(c < 1 for c in counts):
-    raise ConfigError(
-      f'{field_ref("layers_per_stage", text)} has a stage with no layers; every stage needs '
-      'at least one.'
-    )
-  if sum(counts) != num_layers:
-    raise ConfigError(
-      f'{field_ref("layers_per_stage", text)} sums to {sum(counts)} but the model has '
-      f'{num_layers} layers; make them add up.'
-    )
-  if num_stages is not None and len(counts) != num_stages:
-    raise ConfigError(
-      f'{field_ref("layers_per_stage", text)} gives {len(counts)} stages but '
-      f'{field_ref("num_stages")} is {num_stages}; make them agree.'
-    )
-  return counts
 
 
 def transformer_stages(cfg: ModelConfig, layers_per_stage: Sequence[int]) -> StagedModel:

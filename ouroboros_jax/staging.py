@@ -48,6 +48,34 @@ def even_split(num_layers: int, num_stages: int) -> tuple[int, ...]:
   return tuple(base + (g >= num_stages - extra) for g in range(num_stages))
 
 
+def parse_layers_per_stage(
+  text: str | Sequence[int], num_layers: int, num_stages: int | None = None
+) -> tuple[int, ...]:
+  """'2,4,4,4' -> (2, 4, 4, 4), checked against the model depth and the stage count."""
+  try:
+    counts = tuple(int(c) for c in (text.split(',') if isinstance(text, str) else text))
+  except ValueError:
+    raise ConfigError(
+      f'{field_ref("layers_per_stage")} must be comma-separated integers, got {text!r}.'
+    )
+  if any(c < 1 for c in counts):
+    raise ConfigError(
+      f'{field_ref("layers_per_stage", text)} has a stage with no layers; every stage needs '
+      'at least one.'
+    )
+  if sum(counts) != num_layers:
+    raise ConfigError(
+      f'{field_ref("layers_per_stage", text)} sums to {sum(counts)} but the model has '
+      f'{num_layers} layers; make them add up.'
+    )
+  if num_stages is not None and len(counts) != num_stages:
+    raise ConfigError(
+      f'{field_ref("layers_per_stage", text)} gives {len(counts)} stages but '
+      f'{field_ref("num_stages")} is {num_stages}; make them agree.'
+    )
+  return counts
+
+
 def stage_mask(layers_per_stage: Sequence[int]) -> np.ndarray:
   """[G, N] bool: which of the N padded layer slots of each stage hold a real layer."""
   width = max(layers_per_stage)
@@ -220,7 +248,7 @@ def from_layers(
       )
     layers_per_stage = even_split(num_layers, num_stages)
   else:
-    layers_per_stage = _checked_split(layers_per_stage, num_layers, num_stages)
+    layers_per_stage = parse_layers_per_stage(layers_per_stage, num_layers, num_stages)
   loss = token_cross_entropy if loss is None else loss
 
   def head_loss(head_p, embed_p, x, targets):
@@ -326,21 +354,6 @@ def _linen_kernels(embed, layer, head, inputs) -> list[tuple[tuple[str, ...], in
   with linen.intercept_methods(record):
     jax.eval_shape(trace, embed[2], layer[2], head[2])
   return calls
-
-
-def _checked_split(layers_per_stage, num_layers: int, num_stages: int | None) -> tuple[int, ...]:
-  counts = tuple(int(c) for c in layers_per_stage)
-  if any(c < 1 for c in counts) or sum(counts) != num_layers:
-    raise ConfigError(
-      f'{field_ref("layers_per_stage", ",".join(map(str, counts)))} must give every stage at '
-      f'least one layer and add up to the {num_layers} layers given; fix the counts.'
-    )
-  if num_stages is not None and len(counts) != num_stages:
-    raise ConfigError(
-      f'{field_ref("layers_per_stage")} gives {len(counts)} stages but '
-      f'{field_ref("num_stages", num_stages)}; pass one of them.'
-    )
-  return counts
 
 
 # ----------------------------------------------------------------------------- the pieces

@@ -284,8 +284,8 @@ def test_linen_partitioned_boxes_are_unboxed():
   [
     (dict(num_stages=4), r'3 layers cannot fill num_stages=4'),
     (dict(num_stages=None), r'needs num_stages or layers_per_stage'),
-    (dict(num_stages=None, layers_per_stage=(1, 1)), r'add up to the 3 layers'),
-    (dict(layers_per_stage=(1, 1, 1)), r'gives 3 stages but num_stages=2'),
+    (dict(num_stages=None, layers_per_stage=(1, 1)), r'sums to 2 but the model has 3 layers'),
+    (dict(layers_per_stage=(1, 1, 1)), r'gives 3 stages but num_stages is 2'),
     (dict(embed_params=None), r'pass embed_params='),
     (dict(tied_embedding=True), r'needs a pure head'),
     (dict(layers=[]), r'`layers` is empty'),
