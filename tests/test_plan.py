@@ -162,7 +162,7 @@ def test_stages_that_leave_devices_over_run_data_replicas():
   assert 'ouroboros G=2xR=2 M=8 locked/graph' in labels
   assert 'ouroboros M=8 locked/graph' in labels  # G = 4: one ring of every device
   hybrid = ScheduleConfig(name='1f1b', num_stages=2, data_parallel=2, microbatches=4)
-  flags = plan.train_flags(hybrid)
+  flags = config.train_flags(hybrid)
   assert {k: flags[k] for k in ('schedule', 'stages', 'data_parallel', 'microbatches')} == dict(
     schedule='1f1b', stages=2, data_parallel=2, microbatches=4
   )
@@ -187,6 +187,6 @@ def test_a_setting_is_the_schedule_config_its_train_flags_give():
   for setting in plan.settings(2, tries, cfg.schedule):
     assert setting.clip_norm == 0.5 and setting.num_stages == 2 and setting.microbatches == 4
     assert (setting.stash, setting.stash_policy) in (('graph', 'all'), ('replay', 'nothing'))
-    run = config.override(cfg, plan.train_flags(setting))
+    run = config.override(cfg, config.train_flags(setting))
     assert run.schedule == setting
     run.validate()

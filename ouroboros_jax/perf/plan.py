@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any, Callable
+from typing import Callable
 
 from ouroboros_jax.choices import DEFAULT_STASH_POLICY, EXACT_PIPELINES, SCHEDULES, STASH_MEMORIES
 from ouroboros_jax.errors import ConfigError
@@ -45,15 +45,6 @@ TPU_V4 = simulate.Hardware('tpu-v4', flops_per_s=0.4 * 275e12, bandwidth=50e9, l
 TPU_V5P = simulate.Hardware('tpu-v5p', flops_per_s=0.4 * 459e12, bandwidth=100e9, latency=5e-6)
 TPU_V6E = simulate.Hardware('tpu-v6e', flops_per_s=0.4 * 918e12, bandwidth=100e9, latency=5e-6)
 HARDWARE = {h.name: h for h in (TPU_V5E, TPU_V4, TPU_V5P, TPU_V6E, *simulate.HARDWARE.values())}
-
-
-def train_flags(schedule: ScheduleConfig) -> dict[str, Any]:
-  """Every setting of `schedule` by its `ouroboros train` flag's flat name (`config.fields()`:
-  --schedule for `name`, --stages for `num_stages`, ...), as `config.override` takes them:
-  `config.override(cfg, train_flags(s))` runs cfg on the schedule `s` (all of it but the seed and
-  the compensation, which TrainConfig's own --seed and --compensation give)."""
-  flat = config.flat(dataclasses.replace(TrainConfig(), schedule=schedule))
-  return {n: v for n, v in flat.items() if config.fields()[n].owner is ScheduleConfig}
 
 
 def _stash_fields(stash: str) -> dict[str, str]:
@@ -202,7 +193,7 @@ def plan(
   rates = hardware_for(topology, hardware)
   rows = []
   for setting in settings(len(devices), tries, cfg.schedule):
-    flags = train_flags(setting)
+    flags = config.train_flags(setting)
     run = config.override(cfg, flags)
     try:
       report = compile_lib.compile_step(run, topology)

@@ -669,3 +669,12 @@ def flat(cfg: TrainConfig) -> dict[str, Any]:
     owner = cfg if field.owner is TrainConfig else getattr(cfg, _NESTED[field.owner])
     out[name] = getattr(owner, field.attribute)
   return out
+
+
+def train_flags(schedule: ScheduleConfig) -> dict[str, Any]:
+  """Every setting of `schedule` by its `ouroboros train` flag's flat name (`fields()`:
+  --schedule for `name`, --stages for `num_stages`, ...), as `override` takes them:
+  `override(cfg, train_flags(s))` runs cfg on the schedule `s` (all of it but the seed and
+  the compensation, which TrainConfig's own --seed and --compensation give)."""
+  values = flat(dataclasses.replace(TrainConfig(), schedule=schedule))
+  return {n: v for n, v in values.items() if fields()[n].owner is ScheduleConfig}
