@@ -106,6 +106,26 @@ def assert_trees_equal(a, b):
 # ----------------------------------------------------------------------------- the CLI
 
 
+# A small model for the CLI tests' runs: a few seconds of training on 2 CPU cores.
+SMALL_CLI = [
+  '--d-model',
+  '32',
+  '--num-heads',
+  '2',
+  '--num-layers',
+  '2',
+  '--d-ff',
+  '64',
+  '--seq-len',
+  '32',
+  '--batch-size',
+  '8',
+  '--eval-batches',
+  '2',
+  '--quiet',
+]
+
+
 def run_cli(*args, timeout=90, **kwargs):
   return subprocess.run(
     [sys.executable, '-m', 'ouroboros_jax', *map(str, args)],

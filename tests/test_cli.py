@@ -19,26 +19,10 @@ from ouroboros_jax import cli
 from ouroboros_jax.model import ConfigError
 from ouroboros_jax.training import config
 
+from helpers import SMALL_CLI as SMALL
 from helpers import assert_one_line_error, cli_message, raises_for_cli, run_cli
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
-SMALL = [
-  '--d-model',
-  '32',
-  '--num-heads',
-  '2',
-  '--num-layers',
-  '2',
-  '--d-ff',
-  '64',
-  '--seq-len',
-  '32',
-  '--batch-size',
-  '8',
-  '--eval-batches',
-  '2',
-  '--quiet',
-]
 
 
 # ----------------------------------------------------------------------------- flags & presets

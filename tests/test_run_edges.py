@@ -21,24 +21,7 @@ from ouroboros_jax import cli, errors
 from ouroboros_jax.training import checkpoint, config, loop, metrics, rundir, sample
 
 from helpers import REPO_ROOT, assert_one_line_error, cli_message, run_cli, tiny_config
-
-SMALL = [
-  '--d-model',
-  '32',
-  '--num-heads',
-  '2',
-  '--num-layers',
-  '2',
-  '--d-ff',
-  '64',
-  '--seq-len',
-  '32',
-  '--batch-size',
-  '8',
-  '--eval-batches',
-  '2',
-  '--quiet',
-]
+from helpers import SMALL_CLI as SMALL
 
 
 @pytest.fixture(scope='module')
