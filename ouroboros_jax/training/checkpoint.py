@@ -56,6 +56,7 @@ import orbax.checkpoint as ocp
 
 from ouroboros_jax.errors import CheckpointError, CorruptCheckpointError
 from ouroboros_jax.placement import to_device
+from ouroboros_jax.training import rundir
 
 SUBDIR = 'checkpoints'
 SET_ASIDE = 'checkpoints-set-aside'
@@ -338,6 +339,7 @@ def newest_readable(
     try:
       found = read(candidate)
     except CorruptCheckpointError as e:
+      rundir.quiet_disk_full()  # its abandoned reads log late; this error reports them all
       if step is not None:  # the one asked for: its error says it all
         raise CorruptCheckpointError(f'{e}; pick another with {step_flag} STEP.') from e
       unreadable.append(candidate)

@@ -226,12 +226,23 @@ def write_whole(path: str, text: str) -> None:
     raise
 
 
+# asyncio's 'Task (or Future) exception was never retrieved' for Orbax's TensorStore reads of a
+# checkpoint that did not read back whole: the read's other pending parts, abandoned once one
+# failed (and reported).
+_NEVER_RETRIEVED = 'exception was never retrieved'
+_READ_FAILED = ('coro=<async_deserialize()', 'Error reading')
+
+
 class _DiskFullRecords(logging.Filter):
-  """Drops the log records about a write that found no space."""
+  """Drops the log records about a write that found no space, and about the abandoned reads of
+  an unreadable checkpoint: failures the run has reported itself, in one line."""
 
   def filter(self, record: logging.LogRecord) -> bool:
     exc = record.exc_info[1] if record.exc_info else None
-    return not (is_disk_full(exc) or any(text in record.getMessage() for text in _FULL_TEXTS))
+    message = record.getMessage()
+    if _NEVER_RETRIEVED in message and any(text in message for text in _READ_FAILED):
+      return False
+    return not (is_disk_full(exc) or any(text in message for text in _FULL_TEXTS))
 
 
 _DISK_FULL_RECORDS = _DiskFullRecords()
