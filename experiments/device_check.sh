@@ -64,17 +64,17 @@ fi
 # cpu_bench P: every schedule on P pinned processes, 2P layers (ZB-V's chunks), a batch of at
 # least 8 rows that the pipelined stream's 2P micro-batches divide.
 cpu_bench() {
-  local p=$1
+  local p=$1 name=$2
   # Ouroboros and ZB-V first: a bench cut short keeps the rows it measured first.
   local only="ouroboros M=$p stream,ouroboros M=$((2 * p)) stream,zb_v M=8,zb_h1 M=8,1f1b M=8"
   only+=",interleaved M=8,gpipe M=8,model_parallel,backprop"
   [ "$QUICK" = 1 ] && only="backprop,zb_v M=8,ouroboros M=$((2 * p)) stream"
   only=${ONLY:-$only}
   local limit=$((DEADLINE - SECONDS < 300 ? DEADLINE - SECONDS : 300))
-  step "cpu_g$p" "$limit" python3 -m ouroboros_jax launch --processes "$p" --pin-cpus -- \
+  step "$name" "$limit" python3 -m ouroboros_jax launch --processes "$p" --pin-cpus -- \
     bench --stages "$p" --num-layers $((2 * p)) --batch-size $((p < 4 ? 8 : 2 * p)) \
     "${SHAPE[@]}" "${TIMED[@]}" \
-    --optimizer adamw --compensation predict,dc --only "$only" --out "$WORK/cpu_g$p"
+    --optimizer adamw --compensation predict,dc --only "$only" --out "$WORK/$name"
 }
 
 has() { [[ " $PARTS " == *" $1 "* ]]; }
@@ -101,11 +101,15 @@ gpu_steps() {
 
 # The cpu benches run side by side on disjoint cores (P0 on cores 0..P0-1, the next on the next
 # P1, ...) and the gpu steps on the cores left over; where the cores run out, one after another.
+# A P that comes twice is a second, separate run (cpu_gPr2): two quiet runs of one bench.
 next_core=0 jobs=()
+declare -A runs=()
 if has cpu; then
   for p in $PROCESSES; do
     if [ $((next_core + p)) -gt "$CORES" ]; then wait "${jobs[@]}"; jobs=() next_core=0; fi
-    (taskset -pc "$next_core-$((next_core + p - 1))" $BASHPID >/dev/null && cpu_bench "$p") &
+    runs[$p]=$((${runs[$p]:-0} + 1))
+    name=cpu_g$p$([ "${runs[$p]}" -gt 1 ] && echo "r${runs[$p]}")
+    (taskset -pc "$next_core-$((next_core + p - 1))" $BASHPID >/dev/null && cpu_bench "$p" "$name") &
     jobs+=($!)
     next_core=$((next_core + p))
   done

@@ -113,11 +113,15 @@ _LOGGED = re.compile(r'(\S.*?)\s+([\d.]+) ms/step\s+\d+ tok/s\s+ideal\s+([\d.]+)
 
 def concurrency(work: str) -> list[str]:
   lines = []
-  processes = lambda path: int(re.search(r'cpu_g(\d+)\.log$', path).group(1))
-  for path in sorted(glob.glob(os.path.join(work, 'cpu_g*.log')), key=processes):
-    g = processes(path)
-    rows = _csv(os.path.join(work, f'cpu_g{g}', 'bench.csv'))
-    lines.append(f'\n**{g} pinned processes, one core each**')
+
+  def run(path):  # cpu_g8.log: 8 processes, run 1; cpu_g2r2.log: 2 processes, run 2
+    found = re.search(r'cpu_g(\d+)(?:r(\d+))?\.log$', path)
+    return int(found.group(1)), int(found.group(2) or 1)
+
+  for path in sorted(glob.glob(os.path.join(work, 'cpu_g*.log')), key=run):
+    (g, k), name = run(path), os.path.basename(path)[: -len('.log')]
+    rows = _csv(os.path.join(work, name, 'bench.csv'))
+    lines.append(f'\n**{g} pinned processes, one core each**' + (f' (run {k})' if k > 1 else ''))
     if rows:
       step = {r['label']: float(r['step_time_s']) for r in rows}
       lines += ['| setting | step ms | measured / ideal | simulator error |', '|---|---|---|---|']

@@ -438,10 +438,37 @@ def logits(cfg: ModelConfig, head_params: Params, embed_params: Params, x_BxLxD)
   head = _merge(_graphdefs(cfg)[2], head_params)
   if cfg.pre_ln:
     x_BxLxD = head.ln_final(x_BxLxD)
-  if cfg.tie_embeddings:  # the compute dtype's matmul, accumulated and returned in float32
-    embedding_VxD = embed_params['token']['embedding'].astype(x_BxLxD.dtype)
-    return jnp.einsum('bld,vd->blv', x_BxLxD, embedding_VxD, preferred_element_type=jnp.float32)
-  return head.unembed(x_BxLxD)
+  if cfg.tie_embeddings:
+    return output_projection(x_BxLxD, embed_params['token']['embedding'])
+  return output_projection(x_BxLxD, head.unembed.kernel[...].T)
+
+
+@jax.custom_vjp
+def output_projection(x_BxLxD, weight_VxD):
+  """Logits x @ W^T in the compute dtype (x's), accumulated and returned in float32. The
+  backward casts the float32 logits' cotangent to the compute dtype before its two matmuls, as
+  every other layer's backward runs: left in float32 they ran at 141 against 325 TFLOP/s on an
+  H200 at GPT-2-small's width (docs/results/device.md), the largest single cost of a step."""
+  weight_VxD = weight_VxD.astype(x_BxLxD.dtype)
+  return jnp.einsum('bld,vd->blv', x_BxLxD, weight_VxD, preferred_element_type=jnp.float32)
+
+
+def _output_projection_fwd(x_BxLxD, weight_VxD):
+  return output_projection(x_BxLxD, weight_VxD), (x_BxLxD, weight_VxD)
+
+
+def _output_projection_bwd(residuals, g_BxLxV):
+  x_BxLxD, weight_VxD = residuals
+  g_BxLxV = g_BxLxV.astype(x_BxLxD.dtype)
+  f32 = jnp.float32
+  dx_BxLxD = jnp.einsum(
+    'blv,vd->bld', g_BxLxV, weight_VxD.astype(x_BxLxD.dtype), preferred_element_type=f32
+  )
+  dw_VxD = jnp.einsum('blv,bld->vd', g_BxLxV, x_BxLxD, preferred_element_type=f32)
+  return dx_BxLxD.astype(x_BxLxD.dtype), dw_VxD.astype(weight_VxD.dtype)
+
+
+output_projection.defvjp(_output_projection_fwd, _output_projection_bwd)
 
 
 def head_loss(cfg: ModelConfig, head_params: Params, embed_params: Params, x_BxLxD, targets_BxL):
