@@ -121,7 +121,7 @@ def concurrency(work: str) -> list[str]:
   for path in sorted(glob.glob(os.path.join(work, 'cpu_g*.log')), key=run):
     (g, k), name = run(path), os.path.basename(path)[: -len('.log')]
     rows = _csv(os.path.join(work, name, 'bench.csv'))
-    lines.append(f'\n**{g} pinned processes, one core each**' + (f' (run {k})' if k > 1 else ''))
+    lines.append(f'\n**{g} pinned processes, one core each**' + (f' (bench {k})' if k > 1 else ''))
     if rows:
       step = {r['label']: float(r['step_time_s']) for r in rows}
       lines += ['| setting | step ms | measured / ideal | simulator error |', '|---|---|---|---|']

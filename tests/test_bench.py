@@ -219,3 +219,34 @@ def test_the_stash_policy_has_one_default():
     assert inspect.signature(fn).parameters[name].default == default, fn
   assert bench.BenchConfig(batch_size=4, stages=2, out_dir='-').stash_policy == default
   assert stash.GraphStash(None).policy is stash.STASH_POLICIES[default]
+
+
+def test_a_bench_cut_short_keeps_the_rows_it_measured(tmp_path):
+  """bench.csv is written after each setting, predictions included, so a bench stopped by a
+  time limit (the device check's 8-process bench was) keeps the settings it measured."""
+  import pytest
+
+  from ouroboros_jax.model import ModelConfig
+  from ouroboros_jax.perf import bench
+
+  class Stop(Exception):
+    pass
+
+  def log(line):
+    if 'ms/step' in line:  # the first setting's line: stop as a time limit would
+      raise Stop
+
+  model = ModelConfig(d_model=32, num_heads=2, num_layers=2, d_ff=64, seq_len=16)
+  config = bench.BenchConfig(
+    batch_size=4,
+    stages=2,
+    out_dir=str(tmp_path),
+    steps=1,
+    warmup=0,
+    settings=bench.select_settings(2, 'backprop,model_parallel', 2),
+  )
+  with pytest.raises(Stop):
+    bench.run(model, config, log=log)
+  rows = list(csv.DictReader(open(tmp_path / 'bench.csv')))
+  assert [r['label'] for r in rows] == ['backprop']
+  assert float(rows[0]['predicted_s']) > 0 and float(rows[0]['step_time_s']) > 0

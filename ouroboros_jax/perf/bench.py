@@ -527,6 +527,8 @@ def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dic
       jax.devices()[0],
     )
     rows.append(row)
+    if jax.process_index() == 0:  # row by row, so a bench cut short keeps what it measured
+      write_csv(rows, bench.out_dir)
     log(
       f'{setting.label:28s} {row["step_time_s"] * 1e3:9.1f} ms/step  '
       f'{row["tokens_per_s"]:9.0f} tok/s  ideal {row["ideal_s"] * 1e3:8.1f} ms  '
@@ -678,12 +680,17 @@ def _percent(value) -> str:
   return '-' if value is None or value != value else f'{value:.1%}'  # nan: unknown peak
 
 
-def write_outputs(rows: list[dict], out_dir: str, meta: dict, log=print) -> None:
+def write_csv(rows: list[dict], out_dir: str) -> None:
+  """bench.csv: one row per setting measured so far."""
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, 'bench.csv'), 'w', newline='') as f:
     writer = csv.DictWriter(f, fieldnames=list(rows[0]))
     writer.writeheader()
     writer.writerows(rows)
+
+
+def write_outputs(rows: list[dict], out_dir: str, meta: dict, log=print) -> None:
+  write_csv(rows, out_dir)
   with open(os.path.join(out_dir, 'bench.json'), 'w') as f:
     json.dump({'meta': meta, 'rows': rows}, f, indent=2, default=str)
   text = table(rows)
