@@ -190,3 +190,88 @@ def test_a_setting_is_the_schedule_config_its_train_flags_give():
     run = config.override(cfg, config.train_flags(setting))
     assert run.schedule == setting
     run.validate()
+
+
+def test_a_model_with_fewer_layers_than_devices_plans_fewer_stages_with_data_replicas():
+  """Issue 42, item 10: on 4 devices a 2-layer model gets G = 2 stages x 2 replicas, not 4
+  stages (each of them an error); the settings its layers still cannot take (interleaved and
+  zb_v cut 2 x 2 chunks = 4 groups) are skipped before compiling, for one reason, said once."""
+  from ouroboros_jax.training import config
+
+  assert [plan.default_stages(4, n) for n in (1, 2, 3, 4, 12)] == [1, 2, 2, 4, 4]
+  assert plan.default_stages(6, 4) == 3 and plan.default_stages(8, None) == 8
+  cfg = config.get_preset('tiny')  # 2 layers
+  assert cfg.model.num_layers == 2
+  tried = plan.settings(4, plan.Tries(), cfg.schedule, cfg.model.num_layers)
+  assert len(tried) == 14  # as before: every schedule and stash, now at G = 2
+  staged = [s for s in tried if s.name not in ('backprop', 'data_parallel')]
+  assert {(s.num_stages, s.data_parallel) for s in staged} == {(2, 2)}
+  reasons = {}
+  for s in tried:
+    reason = plan.applies(config.override(cfg, config.train_flags(s)))
+    if reason is not None:
+      reasons.setdefault(reason, []).append(s.name)
+  assert reasons == {
+    "2 stages x 2 chunks = 4 groups, more than the model's 2 layers": ['interleaved', 'zb_v']
+  }
+  # --try-stages 4 asks for the ring of every device: each stage setting is skipped, saying why.
+  four = plan.settings(4, plan.Tries(stages=(4,)), cfg.schedule, cfg.model.num_layers)
+  skipped = [
+    s.name for s in four if plan.applies(config.override(cfg, config.train_flags(s))) is not None
+  ]
+  assert len(skipped) == 12 and 'backprop' not in skipped
+
+
+def test_the_runs_ouroboros_settings_go_to_the_ouroboros_rows_alone():
+  base = ScheduleConfig(flow='stream', tied_grad='mean', sync_warmup_steps=5, chunks=3)
+  tries = plan.Tries((4,), ('graph/nothing',), schedules=('1f1b', 'interleaved', 'ouroboros'))
+  for s in plan.settings(4, tries, base):
+    ring = s.name == 'ouroboros'
+    assert (s.flow, s.tied_grad, s.sync_warmup_steps) == (
+      ('stream', 'mean', 5) if ring else ('auto', 'sum', 0)
+    ), s
+    assert s.chunks == (3 if s.name == 'interleaved' else None), s
+
+
+def test_skipped_settings_are_one_line_per_reason_and_no_error_rows():
+  row = lambda label, step: {'label': label, 'schedule': label, 'fits': None, 'step_s': step}
+  result = {
+    'topology': 'v5e:2x2',
+    'devices': 4,
+    'hardware': {'name': 'tpu-v5e'},
+    'stages': [2],
+    'rows': [row('backprop', 2.0), row('1f1b G=2xR=2 M=8', 1.0)],
+    'skipped': [
+      {'label': 'interleaved G=2xR=2 M=8', 'reason': 'too many groups'},
+      {'label': 'zb_v G=2xR=2 M=8', 'reason': 'too many groups'},
+    ],
+    'fastest': '1f1b G=2xR=2 M=8',
+  }
+  table = plan.format_plan(result).splitlines()
+  assert not [line for line in table if 'error' in line]
+  skipped = [line for line in table if 'skipped' in line]
+  assert skipped == [
+    '  skipped interleaved G=2xR=2 M=8, zb_v G=2xR=2 M=8: too many groups; the run cannot take '
+    'them.'
+  ]
+  assert '  stage schedules at G = 2 stages x 2 data replicas of the 4 devices' in '\n'.join(table)
+  # A plan saved before settings were skipped renders as it did.
+  old = {k: v for k, v in result.items() if k not in ('stages', 'skipped')}
+  assert not [line for line in plan.format_plan(old).splitlines() if 'skipped' in line]
+
+
+def test_plan_compiles_only_the_settings_the_model_can_take():
+  """In-process on the test session's CPU devices (conftest): a 2-layer model, so G = 2."""
+  import jax
+
+  from ouroboros_jax.training import config
+
+  cfg = config.override(
+    config.get_preset('tiny'), dict(zip(('d_model', 'seq_len', 'batch_size'), (32, 32, 8)))
+  )
+  tries = plan.Tries((2,), schedules=('backprop', 'interleaved', 'zb_v'))
+  out = plan.plan(cfg, None, tries)
+  assert [r['label'] for r in out['rows']] == ['backprop']
+  assert not [r for r in out['rows'] if 'error' in r]
+  assert [s['label'].split()[0] for s in out['skipped']] == ['interleaved', 'zb_v']
+  assert out['stages'] == [2] and out['devices'] == len(jax.devices())

@@ -9,8 +9,11 @@ libtpu, compile-only, or the local devices), it builds every setting
   ouroboros locked and pipelined, at each of --try-microbatches, --try-stash and
   --try-stash-memory (device by default; pinned_host: the stash in host memory)
 
-with G = the topology's device count (or each of --try-stages, the other devices then data
-replicas), compiles each setting's training step for the topology's devices
+with G = the topology's device count, or, for a model with fewer layers than devices, the most
+stages that divide the devices and that its layers fill (`default_stages`), the other devices
+then data replicas (or each G of --try-stages). Settings the run cannot take (more stage groups
+than layers, micro-batches that do not divide the batch, ...) are skipped before compiling and
+listed with their reason, one line per reason (`applies`). It compiles each setting's training step for the topology's devices
 (`compile.compile_step`: the per-device peak from the compiler's memory analysis, or from its
 out-of-memory verdict) and predicts its step time with the discrete-event simulator
 (`simulate.py`, the model's FLOPs at `hardware`'s effective rate and link bandwidth; a graph
@@ -27,11 +30,13 @@ import dataclasses
 import sys
 from typing import Callable
 
+from ouroboros_jax import errors
 from ouroboros_jax.choices import DEFAULT_STASH_POLICY, EXACT_PIPELINES, SCHEDULES, STASH_MEMORIES
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.perf import compile as compile_lib
 from ouroboros_jax.perf import simulate
 from ouroboros_jax.schedules import ScheduleConfig
+from ouroboros_jax.schedules.config import AUTO
 from ouroboros_jax.training import config
 from ouroboros_jax.training.config import TrainConfig
 
@@ -66,15 +71,43 @@ class Tries:
   stages: tuple[int, ...] | None = None
 
 
+def default_stages(num_devices: int, num_layers: int | None = None) -> int:
+  """The G `plan` tries without --try-stages: every device in one ring, or, where the model has
+  fewer layers than devices, the most stages that divide the devices and hold a layer each (the
+  other devices data replicas)."""
+  if num_layers is None or num_layers >= num_devices:
+    return num_devices
+  return max(g for g in range(1, num_devices + 1) if num_devices % g == 0 and g <= num_layers)
+
+
+# ScheduleConfig's fields that Ouroboros alone reads: the other schedules' settings keep their
+# defaults, so a run's --flow or --tied-grad applies to the Ouroboros rows and refuses no other.
+_OUROBOROS_ONLY = (
+  'stash',
+  'stash_policy',
+  'stash_memory',
+  'forward',
+  'flow',
+  'sync_warmup_steps',
+  'tied_grad',
+)
+
+
 def settings(
-  num_devices: int, tries: Tries = Tries(), base: ScheduleConfig = ScheduleConfig()
+  num_devices: int,
+  tries: Tries = Tries(),
+  base: ScheduleConfig = ScheduleConfig(),
+  num_layers: int | None = None,
 ) -> list[ScheduleConfig]:
   """Every setting of `tries` on `num_devices` devices, each the ScheduleConfig `base` (`plan`'s:
-  the run's own) with what the tries choose: the stage schedules at each G of tries.stages with
-  num_devices / G data replicas, gpipe and the exact pipelines at each M, Ouroboros' at each M,
-  forward, stash (and its policy) and each of tries.memories."""
+  the run's own) with what the tries choose: the stage schedules at each G of tries.stages (None:
+  `default_stages` for a model of `num_layers`) with num_devices / G data replicas, gpipe and the
+  exact pipelines at each M, Ouroboros' at each M, forward, stash (and its policy) and each of
+  tries.memories. The Ouroboros-only fields of `base` go to the Ouroboros settings alone, its
+  --chunks to the interleaved ones."""
   microbatches, stashes, memories = tries.microbatches, tries.stashes, tries.memories
-  schedules, stages = tries.schedules, tries.stages or (num_devices,)
+  schedules = tries.schedules
+  stages = tries.stages or (default_stages(num_devices, num_layers),)
   for g in stages:
     if g < 1 or num_devices % g:
       raise ConfigError(
@@ -98,9 +131,17 @@ def settings(
         f'unknown stash setting {stash!r}; choose --try-stash from {", ".join(STASH_SETTINGS)}.'
       )
 
+  defaults = ScheduleConfig()
+
   def setting(name, stages=1, data_parallel=1, microbatches=None, **ring) -> ScheduleConfig:
+    own = {}
+    if name != 'ouroboros':
+      own = {f: getattr(defaults, f) for f in _OUROBOROS_ONLY}
+    if name != 'interleaved':
+      own['chunks'] = defaults.chunks
     return dataclasses.replace(
       base,
+      **own,
       name=name,
       num_stages=stages,
       data_parallel=data_parallel,
@@ -184,17 +225,24 @@ def plan(
   hardware: str | None = None,
   log: Callable[[str], None] | None = None,
 ) -> dict:
-  """{'rows': one dict per setting of `tries` (compile_step's report, the label and the
-  predicted step time), 'fastest': the label of the fastest setting that fits (None if none
-  does)}."""
+  """{'rows': one dict per setting of `tries` the run can take (compile_step's report, the
+  label and the predicted step time), 'skipped': the others, each {'label', 'reason'}, 'stages':
+  the G tried, 'fastest': the label of the fastest setting that fits (None if none does)}."""
   import jax
 
   devices = compile_lib.topology_devices(topology) if topology else jax.devices()
   rates = hardware_for(topology, hardware)
-  rows = []
-  for setting in settings(len(devices), tries, cfg.schedule):
+  rows, skipped = [], []
+  tried = settings(len(devices), tries, cfg.schedule, cfg.model.num_layers)
+  for setting in tried:
     flags = config.train_flags(setting)
     run = config.override(cfg, flags)
+    if setting.name != 'ouroboros' and run.compensation not in (AUTO, 'none'):
+      run = config.override(run, {'compensation': AUTO})  # none there, the same optimizer
+    reason = applies(run)
+    if reason is not None:
+      skipped.append({'label': setting.label, 'reason': reason})
+      continue
     try:
       report = compile_lib.compile_step(run, topology)
     except ConfigError as e:  # a setting this model cannot take (e.g. more stages than layers)
@@ -214,9 +262,26 @@ def plan(
     'topology': topology,
     'devices': len(devices),
     'hardware': dataclasses.asdict(rates),
+    'stages': sorted({s.num_stages for s in tried if s.num_stages > 1}),
     'rows': rows,
+    'skipped': skipped,
     'fastest': fastest,
   }
+
+
+def applies(run: TrainConfig) -> str | None:
+  """None if `plan` can compile the setting `run`, else why not, in a few words (its layers cut
+  into more groups than the model has, or any other setting the run cannot take)."""
+  groups, layers = run.schedule.stage_groups, run.model.num_layers
+  if groups > layers:
+    chunks = groups // run.schedule.num_stages
+    cut = f'{run.schedule.num_stages} stages' + (f' x {chunks} chunks' if chunks > 1 else '')
+    return f"{cut} = {groups} groups, more than the model's {layers} layers"
+  try:
+    run.validate()
+  except ConfigError as e:
+    return errors.render(e.marked, config.field_flag).rstrip('.')
+  return None
 
 
 def format_plan(result: dict) -> str:
@@ -228,6 +293,7 @@ def format_plan(result: dict) -> str:
     f'{len(result["rows"])} settings on {where} ({result["devices"]} devices, '
     f'{compile_lib.format_size(hbm)} each); step time from the simulator at '
     f'{result["hardware"]["name"]} rates.',
+    *_stages_note(result),
     f'  {"setting":<{width}} {"peak GiB":>9} {"fits":>5} {"step ms":>8} {"speedup":>8}',
   ]
   backprop = next((r['step_s'] for r in result['rows'] if r['schedule'] == 'backprop'), None)
@@ -239,11 +305,27 @@ def format_plan(result: dict) -> str:
       f'{mark} {r["label"]:<{width}} {_peak(r):>9} {_verdict(r):>5} {step:>8} {speedup:>8}'
     )
   lines += [f'  {r["label"]}: {r["error"]}' for r in result['rows'] if 'error' in r]
+  reasons = {}  # one line per reason, in the order met
+  for s in result.get('skipped', []):  # plans saved before skipping have none
+    reasons.setdefault(s['reason'], []).append(s['label'])
+  lines += [
+    f'  skipped {", ".join(labels)}: {reason}; the run cannot take them.'
+    for reason, labels in reasons.items()
+  ]
   if result['fastest']:
     lines.append(f'* fastest that fits: {result["fastest"]}')
   else:
     lines.append('no setting fits; use more devices, a smaller batch or --dtype bfloat16.')
   return '\n'.join(lines)
+
+
+def _stages_note(result: dict) -> list[str]:
+  """One line when the stages tried are not every device in one ring."""
+  stages, devices = result.get('stages'), result['devices']
+  if not stages or stages == [devices]:
+    return []
+  cut = ', '.join(f'G = {g} stages x {devices // g} data replicas' for g in stages)
+  return [f'  stage schedules at {cut} of the {devices} devices (--try-stages to choose).']
 
 
 def load(path: str) -> dict:
