@@ -20,7 +20,8 @@ or of the local backend, and prints one device's memory (parameters, optimizer s
 temporaries, peak) against the device's; it exits with status 1 when the step does not fit
 (`perf/compile.py`). `plan` compiles every schedule x micro-batches x stash for the topology
 the same way, beside the simulator's step time, and marks the fastest setting that fits
-(`perf/plan.py`).
+(`perf/plan.py`). Both take the field flags that shape the step, none of the training loop's
+(`_COMPILE_OMITS`, `_PLAN_OMITS`); each flag's help is `flag_help.field_help`.
 
 `train` takes one flag per field of `TrainConfig` and `ModelConfig` (`--d-model 64`,
 `--num-layers 2`, `--schedule ouroboros`, `--stages 4`, `--layers-per-stage 1,2,1`, ...; booleans
@@ -40,8 +41,8 @@ import re
 import signal
 import sys
 
-from ouroboros_jax import errors, schedules
-from ouroboros_jax.choices import DEFAULT_STASH_POLICY, MICROBATCHED
+from ouroboros_jax import errors, flag_help
+from ouroboros_jax.choices import MICROBATCHED, SCHEDULES, STASH_MEMORIES
 from ouroboros_jax.runtime import host
 from ouroboros_jax.training import config
 
@@ -63,6 +64,10 @@ class _Parser(argparse.ArgumentParser):
 def _unknown_flag(parser: argparse.ArgumentParser, extra: list[str]):
   """One line for arguments no flag takes, with the closest known flag of that subcommand."""
   flags = [a for a in extra if a.startswith('-')] or extra
+  flag = flags[0].split('=')[0]
+  reason = getattr(parser, 'omitted', {}).get(flag)
+  if reason is not None:  # a `train` flag this subcommand does not read
+    _fail(f'`{parser.prog}` takes no {flag}: {reason}; drop it (see --help).', EXIT_USAGE)
   known = [o for a in parser._actions for o in a.option_strings]  # pylint: disable=protected-access
   close = difflib.get_close_matches(flags[0].split('=')[0], known, n=1, cutoff=0.75)
   hint = f'; did you mean {close[0]}?' if close else '; see --help for the flags.'
@@ -91,92 +96,73 @@ def _optional(kind):
   return parse
 
 
-# The help of the field flags whose text is not `(tiny: VALUE)`.
-_FIELD_HELP = {
-  'preset': f'starting point: {", ".join(config.PRESETS)} (default tiny)',
-  'out': 'output directory (default runs/<preset>-<schedule>)',
-  'data': "'default' (embedded Shakespeare), 'text:PATH[,PATH]', 'tfds:NAME[:FEATURE]', or "
-  "the paper's corpora from local files: 'enwik8:PATH' (enwik8 or enwik8.zip), 'text8:PATH', "
-  "'wikitext103:DIR' (word level: metric perplexity, --vocab-size 267735)",
-  'arch': 'gpt (default) or transformer-xl (relative positions; with --mem-len, segment '
-  'recurrence)',
-  'mem_len': 'transformer-xl: hidden states each layer keeps from the previous segments '
-  '(default 0: none); the training batches then continue each other row by row',
-  'clamp_len': 'transformer-xl: relative distances beyond this share its encoding (0: off)',
-  'attn_dropout': 'transformer-xl: dropout on the attention probabilities',
-  'untie_r': 'transformer-xl: true gives every layer its own biases u, v (the reference '
-  "code's --untie_r); default false: one global pair, as the paper writes it",
-  'eval_mem_len': 'transformer-xl: memory length when evaluating (default: --mem-len)',
-  'data_order': 'windows (shuffled windows), segments (B contiguous streams, as Transformer-XL '
-  'trains) or auto (default: segments for a model with a memory)',
-  'download': 'tfds: let TFDS download and prepare a dataset that is not prepared yet '
-  '(default: never touch the network, fail in seconds)',
-  'data_dir': 'TFDS data dir (default $OUROBOROS_DATA_DIR or ~/.cache/ouroboros_jax/tfds)',
-  'schedule': f'one of {", ".join(schedules.SCHEDULES)} (tiny: backprop)',
-  'microbatches': 'gpipe, the exact pipelines and ouroboros: micro-batches per data replica '
-  '(default 4; ouroboros: 1 on CPU, up to 8 on an accelerator, and streamed at least G '
-  'locked, 2G pipelined; the other schedules step on the whole batch)',
-  'chunks': 'interleaved: model chunks per device, v (default 2; zb_v always runs 2); the '
-  'layers are cut into --stages x v groups',
-  'stash': 'ouroboros: graph or replay (tiny: graph)',
-  'stash_policy': 'ouroboros graph stash: all (every VJP residual), dots (matmul outputs), '
-  'dots_no_batch, nothing (inputs and weights only); less kept = less memory '
-  f'traffic, more recompute, same gradient (default {DEFAULT_STASH_POLICY})',
-  'stash_memory': 'ouroboros: device (default) or pinned_host, where the stash and the '
-  "forward's weights wait for their delayed backward (host memory: less device memory, a "
-  'transfer each way per step)',
-  'flow': 'ouroboros: auto (default: stream under a --compensation, batch with --compensation none), '
-  "batch (the M micro-batches of a step go round the ring as one batch: the paper's delays of "
-  'G - s steps) or stream (they stream across updates, PipeDream-2BW style: a gradient is '
-  'ceil(lag / M) updates old, 1 once M >= G locked, 2G pipelined; less stash too). Streamed '
-  'without --microbatches, M is at least that (CPU: G locked, 2G pipelined)',
-  'layers_per_stage': "e.g. '2,4,4,4' (default: balanced by FLOPs)",
-  'pld': 'progressive layer dropping: THETA_BAR,GAMMA (e.g. 0.5,0.001, or default); keep '
-  'prob. of layer l: 1-(l/L)(1-theta(t)), theta(t)=(1-theta_bar)exp(-gamma t)'
-  '+theta_bar; pre-LN only; any schedule (default: off)',
-  'growth': 'MSLT / progressive stacking plan: METHOD:DEPTHxSTEPS,...[,all:STEPS]'
-  '[,init=copy_top|random][,embed=train], METHOD mslt (train only the new top '
-  'layers, the rest forward only) or stacking (train all); one STEPS may be * '
-  '(the rest); steps add up to --steps; e.g. mslt:1x300,2x300,4x*; backprop only '
-  '(default: off)',
-  'vcycle': 'multi-level V-cycle plan: down=N[/N..],coarse=N[,up=N[/N..]][,levels=K]'
-  '[,alpha=0.5][,width=1][,depth=1][,lr_scale=1][,opt=carry|reset]; up[0] '
-  'defaults to the rest of --steps; e.g. down=200,coarse=400 (default: off)',
-  'std_loss': 'weight of the standardization loss on the GELU pre-activations (e.g. '
-  '1e-3; default 0: off)',
-  'std_loss_layers': "layers the standardization loss regularises: 'all' or e.g. '0,2'",
-  'optimizer': 'auto (default: muon for every schedule, the best measured: backprop 2.40 val '
-  'bpb against 2.62 with adamw at 1000 steps; adamw with --compensation none, the paper), '
-  'adamw, nadamw (Nesterov, b1 0.99) or muon (orthogonalised momentum on the layer kernels, '
-  'Adam at --learning-rate elsewhere)',
-  'muon_learning_rate': 'muon: peak rate of the layer kernels (default: 0.04 for exact '
-  'gradients, 0.02 for ouroboros with G > 1, each measured best)',
-  'momentum': "the optimizer's first-moment decay (AdamW/NAdamW b1, Muon's beta); default "
-  'none: its own (0.9, 0.99, 0.95)',
-  'compensation': 'ouroboros staleness compensation: auto (default, G > 1: the measured '
-  'recipe, Muon + predict + dc (replay: Muon + predict); G=2, 1000 steps: '
-  "2.44 val bpb against 3.48 for the paper's AdamW at its best rate and "
-  '2.40 for backprop; docs/results/quality.md), none (the '
-  'paper: AdamW, no compensation) or a comma list of predict (forward at w + '
-  'gap * last update), pipemare (rate / gap^(1-t/T)), dc (DC-ASGD-a, graph '
-  'stash), shrink (delayed gradients x --shrink)',
-  'dc_lambda': 'dc: strength lambda_0 of DC-ASGD-a (tiny: 1.0)',
-  'shrink': 'shrink: factor on delayed gradients, in (0, 1] (tiny: 0.5)',
-  'pipemare_steps': 'pipemare: steps to reach the full rate (0: a quarter of --steps)',
+# Config fields that a subcommand does not read, by flat name, each group with the reason its
+# `--help` leaves them out (and `_unknown_flag` says when one is given).
+_LOOP_FIELDS = (
+  'data',
+  'data_dir',
+  'download',
+  'data_order',
+  'steps',
+  'log_every',
+  'eval_every',
+  'eval_batches',
+  'eval_mem_len',
+  'checkpoint_every',
+  'keep_checkpoints',
+)
+_COMPILE_OMITS = {
+  **dict.fromkeys(
+    (*_LOOP_FIELDS, 'out'),
+    'it compiles one step on abstract batches; the data, the length of the run, its '
+    "evaluations, checkpoints and output directory are `train`'s",
+  ),
+  **dict.fromkeys(
+    ('growth', 'vcycle'),
+    'they change the model mid-run, so there is no one step to compile; compile each phase as '
+    'its own model (--num-layers, --d-model)',
+  ),
+}
+_PLAN_OMITS = {
+  **_COMPILE_OMITS,
+  'schedule': 'it tries every schedule; choose some with --try-schedules',
+  'stages': 'it tries G = stages with the other devices as data replicas; choose with --try-stages',
+  'data_parallel': 'it tries G = stages with the other devices as data replicas; choose with '
+  '--try-stages',
+  'microbatches': 'it tries each of --try-microbatches',
+  'stash': 'it tries each of --try-stash',
+  'stash_policy': 'it tries each of --try-stash (graph/POLICY)',
+  'stash_memory': 'it tries each of --try-stash-memory',
+  'forward': 'it tries both Ouroboros forwards, locked and pipelined',
+}
+_BENCH_OMITS = {
+  **dict.fromkeys(
+    _LOOP_FIELDS,
+    'it times --bench-steps steps on synthetic batches; the data, the length of the run, its '
+    "evaluations and checkpoints are `train`'s",
+  )
 }
 
 
-def _add_field_flags(parser: argparse.ArgumentParser) -> None:
-  """One flag per config field, default SUPPRESS so only flags given show up in the namespace."""
+def _add_field_flags(parser: argparse.ArgumentParser, omit: dict[str, str] | None = None) -> None:
+  """One flag per config field but those in `omit` (flat name: why this subcommand does not read
+  it), default SUPPRESS so only flags given show up in the namespace. Each flag's help is
+  `flag_help.field_help`: what it does, its choices, its default."""
+  omit = omit or {}
   groups = {  # created in this order: the order of the sections in --help
     config.ModelConfig: parser.add_argument_group('model (ModelConfig)'),
     config.TrainConfig: parser.add_argument_group('training (TrainConfig)'),
     config.ScheduleConfig: parser.add_argument_group('schedule (ScheduleConfig)'),
   }
-  tiny = config.flat(config.get_preset('tiny'))
+  parser.omitted = {}
   for name, (kind, optional, owner, _) in config.fields().items():
+    if name in omit:
+      parser.omitted[config.flag(name)] = omit[name]
+      if kind is bool:
+        parser.omitted['--no-' + config.flag(name)[2:]] = omit[name]
+      continue
     group = groups.get(owner, groups[config.TrainConfig])
-    help_text = _FIELD_HELP.get(name, f'(tiny: {tiny[name]})')
+    help_text = flag_help.field_help(name)
     if kind is bool:
       _add_bool_flag(group, name, help_text)
     else:
@@ -217,40 +203,60 @@ def _cpu_devices_flag(parser):
     type=int,
     default=None,
     metavar='N',
-    help='simulate N CPU devices (for multi-stage schedules on a CPU machine)',
+    help='simulate N CPU devices (for multi-stage schedules on a CPU machine; default: the '
+    "machine's own devices)",
   )
 
 
 def _process_flags(parser):
+  from ouroboros_jax.runtime import distributed
+
   group = parser.add_argument_group('multi-process / multi-host (see distributed.py)')
   group.add_argument(
     '--coordinator',
     default=None,
     metavar='HOST:PORT',
-    help="process 0's address, or 'auto' for JAX's cluster detection",
+    help="process 0's address, or 'auto' for JAX's cluster detection (default "
+    f'${distributed.ENV_COORDINATOR}; neither: one process)',
   )
-  group.add_argument('--num-processes', type=int, default=None, metavar='N')
-  group.add_argument('--process-id', type=int, default=None, metavar='I')
+  group.add_argument(
+    '--num-processes',
+    type=int,
+    default=None,
+    metavar='N',
+    help=f'processes in the job (default ${distributed.ENV_NUM_PROCESSES})',
+  )
+  group.add_argument(
+    '--process-id',
+    type=int,
+    default=None,
+    metavar='I',
+    help=f"this process's index, 0 .. N-1 (default ${distributed.ENV_PROCESS_ID})",
+  )
   group.add_argument(
     '--init-timeout',
     type=int,
     default=120,
     metavar='S',
-    help='seconds to wait for the coordinator and every process (default 120)',
+    help='seconds to wait for the coordinator and every process (default %(default)s)',
   )
 
 
 def _json_flag(parser):
-  parser.add_argument('--json', action='store_true', help='print one JSON object')
+  parser.add_argument(
+    '--json', action='store_true', help='print one JSON object instead of the table (default off)'
+  )
 
 
-def _run_flags(parser, *, processes: bool) -> argparse.ArgumentParser:
+def _run_flags(
+  parser, *, processes: bool, omit: dict[str, str] | None = None
+) -> argparse.ArgumentParser:
   """The flags after a run's own: --cpu-devices, the process group's (`processes`) and one per
-  config field."""
+  config field but those in `omit` (flat name: why the subcommand does not read it)."""
   _cpu_devices_flag(parser)
   if processes:
     _process_flags(parser)
-  _add_field_flags(parser)
+  _add_field_flags(parser, omit)
   return parser
 
 
@@ -292,7 +298,7 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     '--resume',
     action='store_true',
     help="continue from OUT's newest readable checkpoint, exactly where it "
-    'stopped (an unreadable newer one is reported and set aside)',
+    'stopped (an unreadable newer one is reported and set aside; default off: a new run)',
   )
   train.add_argument(
     '--resume-from',
@@ -300,9 +306,11 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     default=None,
     metavar='STEP',
     help='resume from the checkpoint of this step (implies --resume; newer '
-    'checkpoints are moved to OUT/checkpoints-set-aside)',
+    'checkpoints are moved to OUT/checkpoints-set-aside; default: the newest)',
   )
-  train.add_argument('--quiet', action='store_true', help='no progress bar or eval lines')
+  train.add_argument(
+    '--quiet', action='store_true', help='no progress bar or eval lines (default off)'
+  )
   return _run_flags(train, processes=True)
 
 
@@ -312,13 +320,27 @@ def _sample_parser(sub) -> argparse.ArgumentParser:
     '--ckpt',
     required=True,
     metavar='OUT',
-    help='the OUT directory of a training run (its latest checkpoint is used)',
+    help='the OUT directory of a training run (its newest readable checkpoint is used; required)',
   )
   sample.add_argument('--prompt', default='', help='text to continue (default: a new line)')
-  sample.add_argument('--length', type=int, default=500, help='bytes to generate')
-  sample.add_argument('--temperature', type=float, default=0.8, help='0 means greedy')
-  sample.add_argument('--seed', type=int, default=0)
-  sample.add_argument('--step', type=int, default=None, help='checkpoint step (default latest)')
+  sample.add_argument(
+    '--length', type=int, default=500, help='tokens to generate (default %(default)s)'
+  )
+  sample.add_argument(
+    '--temperature',
+    type=float,
+    default=0.8,
+    help='sampling temperature, 0 for greedy (default %(default)s)',
+  )
+  sample.add_argument(
+    '--seed', type=int, default=0, help='seed of the sampling (default %(default)s)'
+  )
+  sample.add_argument(
+    '--step',
+    type=int,
+    default=None,
+    help='the checkpoint of this step (default: the newest readable)',
+  )
   _cpu_devices_flag(sample)
   return sample
 
@@ -331,16 +353,20 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
     'See ouroboros_jax/perf/bench.py. Model and '
     'batch come from --preset and the field flags; --stages sets G.',
   )
-  bench.add_argument('--bench-steps', type=int, default=20, help='timed steps per setting')
-  bench.add_argument('--warmup', type=int, default=3, help='untimed steps before timing')
+  bench.add_argument(
+    '--bench-steps', type=int, default=20, help='timed steps per setting (default %(default)s)'
+  )
+  bench.add_argument(
+    '--warmup', type=int, default=3, help='untimed steps before timing (default %(default)s)'
+  )
   bench.add_argument(
     '--only',
     default=None,
     metavar='LABELS',
     help='comma-separated settings to run, by label prefix (e.g. '
-    '"backprop,model_parallel,ouroboros pipelined/graph"); default all',
+    '"backprop,model_parallel,ouroboros pipelined/graph"; default: every setting)',
   )
-  return _run_flags(bench, processes=True)
+  return _run_flags(bench, processes=True, omit=_BENCH_OMITS)
 
 
 _TOPOLOGY_HELP = (
@@ -360,67 +386,92 @@ def _compile_parser(sub) -> argparse.ArgumentParser:
   )
   compile_.add_argument('--topology', default=None, metavar='NAME', help=_TOPOLOGY_HELP)
   _json_flag(compile_)
-  return _run_flags(compile_, processes=False)
+  return _run_flags(compile_, processes=False, omit=_COMPILE_OMITS)
 
 
 def _plan_parser(sub) -> argparse.ArgumentParser:
+  from ouroboros_jax.perf import plan as plan_lib
+  from ouroboros_jax.perf import simulate
+
+  tries = plan_lib.Tries()  # the defaults of the --try-* flags
   plan = _subcommand(
     sub,
     'plan',
     'every schedule x micro-batches x stash: compiled memory, predicted step time',
-    "For the run train's flags describe, compile every schedule (G = all devices) "
-    'at each --try-microbatches and, for ouroboros, each --try-stash and forward, for --topology '
-    "(or the local devices); print each per-device peak beside the simulator's step time and "
-    'mark the fastest setting that fits. See ouroboros_jax/perf/plan.py.',
+    "For the run train's flags describe, compile every schedule (G = all devices, or fewer "
+    'with data replicas when the model has fewer layers) at each --try-microbatches and, for '
+    'ouroboros, each --try-stash and forward, for --topology (or the local devices); print each '
+    "per-device peak beside the simulator's step time and mark the fastest setting that fits. "
+    'Settings the model cannot take are skipped, with one line that says why. See '
+    'ouroboros_jax/perf/plan.py.',
   )
-  plan.add_argument('--topology', default=None, metavar='NAME', help='as for compile')
+  plan.add_argument('--topology', default=None, metavar='NAME', help=_TOPOLOGY_HELP)
   plan.add_argument(
     '--try-microbatches',
-    default='8',
+    default=','.join(map(str, tries.microbatches)),
     metavar='M,M',
-    help='micro-batch counts to try on the micro-batched schedules (default 8)',
+    help='micro-batch counts to try on the micro-batched schedules (default %(default)s)',
   )
   plan.add_argument(
     '--try-stash',
-    default='graph/nothing,replay,graph/all',
+    default=','.join(tries.stashes),
     metavar='S,S',
-    help='ouroboros stashes to try: graph/nothing, graph/dots, graph/all, replay',
+    help=f'ouroboros stashes to try, of {", ".join(plan_lib.STASH_SETTINGS)} (default %(default)s)',
   )
   plan.add_argument(
     '--try-stages',
     default=None,
     metavar='G,G',
     help='stage counts to try, each with the other devices as data replicas (default: all '
-    'devices in one ring)',
+    'devices in one ring, or the most stages the layers allow)',
   )
   plan.add_argument(
     '--try-stash-memory',
-    default='device',
+    default=','.join(tries.memories),
     metavar='M,M',
-    help='where ouroboros stashes wait: device, pinned_host (default device)',
+    help=f'where ouroboros stashes wait, of {", ".join(STASH_MEMORIES)} (default %(default)s)',
   )
   plan.add_argument(
-    '--try-schedules', default=None, metavar='S,S', help='only these schedules (default: every one)'
+    '--try-schedules',
+    default=None,
+    metavar='S,S',
+    help=f'only these schedules, of {", ".join(SCHEDULES)} (default: every one)',
   )
   plan.add_argument(
     '--hardware',
     default=None,
     metavar='NAME',
-    help="the simulator's rates (default: the topology's TPU generation, else nvlink-300GBps)",
+    help=f"the simulator's rates, one of {', '.join(plan_lib.HARDWARE)} (default: the "
+    f"topology's TPU generation, else {simulate.NVLINK.name})",
   )
   _json_flag(plan)
   plan.add_argument(
-    '--render', default=None, metavar='FILE', help='print the table of a saved --json plan'
+    '--render',
+    default=None,
+    metavar='FILE',
+    help='print the table of a saved --json plan, without planning (default: none, plan the run)',
   )
-  return _run_flags(plan, processes=False)
+  return _run_flags(plan, processes=False, omit=_PLAN_OMITS)
 
 
 def _launch_parser(sub) -> argparse.ArgumentParser:
   launch = _subcommand(sub, 'launch', 'run N local processes as one multi-host job')
-  launch.add_argument('--processes', type=int, required=True, metavar='N')
-  launch.add_argument('--pin-cpus', action='store_true', help='pin process i to core i')
   launch.add_argument(
-    '--timeout', type=float, default=None, metavar='S', help='stop every process after S seconds'
+    '--processes',
+    type=int,
+    required=True,
+    metavar='N',
+    help='how many processes to start, each with one CPU device (required)',
+  )
+  launch.add_argument(
+    '--pin-cpus', action='store_true', help='pin process i to core i (default off)'
+  )
+  launch.add_argument(
+    '--timeout',
+    type=float,
+    default=None,
+    metavar='S',
+    help='stop every process after S seconds (default: no limit)',
   )
   launch.add_argument(
     'rest',
@@ -514,11 +565,6 @@ def _run_bench(args) -> None:
     )
   ring = config.override(cfg, {'schedule': 'ouroboros', 'stages': stages})
   ring.validate()  # every flag, --compensation and --layers-per-stage included
-  if cfg.data != config.TrainConfig().data:
-    raise errors.ConfigError(
-      f'`bench` times the schedules on synthetic batches and reads no data; '
-      f'drop --data {cfg.data} (`train` reads it).'
-    )
   given = [config.flag(n) for n in ('pld', 'growth', 'vcycle', 'std_loss') if getattr(cfg, n)]
   if given:
     raise errors.ConfigError(
@@ -526,6 +572,10 @@ def _run_bench(args) -> None:
       '`train` (experiments/accelerators.py compares the accelerators).'
     )
   _join_process_group(args)
+  from ouroboros_jax.training import sizing
+
+  # Its state spread the most (G stages): a model beyond that fits no setting (train: loop.train).
+  sizing.check_fits(ring)
   from ouroboros_jax.perf import bench
 
   policy, compensation = cfg.schedule.stash_policy, cfg.resolved_compensation()

@@ -26,6 +26,8 @@ import optax
 from ouroboros_jax.errors import ConfigError, field_ref
 
 OPTIMIZERS = ('adamw', 'nadamw', 'muon')
+# Each optimizer's first-moment decay (AdamW's and NAdamW's b1, Muon's beta) when none is given.
+DEFAULT_MOMENTUM = {'adamw': 0.9, 'nadamw': 0.99, 'muon': 0.95}
 
 
 def kernel_mask(tree):
@@ -196,12 +198,16 @@ def make_optimizer(
   """
   if name == 'adamw':
     return adamw(
-      learning_rate, b1=0.9 if b1 is None else b1, b2=B2, eps=EPS, weight_decay=weight_decay
+      learning_rate,
+      b1=DEFAULT_MOMENTUM['adamw'] if b1 is None else b1,
+      b2=B2,
+      eps=EPS,
+      weight_decay=weight_decay,
     )
   if name == 'nadamw':
     return optax.nadamw(
       learning_rate,
-      b1=0.99 if b1 is None else b1,
+      b1=DEFAULT_MOMENTUM['nadamw'] if b1 is None else b1,
       b2=B2,
       eps=EPS,
       weight_decay=weight_decay,
@@ -210,7 +216,7 @@ def make_optimizer(
   if name == 'muon':
     return optax.contrib.muon(
       learning_rate if muon_learning_rate is None else muon_learning_rate,
-      beta=0.95 if b1 is None else b1,
+      beta=DEFAULT_MOMENTUM['muon'] if b1 is None else b1,
       weight_decay=weight_decay,
       weight_decay_mask=None,  # every Muon leaf: the Adam leaves take adam_weight_decay (0)
       adam_learning_rate=learning_rate,

@@ -33,6 +33,7 @@ LAYERS = {
   'perf': 4,
   'training': 4,
   'cli': 5,
+  'flag_help': 5,  # the cli's help lines: it reads the config, the presets and the choices
   '__main__': 5,
   '__init__': 5,
 }
