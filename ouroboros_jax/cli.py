@@ -649,6 +649,11 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
 def _compile_target(args) -> config.TrainConfig:
   """The run of `compile` and `plan`, checked, with JAX set up for --topology."""
   cfg = config_from_args(args)
+  # They compile one step and take no --steps: the run's length cannot refuse a --sync-warmup-steps
+  # longer than the preset's run (train checks it against its own --steps).
+  warmup = cfg.schedule.sync_warmup_steps
+  if warmup >= cfg.steps:
+    cfg = config.override(cfg, {'steps': warmup + 1})
   cfg.validate()
   if args.topology is not None and args.cpu_devices is not None:
     raise errors.ConfigError(

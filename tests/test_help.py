@@ -173,3 +173,15 @@ def test_a_flag_the_subcommand_does_not_read_is_one_line_saying_why(argv, words,
   assert err.count('\n') == 1 and err.startswith('error: '), err
   for word in words:
     assert word in err, (word, err)
+
+
+def test_compile_takes_a_warm_up_longer_than_the_presets_run():
+  """`compile` has no --steps, so the preset's cannot refuse a --sync-warmup-steps (train's
+  check of the two stays)."""
+  flags = ['--schedule', 'ouroboros', '--stages', '2', '--sync-warmup-steps', '5000']
+  args = cli.make_parser().parse_args(['compile', *flags])
+  cfg = cli._compile_target(args)  # pylint: disable=protected-access
+  assert cfg.schedule.sync_warmup_steps == 5000 < cfg.steps
+  train = cli.config_from_args(cli.make_parser().parse_args(['train', *flags]))
+  with pytest.raises(config.ConfigError, match='not shorter than'):
+    train.validate()
