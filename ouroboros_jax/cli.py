@@ -37,16 +37,22 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
+import os
 import re
 import signal
 import sys
 
 from ouroboros_jax import errors, flag_help
 from ouroboros_jax.choices import MICROBATCHED, SCHEDULES, STASH_MEMORIES
-from ouroboros_jax.runtime import host
+from ouroboros_jax.runtime import host, watchdog
 from ouroboros_jax.training import config
 
 EXIT_USAGE = errors.UserError.exit_code
+# Simulated CPU devices: XLA starts them all at once, with threads of their own, in a time that
+# grows faster than their number (measured on 2 cores, jaxlib 0.10: 2048 devices 2 s more than
+# 64, 8192 54 s, 32768 aborts when pthread_create fails), printing nothing meanwhile. 2048 is
+# more than any stages x data replicas a CPU can step through, and starts in seconds.
+MAX_CPU_DEVICES = 2048
 
 
 class _Parser(argparse.ArgumentParser):
@@ -76,6 +82,7 @@ def _unknown_flag(parser: argparse.ArgumentParser, extra: list[str]):
 
 
 def _fail(message: str, code: int):
+  watchdog.said()  # a watchdog ending the process after this adds no line of its own
   print(f'error: {message}', file=sys.stderr)
   sys.exit(code)
 
@@ -746,8 +753,12 @@ def main(argv=None) -> int:
     _unknown_flag(parser.commands[args.command], extra)
   host.configure_cpu_runtime()  # before anything initialises a JAX backend (nothing above does)
   if getattr(args, 'cpu_devices', None) is not None:
-    if args.cpu_devices < 1:
-      _fail(f'--cpu-devices must be >= 1, got {args.cpu_devices}.', EXIT_USAGE)
+    if not 1 <= args.cpu_devices <= MAX_CPU_DEVICES:
+      _fail(
+        f'--cpu-devices must be between 1 and {MAX_CPU_DEVICES}, got {args.cpu_devices} '
+        '(more simulated devices take minutes to start).',
+        EXIT_USAGE,
+      )
     # Must happen before anything initialises a JAX backend (nothing above does).
     import jax
 
@@ -762,6 +773,7 @@ def main(argv=None) -> int:
       (signal.SIGINT,) if args.command == 'train' else ()
     )
     handlers = {sig: signal.signal(sig, _terminate) for sig in stopping}
+    watchdog.install(_hard_stop_message(args))  # a signal ends it even while XLA holds it
   try:
     code = {
       'train': _run_train,
@@ -775,6 +787,8 @@ def main(argv=None) -> int:
     signum = e.signum if isinstance(e, rundir.Terminated) else signal.SIGINT
     _fail(_stopped_message(args, signum), 128 + signum)
   except Exception as e:  # pylint: disable=broad-exception-caught
+    if distributed.is_peer_lost(e):  # one line instead of XLA's traceback
+      e = errors.PeerLostError(distributed.peer_lost_message('its connection closed'))
     code = exit_code(e)
     message = _one_line(e) if code is not None else None
     if code is None and out_of_memory(e):
@@ -785,6 +799,7 @@ def main(argv=None) -> int:
       raise
     _fail(message, code)
   finally:
+    watchdog.uninstall()
     for sig, handler in handlers.items():
       signal.signal(sig, handler)
   return code or 0
@@ -794,6 +809,46 @@ def _terminate(signum, _frame):
   from ouroboros_jax.training import rundir
 
   rundir.request_stop(signum)  # a running loop stops at its next step; otherwise raises now
+  watchdog.acknowledge()  # the loop took it: it saves and stops, in its own time once steady
+
+
+def _hard_stop_message(args):
+  """The line of a process the watchdog ends (`runtime/watchdog.py`): (signum, steady) -> text.
+  It runs on the watchdog's thread, which must not import or block: OUT is worked out now."""
+  out = None
+  if args.command == 'train':
+    try:
+      out = config_from_args(args).out_dir
+    except Exception:  # pylint: disable=broad-exception-caught  (its own error comes later)
+      out = None
+
+  def message(signum: int, steady: bool) -> str:
+    name = signal.Signals(signum).name
+    what = 'interrupted' if signum == signal.SIGINT else f'stopped by {name}'
+    if out is None:
+      return f'{what} during set-up, while XLA was busy (compiling or allocating).'
+    where = os.path.join(out, 'checkpoints')  # checkpoint.SUBDIR (importing it loads Orbax)
+    try:
+      saved = any(entry.isdigit() for entry in os.listdir(where))
+    except OSError:
+      saved = False
+    if saved:
+      then = f'continue from the latest checkpoint in {where} with --resume'
+    elif not steady:  # no metrics row yet: the same OUT takes the run again
+      then = f'no checkpoint in {where}: run it again'
+    else:
+      then = (
+        f'no checkpoint in {where}: start again with another --out (or remove its metrics.jsonl '
+        'and config.json)'
+      )
+    if not steady:
+      return f'{what} during set-up, while XLA was busy (compiling or allocating); {then}.'
+    return (
+      f'{what} at once (XLA held the run past {watchdog.STEADY_GRACE_S:g} s, or a second '
+      f'signal came); the steps after the latest checkpoint are lost; {then}.'
+    )
+
+  return message
 
 
 def _stopped_message(args, signum: int) -> str:

@@ -16,6 +16,8 @@ error with its flags (--stash graph), through `render(error.marked, flag_of)`.
       DiskFullError           a write into the run's directory found no space (names it and the
                               space needed; what was written before is kept whole)
       NonFiniteLossError      the loss became NaN/Inf (exit status 3; names the last checkpoint)
+      PeerLostError           a process of a multi-process run was lost (killed, crashed): names
+                              it, the step and the checkpoint to resume from
 """
 
 from __future__ import annotations
@@ -81,6 +83,11 @@ class DataError(UserError, ValueError):
 class DiskFullError(UserError):
   """A write into a run's directory found no space left; the message names the directory, the
   space the run needs there and the checkpoint to resume from."""
+
+
+class PeerLostError(UserError, RuntimeError):
+  """A peer of a multi-process run was lost (killed, crashed, its host gone): the collectives
+  cannot go on. The message names the process, the step and the checkpoint to resume from."""
 
 
 class NonFiniteLossError(UserError, RuntimeError):

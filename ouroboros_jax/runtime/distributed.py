@@ -27,6 +27,7 @@ would abort the process with a C++ stack after its time-out instead.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import os
 import socket
@@ -35,7 +36,7 @@ import threading
 import time
 import traceback
 
-from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.errors import ConfigError, PeerLostError
 
 ENV_COORDINATOR = 'OUROBOROS_COORDINATOR'
 ENV_NUM_PROCESSES = 'OUROBOROS_NUM_PROCESSES'
@@ -204,13 +205,22 @@ def watch_peers(poll_s: float = 0.5) -> threading.Event:
 
   thread = threading.Thread(target=watch, name='ouroboros-watch-peers', daemon=True)
   thread.start()
+  with contextlib.suppress(Exception):  # for the peers' `_watch_pids`
+    client.key_value_set(f'{_PROCESS_KEY}/{me}', _identity(os.getpid()))
+  pids = threading.Thread(
+    target=_watch_pids, args=(client, me, stop), name='ouroboros-watch-pids', daemon=True
+  )
+  pids.start()
 
   def end_watch():
     # Before JAX's own exit handler shuts the client down (atexit runs the later one first),
     # and before the interpreter ends: a daemon thread that comes back from C++ then aborts the
     # process ("FATAL: exception not rethrown").
+    with contextlib.suppress(Exception):  # an ending process is not a lost one
+      client.key_value_set(f'{_DONE_KEY}/{me}', '1')
     stop.set()
     thread.join(timeout=2 * poll_s + 1)
+    pids.join(timeout=1)
 
   atexit.register(end_watch)
   return stop
@@ -220,6 +230,8 @@ def fail_every_process(message: str | None, code: int) -> None:
   """Ends a failed process of a multi-process run now: prints `error: message` (None: the
   traceback of the exception being handled), posts it for the peers' `watch_peers`, and exits
   with `code` without waiting for peers that will never arrive. Call it from an except block."""
+  if not _claim_failure():  # a lost peer's watch is ending this process with its own line
+    time.sleep(5)
   _FAILING.set()
   if message is None:
     traceback.print_exc()
@@ -229,3 +241,144 @@ def fail_every_process(message: str | None, code: int) -> None:
     print(f'error: {message}', file=sys.stderr)
   announce_failure(' '.join(message.split())[:300], code)
   _end_now(code)
+
+
+# ----------------------------------------------------------------------------- a lost peer
+
+# What the loop has reached, for the line of a lost peer (`note_progress`).
+_PROGRESS: dict = {'step': None, 'out': None}
+# The texts of a collective whose peer went away: gloo's (the CPU's collectives) own, and the
+# socket errors it passes on.
+_LOST_TEXTS = ('Gloo', 'Connection closed by peer', 'Connection reset by peer', 'Broken pipe')
+
+
+def note_progress(step: int | None, out_dir: str | None = None) -> None:
+  """The training loop's step (None: not training yet) and OUT, for `peer_lost_message`."""
+  _PROGRESS['step'] = step
+  if out_dir is not None:
+    _PROGRESS['out'] = out_dir
+
+
+def is_peer_lost(exc: BaseException) -> bool:
+  """Whether `exc` is a collective of a multi-process run that failed because a peer went away
+  (killed, crashed, its host gone): XLA's runtime error with gloo's or the socket's text."""
+  import jax
+
+  return (
+    is_multi_process()
+    and isinstance(exc, jax.errors.JaxRuntimeError)
+    and any(text in str(exc) for text in _LOST_TEXTS)
+  )
+
+
+def peer_lost_message(how: str, peer: int | None = None) -> str:
+  """One line: which process was lost (`peer`; with two processes, the other one), at which
+  step of the loop, and how to resume."""
+  import jax
+
+  me, count = jax.process_index(), jax.process_count()
+  if peer is None and count == 2:
+    peer = 1 - me
+  who = f'process {peer}' if peer is not None else 'a peer process'
+  step = _PROGRESS['step']
+  at = f'at step {step}' if step is not None else 'before training began'
+  out = _PROGRESS['out']
+  if out is None:
+    then = 'start it again'
+  else:
+    where = os.path.join(os.path.abspath(out), 'checkpoints')  # checkpoint.SUBDIR
+    latest = _latest_checkpoint(where)
+    then = (
+      f'the latest checkpoint is step {latest} in {where}: start every process again with --resume'
+      if latest is not None
+      else f'no checkpoint was saved in {where}: start again with another --out'
+    )
+  return f'{who} was lost {at} ({how}); process {me} stops too; {then}.'
+
+
+def _latest_checkpoint(where: str) -> int | None:
+  """The newest finished checkpoint's step: Orbax renames a step's directory to its number once
+  every process has written its part (a save cut short keeps its temporary name). Read from the
+  directory, not through Orbax, whose manager would wait for the lost peer."""
+  try:
+    steps = [int(name) for name in os.listdir(where) if name.isdigit()]
+  except OSError:
+    return None
+  return max(steps, default=None)
+
+
+_PROCESS_KEY = 'ouroboros_jax/process'  # each process's `_identity`, for its peers
+_DONE_KEY = 'ouroboros_jax/done'  # a process that ends as planned says so first
+_FAILURE_LOCK = threading.Lock()
+
+
+def _claim_failure() -> bool:
+  """True for the first caller only: the one thread that prints this process's last line."""
+  with _FAILURE_LOCK:
+    if _FAILING.is_set():
+      return False
+    _FAILING.set()
+    return True
+
+
+def _identity(pid: int) -> str | None:
+  """The host (its boot), the PID namespace, the PID and its start time: what tells whether a
+  process seen from another one of the same machine is still the same, alive process. None
+  where /proc cannot say (not Linux)."""
+  try:
+    with open('/proc/sys/kernel/random/boot_id') as f:
+      boot = f.read().strip()
+    namespace = os.stat(f'/proc/{pid}/ns/pid').st_ino
+    with open(f'/proc/{pid}/stat') as f:
+      fields = f.read().rsplit(')', 1)[1].split()
+  except OSError:
+    return None
+  if fields[0] in ('Z', 'X'):  # a zombie has ended: it waits only to be reaped
+    return None
+  return f'{boot} {namespace} {pid} {fields[19]}'  # field 22 of stat: the start time
+
+
+def _watch_pids(client, me: int, stop: threading.Event, poll_s: float = 0.1) -> None:
+  """Ends this process with one line as soon as a peer on this machine is gone without a word
+  (kill -9, a crash): its collectives would otherwise fail with a traceback, or wait for the
+  heartbeat time-out and abort with a C++ stack (a save waits on the peer in a barrier). Peers
+  on other machines are not watched here: their loss ends the collectives (`is_peer_lost`)."""
+  import jax
+
+  mine, known = _identity(os.getpid()), {}
+  if mine is None:
+    return
+  peers = [p for p in range(jax.process_count()) if p != me]
+  while not stop.wait(poll_s):
+    for peer in peers:
+      if peer not in known:
+        try:
+          known[peer] = client.key_value_try_get(f'{_PROCESS_KEY}/{peer}')
+        except Exception:  # pylint: disable=broad-exception-caught  (not posted yet)
+          continue
+      boot, namespace, pid, _ = known[peer].split()
+      if f'{boot} {namespace}' != ' '.join(mine.split()[:2]):
+        continue  # another machine, or another PID namespace
+      if _identity(int(pid)) == known[peer] or stop.is_set():
+        continue
+      if _ended_by_plan(client, peer):
+        peers.remove(peer)
+        break
+      if not _claim_failure():
+        return
+      print(
+        f'error: {peer_lost_message("it ended without a word: killed or crashed", peer)}',
+        file=sys.stderr,
+      )
+      _end_now(PeerLostError.exit_code)
+
+
+def _ended_by_plan(client, peer: int) -> bool:
+  """Whether the peer ended as planned, or posted its own failure (which `watch_peers` reports)."""
+  for key in (f'{_DONE_KEY}/{peer}', FAILED_KEY):
+    try:
+      client.key_value_try_get(key)
+      return True
+    except Exception:  # pylint: disable=broad-exception-caught  (not posted, or no service)
+      continue
+  return False

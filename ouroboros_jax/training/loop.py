@@ -52,8 +52,9 @@ import numpy as np
 
 from ouroboros_jax import costs, partition, placement, schedules
 from ouroboros_jax.accelerators import pld
-from ouroboros_jax.errors import DiskFullError, NonFiniteLossError
-from ouroboros_jax.training import checkpoint, data, phased, resume, rundir
+from ouroboros_jax.errors import DiskFullError, NonFiniteLossError, PeerLostError
+from ouroboros_jax.runtime import distributed, watchdog
+from ouroboros_jax.training import checkpoint, data, phased, resume, rundir, sizing
 from ouroboros_jax.training.assemble import build, example_batch, staged_model  # noqa: F401
 from ouroboros_jax.training.config import TrainConfig
 from ouroboros_jax.training.metrics import MetricsLog, Report, batch_crc32
@@ -192,6 +193,7 @@ def train(
   cfg = dataclasses.replace(
     cfg.resolved(), out=cfg.out_dir, layers_per_stage=','.join(map(str, cfg.plans.layers_per_stage))
   )
+  sizing.check_fits(cfg)  # a model far beyond the devices would sit in XLA for minutes
   options = _Options(resume or resume_from is not None, resume_from, quiet, on_step, t_start)
   rundir.quiet_disk_full()  # a full disk is one DiskFullError, not a traceback per thread
   with rundir.claim(cfg.out_dir, lock=jax.process_index() == 0):
@@ -326,7 +328,9 @@ def _train_state(cfg: TrainConfig, options: _Options, opened, schedule, state, l
       report.bar.close()
       log.close()
     manager.wait_until_finished()
-  except BaseException:
+  except BaseException as e:
+    if distributed.is_peer_lost(e):  # a save in flight would wait for the lost peer, forever
+      raise PeerLostError(distributed.peer_lost_message('its connection closed')) from None
     # An async save in flight must land, also on errors; if it fails too (a full disk), the
     # error on its way says what happened.
     with contextlib.suppress(Exception):
@@ -353,6 +357,7 @@ def _loop(run: _Run, step: int) -> dict:
       run.state, placement.place_batch(batch, run.schedule.mesh)
     )
     step += 1
+    distributed.note_progress(step, cfg.out_dir)  # for the line of a lost peer
     pending.append((step, {k: metrics[k] for k in ('loss', 'loss_batch', 'grad_norm')}))
     if run.on_step is not None:
       run.on_step(step, run.state)
@@ -365,6 +370,8 @@ def _loop(run: _Run, step: int) -> dict:
     rate = _sync(run, pending, saved, compiling=not compiled)
     if do_log:  # the first step compiles: it is timed on its own, and logged only if due
       _log_train(run, step, rate)
+    if not compiled:  # a stop signal from now on waits for a step boundary (runtime/watchdog.py)
+      watchdog.steady()
     compiled = True
     if do_eval:
       val_bpb = _evaluate(run, step, 'validation', cfg.eval_batches)

@@ -1,0 +1,152 @@
+"""A run at the machine's limits (issue 42, items 1, 2 and 5): a model beyond memory is refused
+before anything is built, a stop signal ends a set-up that XLA holds in C++, --cpu-devices has an
+upper bound, and a killed peer of a multi-process run leaves its survivor one line."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from ouroboros_jax import cli
+from ouroboros_jax import model as transformer
+from ouroboros_jax.runtime import launch
+from ouroboros_jax.schedules import compensation
+from ouroboros_jax.training import config, sizing
+
+from helpers import REPO_ROOT, assert_one_line_error, run_cli
+
+
+def test_a_model_beyond_memory_is_refused_at_once_in_one_line(tmp_path):
+  """Was: nothing printed for minutes (XLA constant folding, then the allocator), deaf to
+  SIGTERM; only SIGKILL ended it."""
+  started = time.monotonic()
+  result = run_cli(
+    'train', '--d-model', 100_000_000, '--num-heads', 4, '--num-layers', 2, '--d-ff', 64,
+    '--steps', 6, '--out', tmp_path / 'run', timeout=60,
+  )  # fmt: skip
+  assert_one_line_error(result, 2, 'does not fit', 'of host RAM', '--d-model 100000000', '--stages')
+  assert time.monotonic() - started < 45  # imports and an abstract trace only
+  assert not (tmp_path / 'run' / 'checkpoints').exists()
+
+
+@pytest.mark.parametrize(
+  'flags',
+  [
+    {'optimizer': 'adamw'},
+    {'optimizer': 'muon'},
+    {'schedule': 'ouroboros', 'stages': 2, 'compensation': 'predict,dc'},
+  ],
+)
+def test_the_size_check_counts_what_the_run_allocates(flags):
+  """The abstract count is the real one: the materialised parameters and optimizer state."""
+  cfg = config.override(config.get_preset('tiny'), flags).resolved()
+  count, param_bytes, opt_bytes = sizing.state_size(cfg)
+  params = transformer.init_params(cfg.model, jax.random.key(0))
+  run = cfg.schedule
+  comp = cfg.resolved_compensation() if run.num_stages > 1 else compensation.Compensation()
+  opt_state = compensation.wrap(comp, config.make_optimizer(cfg), run.num_stages).init(params)
+  leaves = jax.tree.leaves(params)
+  assert count == sum(x.size for x in leaves) > 0
+  assert param_bytes == sum(np.asarray(x).nbytes for x in leaves)
+  assert opt_bytes == sum(np.asarray(x).nbytes for x in jax.tree.leaves(opt_state))
+  sizing.check_fits(cfg)  # the preset fits any machine that runs the tests
+
+
+def test_cpu_devices_has_an_upper_bound():
+  """Was: --cpu-devices 100000 started XLA's devices for minutes, silently (0 was refused)."""
+  result = run_cli('train', '--cpu-devices', 100_000, '--steps', 1, timeout=30)
+  assert_one_line_error(result, 2, f'between 1 and {cli.MAX_CPU_DEVICES}', '100000')
+
+
+# A model that takes XLA a minute to compile on 2 cores (64 unrolled layers) and fits.
+SLOW_TO_COMPILE = [
+  '--d-model', '64', '--num-heads', '2', '--num-layers', '64', '--layer-unroll', '0',
+  '--d-ff', '64', '--seq-len', '32', '--batch-size', '8', '--steps', '3', '--eval-batches', '1',
+  '--quiet',
+]  # fmt: skip
+
+
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_ends_a_set_up_xla_holds_within_seconds(tmp_path, text_corpus, signum):
+  """Was: the signal waited for the first step's compilation (here a minute; more for a larger
+  model) because Python runs its handlers only between bytecodes."""
+  out = tmp_path / 'run'
+  run = subprocess.Popen(
+    [sys.executable, '-m', 'ouroboros_jax', 'train', *SLOW_TO_COMPILE,
+     '--data', f'text:{text_corpus}', '--out', str(out)],
+    cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+  )  # fmt: skip
+  try:
+    deadline = time.monotonic() + 40
+    while not (out / 'config.json').exists():  # written just before the first step compiles
+      assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+      time.sleep(0.1)
+    time.sleep(5.0)  # the state is initialised, the first step traced and in XLA's compiler
+    sent = time.monotonic()
+    run.send_signal(signum)
+    _, stderr = run.communicate(timeout=15)
+    took = time.monotonic() - sent
+  finally:
+    run.kill()
+  assert run.returncode == 128 + signum, stderr
+  assert took < 10, took
+  lines = stderr.strip().splitlines()
+  assert len(lines) == 1 and lines[0].startswith('error: '), stderr
+  assert 'during set-up' in lines[0] and f'no checkpoint in {out}/checkpoints' in lines[0]
+
+
+# Two processes, one device each: steps of a few milliseconds, a checkpoint every 5.
+PEER_RUN = (
+  '--schedule ouroboros --stages 2 --num-layers 2 --d-model 16 --num-heads 2 --d-ff 32 '
+  '--seq-len 16 --batch-size 4 --log-every 1 --eval-every 1000000 --eval-batches 1 '
+  '--checkpoint-every 5 --steps 1000000'
+).split()
+
+
+def test_a_killed_peer_leaves_its_survivor_one_line(tmp_path, text_corpus):
+  """Was: the survivor printed a 53-line traceback (`Gloo AllGather failed ... Connection reset
+  by peer`), or sat in a checkpoint's barrier until the launcher killed it."""
+  out = tmp_path / 'run'
+  launcher = subprocess.Popen(
+    [sys.executable, '-m', 'ouroboros_jax', 'launch', '--processes', '2', '--', 'train',
+     *PEER_RUN, '--data', f'text:{text_corpus}', '--out', str(out)],
+    cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    start_new_session=True,
+  )  # fmt: skip
+  try:
+    lines, deadline = [], time.monotonic() + 45
+    while not any(line.startswith('[p1] checkpoint step 5:') for line in lines):
+      assert time.monotonic() < deadline, ''.join(lines[-20:])
+      line = launcher.stdout.readline()
+      assert line, launcher.communicate()
+      lines.append(line)
+    children = [int(p) for p in subprocess.check_output(['pgrep', '-P', str(launcher.pid)]).split()]
+    victim = next(p for p in children if _process_id(p) == '1')
+    killed = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    stdout, stderr = launcher.communicate(timeout=30)
+    took = time.monotonic() - killed
+  finally:
+    if launcher.poll() is None:
+      os.killpg(launcher.pid, signal.SIGKILL)
+  survivor = [line for line in stdout.splitlines() if line.startswith('[p0] ')]
+  assert not any('Traceback' in line or 'Gloo' in line and 'failed' in line for line in survivor)
+  said = [line for line in survivor if 'error: ' in line]
+  assert len(said) == 1, stdout[-3000:]
+  assert 'process 1 was lost at step ' in said[0] and 'with --resume' in said[0], said
+  assert took < launch.LaunchOptions().failure_grace_s, took  # it ended by itself, not killed
+  assert launcher.returncode == 128 + signal.SIGKILL  # the first failure: the killed process
+  assert stderr.strip().startswith('error: process 0: process 1 was lost'), stderr
+
+
+def _process_id(pid: int) -> str | None:
+  with open(f'/proc/{pid}/environ', 'rb') as f:
+    env = dict(v.split(b'=', 1) for v in f.read().split(b'\0') if b'=' in v)
+  return env.get(b'OUROBOROS_PROCESS_ID', b'').decode() or None
