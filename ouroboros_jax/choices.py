@@ -12,9 +12,12 @@ FORWARD_MODES = ('locked', 'pipelined')  # Ouroboros: the paper's forward, or on
 # compensation (the recipe), as one batch without (the paper's method)
 FLOW_MODES = ('auto', 'batch', 'stream')
 STASH_MODES = ('graph', 'replay')  # Ouroboros: keep the VJP, or the input to replay it
-# Ouroboros' graph stash: which residuals it keeps (stash.STASH_POLICIES), by default 'nothing':
+# Ouroboros' graph stash: which residuals it keeps (staging.STASH_POLICIES), by default 'nothing':
 # each group's input and weights, the rest recomputed at the forward's weights (docs/memory.md).
 # The one default of ScheduleConfig, make_stash, GraphStash and the benchmark's pieces.
 DEFAULT_STASH_POLICY = 'nothing'
+# The policies' names (staging.STASH_POLICIES maps each to its jax.checkpoint policy): what any
+# schedule's forward keeps for its backward, the rest recomputed (--stash-policy).
+STASH_POLICY_NAMES = ('all', 'dots', 'dots_no_batch', 'nothing')
 STASH_MEMORIES = ('device', 'pinned_host')  # Ouroboros: where the stash waits (JAX memory kinds)
 TIED_GRAD_MODES = ('sum', 'mean')  # a tied embedding: sum or average its two gradients

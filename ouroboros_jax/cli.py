@@ -426,6 +426,13 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
     help=f'ouroboros stashes to try, of {", ".join(plan_lib.STASH_SETTINGS)} (default %(default)s)',
   )
   plan.add_argument(
+    '--try-policy',
+    default=','.join(tries.policies),
+    metavar='P,P',
+    help='stash policies (what a forward keeps, the rest recomputed) to try on every schedule '
+    f'but ouroboros, of {", ".join(plan_lib.STASH_POLICY_NAMES)} (default %(default)s)',
+  )
+  plan.add_argument(
     '--try-stages',
     default=None,
     metavar='G,G',
@@ -632,6 +639,7 @@ def _run_plan(args) -> int:
     plan_lib.Tries(
       microbatches=counts,
       stashes=stashes,
+      policies=tuple(p.strip() for p in args.try_policy.split(',') if p.strip()),
       schedules=args.try_schedules and tuple(args.try_schedules.split(',')),
       memories=tuple(args.try_stash_memory.split(',')),
       stages=args.try_stages and _int_list(args.try_stages, '--try-stages'),

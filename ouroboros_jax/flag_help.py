@@ -56,8 +56,10 @@ DESCRIPTIONS = {
   'cut into --stages x v groups',
   'stash': 'ouroboros: what waits for the delayed backward: graph (the VJP) or replay (the input, '
   'the forward run again)',
-  'stash_policy': 'ouroboros graph stash: which residuals it keeps (all: every one, dots: matmul '
-  'outputs, nothing: inputs and weights); less kept: less memory, more recompute, same gradient',
+  'stash_policy': "what a layer group's forward keeps for its backward, the rest recomputed "
+  '(all: every residual, dots: matmul outputs, nothing: the input); every schedule (backprop and '
+  'data_parallel per layer, the others per group; not the replay stash); less kept: less memory, '
+  'more recompute, same gradient; auto: nothing on ouroboros, all elsewhere',
   'stash_memory': "ouroboros: where the stash and the forward's weights wait (pinned_host: less "
   'device memory, a transfer each way per step)',
   'forward': "ouroboros: locked (the paper's forward) or pipelined (one hop per step)",
@@ -127,8 +129,6 @@ DESCRIPTIONS['compensation'] = (
 
 
 def _choices() -> dict[str, tuple[str, ...]]:
-  from ouroboros_jax.schedules.stash import STASH_POLICIES  # imports JAX, as the CLI does anyway
-
   return {
     'model': ARCHS,
     'dtype': DTYPES,
@@ -136,7 +136,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
     'attention': attention.IMPLEMENTATIONS,
     'schedule': named.SCHEDULES,
     'stash': named.STASH_MODES,
-    'stash_policy': tuple(STASH_POLICIES),
+    'stash_policy': (schedule_config.AUTO, *named.STASH_POLICY_NAMES),
     'stash_memory': named.STASH_MEMORIES,
     'forward': named.FORWARD_MODES,
     'flow': named.FLOW_MODES,

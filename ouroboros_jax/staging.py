@@ -22,12 +22,15 @@ Shape letters: G stage groups, N layer slots per group (the most layers any grou
 from __future__ import annotations
 
 import collections.abc
+import contextlib
+import contextvars
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ouroboros_jax.choices import STASH_POLICY_NAMES
 from ouroboros_jax.errors import ConfigError, field_ref
 from ouroboros_jax.staged import StagedModel
 
@@ -121,6 +124,39 @@ def from_staged(staged: dict, layers_per_stage: Sequence[int]) -> dict:
   }
 
 
+# What a layer group's forward keeps for its backward (--stash-policy, any schedule), as
+# `jax.checkpoint` policies. 'all' keeps every residual JAX's VJP saves. The others keep less and
+# recompute the rest in the backward from what they kept: the gradient is unchanged, only bytes
+# move from memory to recomputation. 'dots' keeps matmul outputs (elementwise ops, norms and
+# softmax are recomputed); 'nothing' keeps only the inputs (and, on Ouroboros' ring, the
+# forward's weights: the backward recomputes at them).
+STASH_POLICIES = {
+  'all': None,
+  'dots': jax.checkpoint_policies.dots_saveable,
+  'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+  'nothing': jax.checkpoint_policies.nothing_saveable,
+}
+assert tuple(STASH_POLICIES) == STASH_POLICY_NAMES  # the names the CLI and plan list without JAX
+
+# The per-layer recomputation the layer loops trace under (`recompute_layers`): a
+# `jax.checkpoint` policy, or None (keep every residual).
+_LAYER_POLICY: contextvars.ContextVar = contextvars.ContextVar('layer_policy', default=None)
+
+
+@contextlib.contextmanager
+def recompute_layers(policy: str):
+  """Within it, `scan_layers` runs each layer under `jax.checkpoint` with the stash policy named
+  (STASH_POLICIES; 'all': no recomputation): the layer loop keeps what the policy saves of
+  each layer ('nothing': only its input) and recomputes the rest in the backward, one layer at a
+  time. What backprop and data parallelism use for --stash-policy (the gradient is unchanged).
+  It acts while a function is traced, so enter it inside the function `jax.jit` traces."""
+  token = _LAYER_POLICY.set(STASH_POLICIES[policy])
+  try:
+    yield
+  finally:
+    _LAYER_POLICY.reset(token)
+
+
 def scan_layers(
   layer: Callable,
   params_N: PyTree,
@@ -140,6 +176,11 @@ def scan_layers(
   stacked [N, ...])."""
   num = jax.tree.leaves(params_N)[0].shape[0]
   rngs_N = None if rng is None else jax.random.split(rng, num)
+  policy = _LAYER_POLICY.get()
+  if policy is not None:
+    # A rolled scan keeps XLA from merging the recompute with the forward; unrolled, it can.
+    rolled = unroll == 1 and not isinstance(unroll, bool)
+    layer = jax.checkpoint(layer, policy=policy, prevent_cse=not rolled)
 
   def body(x, sliced):
     params, layer_rng, active, extra = sliced

@@ -97,7 +97,9 @@ def test_the_settings_are_schedule_configs_of_the_paper_s_method():
   recipe = Compensation(predict=True, dc_lambda=1.0)
   ring = {s.label: s for s in bench.default_settings(2, 4, 'all', recipe) if s.name == 'ouroboros'}
   assert ring['ouroboros locked/graph/all'].compensation == recipe
-  assert ring['ouroboros locked/replay'].stash_policy == 'nothing'
+  assert ring['ouroboros locked/replay'].stash_policy == 'auto'  # replay has no policy
+  others = [s for s in bench.default_settings(2, 4, 'all', recipe) if s.name != 'ouroboros']
+  assert {s.stash_policy for s in others} == {'all'}  # an explicit policy applies to every one
   assert bench.select_settings(2, 'ouroboros locked/graph', 4, stash_policy='dots') == [
     s for s in bench.default_settings(2, 4, 'dots') if s.label == 'ouroboros locked/graph/dots'
   ]
@@ -198,9 +200,10 @@ def test_mfu_is_model_flops_over_the_devices_bf16_peak():
 
 
 def test_the_stash_policy_has_one_default():
-  """ScheduleConfig's graph-stash policy is the one default of every stash and of the bench; the
-  callers that keep every residual (the exact pipelines, backprop's ring, the bench's pieces of
-  the other schedules) say 'all' themselves."""
+  """The policy is 'auto' wherever a schedule is chosen (ScheduleConfig, the bench), resolved by
+  one rule (`resolved_stash_policy`) to the graph stash's default on Ouroboros; the stashes and
+  the bench's pieces default to that one constant, and the callers that keep every residual say
+  'all' themselves."""
   import inspect
 
   from ouroboros_jax import choices
@@ -208,16 +211,17 @@ def test_the_stash_policy_has_one_default():
   from ouroboros_jax.schedules import ScheduleConfig, stash
 
   default = choices.DEFAULT_STASH_POLICY
-  assert default == ScheduleConfig().stash_policy == 'nothing'
+  assert ScheduleConfig().stash_policy == 'auto'
+  assert ScheduleConfig(name='ouroboros').resolved_stash_policy == default == 'nothing'
   for fn, name in (
     (stash.make_stash, 'policy'),
     (stash.GraphStash, 'policy'),
     (bench.measure_pieces, 'stash_policy'),
-    (bench.default_settings, 'stash_policy'),
-    (bench.select_settings, 'stash_policy'),
   ):
     assert inspect.signature(fn).parameters[name].default == default, fn
-  assert bench.BenchConfig(batch_size=4, stages=2, out_dir='-').stash_policy == default
+  for fn in (bench.default_settings, bench.select_settings):
+    assert inspect.signature(fn).parameters['stash_policy'].default == 'auto', fn
+  assert bench.BenchConfig(batch_size=4, stages=2, out_dir='-').stash_policy == 'auto'
   assert stash.GraphStash(None).policy is stash.STASH_POLICIES[default]
 
 

@@ -111,8 +111,8 @@ def test_presets_are_valid_and_have_the_documented_shapes():
     ),
     (['--schedule', 'nope'], ['unknown --schedule nope', 'backprop']),
     (
-      ['--schedule', 'gpipe', '--stages', '2', '--stash-policy', 'all'],
-      ['--stash-policy all applies to --schedule ouroboros only, not gpipe'],
+      ['--schedule', 'gpipe', '--stages', '2', '--stash-policy', 'everything'],
+      ['unknown --stash-policy everything; choose one of auto, all'],
     ),
   ],
 )
@@ -413,17 +413,17 @@ def test_microbatches_on_a_schedule_without_them_is_refused():
     assert cfg.schedule.num_microbatches == micro, flags
 
 
-def test_the_stash_policy_and_the_tie_are_ouroboros_graph_flags():
-  """--stash-policy and --tied-grad change nothing on the other schedules, nor --stash-policy on
-  the replay stash: refused in one line, as the other Ouroboros flags are."""
+def test_the_tie_is_an_ouroboros_flag_and_the_stash_policy_is_every_schedule_s():
+  """--tied-grad changes nothing on the other schedules, nor --stash-policy on the replay stash:
+  refused in one line, as the other Ouroboros flags are. --stash-policy applies to every other
+  schedule (their recomputation, tests/test_recompute.py)."""
   for schedule in ('gpipe', 'model_parallel', 'zb_h1'):
-    for flag, value in (('--stash-policy', 'all'), ('--tied-grad', 'mean')):
-      _refused(
-        ['--schedule', schedule, '--stages', '2', flag, value],
-        f'{flag} {value} applies to --schedule ouroboros only',
-        f'not {schedule}',
-        'drop it or use --schedule ouroboros',
-      )
+    _refused(
+      ['--schedule', schedule, '--stages', '2', '--tied-grad', 'mean'],
+      '--tied-grad mean applies to --schedule ouroboros only',
+      f'not {schedule}',
+      'drop it or use --schedule ouroboros',
+    )
   _refused(['--tied-grad', 'mean'], '--tied-grad mean applies', 'not backprop')
   _refused(
     ['--schedule', 'ouroboros', '--stages', '2', '--stash', 'replay', '--stash-policy', 'dots'],
@@ -434,14 +434,19 @@ def test_the_stash_policy_and_the_tie_are_ouroboros_graph_flags():
   parser = cli.make_parser()
   for flags in (
     ['--schedule', 'gpipe', '--stages', '2'],
+    ['--schedule', 'zb_h1', '--stages', '2', '--stash-policy', 'nothing'],
     ['--schedule', 'ouroboros', '--stages', '2', '--stash', 'replay'],
     ['--schedule', 'ouroboros', '--stages', '2', '--stash-policy', 'all', '--tied-grad', 'mean'],
   ):
     cli.config_from_args(parser.parse_args(['train', *flags])).validate()
   # A run saved before (every config.json holds them; the policy's default was once 'all')
-  # still loads and resumes: what nothing read is dropped.
+  # still loads and resumes: what nothing read is dropped, but the other schedules' policy,
+  # which they now read, is kept (a resume does not compare it there: it shapes no state).
   for saved, kept in (
-    ({'name': 'gpipe', 'num_stages': 2, 'stash_policy': 'all', 'tied_grad': 'mean'}, {}),
+    (
+      {'name': 'gpipe', 'num_stages': 2, 'stash_policy': 'all', 'tied_grad': 'mean'},
+      {'stash_policy': 'all'},
+    ),
     ({'name': 'ouroboros', 'num_stages': 2, 'stash': 'replay', 'stash_policy': 'all'}, {}),
     (
       {'name': 'ouroboros', 'num_stages': 2, 'stash_policy': 'all', 'tied_grad': 'mean'},
@@ -452,7 +457,7 @@ def test_the_stash_policy_and_the_tie_are_ouroboros_graph_flags():
     old = config.TrainConfig.from_dict({**cfg.to_dict(), 'schedule': saved})
     old.validate()
     assert {k: getattr(old.schedule, k) for k in kept} == kept
-    assert old.schedule.stash_policy == kept.get('stash_policy', 'nothing')
+    assert old.schedule.stash_policy == kept.get('stash_policy', 'auto')
 
 
 def test_streamed_micro_batches_are_an_ouroboros_flag():

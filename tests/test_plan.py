@@ -37,7 +37,9 @@ def test_plan_lists_every_setting_with_memory_and_step_time(tmp_path):
   labels = [r['label'] for r in out['rows']]
   assert labels == [
     'backprop',
+    'backprop keep=nothing',  # --try-policy all,nothing: every schedule may recompute
     '1f1b M=2',
+    '1f1b M=2 keep=nothing',
     *[
       f'ouroboros M=2 {forward}/{stash}'
       for forward in ('locked', 'pipelined')
@@ -51,12 +53,20 @@ def test_plan_lists_every_setting_with_memory_and_step_time(tmp_path):
   # Keeping nothing of the forward holds less than keeping all of it.
   nothing, everything = (rows[f'ouroboros M=2 locked/{s}'] for s in ('graph', 'graph/all'))
   assert nothing['ring_bytes'] < everything['ring_bytes']
+  # Recomputing costs one more forward in the simulator and keeps less in the compiler.
+  assert [rows[f'1f1b M=2{k}']['recompute'] for k in ('', ' keep=nothing')] == [0.0, 1.0]
+  assert rows['1f1b M=2 keep=nothing']['step_s'] > rows['1f1b M=2']['step_s']
+  assert rows['backprop keep=nothing']['temp_bytes'] < rows['backprop']['temp_bytes']
   # CPU devices do not say how much memory they have: the fastest is the fastest overall.
   assert out['fastest'] == min(out['rows'], key=lambda r: r['step_s'])['label']
+  best = out['fastest_by_schedule']
+  assert set(best) == {'backprop', '1f1b', 'ouroboros'}
+  assert best['1f1b'] == '1f1b M=2'  # nothing to fit on CPU devices: no recompute is faster
 
   table = plan.format_plan(out)
   assert f'* fastest that fits: {out["fastest"]}' in table
   assert sum(line.startswith('* ') for line in table.splitlines()) == 2  # the row and the line
+  assert sum(line.startswith('+ ') for line in table.splitlines()) == 2  # the other two
   saved = tmp_path / 'plan.json'
   saved.write_text(result.stdout)
   rendered = run_cli('plan', '--render', saved)
@@ -121,11 +131,13 @@ def test_ouroboros_cuts_the_batch_on_accelerators_only():
   assert explicit.for_platform('tpu', 32).num_microbatches == 2
   pipeline = ScheduleConfig(name='1f1b', num_stages=4)
   assert pipeline.for_platform('tpu', 32) == ScheduleConfig(
-    name='1f1b', num_stages=4, microbatches=4
+    name='1f1b', num_stages=4, microbatches=4, stash_policy='all'
   )
   assert pipeline.for_platform('cpu', 32) == pipeline.for_platform('tpu', 32)  # any platform
   with pytest.raises(ConfigError, match='unknown stash setting'):
     plan.settings(4, plan.Tries(stashes=('everything',)))
+  with pytest.raises(ConfigError, match="unknown stash policy 'some'; choose --try-policy from"):
+    plan.settings(4, plan.Tries(policies=('some',)))
 
 
 def test_the_recipe_streams_with_enough_micro_batches_for_gaps_of_one_update():
@@ -156,7 +168,7 @@ def test_the_recipe_streams_with_enough_micro_batches_for_gaps_of_one_update():
 def test_stages_that_leave_devices_over_run_data_replicas():
   from ouroboros_jax.training import config
 
-  tries = plan.Tries((8,), ('graph/nothing',), stages=(2, 4))
+  tries = plan.Tries((8,), ('graph/nothing',), ('all',), stages=(2, 4))
   labels = [s.label for s in plan.settings(4, tries)]
   assert labels[:3] == ['backprop', 'data_parallel', 'model_parallel G=2xR=2']
   assert 'ouroboros G=2xR=2 M=8 locked/graph' in labels
@@ -186,7 +198,7 @@ def test_a_setting_is_the_schedule_config_its_train_flags_give():
   tries = plan.Tries((4,), ('graph/all', 'replay'), schedules=('ouroboros',))
   for setting in plan.settings(2, tries, cfg.schedule):
     assert setting.clip_norm == 0.5 and setting.num_stages == 2 and setting.microbatches == 4
-    assert (setting.stash, setting.stash_policy) in (('graph', 'all'), ('replay', 'nothing'))
+    assert (setting.stash, setting.stash_policy) in (('graph', 'all'), ('replay', 'auto'))
     run = config.override(cfg, config.train_flags(setting))
     assert run.schedule == setting
     run.validate()
@@ -203,7 +215,8 @@ def test_a_model_with_fewer_layers_than_devices_plans_fewer_stages_with_data_rep
   cfg = config.get_preset('tiny')  # 2 layers
   assert cfg.model.num_layers == 2
   tried = plan.settings(4, plan.Tries(), cfg.schedule, cfg.model.num_layers)
-  assert len(tried) == 14  # as before: every schedule and stash, now at G = 2
+  # every schedule at each policy, Ouroboros at each stash: 8 x 2 + 2 x 3, now at G = 2
+  assert len(tried) == 22
   staged = [s for s in tried if s.name not in ('backprop', 'data_parallel')]
   assert {(s.num_stages, s.data_parallel) for s in staged} == {(2, 2)}
   reasons = {}
@@ -212,14 +225,15 @@ def test_a_model_with_fewer_layers_than_devices_plans_fewer_stages_with_data_rep
     if reason is not None:
       reasons.setdefault(reason, []).append(s.name)
   assert reasons == {
-    "2 stages x 2 chunks = 4 groups, more than the model's 2 layers": ['interleaved', 'zb_v']
+    "2 stages x 2 chunks = 4 groups, more than the model's 2 layers": ['interleaved'] * 2
+    + ['zb_v'] * 2
   }
   # --try-stages 4 asks for the ring of every device: each stage setting is skipped, saying why.
   four = plan.settings(4, plan.Tries(stages=(4,)), cfg.schedule, cfg.model.num_layers)
   skipped = [
     s.name for s in four if plan.applies(config.override(cfg, config.train_flags(s))) is not None
   ]
-  assert len(skipped) == 12 and 'backprop' not in skipped
+  assert len(skipped) == 18 and 'backprop' not in skipped
 
 
 def test_the_runs_ouroboros_settings_go_to_the_ouroboros_rows_alone():
@@ -269,7 +283,7 @@ def test_plan_compiles_only_the_settings_the_model_can_take():
   cfg = config.override(
     config.get_preset('tiny'), dict(zip(('d_model', 'seq_len', 'batch_size'), (32, 32, 8)))
   )
-  tries = plan.Tries((2,), schedules=('backprop', 'interleaved', 'zb_v'))
+  tries = plan.Tries((2,), policies=('all',), schedules=('backprop', 'interleaved', 'zb_v'))
   out = plan.plan(cfg, None, tries)
   assert [r['label'] for r in out['rows']] == ['backprop']
   assert not [r for r in out['rows'] if 'error' in r]

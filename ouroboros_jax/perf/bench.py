@@ -57,6 +57,7 @@ from ouroboros_jax.optimizers import LIBRARY_DIMS, make_optimizer
 from ouroboros_jax.perf import simulate
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule
 from ouroboros_jax.schedules.compensation import Compensation
+from ouroboros_jax.schedules.config import AUTO
 from ouroboros_jax.schedules.stash import GraphStash
 from ouroboros_jax.update import GroupedOptimizer
 
@@ -65,8 +66,8 @@ from ouroboros_jax.update import GroupedOptimizer
 class BenchConfig:
   """What `run` benchmarks (the `bench` flags): batches of `batch_size` rows, G = `stages`,
   `steps` timed steps per setting after `warmup` untimed ones, each setting a ScheduleConfig
-  (`default_settings`, with `stash_policy` and `compensation` on its Ouroboros settings; a
-  setting's `label` names it). `stash_policy`, `optimizer` and `compensation` time a training
+  (`default_settings`, with `stash_policy` on every setting and `compensation` on its Ouroboros
+  settings; a setting's `label` names it). `stash_policy`, `optimizer` and `compensation` time a training
   recipe's own costs: Muon's orthogonalisation, weight prediction's extra pass over the weights."""
 
   batch_size: int
@@ -76,7 +77,7 @@ class BenchConfig:
   warmup: int = 3
   settings: Sequence[ScheduleConfig] | None = None  # None: default_settings
   layers_per_stage: Sequence[int] | None = None  # None: balanced by FLOPs
-  stash_policy: str = DEFAULT_STASH_POLICY
+  stash_policy: str = AUTO  # every setting's ('auto': each schedule's own), replay's none
   optimizer: str = 'adamw'
   compensation: Compensation = Compensation()
 
@@ -95,17 +96,19 @@ class Workload:
 def default_settings(
   devices: int,
   num_layers: int | None = None,
-  stash_policy: str = DEFAULT_STASH_POLICY,
+  stash_policy: str = AUTO,
   compensation: Compensation = Compensation(),
 ) -> list[ScheduleConfig]:
   """Every setting on `devices` devices, each a ScheduleConfig with every `auto` explicit (its
   own micro-batches and flow; `compensation`, by default none: the paper's method, on the
-  Ouroboros settings and none elsewhere; `stash_policy` on the Ouroboros graph stash); the
-  two-chunk pipelines (interleaved, ZB-V) only when the model has `num_layers` >= 2 x devices
-  layers to cut into their chunks."""
+  Ouroboros settings and none elsewhere; `stash_policy` on every setting but the replay stash,
+  by default each schedule's own, `ScheduleConfig.resolved_stash_policy`); the two-chunk
+  pipelines (interleaved, ZB-V) only when the model has `num_layers` >= 2 x devices layers to
+  cut into their chunks."""
   g, none = devices, Compensation()
+  policy = lambda name: ScheduleConfig(name=name, stash_policy=stash_policy).resolved_stash_policy
   stage = lambda name, **fields: ScheduleConfig(
-    name=name, num_stages=g, compensation=none, **fields
+    name=name, num_stages=g, compensation=none, stash_policy=policy(name), **fields
   )
 
   def ring(microbatches: int, stash: str, forward: str, flow: str = 'batch') -> ScheduleConfig:
@@ -114,15 +117,17 @@ def default_settings(
       num_stages=g,
       microbatches=microbatches,
       stash=stash,
-      stash_policy=stash_policy if stash == 'graph' else DEFAULT_STASH_POLICY,
+      stash_policy=policy('ouroboros') if stash == 'graph' else AUTO,
       forward=forward,
       flow=flow,
       compensation=compensation,
     )
 
   out = [
-    ScheduleConfig(name='backprop', compensation=none),
-    ScheduleConfig(name='data_parallel', data_parallel=g, compensation=none),
+    ScheduleConfig(name='backprop', compensation=none, stash_policy=policy('backprop')),
+    ScheduleConfig(
+      name='data_parallel', data_parallel=g, compensation=none, stash_policy=policy('backprop')
+    ),
     stage('model_parallel'),
   ]
   out += [stage('gpipe', microbatches=m) for m in (2, 4, 8)]
@@ -148,7 +153,7 @@ def select_settings(
   only: str | None,
   num_layers: int | None = None,
   batch_size: int | None = None,
-  stash_policy: str = DEFAULT_STASH_POLICY,
+  stash_policy: str = AUTO,
   compensation: Compensation = Compensation(),
 ) -> list[ScheduleConfig]:
   """The default settings whose label starts with one of the comma-separated prefixes in `only`,
@@ -574,11 +579,10 @@ def _meta(work: Workload, bench: BenchConfig) -> dict:
 
 
 def _policy(setting: ScheduleConfig) -> str:
-  """The stash policy a setting's backward runs with: its own on the Ouroboros graph stash
-  (--stash-policy); every other setting keeps the whole VJP ('all'), as the exact pipelines,
-  backprop and the replay stash's backward do: nothing recomputed."""
-  ring_graph = setting.name == 'ouroboros' and setting.stash == 'graph'
-  return setting.stash_policy if ring_graph else 'all'
+  """The stash policy a setting's backward runs with (`resolved_stash_policy`); the replay
+  stash's backward keeps the whole VJP of the forward it re-runs ('all')."""
+  replay = setting.name == 'ouroboros' and setting.stash == 'replay'
+  return 'all' if replay else setting.resolved_stash_policy
 
 
 def _measure_pieces(

@@ -346,10 +346,12 @@ def shard_bytes(tree) -> int:
   )
 
 
-def _stash(run) -> str | None:
+def _stash(run) -> str:
+  """What the run's forward keeps for its backward: Ouroboros' stash and its policy, every other
+  schedule's policy ('all': no recomputation)."""
   if run.name != 'ouroboros':
-    return None
-  return f'graph/{run.stash_policy}' if run.stash == 'graph' else run.stash
+    return run.resolved_stash_policy
+  return f'graph/{run.resolved_stash_policy}' if run.stash == 'graph' else run.stash
 
 
 def _one_line(exc: BaseException) -> str:

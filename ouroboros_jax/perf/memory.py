@@ -56,7 +56,7 @@ def memory_report(
     'stages': schedule_config.num_stages,
     'stash': (
       (
-        'graph/' + schedule_config.stash_policy
+        'graph/' + schedule_config.resolved_stash_policy
         if schedule_config.stash == 'graph'
         else schedule_config.stash
       )

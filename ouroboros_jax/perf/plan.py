@@ -31,7 +31,7 @@ import sys
 from typing import Callable
 
 from ouroboros_jax import errors
-from ouroboros_jax.choices import DEFAULT_STASH_POLICY, EXACT_PIPELINES, SCHEDULES, STASH_MEMORIES
+from ouroboros_jax.choices import EXACT_PIPELINES, SCHEDULES, STASH_MEMORIES, STASH_POLICY_NAMES
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.perf import compile as compile_lib
 from ouroboros_jax.perf import simulate
@@ -43,6 +43,10 @@ from ouroboros_jax.training.config import TrainConfig
 STASH_SETTINGS = ('graph/nothing', 'graph/dots', 'graph/all', 'replay')
 DEFAULT_STASH = ('graph/nothing', 'replay', 'graph/all')
 DEFAULT_MICROBATCHES = (8,)
+# What the other schedules' forward keeps (--stash-policy): every residual, or the group's (the
+# layer's, for backprop) input with the forward re-run in the backward. Like with like: each
+# schedule gets the recomputation Ouroboros' default stash has.
+DEFAULT_POLICIES = ('all', 'nothing')
 
 # Effective rates (40% of the bf16 peak, as simulate.NVLINK) and one ICI link per direction.
 TPU_V5E = simulate.Hardware('tpu-v5e', flops_per_s=0.4 * 197e12, bandwidth=50e9, latency=5e-6)
@@ -55,17 +59,19 @@ HARDWARE = {h.name: h for h in (TPU_V5E, TPU_V4, TPU_V5P, TPU_V6E, *simulate.HAR
 def _stash_fields(stash: str) -> dict[str, str]:
   """A --try-stash setting ('graph/POLICY' or 'replay') as ScheduleConfig's stash fields."""
   mode, _, policy = stash.partition('/')
-  return dict(stash=mode, stash_policy=policy or DEFAULT_STASH_POLICY)
+  return dict(stash=mode, stash_policy=policy or AUTO)
 
 
 @dataclasses.dataclass(frozen=True)
 class Tries:
   """The settings to try (the --try-* flags): each count of `microbatches`, each of `stashes`
-  (STASH_SETTINGS), the `schedules` (None: all), each of `memories` (where Ouroboros' stash
-  waits) and each G of `stages` (None: G = every device)."""
+  (STASH_SETTINGS, Ouroboros'), each of `policies` (staging.STASH_POLICIES, every other
+  schedule's), the `schedules` (None: all), each of `memories` (where Ouroboros' stash waits) and
+  each G of `stages` (None: G = every device)."""
 
   microbatches: tuple[int, ...] = DEFAULT_MICROBATCHES
   stashes: tuple[str, ...] = DEFAULT_STASH
+  policies: tuple[str, ...] = DEFAULT_POLICIES  # the other schedules' --stash-policy
   schedules: tuple[str, ...] | None = None
   memories: tuple[str, ...] = ('device',)
   stages: tuple[int, ...] | None = None
@@ -82,15 +88,7 @@ def default_stages(num_devices: int, num_layers: int | None = None) -> int:
 
 # ScheduleConfig's fields that Ouroboros alone reads: the other schedules' settings keep their
 # defaults, so a run's --flow or --tied-grad applies to the Ouroboros rows and refuses no other.
-_OUROBOROS_ONLY = (
-  'stash',
-  'stash_policy',
-  'stash_memory',
-  'forward',
-  'flow',
-  'sync_warmup_steps',
-  'tied_grad',
-)
+_OUROBOROS_ONLY = ('stash', 'stash_memory', 'forward', 'flow', 'sync_warmup_steps', 'tied_grad')
 
 
 def settings(
@@ -130,6 +128,11 @@ def settings(
       raise ConfigError(
         f'unknown stash setting {stash!r}; choose --try-stash from {", ".join(STASH_SETTINGS)}.'
       )
+  for policy in tries.policies:
+    if policy not in STASH_POLICY_NAMES:
+      raise ConfigError(
+        f'unknown stash policy {policy!r}; choose --try-policy from {", ".join(STASH_POLICY_NAMES)}.'
+      )
 
   defaults = ScheduleConfig()
 
@@ -149,14 +152,17 @@ def settings(
       **ring,
     )
 
-  out = [setting('backprop')]
+  policies = tries.policies
+  out = [setting('backprop', stash_policy=p) for p in policies]
   if num_devices > 1:
-    out.append(setting('data_parallel', data_parallel=num_devices))
+    out += [setting('data_parallel', data_parallel=num_devices, stash_policy=p) for p in policies]
   for g in (g for g in stages if g > 1):
     on = dict(stages=g, data_parallel=num_devices // g)
-    out.append(setting('model_parallel', **on))
+    out += [setting('model_parallel', **on, stash_policy=p) for p in policies]
     for name in ('gpipe', *EXACT_PIPELINES):
-      out += [setting(name, **on, microbatches=m) for m in microbatches]
+      out += [
+        setting(name, **on, microbatches=m, stash_policy=p) for m in microbatches for p in policies
+      ]
     for forward in ('locked', 'pipelined'):
       for stash in stashes:
         for memory in memories:
@@ -207,14 +213,21 @@ def predicted_step_s(
   costs = simulate.transformer_costs(
     shape, hardware, stages, bytes_per_value=2 if model.dtype == 'bfloat16' else 4
   )
-  # A graph stash that keeps nothing re-runs the group's forward in its backward, as replay does.
-  recomputes = setting.stash == 'replay' or setting.stash_policy == 'nothing'
-  run = dataclasses.replace(
-    setting,
-    data_parallel=setting.data_parallel if data else 1,
-    stash='replay' if setting.name == 'ouroboros' and recomputes else setting.stash,
-  )
+  # What the backward re-runs of the forward: the policy's share (the replay stash: all of it,
+  # which the simulator adds itself).
+  fraction = recompute_fraction(setting, model)
+  replay = setting.name == 'ouroboros' and setting.stash == 'replay'
+  costs = dataclasses.replace(costs, recompute=0.0 if replay else fraction)
+  run = dataclasses.replace(setting, data_parallel=setting.data_parallel if data else 1)
   return simulate.simulate(run, costs).step_time
+
+
+def recompute_fraction(setting: ScheduleConfig, model) -> float:
+  """The share of a layer group's forward that the setting's backward re-runs (1: all of it, the
+  replay stash or --stash-policy nothing; 0: none), as the simulator charges it."""
+  if setting.name == 'ouroboros' and setting.stash == 'replay':
+    return 1.0
+  return simulate.recompute_fraction(setting.resolved_stash_policy, model.seq_len, model.d_model)
 
 
 def plan(
@@ -252,12 +265,16 @@ def plan(
       reason = ' '.join(str(e).split())[:300]
       report = {'error': f'the compiler failed: {reason}', 'fits': False, 'peak_bytes': None}
     row = {'label': setting.label, **flags, **report}
+    row['recompute'] = recompute_fraction(setting, cfg.model)
     row['step_s'] = predicted_step_s(cfg, setting, rates) if 'error' not in row else None
     rows.append(row)
     if log:
       log(f'{setting.label:<44} {_peak(row):>9} GiB  {_verdict(row)}')
   fitting = [r for r in rows if r['fits'] is not False and r['step_s'] is not None]
   fastest = min(fitting, key=lambda r: r['step_s'])['label'] if fitting else None
+  by_schedule = {}  # each schedule's fastest setting that fits, in the order met
+  for r in sorted(fitting, key=lambda r: r['step_s']):
+    by_schedule.setdefault(r['schedule'], r['label'])
   return {
     'topology': topology,
     'devices': len(devices),
@@ -266,6 +283,7 @@ def plan(
     'rows': rows,
     'skipped': skipped,
     'fastest': fastest,
+    'fastest_by_schedule': by_schedule,
   }
 
 
@@ -285,7 +303,8 @@ def applies(run: TrainConfig) -> str | None:
 
 
 def format_plan(result: dict) -> str:
-  """The plan as a table: one row per setting, the fastest that fits marked with *."""
+  """The plan as a table: one row per setting, with the share of the forward its backward
+  re-runs; the fastest that fits marked with *, each schedule's fastest that fits with +."""
   hbm = next((r.get('hbm_bytes') for r in result['rows'] if r.get('hbm_bytes')), None)
   where = result['topology'] or 'the local devices'
   width = max([40, *(len(r['label']) for r in result['rows'])])
@@ -294,15 +313,19 @@ def format_plan(result: dict) -> str:
     f'{compile_lib.format_size(hbm)} each); step time from the simulator at '
     f'{result["hardware"]["name"]} rates.',
     *_stages_note(result),
-    f'  {"setting":<{width}} {"peak GiB":>9} {"fits":>5} {"step ms":>8} {"speedup":>8}',
+    f'  {"setting":<{width}} {"peak GiB":>9} {"fits":>5} {"recompute":>9} {"step ms":>8} '
+    f'{"speedup":>8}',
   ]
   backprop = next((r['step_s'] for r in result['rows'] if r['schedule'] == 'backprop'), None)
+  best = set(result.get('fastest_by_schedule', {}).values())  # plans saved before have none
   for r in result['rows']:
-    mark = '*' if r['label'] == result['fastest'] else ' '
+    mark = '*' if r['label'] == result['fastest'] else '+' if r['label'] in best else ' '
     step = '-' if r['step_s'] is None else f'{r["step_s"] * 1e3:.3g}'
     speedup = '-' if not (r['step_s'] and backprop) else f'{backprop / r["step_s"]:.2f}x'
+    recompute = '-' if r.get('recompute') is None else f'{r["recompute"]:.2f}'
     lines.append(
-      f'{mark} {r["label"]:<{width}} {_peak(r):>9} {_verdict(r):>5} {step:>8} {speedup:>8}'
+      f'{mark} {r["label"]:<{width}} {_peak(r):>9} {_verdict(r):>5} {recompute:>9} {step:>8} '
+      f'{speedup:>8}'
     )
   lines += [f'  {r["label"]}: {r["error"]}' for r in result['rows'] if 'error' in r]
   reasons = {}  # one line per reason, in the order met
@@ -313,7 +336,7 @@ def format_plan(result: dict) -> str:
     for reason, labels in reasons.items()
   ]
   if result['fastest']:
-    lines.append(f'* fastest that fits: {result["fastest"]}')
+    lines.append(f"* fastest that fits: {result['fastest']}; + each schedule's fastest that fits")
   else:
     lines.append('no setting fits; use more devices, a smaller batch or --dtype bfloat16.')
   return '\n'.join(lines)

@@ -60,6 +60,9 @@ class StageCosts:
   # M -> per stage s: one micro-batch of B / M rows, measured (M >= 2; an M not given: / M)
   microbatch_forward_s: Mapping[int, Sequence[float]] = dataclasses.field(default_factory=dict)
   microbatch_backward_s: Mapping[int, Sequence[float]] = dataclasses.field(default_factory=dict)
+  # the fraction of a group's forward that its backward re-runs first (`recompute_fraction` of
+  # the stash policy; 0: nothing recomputed, or backward_s measured with the recompute in it)
+  recompute: float = 0.0
   # how many times longer a compute task takes while another device computes at the same time
   # (devices that share a memory bus and caches: the processes of one CPU), measured as the
   # stages' forward + backward timed on every device at once over the same timed alone; 1: none
@@ -107,6 +110,10 @@ class StageCosts:
     """Stage s's forward of one of `microbatches` equal micro-batches: measured, or / M."""
     measured = self.microbatch_forward_s.get(microbatches) if microbatches > 1 else None
     return measured[s] if measured else self.forward_s[s] / microbatches
+
+  def recompute_of(self, s: int, microbatches: int = 1) -> float:
+    """What stage s's backward of one of `microbatches` micro-batches re-runs of its forward."""
+    return self.recompute * self.forward_of(s, microbatches) if self.recompute else 0.0
 
   def backward_of(self, s: int, microbatches: int = 1) -> float:
     """Stage s's backward (from a kept graph) of one of `microbatches` equal micro-batches."""
@@ -319,9 +326,33 @@ def _execute_shared(tasks: Sequence[Task], slowdown: float) -> list[tuple[float,
 
 def _backward_s(costs: StageCosts, s: int, stash: str, microbatches: int = 1) -> float:
   """Stage s's backward of one of `microbatches` micro-batches. Replay keeps only the stage's
-  input, so its backward first re-runs the forward."""
-  recompute = costs.forward_of(s, microbatches) if stash == 'replay' else 0.0
-  return costs.backward_of(s, microbatches) + recompute
+  input, so its backward first re-runs the forward; a graph stash re-runs what its policy left
+  out (`StageCosts.recompute`)."""
+  if stash == 'replay':
+    return costs.backward_of(s, microbatches) + costs.forward_of(s, microbatches)
+  return costs.backward_of(s, microbatches) + costs.recompute_of(s, microbatches)
+
+
+# The share of a layer group's forward that each stash policy (staging.STASH_POLICIES) leaves to be
+# re-run in the backward. 'nothing' re-runs all of it. 'dots' keeps every matrix product's output
+# and re-runs the rest (norms, activations, softmax, dropout, residual adds): few FLOPs, but
+# memory-bound passes over the activations, estimated at DOTS_RECOMPUTE of the forward's time (an
+# estimate, not a measurement). 'dots_no_batch' also re-runs attention's two batched products,
+# QK^T and PV: their share of the FLOPs, L / (6d + L) with d_ff = 4d (`recompute_fraction`).
+DOTS_RECOMPUTE = 0.2
+
+
+def recompute_fraction(policy: str, seq_len: int = 0, d_model: int = 1) -> float:
+  """The fraction of a group's forward that `policy`'s backward re-runs (see DOTS_RECOMPUTE)."""
+  if policy == 'all':
+    return 0.0
+  if policy == 'nothing':
+    return 1.0
+  if policy == 'dots':
+    return DOTS_RECOMPUTE
+  if policy == 'dots_no_batch':
+    return DOTS_RECOMPUTE + seq_len / (6 * d_model + seq_len)
+  raise ValueError(f'unknown stash policy {policy!r}; choose all, dots, dots_no_batch or nothing.')
 
 
 def _whole_model(g: Graph, t: int, device: int, parts: int) -> int:
@@ -333,7 +364,7 @@ def _whole_model(g: Graph, t: int, device: int, parts: int) -> int:
     x = g.compute(device, 'fwd', t, t, c.forward_of(s, parts), [x])
   x = g.compute(device, 'head', t, t, c.head_s / parts, [x])
   for s in reversed(range(c.num_stages)):
-    x = g.compute(device, 'bwd', t, t, c.backward_of(s, parts), [x])
+    x = g.compute(device, 'bwd', t, t, c.backward_of(s, parts) + c.recompute_of(s, parts), [x])
   return g.compute(device, 'embed_bwd', t, t, c.embed_backward_s / parts, [x])
 
 
@@ -368,7 +399,7 @@ def emit_model_parallel(g: Graph, t: int, state: dict, **_) -> None:
   # Locked backward: the head's delta goes to G-1, then each device hands dx to s-1.
   delta = g.send(x, G - 1, 'grad', t, t, nbytes)
   for s in reversed(range(G)):
-    y = g.compute(s, 'bwd', t, t, c.backward_s[s], [delta])
+    y = g.compute(s, 'bwd', t, t, c.backward_s[s] + c.recompute_of(s), [delta])
     delta = g.send(y, s - 1, 'grad', t, t, nbytes) if s > 0 else y
   g.compute(0, 'embed_bwd', t, t, c.embed_backward_s, [delta])
   g.end_step(t)
@@ -392,7 +423,8 @@ def emit_table(g: Graph, t: int, state: dict, *, table, lockstep: bool = False, 
   last, nbytes, extra = pipeline.last_stage, c.activation_bytes / m, c.microbatch_overhead_s
   cost = {
     'F': lambda d: c.forward_of(d, m) / v + extra,
-    'B': lambda d: c.backward_of(d, m) / ((1 if fused else 2) * v) + extra,
+    # B re-runs what the stash policy left out (the zero-bubble split's W does not)
+    'B': lambda d: (c.backward_of(d, m) / (1 if fused else 2) + c.recompute_of(d, m)) / v + extra,
     'W': lambda d: 0.0 if fused else c.backward_of(d, m) / (2 * v) + extra,
   }
   p = len(table.grid)

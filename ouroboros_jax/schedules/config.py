@@ -15,6 +15,7 @@ from ouroboros_jax.choices import (
   SCHEDULES,
   STASH_MEMORIES,
   STASH_MODES,
+  STASH_POLICY_NAMES,
   TIED_GRAD_MODES,
 )
 from ouroboros_jax.errors import ConfigError, field_ref
@@ -55,8 +56,8 @@ class ScheduleConfig:
   # per replica's batch; None: DEFAULT_MICROBATCHES there (`num_microbatches`), 1 elsewhere
   chunks: int | None = None  # interleaved: model chunks per device (None: 2; zb_v: always 2)
   stash: str = 'graph'  # ouroboros: 'graph' (DDG) or 'replay' (Features Replay)
-  stash_policy: str = DEFAULT_STASH_POLICY  # ouroboros graph stash: which residuals it keeps
-  # (stash.STASH_POLICIES)
+  stash_policy: str = AUTO  # every schedule: which residuals a layer group's forward keeps for
+  # its backward, the rest recomputed (staging.STASH_POLICIES); 'auto': `resolved_stash_policy`
   stash_memory: str = 'device'  # ouroboros: where the stash waits, 'device' or 'pinned_host'
   forward: str = 'locked'  # ouroboros: 'locked' (the paper) or 'pipelined'
   flow: str = 'auto'  # ouroboros: a step's micro-batches travel the ring as one batch ('batch',
@@ -74,8 +75,6 @@ class ScheduleConfig:
 
   @functools.cached_property
   def _validated(self) -> bool:
-    from ouroboros_jax.schedules.stash import STASH_POLICIES  # late: it imports JAX's policies
-
     for name in ('num_stages', 'data_parallel', 'microbatches'):
       if getattr(self, name) is not None and getattr(self, name) < 1:
         raise ConfigError(
@@ -93,7 +92,7 @@ class ScheduleConfig:
     for name, choices in (
       ('name', SCHEDULES),
       ('stash', STASH_MODES),
-      ('stash_policy', tuple(STASH_POLICIES)),
+      ('stash_policy', (AUTO, *STASH_POLICY_NAMES)),
       ('stash_memory', STASH_MEMORIES),
       ('forward', FORWARD_MODES),
       ('flow', FLOW_MODES),
@@ -111,15 +110,7 @@ class ScheduleConfig:
       )
     if self.name != 'ouroboros':  # the Ouroboros-only settings must not pass silently
       defaults = ScheduleConfig()
-      for name in (
-        'stash',
-        'stash_policy',
-        'stash_memory',
-        'forward',
-        'flow',
-        'sync_warmup_steps',
-        'tied_grad',
-      ):
+      for name in ('stash', 'stash_memory', 'forward', 'flow', 'sync_warmup_steps', 'tied_grad'):
         if getattr(self, name) != getattr(defaults, name):
           raise ConfigError(
             f'{field_ref(name, getattr(self, name))} applies to '
@@ -132,7 +123,7 @@ class ScheduleConfig:
           f'delayed gradients, and {field_ref("name", self.name)} has none; use '
           f'{field_ref("name", "ouroboros")} or {field_ref("compensation", "none")}.'
         )
-    if self.stash == 'replay' and self.stash_policy != DEFAULT_STASH_POLICY:
+    if self.stash == 'replay' and self.stash_policy != AUTO:
       raise ConfigError(
         f'{field_ref("stash_policy", self.stash_policy)} chooses what '
         f'{field_ref("stash", "graph")} keeps, and {field_ref("stash", "replay")} keeps only '
@@ -199,6 +190,17 @@ class ScheduleConfig:
     return self.resolve_compensation()
 
   @property
+  def resolved_stash_policy(self) -> str:
+    """--stash-policy auto: DEFAULT_STASH_POLICY ('nothing': each group's input and weights,
+    the forward recomputed in the backward) on Ouroboros, whose ring holds G batches' stashes;
+    'all' (no recomputation) on every other schedule. Any policy applies to any schedule and
+    changes memory and time, never the gradient: backprop and data parallelism recompute per
+    layer, model_parallel and the table pipelines per layer group (docs/memory.md)."""
+    if self.stash_policy != AUTO:
+      return self.stash_policy
+    return DEFAULT_STASH_POLICY if self.name == 'ouroboros' else 'all'
+
+  @property
   def resolved_flow(self) -> str:
     """--flow auto: 'stream' under a staleness compensation (the recipe: every gradient one update
     old once M reaches the lag, docs/results/quality.md), 'batch' without one (the paper's method,
@@ -217,11 +219,13 @@ class ScheduleConfig:
     least `delays.unit_gap_microbatches` (the smallest divisor of the batch that reaches it, or
     every row its own micro-batch). The CLI resolves here (`TrainConfig.schedule_config`), and so
     does `build_schedule`, on the devices' platform and the batch it steps on."""
+    replay = self.name == 'ouroboros' and self.stash == 'replay'  # no policy: it keeps the input
+    run = self if replay else dataclasses.replace(self, stash_policy=self.resolved_stash_policy)
     if self.name != 'ouroboros':  # 'auto' is no compensation there, and there is no flow
       if self.name in MICROBATCHED and self.microbatches is None:
-        return dataclasses.replace(self, microbatches=self.num_microbatches)
-      return self
-    run = dataclasses.replace(self, compensation=self.resolved_compensation)
+        return dataclasses.replace(run, microbatches=self.num_microbatches)
+      return run
+    run = dataclasses.replace(run, compensation=self.resolved_compensation)
     run = dataclasses.replace(run, flow=run.resolved_flow)  # after the compensation: it picks it
     if run.microbatches is not None:
       return run
@@ -254,9 +258,10 @@ class ScheduleConfig:
     pipeline's 'M=m' (`num_microbatches`) and 'chunks=v' where given; Ouroboros' 'M=m' where it
     cuts the batch, 'stream' where the flow is asked to stream, 'forward/stash', the graph
     stash's policy where it is not the default ('locked/graph/all') and 'host' for a stash in
-    host memory; e.g. 'gpipe M=4', 'ouroboros M=8 stream locked/graph', 'model_parallel
-    G=2xR=2'. It leaves out the clip, the seed, the compensation, a flow left 'auto', the
-    warm-up and the tied gradient."""
+    host memory; another schedule's 'keep=POLICY' where it recomputes; e.g. 'gpipe M=4',
+    '1f1b M=8 keep=nothing', 'ouroboros M=8 stream locked/graph', 'model_parallel G=2xR=2'. It
+    leaves out the clip, the seed, the compensation, a flow left 'auto', the warm-up and the tied
+    gradient."""
     parts = [self.name]
     if self.name not in ('backprop', 'data_parallel') and self.data_parallel > 1:
       parts.append(f'G={self.num_stages}xR={self.data_parallel}')
@@ -265,12 +270,16 @@ class ScheduleConfig:
         parts.append(f'M={self.microbatches}')
       if self.flow == 'stream':
         parts.append('stream')
-      policy = f'/{self.stash_policy}' if self.stash_policy != DEFAULT_STASH_POLICY else ''
+      policy = self.resolved_stash_policy
+      policy = f'/{policy}' if self.stash == 'graph' and policy != DEFAULT_STASH_POLICY else ''
       parts.append(f'{self.forward}/{self.stash}{policy}')
       if self.stash_memory == 'pinned_host':
         parts.append('host')
-    elif self.name in MICROBATCHED:
-      parts.append(f'M={self.num_microbatches}')
+    else:
+      if self.name in MICROBATCHED:
+        parts.append(f'M={self.num_microbatches}')
+      if self.resolved_stash_policy != 'all':
+        parts.append(f'keep={self.resolved_stash_policy}')
     if self.chunks is not None:
       parts.append(f'chunks={self.chunks}')
     return ' '.join(parts)

@@ -120,7 +120,7 @@ def build(
   if num_stages == 1:  # no delay, nothing to compensate: exactly the paper's G = 1 step
     comp = compensation.Compensation()
   # Graph: the weights are kept once per step ('weights'), not once per micro-batch.
-  stash = make_stash(model, config.stash, config.stash_policy, keep_weights=False)
+  stash = make_stash(model, config.stash, config.resolved_stash_policy, keep_weights=False)
   platform = mesh.devices.flat[0].platform
 
   @functools.cache
@@ -272,8 +272,8 @@ def _forward_wave(ring: _Ring, params, forward_params, buffers, seen, t) -> _For
 
   first_memory = jax.tree.map(lambda a: a[0], memory_M)
   no_kept = _zeros(jax.eval_shape(run_forward, x_like, items_f[0], first_memory)[1])
-  head_zeros = _zeros(
-    jax.eval_shape(lambda: ring_lib.head(model, params, x_like, head_targets_M[0]))
+  head_zeros = _zeros(  # x_like an argument: jnp functions take no ShapeDtypeStruct
+    jax.eval_shape(lambda x: ring_lib.head(model, params, x, head_targets_M[0]), x_like)
   )
 
   def forward_round(r, carry):

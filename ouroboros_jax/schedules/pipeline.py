@@ -64,7 +64,8 @@ class _Carry(NamedTuple):
   stash: PyTree  # leaves [stash slots, ...]: residuals of the chunks' forwards
   activations: jax.Array  # [activation slots, b, L, D]: inputs received for an F
   gradients: jax.Array  # [gradient slots, b, L, D]: output gradients received for a B and W
-  tap_grads: PyTree  # leaves [stash slots, ...]: a split backward's output gradients, B to W
+  for_w: PyTree  # leaves [stash slots, ...]: what a split backward's B hands its W
+  # (TappedStash.input_grad: the taps' gradients, and the recorded inputs if B recomputed)
   grad_chunks: PyTree  # leaves [v, ...]: this device's chunk gradients
   grad_embed: PyTree
   grad_head: PyTree
@@ -117,10 +118,12 @@ def build_pipeline(
     model=model,
     pipeline=pipeline,
     program=tables.program(table),
-    # The weights stay put all step, so no stash keeps them; 'all': every residual of the VJP,
-    # as the exact pipelines have always kept them (they have no --stash-policy).
+    # The weights stay put all step, so no stash keeps them. The policy chooses which residuals
+    # of a chunk's forward wait for its backward ('all' by default; 'nothing': the chunk's input).
     stash=(
-      TappedStash(model.weight_split) if tapped else GraphStash(model, 'all', keep_weights=False)
+      TappedStash(model.weight_split, recompute=config.resolved_stash_policy != 'all')
+      if tapped
+      else GraphStash(model, config.resolved_stash_policy, keep_weights=False)
     ),
     seed=config.seed,
     replicas=config.data_parallel,
@@ -240,10 +243,12 @@ def _start(executor: _Executor, step: _Step, memory) -> _Carry:
 
   index = jnp.zeros((), jnp.int32)  # operations_T's dtype
   _, kept_like, _ = jax.eval_shape(forward_of, index, index, index)
-  split = executor.model.weight_split
+  input_grad = lambda kept, delta: executor.stash.input_grad(
+    step.chunk(0), kept, delta, index, step.key_of(0)
+  )
   return _Carry(
     stash=slots(kept_like),
-    tap_grads=slots(jax.eval_shape(split.taps, step.chunk(0), x)) if executor.tapped else {},
+    for_w=slots(jax.eval_shape(input_grad, kept_like, x)[1]) if executor.tapped else {},
     activations=inbox(program.activation_slots),
     gradients=inbox(program.gradient_slots),
     grad_chunks=zeros(step.params['stages']),
@@ -326,11 +331,11 @@ def _input_grad(executor: _Executor, step: _Step, carry: _Carry, op):
   i, slot = op['microbatch'], op['stash_slot']
   if executor.tapped:
     kept, delta = _kept_and_delta(executor, carry, op)
-    dx, tap_grads = executor.stash.input_grad(
+    dx, for_w = executor.stash.input_grad(
       step.chunk(op['chunk']), kept, delta, op['stage'], step.key_of(i)
     )
     slots = executor.program.stash_slots
-    carry = carry._replace(tap_grads=ring.write_slot(carry.tap_grads, tap_grads, slot, slots))
+    carry = carry._replace(for_w=ring.write_slot(carry.for_w, for_w, slot, slots))
   else:
     g_chunk, dx = _backward(executor, step, carry, op)
     carry = _add_chunk_grad(carry, op, g_chunk) if executor.pipeline.fused else carry
@@ -347,8 +352,8 @@ def _weight_grad(executor: _Executor, step: _Step, carry: _Carry, op):
   if executor.tapped:
     slots = executor.program.stash_slots
     kept = ring.read_slot(carry.stash, op['stash_slot'], slots)
-    tap_grads = ring.read_slot(carry.tap_grads, op['stash_slot'], slots)
-    g_chunk = executor.stash.weight_grad(step.chunk(op['chunk']), kept, tap_grads)
+    for_w = ring.read_slot(carry.for_w, op['stash_slot'], slots)
+    g_chunk = executor.stash.weight_grad(step.chunk(op['chunk']), kept, for_w)
   else:
     g_chunk, _ = _backward(executor, step, carry, op)
   return _add_chunk_grad(carry, op, g_chunk), step.nothing

@@ -248,15 +248,19 @@ def with_memory(buffers, memory):
   return {**buffers, 'memory': jax.tree.map(lambda a: a[None, None], memory)}
 
 
-def locked_grads(model: StagedModel, params, batch, key, batch_index, memory=None):
+def locked_grads(
+  model: StagedModel, params, batch, key, batch_index, memory=None, policy: str = 'all'
+):
   """Plain synchronous backprop over the ring: the exact gradient of `batch` (batch
   `batch_index`, dropout key `key`), as (grads, loss, this device's new memory (None without
   one)).
 
   Locked forward, head on device 0, locked backward, embedding backward; in every round all
   devices but one wait. This is `model_parallel`'s step and Ouroboros' synchronous warm-up.
+  `policy` (staging.STASH_POLICIES) is what each group keeps of its forward for its backward: by
+  default the whole VJP, as backprop keeps it; the rest is recomputed, per group.
   """
-  stash = GraphStash(model, 'all')  # the whole VJP, as backprop keeps it: nothing to recompute
+  stash = GraphStash(model, policy, keep_weights=False)  # the weights stay put all step
   s, num_stages = jax.lax.axis_index(STAGE), jax.lax.axis_size(STAGE)
   params_s = local_stage_params(params)
   x = embed(model, params['embed'], batch['inputs'], key)

@@ -30,19 +30,10 @@ import jax
 from ouroboros_jax import staged
 from ouroboros_jax.choices import DEFAULT_STASH_POLICY
 from ouroboros_jax.staged import StagedModel, WeightSplit
+from ouroboros_jax.staging import STASH_POLICIES
 
-# What graph mode keeps of a group's forward, as `jax.checkpoint` policies. 'all' keeps every
-# residual JAX's VJP saves. The others keep less and recompute the rest in the backward, from
-# the kept values: the gradient is still exactly the one at forward-time weights (DDG), only
-# bytes move from memory traffic to recomputation. 'dots' keeps matmul outputs (elementwise ops,
-# norms and softmax are recomputed); 'nothing' keeps only the group's inputs and weights (the
-# whole forward is recomputed, as in replay, but at the forward-time weights).
-STASH_POLICIES = {
-  'all': None,
-  'dots': jax.checkpoint_policies.dots_saveable,
-  'dots_no_batch': jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-  'nothing': jax.checkpoint_policies.nothing_saveable,
-}
+# What graph mode keeps of a group's forward (`staging.STASH_POLICIES`, which every schedule's
+# --stash-policy names; the layer loop reads it too).
 
 
 class Stash(Protocol):
@@ -138,14 +129,18 @@ class ReplayStash(_ModelStash):
 
 class TappedStash:
   """F, B and W of a stage through its model's `staged.WeightSplit` (the zero-bubble split
-  without a second chain): F keeps the VJP in (input, taps), less the weights (they do not change
+  without a second chain). F keeps the VJP in (input, taps), less the weights (they do not change
   within a step), and the recorded sub-layer inputs; B gives the input gradient and the taps'
-  gradients; W multiplies those with the recorded inputs into the weight gradient."""
+  gradients; W multiplies those with the recorded inputs into the weight gradient.
+
+  `recompute=True` (any stash policy but 'all'): F keeps only the stage's input, B re-runs the
+  forward from it and takes the VJP there, and hands W the recorded inputs beside the taps'
+  gradients. So B recomputes and W does not; the recorded inputs wait from B to W, not from F."""
 
   at_forward_weights = False
 
-  def __init__(self, split: WeightSplit):
-    self.split = split
+  def __init__(self, split: WeightSplit, recompute: bool = False):
+    self.split, self.recompute = split, recompute
 
   def _vjp(self, params_s, x, stage_index, key):
     rng = staged.piece_rng(key, stage_index)
@@ -156,24 +151,33 @@ class TappedStash:
     """The models with a weight split have no memory and do not take the batch index."""
     del memory, batch_index
     y, vjp_fn, inputs = self._vjp(params_s, x, stage_index, key)
+    if self.recompute:  # XLA drops the VJP's unused residuals
+      return y, x, None
     kept = {'vjp': without_weights(jax.tree.leaves(vjp_fn), params_s), 'inputs': inputs}
     return y, kept, None
 
   def input_grad(self, params_s, kept, delta, stage_index, key):
-    """B: (the input gradient, the taps' gradients) for output gradient delta."""
+    """B: (the input gradient, what W needs besides F's stash: {'tap_grads'}, and with
+    `recompute` the recorded inputs too) for output gradient delta."""
+    if self.recompute:
+      _, vjp_fn, inputs = self._vjp(params_s, kept, stage_index, key)
+      dx, tap_grads = vjp_fn(delta)
+      return dx, {'tap_grads': tap_grads, 'inputs': inputs}
     vjp_of = lambda h: self._vjp(params_s, h, stage_index, key)[1]
     treedef, positions = vjp_layout(vjp_of, params_s, delta)
     vjp_fn = jax.tree.unflatten(treedef, with_weights(kept['vjp'], positions, params_s))
-    return vjp_fn(delta)
+    dx, tap_grads = vjp_fn(delta)
+    return dx, {'tap_grads': tap_grads}
 
-  def weight_grad(self, params_s, kept, tap_grads):
+  def weight_grad(self, params_s, kept, for_w):
     """W: the weight gradient from the taps' gradients and the recorded inputs."""
-    return self.split.weight_grad(params_s, kept['inputs'], tap_grads)
+    inputs = for_w['inputs'] if self.recompute else kept['inputs']
+    return self.split.weight_grad(params_s, inputs, for_w['tap_grads'])
 
   def backward(self, params_s, kept, delta, stage_index, key, batch_index=None):
     del batch_index
-    dx, tap_grads = self.input_grad(params_s, kept, delta, stage_index, key)
-    return self.weight_grad(params_s, kept, tap_grads), dx
+    dx, for_w = self.input_grad(params_s, kept, delta, stage_index, key)
+    return self.weight_grad(params_s, kept, for_w), dx
 
 
 def _weight_positions(residuals: list, params_s) -> tuple[int | None, ...]:

@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ouroboros_jax import placement, staged
+from ouroboros_jax import placement, staged, staging
 from ouroboros_jax.schedules import ring
 from ouroboros_jax.schedules.config import ScheduleConfig
 from ouroboros_jax.staged import DATA, STAGE, Schedule, StagedModel, TrainState
@@ -64,9 +64,10 @@ def build_backprop(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
 
   def step(state: TrainState, batch: dict):
     key = staged.batch_key(config.seed, state.step)
-    grads, loss, buffers = whole_model_grads(
-      model, state.params, batch, key, state.step, state.ring
-    )
+    with staging.recompute_layers(config.resolved_stash_policy):
+      grads, loss, buffers = whole_model_grads(
+        model, state.params, batch, key, state.step, state.ring
+      )
     new_state, metrics = synchronous_update(optimizer, state, grads, loss)
     return new_state.replace(ring=buffers), metrics
 
@@ -181,7 +182,8 @@ def build_data_parallel(
 
   def device_grads(params, batch, t, buffers):
     key = replica_key(config.seed, t, replicas)
-    grads, loss, buffers = whole_model_grads(model, params, batch, key, t, buffers)
+    with staging.recompute_layers(config.resolved_stash_policy):
+      grads, loss, buffers = whole_model_grads(model, params, batch, key, t, buffers)
     return (*jax.lax.pmean((grads, loss), DATA), buffers)
 
   return synchronous_schedule(config, model, tx, mesh, DeviceGrads(device_grads, 0.0))
@@ -218,7 +220,8 @@ def build_model_parallel(
   def device_grads(params, batch, t, buffers):
     key = replica_key(config.seed, t, replicas)
     memory = ring.local_memory(buffers)
-    grads, loss, memory = ring.locked_grads(model, params, batch, key, t, memory)
+    policy = config.resolved_stash_policy
+    grads, loss, memory = ring.locked_grads(model, params, batch, key, t, memory, policy)
     return grads, loss, ring.with_memory(buffers, memory)
 
   idle = model_parallel_idle_fraction(num_stages)

@@ -267,14 +267,16 @@ class TrainConfig:
     """This run with every `auto` made explicit as it runs on `platform` (default: JAX's
     backend), the one resolution of its defaults: the optimizer and Muon's rate, the staleness
     compensation, Ouroboros' flow and micro-batches (`schedule_config`, `for_platform`), the
-    exact pipelines' micro-batches, the attention kernel and the data order. What config.json and
+    exact pipelines' micro-batches, the stash policy, the attention kernel and the data order. What config.json and
     the checkpoints store, and what a resume compares; resolving it again changes nothing."""
     if platform is None:
       import jax
 
       platform = jax.default_backend()
     run = self.schedule_config(platform)  # the seed and compensation: TrainConfig's own fields
-    schedule = dataclasses.replace(self.schedule, flow=run.flow, microbatches=run.microbatches)
+    schedule = dataclasses.replace(
+      self.schedule, flow=run.flow, microbatches=run.microbatches, stash_policy=run.stash_policy
+    )
     optimizer = self.resolved_optimizer()
     return dataclasses.replace(
       self,
@@ -444,8 +446,10 @@ class TrainConfig:
     elif schedule.get('flow') == 'batch':  # saved as the default before --flow auto
       del schedule['flow']  # (no other schedule has a flow)
     # Saved before they were refused where nothing reads them (every config.json holds them, and
-    # the stash policy's default was 'all'): the other schedules' and the replay stash's.
-    unread = ('stash_policy', 'tied_grad') if schedule.get('name') != 'ouroboros' else ()
+    # the stash policy's default was 'all'): the other schedules' tied gradient and the replay
+    # stash's policy. The other schedules' policy is kept: it recomputes now, and a resume does
+    # not compare it there (resume.check_resumable).
+    unread = ('tied_grad',) if schedule.get('name') != 'ouroboros' else ()
     if schedule.get('stash') == 'replay':
       unread = ('stash_policy', *unread)
     for name in unread:

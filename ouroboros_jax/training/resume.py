@@ -63,7 +63,9 @@ def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str)
   # run is muon, --compensation auto predict,dc, --flow auto stream, --attention auto xla here.
   want, have = config.flat(saved_cfg.resolved()), config.flat(cfg.resolved())
   model_fields = [n for n, f in config.fields().items() if f.owner is transformer.ModelConfig]
-  names = model_fields + list(RESUME_FIELDS)
+  # The stash policy shapes only Ouroboros' ring; elsewhere it trades memory for time.
+  shaping = [n for n in RESUME_FIELDS if n != 'stash_policy' or have['schedule'] == 'ouroboros']
+  names = model_fields + shaping
   wrong = [n for n in names if want[n] != have[n]]
   if tuple(saved['layers_per_stage']) != tuple(layers_per_stage) and not wrong:
     wrong = ['layers_per_stage']
