@@ -496,6 +496,10 @@ def test_out_of_memory_names_the_sizes_to_lower():
   args = parser.parse_args(['train', '--schedule', 'gpipe', '--stages', '2', '--num-layers', '4'])
   message = cli.out_of_memory_message(args, oom)
   assert 'more --microbatches (now 4)' in message and 'more --stages (now 2)' in message
+  assert '--stash-policy nothing' in message  # every schedule can recompute
+  args = parser.parse_args(['train', '--schedule', 'gpipe', '--stages', '2', '--num-layers', '4',
+                            '--stash-policy', 'nothing'])  # fmt: skip
+  assert '--stash-policy' not in cli.out_of_memory_message(args, oom)  # it keeps the least
   args = parser.parse_args(['sample', '--ckpt', 'runs/x'])
   assert 'more memory' in cli.out_of_memory_message(args, oom)
 
