@@ -88,7 +88,7 @@ gpu_steps() {
   command -v taskset >/dev/null && pin=(taskset -c "$free")
   has gpu_tests && OUROBOROS_TEST_PLATFORMS=cuda,cpu step gpu_tests 120 "${pin[@]}" python3 -m pytest -q \
     -p no:cacheprovider tests/test_gpu.py --junitxml "$WORK/gpu_tests.xml"
-  has layer_costs && step layer_costs 120 "${pin[@]}" python3 experiments/layer_costs.py --out "$WORK/layer_costs"
+  has layer_costs && step layer_costs 180 "${pin[@]}" python3 experiments/layer_costs.py --out "$WORK/layer_costs"
   has train_gpu && step train_gpu 120 "${pin[@]}" python3 -m ouroboros_jax train --preset tiny --dtype bfloat16 \
     --steps 50 --eval-every 50 --out "$WORK/train_gpu"
   has mfu && for batch in 64 32 16; do  # the largest batch that fits
