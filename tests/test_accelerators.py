@@ -185,6 +185,7 @@ def test_methods_train_and_count_their_flops(tmp_path, text_corpus):
   names = ['plain', 'pld', 'mslt']
   results = {r['method']: r for r in compare.compare(base, str(tmp_path), names, log=lambda _: 0)}
   per_token = 3 * (2 * costs.model_flops(base.model)[0] + costs.model_flops(base.model)[1])
+  # FLOP counts: the same formula in Python floats, equal to float64 rounding (default rtol 1e-7).
   np.testing.assert_allclose(results['plain']['flops'], 4 * base.tokens_per_step * per_token)
   pld_cfg = config.override(base, compare.methods(4, 2)['pld'])
   np.testing.assert_allclose(results['pld']['flops'], loop.step_flops(pld_cfg, range(4)).sum())

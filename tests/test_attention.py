@@ -19,6 +19,9 @@ from ouroboros_jax import attention
 
 from helpers import raises_for_cli
 
+# float32 blockwise (online softmax, rescaled per block) against one-pass softmax: the same sums
+# over <= 64 keys in another order, ~64 * 2^-24 ~ 4e-6 relative on O(1) values and gradients; 1e-4
+# relative (2e-5 absolute near zero) is 25x that, and a wrong mask or shift moves outputs by O(0.1).
 F32_TOL = dict(rtol=1e-4, atol=2e-5)
 
 
@@ -73,6 +76,7 @@ def test_the_blockwise_shift_is_the_relative_shift_of_a_window():
   # _unskew is its transpose: <skew(x), g> == <x, unskew(g)>.
   (g_2xQxJ,) = _normal(1, (2, q, j))
   transpose = jax.linear_transpose(attention._skew, x_2xQxW)
+  # _unskew and the transpose move the same numbers (no sums of more than one term): float32 exact.
   np.testing.assert_allclose(attention._unskew(g_2xQxJ, w), transpose(g_2xQxJ)[0], rtol=1e-6)
   # One query per block (Q = 1) is a plain copy of the window.
   (x_1xJ,) = _normal(2, (1, j))
@@ -130,6 +134,8 @@ def test_bfloat16_inputs_agree_with_float32():
   want = _value_and_vjp(_causal('xla', 16), [x.astype(jnp.float32) for x in args], cotangent)
   got = _value_and_vjp(_causal('blockwise', 16), args, cotangent)
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(got))
+  # bf16 in and out (2^-8 relative), O(1) values: the gradients sum 40 bf16-rounded products,
+  # ~sqrt(40) * 2^-8 ~ 0.025; a wrong mask or a missing block moves them by O(1).
   _assert_close(got, want, rtol=0.05, atol=0.03)
 
   rel_args, cotangent = _relative_inputs(8, 2, 24, 16, 2, 16)
@@ -218,6 +224,7 @@ def test_attention_dropout_runs_plain():
     run('blockwise', dropout_rate=0.1, key=rng)
   dropped = run('auto', dropout_rate=0.5, key=rng)
   np.testing.assert_array_equal(dropped, run('xla', dropout_rate=0.5, key=rng))
+  # dropout at rate 0.5 changes about half the outputs by O(1), far above 1e-3.
   assert not np.allclose(dropped, run('xla'), atol=1e-3)  # dropout did something
   _assert_close(run('blockwise', dropout_rate=0.5), run('xla'), **F32_TOL)
 

@@ -136,6 +136,7 @@ def test_pieces_include_each_micro_batch_and_the_rows_carry_the_setting_s_own(tm
   measured = {'step_time_s': 6.0, 'busy_s': 6.0, 'compile_s': 1.0, 'tokens_per_s': 1.0}
   row = bench._row(gpipe, dict(measured, idle_fraction=0.2), fake, 0.0, 0.0)
   assert row['fwd_s_per_stage_micro'] == '0.4;0.4' and row['bwd_s_per_stage_micro'] == '0.8;0.8'
+  # Sums of a few decimal constants: float64 rounding (pytest.approx rel 1e-6).
   assert row['ideal_s'] == pytest.approx(5 * 1.2)
   gpipe = ScheduleConfig(name='gpipe', num_stages=2, microbatches=2)
   row = bench._row(gpipe, dict(measured, idle_fraction=0.0), fake, 0, 0)

@@ -63,6 +63,9 @@ def test_matches_slow_restatement(name, num_stages, forward):
   want, want_losses, _ = reference.run(model, tx, params, batches, config)
   plain = _uncompensated(num_stages, forward, len(batches))
   skip = num_stages if forward == 'pipelined' else 0
+  # Losses ~5.5: rtol 1e-5 is ~100 float32 ulps; parameters below: float32, Adam at lr 1e-2: sums in
+  # another order move parameters by <= ~5e-6 (Adam amplifies near-zero gradient coordinates;
+  # test_schedules.py's docstring); 2e-5 is 4x that, a wrong or stale gradient moves them by > 1e-3.
   np.testing.assert_allclose(losses[skip:], want_losses[skip:], rtol=1e-5)
   assert max_abs_diff(want, plain) > 1e-4  # the compensation changed the trajectory
   assert max_abs_diff(state.params, want) < 2e-5  # ... exactly as the formulas say
@@ -191,6 +194,7 @@ def test_prediction_moves_each_group_by_its_gap():
   opt_state = {k: v._replace(last_update=ones[k]) for k, v in opt_state.items()}
   gaps = {'embed': 3, 'stages': jnp.asarray([2, 1]), 'head': 0}
   out = compensation.predict_weights(params, opt_state, gaps)
+  # The library's float32 add of small integers, done again here: exact (default rtol 1e-7).
   np.testing.assert_allclose(
     out['embed']['token']['embedding'], params['embed']['token']['embedding'] + 3
   )
@@ -239,6 +243,7 @@ def test_pipemare_scale_follows_its_formula():
     out, state = piece.update({'w': jnp.ones(())}, state, delay=3)
     got.append(float(out['w']))
   want = [3.0 ** -(1 - min(n / 4, 1)) for n in range(6)]
+  # float32 powers of 3: a few ulps (rtol 1e-6 ~ 8 ulps).
   np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
@@ -252,6 +257,9 @@ def test_muon_treats_the_layer_axis_as_a_batch_axis():
   for layer in range(3):
     p, g = {'kernel': kernels[layer]}, {'kernel': grads[layer]}
     alone, _ = tx.update(g, tx.init(p), p)
+    # Newton-Schulz: 5 iterations of 8x16 float32 matmuls, batched vs single (another summation
+    # order), amplified by the quintic's coefficients (~3.4): ~1e-5 relative; a layer mixed with
+    # another changes the update by O(1) relative.
     np.testing.assert_allclose(stacked['kernel'][layer], alone['kernel'], rtol=1e-4, atol=1e-6)
   # Orthogonalised: Newton-Schulz pulls the singular values close together (5 steps leave them
   # within a factor of ~1.6), where the gradient's own spread far more.

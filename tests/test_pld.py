@@ -37,6 +37,7 @@ def params():
 
 def test_schedules_follow_the_formulas():
   assert float(pld.theta(0, 0.5, 0.01)) == 1.0
+  # float32 closed forms of a few ops: rtol 1e-6 ~ 8 ulps.
   np.testing.assert_allclose(pld.theta(100, 0.5, 0.01), 0.5 * np.exp(-1.0) + 0.5, rtol=1e-6)
   np.testing.assert_allclose(pld.theta(1e6, 0.3, 0.01), 0.3, rtol=1e-6)
   p = pld.keep_probs(100, 4, 0.5, 0.01)
@@ -178,6 +179,7 @@ def test_evaluation_is_the_plain_model(params):
 
   plain, late, train, want = map(float, losses(staged_params, params))
   assert plain == late
+  # The same model with every layer kept: the same ops, a few ulps of a loss ~5.5.
   np.testing.assert_allclose(plain, want, rtol=1e-6)
   assert train != plain  # training at a late step draws gates and scales
 
@@ -249,6 +251,7 @@ def test_stage_keep_rate_and_scale_match_p_l():
   added_nL = np.asarray(jax.vmap(read)(jnp.arange(n)))
   p_L = np.asarray(pld.keep_probs(t, 4, theta_bar, gamma))
   kept_nL = added_nL > 0
+  # 1/p in float32 times the gates: a few ulps; rtol 1e-5 is far above, a wrong scale far below.
   np.testing.assert_allclose(
     added_nL[kept_nL], np.broadcast_to(1 / p_L, added_nL.shape)[kept_nL], rtol=1e-5
   )
@@ -294,6 +297,9 @@ def test_ouroboros_with_pld_matches_the_slow_reference(params, stash='replay'):
       )
     )
   )
+  # float32, Adam at lr 1e-2: sums in another order move
+  # parameters by <= ~5e-6 (Adam amplifies near-zero gradient coordinates; test_schedules.py's
+  # docstring); 2e-5 is 4x that, a wrong or stale gradient moves them by > 1e-3.
   assert diff < 2e-5
   kept = np.asarray(pld.kept_layers(0, np.arange(6), LAYERS_PER_STAGE, 4, theta_bar, gamma))
   assert kept.min() < 4

@@ -43,6 +43,7 @@ def test_formula_on_known_statistics():
   signs_BxL = np.where(np.arange(6 * 4).reshape(6, 4) % 2 == 0, 1.0, -1.0).astype(np.float32)
   x_BxLxC = mu_C + signs_BxL[..., None] * sigma_C
   want = 0.5 * np.sum(mu_C**2 + sigma_C**2 - np.log(sigma_C**2) - 1)
+  # float32 closed forms of a few ops on O(1) values: rtol 1e-6 ~ 8 ulps.
   np.testing.assert_allclose(stdloss.standardization_loss(x_BxLxC, eps=0.0), want, rtol=1e-6)
   # Per channel it is KL(N(mu, sigma^2) || N(0, 1)): zero exactly for standard statistics.
   standard = signs_BxL[..., None] * np.ones(3, np.float32)
@@ -55,6 +56,9 @@ def test_formula_on_known_statistics():
   )
   # Large samples of N(0, 1) give nearly zero; of N(2, 3^2) nearly its KL per channel.
   z = np.random.default_rng(0).standard_normal((64, 64, 2)).astype(np.float32)
+  # A fixed draw (deterministic): 4096 samples per channel give (mean^2 + (var-1)^2/2)/2 ~ 1/4096
+  # expected per channel, 5e-4 over 2, and 2e-3 is 4x that; the KL of N(2, 9) below: sampling error
+  # ~2% at one sigma, passed by the fixed draw (another seed could fail it).
   assert float(stdloss.standardization_loss(z, eps=0.0)) < 2e-3
   kl = 0.5 * (4 + 9 - np.log(9) - 1) * 2
   np.testing.assert_allclose(stdloss.standardization_loss(2 + 3 * z, eps=0.0), kl, rtol=2e-2)
@@ -89,6 +93,8 @@ def test_added_to_the_transformer_loss(params):
   batch, weight = batch_of(), 0.3
   total, aux, grads, task, pre, evaluated = single_device(params, batch, weight)
   _, _, task_grads, _, _, _ = single_device(params, batch, 0.0)  # w = 0: the task gradient
+  # The same float32 ops in one program and in another order: rtol 1e-6 ~ 8 ulps, 1e-5 for the
+  # statistics' sums over 64 tokens.
   np.testing.assert_allclose(aux['loss'], task, rtol=1e-6)
   np.testing.assert_allclose(aux['stdloss'], stdloss.standardization_loss(pre), rtol=1e-5)
   np.testing.assert_allclose(total, task + weight * aux['stdloss'], rtol=1e-6)
@@ -104,6 +110,8 @@ def test_added_to_the_transformer_loss(params):
     axis=0,
   )
   assert per_layer[0] > 1e-6 and per_layer[1] > 1e-6
+  # The loss enters at layers 0-1 only: the others get the same float32 operations (< 1e-6 ~ a few
+  # ulps of O(0.1) gradients), and the std loss moves layers 0-1 by > 1e-6.
   assert np.all(per_layer[2:] < 1e-6)
   jax.tree.map(
     lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), grads['head'], task_grads['head']
@@ -128,6 +136,7 @@ def test_inside_pipeline_stages(params):
 
   staged_loss, staged_grads, evaluated = run(staged_params)
   single_loss, aux, single_grads, task, _, _ = single_device(params, batch, weight)
+  # Staged against single-device float32: sums in another order, a few ulps of O(0.1) gradients.
   np.testing.assert_allclose(staged_loss, single_loss, rtol=1e-6)
   want = partition.to_staged(single_grads, layers_per_stage)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-6), staged_grads, want)
@@ -161,6 +170,7 @@ def test_written_out_block_is_the_models_post_ln_with_dropout():
       transformer.loss_fn(cfg, p, batch, key)[0],
     )
   )(params)
+  # float32, the same loss computed by two functions: rtol 1e-6 ~ 8 ulps.
   np.testing.assert_allclose(got, want, rtol=1e-6)
 
 
@@ -180,5 +190,7 @@ def test_pytree_activations_through_the_exact_schedules(params, name):
   config = ScheduleConfig(name=name, num_stages=2, microbatches=1)
   got, losses = run_schedule(config, model, sgd, staged_params, batches)
   assert max_abs_diff(got.params, staged_params) > 0.01
+  # float32 SGD at 0.3, 3 steps, a different summation order: ~1e-7 relative of O(1) parameters,
+  # 1e-5 is 10x to 100x that; a dropped aux leaf moves them by > 1e-3.
   assert max_abs_diff(got.params, want.params) < 1e-5
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)

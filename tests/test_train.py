@@ -63,6 +63,7 @@ def test_metrics_rows_and_files(short_run):
   assert {r['split'] for r in rows} == {'train', 'validation', 'test'}
   for r in rows:
     assert METRIC_KEYS <= set(r), r
+    # bpb = loss / ln 2 in float64: exact to rel 1e-12.
     assert r['bpb'] == pytest.approx(r['loss'] / math.log(2), rel=1e-12)
     assert math.isfinite(r['loss']) and r['wall_s'] >= 0
   train_rows = [r for r in rows if r['split'] == 'train']

@@ -58,6 +58,9 @@ def test_memory_equals_one_long_segment(pre_ln):
   np.testing.assert_array_equal(memory['filled'], [8, 8])
   x2 = txl.embed(cfg, params['embed'], tokens[:, 8:])
   second, memory = txl.layers(cfg, params['layers'], x2, memory)
+  # float32 attention over a memory split in two against one whole window: sums in another order,
+  # ~1e-6 relative on O(1) hidden states; 2e-5 is 20x, and a mask off by one slot moves them by
+  # O(0.1).
   np.testing.assert_allclose(first, whole[:, :8], atol=2e-5, rtol=2e-5)
   np.testing.assert_allclose(second, whole[:, 8:], atol=2e-5, rtol=2e-5)
 
@@ -74,6 +77,7 @@ def test_a_partly_filled_memory_masks_its_empty_slots():
     memory['hidden'] = memory['hidden'] + 7.0  # garbage in the unfilled slots
     _, memory = txl.layers(CFG, params['layers'], x1, memory)
     results.append(txl.layers(CFG, params['layers'], x2, memory)[0])
+  # As above: unfilled slots are masked to exp(-inf) = 0, so the garbage adds nothing.
   np.testing.assert_allclose(results[0], results[1], atol=2e-5, rtol=2e-5)
 
 

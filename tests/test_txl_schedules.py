@@ -45,6 +45,7 @@ def _memory(state):
 def _assert_same_memory(state, want):
   got, expected = _memory(state), _memory(want)
   np.testing.assert_array_equal(got['filled'], expected['filled'])
+  # float32 hidden states O(1): 2e-5 ~ 100 ulps of reordered sums; a stale memory differs by O(1).
   np.testing.assert_allclose(got['hidden'], expected['hidden'], atol=2e-5)
 
 
@@ -67,6 +68,9 @@ def test_exact_schedules_carry_backprops_memory(backprop_run, name, stages, repl
     name=name, num_stages=stages, data_parallel=replicas, microbatches=micro, seed=3
   )
   state, losses = run_schedule(config, model, adam(), params, batches)
+  # Losses ~5.5: rtol 1e-5, ~100 float32 ulps. Parameters: float32, Adam at lr 1e-2: sums in another
+  # order move parameters by <= ~5e-6 (Adam amplifies near-zero gradient coordinates;
+  # test_schedules.py's docstring); 2e-5 is 4x that, a wrong or stale gradient moves them by > 1e-3.
   np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
   assert max_abs_diff(state.params, want.params) < 2e-5
   _assert_same_memory(state, want)
@@ -223,6 +227,8 @@ def test_global_biases_train_as_one_parameter():
   for name in txl.SHARED:
     copies = got['layers'][name]
     np.testing.assert_array_equal(copies, np.broadcast_to(copies[0], copies.shape))
+    # One device, the same AdamW steps unrolled by hand: float32 rounding of the same sums, a few
+    # ulps of O(1) parameters (2e-6 ~ 16 ulps); a shared u updated per copy differs by > 1e-3.
     np.testing.assert_allclose(copies[0], want[name], atol=2e-6)
   assert max_abs_diff(got, one_pair(want)) < 2e-6
   assert (

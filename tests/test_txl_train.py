@@ -37,6 +37,7 @@ def test_word_level_run_reports_perplexity(tmp_path):
   cfg = _txl_config(tmp_path, data=f'wikitext103:{directory}', vocab_size=vocab_size)
   assert cfg.segment_order
   summary = loop.train(cfg, quiet=True)
+  # exp and log in float64 of float32-rounded summaries: rel 1e-6.
   assert math.isclose(summary['val_ppl'], math.exp(summary['val_bpb'] * math.log(2)), rel_tol=1e-6)
   assert 1 < summary['val_ppl'] < 2 * vocab_size  # a loss per word, not per byte
   with open(tmp_path / 'run' / 'metrics.jsonl') as f:

@@ -80,6 +80,8 @@ def test_maps_are_the_papers_matrices():
   T_D, S_D = vcycle.copy_matrix(16), vcycle.average_matrix(16)
   _T_F, S_F = vcycle.copy_matrix(32), vcycle.average_matrix(32)
   W = np.asarray(params['layers']['mlp_in']['kernel'][1]).T  # [F, D] = [out, in]
+  # float32 products with 0/1 and 1/2 maps, a few terms per entry of O(0.02) weights: ~1e-9
+  # rounding; 1e-6 (1e-7 for the de-coalescing) is far above it and far below a wrong map's O(0.02).
   np.testing.assert_allclose(
     np.asarray(small['layers']['mlp_in']['kernel'][1]).T, S_F @ W @ T_D, atol=1e-6
   )  # F_in^T = (T^T)^T = T
@@ -114,6 +116,8 @@ def test_width_decoalescing_preserves_the_function(pre_ln, tied):
   want = logits_of(small)(m2)
   big_logits = logits_of(big)
   large = vcycle.decoalesce(small, m2, big)
+  # float32 logits O(1) through 4 layers whose sums run over twice as many terms: ~1e-6 relative;
+  # rtol 1e-5 / atol 2e-5 is 10x that; a map that breaks the function moves logits by O(1).
   np.testing.assert_allclose(big_logits(large), want, atol=2e-5, rtol=1e-5)
   if tied:
     plain = vcycle.decoalesce(small, m2, big, tied_compensation=False)
@@ -148,6 +152,7 @@ def test_interpolation_endpoints_are_exact():
   jax.tree.map(np.testing.assert_array_equal, vcycle.interpolate(a, b, 1.0), b)
   mid = vcycle.interpolate(a, b, 0.25)
   jax.tree.map(
+    # 0.75 x + 0.25 y in float32: one ulp or two.
     lambda m, x, y: np.testing.assert_allclose(m, 0.75 * x + 0.25 * y, rtol=1e-6, atol=1e-6),
     mid,
     a,
@@ -190,6 +195,7 @@ def test_train_vcycle_runs_the_cycle():
   back = vcycle.decoalesce(configs[1], seen[(1, 'coarse')], BIG)
   want = vcycle.interpolate(seen[(0, 'down')], back, 0.5)
   jax.tree.map(
+    # The same interpolation, written twice: float32 rounding, a few ulps.
     lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-7),
     seen[(0, 'interpolate')],
     want,
