@@ -95,7 +95,12 @@ def test_the_papers_method_is_explicit():
   assert run.schedule.resolved_flow == 'batch' and run.schedule.num_microbatches == 1
   assert dataclasses.asdict(run.schedule) == dataclasses.asdict(
     ScheduleConfig(
-      name='ouroboros', num_stages=2, compensation=Compensation(), microbatches=1, flow='batch'
+      name='ouroboros',
+      num_stages=2,
+      compensation=Compensation(),
+      microbatches=1,
+      flow='batch',
+      stash_policy='nothing',
     )
   )
 
@@ -198,6 +203,8 @@ def test_the_resolved_run_spells_out_every_auto_once(flags, platform):
   autos = {name: v for name, v in config.flat(run).items() if v == 'auto'}
   if cfg.schedule.name != 'ouroboros':
     assert autos.pop('flow') == 'auto'  # no flow outside Ouroboros: the field stays unset
+  if cfg.schedule.stash == 'replay':
+    assert autos.pop('stash_policy') == 'auto'  # replay keeps the input: no policy, unset
   assert autos == {}, autos
   assert run.model.attention == cfg.model.attention_kind(platform)
 

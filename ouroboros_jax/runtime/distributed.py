@@ -264,10 +264,15 @@ def is_peer_lost(exc: BaseException) -> bool:
   (killed, crashed, its host gone): XLA's runtime error with gloo's or the socket's text."""
   import jax
 
-  return (
-    is_multi_process()
-    and isinstance(exc, jax.errors.JaxRuntimeError)
-    and any(text in str(exc) for text in _LOST_TEXTS)
+  # XLA's runtime error, or the ValueError a collective inside a jitted call raises (Orbax's
+  # save barrier: `multihost_utils.sync_global_devices`, seen under load on 2 cores).
+  errors = (jax.errors.JaxRuntimeError, RuntimeError, ValueError)
+  chain = []  # the error and what it was raised from (a save thread's error, re-raised)
+  while exc is not None and exc not in chain and len(chain) < 8:
+    chain.append(exc)
+    exc = exc.__cause__ or exc.__context__
+  return is_multi_process() and any(
+    isinstance(e, errors) and any(text in str(e) for text in _LOST_TEXTS) for e in chain
   )
 
 
