@@ -10,7 +10,8 @@
 #   gpu      (one GPU) the GPU correctness tests (tests/test_gpu.py); per-layer forward,
 #            backward and update times at the GPT-2-small and 1B shapes for the simulator
 #            (layer_costs.py); backprop's bf16 MFU at GPT-2-small with cuDNN attention
-#            (`ouroboros bench`, the largest batch that fits)
+#            (`ouroboros bench`, the largest batch that fits; at that batch once more with
+#            --loss-chunk-tokens 0, the unchunked head)
 #   cpu      real concurrency: `ouroboros launch --processes P --pin-cpus -- bench` for each P in
 #            $PROCESSES, one core per process, every schedule at its default streamed flow
 # The cpu benches run side by side on disjoint cores, the gpu steps on the cores left. At the end
@@ -91,11 +92,15 @@ gpu_steps() {
   has layer_costs && step layer_costs 180 "${pin[@]}" python3 experiments/layer_costs.py --out "$WORK/layer_costs"
   has train_gpu && step train_gpu 120 "${pin[@]}" python3 -m ouroboros_jax train --preset tiny --dtype bfloat16 \
     --steps 50 --eval-every 50 --out "$WORK/train_gpu"
-  has mfu && for batch in 64 32 16; do  # the largest batch that fits
-    step "mfu_b$batch" 120 "${pin[@]}" python3 -m ouroboros_jax bench --preset gpt2-small \
-      --vocab-size 50257 --dropout 0 --dtype bfloat16 --attention cudnn --stages 1 \
-      --only backprop --batch-size "$batch" --bench-steps 10 --warmup 2 \
-      --out "$WORK/mfu_b$batch" && break
+  local mfu=(python3 -m ouroboros_jax bench --preset gpt2-small --vocab-size 50257 --dropout 0
+    --dtype bfloat16 --attention cudnn --stages 1 --only backprop --bench-steps 10 --warmup 2)
+  has mfu && for batch in 64 32 16; do  # the largest batch that fits, with the default head
+    step "mfu_b$batch" 120 "${pin[@]}" "${mfu[@]}" --batch-size "$batch" \
+      --out "$WORK/mfu_b$batch" || continue
+    # The same batch with the unchunked head (the float32 logits [B, L, V] whole), to compare.
+    step "mfu_unchunked_b$batch" 120 "${pin[@]}" "${mfu[@]}" --batch-size "$batch" \
+      --loss-chunk-tokens 0 --out "$WORK/mfu_unchunked_b$batch"
+    break
   done
 }
 

@@ -8,7 +8,8 @@ run or failed is reported as such) and prints Markdown:
     versions, devices        versions.json, smoke.csv (device_smoke.py)
     steps                    steps.csv: each step's seconds and exit status
     GPU correctness          gpu_tests.xml (pytest's junit report of tests/test_gpu.py)
-    MFU                      mfu_b*/bench.csv: backprop's bf16 MFU at GPT-2-small, largest batch
+    MFU                      mfu_b*/bench.csv: backprop's bf16 MFU at GPT-2-small, largest batch;
+                             mfu_unchunked_b*/bench.csv: the same with the unchunked head
     layer costs              layer_costs/layer_costs.csv (layer_costs.py)
     real concurrency         cpu_g*/bench.csv: each schedule's step, measured / ideal and the
                              simulator's error, and Ouroboros against ZB-V; where a bench was cut
@@ -84,10 +85,26 @@ def mfu(work: str) -> list[str]:
   if best is None:
     return ['MFU: not measured (no GPU, or no batch fitted)']
   batch, value, step, tokens = best
-  return [
+  lines = [
     f'backprop, GPT-2-small shape (vocab 50257), bf16, cuDNN attention, batch {batch} x 1024: '
     f'**MFU {value:.1%}**, {step * 1e3:.1f} ms/step, {tokens:,.0f} tokens/s'
   ]
+  # The same batch with the unchunked head (--loss-chunk-tokens 0), when it ran and fitted.
+  plain = [
+    r
+    for r in _csv(os.path.join(work, f'mfu_unchunked_b{batch}', 'bench.csv'))
+    if r['schedule'] == 'backprop' and r.get('mfu') not in (None, '', 'nan')
+  ]
+  if plain:
+    plain_step = float(plain[0]['step_time_s'])
+    lines.append(
+      f'- the unchunked head (--loss-chunk-tokens 0, the float32 logits whole), batch {batch}: '
+      f'MFU {float(plain[0]["mfu"]):.1%}, {plain_step * 1e3:.1f} ms/step; the default '
+      f'(chunked) head runs at {plain_step / step:.2f}x its throughput'
+    )
+  else:
+    lines.append(f'- the unchunked head (--loss-chunk-tokens 0), batch {batch}: not measured')
+  return lines
 
 
 def layer_costs(work: str) -> list[str]:

@@ -44,6 +44,9 @@ DESCRIPTIONS = {
   'attention': "attention kernel: auto picks the target's fused one (cuDNN on GPU, Pallas on "
   'TPU) or the blockwise one; xla materialises L x L',
   'attention_block': 'blockwise attention: keys (and queries) per block',
+  'loss_chunk_tokens': "tokens per chunk of the head's cross-entropy, computed with its "
+  'gradient one chunk at a time, so the float32 logits [batch, length, vocabulary] are never held '
+  'whole (less memory and memory traffic, the same loss and gradient); 0: all the logits at once',
   # ScheduleConfig
   'schedule': 'how the model is placed and trained (docs/guides/schedules.md)',
   'stages': 'pipeline stages G: devices the layers are cut over (model_parallel, gpipe, the exact '

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ouroboros_jax import attention as attention_kernels
-from ouroboros_jax import staging
+from ouroboros_jax import cross_entropy, staging
 from ouroboros_jax.errors import (
   ConfigError,
   field_ref,
@@ -84,6 +84,11 @@ class ModelConfig:
   # TPU) or the blockwise one for sequences longer than one block; xla materialises L x L.
   attention: str = 'auto'
   attention_block: int = 512  # blockwise: keys (and queries) per block
+  # The head's cross-entropy over chunks of this many tokens, each chunk's gradient computed
+  # with its loss, so the float32 logits are never held whole (cross_entropy.py); 0: the float32
+  # logits [B, L, V] at once (`output_projection`, log-softmax). 2048: a chunk's float32 logits
+  # are 393 MiB at GPT-2's vocabulary of 50257 (13 GB whole at 64 x 1024 tokens).
+  loss_chunk_tokens: int = 2048
 
   def validate(self) -> None:
     for name in ('vocab_size', 'd_model', 'num_heads', 'num_layers', 'd_ff', 'seq_len'):
@@ -135,6 +140,11 @@ class ModelConfig:
       )
     if self.attention_block < 1:
       raise ConfigError(f'{field_ref("attention_block")} must be >= 1, got {self.attention_block}.')
+    if self.loss_chunk_tokens < 0:
+      raise ConfigError(
+        f'{field_ref("loss_chunk_tokens")} must be >= 0 (0: the unchunked head), got '
+        f'{self.loss_chunk_tokens}.'
+      )
     if not 0.0 < self.init_std < float('inf'):
       raise ConfigError(f'{field_ref("init_std")} must be a positive number, got {self.init_std}.')
 
@@ -435,12 +445,18 @@ def _normalized(x_BxLxC, epsilon: float = 1e-6):
 
 def logits(cfg: ModelConfig, head_params: Params, embed_params: Params, x_BxLxD):
   """Residual stream -> next-token logits, through V^T when the embedding is tied."""
+  return output_projection(*unembedding(cfg, head_params, embed_params, x_BxLxD))
+
+
+def unembedding(cfg: ModelConfig, head_params: Params, embed_params: Params, x_BxLxD):
+  """(the final norm's output, the output projection's weight [V, D]): the logits are their
+  product. The weight is the token embedding when tied, the head's kernel [D, V] transposed."""
   head = _merge(_graphdefs(cfg)[2], head_params)
   if cfg.pre_ln:
     x_BxLxD = head.ln_final(x_BxLxD)
   if cfg.tie_embeddings:
-    return output_projection(x_BxLxD, embed_params['token']['embedding'])
-  return output_projection(x_BxLxD, head.unembed.kernel[...].T)
+    return x_BxLxD, embed_params['token']['embedding']
+  return x_BxLxD, head.unembed.kernel[...].T
 
 
 @jax.custom_vjp
@@ -472,7 +488,15 @@ output_projection.defvjp(_output_projection_fwd, _output_projection_bwd)
 
 
 def head_loss(cfg: ModelConfig, head_params: Params, embed_params: Params, x_BxLxD, targets_BxL):
-  """Module K: final norm, output projection and mean next-token cross-entropy (nats)."""
+  """Module K: final norm, output projection and mean next-token cross-entropy (nats); over
+  chunks of cfg.loss_chunk_tokens tokens with no float32 logits kept (`cross_entropy`), or, with
+  0, through the float32 logits [B, L, V]."""
+  if cfg.loss_chunk_tokens:
+    x_BxLxD, weight_VxD = unembedding(cfg, head_params, embed_params, x_BxLxD)
+    loss = cross_entropy.chunked_cross_entropy(
+      x_BxLxD, weight_VxD, targets_BxL, cfg.loss_chunk_tokens
+    )
+    return loss, {'loss': loss}
   logits_BxLxV = logits(cfg, head_params, embed_params, x_BxLxD).astype(jnp.float32)
   logp_BxLxV = jax.nn.log_softmax(logits_BxLxV)
   nll_BxL = -jnp.take_along_axis(logp_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]

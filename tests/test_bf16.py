@@ -292,6 +292,7 @@ def test_output_projection_backward_runs_in_the_compute_dtype(tied):
     vocab_size=64,
     dtype='bfloat16',
     tie_embeddings=tied,
+    loss_chunk_tokens=0,  # the unchunked head (test_chunked_loss.py has the chunked one)
   )
   params = transformer.init_params(cfg, jax.random.key(0))
   x_BxLxD = jax.random.normal(jax.random.key(1), (4, 8, 16)).astype(jnp.bfloat16)

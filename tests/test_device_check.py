@@ -67,3 +67,23 @@ def test_the_summary_reads_a_bench_cut_short_from_process_0_s_log(tmp_path):
   assert '- zb_v M=8: 1000.0 ms' in done.stdout  # process 0's step, not process 1's
   assert '- ouroboros M=8 stream locked/graph: 1.25x the throughput of ZB-V' in done.stdout
   assert 'MFU: not measured' in done.stdout and 'versions: not recorded' in done.stdout
+
+
+def test_the_summary_sets_the_unchunked_head_beside_the_default_one(tmp_path):
+  """The mfu step runs the batch that fitted once more with --loss-chunk-tokens 0: the summary
+  gives both, at that batch, and the default head's throughput over the unchunked one's."""
+  header = 'schedule,label,step_time_s,tokens_per_s,mfu\n'
+  for name, step, mfu in (('mfu_b32', 0.1, 0.3), ('mfu_unchunked_b32', 0.15, 0.2)):
+    (tmp_path / name).mkdir()
+    (tmp_path / name / 'bench.csv').write_text(
+      header + f'backprop,backprop,{step},{32 * 1024 / step},{mfu}\n'
+    )
+  done = subprocess.run(
+    [sys.executable, 'experiments/device_summary.py', str(tmp_path)],
+    cwd=REPO_ROOT,
+    capture_output=True,
+    text=True,
+  )
+  assert done.returncode == 0, done.stderr
+  assert 'batch 32 x 1024: **MFU 30.0%**, 100.0 ms/step' in done.stdout
+  assert 'MFU 20.0%, 150.0 ms/step; the default (chunked) head runs at 1.50x' in done.stdout

@@ -20,6 +20,7 @@ LAYERS = {
   'model': 1,
   'txl': 1,
   'attention': 1,
+  'cross_entropy': 1,
   'staged': 1,
   'update': 1,
   'optimizers': 1,
