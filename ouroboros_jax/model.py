@@ -87,7 +87,8 @@ class ModelConfig:
   # The head's cross-entropy over chunks of this many tokens, each chunk's gradient computed
   # with its loss, so the float32 logits are never held whole (cross_entropy.py); 0: the float32
   # logits [B, L, V] at once (`output_projection`, log-softmax). 2048: a chunk's float32 logits
-  # are 393 MiB at GPT-2's vocabulary of 50257 (13 GB whole at 64 x 1024 tokens).
+  # are 393 MiB at GPT-2's vocabulary of 50257 (13 GB whole at 64 x 1024 tokens), and the
+  # fastest of 1024 to 8192 on an H200 there (docs/results/device.md, run 6).
   loss_chunk_tokens: int = 2048
 
   def validate(self) -> None:
