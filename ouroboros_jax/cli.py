@@ -114,6 +114,7 @@ _LOOP_FIELDS = (
   'log_every',
   'eval_every',
   'eval_batches',
+  'test_batches',
   'eval_mem_len',
   'checkpoint_every',
   'keep_checkpoints',

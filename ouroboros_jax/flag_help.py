@@ -87,6 +87,7 @@ DESCRIPTIONS = {
   'log_every': 'steps between log lines (also how often the loss is checked for NaN/Inf)',
   'eval_every': 'steps between validation evaluations (the last step always evaluates)',
   'eval_batches': 'validation batches per evaluation',
+  'test_batches': 'test batches evaluated at the end of the run (none: the whole test split)',
   'eval_mem_len': 'transformer-xl: memory length when evaluating',
   'data_order': 'training batches as shuffled windows, or as B contiguous segment streams (as '
   'Transformer-XL trains)',

@@ -122,6 +122,8 @@ SMALL_CLI = [
   '8',
   '--eval-batches',
   '2',
+  '--test-batches',  # the final test evaluation: 2 batches, not the whole split
+  '2',
   '--quiet',
 ]
 
@@ -176,6 +178,9 @@ TINY = dict(
   learning_rate=1e-2,
   warmup_steps=5,
   eval_batches=4,
+  # The run's final test evaluation reads 2 batches, not the whole test split (~260 batches of
+  # the default corpus at this shape: most of a short run's time on simulated devices).
+  test_batches=2,
   log_every=1,
 )
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from ouroboros_jax import cli, placement, staged
+from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.training import checkpoint, config, data, loop, metrics, resume, sample
 
 from helpers import assert_trees_equal, host_tree, tiny_config
@@ -55,6 +56,22 @@ def test_short_run_lowers_validation_loss(short_run):
   assert val[-1]['loss'] < val[0]['loss']
   assert summary['val_bpb'] == pytest.approx(val[-1]['bpb'])
   assert summary['step'] == 100 and summary['tokens_per_s'] > 0 and summary['compile_s'] > 0
+
+
+def test_the_final_test_evaluation_reads_test_batches_of_the_split(short_run):
+  """--test-batches N: the test row is the mean loss of the split's first N batches (the tests
+  run with N = 2; the default, None, reads the whole split)."""
+  cfg, summary, state = short_run
+  assert cfg.test_batches == 2 and config.TrainConfig().test_batches is None
+  schedule, _, _ = loop.build(cfg.resolved())
+  splits, _ = loop.open_data(cfg)
+  shape = dict(seq_len=cfg.model.seq_len, batch_size=cfg.batch_size)
+  assert len(list(data.eval_batches(splits['test'], **shape, max_batches=None))) > 2
+  loss = loop.evaluate(schedule, state['params'], splits['test'], cfg, 2)
+  # The same program on the same parameters and batches: the same float32 losses and mean.
+  assert summary['test_bpb'] == pytest.approx(loss / math.log(2), rel=1e-12)
+  with pytest.raises(ConfigError, match='test_batches'):
+    config.override(cfg, {'test_batches': 0}).validate()
 
 
 def test_metrics_rows_and_files(short_run):

@@ -76,6 +76,7 @@ class TrainConfig:
   log_every: int = 20  # also how often the host checks the loss for NaN/Inf
   eval_every: int = 500
   eval_batches: int = 50  # validation batches per evaluation (in order, unshuffled)
+  test_batches: int | None = None  # test batches evaluated at the end (None: the whole split)
   eval_mem_len: int | None = None  # transformer-xl: memory length when evaluating (None: mem_len)
   data_order: str = 'auto'  # windows (shuffled), segments (B contiguous streams, each row
   # continuing the previous batch's), auto: segments for a model with a memory
@@ -155,6 +156,10 @@ class TrainConfig:
         raise ConfigError(
           f'{field_ref(name)} must be a positive integer, got {getattr(self, name)}.'
         )
+    if self.test_batches is not None and self.test_batches <= 0:
+      raise ConfigError(
+        f'{field_ref("test_batches")} must be a positive integer, got {self.test_batches}.'
+      )
     for name in ('warmup_steps', 'seed'):
       if getattr(self, name) < 0:
         raise ConfigError(f'{field_ref(name)} must be >= 0, got {getattr(self, name)}.')

@@ -380,7 +380,7 @@ def _loop(run: _Run, step: int) -> dict:
     report.mark()  # evaluation and saving are not training time
   if not compiled:  # resumed a finished run: nothing left to train
     val_bpb = _evaluate(run, step, 'validation', cfg.eval_batches)
-  test_bpb = _evaluate(run, step, 'test', None)
+  test_bpb = _evaluate(run, step, 'test', cfg.test_batches)
   run.manager.wait_until_finished()
   saved.report(run)
   return report.finish(step, val_bpb, test_bpb)

@@ -104,7 +104,7 @@ def train_phased(
   try:
     run = _run_growth if cfg.growth else _run_vcycle
     params = run(cfg, reporter.batches(train_it), reporter.on_step)
-    test_loss = evaluate_plain(cfg.model, params, splits['test'], cfg, None)
+    test_loss = evaluate_plain(cfg.model, params, splits['test'], cfg, cfg.test_batches)
     test_bpb = report.evaluated(cfg.steps, 'test', test_loss)
   finally:
     report.bar.close()
