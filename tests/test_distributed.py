@@ -116,6 +116,38 @@ def test_a_killed_process_makes_launch_fail_fast(tmp_path):
   )
 
 
+# Process 1 fails at once (killed by SIGKILL, or exits with 5); process 0 exits with 7 half a
+# second after it, without a word: the launcher names process 1, the first to fail.
+FIRST_TO_FAIL = textwrap.dedent("""
+    import os, signal, sys, time
+    how, gone = sys.argv[1:]
+    if os.environ['OUROBOROS_PROCESS_ID'] == '1':
+      open(gone, 'w').close()
+      os.kill(os.getpid(), signal.SIGKILL) if how == 'kill' else os._exit(5)
+    while not os.path.exists(gone):
+      time.sleep(0.01)
+    time.sleep(0.5)
+    os._exit(7)
+""")
+
+
+@pytest.mark.parametrize(
+  'how, code, ended, then',
+  [
+    ('kill', 128 + signal.SIGKILL, 'was killed by SIGKILL', ''),
+    ('exit', 5, 'exited with status 5', '; see its output above.'),
+  ],
+)
+def test_launch_names_the_first_process_to_fail(tmp_path, how, code, ended, then):
+  """Was: `process 0 exited with status 7`, the first failure by index, not in time."""
+  out, reasons = io.StringIO(), []
+  program = [sys.executable, '-c', FIRST_TO_FAIL, how, str(tmp_path / 'gone')]
+  options = launch.LaunchOptions(program=program)
+  assert launch.launch(2, [], options=options, timeout_s=60, out=out, reasons=reasons) == code
+  assert reasons == [f'process 1 {ended}{then}'], out.getvalue()
+  assert f'[launch] process 1 {ended};' in out.getvalue()
+
+
 def test_an_unreachable_coordinator_is_one_line():
   port = launch.free_port()  # nothing listens there
   result = subprocess.run(

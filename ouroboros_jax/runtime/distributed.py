@@ -30,6 +30,7 @@ import atexit
 import contextlib
 import dataclasses
 import os
+import select
 import socket
 import sys
 import threading
@@ -159,13 +160,14 @@ PEER_FAILED = 'stops too.'  # how the line of a process ended by a peer's failur
 
 def announce_failure(message: str, code: int) -> None:
   """Posts `message` and the exit status under FAILED_KEY for every peer's `watch_peers` (the
-  first one posted wins)."""
+  first one posted wins). Not where the coordination service is gone (process 0 lost): a call
+  to it would wait for it, and XLA's client would end the process meanwhile."""
   import jax
 
-  try:
-    _client().key_value_set(FAILED_KEY, f'{jax.process_index()}\t{code}\t{message}')
-  except Exception:  # pylint: disable=broad-exception-caught  (a peer posted first, or no service)
-    pass
+  if _service_gone():
+    return
+  client, posted = _client(), f'{jax.process_index()}\t{code}\t{message}'
+  _bounded(lambda: client.key_value_set(FAILED_KEY, posted))  # a peer posted first: it raises
 
 
 def _end_now(code: int) -> None:
@@ -174,11 +176,98 @@ def _end_now(code: int) -> None:
   and end cleanly before the service goes (they would abort with a C++ stack instead)."""
   import jax
 
-  sys.stdout.flush()
-  sys.stderr.flush()
+  _last_words(None, code)
   if jax.process_index() == 0:
     time.sleep(1.5)
   os._exit(code)  # pylint: disable=protected-access
+
+
+def _last_words(line: str | None, code: int) -> None:
+  """Writes `line` to stderr as this process's last output, which must end with `code` within
+  LAST_WORDS_S seconds (it ends sooner: `_end_now`).
+
+  XLA's client sees a lost coordination service (process 0 killed) at the same moment as this
+  process or sooner, and logs its fatal error and a C++ stack to stderr, then aborts (status
+  134). From here on stdout and stderr are a pipe that is full and never read: a thread that
+  writes to them waits, so XLA neither adds to this line nor aborts before `os._exit(code)`.
+  Process 0's go to /dev/null instead: the coordination service it hosts must go on answering
+  its peers (`_end_now`), whatever it logs."""
+  import jax
+
+  sys.stdout.flush()
+  sys.stderr.flush()
+  if _MUTED:
+    return
+  real = 2
+  with contextlib.suppress(OSError):
+    real = os.dup(2)
+    if jax.process_index() == 0:
+      _MUTED.append(os.open(os.devnull, os.O_WRONLY))
+    else:
+      _MUTED.extend(_full_pipe())
+    os.dup2(_MUTED[-1], 1)
+    os.dup2(_MUTED[-1], 2)
+  _MUTED.append(real)
+  if line is not None:
+    with contextlib.suppress(OSError):
+      os.write(real, f'{line}\n'.encode())
+  # A safety net: should the thread ending the process block (on a write to the blocked
+  # stderr), the timer ends it, with its status.
+  timer = threading.Timer(LAST_WORDS_S, os._exit, (code,))  # pylint: disable=protected-access
+  timer.daemon = True
+  timer.start()
+
+
+LAST_WORDS_S = 10.0
+_MUTED: list = []  # what stdout and stderr now write to (and the real stderr), once silenced
+
+
+def _full_pipe() -> tuple[int, int]:
+  """A pipe whose buffer is full: writing to its write end blocks for good."""
+  read, write = os.pipe()
+  os.set_blocking(write, False)
+  chunk = b'\0' * 65536
+  while True:
+    try:
+      os.write(write, chunk if len(chunk) > 1 else b'\0')
+    except BlockingIOError:
+      if len(chunk) == 1:
+        break
+      chunk = chunk[: len(chunk) // 2]
+  os.set_blocking(write, True)
+  return read, write
+
+
+def _service_gone() -> bool:
+  """Whether the coordination service (process 0's) is gone: its port refuses connections, or
+  does not answer within a second. False in process 0, which hosts it."""
+  import jax
+  from jax._src import distributed as jax_distributed  # where JAX keeps the address
+
+  address = jax_distributed.global_state.coordinator_address
+  if jax.process_index() == 0 or not address:
+    return False
+  host, _, port = address.rpartition(':')
+  try:
+    with socket.create_connection((host.strip('[]'), int(port)), timeout=1.0):
+      return False
+  except (OSError, ValueError):
+    return True
+
+
+def _bounded(call, timeout_s: float = 2.0):
+  """call() on a helper thread; its result, or None if it raised or took over timeout_s (a call
+  to a coordination service that went away waits for it: the thread is left behind)."""
+  result = []
+
+  def run():
+    with contextlib.suppress(Exception):
+      result.append(call())
+
+  thread = threading.Thread(target=run, name='ouroboros-bounded-call', daemon=True)
+  thread.start()
+  thread.join(timeout_s)
+  return result[0] if result else None
 
 
 def watch_peers(poll_s: float = 0.5) -> threading.Event:
@@ -196,10 +285,10 @@ def watch_peers(poll_s: float = 0.5) -> threading.Event:
       except Exception:  # pylint: disable=broad-exception-caught  (nothing posted yet)
         continue
       process, code, message = posted.split('\t', 2)
-      if stop.is_set() or _FAILING.is_set() or process == str(me):
+      if stop.is_set() or process == str(me) or not _claim_failure():
         return
-      print(
-        f'error: process {process} failed ({message}); process {me} {PEER_FAILED}', file=sys.stderr
+      _last_words(
+        f'error: process {process} failed ({message}); process {me} {PEER_FAILED}', int(code)
       )
       _end_now(int(code))
 
@@ -237,8 +326,9 @@ def fail_every_process(message: str | None, code: int) -> None:
     traceback.print_exc()
     exc = sys.exc_info()[1]
     message = f'{type(exc).__name__}: {exc}' if exc is not None else 'it failed'
+    _last_words(None, code)
   else:
-    print(f'error: {message}', file=sys.stderr)
+    _last_words(f'error: {message}', code)
   announce_failure(' '.join(message.split())[:300], code)
   _end_now(code)
 
@@ -346,21 +436,28 @@ def _identity(pid: int) -> str | None:
 def _watch_pids(client, me: int, stop: threading.Event, poll_s: float = 0.1) -> None:
   """Ends this process with one line as soon as a peer on this machine is gone without a word
   (kill -9, a crash): its collectives would otherwise fail with a traceback, or wait for the
-  heartbeat time-out and abort with a C++ stack (a save waits on the peer in a barrier). Peers
-  on other machines are not watched here: their loss ends the collectives (`is_peer_lost`)."""
+  heartbeat time-out and abort with a C++ stack (a save waits on the peer in a barrier). Linux
+  wakes it the moment a peer ends (a pidfd per peer); elsewhere it looks every poll_s. Peers
+  on other machines are not watched here: their loss ends the collectives (`is_peer_lost`), or
+  the heartbeat time-out."""
   import jax
 
-  mine, known = _identity(os.getpid()), {}
+  mine, known, pidfds = _identity(os.getpid()), {}, {}  # pidfds: peer -> its pidfd
   if mine is None:
     return
   peers = [p for p in range(jax.process_count()) if p != me]
-  while not stop.wait(poll_s):
+  while not stop.is_set():
+    if pidfds:
+      select.select(list(pidfds.values()), [], [], poll_s)  # readable: that process has ended
+    else:
+      stop.wait(poll_s)
     for peer in peers:
       if peer not in known:
         try:
           known[peer] = client.key_value_try_get(f'{_PROCESS_KEY}/{peer}')
         except Exception:  # pylint: disable=broad-exception-caught  (not posted yet)
           continue
+        pidfds.update({peer: fd for fd in _pidfd(known[peer], mine)})
       boot, namespace, pid, _ = known[peer].split()
       if f'{boot} {namespace}' != ' '.join(mine.split()[:2]):
         continue  # another machine, or another PID namespace
@@ -368,22 +465,41 @@ def _watch_pids(client, me: int, stop: threading.Event, poll_s: float = 0.1) -> 
         continue
       if _ended_by_plan(client, peer):
         peers.remove(peer)
+        if peer in pidfds:
+          os.close(pidfds.pop(peer))
         break
       if not _claim_failure():
         return
-      print(
+      _last_words(
         f'error: {peer_lost_message("it ended without a word: killed or crashed", peer)}',
-        file=sys.stderr,
+        PeerLostError.exit_code,
       )
       _end_now(PeerLostError.exit_code)
 
 
+def _pidfd(identity: str, mine: str) -> list[int]:
+  """[a pidfd] of the process `identity` names if it runs on this machine and is still that
+  process (Linux 5.3+), else []."""
+  boot, namespace, pid, _ = identity.split()
+  if f'{boot} {namespace}' != ' '.join(mine.split()[:2]) or not hasattr(os, 'pidfd_open'):
+    return []
+  try:
+    fd = os.pidfd_open(int(pid))
+  except OSError:  # gone already, or a kernel without pidfds: the /proc check finds it
+    return []
+  if _identity(int(pid)) != identity:  # the PID went to another process before it was opened
+    os.close(fd)
+    return []
+  return [fd]
+
+
 def _ended_by_plan(client, peer: int) -> bool:
-  """Whether the peer ended as planned, or posted its own failure (which `watch_peers` reports)."""
+  """Whether the peer ended as planned, or posted its own failure (which `watch_peers` reports).
+  A lost process 0 took the coordination service with it: nothing to ask, and a question would
+  wait for it."""
+  if peer == 0 and _service_gone():
+    return False
   for key in (f'{_DONE_KEY}/{peer}', FAILED_KEY):
-    try:
-      client.key_value_try_get(key)
+    if _bounded(lambda key=key: client.key_value_try_get(key) or True):
       return True
-    except Exception:  # pylint: disable=broad-exception-caught  (not posted, or no service)
-      continue
   return False

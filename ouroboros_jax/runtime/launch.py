@@ -6,7 +6,8 @@ starts `python -m ouroboros_jax <args>` N times with OUROBOROS_COORDINATOR /
 OUROBOROS_NUM_PROCESSES / OUROBOROS_PROCESS_ID set (see `distributed.py`), each process on the CPU
 backend with one device, single-threaded (so one process is one core's worth of work) and, with
 --pin-cpus, pinned to its own core with `taskset` (the i-th of the launcher's own cores). Their output is forwarded line by line with a
-`[pI]` prefix. The launcher returns the first non-zero exit code; when one process fails, the
+`[pI]` prefix (up to a child's `error:` line, its last word; see `_forward`). The launcher returns
+the exit code of the first process to fail, in time, and names it; when one process fails, the
 others end by themselves (a failing `train` posts its error for its peers, see
 `distributed.fail_every_process`) or are killed `failure_grace_s` seconds later (a process killed
 by a signal tells no one), so a launch never hangs.
@@ -129,17 +130,43 @@ def _raise_stop(signum, _frame):
 _CPP_FRAME = re.compile(r'^\s*@\s+0x[0-9a-f]+\s')  # a line of a C++ stack dump (absl)
 
 
-def _forward(stream, prefix: str, out, failed: threading.Event, errors: list) -> None:
-  """Copies a child's lines with its prefix, and keeps its `error:` lines (`errors`). Once a
-  process has failed, the others die of it (XLA aborts them when a peer stops): their C++ stack
-  dumps say nothing more and are dropped."""
+# A line of XLA's C++ log (absl): severity and date, time, thread, file:line.
+_XLA_LOG = re.compile(r'^[IWEF]\d{4} \d\d:\d\d:\d\d\.\d+\s+\d+ \S+:\d+\] ')
+
+
+def _forward(stream, prefix: str, out, errors: list, peer_failed) -> None:
+  """Copies a child's lines with its prefix, and keeps its `error:` lines (`errors`).
+
+  A child's `error:` line is its last word: what it prints after it is dropped. Once a peer has
+  failed (peer_failed(): one ended with a non-zero status), the child's own line about it is on
+  its way, and XLA's lines say nothing more: its client's log about the lost peer or the lost
+  coordination service (process 0 hosts it), the C++ stack of the abort that follows. From the
+  first XLA log line or stack frame after a peer's failure, only the child's `error:` line is
+  forwarded."""
+  said = quiet = False
   for line in iter(stream.readline, ''):
-    if failed.is_set() and _CPP_FRAME.match(line):
+    own = line.startswith('error: ')
+    if said or (quiet and not own):
       continue
-    if line.startswith('error: '):
+    if not own and (_XLA_LOG.match(line) or _CPP_FRAME.match(line)) and _soon(peer_failed):
+      quiet = True
+      continue
+    if own:
       errors.append(line[len('error: ') :].strip())
+      said = True
     out.write(f'{prefix} {line}')
     out.flush()
+
+
+def _soon(happened, within_s: float = 0.5) -> bool:
+  """Whether happened() is true now or within within_s seconds. A killed peer's sockets close
+  (and the survivor's XLA logs about it) a moment before its exit can be seen."""
+  deadline = time.monotonic() + within_s
+  while not happened():
+    if time.monotonic() > deadline:
+      return False
+    time.sleep(0.01)
+  return True
 
 
 def _exit_status(code: int) -> int:
@@ -229,6 +256,7 @@ class _Children:
   def __init__(self, out):
     self.out, self.procs, self.threads, self.errors = out, [], [], []
     self.failed = threading.Event()
+    self.failures = []  # (process index, exit code) of the failed processes, first failed first
 
   def start(self, num_processes: int, command: list[str], pin_cpus: bool) -> None:
     port, cores = free_port(), usable_cpus()
@@ -249,7 +277,7 @@ class _Children:
       self.errors.append([])
       th = threading.Thread(
         target=_forward,
-        args=(p.stdout, f'[p{i}]', self.out, self.failed, self.errors[i]),
+        args=(p.stdout, f'[p{i}]', self.out, self.errors[i], lambda i=i: self._peer_failed(i)),
         daemon=True,
       )
       th.start()
@@ -263,23 +291,22 @@ class _Children:
     out, failure_grace_s = self.out, options.failure_grace_s
     first_failure, failed_at, started = 0, None, time.monotonic()
     try:
-      while any(p.poll() is None for p in self.procs):
-        now = time.monotonic()
-        for i, p in enumerate(self.procs):
-          code = p.poll()
-          if code not in (None, 0) and not first_failure:
+      while True:
+        now, running = time.monotonic(), any(p.poll() is None for p in self.procs)
+        for i, code in self._new_failures():  # also those that ended since the last look
+          self.failures.append((i, code))
+          if not first_failure:
             first_failure, failed_at = _exit_status(code), now
             self.failed.set()
-            how = (
-              f'was killed by {signal.Signals(-code).name}'
-              if code < 0
-              else (f'exited with status {code}')
+            then = (
+              f'; the others stop when they next need it (killed after {failure_grace_s:g} s)'
+              if running
+              else ''
             )
-            out.write(
-              f'[launch] process {i} {how}; the others stop when they next need it '
-              f'(killed after {failure_grace_s:g} s)\n'
-            )
+            out.write(f'[launch] process {i} {_how_it_ended(code)}{then}\n')
             out.flush()
+        if not running:
+          break
         if failed_at is not None and now - failed_at > failure_grace_s:
           break
         if timeout_s is not None and now - started > timeout_s:
@@ -294,6 +321,32 @@ class _Children:
       return first_failure or 128 + signum
     return first_failure
 
+  def _peer_failed(self, me: int) -> bool:
+    """Whether a process other than `me` has failed (for the thread forwarding me's output: it
+    looks without reaping, so that Popen still sees the status)."""
+    if self.failed.is_set():
+      return True
+    for i, p in enumerate(self.procs):
+      if i == me:
+        continue
+      try:
+        ended = os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+      except (ChildProcessError, AttributeError):  # reaped already; no waitid (not POSIX)
+        if p.returncode not in (None, 0):
+          return True
+        continue
+      if ended is not None and not (ended.si_code == os.CLD_EXITED and ended.si_status == 0):
+        return True
+    return False
+
+  def _new_failures(self) -> list[tuple[int, int]]:
+    """The processes seen failed since the last call, as (index, exit code), in the order they
+    most likely failed: one killed by a signal before one that exited by itself (a survivor
+    ends some milliseconds after its killed peer: both can end within one poll)."""
+    seen = {i for i, _ in self.failures}
+    new = [(i, p.poll()) for i, p in enumerate(self.procs) if i not in seen]
+    return sorted(((i, c) for i, c in new if c not in (None, 0)), key=lambda f: (f[1] > 0, f[0]))
+
   def end(self) -> None:
     """Kills what still runs and waits for every child and its output."""
     for p in self.procs:
@@ -305,15 +358,35 @@ class _Children:
       th.join(timeout=5)
 
   def reason(self, first_failure: int) -> str:
-    """One line: the first `error:` line a child printed, else the first failure's status."""
+    """One line: the first process to fail (in time) and how, with the `error:` line it printed,
+    or for one killed by a signal (which says nothing) the line of a peer that saw it go; else
+    the first `error:` line of any process (not a peer's echo of it), else an exit status."""
     codes = [p.returncode for p in self.procs]
-    first = next((i for i, c in enumerate(codes) if c), 0)
-    status = _exit_status(codes[first]) if codes[first] else first_failure
+    # Failures the supervising loop saw; else (a time-out, a stop signal: the launcher killed
+    # them) the first non-zero status.
+    first, code = (self.failures or [(i, c) for i, c in enumerate(codes) if c] or [(0, 0)])[0]
+    if not self.failures and code < 0:
+      code = _exit_status(code)  # killed by the launcher itself: no signal of its own to name
     own = [(i, line) for i, e in enumerate(self.errors) for line in e]
     own = [o for o in own if not o[1].endswith(distributed.PEER_FAILED)] or own  # not an echo
+    if code is not None and code < 0:  # killed: its peers' lines say what it left behind
+      said = next((f'; process {i}: {line}' for i, line in own if i != first), '')
+      return f'process {first} {_how_it_ended(code)}{said}'
+    own.sort(key=lambda o: o[0] != first)  # the first to fail, if it said why
     return next((f'process {i}: {line}' for i, line in own), None) or (
-      f'process {first} exited with status {status}; see its output above.'
+      f'process {first} exited with status {_exit_status(code) if code else first_failure}; '
+      'see its output above.'
     )
+
+
+def _how_it_ended(code: int) -> str:
+  """A child's Popen return code in words (-N: killed by signal N)."""
+  if code >= 0:
+    return f'exited with status {code}'
+  try:
+    return f'was killed by {signal.Signals(-code).name}'
+  except ValueError:
+    return f'was killed by signal {-code}'
 
 
 def _stop_children(procs, signum: int, grace_s: float) -> None:
