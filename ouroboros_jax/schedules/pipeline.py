@@ -259,13 +259,57 @@ def _start(executor: _Executor, step: _Step, memory) -> _Carry:
   )
 
 
+class _Sums(NamedTuple):
+  """What the operations add to over the step (the only state a tick's switch carries)."""
+
+  grad_chunks: PyTree  # leaves [v, ...]
+  grad_embed: PyTree
+  grad_head: PyTree
+  loss: jax.Array
+
+
+class _Slots(NamedTuple):
+  """The slots of this tick's operation: read from the buffers before it runs, written back
+  after (F: its residuals and memory; a tapped B: what it hands W; every other operation hands
+  back what it read)."""
+
+  kept: PyTree  # the stash slot: F's residuals of this (micro-batch, chunk)
+  for_w: PyTree  # what a tapped B hands its W ({} otherwise)
+  memory: PyTree  # this chunk's memory of this micro-batch (None without a memory)
+
+
 def _tick(executor: _Executor, step: _Step, carry: _Carry, op):
-  """One tick: 1. run the operation (idle, F, B or W); 2. move the value it sends one hop."""
+  """One tick: 1. run the operation (idle, F, B or W); 2. move the value it sends one hop.
+
+  The operation runs in a `lax.switch` that carries only the sums and one slot of each buffer:
+  the buffers themselves (stash, inboxes, memory) are read and written around it by index. A
+  switch that carried them made XLA copy every buffer in every branch of every tick (the whole
+  stash, twice a tick: 0.9 GB a tick for GPipe M=4 at width 1024), which the pieces a step is
+  built from never pay."""
   weight_grad = _idle if executor.pipeline.fused else _weight_grad  # fused: B took the VJP
   operations = [
     functools.partial(run, executor, step) for run in (_idle, _forward, _input_grad, weight_grad)
   ]
-  carry, sent = jax.lax.switch(op['kind'], operations, carry, op)
+  depth, slot = executor.program.stash_slots, op['stash_slot']
+  c, i = op['chunk'], op['microbatch']
+  read = _Slots(
+    kept=ring.read_slot(carry.stash, slot, depth),
+    for_w=ring.read_slot(carry.for_w, slot, depth),
+    memory=jax.tree.map(lambda a: a[c, i], carry.memory),
+  )
+  inbox = ring.at(carry.activations, op['inbox_slot'])
+  delta = ring.at(carry.gradients, op['inbox_slot'])
+  sums = _Sums(carry.grad_chunks, carry.grad_embed, carry.grad_head, carry.loss)
+  sums, written, sent = jax.lax.switch(op['kind'], operations, sums, read, inbox, delta, op)
+  carry = carry._replace(
+    stash=ring.write_slot(carry.stash, written.kept, slot, depth),
+    for_w=ring.write_slot(carry.for_w, written.for_w, slot, depth),
+    memory=jax.tree.map(lambda a, new: a.at[c, i].set(new), carry.memory, written.memory),
+    grad_chunks=sums.grad_chunks,
+    grad_embed=sums.grad_embed,
+    grad_head=sums.grad_head,
+    loss=sums.loss,
+  )
   return _send(executor, carry, op, sent), None
 
 
@@ -283,37 +327,36 @@ def _send(executor: _Executor, carry: _Carry, op, sent) -> _Carry:
   return carry._replace(activations=activations, gradients=gradients)
 
 
-# -- the operations: (carry, op) -> (carry, the value sent on) -------------------------------------
+# -- the operations: (sums, slots read, inbox activation, inbox gradient, op) ----------------------
+# -> (sums, slots to write back, the value sent on)
 
 
-def _idle(executor: _Executor, step: _Step, carry: _Carry, op):
-  del executor, op
-  return carry, step.nothing
+def _idle(executor: _Executor, step: _Step, sums: _Sums, read: _Slots, inbox, delta, op):
+  del executor, inbox, delta, op
+  return sums, read, step.nothing
 
 
-def _forward(executor: _Executor, step: _Step, carry: _Carry, op):
+def _forward(executor: _Executor, step: _Step, sums: _Sums, read: _Slots, inbox, delta, op):
   """F: embed micro-batch i (virtual stage k = 0) or take the activation in the inbox, run chunk
   c keeping its residuals in the stash slot; on the last stage also the head. Sends the output
   to the next stage, or the head's gradient to this stage's own B."""
+  del delta
   i, k, c = op['microbatch'], op['stage'], op['chunk']
   embed = lambda: ring.embed(executor.model, step.params['embed'], step.inputs[i], step.key_of(i))
-  received = lambda: ring.at(carry.activations, op['inbox_slot'])
-  x = jax.lax.cond(k == 0, embed, received)
-  memory = jax.tree.map(lambda a: a[c, i], carry.memory)  # None without a memory
-  y, kept, memory = executor.stash.forward(step.chunk(c), x, k, step.key_of(i), memory, step.index)
+  x = jax.lax.cond(k == 0, embed, lambda: inbox)
+  y, kept, memory = executor.stash.forward(
+    step.chunk(c), x, k, step.key_of(i), read.memory, step.index
+  )
   zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
   no_head = lambda: (jnp.zeros(()), zeros(step.params['head']), zeros(step.params['embed']), y)
   head = lambda: _head(executor, step, y, i)
   loss, g_head, g_embed, sent = jax.lax.cond(k == executor.pipeline.last_stage, head, no_head)
-  stash_slots = executor.program.stash_slots
-  carry = carry._replace(
-    stash=ring.write_slot(carry.stash, kept, op['stash_slot'], stash_slots),
-    grad_head=_add(carry.grad_head, g_head),
-    grad_embed=_add(carry.grad_embed, g_embed),
-    loss=carry.loss + loss,
-    memory=jax.tree.map(lambda a, new: a.at[c, i].set(new), carry.memory, memory),
+  sums = sums._replace(
+    grad_head=_add(sums.grad_head, g_head),
+    grad_embed=_add(sums.grad_embed, g_embed),
+    loss=sums.loss + loss,
   )
-  return carry, sent
+  return sums, read._replace(kept=kept, memory=memory), sent
 
 
 def _head(executor: _Executor, step: _Step, y, i):
@@ -323,58 +366,48 @@ def _head(executor: _Executor, step: _Step, y, i):
   return loss / m, g_head, g_embed, dy
 
 
-def _input_grad(executor: _Executor, step: _Step, carry: _Carry, op):
+def _input_grad(executor: _Executor, step: _Step, sums: _Sums, read: _Slots, inbox, delta, op):
   """B. A fused schedule takes the whole VJP here, as one backward (its W is empty). A split
   one (ZB) takes the input gradient: through the model's taps when it has a `WeightSplit`
   (keeping the taps' gradients for W), else as the input half of the VJP (XLA removes the
   weight half). On virtual stage 0 the input gradient goes on into the embedding's."""
-  i, slot = op['microbatch'], op['stash_slot']
+  del inbox
+  i = op['microbatch']
   if executor.tapped:
-    kept, delta = _kept_and_delta(executor, carry, op)
     dx, for_w = executor.stash.input_grad(
-      step.chunk(op['chunk']), kept, delta, op['stage'], step.key_of(i)
+      step.chunk(op['chunk']), read.kept, delta, op['stage'], step.key_of(i)
     )
-    slots = executor.program.stash_slots
-    carry = carry._replace(for_w=ring.write_slot(carry.for_w, for_w, slot, slots))
+    read = read._replace(for_w=for_w)
   else:
-    g_chunk, dx = _backward(executor, step, carry, op)
-    carry = _add_chunk_grad(carry, op, g_chunk) if executor.pipeline.fused else carry
+    g_chunk, dx = _backward(executor, step, read.kept, delta, op)
+    sums = _add_chunk_grad(sums, op, g_chunk) if executor.pipeline.fused else sums
   embed_grad = lambda: ring.embed_grad(
     executor.model, step.params['embed'], step.inputs[i], step.key_of(i), dx
   )
   g_embed = ring.on_stage(op['stage'], 0, embed_grad)
-  return carry._replace(grad_embed=_add(carry.grad_embed, g_embed)), dx
+  return sums._replace(grad_embed=_add(sums.grad_embed, g_embed)), read, dx
 
 
-def _weight_grad(executor: _Executor, step: _Step, carry: _Carry, op):
+def _weight_grad(executor: _Executor, step: _Step, sums: _Sums, read: _Slots, inbox, delta, op):
   """W of a split schedule: from the taps' gradients (matrix products only), else as the weight
   half of the VJP (which recomputes the input-gradient chain). Sends nothing."""
+  del inbox
   if executor.tapped:
-    slots = executor.program.stash_slots
-    kept = ring.read_slot(carry.stash, op['stash_slot'], slots)
-    for_w = ring.read_slot(carry.for_w, op['stash_slot'], slots)
-    g_chunk = executor.stash.weight_grad(step.chunk(op['chunk']), kept, for_w)
+    g_chunk = executor.stash.weight_grad(step.chunk(op['chunk']), read.kept, read.for_w)
   else:
-    g_chunk, _ = _backward(executor, step, carry, op)
-  return _add_chunk_grad(carry, op, g_chunk), step.nothing
+    g_chunk, _ = _backward(executor, step, read.kept, delta, op)
+  return _add_chunk_grad(sums, op, g_chunk), read, step.nothing
 
 
-def _kept_and_delta(executor: _Executor, carry: _Carry, op):
-  """The residuals F kept for this op's (micro-batch, chunk), and its output gradient."""
-  kept = ring.read_slot(carry.stash, op['stash_slot'], executor.program.stash_slots)
-  return kept, ring.at(carry.gradients, op['inbox_slot'])
-
-
-def _backward(executor: _Executor, step: _Step, carry: _Carry, op):
+def _backward(executor: _Executor, step: _Step, kept, delta, op):
   """The chunk's whole VJP: (weight gradient, input gradient)."""
-  kept, delta = _kept_and_delta(executor, carry, op)
   params_c, key = step.chunk(op['chunk']), step.key_of(op['microbatch'])
   return executor.stash.backward(params_c, kept, delta, op['stage'], key, step.index)
 
 
-def _add_chunk_grad(carry: _Carry, op, g_chunk) -> _Carry:
+def _add_chunk_grad(sums: _Sums, op, g_chunk) -> _Sums:
   add_at = lambda g, w: g.at[op['chunk']].add(w)
-  return carry._replace(grad_chunks=jax.tree.map(add_at, carry.grad_chunks, g_chunk))
+  return sums._replace(grad_chunks=jax.tree.map(add_at, sums.grad_chunks, g_chunk))
 
 
 def _add(a: PyTree, b: PyTree) -> PyTree:
