@@ -27,6 +27,7 @@ PROCESSES=${PROCESSES:-4 8}
 QUICK=${QUICK:-0}
 PARTS=${PARTS:-smoke gpu_tests layer_costs train_gpu mfu cpu}  # which steps run
 DEADLINE=${DEADLINE:-560}  # seconds: the last cpu bench is cut short to leave time to pack up
+BENCH_LIMIT=${BENCH_LIMIT:-300}  # seconds: the most one cpu bench may take
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1 OUROBOROS_DATA_DIR=${OUROBOROS_DATA_DIR:-$WORK/data}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -71,7 +72,7 @@ cpu_bench() {
   only+=",interleaved M=8,gpipe M=8,model_parallel,backprop"
   [ "$QUICK" = 1 ] && only="backprop,zb_v M=8,ouroboros M=$((2 * p)) stream"
   only=${ONLY:-$only}
-  local limit=$((DEADLINE - SECONDS < 300 ? DEADLINE - SECONDS : 300))
+  local limit=$((DEADLINE - SECONDS < BENCH_LIMIT ? DEADLINE - SECONDS : BENCH_LIMIT))
   step "$name" "$limit" python3 -m ouroboros_jax launch --processes "$p" --pin-cpus -- \
     bench --stages "$p" --num-layers $((2 * p)) --batch-size $((p < 4 ? 8 : 2 * p)) \
     "${SHAPE[@]}" "${TIMED[@]}" \
