@@ -398,21 +398,32 @@ def compare_measured(path: str) -> list[dict]:
         'predicted_s': result.step_time,
         'rel_error': (result.step_time - measured) / measured,
         'predicted_speedup': result.speedup,
+        # CPU seconds a step of the busiest process spent (the bench's busy_s) against the
+        # busiest simulated device's compute with the pieces timed alone (no slowdown): how much
+        # work the simulator misses, apart from when it runs
+        'busy_s': _number(row.get('busy_s'), math.nan),
+        'pieces_busy_s': max(sim.simulate(config, unslowed(costs), lockstep=True).per_device_busy),
       }
     )
   return out
 
 
+def unslowed(costs: sim.StageCosts) -> sim.StageCosts:
+  return dataclasses.replace(costs, concurrent_slowdown=1.0)
+
+
 def format_comparison(rows: list[dict]) -> str:
   lines = [
-    'schedule | G | M | stash | forward | measured ms | predicted ms | error',
-    '--- | --- | --- | --- | --- | --- | --- | ---',
+    'schedule | G | M | stash | forward | measured ms | predicted ms | error '
+    '| CPU s (busiest process) | pieces s (busiest device) | CPU / pieces',
+    '--- | --- | --- | --- | --- | --- | --- | --- | --- | --- | ---',
   ]
   for r in rows:
     lines.append(
       f'{r["schedule"]} | {r["stages"]} | {r["microbatches"]} | {r["stash"]} | '
       f'{r["forward"]} | {r["measured_s"] * 1e3:.3f} | {r["predicted_s"] * 1e3:.3f} | '
-      f'{r["rel_error"]:+.1%}'
+      f'{r["rel_error"]:+.1%} | {r["busy_s"]:.2f} | {r["pieces_busy_s"]:.2f} | '
+      f'{r["busy_s"] / r["pieces_busy_s"]:.2f}'
     )
   return '\n'.join(lines)
 
