@@ -25,18 +25,18 @@ from ouroboros_jax.schedules.delays import unit_gap_microbatches
 DEFAULT_MICROBATCHES = 4  # gpipe and the exact pipelines without --microbatches
 # Ouroboros without --microbatches, as one batch: the whole batch at once on CPU, where memory is
 # plentiful and small chunks only add steps; on an accelerator up to 8 micro-batches
-# (`for_platform`): the TPU compiler fits GPT-2-small at batch 32 on four v5e chips in 2.7 GiB
-# per chip, against 8.6 GiB un-chunked, and in 2.2 GiB streamed (docs/memory.md). Streamed (the
-# recipe's flow), at least enough micro-batches that every gradient is one update old (G locked,
-# 2G pipelined: `delays.unit_gap_microbatches`).
+# (`for_platform`): chunked and streamed, GPT-2-small at batch 32 fits four v5e chips in a
+# fraction of what the whole batch needs (the TPU compiler's numbers: docs/memory.md). Streamed
+# (the recipe's flow), at least enough micro-batches that every gradient is one update old (G
+# locked, 2G pipelined: `delays.unit_gap_microbatches`).
 OUROBOROS_MICROBATCHES = 1
 OUROBOROS_ACCELERATOR_MICROBATCHES = 8
 
 # The compensation 'auto' (ScheduleConfig's default, and --compensation's) gives a delayed ring,
 # Ouroboros with G > 1 (`ScheduleConfig.resolve_compensation`): weight prediction for the forward
-# and DC-ASGD's delay compensation (G = 2, 1000 steps: 2.44 val bpb, +1.9% over backprop with
-# Muon; AdamW at its best rate 3.48). DC needs the graph stash; with replay the recipe is Muon +
-# prediction (2.46). Without delay 'auto' is none. The paper's method is `Compensation()`.
+# and DC-ASGD's delay compensation, the best recipe measured (docs/results/quality.md). DC needs
+# the graph stash; with replay the recipe is Muon + prediction. Without delay 'auto' is none. The
+# paper's method is `Compensation()`.
 AUTO = 'auto'
 RECIPE_COMPENSATION = 'predict,dc'
 RECIPE_COMPENSATION_REPLAY = 'predict'

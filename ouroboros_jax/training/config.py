@@ -1,30 +1,39 @@
-"""Training configurations: one frozen `TrainConfig` and a few named presets.
+"""Training configurations: one frozen `TrainConfig` and the named presets (`PRESETS`).
 
-A run is fully described by a `TrainConfig`: the model shape (`ModelConfig`, in `cfg.model`) plus
-the data, optimizer, evaluation, checkpoint and schedule settings. Presets are starting points;
-every field of both dataclasses can be overridden by name, which is how the CLI's flags work:
+A run is fully described by a `TrainConfig`: the model shape (`ModelConfig`, in `cfg.model`), the
+schedule settings (`ScheduleConfig`, in `cfg.schedule`) plus the data, optimizer, evaluation and
+checkpoint settings. Presets are starting points; every field of the three dataclasses can be
+overridden by name, which is how the CLI's flags work:
 
-    cfg = presets.get_preset('tiny')
-    cfg = presets.override(cfg, {'d_model': 64, 'steps': 10, 'schedule': 'ouroboros'})
+    from ouroboros_jax.training import config
+    cfg = config.get_preset('tiny')
+    cfg = config.override(cfg, {'d_model': 64, 'steps': 10, 'schedule': 'ouroboros'})
     cfg.validate()
 
-Presets (tokens are bytes, vocabulary 256):
+The presets (`PRESETS` below holds their values; docs/guides/cli.md#presets tabulates them):
 
-    name          layers  d_model  heads  d_ff   seq   batch  steps    lr      what for
-    tiny            2      128      4     512     64    32    2000   5e-3    ~4 min on 2 CPU cores
-    small           4      192      6     768    128    32    1500   3e-3    ~25 min on 2 CPU cores
-    enwik8-base    12      512      8    2048    512    22  400000  2.5e-4   Transformer-XL base size
-    gpt2-small     12      768     12    3072   1024    32  100000   6e-4   GPT-2 small's shape
+    tiny             2 layers, 128 wide: a learned model in minutes on 2 CPU cores (the default)
+    small            4 layers, 192 wide: ~25 min on 2 CPU cores
+    enwik8-base      Transformer-XL's base enwik8 model's size, without its recurrence memory
+    txl-tiny         Transformer-XL's relative attention (txl.py) at tiny's size and wall-clock
+    txl-enwik8-base  Transformer-XL's enwik8 base model in the paper's settings (--data enwik8:PATH)
+    txl-wt103-base   Transformer-XL's WikiText-103 base model, a word vocabulary (--data
+                     wikitext103:DIR)
+    gpt2-small       GPT-2 small's shape
 
-`enwik8-base` is the size of Transformer-XL's base enwik8 model (Dai et al. 2019: 12 layers, 512
-wide, 8 heads, inner 2048, target length 512, dropout 0.1, Adam at 2.5e-4 with cosine decay,
-batch 22, clip 0.25), without its segment-level recurrence memory; point it at enwik8 with
-`--data text:/path/to/enwik8`. `gpt2-small` has GPT-2 small's shape but GPT-2 uses a 50257-token
-BPE vocabulary (124M parameters); here the vocabulary is 256 bytes, so it has ~86M parameters.
+Tokens are bytes (vocabulary 256) but for txl-wt103-base's words. `enwik8-base` is the size of
+Transformer-XL's base enwik8 model (Dai et al. 2019: 12 layers, 512 wide, 8 heads, inner 2048,
+target length 512, dropout 0.1, Adam at 2.5e-4 with cosine decay, batch 22, clip 0.25); point it
+at enwik8 with `--data text:/path/to/enwik8`. `gpt2-small` has GPT-2 small's shape but GPT-2 uses
+a 50257-token BPE vocabulary (124M parameters); here the vocabulary is 256 bytes, so it has ~86M
+parameters.
 
-The optimizer is AdamW (b1 0.9, b2 0.999, eps 1e-8; decay on kernels only) with linear warmup and
-cosine decay to `learning_rate * min_lr_ratio` (`make_optimizer`); the schedule clips the global
-gradient norm to `clip_norm` before the update.
+The optimizer (`--optimizer auto`, `TrainConfig.resolved_optimizer`) is Muon for every schedule:
+`optax.contrib.muon` on the layer kernels at their own rate (`DEFAULT_MUON_RATES`), Adam at
+`learning_rate` on embeddings, norms and biases; AdamW (the paper's) for `--compensation none`,
+`--growth` and `--vcycle` (optimizers.py has each). Linear warmup and cosine decay to
+`learning_rate * min_lr_ratio` (`make_optimizer`); the schedule clips the global gradient norm to
+`clip_norm` before the update.
 """
 
 from __future__ import annotations
@@ -493,11 +502,11 @@ def lr_schedule(cfg: TrainConfig, steps: int | None = None, peak: float | None =
   )
 
 
-# The default optimizer of every schedule (`--optimizer auto`), the best measured
-# (experiments/lr_sweep.py, docs/results/quality.md; tiny preset, 4 layers, 1000 steps): backprop
-# with Muon 2.3961 val bpb against 2.6201 with AdamW at its best rate (+9.3%); the exact
-# pipelines give backprop's parameters, so the same. Its kernels' peak rate as measured best: 0.04
-# for exact gradients (grid 0.01-0.08), 0.02 under Ouroboros' delays.
+# The default optimizer of every schedule (`--optimizer auto`), the best measured: backprop with
+# Muon against AdamW, each at its best rate (experiments/lr_sweep.py; tiny preset, 4 layers, 1000
+# steps; the numbers: docs/results/quality.md); the exact pipelines give backprop's parameters, so
+# the same. Its kernels' peak rate as measured best: 0.04 for exact gradients (grid 0.01-0.08),
+# 0.02 under Ouroboros' delays.
 DEFAULT_OPTIMIZER = 'muon'
 DEFAULT_MUON_RATES = {'exact': 0.04, 'delayed': 0.02}
 RECIPE_OPTIMIZER = DEFAULT_OPTIMIZER
