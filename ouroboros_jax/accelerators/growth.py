@@ -39,7 +39,7 @@ FLOPs in the log are the usual estimate per token: a frozen layer costs its forw
 layer F + 2F (forward and backward), the head 3 H (`costs`).
 
 From the command line: `ouroboros train --growth mslt:1x300,2x300,4x*,all:300` or
-`--growth stacking:2x300,4x*` (`parse_plan` has the syntax; `train.train_phased` runs it, on
+`--growth stacking:2x300,4x*` (`parse_plan` has the syntax; `phased.train_phased` runs it, on
 --schedule backprop only: a stage-parallel schedule would change its stages' layers mid-run).
 """
 

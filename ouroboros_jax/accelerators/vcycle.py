@@ -45,7 +45,7 @@ V-cycle (`train_vcycle`): train M1 for n1 steps, coalesce, train M2 (larger lr, 
 coalescing, continue M1; with more levels M2 itself runs a V-cycle before returning. Training
 at every level uses the library's schedules (`build_schedule`, backprop by default).
 From the command line: `ouroboros train --vcycle down=200,coarse=400[,levels=3,...]`
-(`parse_plan` has the syntax; `train.train_phased` runs it under the run's --schedule, every level
+(`parse_plan` has the syntax; `phased.train_phased` runs it under the run's --schedule, every level
 cut into --stages by the balanced split).
 """
 

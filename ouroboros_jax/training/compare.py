@@ -27,7 +27,7 @@ What is measured per run (`loop.py`, `metrics.jsonl`):
   flops      model FLOPs actually spent, counted analytically per step from the layers actually
              computed: a trained layer 3F (forward + backward), a frozen (MSLT) layer F, a layer
              PLD dropped 0 (its gates re-drawn from the same keys), every level at its own size
-             (V-cycle); plus 3H for embedding, head and loss (`partition.layer_flops`,
+             (V-cycle); plus 3H for embedding, head and loss (`costs.layer_flops`,
              `head_flops`). Matmuls and attention scores only; the optimizer is not counted.
   val_bpb    validation bits per byte of the final model (all layers, no dropout), on the same
              `eval_batches` validation batches for every method.
