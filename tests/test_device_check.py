@@ -47,6 +47,16 @@ def test_the_device_check_runs_its_cpu_part_on_two_processes_and_packs_a_summary
     assert './cpu_g2/bench.csv' in packed.getnames()
 
 
+def _summary(run_dir):
+  """experiments/device_summary.py on a check's work directory."""
+  return subprocess.run(
+    [sys.executable, 'experiments/device_summary.py', str(run_dir)],
+    cwd=REPO_ROOT,
+    capture_output=True,
+    text=True,
+  )
+
+
 def test_the_summary_reads_a_bench_cut_short_from_process_0_s_log(tmp_path):
   (tmp_path / 'steps.csv').write_text('step,seconds,status\ncpu_g8,260,137\n')
   (tmp_path / 'cpu_g8.log').write_text(
@@ -56,12 +66,7 @@ def test_the_summary_reads_a_bench_cut_short_from_process_0_s_log(tmp_path):
     'compile 9.0 s\n'
     '[launch] SIGTERM: passing it on to every process\n'
   )
-  done = subprocess.run(
-    [sys.executable, 'experiments/device_summary.py', str(tmp_path)],
-    cwd=REPO_ROOT,
-    capture_output=True,
-    text=True,
-  )
+  done = _summary(tmp_path)
   assert done.returncode == 0, done.stderr
   assert '| cpu_g8 | 260 | 137 |' in done.stdout
   assert '- zb_v M=8: 1000.0 ms' in done.stdout  # process 0's step, not process 1's
@@ -78,12 +83,7 @@ def test_the_summary_sets_the_unchunked_head_beside_the_default_one(tmp_path):
     (tmp_path / name / 'bench.csv').write_text(
       header + f'backprop,backprop,{step},{32 * 1024 / step},{mfu}\n'
     )
-  done = subprocess.run(
-    [sys.executable, 'experiments/device_summary.py', str(tmp_path)],
-    cwd=REPO_ROOT,
-    capture_output=True,
-    text=True,
-  )
+  done = _summary(tmp_path)
   assert done.returncode == 0, done.stderr
   assert 'batch 32 x 1024: **MFU 30.0%**, 100.0 ms/step' in done.stdout
   assert 'MFU 20.0%, 150.0 ms/step; the default (chunked) head runs at 1.50x' in done.stdout
