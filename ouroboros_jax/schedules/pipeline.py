@@ -283,9 +283,8 @@ def _tick(executor: _Executor, step: _Step, carry: _Carry, op):
 
   The operation runs in a `lax.switch` that carries only the sums and one slot of each buffer:
   the buffers themselves (stash, inboxes, memory) are read and written around it by index. A
-  switch that carried them made XLA copy every buffer in every branch of every tick (the whole
-  stash, twice a tick: 0.9 GB a tick for GPipe M=4 at width 1024), which the pieces a step is
-  built from never pay."""
+  switch that carried them made XLA copy every buffer in every branch of every tick, which the
+  pieces a step is built from never pay (docs/results/simulator_calibration.md)."""
   weight_grad = _idle if executor.pipeline.fused else _weight_grad  # fused: B took the VJP
   operations = [
     functools.partial(run, executor, step) for run in (_idle, _forward, _input_grad, weight_grad)
