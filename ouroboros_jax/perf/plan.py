@@ -270,11 +270,7 @@ def plan(
     rows.append(row)
     if log:
       log(f'{setting.label:<44} {_peak(row):>9} GiB  {_verdict(row)}')
-  fitting = [r for r in rows if r['fits'] is not False and r['step_s'] is not None]
-  fastest = min(fitting, key=lambda r: r['step_s'])['label'] if fitting else None
-  by_schedule = {}  # each schedule's fastest setting that fits, in the order met
-  for r in sorted(fitting, key=lambda r: r['step_s']):
-    by_schedule.setdefault(r['schedule'], r['label'])
+  fastest, by_schedule = mark_fastest(rows)
   return {
     'topology': topology,
     'devices': len(devices),
@@ -285,6 +281,17 @@ def plan(
     'fastest': fastest,
     'fastest_by_schedule': by_schedule,
   }
+
+
+def mark_fastest(rows: list[dict]) -> tuple[str | None, dict[str, str]]:
+  """The label of the fastest row that fits (None if none does) and each schedule's fastest that
+  fits, {schedule: label}, fastest first: a plan's 'fastest' and 'fastest_by_schedule'."""
+  fitting = [r for r in rows if r['fits'] is not False and r['step_s'] is not None]
+  fastest = min(fitting, key=lambda r: r['step_s'])['label'] if fitting else None
+  by_schedule = {}  # each schedule's fastest setting that fits, in the order met
+  for r in sorted(fitting, key=lambda r: r['step_s']):
+    by_schedule.setdefault(r['schedule'], r['label'])
+  return fastest, by_schedule
 
 
 def applies(run: TrainConfig) -> str | None:
