@@ -23,15 +23,15 @@ docs/architecture.md.
 
 from __future__ import annotations
 
-import importlib
-
-from ouroboros_jax import txl  # noqa: F401  (registers Transformer-XL with model.init_params)
+from ouroboros_jax import moved, txl  # noqa: F401  (registers Transformer-XL with model.init_params)
 from ouroboros_jax.errors import ConfigError, UserError
 from ouroboros_jax.optimizers import kernel_dims, make_optimizer
 from ouroboros_jax.schedules import SCHEDULES, ScheduleConfig, build_schedule
 from ouroboros_jax.schedules.compensation import Compensation
 from ouroboros_jax.staged import Schedule, StagedModel, TrainState, adamw
 from ouroboros_jax.staging import Staging, from_layers
+
+moved.install()  # the old module paths (moved.MOVED) still import, with a DeprecationWarning
 
 # Loaded on first use: the training stack imports Orbax, Grain and TFDS.
 _LAZY = {
@@ -41,39 +41,7 @@ _LAZY = {
   'Recipe': 'ouroboros_jax.training.recipe',
   'recipe': 'ouroboros_jax.training.recipe',
 }
-# Where the modules of the old flat layout went: `from ouroboros_jax import presets` still works.
-MOVED_MODULES = {
-  'presets': 'training.config',
-  'checkpoint': 'training.checkpoint',
-  'data': 'training.data',
-  'rundir': 'training.rundir',
-  'sample': 'training.sample',
-  'train': 'training.loop',
-  'ring': 'schedules.ring',
-  'ouroboros': 'schedules.ouroboros',
-  'reference': 'schedules.reference',
-  'delays': 'schedules.delays',
-  'compensation': 'schedules.compensation',
-  'pld': 'accelerators.pld',
-  'growth': 'accelerators.growth',
-  'vcycle': 'accelerators.vcycle',
-  'stdloss': 'accelerators.stdloss',
-  'bench': 'perf.bench',
-  'simulate': 'perf.simulate',
-  'memory': 'perf.memory',
-  'launch': 'runtime.launch',
-  'distributed': 'runtime.distributed',
-  'host': 'runtime.host',
-}
-
-
-def __getattr__(name: str):
-  if name in _LAZY:
-    return getattr(importlib.import_module(_LAZY[name]), name)
-  if name in MOVED_MODULES:
-    return importlib.import_module(f'ouroboros_jax.{MOVED_MODULES[name]}')
-  raise AttributeError(f'module ouroboros_jax has no attribute {name!r}')
-
+__getattr__ = moved.module_getattr(__name__, _LAZY)  # and the old paths (moved.MOVED)
 
 __all__ = [
   'SCHEDULES',

@@ -6,9 +6,9 @@ module, attribute or file that is there.
 Only spans that start with a name of this package are checked: one of its modules or sub-packages
 (`ring`, `training`, `ouroboros_jax`, ...), a module of the flat layout (`presets`) or a class it
 defines (`StagedModel`). A module name resolves against the package and each of its sub-packages,
-so `config.X` passes if either `training.config` or `schedules.config` has an `X`. The flat
-layout's names (`ouroboros_jax.MOVED_MODULES`: `presets`, `train`, `ouroboros_jax.ring`) still
-import, but do not pass: the docs name where the module went. Other libraries' names
+so `config.X` passes if either `training.config` or `schedules.config` has an `X`. The old
+module paths (`moved.MOVED`: `presets`, `train`, `ouroboros_jax.ring`, `training.windows`) still
+import, with a DeprecationWarning, but do not pass: the docs name where the module went. Other libraries' names
 (`jax.checkpoint`, `optax.contrib.muon`), a variable's attribute (`cfg.schedule`) and file names
 (`config.json`) are left alone.
 """
@@ -23,6 +23,7 @@ import re
 import tokenize
 
 import ouroboros_jax
+from ouroboros_jax import moved
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = pathlib.Path(ouroboros_jax.__file__).resolve().parent
@@ -37,7 +38,7 @@ FILE_SUFFIXES = {'py', 'md', 'csv', 'json', 'jsonl', 'png', 'txt', 'toml', 'log'
 
 
 def _module_names() -> set[str]:
-  names = {'ouroboros_jax', *ouroboros_jax.MOVED_MODULES}
+  names = {'ouroboros_jax', *(old.rpartition('.')[2] for old in moved.MOVED)}
   for path in PACKAGE.rglob('*.py'):
     names |= {part for part in path.relative_to(PACKAGE).with_suffix('').parts}
   return names - {'__init__', '__main__'}
@@ -105,6 +106,9 @@ def _ours(dotted: str) -> bool:
 
 @functools.cache
 def _import(name: str):
+  parts = name.split('.')
+  if any('.'.join(parts[:n]) in moved.MOVED for n in range(1, len(parts) + 1)):
+    return None  # an old path: it imports, but the docs name the new one
   try:
     return importlib.import_module(name)
   except ModuleNotFoundError as error:
@@ -114,8 +118,8 @@ def _import(name: str):
 
 
 def _has(owner, name: str) -> bool:
-  if owner is ouroboros_jax and name in ouroboros_jax.MOVED_MODULES:
-    return False  # a module of the flat layout, still importable: the docs name where it went
+  if f'{getattr(owner, "__name__", "")}.{name}' in moved.MOVED:
+    return False  # an old module path, still importable: the docs name where it went
   if hasattr(owner, name):
     return True
   if isinstance(owner, type):  # a dataclass field or an annotated member without a default

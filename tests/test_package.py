@@ -1,14 +1,18 @@
-"""The package's face and its layers: what moved still imports, and nothing imports upward."""
+"""The package's face and its layers: what moved still imports (with a DeprecationWarning that
+names the new path), nothing imports an old path or upward."""
 
 from __future__ import annotations
 
 import ast
 import importlib
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
 import ouroboros_jax
+from ouroboros_jax import moved
 
 PACKAGE = pathlib.Path(ouroboros_jax.__file__).resolve().parent
 
@@ -17,6 +21,7 @@ PACKAGE = pathlib.Path(ouroboros_jax.__file__).resolve().parent
 LAYERS = {
   'errors': 0,
   'choices': 0,
+  'moved': 0,  # the old module paths, for one release
   'model': 1,
   'txl': 1,
   'attention': 1,
@@ -125,20 +130,61 @@ def test_no_import_cycle_even_inside_a_layer():
     visit(module)
 
 
-@pytest.mark.parametrize('old, new', sorted(ouroboros_jax.MOVED_MODULES.items()))
-def test_the_modules_of_the_flat_layout_still_import(old, new):
-  module = getattr(ouroboros_jax, old)
-  assert module is importlib.import_module(f'ouroboros_jax.{new}')
+def _forget(old: str) -> None:
+  """Undo an earlier import of the old path, so that importing it again runs the finder."""
+  sys.modules.pop(old, None)
+  parent, _, name = old.rpartition('.')
+  sys.modules[parent].__dict__.pop(name, None)
 
 
-def test_the_documented_imports_work():
-  from ouroboros_jax import presets, train  # the README of the flat layout
+@pytest.mark.parametrize('old, new', sorted(moved.MOVED.items()))
+def test_an_old_module_path_warns_with_the_new_one_and_gives_the_same_module(old, new):
+  module = importlib.import_module(new)
+  parent, _, name = old.rpartition('.')
+  _forget(old)
+  with pytest.warns(DeprecationWarning, match=f'{old} is deprecated .* use {new}$') as caught:
+    assert importlib.import_module(old) is module  # `import ouroboros_jax.presets`
+  assert moved.REMOVED_IN in str(caught[0].message)
+  _forget(old)
+  with pytest.warns(DeprecationWarning, match=f'use {new}$'):
+    assert getattr(importlib.import_module(parent), name) is module  # `from ... import presets`
+  _forget(old)
+
+
+def test_the_documented_imports_of_the_flat_layout_still_work():
+  with pytest.warns(DeprecationWarning) as caught:
+    from ouroboros_jax import presets, train  # the README of the flat layout
+  new = {str(w.message).rpartition(' ')[2] for w in caught}
+  assert new == {'ouroboros_jax.training.config', 'ouroboros_jax.training.loop'}
 
   cfg = presets.override(presets.get_preset('tiny'), {'stages': 2, 'schedule': 'ouroboros'})
   assert callable(train.train) and cfg.schedule.num_stages == 2
   assert ouroboros_jax.TrainConfig is presets.TrainConfig
   with pytest.raises(AttributeError, match='no attribute'):
     ouroboros_jax.not_a_module  # noqa: B018
+
+
+def test_nothing_of_the_package_imports_an_old_path():
+  """No import statement (lazy ones inside functions included) names a moved module, and
+  importing the package and its command warns of nothing of ours."""
+  old = []
+  for path in sorted(PACKAGE.rglob('*.py')):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ImportFrom) and node.module:
+        names = {node.module, *(f'{node.module}.{a.name}' for a in node.names)}
+      elif isinstance(node, ast.Import):
+        names = {a.name for a in node.names}
+      else:
+        continue
+      old += [f'{path.relative_to(PACKAGE)} imports {n}' for n in sorted(names & set(moved.MOVED))]
+  assert not old, old
+  code = (
+    'import warnings\n'
+    'warnings.filterwarnings("error", "ouroboros_jax", DeprecationWarning)\n'
+    'import ouroboros_jax, ouroboros_jax.cli, ouroboros_jax.training.loop\n'
+  )
+  done = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True)
+  assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_a_config_written_before_the_schedule_was_nested_still_reads():
