@@ -24,7 +24,6 @@ REMOVED_IN = '0.2.0'  # the next minor release after pyproject.toml's 0.1.0
 MOVED = {
   # The flat layout, before the sub-packages (see CHANGELOG.md).
   'ouroboros_jax.presets': 'ouroboros_jax.training.config',
-  'ouroboros_jax.data': 'ouroboros_jax.training.data',
   'ouroboros_jax.checkpoint': 'ouroboros_jax.training.checkpoint',
   'ouroboros_jax.rundir': 'ouroboros_jax.training.rundir',
   'ouroboros_jax.sample': 'ouroboros_jax.training.sample',
@@ -44,6 +43,23 @@ MOVED = {
   'ouroboros_jax.launch': 'ouroboros_jax.runtime.launch',
   'ouroboros_jax.distributed': 'ouroboros_jax.runtime.distributed',
   'ouroboros_jax.host': 'ouroboros_jax.runtime.host',
+  # Data loading, out of training/ into its own package (issue 43).
+  'ouroboros_jax.training.data': 'ouroboros_jax.data',
+  **{
+    f'ouroboros_jax.training.{name}': f'ouroboros_jax.data.{name}'
+    for name in (
+      'corpora',
+      'wikitext',
+      'tfds_corpus',
+      'windows',
+      'segments',
+      'batching',
+      'byte_corpus',
+      'char_corpora',
+      'default_corpus',
+      'data_errors',
+    )
+  },
 }
 
 

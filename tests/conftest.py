@@ -71,7 +71,7 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 @pytest.fixture(scope='session')
 def prepared_data_dir(tmp_path_factory) -> str:
   """A prepared copy of the default corpus; also exported as $OUROBOROS_DATA_DIR."""
-  from ouroboros_jax.training import data
+  from ouroboros_jax import data
 
   path = tmp_path_factory.mktemp('tfds')
   data.prepare_default_corpus(path)
@@ -87,7 +87,7 @@ def prepared_data_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope='session')
 def text_corpus(tmp_path_factory) -> str:
   """A 300 KB slice of the embedded Shakespeare as a plain text file (fast to load)."""
-  from ouroboros_jax.training import data
+  from ouroboros_jax import data
 
   path = tmp_path_factory.mktemp('text') / 'shakespeare-300k.txt'
   path.write_bytes(data.read_text_file(data.DEFAULT_CORPUS_PATH)[:300_000])

@@ -11,7 +11,8 @@ import zipfile
 import numpy as np
 import pytest
 
-from ouroboros_jax.training import char_corpora, data, wikitext
+from ouroboros_jax import data
+from ouroboros_jax.data import char_corpora, wikitext
 
 SMALL = 2000  # CANONICAL_BYTES in these tests
 SEQ_LEN = 8

@@ -1,4 +1,4 @@
-"""Tests for ouroboros_jax.training.data: corpora, splits, windows and iterators."""
+"""Tests for ouroboros_jax.data: corpora, splits, windows and iterators."""
 
 import contextlib
 import errno
@@ -15,7 +15,7 @@ import pytest
 import tensorflow_datasets as tfds
 from etils import epath
 
-from ouroboros_jax.training import data
+from ouroboros_jax import data
 
 SEQ_LEN = 16
 
@@ -672,14 +672,14 @@ OLD_NAMES = (
 ).split()
 
 
-def test_every_old_name_still_imports_from_data_and_the_moved_alias():
+def test_every_old_name_still_imports_from_data():
   import ouroboros_jax
   from ouroboros_jax import errors
-  from ouroboros_jax.training import corpora, windows
+  from ouroboros_jax.data import corpora, windows
 
   assert [name for name in OLD_NAMES if not hasattr(data, name)] == []
   assert sorted(data.__all__) == sorted(set(data.__all__)) and set(OLD_NAMES) <= set(data.__all__)
-  assert ouroboros_jax.data is data  # MOVED_MODULES: `from ouroboros_jax import data`
+  assert ouroboros_jax.data is data  # its own package, where the flat layout had it
   assert data.DataError is errors.DataError
   assert data.load_splits is corpora.load_splits
   assert data.make_train_iterator is windows.make_train_iterator

@@ -34,6 +34,7 @@ LAYERS = {
   'staging': 1,
   'costs': 1,
   'runtime': 1,
+  'data': 1,  # data loading: the corpora, batches, windows and segments
   'schedules': 2,
   'accelerators': 3,
   'perf': 4,

@@ -14,9 +14,9 @@ import jax
 import numpy as np
 import pytest
 
-from ouroboros_jax import cli, placement, staged
+from ouroboros_jax import cli, data, placement, staged
 from ouroboros_jax.errors import ConfigError
-from ouroboros_jax.training import checkpoint, config, data, loop, metrics, resume, sample
+from ouroboros_jax.training import checkpoint, config, loop, metrics, resume, sample
 
 from helpers import assert_trees_equal, host_tree, tiny_config
 

@@ -7,7 +7,8 @@ import math
 
 import numpy as np
 
-from ouroboros_jax.training import config, data, loop
+from ouroboros_jax import data
+from ouroboros_jax.training import config, loop
 
 
 def _wikitext(tmp_path, words=400, seed=0):

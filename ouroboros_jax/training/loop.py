@@ -50,11 +50,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ouroboros_jax import costs, partition, placement, schedules
+from ouroboros_jax import costs, data, partition, placement, schedules
 from ouroboros_jax.accelerators import pld
 from ouroboros_jax.errors import DiskFullError, NonFiniteLossError, PeerLostError
 from ouroboros_jax.runtime import distributed, watchdog
-from ouroboros_jax.training import checkpoint, data, phased, resume, rundir, sizing
+from ouroboros_jax.training import checkpoint, phased, resume, rundir, sizing
 from ouroboros_jax.training.assemble import build, example_batch, staged_model  # noqa: F401
 from ouroboros_jax.training.config import TrainConfig
 from ouroboros_jax.training.metrics import MetricsLog, Report, batch_crc32

@@ -246,7 +246,7 @@ class Report:
   @functools.cached_property
   def words(self) -> bool:
     """Whether the run's tokens are words (WikiText-103), whose metric is perplexity."""
-    from ouroboros_jax.training import data
+    from ouroboros_jax import data
 
     return data.corpus_info(self.cfg.data).unit == 'word'
 

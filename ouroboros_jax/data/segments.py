@@ -11,8 +11,7 @@ from collections.abc import Iterator
 import grain
 import numpy as np
 
-from ouroboros_jax.errors import DataError
-from ouroboros_jax.training.batching import (
+from ouroboros_jax.data.batching import (
   READ_OPTIONS,
   Batch,
   BatchLayout,
@@ -21,6 +20,7 @@ from ouroboros_jax.training.batching import (
   first_batches,
   token_array,
 )
+from ouroboros_jax.errors import DataError
 
 
 class SegmentSource(StridedBatches):

@@ -89,18 +89,17 @@ concern lives in its own module of ``ouroboros_jax.training``:
 
 from __future__ import annotations
 
-from ouroboros_jax.errors import DataError  # re-exported: ouroboros_jax.training.data.DataError
-from ouroboros_jax.training.batching import BatchLayout
-from ouroboros_jax.training.byte_corpus import (
+from ouroboros_jax.data.batching import BatchLayout
+from ouroboros_jax.data.byte_corpus import (
   SPLITS,
   VOCAB_SIZE,
   read_text_file,
   split_corpus,
   split_ranges,
 )
-from ouroboros_jax.training.char_corpora import CANONICAL_BYTES, CORPUS_URLS, canonical_split_ranges
-from ouroboros_jax.training.corpora import UNITS, CorpusInfo, check_vocab, corpus_info, load_splits
-from ouroboros_jax.training.default_corpus import (
+from ouroboros_jax.data.char_corpora import CANONICAL_BYTES, CORPUS_URLS, canonical_split_ranges
+from ouroboros_jax.data.corpora import UNITS, CorpusInfo, check_vocab, corpus_info, load_splits
+from ouroboros_jax.data.default_corpus import (
   CHUNK_BYTES,
   DEFAULT_CORPUS_PATH,
   DEFAULT_DATA_DIR_ENV,
@@ -108,15 +107,16 @@ from ouroboros_jax.training.default_corpus import (
   default_data_dir,
   prepare_default_corpus,
 )
-from ouroboros_jax.training.segments import SegmentSource, eval_segments, make_segment_iterator
-from ouroboros_jax.training.wikitext import EOS, UNK, WIKITEXT_FILES, WordVocab, word_vocab
-from ouroboros_jax.training.windows import (
+from ouroboros_jax.data.segments import SegmentSource, eval_segments, make_segment_iterator
+from ouroboros_jax.data.wikitext import EOS, UNK, WIKITEXT_FILES, WordVocab, word_vocab
+from ouroboros_jax.data.windows import (
   WindowBatches,
   WindowSource,
   eval_batches,
   make_train_iterator,
   num_windows,
 )
+from ouroboros_jax.errors import DataError  # re-exported: ouroboros_jax.data.DataError
 
 __all__ = [
   'CANONICAL_BYTES',

@@ -18,9 +18,9 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
+from ouroboros_jax.data.char_corpora import CORPUS_URLS, corpus_path
+from ouroboros_jax.data.data_errors import as_data_error
 from ouroboros_jax.errors import DataError
-from ouroboros_jax.training.char_corpora import CORPUS_URLS, corpus_path
-from ouroboros_jax.training.data_errors import as_data_error
 
 log = logging.getLogger(__name__)
 

@@ -18,10 +18,10 @@ import numpy as np
 import tensorflow_datasets as tfds
 from etils import epath
 
+from ouroboros_jax.data.byte_corpus import SPLITS, read_text_file, split_ranges
+from ouroboros_jax.data.data_errors import as_data_error
+from ouroboros_jax.data.tfds_corpus import quiet_tfds
 from ouroboros_jax.errors import DataError
-from ouroboros_jax.training.byte_corpus import SPLITS, read_text_file, split_ranges
-from ouroboros_jax.training.data_errors import as_data_error
-from ouroboros_jax.training.tfds_corpus import quiet_tfds
 
 log = logging.getLogger(__name__)
 

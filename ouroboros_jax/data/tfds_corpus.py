@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import tensorflow_datasets as tfds
 
+from ouroboros_jax.data.byte_corpus import SPLITS, split_corpus
+from ouroboros_jax.data.data_errors import as_data_error, first_line, one_line
 from ouroboros_jax.errors import DataError
-from ouroboros_jax.training.byte_corpus import SPLITS, split_corpus
-from ouroboros_jax.training.data_errors import as_data_error, first_line, one_line
 
 log = logging.getLogger(__name__)
 

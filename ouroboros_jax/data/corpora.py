@@ -14,10 +14,10 @@ import os
 
 import numpy as np
 
+from ouroboros_jax.data import char_corpora, default_corpus, tfds_corpus, wikitext
+from ouroboros_jax.data.byte_corpus import VOCAB_SIZE, load_text_files
+from ouroboros_jax.data.wikitext import WordVocab, word_vocab
 from ouroboros_jax.errors import DataError
-from ouroboros_jax.training import char_corpora, default_corpus, tfds_corpus, wikitext
-from ouroboros_jax.training.byte_corpus import VOCAB_SIZE, load_text_files
-from ouroboros_jax.training.wikitext import WordVocab, word_vocab
 
 _SPEC_HELP = (
   "use 'default' (or 'shakespeare'), 'text:PATH[,PATH...]', 'tfds:NAME[:FEATURE]',"

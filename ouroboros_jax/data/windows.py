@@ -16,8 +16,7 @@ from collections.abc import Iterator
 import grain
 import numpy as np
 
-from ouroboros_jax.errors import DataError
-from ouroboros_jax.training.batching import (
+from ouroboros_jax.data.batching import (
   READ_OPTIONS,
   Batch,
   BatchLayout,
@@ -28,6 +27,7 @@ from ouroboros_jax.training.batching import (
   source_index,
   token_array,
 )
+from ouroboros_jax.errors import DataError
 
 
 def num_windows(tokens: np.ndarray, seq_len: int) -> int:

@@ -16,8 +16,8 @@ import zipfile
 
 import numpy as np
 
+from ouroboros_jax.data.data_errors import as_data_error
 from ouroboros_jax.errors import DataError
-from ouroboros_jax.training.data_errors import as_data_error
 
 # The size of enwik8 and text8 in bytes. Their canonical split (Transformer-XL's
 # prep_enwik8.py / prep_text8.py) holds out the last 2 x 5% (5M bytes each) for

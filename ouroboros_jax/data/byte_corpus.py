@@ -12,8 +12,8 @@ import pathlib
 
 import numpy as np
 
+from ouroboros_jax.data.data_errors import first_line
 from ouroboros_jax.errors import DataError
-from ouroboros_jax.training.data_errors import first_line
 
 VOCAB_SIZE = 256
 SPLITS = ('train', 'validation', 'test')
