@@ -1,0 +1,664 @@
+"""The regime table (issue 40 item 4): every schedule at its fastest setting that fits, for
+G in {4, 8, 16} stages and M in {G/2, G, 2G, 4G} micro-batches, like with like.
+
+The shape: a 32-layer model (d_model 2048, 16 heads, d_ff 8192, seq 2048, the library's
+byte-level vocabulary of 256, tied embeddings: 1.61B parameters), bf16 compute, float32
+parameters, a global batch of 64 sequences per pipeline (a micro-batch is 64 / M rows: 1 row at
+G = 16, M = 64). Per (hardware, G, M) it tries, each at M (as `ouroboros plan` builds them,
+`plan.settings`):
+
+  gpipe, 1f1b, interleaved (2 chunks), zb_h1, zb_v, model_parallel   --stash-policy all, nothing
+  ouroboros locked and pipelined     --stash graph/nothing, replay, graph/all (its own policies)
+  data_parallel (G replicas of 64 / G rows), as a reference line; backprop (1 device) as the base
+
+Time: the library's simulator through `plan.predicted_step_s` (the step `ouroboros plan`
+predicts; the recomputed forward charged by `plan.recompute_fraction`: 1 for keep=nothing and
+replay, 0 for all), at two rates: 'nvlink-300GBps' (120 TFLOP/s effective, 300 GB/s links, the
+issue's) and 'tpu-v5e' (78.8 TFLOP/s effective, 50 GB/s ICI). Parallel efficiency = backprop's
+step on one device (keeping everything) / (G x step).
+
+Memory, per chip, against a v5e chip's 15.75 GiB at both rates (`HBM_BYTES`):
+  state    parameters, optimizer state, Ouroboros' ring and the batch shard: exact, the sizes of
+           the abstract step state that `ouroboros compile` builds (`compile._abstract_step`, no
+           compile) on the topology's compile-only v5e devices (v5e:2x2, 2x4, 4x4);
+  temps    the compiled step's temporaries: extrapolated from the TPU compiler's numbers at the
+           1B shape (24 layers, batch 32, G = 8 on v5e:2x4; --reference, a saved `ouroboros
+           plan --json`), from the row of the same schedule and policy whose M/G is closest:
+             temps = grads + (temps_ref - grads_ref) x (L / L_ref) x (b / b_ref) x (n / n_ref)^e
+           grads = the parameters' bytes (one float32 gradient per parameter); L the layers a
+           device holds; b the rows of one micro-batch (B / M; data_parallel B / G, backprop
+           and model_parallel B); n the micro-batch chunks a table pipeline's device holds at
+           once (`tables.program(...).stash_slots` / chunks), with e = 1 where the stash keeps
+           every residual (keep=all) and e = 0 where it keeps only the group's input (the working
+           set of one micro-batch's recompute dominates; the inputs are ~1/60 of a layer's
+           residuals each).
+  Rows compiled at the 32-layer shape (--compile, saved to --compiled) use the compiler's own
+  peak; the CSV keeps the extrapolated one beside it, and --render prints the error.
+
+    python experiments/regime.py                                  # docs/results/regime.csv
+    python experiments/regime.py --render docs/results/regime.csv # the markdown tables
+    python experiments/regime.py --compile 'G=8 1f1b M=8 keep=nothing' ...   # ~2-4 min each
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import os
+
+from ouroboros_jax.choices import EXACT_PIPELINES
+from ouroboros_jax.perf import plan
+from ouroboros_jax.schedules import ScheduleConfig, tables
+from ouroboros_jax.training import config
+
+GIB = 2**30
+HBM_BYTES = round(15.75 * GIB)  # one v5e chip, as its compiler reports it
+MODEL_FLAGS = dict(
+  d_model=2048,
+  num_layers=32,
+  num_heads=16,
+  d_ff=8192,
+  seq_len=2048,
+  batch_size=64,
+  dtype='bfloat16',
+)
+STAGES = (4, 8, 16)
+RATIOS = (0.5, 1, 2, 4)  # M / G
+HARDWARE = ('nvlink-300GBps', 'tpu-v5e')
+STASHES = ('graph/nothing', 'replay', 'graph/all')  # Ouroboros' own
+POLICIES = ('all', 'nothing')  # every other schedule's
+TOPOLOGY = {4: 'v5e:2x2', 8: 'v5e:2x4', 16: 'v5e:4x4'}
+# The TPU compiler's rows at the 1B shape: with recomputation, and (for what it lacks) the plan
+# before recomputation existed (its exact-pipeline rows at 9d22bd8, the others at 98d491d).
+REFERENCE = 'docs/results/plan_1b_v5e_2x4_remat.json,docs/plan_1b_v5e_2x4.json'
+COMPILED = 'docs/results/regime_compiled.json'
+# The lines of the tables, in order: each schedule (Ouroboros' two forwards apart).
+EXACT = ('gpipe', *EXACT_PIPELINES)
+LINES = (*EXACT, 'model_parallel', 'ouroboros locked', 'ouroboros pipelined', 'data_parallel')
+COLUMNS = [
+  'hardware',
+  'G',
+  'M',
+  'line',
+  'setting',
+  'policy',
+  'microbatch_rows',
+  'recompute',
+  'step_s',
+  'efficiency',
+  'state_gib',
+  'ring_gib',
+  'temp_gib',
+  'peak_gib',
+  'peak_extrapolated_gib',
+  'fits',
+  'memory',
+  'memory_from',
+  'best',
+  'note',
+]
+
+
+def base_config():
+  """The 32-layer run, as `ouroboros train --preset gpt2-small --d-model 2048 ...` builds it."""
+  return config.override(config.get_preset('gpt2-small'), MODEL_FLAGS)
+
+
+def line_of(setting: ScheduleConfig) -> str:
+  return f'ouroboros {setting.forward}' if setting.name == 'ouroboros' else setting.name
+
+
+def policy_of(setting: ScheduleConfig) -> str:
+  """What the setting's forward keeps: the policy, or Ouroboros' stash ('graph/nothing')."""
+  if setting.name == 'ouroboros':
+    return 'replay' if setting.stash == 'replay' else f'graph/{setting.resolved_stash_policy}'
+  return setting.resolved_stash_policy
+
+
+def settings_at(G: int, M: int) -> list[ScheduleConfig]:
+  """Every setting `ouroboros plan` would try on G devices at M micro-batches, but backprop."""
+  tries = plan.Tries(microbatches=(M,), stashes=STASHES, policies=POLICIES)
+  return [
+    s for s in plan.settings(G, tries, num_layers=MODEL_FLAGS['num_layers']) if s.name != 'backprop'
+  ]
+
+
+# ----------------------------------------------------------------------------- time
+
+
+def time_rows(cfg, hardware=HARDWARE, stages=STAGES, ratios=RATIOS) -> list[dict]:
+  """One row per (hardware, G, M, setting): predicted step, efficiency, recompute; plus the
+  backprop base (G = 1) per hardware and policy. Settings the run cannot take carry the reason
+  in 'note' and no step."""
+  rows = []
+  for name in hardware:
+    rates = plan.hardware_for(None, name)
+    base = plan.predicted_step_s(cfg, ScheduleConfig(), rates)  # keeps everything
+    for policy in POLICIES:
+      setting = ScheduleConfig(stash_policy=policy)
+      step = plan.predicted_step_s(cfg, setting, rates)
+      rows.append(_time_row(name, 1, '', setting, cfg, step, base / step, ''))
+    for G in stages:
+      for M in [max(1, round(r * G)) for r in ratios]:
+        for setting in settings_at(G, M):
+          reason = plan.applies(config.override(cfg, config.train_flags(setting)))
+          if reason is not None:
+            rows.append(_time_row(name, G, M, setting, cfg, None, None, reason))
+            continue
+          step = plan.predicted_step_s(cfg, setting, rates)
+          rows.append(_time_row(name, G, M, setting, cfg, step, base / (G * step), ''))
+  return rows
+
+
+def _time_row(hardware, G, M, setting, cfg, step, efficiency, note) -> dict:
+  return {
+    'hardware': hardware,
+    'G': G,
+    'M': M,
+    'line': 'backprop' if G == 1 else line_of(setting),
+    'setting': setting.label,
+    'policy': policy_of(setting),
+    'microbatch_rows': microbatch_rows(setting, cfg.batch_size),
+    'recompute': plan.recompute_fraction(setting, cfg.model),
+    'step_s': step,
+    'efficiency': efficiency,
+    'note': note,
+  }
+
+
+def microbatch_rows(setting: ScheduleConfig, batch: int) -> float:
+  """Rows of one micro-batch: B / M on the pipelines and Ouroboros, B / R on data_parallel."""
+  if setting.name == 'data_parallel':
+    return batch / setting.data_parallel
+  if setting.name in ('backprop', 'model_parallel'):
+    return batch
+  return batch / setting.num_microbatches
+
+
+# ----------------------------------------------------------------------------- memory
+
+
+def layers_per_device(setting: ScheduleConfig, num_layers: int) -> float:
+  if setting.name in ('backprop', 'data_parallel'):
+    return num_layers
+  return num_layers / setting.num_stages
+
+
+def in_flight(setting: ScheduleConfig) -> float:
+  """Micro-batch stage-equivalents a device of a table pipeline keeps at once: its stash slots
+  (`tables.program`), each one chunk of 1 / chunks of the device's layers; 1 elsewhere."""
+  if setting.name not in EXACT:
+    return 1.0
+  pipeline = tables.build(
+    setting.name, setting.num_stages, setting.num_microbatches, setting.chunks
+  )
+  return tables.program(tables.place(pipeline)).stash_slots / pipeline.chunks
+
+
+def key_of(schedule: str, forward, policy: str) -> tuple:
+  return (schedule, forward if schedule == 'ouroboros' else '', policy)
+
+
+def reference_rows(path: str) -> dict[tuple, list[dict]]:
+  """The compiled rows of a saved plan (device-memory stash only), by (schedule, forward,
+  policy); each row with its ScheduleConfig ('setting') and the file ('source')."""
+  with open(path) as f:
+    saved = json.load(f)
+  out = {}
+  for row in saved['rows']:
+    if row.get('peak_bytes') is None or (row.get('stash_memory') or 'device') != 'device':
+      continue
+    if row.get('temp_bytes') is None or row['label'].endswith(' host'):
+      continue
+    setting = _setting_of_row(row)
+    out.setdefault(key_of(setting.name, setting.forward, policy_of(setting)), []).append(
+      {**row, 'setting': setting, 'source': os.path.basename(path)}
+    )
+  return out
+
+
+def _setting_of_row(row: dict) -> ScheduleConfig:
+  """A saved plan row's ScheduleConfig: its flags, the stash as `compile` reports it ('graph/P',
+  'replay'; the policy itself for the other schedules)."""
+  fields = {f.name for f in dataclasses.fields(ScheduleConfig)} - {'compensation', 'stash'}
+  names = {'schedule': 'name', 'stages': 'num_stages'}
+  values = {names.get(k, k): v for k, v in row.items() if names.get(k, k) in fields}
+  if row['schedule'] == 'ouroboros':
+    mode, _, policy = row['stash'].partition('/')
+    values.update(stash=mode, stash_policy=policy or 'auto')
+  else:
+    values['stash_policy'] = row.get('stash_policy') or row.get('stash') or 'all'
+  return ScheduleConfig(**values)
+
+
+def reference_for(setting: ScheduleConfig, references: dict) -> list[dict]:
+  """The reference rows of the same schedule, forward and policy (every M compiled); for a
+  table pipeline that recomputes with no row of its own, model_parallel's that recomputes (its
+  temporaries are the same working set: one micro-batch's recompute of one layer group)."""
+  candidates = references.get(key_of(setting.name, setting.forward, policy_of(setting)), [])
+  if not candidates and setting.name in EXACT and policy_of(setting) != 'all':
+    candidates = references.get(key_of('model_parallel', None, policy_of(setting)), [])
+  return candidates
+
+
+def chunks_of(setting: ScheduleConfig) -> int:
+  """The layer groups a device holds: a table pipeline's chunks, 1 elsewhere."""
+  if setting.name not in EXACT:
+    return 1
+  return setting.chunks or tables.DEFAULT_CHUNKS.get(setting.name, 1)
+
+
+def activation_units(setting: ScheduleConfig, num_layers: int, batch: int) -> float:
+  """What a device's activations scale with, in layer x rows: keeping every residual, L x b x n
+  (n micro-batch stage-equivalents in flight); recomputing, the working set of one chunk's
+  recompute of one micro-batch, (L / chunks) x b."""
+  layers, rows = layers_per_device(setting, num_layers), microbatch_rows(setting, batch)
+  if policy_of(setting) == 'all':
+    return layers * rows * in_flight(setting)
+  return layers / chunks_of(setting) * rows
+
+
+def temps_model(candidates: list[dict], ref_layers: int, ref_batch: int) -> tuple[float, float]:
+  """(a, c) of temps = a x params + c x activation_units, from the reference rows: a least-
+  squares line through them where they differ in activation units, else a = 1 (one float32
+  gradient per parameter) and c through the one point."""
+  points = [
+    (activation_units(r['setting'], ref_layers, ref_batch), r['temp_bytes'], r['params_bytes'])
+    for r in candidates
+  ]
+  params = points[0][2]
+  xs = sorted({x for x, _, _ in points})
+  if len(xs) >= 2:
+    mx = sum(x for x, _, _ in points) / len(points)
+    my = sum(y for _, y, _ in points) / len(points)
+    sxx = sum((x - mx) ** 2 for x, _, _ in points)
+    c = sum((x - mx) * (y - my) for x, y, _ in points) / sxx
+    a = (my - c * mx) / params
+    if c > 0 and a >= 0:
+      return a, c
+  x, y, _ = min(points, key=lambda p: p[0])
+  return 1.0, max(y - params, 0) / x
+
+
+def extrapolated_temps(setting, state: dict, candidates: list[dict], cfg, ref_layers, ref_batch):
+  """The temporaries of `setting` at cfg's shape (module docstring)."""
+  a, c = temps_model(candidates, ref_layers, ref_batch)
+  units = activation_units(setting, cfg.model.num_layers, cfg.batch_size)
+  return a * state['params_bytes'] + c * units
+
+
+def abstract_state(setting: ScheduleConfig, cfg, devices) -> dict:
+  """The bytes one device holds of the step's state and batch at cfg's shape, exactly: the
+  abstract state `ouroboros compile` builds, without compiling."""
+  from ouroboros_jax import placement
+  from ouroboros_jax.perf import compile as compile_lib
+
+  run_cfg = config.override(cfg, config.train_flags(setting))
+  run_cfg = config.override(run_cfg, {'attention': run_cfg.model.attention_kind('tpu')})
+  run = run_cfg.schedule_config(devices[0].platform)
+  _, state, batch = compile_lib._abstract_step(run_cfg, run, devices)  # noqa: SLF001
+  ring = {k: v for k, v in state.ring.items() if k != placement.HOST}
+  return {
+    'params_bytes': compile_lib.shard_bytes(state.params),
+    'opt_state_bytes': compile_lib.shard_bytes(state.opt_state),
+    'ring_bytes': compile_lib.shard_bytes(ring),
+    'batch_bytes': compile_lib.shard_bytes(batch),
+  }
+
+
+def memory_rows(
+  rows: list[dict], cfg, reference: str | None, compiled: dict, cache: str | None = None
+) -> None:
+  """Fills each row's memory columns in place (once per setting: memory does not depend on the
+  hardware's rates). `cache`: a JSON file of the abstract states already sized."""
+  from ouroboros_jax.perf import compile as compile_lib
+
+  references = {}
+  for path in reversed([p for p in (reference or '').split(',') if os.path.exists(p)]):
+    references.update(reference_rows(path))  # the first file's rows win
+  ref_meta = (24, 32)  # the 1B shape's layers and batch
+  devices_of, done, states = {}, {}, _load(cache)
+  for row in rows:
+    if row['step_s'] is None or row['G'] == 1:
+      continue
+    key = (row['G'], row['M'], row['setting'])
+    if key not in done:
+      setting = _setting_from_label(row)
+      G = setting.num_stages if setting.name != 'data_parallel' else setting.data_parallel
+      sized = f'G={row["G"]} M={row["M"]} {row["setting"]}'
+      if sized not in states:
+        if G not in devices_of:
+          devices_of[G] = compile_lib.topology_devices(TOPOLOGY[G])[:G]
+        states[sized] = abstract_state(setting, cfg, devices_of[G])
+      state = states[sized]
+      fixed = sum(state.values())
+      memo = {
+        'state_gib': (state['params_bytes'] + state['opt_state_bytes']) / GIB,
+        'ring_gib': state['ring_bytes'] / GIB,
+        'memory': 'extrapolated',
+      }
+      ref = reference_for(setting, references)
+      if ref:
+        temps = extrapolated_temps(setting, state, ref, cfg, *ref_meta)
+        memo.update(
+          temp_gib=temps / GIB,
+          peak_extrapolated_gib=(fixed + temps) / GIB,
+          peak_gib=(fixed + temps) / GIB,
+          memory_from=f'{"; ".join(r["label"] for r in ref)} ({ref[0]["source"]})',
+        )
+      else:  # no reference row: the state alone, a floor (too large: does not fit)
+        memo.update(peak_gib=None, memory='state only', memory_from='', floor=fixed)
+      measured = compiled.get(sized)
+      if measured is not None:
+        memo.update(
+          peak_gib=measured['peak_bytes'] / GIB,
+          temp_gib=(measured.get('temp_bytes') or 0) / GIB,
+          memory='compiled',
+        )
+      done[key] = memo
+    row.update(done[key])
+  if cache:
+    with open(cache, 'w') as f:
+      json.dump(states, f)
+  for row in rows:
+    peak = row.get('peak_gib')
+    row['fits'] = None if peak is None else peak * GIB <= HBM_BYTES
+    if peak is None and row.get('floor', 0) > HBM_BYTES:
+      row['fits'] = False
+    if row['G'] == 1:
+      row['memory'] = 'not estimated (reference)'
+
+
+def _setting_from_label(row: dict) -> ScheduleConfig:
+  """The row's ScheduleConfig again (settings_at is deterministic; match its label)."""
+  for setting in settings_at(row['G'], row['M']):
+    if setting.label == row['setting']:
+      return setting
+  raise ValueError(f'no setting {row["setting"]!r} at G={row["G"]}, M={row["M"]}')
+
+
+# ----------------------------------------------------------------------------- best
+
+
+def mark_best(rows: list[dict]) -> None:
+  """'+' on each line's fastest setting that fits at (hardware, G, M), '*' on the fastest of
+  all (fits unknown counts as fitting, marked '?' in the tables)."""
+  groups = {}
+  for row in rows:
+    row['best'] = ''
+    if row['step_s'] is not None and row['G'] != 1 and row['fits'] is not False:
+      groups.setdefault((row['hardware'], row['G'], row['M']), []).append(row)
+  for group in groups.values():
+    by_line = {}
+    for row in sorted(group, key=lambda r: r['step_s']):
+      by_line.setdefault(row['line'], row)
+    for row in by_line.values():
+      row['best'] = '+'
+    min(group, key=lambda r: r['step_s'])['best'] = '*'
+
+
+def fastest(rows, hardware, G, M, lines, fitting=True, policies=None) -> dict | None:
+  """The fastest row of `lines` at (hardware, G, M): among those that fit (unknown counts), or
+  among all; of `policies` only, if given."""
+  candidates = [
+    r
+    for r in rows
+    if r['hardware'] == hardware
+    and r['G'] == G
+    and r['M'] == M
+    and r['line'] in lines
+    and r['step_s'] is not None
+    and (not fitting or r['fits'] is not False)
+    and (policies is None or r['policy'] in policies)
+  ]
+  return min(candidates, key=lambda r: r['step_s']) if candidates else None
+
+
+# ----------------------------------------------------------------------------- csv, render
+
+
+def write_csv(path: str, rows: list[dict]) -> None:
+  with open(path, 'w', newline='') as f:
+    writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction='ignore')
+    writer.writeheader()
+    for row in rows:
+      writer.writerow({k: _text(row.get(k)) for k in COLUMNS})
+
+
+def _text(value) -> str:
+  if value is None:
+    return ''
+  if isinstance(value, float):
+    return f'{value:.6g}'
+  return str(value)
+
+
+def read_csv(path: str) -> list[dict]:
+  """The rows as written, numbers as numbers (None where empty)."""
+  numbers = {
+    'step_s',
+    'efficiency',
+    'recompute',
+    'microbatch_rows',
+    'state_gib',
+    'ring_gib',
+    'temp_gib',
+    'peak_gib',
+    'peak_extrapolated_gib',
+  }
+  rows = []
+  with open(path, newline='') as f:
+    for row in csv.DictReader(f):
+      for k in numbers:
+        row[k] = float(row[k]) if row[k] != '' else None
+      row['G'] = int(row['G'])
+      row['M'] = int(row['M']) if row['M'] != '' else ''
+      row['fits'] = {'True': True, 'False': False, '': None}[row['fits']]
+      rows.append(row)
+  return rows
+
+
+def _short(row: dict) -> str:
+  """The setting without the schedule's name and M: 'keep=nothing', 'replay', 'graph/all'."""
+  if row['line'].startswith('ouroboros'):
+    return row['policy']
+  return 'keep=nothing' if row['policy'] == 'nothing' else 'keep=all'
+
+
+def _gib(row) -> str:
+  if row.get('peak_gib') is None:
+    return '? GiB'
+  mark = '' if row['memory'] == 'compiled' else '~'
+  return f'{mark}{row["peak_gib"]:.1f} GiB'
+
+
+def render(rows: list[dict]) -> str:
+  out = []
+  hardware = [h for h in HARDWARE if any(r['hardware'] == h for r in rows)]
+  stages = sorted({r['G'] for r in rows if r['G'] > 1})
+  ratios = {G: sorted({r['M'] for r in rows if r['G'] == G}) for G in stages}
+  # 1. The headline: Ouroboros' fastest fitting against the exact pipelines'.
+  for hw in hardware:
+    out += [
+      f'### Ouroboros against the best exact pipeline, {hw} (each at its fastest setting that '
+      'fits 15.75 GiB)',
+      '',
+      '| G | M | M/G | best exact pipeline | eff | best Ouroboros | eff | exact / Ouroboros step '
+      '| memory ignored: both recompute | neither recomputes |',
+      '|---|---|---|---|---|---|---|---|---|---|',
+    ]
+    for G in stages:
+      for M in ratios[G]:
+        exact = fastest(rows, hw, G, M, EXACT)
+        ring = fastest(rows, hw, G, M, LINES[-3:-1])
+        ratio = f'**{exact["step_s"] / ring["step_s"]:.2f}x**' if exact and ring else '-'
+        like = []
+        for policies in (('nothing', 'graph/nothing', 'replay'), ('all', 'graph/all')):
+          a = fastest(rows, hw, G, M, EXACT, False, policies)
+          b = fastest(rows, hw, G, M, LINES[-3:-1], False, policies)
+          like.append(f'{a["step_s"] / b["step_s"]:.2f}x' if a and b else '-')
+        out.append(
+          f'| {G} | {M} | {M / G:g} | {_cell(exact, True)} | {_eff(exact)} | '
+          f'{_cell(ring, True)} | {_eff(ring)} | {ratio} | {like[0]} | {like[1]} |'
+        )
+    out += ['', *crossover_lines(rows, hw, stages, ratios), '']
+  # 2. Every line at every (G, M).
+  for hw in hardware:
+    backprop = next(
+      r for r in rows if r['hardware'] == hw and r['line'] == 'backprop' and r['policy'] == 'all'
+    )
+    for G in stages:
+      out += [
+        f'### {hw}, G = {G} (backprop on one device: {backprop["step_s"] * 1e3:.0f} ms a step)',
+        '',
+        '| schedule | ' + ' | '.join(f'M = {M}' for M in ratios[G]) + ' |',
+        '|---|' + '---|' * len(ratios[G]),
+      ]
+      for line in LINES:
+        cells = []
+        for M in ratios[G]:
+          best = fastest(rows, hw, G, M, (line,))
+          if best is None:
+            tried = [
+              r
+              for r in rows
+              if r['hardware'] == hw and r['G'] == G and r['M'] == M and r['line'] == line
+            ]
+            if tried and all(r['step_s'] is None for r in tried):
+              cells.append('- (cannot run)')
+            else:
+              least = min(
+                (r for r in tried if r['peak_gib'] is not None), key=lambda r: r['peak_gib']
+              )
+              cells.append(f'no fit (least {_gib(least)}, {_short(least)})')
+            continue
+          cells.append(f'{best["efficiency"]:.2f} ({_cell(best)})')
+        name = f'{line} (reference)' if line == 'data_parallel' else line
+        out.append(f'| {name} | ' + ' | '.join(cells) + ' |')
+      out.append('')
+  # 3. The extrapolation against the compiler, where compiled.
+  checked = [r for r in rows if r['memory'] == 'compiled' and r['peak_extrapolated_gib']]
+  if checked:
+    seen, lines = set(), []
+    for r in checked:
+      if (r['G'], r['M'], r['setting']) in seen:
+        continue
+      seen.add((r['G'], r['M'], r['setting']))
+      error = (r['peak_extrapolated_gib'] - r['peak_gib']) / r['peak_gib']
+      lines.append(
+        f'| G={r["G"]} {r["setting"]} | {r["peak_gib"]:.2f} | {r["peak_extrapolated_gib"]:.2f} '
+        f'| {error:+.1%} | {r["memory_from"]} |'
+      )
+    out += [
+      '### The extrapolation against the compiler (32-layer shape)',
+      '',
+      '| setting | compiled peak GiB | extrapolated GiB | error | extrapolated from (1B row) |',
+      '|---|---|---|---|---|',
+      *lines,
+      '',
+    ]
+  return '\n'.join(out).rstrip() + '\n'
+
+
+def _cell(row, name=False) -> str:
+  if row is None:
+    return 'none fits'
+  what = f'{row["line"]} {_short(row)}' if name else _short(row)
+  fit = ' ?' if row['fits'] is None else ''
+  return f'{what}, {row["step_s"] * 1e3:.0f} ms, {_gib(row)}{fit}'
+
+
+def _eff(row) -> str:
+  return '-' if row is None else f'{row["efficiency"]:.2f}'
+
+
+def crossover_lines(rows, hw, stages, ratios) -> list[str]:
+  """Per G, the M/G at which Ouroboros is ahead of the best exact pipeline (both fitting)."""
+  lines = []
+  for G in stages:
+    ahead, behind = [], []
+    for M in ratios[G]:
+      exact = fastest(rows, hw, G, M, EXACT)
+      ring = fastest(rows, hw, G, M, LINES[-3:-1])
+      if ring is None:
+        continue
+      if exact is None or ring['step_s'] < exact['step_s']:
+        ahead.append(M / G)
+      else:
+        behind.append(M / G)
+    lines.append(
+      f'- G = {G}: Ouroboros ahead at M/G = {", ".join(f"{x:g}" for x in ahead) or "none"}; '
+      f'behind at {", ".join(f"{x:g}" for x in behind) or "none"}.'
+    )
+  return lines
+
+
+# ----------------------------------------------------------------------------- compile
+
+
+def compile_settings(labels: list[str], cfg, path: str) -> dict:
+  """Compiles each 'G=g M=m LABEL' for its v5e topology and saves the reports to `path`."""
+  from ouroboros_jax.perf import compile as compile_lib
+
+  saved = _load(path)
+  for text in labels:
+    g_part, m_part, label = text.split(' ', 2)
+    G, M = int(g_part.split('=')[1]), int(m_part.split('=')[1])
+    setting = _setting_from_label({'G': G, 'M': M, 'setting': label})
+    run = config.override(cfg, config.train_flags(setting))
+    report = compile_lib.compile_step(run, TOPOLOGY[G])
+    report['peak_gib'] = report['peak_bytes'] / GIB
+    saved[text] = report
+    print(f'{text}: {report["peak_gib"]:.2f} GiB, {report["compile_s"]:.0f} s', flush=True)
+    with open(path, 'w') as f:
+      json.dump(saved, f, indent=1, default=str)
+  return saved
+
+
+def _load(path: str) -> dict:
+  if path and os.path.exists(path):
+    with open(path) as f:
+      return json.load(f)
+  return {}
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--out', default='docs/results/regime.csv')
+  parser.add_argument('--render', metavar='CSV', help='print the tables of a written CSV')
+  parser.add_argument('--reference', default=REFERENCE, help='a saved 1B plan (--json)')
+  parser.add_argument('--compiled', default=COMPILED, help='compiled 32-layer rows (JSON)')
+  parser.add_argument('--compile', nargs='*', metavar='"G=g M=m LABEL"', default=[])
+  parser.add_argument('--hardware', default=','.join(HARDWARE))
+  parser.add_argument('--no-memory', action='store_true', help='times only (no libtpu needed)')
+  parser.add_argument('--state-cache', metavar='JSON', help='keep the sized states here')
+  parser.add_argument(
+    '--times', metavar='CSV', help="take the times from a written CSV (the simulator's ~10 min)"
+  )
+  args = parser.parse_args(argv)
+  if args.render:
+    print(render(read_csv(args.render)), end='')
+    return None
+  cfg = base_config()
+  if args.compile:
+    compile_settings(args.compile, cfg, args.compiled)
+  if args.times:
+    rows = [{k: r[k] for k in (*COLUMNS[:10], 'note')} for r in read_csv(args.times)]
+  else:
+    rows = time_rows(cfg, [h for h in args.hardware.split(',') if h])
+  if args.no_memory:
+    for row in rows:
+      row.update(fits=None, memory='not estimated')
+  else:
+    memory_rows(rows, cfg, args.reference, _load(args.compiled), args.state_cache)
+  mark_best(rows)
+  write_csv(args.out, rows)
+  print(render(read_csv(args.out)), end='')
+  print(f'\nwrote {args.out} ({len(rows)} rows)')
+  return rows
+
+
+if __name__ == '__main__':
+  main()

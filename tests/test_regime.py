@@ -1,0 +1,105 @@
+"""experiments/regime.py (issue 40 item 4): its efficiency, its memory extrapolation and its
+tables, on a small grid (G = 4, M in {2, 4, 8}; a few seconds)."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+
+from ouroboros_jax.schedules import ScheduleConfig
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _regime():
+  if 'regime' not in sys.modules:
+    spec = importlib.util.spec_from_file_location('regime', ROOT / 'experiments' / 'regime.py')
+    module = importlib.util.module_from_spec(spec)
+    sys.modules['regime'] = module
+    spec.loader.exec_module(module)
+  return sys.modules['regime']
+
+
+@pytest.fixture(scope='module')
+def rows():
+  regime = _regime()
+  out = regime.time_rows(regime.base_config(), ('tpu-v5e',), (4,), (0.5, 1, 2))
+  for row in out:
+    row.update(fits=None, memory='not estimated')
+  regime.mark_best(out)
+  return out
+
+
+def _step(rows, line, M, policy):
+  (row,) = [r for r in rows if r['line'] == line and r['M'] == M and r['policy'] == policy]
+  return row
+
+
+def test_backprop_is_the_base_and_recomputing_costs_a_forward(rows):
+  """Efficiency = backprop's step / (G x step): 1 for backprop keeping everything; keeping
+  nothing re-runs the forward, 1/3 of its compute, so 3/4 (the head and embedding aside)."""
+  keep = _step(rows, 'backprop', '', 'all')
+  assert keep['efficiency'] == 1.0 and keep['recompute'] == 0.0
+  recompute = _step(rows, 'backprop', '', 'nothing')
+  assert recompute['recompute'] == 1.0
+  assert recompute['efficiency'] == pytest.approx(0.75, abs=0.01)
+
+
+def test_exact_pipelines_fill_with_m_and_ouroboros_pipelined_does_not_need_to(rows):
+  """The exact pipelines' bubble shrinks as M grows at fixed G; Ouroboros' pipelined ring has
+  none at any M; no setting is above the ideal."""
+  for line in ('1f1b', 'zb_h1', 'zb_v', 'gpipe'):
+    effs = [_step(rows, line, M, 'all')['efficiency'] for M in (2, 4, 8)]
+    assert effs[0] < effs[1] < effs[2] < 1.0, (line, effs)
+  effs = {_step(rows, 'ouroboros pipelined', M, 'graph/all')['efficiency'] for M in (2, 4, 8)}
+  assert max(effs) - min(effs) < 1e-6
+  assert all(r['efficiency'] <= 1.0 + 1e-9 for r in rows if r['efficiency'] is not None)
+  # interleaved needs M to be a multiple of G: a reason, no time
+  skipped = _step(rows, 'interleaved', 2, 'all')
+  assert skipped['step_s'] is None and 'multiple' in skipped['note']
+
+
+def test_the_fastest_of_each_line_is_marked_once(rows):
+  for M in (2, 4, 8):
+    here = [r for r in rows if r['G'] == 4 and r['M'] == M]
+    assert sum(r['best'] == '*' for r in here) == 1
+    for line in {r['line'] for r in here if r['step_s'] is not None}:
+      marked = [r for r in here if r['line'] == line and r['best']]
+      assert len(marked) == 1
+      assert marked[0]['step_s'] == min(
+        r['step_s'] for r in here if r['line'] == line and r['step_s'] is not None
+      )
+
+
+def test_render_reads_back_the_csv(rows, tmp_path):
+  regime = _regime()
+  path = tmp_path / 'regime.csv'
+  regime.write_csv(path, rows)
+  text = regime.render(regime.read_csv(path))
+  assert '### tpu-v5e, G = 4' in text and '| zb_v |' in text
+  assert '- (cannot run)' in text  # interleaved at M = 2
+
+
+def test_the_temporaries_line_through_two_compiled_rows():
+  """temps = a x params + c x activation units: two reference rows at two M give a and c back
+  exactly; one row gives a = 1 (one float32 gradient) and c through it. A table pipeline keeping
+  every residual scales with its stash slots, one that recomputes with one chunk."""
+  regime = _regime()
+  a, c, params = 2.0, 1000.0, 50
+
+  def ref(M):
+    setting = ScheduleConfig(name='1f1b', num_stages=8, microbatches=M, stash_policy='nothing')
+    units = regime.activation_units(setting, 24, 32)
+    return {'setting': setting, 'temp_bytes': a * params + c * units, 'params_bytes': params}
+
+  assert regime.temps_model([ref(8), ref(16)], 24, 32) == pytest.approx((a, c))
+  one_a, one_c = regime.temps_model([ref(8)], 24, 32)
+  assert one_a == 1.0 and one_c == pytest.approx(c + (a - 1) * params / (3 * 4))
+  keep = ScheduleConfig(name='1f1b', num_stages=8, microbatches=16)
+  assert regime.in_flight(keep) == 8  # 1F1B's first stage holds G micro-batches
+  assert regime.activation_units(keep, 32, 64) == 4 * 4 * 8
+  zb_v = ScheduleConfig(name='zb_v', num_stages=8, microbatches=16, stash_policy='nothing')
+  assert regime.activation_units(zb_v, 32, 64) == 2 * 4  # half the device's layers, 4 rows
