@@ -42,8 +42,8 @@ jax.config.update('jax_num_cpu_devices', 2)  # before any backend starts: the CP
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from ouroboros_jax import model as transformer  # noqa: E402
-from ouroboros_jax import partition  # noqa: E402
+from ouroboros_jax.models import model as transformer  # noqa: E402
+from ouroboros_jax.models import partition  # noqa: E402
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule  # noqa: E402
 from ouroboros_jax.schedules.compensation import Compensation  # noqa: E402
 

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ouroboros_jax import cross_entropy
-from ouroboros_jax import model as transformer
+from ouroboros_jax.models import cross_entropy
+from ouroboros_jax.models import model as transformer
 
 
 def plain(x, w, t):

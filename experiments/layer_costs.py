@@ -35,8 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ouroboros_jax import costs, partition
-from ouroboros_jax import model as transformer
+from ouroboros_jax import costs
+from ouroboros_jax.models import model as transformer
+from ouroboros_jax.models import partition
 from ouroboros_jax.perf import bench, simulate
 from ouroboros_jax.schedules.stash import GraphStash
 from ouroboros_jax.update import GroupedOptimizer

@@ -34,7 +34,7 @@ def main(argv=None):
   stages = [int(g) for g in args.stages.split(',')]
   import jax
 
-  from ouroboros_jax import model
+  from ouroboros_jax.models import model
   from ouroboros_jax.perf import memory
   from ouroboros_jax.runtime import host
 

@@ -17,14 +17,16 @@ platform) and the Optax optimizer (Muon) that `build_schedule` takes (training/r
 `ScheduleConfig(name='ouroboros')` resolves to the same schedule when built; the paper's method is
 `compensation=Compensation()`.
 `ouroboros_jax.training.loop.train(cfg)` runs a whole `TrainConfig`. Every error a user can fix
-is a `UserError` (errors.py) with a one-line message. The folders are the layers:
-docs/architecture.md.
+is a `UserError` (errors.py) with a one-line message. The folders are the layers
+(docs/architecture.md): the built-in models in `models/`, the data in `data/`. An old module path
+(moved.py) still imports until 0.2.0, with a `DeprecationWarning` that names the new one.
 """
 
 from __future__ import annotations
 
-from ouroboros_jax import moved, txl  # noqa: F401  (registers Transformer-XL with model.init_params)
+from ouroboros_jax import moved
 from ouroboros_jax.errors import ConfigError, UserError
+from ouroboros_jax.models import txl  # noqa: F401  (registers Transformer-XL with model.init_params)
 from ouroboros_jax.optimizers import kernel_dims, make_optimizer
 from ouroboros_jax.schedules import SCHEDULES, ScheduleConfig, build_schedule
 from ouroboros_jax.schedules.compensation import Compensation

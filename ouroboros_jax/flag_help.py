@@ -8,9 +8,10 @@ value that is defined elsewhere, no measured result: those are in docs/results/)
 
 from __future__ import annotations
 
-from ouroboros_jax import attention, optimizers
 from ouroboros_jax import choices as named
-from ouroboros_jax.model import ARCHS, DTYPES
+from ouroboros_jax import optimizers
+from ouroboros_jax.models import attention
+from ouroboros_jax.models.model import ARCHS, DTYPES
 from ouroboros_jax.schedules import config as schedule_config
 from ouroboros_jax.schedules import tables
 from ouroboros_jax.schedules.compensation import COMPENSATIONS

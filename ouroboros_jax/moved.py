@@ -43,6 +43,11 @@ MOVED = {
   'ouroboros_jax.launch': 'ouroboros_jax.runtime.launch',
   'ouroboros_jax.distributed': 'ouroboros_jax.runtime.distributed',
   'ouroboros_jax.host': 'ouroboros_jax.runtime.host',
+  # The model family, apart from the step interface (issue 43).
+  **{
+    f'ouroboros_jax.{name}': f'ouroboros_jax.models.{name}'
+    for name in ('model', 'txl', 'attention', 'cross_entropy', 'partition')
+  },
   # Data loading, out of training/ into its own package (issue 43).
   'ouroboros_jax.training.data': 'ouroboros_jax.data',
   **{

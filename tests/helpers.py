@@ -16,8 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ouroboros_jax import errors, partition, staged
-from ouroboros_jax import model as transformer
+from ouroboros_jax import errors, staged
+from ouroboros_jax.models import model as transformer
+from ouroboros_jax.models import partition
 from ouroboros_jax.schedules import build_schedule
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent

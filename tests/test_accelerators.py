@@ -13,7 +13,7 @@ import pytest
 
 from ouroboros_jax import costs
 from ouroboros_jax.accelerators import growth, pld, vcycle
-from ouroboros_jax.model import ConfigError
+from ouroboros_jax.models.model import ConfigError
 from ouroboros_jax.training import compare, config
 
 from helpers import assert_one_line_error, cli_message, run_cli

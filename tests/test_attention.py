@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ouroboros_jax import attention
+from ouroboros_jax.models import attention
 
 from helpers import raises_for_cli
 
@@ -241,7 +241,7 @@ def test_pallas_kernel_equals_plain_in_the_interpreter():
 _TPU_COMPILE = textwrap.dedent("""
   import jax, jax.numpy as jnp
   from jax.experimental import topologies
-  from ouroboros_jax import attention
+  from ouroboros_jax.models import attention
   device = topologies.get_topology_desc('v5e:2x2', 'tpu').devices[0]
   sharding = jax.sharding.SingleDeviceSharding(device)
   spec = jax.ShapeDtypeStruct((2, 1000, 4, 64), jnp.bfloat16, sharding=sharding)
@@ -272,8 +272,8 @@ def test_pallas_kernel_compiles_for_a_tpu_without_one():
 
 
 def test_impossible_kernel_choices_are_one_line_config_errors():
-  from ouroboros_jax import model as gpt
   from ouroboros_jax.errors import ConfigError
+  from ouroboros_jax.models import model as gpt
 
   with pytest.raises(ConfigError, match='runs on TPUs only and this run is on cpu'):
     attention.check_platform('pallas', 'cpu')

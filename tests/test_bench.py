@@ -28,7 +28,7 @@ def test_bench_names_its_own_flags_and_refuses_an_empty_only(tmp_path):
   import pytest
 
   from ouroboros_jax.errors import ConfigError
-  from ouroboros_jax.model import ModelConfig
+  from ouroboros_jax.models.model import ModelConfig
   from ouroboros_jax.perf import bench
 
   model = ModelConfig(d_model=32, num_heads=2, num_layers=2, d_ff=64, seq_len=16)
@@ -111,7 +111,7 @@ def test_pieces_include_each_micro_batch_and_the_rows_carry_the_setting_s_own(tm
   import numpy as np
   import pytest
 
-  from ouroboros_jax.model import ModelConfig
+  from ouroboros_jax.models.model import ModelConfig
   from ouroboros_jax.perf import bench
   from ouroboros_jax.schedules import ScheduleConfig
 
@@ -188,7 +188,7 @@ def test_mfu_is_model_flops_over_the_devices_bf16_peak():
   import types
 
   from ouroboros_jax import costs
-  from ouroboros_jax import model as transformer
+  from ouroboros_jax.models import model as transformer
   from ouroboros_jax.perf import bench
 
   cfg = transformer.ModelConfig(d_model=768, num_heads=12, num_layers=12, d_ff=3072, seq_len=1024)
@@ -231,7 +231,7 @@ def test_a_bench_cut_short_keeps_the_rows_it_measured(tmp_path):
   time limit (the device check's 8-process bench was) keeps the settings it measured."""
   import pytest
 
-  from ouroboros_jax.model import ModelConfig
+  from ouroboros_jax.models.model import ModelConfig
   from ouroboros_jax.perf import bench
 
   class Stop(Exception):

@@ -23,9 +23,9 @@ import numpy as np
 import optax
 import pytest
 
-from ouroboros_jax import model as transformer
-from ouroboros_jax import partition
 from ouroboros_jax.accelerators import pld, stdloss
+from ouroboros_jax.models import model as transformer
+from ouroboros_jax.models import partition
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule, reference
 from ouroboros_jax.schedules.compensation import Compensation
 from ouroboros_jax.training import config as train_config

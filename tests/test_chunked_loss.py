@@ -15,9 +15,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ouroboros_jax import cross_entropy
-from ouroboros_jax import model as transformer
 from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.models import cross_entropy
+from ouroboros_jax.models import model as transformer
 from ouroboros_jax.schedules import ScheduleConfig
 
 from helpers import max_abs_diff, random_batches, run_schedule, tiny_transformer

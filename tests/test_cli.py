@@ -16,7 +16,7 @@ import time
 import pytest
 
 from ouroboros_jax import cli
-from ouroboros_jax.model import ConfigError
+from ouroboros_jax.models.model import ConfigError
 from ouroboros_jax.training import config
 
 from helpers import SMALL_CLI as SMALL

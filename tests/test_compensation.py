@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ouroboros_jax import optimizers
-from ouroboros_jax.model import ConfigError
+from ouroboros_jax.models.model import ConfigError
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule, compensation, reference
 from ouroboros_jax.schedules.compensation import Compensation
 from ouroboros_jax.schedules.config import RECIPE_COMPENSATION

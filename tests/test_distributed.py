@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from ouroboros_jax.model import ConfigError
+from ouroboros_jax.models.model import ConfigError
 from ouroboros_jax.runtime import distributed, launch
 
 from helpers import assert_trees_equal
@@ -29,7 +29,8 @@ SCRIPT = textwrap.dedent("""
     import numpy as np
     from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from ouroboros_jax import model as M, partition, staged
+    from ouroboros_jax import staged
+    from ouroboros_jax.models import model as M, partition
     from ouroboros_jax.schedules import ScheduleConfig, build_schedule
     from ouroboros_jax.schedules.compensation import Compensation
     cfg = M.ModelConfig(d_model=16, num_heads=2, num_layers=4, d_ff=32, seq_len=8)

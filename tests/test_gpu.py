@@ -20,7 +20,7 @@ import numpy as np
 import optax
 import pytest
 
-from ouroboros_jax import attention, partition
+from ouroboros_jax.models import attention, partition
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule
 
 from helpers import max_abs_diff, random_batches, tiny_transformer

@@ -10,9 +10,9 @@ import optax
 import pytest
 
 from ouroboros_jax import costs
-from ouroboros_jax import model as transformer
 from ouroboros_jax.accelerators import growth
-from ouroboros_jax.model import ConfigError
+from ouroboros_jax.models import model as transformer
+from ouroboros_jax.models.model import ConfigError
 
 from helpers import assert_trees_equal, random_batches
 

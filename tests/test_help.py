@@ -11,9 +11,10 @@ import re
 
 import pytest
 
-from ouroboros_jax import attention, cli, flag_help, optimizers
 from ouroboros_jax import choices as named
-from ouroboros_jax.model import ARCHS, DTYPES
+from ouroboros_jax import cli, flag_help, optimizers
+from ouroboros_jax.models import attention
+from ouroboros_jax.models.model import ARCHS, DTYPES
 from ouroboros_jax.perf import plan
 from ouroboros_jax.schedules.compensation import COMPENSATIONS
 from ouroboros_jax.schedules.stash import STASH_POLICIES

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ouroboros_jax import model as transformer
+from ouroboros_jax.models import model as transformer
 from ouroboros_jax.perf import memory
 from ouroboros_jax.schedules import ScheduleConfig
 from ouroboros_jax.schedules.compensation import Compensation

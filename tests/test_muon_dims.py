@@ -11,8 +11,9 @@ import numpy as np
 import optax
 import pytest
 
-from ouroboros_jax import model as transformer
-from ouroboros_jax import optimizers, partition
+from ouroboros_jax import optimizers
+from ouroboros_jax.models import model as transformer
+from ouroboros_jax.models import partition
 from ouroboros_jax.optimizers import MuonDimsWarning, kernel_dims
 
 G, N, D, H, K = 2, 2, 8, 2, 4  # stages, layers per stage, width, heads, head width

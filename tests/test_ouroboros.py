@@ -8,9 +8,10 @@ import numpy as np
 import optax
 import pytest
 
-from ouroboros_jax import model as transformer
-from ouroboros_jax import partition, staged
-from ouroboros_jax.model import ConfigError
+from ouroboros_jax import staged
+from ouroboros_jax.models import model as transformer
+from ouroboros_jax.models import partition
+from ouroboros_jax.models.model import ConfigError
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule, reference
 from ouroboros_jax.schedules.compensation import Compensation
 from ouroboros_jax.schedules.delays import staleness

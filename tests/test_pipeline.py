@@ -10,10 +10,10 @@ import functools
 import jax
 import pytest
 
-from ouroboros_jax import model as transformer
 from ouroboros_jax import staged
 from ouroboros_jax.choices import EXACT_PIPELINES
 from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.models import model as transformer
 from ouroboros_jax.perf import memory
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule, pipeline, ring, tables
 from ouroboros_jax.training.config import get_preset, override

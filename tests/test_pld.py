@@ -10,10 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ouroboros_jax import model as transformer
-from ouroboros_jax import partition, staged
+from ouroboros_jax import staged
 from ouroboros_jax.accelerators import pld
-from ouroboros_jax.model import ConfigError
+from ouroboros_jax.models import model as transformer
+from ouroboros_jax.models import partition
+from ouroboros_jax.models.model import ConfigError
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule
 from ouroboros_jax.schedules.compensation import Compensation
 

@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from ouroboros_jax import model as transformer
-from ouroboros_jax import partition
 from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.models import model as transformer
+from ouroboros_jax.models import partition
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule
 
 from helpers import max_abs_diff, random_batches, run_schedule, tiny_transformer

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from ouroboros_jax import cli
-from ouroboros_jax import model as transformer
 from ouroboros_jax.errors import PeerLostError
+from ouroboros_jax.models import model as transformer
 from ouroboros_jax.runtime import launch
 from ouroboros_jax.schedules import compensation
 from ouroboros_jax.training import config, sizing

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ouroboros_jax import model as transformer
-from ouroboros_jax.model import ConfigError, ModelConfig
+from ouroboros_jax.models import model as transformer
+from ouroboros_jax.models.model import ConfigError, ModelConfig
 from ouroboros_jax.training import sample
 
 # A large init_std gives peaked logits: greedy text varies (no fixed point) and has no near-ties.

@@ -30,9 +30,10 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ouroboros_jax import model as transformer
-from ouroboros_jax import partition, placement, schedules, staged
-from ouroboros_jax.model import ConfigError
+from ouroboros_jax import placement, schedules, staged
+from ouroboros_jax.models import model as transformer
+from ouroboros_jax.models import partition
+from ouroboros_jax.models.model import ConfigError
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule, ouroboros
 from ouroboros_jax.schedules.compensation import Compensation
 

@@ -8,10 +8,10 @@ import numpy as np
 import optax
 import pytest
 
-from ouroboros_jax import model as transformer
-from ouroboros_jax import partition
 from ouroboros_jax.accelerators import stdloss
-from ouroboros_jax.model import ConfigError
+from ouroboros_jax.models import model as transformer
+from ouroboros_jax.models import partition
+from ouroboros_jax.models.model import ConfigError
 from ouroboros_jax.schedules import ScheduleConfig
 
 from helpers import max_abs_diff, run_schedule

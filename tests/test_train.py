@@ -328,7 +328,7 @@ def test_sampling_matches_the_models_own_next_byte(short_run):
   model_cfg, params, _ = sample.load(cfg.out_dir)
   prompt = b'KING HENRY:\n'
   out = sample.generate(model_cfg, params, prompt, length=5, temperature=0.0)
-  from ouroboros_jax import model as transformer
+  from ouroboros_jax.models import model as transformer
 
   @jax.jit
   def logits_L(tokens_L):  # causal: zeros after the last real token change nothing before it

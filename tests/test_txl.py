@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ouroboros_jax import attention, txl
-from ouroboros_jax import model as gpt
+from ouroboros_jax.models import attention, txl
+from ouroboros_jax.models import model as gpt
 
 from helpers import raises_for_cli
 

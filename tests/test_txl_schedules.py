@@ -13,8 +13,8 @@ import numpy as np
 import optax
 import pytest
 
-from ouroboros_jax import partition, txl
-from ouroboros_jax.model import ConfigError, ModelConfig
+from ouroboros_jax.models import partition, txl
+from ouroboros_jax.models.model import ConfigError, ModelConfig
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule, reference
 from ouroboros_jax.schedules.compensation import Compensation
 

@@ -11,9 +11,9 @@ import optax
 import pytest
 
 from ouroboros_jax import costs
-from ouroboros_jax import model as transformer
 from ouroboros_jax.accelerators import vcycle
-from ouroboros_jax.model import ConfigError
+from ouroboros_jax.models import model as transformer
+from ouroboros_jax.models.model import ConfigError
 
 SEQ, VOCAB = 8, 32
 BIG = transformer.ModelConfig(

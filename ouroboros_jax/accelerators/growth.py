@@ -55,9 +55,9 @@ import numpy as np
 import optax
 
 from ouroboros_jax import costs, staged
-from ouroboros_jax import model as transformer
 from ouroboros_jax.errors import ConfigError
-from ouroboros_jax.model import ModelConfig
+from ouroboros_jax.models import model as transformer
+from ouroboros_jax.models.model import ModelConfig
 from ouroboros_jax.update import clip_by_global_norm, update_group
 
 METHODS = ('mslt', 'stacking')

@@ -36,10 +36,11 @@ from typing import NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from ouroboros_jax import model as transformer
-from ouroboros_jax import partition, staged
+from ouroboros_jax import staged
 from ouroboros_jax.errors import ConfigError, field_ref
-from ouroboros_jax.model import ModelConfig
+from ouroboros_jax.models import model as transformer
+from ouroboros_jax.models import partition
+from ouroboros_jax.models.model import ModelConfig
 from ouroboros_jax.staged import StagedModel
 
 DEFAULT_THETA_BAR = 0.5

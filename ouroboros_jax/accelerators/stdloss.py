@@ -37,10 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ouroboros_jax import model as transformer
-from ouroboros_jax import partition
 from ouroboros_jax.errors import ConfigError
-from ouroboros_jax.model import ModelConfig
+from ouroboros_jax.models import model as transformer
+from ouroboros_jax.models import partition
+from ouroboros_jax.models.model import ModelConfig
 from ouroboros_jax.staged import StagedModel
 
 SITES = ('mlp_preact', 'mlp_input')

@@ -61,10 +61,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from ouroboros_jax import costs, partition, placement, schedules
-from ouroboros_jax import model as transformer
+from ouroboros_jax import costs, placement, schedules
 from ouroboros_jax.errors import ConfigError
-from ouroboros_jax.model import ModelConfig
+from ouroboros_jax.models import model as transformer
+from ouroboros_jax.models import partition
+from ouroboros_jax.models.model import ModelConfig
 
 # ----------------------------------------------------------------------------- configs
 

@@ -49,10 +49,11 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ouroboros_jax import costs, partition, placement
-from ouroboros_jax import model as transformer
+from ouroboros_jax import costs, placement
 from ouroboros_jax.choices import DEFAULT_STASH_POLICY, FORWARD_MODES, MICROBATCHED, STASH_MODES
 from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.models import model as transformer
+from ouroboros_jax.models import partition
 from ouroboros_jax.optimizers import LIBRARY_DIMS, make_optimizer
 from ouroboros_jax.perf import simulate
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule

@@ -39,9 +39,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ouroboros_jax import model as transformer
-from ouroboros_jax import partition, placement
+from ouroboros_jax import placement
 from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.models import model as transformer
+from ouroboros_jax.models import partition
 from ouroboros_jax.runtime import host
 from ouroboros_jax.schedules import build_schedule
 from ouroboros_jax.training import assemble, config

@@ -10,9 +10,10 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from ouroboros_jax import attention, partition, schedules, staged
-from ouroboros_jax import model as transformer
+from ouroboros_jax import schedules, staged
 from ouroboros_jax.accelerators import pld, stdloss
+from ouroboros_jax.models import attention, partition
+from ouroboros_jax.models import model as transformer
 from ouroboros_jax.training.config import TrainConfig, make_optimizer
 
 

@@ -49,7 +49,7 @@ import optax
 
 from ouroboros_jax import optimizers
 from ouroboros_jax.errors import ConfigError, field_ref
-from ouroboros_jax.model import ModelConfig
+from ouroboros_jax.models.model import ModelConfig
 from ouroboros_jax.schedules.config import AUTO, ScheduleConfig
 
 
@@ -427,7 +427,7 @@ class TrainConfig:
 
   def resolved_layers_per_stage(self) -> tuple[int, ...]:
     """Layers per stage: the explicit --layers-per-stage, else a FLOP-balanced split."""
-    from ouroboros_jax import partition
+    from ouroboros_jax.models import partition
 
     if self.layers_per_stage:
       return partition.parse_layers_per_stage(

@@ -50,9 +50,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ouroboros_jax import costs, data, partition, placement, schedules
+from ouroboros_jax import costs, data, placement, schedules
 from ouroboros_jax.accelerators import pld
 from ouroboros_jax.errors import DiskFullError, NonFiniteLossError, PeerLostError
+from ouroboros_jax.models import partition
 from ouroboros_jax.runtime import distributed, watchdog
 from ouroboros_jax.training import checkpoint, phased, resume, rundir, sizing
 from ouroboros_jax.training.assemble import build, example_batch, staged_model  # noqa: F401

@@ -24,9 +24,9 @@ import jax
 import numpy as np
 
 from ouroboros_jax import data, staged
-from ouroboros_jax import model as transformer
 from ouroboros_jax.accelerators import growth, vcycle
 from ouroboros_jax.errors import NonFiniteLossError
+from ouroboros_jax.models import model as transformer
 from ouroboros_jax.training import rundir
 from ouroboros_jax.training.config import TrainConfig, lr_schedule
 from ouroboros_jax.training.metrics import MetricsLog, Report, batch_crc32

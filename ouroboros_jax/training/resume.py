@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import os
 
-from ouroboros_jax import model as transformer
 from ouroboros_jax.errors import CheckpointError
+from ouroboros_jax.models import model as transformer
 from ouroboros_jax.training import checkpoint, config
 from ouroboros_jax.training.config import TrainConfig
 

@@ -29,10 +29,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ouroboros_jax import model as transformer
-from ouroboros_jax import partition
 from ouroboros_jax.errors import ConfigError
-from ouroboros_jax.model import ModelConfig
+from ouroboros_jax.models import model as transformer
+from ouroboros_jax.models import partition
+from ouroboros_jax.models.model import ModelConfig
 from ouroboros_jax.training import checkpoint, config
 
 # The generation index i (the `fold_in` data) is an int32 inside jit. The prompt never enters it

@@ -27,8 +27,8 @@ import os
 
 import jax
 
-from ouroboros_jax import model as transformer
 from ouroboros_jax.errors import ConfigError, field_ref
+from ouroboros_jax.models import model as transformer
 from ouroboros_jax.schedules import compensation
 from ouroboros_jax.training.config import TrainConfig, make_optimizer
 

@@ -37,12 +37,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ouroboros_jax import attention as attention_kernels
-from ouroboros_jax import cross_entropy, staging
+from ouroboros_jax import staging
 from ouroboros_jax.errors import (
   ConfigError,
   field_ref,
-)  # re-exported: ouroboros_jax.model.ConfigError
+)  # re-exported: ouroboros_jax.models.model.ConfigError
+from ouroboros_jax.models import attention as attention_kernels
+from ouroboros_jax.models import cross_entropy
 
 Params = dict[str, Any]
 

@@ -14,9 +14,10 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from ouroboros_jax import costs, txl
-from ouroboros_jax import model as transformer
-from ouroboros_jax.model import ModelConfig
+from ouroboros_jax import costs
+from ouroboros_jax.models import model as transformer
+from ouroboros_jax.models import txl
+from ouroboros_jax.models.model import ModelConfig
 from ouroboros_jax.staged import Memory, StagedModel, WeightSplit
 from ouroboros_jax.staging import (  # noqa: F401  (the stage layout, where the callers import it)
   first_layers,

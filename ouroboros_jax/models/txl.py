@@ -34,10 +34,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ouroboros_jax import attention as attention_kernels
-from ouroboros_jax import model as gpt
 from ouroboros_jax import staging
-from ouroboros_jax.model import ModelConfig, Params, dropout
+from ouroboros_jax.models import attention as attention_kernels
+from ouroboros_jax.models import model as gpt
+from ouroboros_jax.models.model import ModelConfig, Params, dropout
 
 ARCH = 'transformer-xl'
 
