@@ -1,12 +1,12 @@
 """Module paths that moved: the old ones still import until `REMOVED_IN`, with a warning.
 
 `MOVED` maps each old dotted path to where the module lives now. `install()` (run by
-`import ouroboros_jax`) puts one finder on `sys.meta_path` that answers every form of import of
-an old path: `import ouroboros_jax.presets`, `from ouroboros_jax.training.windows import
-eval_batches`, `from ouroboros_jax import presets`. It gives the module at the new path itself
-(the same object, not a copy) and emits a `DeprecationWarning` that names the new path and the
-release that removes the old one. `module_getattr`, a package's `__getattr__`, covers the old
-module read as an attribute of its package without an import statement.
+`import ouroboros_jax`) puts one finder on `sys.meta_path` that answers an import statement of an
+old path (`import ouroboros_jax.presets`, `from ouroboros_jax.training.windows import
+eval_batches`); `module_getattr`, a package's `__getattr__`, answers the old module read as an
+attribute of its package (`from ouroboros_jax import presets`, or with no import statement). Both
+give the module at the new path itself (the same object, not a copy) and emit a
+`DeprecationWarning` that names the new path and the release that removes the old one.
 
 Standard library only; nothing of the package imports an old path (tests/test_package.py).
 """

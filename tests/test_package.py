@@ -163,6 +163,19 @@ def test_an_old_module_path_warns_with_the_new_one_and_gives_the_same_module(old
   _forget(old)
 
 
+def test_the_old_paths_go_in_the_release_the_warning_names():
+  """Once pyproject.toml reaches moved.REMOVED_IN, moved.MOVED's paths and the finder go."""
+  import re
+
+  pyproject = (PACKAGE.parent / 'pyproject.toml').read_text()
+  version = re.search(r'^version = "([^"]+)"', pyproject, re.M).group(1)
+  number = lambda v: tuple(int(part) for part in v.split('.')[:2])
+  assert number(version) < number(moved.REMOVED_IN), (
+    f'version {version}: remove the old module paths (moved.MOVED) deprecated until '
+    f'{moved.REMOVED_IN}, and say so in CHANGELOG.md'
+  )
+
+
 def test_the_documented_imports_of_the_flat_layout_still_work():
   with pytest.warns(DeprecationWarning) as caught:
     from ouroboros_jax import presets, train  # the README of the flat layout
