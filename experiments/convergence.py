@@ -19,6 +19,7 @@ delayed gradients change *what is learned per step*, not speed (see `ouroboros b
     python experiments/convergence.py                      # tiny preset, ~30 min on 2 CPU cores
     python experiments/convergence.py --steps 300 --runs backprop,ouroboros-g2-graph
     python experiments/convergence.py --reuse     # finish an interrupted experiment
+    python experiments/convergence.py --render docs/results/convergence_recipe.csv  # its table
 """
 
 from __future__ import annotations
@@ -71,11 +72,37 @@ def parse_args(argv=None):
     metavar='FIELD=VALUE',
     help='any other TrainConfig/ModelConfig override, e.g. --set d_model=64',
   )
+  parser.add_argument(
+    '--render',
+    metavar='CSV',
+    help='print the markdown table of a written convergence.csv (final validation and test bpb '
+    'of each run) and stop; trains nothing',
+  )
+  parser.add_argument('--versus', metavar='RUN', help='with --render: a column against this run')
+  parser.add_argument(
+    '--at',
+    type=lambda text: tuple(int(s) for s in text.split(',')),
+    default=(),
+    help='with --render: validation bpb columns at these steps too',
+  )
   return parser.parse_args(argv)
+
+
+def render(path, runs=None, versus=None, at=()):
+  """The table of a convergence.csv: lr_sweep.py's --render, whose columns these are (`run`
+  for `recipe`)."""
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import lr_sweep
+
+  return lr_sweep.render(path, runs, versus, at)
 
 
 def main(argv=None):
   args = parse_args(argv)
+  if args.render:
+    explicit = args.runs != ','.join(RUNS)
+    print(render(args.render, args.runs.split(',') if explicit else None, args.versus, args.at))
+    return
   import jax
 
   from ouroboros_jax.runtime import host

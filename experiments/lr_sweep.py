@@ -25,6 +25,7 @@ Writes, under --out (default experiments/results/lr_sweep):
     python experiments/lr_sweep.py                     # ~1.5 hours on 2 cores
     python experiments/lr_sweep.py --recipes backprop-adamw,g2-muon-predict --phases grid
     python experiments/lr_sweep.py --reuse             # finish an interrupted sweep
+    python experiments/lr_sweep.py --render docs/results/stream_ring_1000.csv  # a CSV's table
 """
 
 from __future__ import annotations
@@ -241,7 +242,11 @@ def rate_field(overrides: dict) -> str:
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument(
-    '--recipes', default=','.join(RECIPES), help='comma-separated subset of: ' + ', '.join(RECIPES)
+    '--recipes',
+    default=None,
+    help='comma-separated subset of (default: all): '
+    + ', '.join(RECIPES)
+    + '; with --render, each may be recipe@rate and picks the rows in that order',
   )
   parser.add_argument('--phases', default='grid,final', help='grid, final, or both')
   parser.add_argument('--grid-steps', type=int, default=200)
@@ -273,6 +278,23 @@ def parse_args(argv=None):
     '--bench',
     default='docs/results/bench_2proc_cpu.csv',
     help='measured step times (ouroboros bench CSV, AdamW) for time to quality',
+  )
+  parser.add_argument(
+    '--render',
+    metavar='CSV',
+    help="print the markdown table of a written CSV (this script's grid.csv / final.csv, or "
+    "docs/results' CSVs of its runs) and stop; trains nothing",
+  )
+  parser.add_argument(
+    '--versus',
+    metavar='RECIPE[@RATE][/COLUMN=VALUE]',
+    help="with --render: a column of each run's last bpb against this run's (same seed)",
+  )
+  parser.add_argument(
+    '--at',
+    type=lambda text: tuple(int(s) for s in text.split(',')),
+    default=(),
+    help='with --render: validation bpb columns at these steps too (e.g. 500,1000,2000)',
   )
   return parser.parse_args(argv)
 
@@ -503,8 +525,112 @@ def report(args, names, grid_rows, final_rows, best):
   print(f'wrote {args.out}/grid.csv, final.csv, summary.md, lr_sweep.png')
 
 
+# A results CSV's columns that are measurements; every other column names the run.
+MEASURED = ('step', 'split', 'bpb', 'loss', 'wall_s')
+
+
+def _number(text):
+  try:
+    return float(text)
+  except ValueError:
+    return math.inf
+
+
+def _select(name: str, run: dict) -> bool:
+  """`recipe`, `recipe@rate` (as the run directories are named), either with `/column=value`
+  parts for the CSV's other columns (`/beta=0`), matches this run. The recipe is the CSV's first
+  column (`recipe`; convergence.py's `run`)."""
+  name, *more = name.split('/')
+  recipe, _, rate = name.partition('@')
+  wanted = dict(part.split('=', 1) for part in more)
+  if rate:
+    wanted['rate'] = rate
+  return next(iter(run.values())) == recipe and all(
+    _number(run.get(k, '')) == _number(v) if _number(v) != math.inf else run.get(k) == v
+    for k, v in wanted.items()
+  )
+
+
+def render(path: str, names=None, versus=None, at=()) -> str:
+  """The markdown table of a results CSV (grid.csv, final.csv, or one of docs/results' CSVs with
+  the same columns plus seed, steps or beta): a row per run, its validation bpb at each step of
+  `at` and at its last evaluation, its test bpb where the CSV has one, and how far that last bpb
+  is from the run `versus` (`recipe` or `recipe@rate`) of the same seed. Seeds are columns.
+  `names` (each `recipe` or `recipe@rate`) picks the rows and their order; by default every run
+  in the CSV, sorted. Nothing is computed but that ratio: the bpbs are the CSV's, rounded."""
+  with open(path) as f:
+    rows = list(csv.DictReader(f))
+  if not rows:
+    raise SystemExit(f'{path}: no rows')
+  keys = [k for k in rows[0] if k not in MEASURED and k != 'seed']
+  runs = {}  # run key -> seed -> split -> [(step, bpb)]
+  for r in rows:
+    run = tuple(r[k] for k in keys)
+    split = r.get('split') or 'validation'
+    curve = runs.setdefault(run, {}).setdefault(r.get('seed', ''), {}).setdefault(split, [])
+    curve.append((int(r['step']), float(r['bpb'])))
+  seeds = sorted({seed for by_seed in runs.values() for seed in by_seed}, key=_number)
+  described = [dict(zip(keys, run)) for run in runs]
+  if names:
+    order = []
+    for name in names:
+      hits = [run for run in described if _select(name, run)]
+      if not hits:
+        raise SystemExit(f'{path}: no run {name}')
+      order += [run for run in hits if run not in order]
+  else:
+    order = sorted(described, key=lambda run: [run[keys[0]]] + [_number(run[k]) for k in keys[1:]])
+
+  def curve(run, seed, split='validation'):
+    return sorted(runs[tuple(run[k] for k in keys)].get(seed, {}).get(split, []))
+
+  reference = {}
+  if versus:
+    hits = [run for run in described if _select(versus, run)]
+    if len(hits) != 1:
+      raise SystemExit(
+        f'{path}: {len(hits)} runs match {versus}: name one (recipe@rate/column=value)'
+      )
+    (ref,) = hits
+    reference = {seed: curve(ref, seed)[-1][1] for seed in seeds if curve(ref, seed)}
+  last_steps = {curve(run, seed)[-1][0] for run in order for seed in seeds if curve(run, seed)}
+  same_end = len(last_steps) == 1
+  tested = any(curve(run, seed, 'test') for run in order for seed in seeds)
+  head, cells = list(keys), []
+  for seed in seeds:
+    tag = f'seed {seed}: ' if len(seeds) > 1 else ''
+    head += [f'{tag}val bpb, step {step}' for step in at]
+    head += [f'{tag}val bpb, step {min(last_steps)}' if same_end else f'{tag}val bpb (last step)']
+    head += [] if same_end else [f'{tag}last step']
+    head += [f'{tag}test bpb'] if tested else []
+    head += [f'{tag}vs {versus}'] if versus else []
+  for run in order:
+    row = [run[k] if k != 'rate' else f'{float(run[k]):g}' for k in keys]
+    for seed in seeds:
+      val = curve(run, seed)
+      width = len(at) + (1 if same_end else 2) + tested + bool(versus)
+      if not val:
+        row += [''] * width
+        continue
+      at_step = dict(val)
+      row += [f'{at_step[step]:.4f}' if step in at_step else '' for step in at]
+      row += [f'{val[-1][1]:.4f}'] + ([] if same_end else [str(val[-1][0])])
+      if tested:
+        test = curve(run, seed, 'test')
+        row += [f'{test[-1][1]:.4f}' if test else '']
+      if versus:
+        row += [f'{val[-1][1] / reference[seed] - 1:+.2%}' if seed in reference else '']
+    cells.append(row)
+  lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+  return '\n'.join(lines + ['| ' + ' | '.join(row) + ' |' for row in cells])
+
+
 def main(argv=None):
   args = parse_args(argv)
+  if args.render:
+    names = args.recipes.split(',') if args.recipes else None
+    print(render(args.render, names, args.versus, args.at))
+    return
   import jax
 
   from ouroboros_jax.runtime import host
@@ -512,7 +638,7 @@ def main(argv=None):
 
   host.configure_cpu_runtime()
   jax.config.update('jax_num_cpu_devices', 8)  # G = 8 has a device per stage
-  names = [n for n in args.recipes.split(',') if n]
+  names = [n for n in (args.recipes or ','.join(RECIPES)).split(',') if n]
   unknown = [n for n in names if n not in RECIPES]
   if unknown:
     sys.exit(f'error: unknown recipe(s) {unknown}; choose from {", ".join(RECIPES)}.')
