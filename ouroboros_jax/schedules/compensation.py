@@ -174,39 +174,70 @@ def shrink_delayed(factor: float) -> optax.GradientTransformationExtraArgs:
 
 class DelayCompensationState(NamedTuple):
   count: jax.Array  # updates applied so far (n)
-  history: PyTree  # weights after update i, in slot i % depth (all = w_0 at first)
+  history: PyTree  # weights after updates n - depth .. n - 1, update i's in slot i % depth (all
+  #                  w_0 at first); () when w_then is the weights less the latest update
   mean_square: PyTree  # running mean of g * g, for the adaptive strength
 
 
 def delay_compensation(
-  strength: float, max_delay: int, decay: float = 0.95, eps: float = 1e-7
+  strength: float,
+  max_delay: int,
+  decay: float = 0.95,
+  eps: float = 1e-7,
+  *,
+  from_last_update: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """DC-ASGD-a: g + lambda_t * g * g * (w_now - w_then), lambda_t = strength / sqrt(MS(g)).
 
   Zheng, Meng, Wang, Chen, Yu, Ma, Liu. "Asynchronous Stochastic Gradient Descent with Delay
   Compensation", ICML 2017 (arXiv 1609.08326), eq. 10 and the adaptive lambda of section 5
   (MS(g) a running mean of g * g with `decay`). g * g is the diagonal approximation of the Hessian;
-  w_then is the weights the gradient was computed at, `delay` updates ago: the transformation keeps
-  the last max_delay + 1 weights of its group. Needs gradients taken at w_then (the graph stash).
+  w_then is the weights the gradient was computed at, `delay` updates ago (a delay of 0 is the
+  weights now). Needs gradients taken at w_then (the graph stash).
+
+  Where w_then comes from: the transformation keeps the last max_delay weights of its group
+  (read before this update's weights are written, so max_delay slots suffice). With
+  `from_last_update` and delays of at most 1 (the streamed ring), it keeps none: w_then is w_now
+  less the group's latest update, which weight prediction keeps anyway (`remember_update` hands
+  it over as the extra argument `last_update`), so the history costs no second copy of the
+  weights. w_now - (w_now - u) equals the update u to float32 rounding.
   """
-  depth = max_delay + 1
+  if from_last_update and max_delay > 1:
+    raise ValueError(
+      f'delay_compensation(from_last_update=True) reads w_then as w_now less the latest update, '
+      f'which covers a delay of at most 1, not {max_delay}.'
+    )
+  depth = max(max_delay, 1)
 
   def init(params):
     return DelayCompensationState(
       count=jnp.zeros((), jnp.int32),
-      history=jax.tree.map(lambda p: jnp.broadcast_to(p, (depth, *p.shape)), params),
+      history=()
+      if from_last_update
+      else jax.tree.map(lambda p: jnp.broadcast_to(p, (depth, *p.shape)), params),
       mean_square=jax.tree.map(jnp.zeros_like, params),
     )
 
-  def update(updates, state, params=None, *, delay=None, **extra):
+  def update(updates, state, params=None, *, delay=None, last_update=None, **extra):
     del extra
     if params is None:
       raise ValueError('delay_compensation needs the parameters (w_now).')
     n, tau = state.count, _gap(delay)
-    history = jax.tree.map(lambda h, w: h.at[n % depth].set(w), state.history, params)
-    # Slot (n - tau) % depth holds the weights after update n - tau; when n < tau it was never
-    # written and holds w_0, which is what the weights were before this group's first update.
-    w_then = jax.tree.map(lambda h: h[(n - tau) % depth], history)
+    if from_last_update:
+      if last_update is None:
+        raise ValueError(
+          'delay_compensation(from_last_update=True) needs the latest update: wrap it with '
+          'remember_update (Compensation(predict=True)).'
+        )
+      w_then = jax.tree.map(lambda w, u: jnp.where(tau == 0, w, w - u), params, last_update)
+      history = ()
+    else:
+      # Slot (n - tau) % depth holds the weights after update n - tau; when n < tau it was never
+      # written and holds w_0, which is what the weights were before this group's first update.
+      w_then = jax.tree.map(
+        lambda h, w: jnp.where(tau == 0, w, h[(n - tau) % depth]), state.history, params
+      )
+      history = jax.tree.map(lambda h, w: h.at[n % depth].set(w), state.history, params)
     mean_square = jax.tree.map(
       lambda m, g: decay * m + (1 - decay) * g * g, state.mean_square, updates
     )
@@ -269,7 +300,8 @@ def remember_update(tx: optax.GradientTransformation) -> optax.GradientTransform
     return LastUpdateState(tx.init(params), jax.tree.map(jnp.zeros_like, params))
 
   def update(updates, state, params=None, **extra):
-    updates, inner = tx.update(updates, state.inner, params, **extra)
+    # The latest update goes to the inner transformations too: DC-ASGD may read w_then from it.
+    updates, inner = tx.update(updates, state.inner, params, last_update=state.last_update, **extra)
     return updates, LastUpdateState(inner, updates)
 
   return optax.GradientTransformationExtraArgs(init, update)
@@ -338,7 +370,10 @@ def wrap(
   if compensation.shrink != 1.0:
     parts.append(shrink_delayed(compensation.shrink))
   if compensation.dc_lambda > 0:
-    parts.append(delay_compensation(compensation.dc_lambda, max_gap))
+    from_last_update = compensation.predict and max_gap <= 1  # the streamed ring's recipe
+    parts.append(
+      delay_compensation(compensation.dc_lambda, max_gap, from_last_update=from_last_update)
+    )
   parts.append(optax.with_extra_args_support(tx))
   if compensation.pipemare_steps > 0:
     parts.append(scale_by_delay(compensation.pipemare_steps))

@@ -80,6 +80,13 @@ class Timing:
     everything in flight survives until its backward: ceil(largest lag / M) + 1."""
     return self.embed_gap + 1
 
+  @property
+  def weight_slots(self) -> int:
+    """Slots of a graph stash's forward weights, one per step's version: the current version is
+    the step's own forward weights, so only the older ones wait (depth - 1; 1 when nothing
+    waits, so the buffer keeps its shape)."""
+    return max(self.depth - 1, 1)
+
 
 def unit_gap_microbatches(num_stages: int, forward: str = 'locked') -> int:
   """The fewest streamed micro-batches per update that make every gradient at most one update

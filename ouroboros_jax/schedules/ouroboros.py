@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from ouroboros_jax import placement, staged
 from ouroboros_jax.schedules import compensation
 from ouroboros_jax.schedules import ring as ring_lib
+from ouroboros_jax.schedules import stash as stash_lib
 from ouroboros_jax.schedules.delays import Timing
 from ouroboros_jax.schedules.stash import Stash, make_stash
 from ouroboros_jax.staged import STAGE, Schedule, StagedModel, TrainState
@@ -188,11 +189,18 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t):
   version_shift = forward_ticks // ring.num_microbatches  # weights by step: one slot per batch
   items_b = ring.items(t, backward_ticks)
 
+  # Graph: the backward differentiates at the weights each item was forwarded with. This step's
+  # forward weights are at hand; only the older versions wait in the ring (Timing.weight_slots).
+  forward_s = None if weights_S is None else ring_lib.local_stage_params(forward_params)
+  version_now = t - version_shift
+
   def read_pending(stash_S, batches_S, weights_S):
     return _Pending(
       kept_M=read(stash_S, items_b),
       inputs_M=read(by_item(batches_S['inputs']), items_b),
-      weights=_backward_weights(ring, weights_S, items_b, forward_ticks, version_shift),
+      weights=_backward_weights(
+        ring, weights_S, forward_s, version_now, items_b, forward_ticks, version_shift
+      ),
       items=items_b,
     )
 
@@ -209,9 +217,6 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t):
       else read(by_item(batches_S['targets']), items_h)
     )
   batches_S = ring_lib.write_slot(batches_S, batch, t, depth)
-  if weights_S is not None:  # graph: the backward differentiates at the forward's weights
-    forward_s = ring_lib.local_stage_params(forward_params)
-    weights_S = ring_lib.write_slot(weights_S, forward_s, t - version_shift, depth)
   if not read_first:
     head_targets_M = read(by_item(batches_S['targets']), items_h)
 
@@ -228,6 +233,8 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t):
   if not read_first:
     pending = read_pending(stash_S, batches_S, weights_S)
   g_stage, g_embed_stale, delta_fifo = _backward_chain(ring, params, pending, buffers, fwd)
+  if weights_S is not None:  # after every read of the step: XLA updates the slot in place
+    weights_S = ring_lib.write_slot(weights_S, forward_s, version_now, timing.weight_slots)
 
   # 4. Gradients, each on the device that owns it (embed and head live on device 0).
   g_embed = jax.tree.map(jnp.add, fwd.g_embed, g_embed_stale)
@@ -338,14 +345,26 @@ class _Pending(NamedTuple):
   items: jax.Array
 
 
-def _backward_weights(ring: _Ring, weights_S, items_b, forward_ticks, version_shift):
+def _backward_weights(
+  ring: _Ring, weights_S, forward_s, version_now, items_b, forward_ticks, version_shift
+):
   """m -> the weights item items_b[m] was forwarded with (graph; None: replay). As one batch the
-  step's items share one version; streamed they span two, both read once."""
+  step's items share one version; streamed they span two, both read once. Version `version_now`
+  is this step's forward weights `forward_s`; the older ones are read from the ring's slots."""
   if weights_S is None:
     return None
   num_micro = ring.num_microbatches
   version = (items_b + forward_ticks) // num_micro - version_shift
-  read = lambda v: ring_lib.read_slot(weights_S, v, ring.depth)
+  slots = ring.timing.weight_slots
+
+  def read(v):  # kept narrow where the forward reads only the cast (_kept_weights): widened back
+    older = jax.tree.map(
+      lambda a, w: a.astype(w.dtype), ring_lib.read_slot(weights_S, v, slots), forward_s
+    )
+    if ring.aligned and ring.num_stages > 1:  # as one batch nothing reads this step's version
+      return older
+    return ring_lib.select(v == version_now, forward_s, older)
+
   if ring.aligned:
     weights = read(version[0])
     return lambda m: weights
@@ -458,11 +477,13 @@ def _init(ring: _Ring, params, example_batch):
     jnp.int32(0),
   )
   buffer = lambda a, *lead: jnp.zeros((num_stages, replicas, *lead, *a.shape), a.dtype)
+  if ring.stash.at_forward_weights:  # the weights each batch in flight was forwarded with, ...
+    weights_s = _kept_weights(ring, params_s, x_micro, memory_micro)
 
   def fresh_buffers():
     stash = {'stash': jax.tree.map(lambda a: buffer(a, ring.depth, num_micro), kept)}
-    if ring.stash.at_forward_weights:  # the weights each batch in flight was forwarded with
-      stash['weights'] = jax.tree.map(lambda a: buffer(a, ring.depth), params_s)
+    if ring.stash.at_forward_weights:
+      stash['weights'] = jax.tree.map(lambda a: buffer(a, ring.timing.weight_slots), weights_s)
     buffers = {
       **placement.empty_memory(ring.model, params, example_batch, replicas),
       'batches': jax.tree.map(lambda a: buffer(a, ring.depth), local),
@@ -477,6 +498,27 @@ def _init(ring: _Ring, params, example_batch):
     return buffers
 
   return placement.init_state(ring.optimizer, params, ring.mesh, fresh_buffers)
+
+
+def _kept_weights(ring: _Ring, params_s, x_micro, memory_micro):
+  """The shapes of the forward's weights as the ring keeps them: each leaf the group's forward
+  only reads as a narrower cast (a bf16 forward's kernels) is kept as that cast, which the
+  backward widens again without loss (`stash.read_dtypes`); the others as they are."""
+
+  def stage_forward(p, x, stage_index, key, memory, batch_index):
+    rng = staged.piece_rng(key, stage_index)
+    return ring.model.run_stage(p, x, stage_index, rng, memory, batch_index)
+
+  on_device = jax.shard_map(
+    stage_forward, mesh=ring.mesh, in_specs=P(), out_specs=P(), check_vma=False
+  )
+  narrow = stash_lib.read_dtypes(
+    on_device, params_s, x_micro, jnp.int32(0), jax.random.key(0), memory_micro, jnp.int32(0)
+  )
+  leaves, treedef = jax.tree.flatten(params_s)
+  return jax.tree.unflatten(
+    treedef, [jax.ShapeDtypeStruct(a.shape, d or a.dtype) for a, d in zip(leaves, narrow)]
+  )
 
 
 def _grads(ring: _Ring, state: TrainState, forward_params, batch, t, t_async):

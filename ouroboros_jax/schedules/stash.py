@@ -26,6 +26,8 @@ from __future__ import annotations
 from typing import Protocol
 
 import jax
+import jax.extend
+import jax.numpy as jnp
 
 from ouroboros_jax import staged
 from ouroboros_jax.choices import DEFAULT_STASH_POLICY
@@ -211,3 +213,87 @@ def vjp_layout(vjp_of, params_s, *like):
 
   jax.eval_shape(leaves, *like)
   return layout[0]
+
+
+# -- the forward's weights, kept narrow where the forward only reads them narrow --------------------
+
+# Value-preserving ops a weight may pass through on its way to its cast (a cast commutes with them):
+# the layer loop's slices of stacked weights and a module's reshapes.
+_PASS_THROUGH = frozenset(
+  {'slice', 'dynamic_slice', 'squeeze', 'reshape', 'expand_dims', 'transpose', 'copy', 'copy_p'}
+)
+
+
+def read_dtypes(fn, params, *args) -> list:
+  """For each leaf of `params`, the narrower floating dtype `fn(params, *args)` reads it in, if
+  every read of it is a cast to that one dtype (a bf16 forward of float32 weights: Flax casts
+  each kernel where it is used); else None.
+
+  Where a leaf's entry is a dtype, keeping the leaf's cast instead of the leaf loses nothing:
+  `fn` at `cast.astype(leaf.dtype)` computes exactly what it computes at the leaf, and so does its
+  VJP (a cast's transpose is a cast). Found on `fn`'s jaxpr, following each leaf into loops,
+  checkpoints, calls and branches; any other read (a float32 norm scale, an unknown primitive)
+  keeps the leaf as it is."""
+  closed = jax.make_jaxpr(fn)(params, *args)
+  leaves = jax.tree.leaves(params)
+  out = []
+  for var, leaf in zip(closed.jaxpr.invars[: len(leaves)], leaves):
+    dtypes = _cast_reads(closed.jaxpr, var)
+    narrow = (
+      dtypes is not None
+      and len(dtypes) == 1
+      and jnp.issubdtype(next(iter(dtypes)), jnp.floating)
+      and jnp.dtype(next(iter(dtypes))).itemsize < jnp.dtype(leaf.dtype).itemsize
+    )
+    out.append(jnp.dtype(next(iter(dtypes))) if narrow else None)
+  return out
+
+
+def _cast_reads(jaxpr, var) -> set | None:
+  """The dtypes `var` is cast to in `jaxpr`, if casts are all that read it (through pass-through
+  ops and into sub-jaxprs); None if anything else reads it or it is an output."""
+  if any(out is var for out in jaxpr.outvars):
+    return None
+  found = set()
+  for eqn in jaxpr.eqns:
+    positions = [i for i, v in enumerate(eqn.invars) if v is var]
+    if not positions:
+      continue
+    name = eqn.primitive.name
+    if name == 'convert_element_type':
+      found.add(jnp.dtype(eqn.params['new_dtype']))
+      continue
+    if name in _PASS_THROUGH and positions == [0]:
+      inner = _cast_reads(jaxpr, eqn.outvars[0])
+      if inner is None:
+        return None
+      found |= inner
+      continue
+    subs = _sub_jaxprs(eqn)
+    if not subs:
+      return None
+    for sub in subs:
+      offset = len(eqn.invars) - len(sub.invars)  # cond: its branch index comes first
+      if offset < 0 or any(i < offset for i in positions):
+        return None
+      for i in positions:
+        inner = _cast_reads(sub, sub.invars[i - offset])
+        if inner is None:
+          return None
+        found |= inner
+  return found
+
+
+def _sub_jaxprs(eqn) -> list:
+  """The jaxprs an equation runs on its operands in order (scan, checkpoint, jit, custom rules,
+  shard_map, each branch of a cond); [] for any other equation (a while loop splits its operands
+  between two jaxprs and is not followed)."""
+  if eqn.primitive.name == 'while':
+    return []
+  subs = []
+  for value in eqn.params.values():
+    for item in value if isinstance(value, (tuple, list)) else (value,):
+      jaxpr = getattr(item, 'jaxpr', item)  # a ClosedJaxpr's, or a Jaxpr
+      if isinstance(jaxpr, jax.extend.core.Jaxpr):
+        subs.append(jaxpr)
+  return subs

@@ -1,0 +1,139 @@
+"""Ouroboros' fixed state per device, piece by piece (docs/memory.md, "Ouroboros' fixed state").
+
+What one device keeps from step to step besides its parameters: the optimizer state (the
+optimizer's own moments, DC-ASGD's weight history and running mean, weight prediction's latest
+update) and the ring (the graph stash's forward weights, the stage inputs in flight, the error
+gradients). Every number is exact and needs no compile: the state's shapes, each leaf's largest
+shard, as `ouroboros compile` counts them (`perf.compile.shard_bytes`).
+
+    python experiments/fixed_state.py                       # the 1B shape, G = 8, the defaults
+    python experiments/fixed_state.py --out docs/results/fixed_state.csv
+    python experiments/fixed_state.py --render docs/results/fixed_state.csv
+    python experiments/fixed_state.py --flags "--flow batch"  # any train flags on top
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import shlex
+import subprocess
+import sys
+
+# The 1B shape of docs/memory.md: d_model 2048, 24 layers, seq 2048, batch 32, bf16, G = 8, the
+# micro-batches Ouroboros takes on an accelerator.
+ONE_B = (
+  '--preset gpt2-small --d-model 2048 --num-layers 24 --num-heads 16 --d-ff 8192 --seq-len 2048 '
+  '--batch-size 32 --dtype bfloat16 --schedule ouroboros --stages 8 --microbatches 8'
+)
+GIB = 2**30
+HOST = "['host']"  # placement.HOST: the ring's buffers in host memory
+
+# (piece, which state, a test on a leaf's path): the first piece whose test matches takes the leaf.
+PIECES = (
+  ('DC-ASGD weight history', 'opt_state', lambda p: '.history' in p),
+  ('DC-ASGD running mean of g*g', 'opt_state', lambda p: '.mean_square' in p),
+  ("weight prediction's latest update", 'opt_state', lambda p: '.last_update' in p),
+  ("the optimizer's own state (Muon; Adam off the matrices)", 'opt_state', lambda p: True),
+  ('the stash in host memory (--stash-memory pinned_host)', 'ring', lambda p: p.startswith(HOST)),
+  ("graph stash: the forward's weights", 'ring', lambda p: p.startswith("['weights']")),
+  ('stage inputs in flight (per batch)', 'ring', lambda p: p.startswith("['stash']")),
+  ('batches in flight (token ids)', 'ring', lambda p: p.startswith("['batches']")),
+  ('error gradients and activations in flight', 'ring', lambda p: True),
+)
+
+
+def pieces(flags: list[str]) -> list[dict]:
+  """One row per piece: bytes per device and the multiple of the device's parameters."""
+  os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+  os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
+  import jax
+
+  from ouroboros_jax import cli
+  from ouroboros_jax.perf import compile as compile_lib
+  from ouroboros_jax.training import config
+
+  args = cli.make_parser().parse_args(['compile', *flags])
+  cfg = config.override(cli.config_from_args(args), {'attention': 'xla'})
+  run = cfg.schedule_config('tpu')  # what the run resolves to on an accelerator
+  devices = jax.devices()[: run.num_stages * run.data_parallel]
+  _, state, _ = compile_lib._abstract_step(cfg, run, devices)  # pylint: disable=protected-access
+  params = compile_lib.shard_bytes(state.params)
+  totals = {name: 0 for name, _, _ in PIECES}
+  for where in ('opt_state', 'ring'):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(getattr(state, where)):
+      key = jax.tree_util.keystr(path)
+      name = next(n for n, w, test in PIECES if w == where and test(key))
+      totals[name] += compile_lib.shard_bytes(leaf)
+  rows = [{'piece': 'parameters', 'state': 'params', 'bytes': params}]
+  rows += [{'piece': n, 'state': w, 'bytes': totals[n]} for n, w, _ in PIECES]
+  for row in rows:
+    row.update(label=run.label, times_params=round(row['bytes'] / params, 3))
+  return rows
+
+
+def render(rows: list[dict]) -> str:
+  """One table per setting, one column per commit it was measured at (x parameters, and GiB for
+  the totals)."""
+  out = []
+  for label in dict.fromkeys(r['label'] for r in rows):
+    mine = [r for r in rows if r['label'] == label]
+    commits = list(dict.fromkeys(r.get('commit', '') for r in mine))
+    at = {(r['piece'], r.get('commit', '')): r for r in mine}
+    params = {c: int(at['parameters', c]['bytes']) for c in commits}
+    lines = [
+      f'{label}, per device:',
+      '',
+      '| piece | kept in | ' + ' | '.join(commits) + ' |',
+      '|---|---|' + '---|' * len(commits),
+    ]
+    for piece in dict.fromkeys(r['piece'] for r in mine):
+      state = next(r['state'] for r in mine if r['piece'] == piece)
+      cells = [f'{float(at[piece, c]["times_params"]):.2f}x' for c in commits]
+      lines.append(f'| {piece} | {state} | ' + ' | '.join(cells) + ' |')
+
+    def total(name, pick, commit):
+      size = sum(int(r['bytes']) for r in mine if r.get('commit', '') == commit and pick(r))
+      return f'**{size / params[commit]:.2f}x** ({size / GIB:.2f} GiB)' if size else '-'
+
+    host = lambda r: r['piece'].startswith('the stash in host')
+    for name, pick in (
+      ('optimizer state + ring', lambda r: r['state'] in ('opt_state', 'ring')),
+      ('... of which on the chip', lambda r: r['state'] in ('opt_state', 'ring') and not host(r)),
+    ):
+      cells = [total(name, pick, c) for c in commits]
+      lines.append(f'| **{name}** | | ' + ' | '.join(cells) + ' |')
+    out.append('\n'.join(lines))
+  return '\n\n'.join(out)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('--flags', default='', help='train flags on top of the 1B defaults')
+  parser.add_argument('--out', help='write the rows to this CSV')
+  parser.add_argument('--render', help='print the table of a CSV written with --out')
+  args = parser.parse_args(argv)
+  if args.render:
+    with open(args.render) as f:
+      print(render(list(csv.DictReader(f))))
+    return 0
+  rows = pieces(shlex.split(ONE_B) + shlex.split(args.flags))
+  commit = subprocess.run(
+    ['git', 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True, check=False
+  ).stdout.strip()
+  for row in rows:
+    row['commit'] = commit
+  print(render(rows))
+  if args.out:
+    new = not os.path.exists(args.out)
+    with open(args.out, 'a', newline='') as f:
+      writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+      if new:
+        writer.writeheader()
+      writer.writerows(rows)
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
