@@ -594,27 +594,38 @@ def render(path: str, names=None, versus=None, at=()) -> str:
     (ref,) = hits
     reference = {seed: curve(ref, seed)[-1][1] for seed in seeds if curve(ref, seed)}
   last_steps = {curve(run, seed)[-1][0] for run in order for seed in seeds if curve(run, seed)}
+  # one last step for every run, or each run's own `steps` column: no column of last steps
   same_end = len(last_steps) == 1
+  own_end = 'steps' in keys and all(
+    curve(run, seed)[-1][0] == int(run['steps'])
+    for run in order
+    for seed in seeds
+    if curve(run, seed)
+  )
   tested = any(curve(run, seed, 'test') for run in order for seed in seeds)
   head, cells = list(keys), []
   for seed in seeds:
     tag = f'seed {seed}: ' if len(seeds) > 1 else ''
     head += [f'{tag}val bpb, step {step}' for step in at]
-    head += [f'{tag}val bpb, step {min(last_steps)}' if same_end else f'{tag}val bpb (last step)']
-    head += [] if same_end else [f'{tag}last step']
+    head += [
+      f'{tag}val bpb, step {min(last_steps)}'
+      if same_end
+      else f'{tag}val bpb, last step' + (' (steps)' if own_end else '')
+    ]
+    head += [] if same_end or own_end else [f'{tag}last step']
     head += [f'{tag}test bpb'] if tested else []
     head += [f'{tag}vs {versus}'] if versus else []
   for run in order:
     row = [run[k] if k != 'rate' else f'{float(run[k]):g}' for k in keys]
     for seed in seeds:
       val = curve(run, seed)
-      width = len(at) + (1 if same_end else 2) + tested + bool(versus)
+      width = len(at) + (1 if same_end or own_end else 2) + tested + bool(versus)
       if not val:
         row += [''] * width
         continue
       at_step = dict(val)
       row += [f'{at_step[step]:.4f}' if step in at_step else '' for step in at]
-      row += [f'{val[-1][1]:.4f}'] + ([] if same_end else [str(val[-1][0])])
+      row += [f'{val[-1][1]:.4f}'] + ([] if same_end or own_end else [str(val[-1][0])])
       if tested:
         test = curve(run, seed, 'test')
         row += [f'{test[-1][1]:.4f}' if test else '']
