@@ -23,6 +23,7 @@ one device at the same batch per step; data_parallel uses D = G replicas.
     python experiments/simulate.py
     python experiments/simulate.py --stages 1,2,4 --models 1b --hardware nvlink-300GBps
     python experiments/simulate.py --measured bench.csv     # predicted vs measured
+    python experiments/simulate.py --render docs/results/bench_2proc_cpu.csv  # a bench's table
     python experiments/simulate.py --layer-costs docs/results/device_h200/layer_costs/layer_costs.csv \
         --hardware nvlink-300GBps --stages 1,2,4,8     # from one layer's costs measured on a GPU
 
@@ -135,6 +136,17 @@ def parse_args(argv=None):
   parser.add_argument('--models', default=','.join(sim.MODELS), help=', '.join(sim.MODELS))
   parser.add_argument('--hardware', default=','.join(sim.HARDWARE), help=', '.join(sim.HARDWARE))
   parser.add_argument('--measured', metavar='CSV', help='compare with a benchmark CSV instead')
+  parser.add_argument(
+    '--render',
+    metavar='CSV',
+    help='print the markdown table of an `ouroboros bench` CSV (its own columns: step time, '
+    'tokens/s, ideal and the prediction it wrote) and stop; simulates nothing',
+  )
+  parser.add_argument(
+    '--versus',
+    default='backprop',
+    help='with --render: comma-separated labels of rows to give a speedup column against',
+  )
   parser.add_argument(
     '--layer-costs',
     metavar='CSV',
@@ -428,11 +440,38 @@ def format_comparison(rows: list[dict]) -> str:
   return '\n'.join(lines)
 
 
+def render_bench(path: str, versus=('backprop',)) -> str:
+  """The markdown table of a bench CSV, every row in the CSV's order, from its own columns only:
+  step ms, tokens/s, the speedup against each row of `versus` (its step time over this one's),
+  the ideal step (free links), measured / ideal, and the error of the prediction the bench wrote
+  (`predicted_s`, with the measured link times) against the measured step."""
+  with open(path, newline='') as f:
+    rows = list(csv.DictReader(f))
+  by_label = {r['label']: float(r['step_time_s']) for r in rows}
+  missing = [v for v in versus if v not in by_label]
+  if missing:
+    raise SystemExit(f'{path}: no row labelled {missing}; labels: {", ".join(by_label)}')
+  head = ['setting', 'step ms', 'tokens/s', *(f'vs {v}' for v in versus)]
+  head += ['ideal ms', 'measured / ideal', 'simulator error']
+  lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+  for r in rows:
+    step, ideal = float(r['step_time_s']), _number(r.get('ideal_s'), math.nan)
+    predicted = _number(r.get('predicted_s'), math.nan)
+    cells = [r['label'], f'{step * 1e3:.0f}', f'{float(r["tokens_per_s"]):.0f}']
+    cells += [f'{by_label[v] / step:.2f}x' for v in versus]
+    cells += [f'{ideal * 1e3:.0f}', f'{step / ideal:.2f}', f'{(predicted - step) / step:+.1%}']
+    lines.append('| ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines)
+
+
 # ----------------------------------------------------------------------------- main
 
 
 def main(argv=None):
   args = parse_args(argv)
+  if args.render:
+    print(render_bench(args.render, [v for v in args.versus.split(',') if v]))
+    return None
   os.makedirs(args.out, exist_ok=True)
   if args.measured:
     rows = compare_measured(args.measured)

@@ -1,6 +1,7 @@
-"""The results pages' generated tables (issue 43 item 2): lr_sweep.py's and convergence.py's
-`--render` print a CSV's values, and every table marked in docs/results/*.md is what its command
-prints from the committed CSV (experiments/render_results.py --check). Seconds; trains nothing."""
+"""The results pages' generated tables (issue 43 item 2): lr_sweep.py's, convergence.py's and
+simulate.py's `--render` print a CSV's values, and every table marked in docs/results/*.md is
+what its command prints from the committed CSV (experiments/render_results.py --check). Seconds;
+trains nothing."""
 
 from __future__ import annotations
 
@@ -117,6 +118,26 @@ def test_render_of_a_committed_csv_gives_its_last_evaluations(script, name, csv_
         assert cell == f'{bpb:.4f}'
         seen += 1
   assert seen == len(last)
+
+
+def test_simulate_render_gives_a_bench_csvs_own_columns(capsys):
+  path = ROOT / 'docs' / 'results' / 'bench_2proc_cpu_pipelines.csv'
+  _script('simulate').main(['--render', str(path), '--versus', 'backprop,gpipe M=4'])
+  table = {r['setting']: r for r in _rows(capsys.readouterr().out)}
+  with open(path) as f:
+    rows = list(csv.DictReader(f))
+  assert list(table) == [r['label'] for r in rows]
+  step = {r['label']: float(r['step_time_s']) for r in rows}
+  for r in rows:
+    out = table[r['label']]
+    assert out['step ms'] == f'{step[r["label"]] * 1e3:.0f}'
+    assert out['ideal ms'] == f'{float(r["ideal_s"]) * 1e3:.0f}'
+    assert out['vs gpipe M=4'] == f'{step["gpipe M=4"] / step[r["label"]]:.2f}x'
+    error = float(r['predicted_s']) / step[r['label']] - 1
+    assert out['simulator error'] == f'{error:+.1%}'
+  assert table['gpipe M=4']['vs gpipe M=4'] == '1.00x'
+  with pytest.raises(SystemExit, match='no row labelled'):
+    _script('simulate').render_bench(str(path), ['zb_v M=8'])
 
 
 def test_every_page_table_is_what_its_csv_gives():
