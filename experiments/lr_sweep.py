@@ -538,7 +538,7 @@ def _number(text):
 
 def _select(name: str, run: dict) -> bool:
   """`recipe`, `recipe@rate` (as the run directories are named), either with `/column=value`
-  parts for the CSV's other columns (`/beta=0`), matches this run. The recipe is the CSV's first
+  parts for the CSV's other columns (`/beta=0`), matches this run. The recipe is the run's first
   column (`recipe`; convergence.py's `run`)."""
   name, *more = name.split('/')
   recipe, _, rate = name.partition('@')
@@ -563,6 +563,8 @@ def render(path: str, names=None, versus=None, at=()) -> str:
   if not rows:
     raise SystemExit(f'{path}: no rows')
   keys = [k for k in rows[0] if k not in MEASURED and k != 'seed']
+  # the run's name first (recipe; convergence.py's run), then the other columns that tell runs apart
+  keys.sort(key=lambda k: k not in ('recipe', 'run'))
   runs = {}  # run key -> seed -> split -> [(step, bpb)]
   for r in rows:
     run = tuple(r[k] for k in keys)
