@@ -9,12 +9,12 @@ Two things, both measured on the 2-process benchmark (d_model 1024, 4 layers, ba
   buffer that one step both reads and updates in place (Ouroboros' stash ring: read one slot,
   write another), i.e. every stash buffer twice per step; the region analysis proves the in-place
   update safe (GPU and TPU analyse it that way).
-* The allocator (`keep_freed_memory`). XLA:CPU allocates a step's scratch memory (1.8 GB for a
+* The allocator (`keep_freed_memory`). XLA:CPU allocates a step's scratch memory (gigabytes for a
   pipelined Ouroboros step at that size) with `malloc` on a worker thread, and glibc serves and
   frees any block that large with a fresh `mmap`/`munmap`, so every step page-faults its whole
-  scratch memory in again (the kernel zeroes each page first). That cost 70 s of system time in
-  a 3-minute benchmark and slowed the pipelined step from 2.4 s to 3.1 s, because two processes
-  faulting at once also compete for memory bandwidth. Keeping freed memory in the process (as
+  scratch memory in again (the kernel zeroes each page first). What that cost, measured:
+  docs/results/README.md#s-heap-trim (two processes faulting at once also compete for memory
+  bandwidth). Keeping freed memory in the process (as
   tcmalloc or jemalloc would) removes it.
 
 Both apply only where they can help and cannot hurt: when the CPU backend is the one JAX will use

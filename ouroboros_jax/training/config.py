@@ -555,10 +555,9 @@ PRESETS: dict[str, TrainConfig] = {
       warmup_steps=0, min_lr_ratio=0.0, weight_decay=0.0, schedule=ScheduleConfig(clip_norm=0.25),
       log_every=100, eval_every=4000, eval_batches=100, checkpoint_every=4000),
   # Transformer-XL's attention (txl.py) at tiny's size, with the steps that fill tiny's time, and
-  # u, v per layer (the reference code's TF scripts' --untie_r): 2.420 val bpb in tiny's time
-  # against tiny's 2.448 (one global pair: 2.440). At this size its memory does not pay for
-  # itself on 2 CPU cores: --mem-len 64 --steps 1500 (segment order) ends at 2.504
-  # (experiments/txl_tiny.py, docs/results/transformer_xl.md).
+  # u, v per layer (the reference code's TF scripts' --untie_r). Against `tiny` in the same time:
+  # docs/results/README.md#x-attention; at this size its memory does not pay for itself on 2 CPU
+  # cores (--mem-len 64, segment order): docs/results/README.md#x-memory.
   'txl-tiny': TrainConfig(
       model=ModelConfig(arch='transformer-xl', d_model=128, num_heads=4, num_layers=2, d_ff=512,
                         seq_len=64, untie_r=True),
