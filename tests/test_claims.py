@@ -22,7 +22,7 @@ ANCHOR = re.compile(r'<a id="([\w-]+)"></a>')
 # A link to a ledger row: docs/results/README.md#id, results/README.md#id (from docs/), or a bare
 # README.md#id from a page in docs/results/.
 ROW_LINK = re.compile(r'(?:^|[(/\s`\'"])((?:[\w./]*/)?results/README\.md|README\.md)#([\w-]+)')
-# A measured number: a decimal or a percentage, a range included (0.3-0.9%, 2.4031, 1.81x, 26.1%).
+# A measured number: a decimal or a percentage, a range included (1.5-2.5%, 3.1416, 12.5%).
 NUMBER = re.compile(r'(?<![\w.])\d+(?:\.\d+)?(?:-\d+(?:\.\d+)?)?%|(?<![\w.])\d+\.\d+')
 LINK_TARGET = re.compile(r'\]\(\s*<?([^)\s>]+)>?\s*\)')
 TEXT_SUFFIXES = {'.md', '.py', '.toml', '.txt', '.sh', '.ipynb', '.cfg', '.yaml', '.yml'}
