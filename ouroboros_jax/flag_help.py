@@ -3,7 +3,7 @@ its default, the choices and the defaults read from where they are defined (the 
 presets, `choices.py` and the modules' constants), never restated here.
 
 `field_help(name)` is the one line; `DESCRIPTIONS` says what each flag does in words alone (no
-value that is defined elsewhere, no measured result: those are in docs/results/).
+value that is defined elsewhere, no measured result: those are rows of docs/results/README.md).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ DESCRIPTIONS = {
   'out': 'output directory: metrics, TensorBoard logs, checkpoints',
   'layers_per_stage': "layers of each stage (or group), e.g. '2,4,4,4'",
   'optimizer': 'the optimizer (muon: orthogonalised momentum on the layer kernels, Adam at '
-  '--learning-rate elsewhere; nadamw: Nesterov; docs/results/quality.md)',
+  '--learning-rate elsewhere; nadamw: Nesterov; docs/results/README.md#q-muon)',
   'muon_learning_rate': 'muon: peak rate of the layer kernels',
   'momentum': "the optimizer's first-moment decay (AdamW/NAdamW b1, Muon's beta)",
   'dc_lambda': 'dc: the strength lambda_0 of DC-ASGD-a',
@@ -129,7 +129,7 @@ COMPENSATION_TERMS = {
 DESCRIPTIONS['compensation'] = (
   "ouroboros staleness compensation: auto, none (the paper's AdamW) or a comma list of "
   + ', '.join(f'{n} ({COMPENSATION_TERMS[n]})' for n in COMPENSATIONS)
-  + '; docs/results/quality.md'
+  + '; docs/results/README.md#q-stream'
 )
 
 

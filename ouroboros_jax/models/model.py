@@ -89,7 +89,7 @@ class ModelConfig:
   # with its loss, so the float32 logits are never held whole (cross_entropy.py); 0: the float32
   # logits [B, L, V] at once (`output_projection`, log-softmax). 2048: a chunk's float32 logits
   # are 393 MiB at GPT-2's vocabulary of 50257 (13 GB whole at 64 x 1024 tokens), and the
-  # fastest of 1024 to 8192 on an H200 there (docs/results/device.md, run 6).
+  # fastest of 1024 to 8192 on an H200 there (docs/results/README.md#d-head).
   loss_chunk_tokens: int = 2048
 
   def validate(self) -> None:
@@ -466,8 +466,8 @@ def unembedding(cfg: ModelConfig, head_params: Params, embed_params: Params, x_B
 def output_projection(x_BxLxD, weight_VxD):
   """Logits x @ W^T in the compute dtype (x's), accumulated and returned in float32. The
   backward casts the float32 logits' cotangent to the compute dtype before its two matmuls, as
-  every other layer's backward runs: left in float32 they ran at 141 against 325 TFLOP/s on an
-  H200 at GPT-2-small's width (docs/results/device.md), the largest single cost of a step."""
+  every other layer's backward runs: left in float32 they ran far slower on an H200 at
+  GPT-2-small's width, the largest single cost of a step (docs/results/README.md#d-head)."""
   weight_VxD = weight_VxD.astype(x_BxLxD.dtype)
   return jnp.einsum('bld,vd->blv', x_BxLxD, weight_VxD, preferred_element_type=jnp.float32)
 

@@ -34,7 +34,7 @@ OUROBOROS_ACCELERATOR_MICROBATCHES = 8
 
 # The compensation 'auto' (ScheduleConfig's default, and --compensation's) gives a delayed ring,
 # Ouroboros with G > 1 (`ScheduleConfig.resolve_compensation`): weight prediction for the forward
-# and DC-ASGD's delay compensation, the best recipe measured (docs/results/quality.md). DC needs
+# and DC-ASGD's delay compensation, the best recipe measured (docs/results/README.md#q-stream). DC needs
 # the graph stash; with replay the recipe is Muon + prediction. Without delay 'auto' is none. The
 # paper's method is `Compensation()`.
 AUTO = 'auto'
@@ -203,7 +203,7 @@ class ScheduleConfig:
   @property
   def resolved_flow(self) -> str:
     """--flow auto: 'stream' under a staleness compensation (the recipe: every gradient one update
-    old once M reaches the lag, docs/results/quality.md), 'batch' without one (the paper's method,
+    old once M reaches the lag, docs/results/README.md#q-stream), 'batch' without one (the paper's method,
     bit for bit)."""
     if self.flow != 'auto':
       return self.flow

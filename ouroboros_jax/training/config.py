@@ -504,7 +504,7 @@ def lr_schedule(cfg: TrainConfig, steps: int | None = None, peak: float | None =
 
 # The default optimizer of every schedule (`--optimizer auto`), the best measured: backprop with
 # Muon against AdamW, each at its best rate (experiments/lr_sweep.py; tiny preset, 4 layers, 1000
-# steps; the numbers: docs/results/quality.md); the exact pipelines give backprop's parameters, so
+# steps; the numbers: docs/results/README.md#q-muon); the exact pipelines give backprop's parameters, so
 # the same. Its kernels' peak rate as measured best: 0.04 for exact gradients (grid 0.01-0.08),
 # 0.02 under Ouroboros' delays.
 DEFAULT_OPTIMIZER = 'muon'
