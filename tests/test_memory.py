@@ -21,7 +21,13 @@ def test_replay_ring_is_inputs_only_and_graph_ring_is_larger():
   )
   graph = memory.memory_report(
     cfg,
-    ScheduleConfig(name='ouroboros', compensation=Compensation(), num_stages=stages, stash='graph'),
+    ScheduleConfig(
+      name='ouroboros',
+      compensation=Compensation(),
+      num_stages=stages,
+      stash='graph',
+      stash_policy='all',
+    ),
     batch,
     (2, 2),
   )

@@ -129,10 +129,9 @@ def read_slot(buffers, batch_index, depth: int):
 def write_slot(buffers, values, batch_index, depth: int):
   """Ring buffers with batch `batch_index`'s slot overwritten by `values` (in place under jit
   when nothing reads the old buffer afterwards)."""
+  values = jax.tree.map(lambda buf, v: v.astype(buf.dtype), buffers, values)  # on the device
   values = placement.into_space_of(values, buffers)
-  return jax.tree.map(
-    lambda buf, v: buf.at[batch_index % depth].set(v.astype(buf.dtype)), buffers, values
-  )
+  return jax.tree.map(lambda buf, v: buf.at[batch_index % depth].set(v), buffers, values)
 
 
 def local_stage_params(params):
