@@ -22,22 +22,22 @@ Memory, per chip, against a v5e chip's 15.75 GiB at both rates (`HBM_BYTES`):
            the abstract step state that `ouroboros compile` builds (`compile._abstract_step`, no
            compile) on the topology's compile-only v5e devices (v5e:2x2, 2x4, 4x4);
   temps    the compiled step's temporaries: extrapolated from the TPU compiler's numbers at the
-           1B shape (24 layers, batch 32, G = 8 on v5e:2x4; --reference, a saved `ouroboros
-           plan --json`), from the row of the same schedule and policy whose M/G is closest:
-             temps = grads + (temps_ref - grads_ref) x (L / L_ref) x (b / b_ref) x (n / n_ref)^e
-           grads = the parameters' bytes (one float32 gradient per parameter); L the layers a
-           device holds; b the rows of one micro-batch (B / M; data_parallel B / G, backprop
-           and model_parallel B); n the micro-batch chunks a table pipeline's device holds at
-           once (`tables.program(...).stash_slots` / chunks), with e = 1 where the stash keeps
-           every residual (keep=all) and e = 0 where it keeps only the group's input (the working
-           set of one micro-batch's recompute dominates; the inputs are ~1/60 of a layer's
-           residuals each).
+           1B shape (24 layers, batch 32, G = 8 on v5e:2x4; --reference, saved `ouroboros plan
+           --json` files, the first that has the setting), as temps = a x params + c x units
+           (`temps_model`): units = L x b x n where the setting keeps every residual (L the
+           layers a device holds, b the rows of one micro-batch, n the micro-batch
+           stage-equivalents a device holds at once, `tables.program(...).stash_slots` / chunks)
+           and (L / chunks) x b where it recomputes (one micro-batch's recompute of one layer
+           group); a and c through the reference rows of the same schedule, forward and policy
+           (a table pipeline that recomputes without a row of its own: GPipe's, else
+           model_parallel's), a = 1 (one float32 gradient per parameter) with one row.
   Rows compiled at the 32-layer shape (--compile, saved to --compiled) use the compiler's own
   peak; the CSV keeps the extrapolated one beside it, and --render prints the error.
 
     python experiments/regime.py                                  # docs/results/regime.csv
     python experiments/regime.py --render docs/results/regime.csv # the markdown tables
-    python experiments/regime.py --compile 'G=8 1f1b M=8 keep=nothing' ...   # ~2-4 min each
+    python experiments/regime.py --times docs/results/regime.csv \
+        --compile 'G=8 M=8 1f1b M=8 keep=nothing' ...   # 1-15 min each; the times kept
 """
 
 from __future__ import annotations
@@ -235,11 +235,14 @@ def _setting_of_row(row: dict) -> ScheduleConfig:
 
 def reference_for(setting: ScheduleConfig, references: dict) -> list[dict]:
   """The reference rows of the same schedule, forward and policy (every M compiled); for a
-  table pipeline that recomputes with no row of its own, model_parallel's that recomputes (its
-  temporaries are the same working set: one micro-batch's recompute of one layer group)."""
-  candidates = references.get(key_of(setting.name, setting.forward, policy_of(setting)), [])
-  if not candidates and setting.name in EXACT and policy_of(setting) != 'all':
-    candidates = references.get(key_of('model_parallel', None, policy_of(setting)), [])
+  table pipeline that recomputes with no row of its own, GPipe's that recomputes (the same table
+  executor), else model_parallel's (the same working set: one micro-batch's recompute of one
+  layer group)."""
+  policy = policy_of(setting)
+  candidates = references.get(key_of(setting.name, setting.forward, policy), [])
+  for proxy in ('gpipe', 'model_parallel'):
+    if not candidates and setting.name in EXACT and policy != 'all':
+      candidates = references.get(key_of(proxy, None, policy), [])
   return candidates
 
 
@@ -575,23 +578,27 @@ def _eff(row) -> str:
 
 
 def crossover_lines(rows, hw, stages, ratios) -> list[str]:
-  """Per G, the M/G at which Ouroboros is ahead of the best exact pipeline (both fitting)."""
+  """Per G, where Ouroboros' fastest fitting setting is ahead of the best exact pipeline's
+  (exact / Ouroboros step), where it is behind, and where only one side fits."""
   lines = []
   for G in stages:
-    ahead, behind = [], []
+    verdicts = {k: [] for k in ('ahead', 'behind', 'only Ouroboros fits', 'only exact fits',
+                                'neither fits')}  # fmt: skip
     for M in ratios[G]:
       exact = fastest(rows, hw, G, M, EXACT)
       ring = fastest(rows, hw, G, M, LINES[-3:-1])
-      if ring is None:
-        continue
-      if exact is None or ring['step_s'] < exact['step_s']:
-        ahead.append(M / G)
+      where = f'{M / G:g}'
+      if exact and ring:
+        ratio = exact['step_s'] / ring['step_s']
+        side = 'ahead' if ratio > 1 else 'behind'
+        verdicts[side].append(f'{where} ({ratio:.2f}x)')
       else:
-        behind.append(M / G)
-    lines.append(
-      f'- G = {G}: Ouroboros ahead at M/G = {", ".join(f"{x:g}" for x in ahead) or "none"}; '
-      f'behind at {", ".join(f"{x:g}" for x in behind) or "none"}.'
-    )
+        side = 'only Ouroboros fits' if ring else 'only exact fits' if exact else 'neither fits'
+        verdicts[side].append(where)
+    names = {'ahead': 'Ouroboros ahead', 'behind': 'Ouroboros behind',
+             'only exact fits': 'only an exact pipeline fits'}  # fmt: skip
+    said = '; '.join(f'{names.get(k, k)} at M/G = {", ".join(v)}' for k, v in verdicts.items() if v)
+    lines.append(f'- G = {G}: {said}.')
   return lines
 
 
