@@ -1,0 +1,115 @@
+"""docs/memory.md's recomputation tables: `ouroboros plan` one schedule and one M at a time.
+
+Each unit (a schedule at one --try-microbatches; backprop, data_parallel and model_parallel
+once) is one `ouroboros plan ... --try-schedules S --json` process, its rows appended to one JSON
+per shape, with the commit they were compiled at (`measured_at`). A re-run skips the units the
+file holds, so a cut-off loses one unit at most. 'fastest' and 'fastest_by_schedule' are derived
+again over all rows (`plan.mark_fastest`), so the file is a saved plan: `ouroboros plan --render
+FILE` prints it too.
+
+    python experiments/plan_tables.py 1b                    # docs/results/plan_1b_v5e_2x4_remat.json
+    python experiments/plan_tables.py gpt2-small --microbatches 8
+    python experiments/plan_tables.py --render docs/results/plan_1b_v5e_2x4_remat.json  # markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+SHAPES = {  # name: (the run's flags, the JSON)
+  '1b': (
+    '--preset gpt2-small --d-model 2048 --num-layers 24 --num-heads 16 --d-ff 8192 --seq-len 2048 '
+    '--batch-size 32 --dtype bfloat16 --topology v5e:2x4',
+    'docs/results/plan_1b_v5e_2x4_remat.json',
+  ),
+  'gpt2-small': (
+    '--preset gpt2-small --batch-size 32 --dtype bfloat16 --topology v5e:2x2',
+    'docs/results/plan_gpt2_small_v5e_2x2_remat.json',
+  ),
+}
+POLICIES = 'all,nothing'
+UNBATCHED = ('backprop', 'data_parallel', 'model_parallel')
+SCHEDULES = (*UNBATCHED, 'gpipe', '1f1b', 'interleaved', 'zb_h1', 'zb_v', 'ouroboros')
+
+
+def run(shape: str, microbatches: list[int], schedules: list[str], policies: str = POLICIES) -> None:
+  from ouroboros_jax.perf import plan
+
+  flags, path = SHAPES[shape]
+  out = json.load(open(path)) if os.path.exists(path) else {'rows': [], 'skipped': [], 'done': []}
+  commit = subprocess.check_output(['git', 'rev-parse', '--short', 'HEAD'], text=True).strip()
+  for m in microbatches:
+    for name in schedules:
+      unit = name if name in UNBATCHED else f'{name} M={m}'
+      unit += f' ({policies})' if policies != POLICIES and name != 'ouroboros' else ''
+      if unit in out['done']:
+        continue
+      cmd = (
+        f'ouroboros plan {flags} --try-policy {policies} --try-stash graph/nothing,replay '
+        f'--try-schedules {name} --try-microbatches {m} --json'
+      )
+      start = time.time()
+      done = subprocess.run(cmd.split(), capture_output=True, text=True)
+      if done.returncode not in (0, 1):  # 1: nothing fits, still a plan
+        sys.exit(f'{unit}: {cmd} failed:\n{done.stderr[-3000:]}')
+      result = json.loads(done.stdout)
+      seconds = time.time() - start
+      for row in result['rows']:
+        row.update(measured_at=commit, unit_seconds=round(seconds, 1))
+      out.update({k: result[k] for k in ('topology', 'devices', 'hardware', 'stages')})
+      out['rows'] += result['rows']
+      out['skipped'] += result['skipped']
+      out['done'].append(unit)
+      out['fastest'], out['fastest_by_schedule'] = plan.mark_fastest(out['rows'])
+      with open(path + '.tmp', 'w') as f:
+        json.dump(out, f, indent=1)
+      os.replace(path + '.tmp', path)
+      print(f'{unit}: {len(result["rows"])} rows in {seconds:.0f} s', flush=True)
+      print(done.stderr.strip(), flush=True)
+
+
+def render(path: str) -> str:
+  """The saved plan as a markdown table, plan.format_plan's columns and marks."""
+  from ouroboros_jax.perf import plan
+
+  result = plan.load(path)
+  backprop = next((r['step_s'] for r in result['rows'] if r['schedule'] == 'backprop'), None)
+  best = set(result['fastest_by_schedule'].values())
+  lines = [
+    '| setting | peak GiB per chip | fits | recompute | step ms | speedup over 1 chip |',
+    '|---|---|---|---|---|---|',
+  ]
+  for r in result['rows']:
+    label = r['label'] + (
+      ' **\\***' if r['label'] == result['fastest'] else ' **+**' if r['label'] in best else ''
+    )
+    peak = plan._peak(r) + (' (out of memory)' if r['fits'] is False and 'error' not in r else '')
+    step = '-' if r['step_s'] is None else f'{r["step_s"] * 1e3:.1f}'
+    speedup = '-' if not (r['step_s'] and backprop) else f'{backprop / r["step_s"]:.2f}x'
+    lines.append(
+      f'| {label} | {peak} | {plan._verdict(r)} | {r["recompute"]:.2f} | {step} | {speedup} |'
+    )
+  lines += [f'\n{r["label"]}: {r["error"]}' for r in result['rows'] if 'error' in r]
+  lines += [f'\nskipped {s["label"]}: {s["reason"]}' for s in result['skipped']]
+  return '\n'.join(lines)
+
+
+if __name__ == '__main__':
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument('shape', nargs='?', choices=sorted(SHAPES))
+  parser.add_argument('--microbatches', default='8,16', help='the Ms, one pass each (default 8,16)')
+  parser.add_argument('--schedules', default=','.join(SCHEDULES), help='in this order')
+  parser.add_argument('--policies', default=POLICIES, help=f'--try-policy (default {POLICIES})')
+  parser.add_argument('--render', metavar='FILE', help='print FILE as a markdown table and stop')
+  args = parser.parse_args()
+  if args.render:
+    print(render(args.render))
+  elif args.shape:
+    run(args.shape, [int(m) for m in args.microbatches.split(',')], args.schedules.split(','), args.policies)
+  else:
+    parser.error('give a shape or --render FILE')
