@@ -86,7 +86,7 @@ def test_render_reads_back_the_csv(rows, tmp_path):
 def test_the_temporaries_line_through_two_compiled_rows():
   """temps = a x params + c x activation units: two reference rows at two M give a and c back
   exactly; one row gives a = 1 (one float32 gradient) and c through it. A table pipeline keeping
-  every residual scales with its stash slots, one that recomputes with one chunk."""
+  every residual scales with its stash slots, one that recomputes with one chunk (but ZB's)."""
   regime = _regime()
   a, c, params = 2.0, 1000.0, 50
 
@@ -101,5 +101,10 @@ def test_the_temporaries_line_through_two_compiled_rows():
   keep = ScheduleConfig(name='1f1b', num_stages=8, microbatches=16)
   assert regime.in_flight(keep) == 8  # 1F1B's first stage holds G micro-batches
   assert regime.activation_units(keep, 32, 64) == 4 * 4 * 8
-  zb_v = ScheduleConfig(name='zb_v', num_stages=8, microbatches=16, stash_policy='nothing')
-  assert regime.activation_units(zb_v, 32, 64) == 2 * 4  # half the device's layers, 4 rows
+  chunked = ScheduleConfig(
+    name='interleaved', num_stages=8, microbatches=16, stash_policy='nothing'
+  )
+  assert regime.activation_units(chunked, 32, 64) == 2 * 4  # one chunk (half the layers), 4 rows
+  # the zero-bubble split's W keeps what B recorded for every micro-batch between them
+  zb_h1 = ScheduleConfig(name='zb_h1', num_stages=8, microbatches=16, stash_policy='nothing')
+  assert regime.activation_units(zb_h1, 32, 64) == 4 * 4 * regime.in_flight(zb_h1)
