@@ -7,7 +7,7 @@ file holds, so a cut-off loses one unit at most. 'fastest' and 'fastest_by_sched
 again over all rows (`plan.mark_fastest`), so the file is a saved plan: `ouroboros plan --render
 FILE` prints it too.
 
-    python experiments/plan_tables.py 1b                    # docs/results/plan_1b_v5e_2x4_remat.json
+    python experiments/plan_tables.py 1b             # docs/results/plan_1b_v5e_2x4_remat.json
     python experiments/plan_tables.py gpt2-small --microbatches 8
     python experiments/plan_tables.py --render docs/results/plan_1b_v5e_2x4_remat.json  # markdown
 """
@@ -33,11 +33,12 @@ SHAPES = {  # name: (the run's flags, the JSON)
   ),
 }
 POLICIES = 'all,nothing'
+STASHES = 'graph/nothing,replay'
 UNBATCHED = ('backprop', 'data_parallel', 'model_parallel')
 SCHEDULES = (*UNBATCHED, 'gpipe', '1f1b', 'interleaved', 'zb_h1', 'zb_v', 'ouroboros')
 
 
-def run(shape: str, microbatches: list[int], schedules: list[str], policies: str = POLICIES) -> None:
+def run(shape, microbatches, schedules, policies=POLICIES, stashes=STASHES) -> None:
   from ouroboros_jax.perf import plan
 
   flags, path = SHAPES[shape]
@@ -47,10 +48,11 @@ def run(shape: str, microbatches: list[int], schedules: list[str], policies: str
     for name in schedules:
       unit = name if name in UNBATCHED else f'{name} M={m}'
       unit += f' ({policies})' if policies != POLICIES and name != 'ouroboros' else ''
+      unit += f' ({stashes})' if stashes != STASHES and name == 'ouroboros' else ''
       if unit in out['done']:
         continue
       cmd = (
-        f'ouroboros plan {flags} --try-policy {policies} --try-stash graph/nothing,replay '
+        f'ouroboros plan {flags} --try-policy {policies} --try-stash {stashes} '
         f'--try-schedules {name} --try-microbatches {m} --json'
       )
       start = time.time()
@@ -74,7 +76,8 @@ def run(shape: str, microbatches: list[int], schedules: list[str], policies: str
 
 
 def render(path: str) -> str:
-  """The saved plan as a markdown table, plan.format_plan's columns and marks."""
+  """The saved plan as a markdown table, plan.format_plan's columns and marks, the rows in
+  SCHEDULES' order and by M."""
   from ouroboros_jax.perf import plan
 
   result = plan.load(path)
@@ -84,7 +87,10 @@ def render(path: str) -> str:
     '| setting | peak GiB per chip | fits | recompute | step ms | speedup over 1 chip |',
     '|---|---|---|---|---|---|',
   ]
-  for r in result['rows']:
+  def order(r):
+    return SCHEDULES.index(r['schedule']), r['microbatches'] or 0, 'keep=' in r['label']
+
+  for r in sorted(result['rows'], key=order):
     label = r['label'] + (
       ' **\\***' if r['label'] == result['fastest'] else ' **+**' if r['label'] in best else ''
     )
@@ -105,11 +111,13 @@ if __name__ == '__main__':
   parser.add_argument('--microbatches', default='8,16', help='the Ms, one pass each (default 8,16)')
   parser.add_argument('--schedules', default=','.join(SCHEDULES), help='in this order')
   parser.add_argument('--policies', default=POLICIES, help=f'--try-policy (default {POLICIES})')
+  parser.add_argument('--stashes', default=STASHES, help=f'--try-stash (default {STASHES})')
   parser.add_argument('--render', metavar='FILE', help='print FILE as a markdown table and stop')
   args = parser.parse_args()
   if args.render:
     print(render(args.render))
   elif args.shape:
-    run(args.shape, [int(m) for m in args.microbatches.split(',')], args.schedules.split(','), args.policies)
+    counts = [int(m) for m in args.microbatches.split(',')]
+    run(args.shape, counts, args.schedules.split(','), args.policies, args.stashes)
   else:
     parser.error('give a shape or --render FILE')
