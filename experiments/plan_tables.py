@@ -87,6 +87,7 @@ def render(path: str) -> str:
     '| setting | peak GiB per chip | fits | recompute | step ms | speedup over 1 chip |',
     '|---|---|---|---|---|---|',
   ]
+
   def order(r):
     return SCHEDULES.index(r['schedule']), r['microbatches'] or 0, 'keep=' in r['label']
 
