@@ -1,4 +1,4 @@
-"""Per-device memory of every schedule, from the TPU compiler (docs/memory.md's tables).
+"""Per-device memory of every schedule, from the TPU compiler (docs/results/memory.md's tables).
 
 Every row is `ouroboros compile` (`perf.compile.compile_step`) of one run for a TPU topology,
 on this CPU machine (libtpu: `pip install -e ".[tpu]"`): the compiler's own `memory_analysis()`,
@@ -28,7 +28,7 @@ GIB = 2**30
 
 WHOLE = dict(schedule='ouroboros', stages=4, microbatches=1)
 # (label, flags): the schedule settings of every table; G and M as the issue states them. The
-# Ouroboros settings that fit, with micro-batches, are `ouroboros plan`'s (docs/memory.md).
+# Ouroboros settings that fit, with micro-batches, are `ouroboros plan`'s (docs/results/memory.md).
 SCHEDULES = (
   ('backprop (1 chip)', dict(schedule='backprop', stages=1)),
   ('data_parallel R=4', dict(schedule='data_parallel', stages=1, data_parallel=4)),
@@ -214,7 +214,7 @@ def main(argv=None):
   parser.add_argument('--topology', default='v5e:2x2')
   parser.add_argument('--tables', default='precision,attention,schedules,ring')
   parser.add_argument('--batch-sizes', default='32,8')
-  parser.add_argument('--out', default='docs/memory_tpu.csv')
+  parser.add_argument('--out', default='docs/results/memory_tpu.csv')
   parser.add_argument('--render', metavar='CSV', help='print the tables of a written CSV and stop')
   args = parser.parse_args(argv)
   if args.render:

@@ -1,4 +1,4 @@
-"""docs/memory.md's recomputation tables: `ouroboros plan` one schedule and one M at a time.
+"""docs/results/memory.md's recomputation tables: `ouroboros plan` one schedule and one M at a time.
 
 Each unit (a schedule at one --try-microbatches; backprop, data_parallel and model_parallel
 once) is one `ouroboros plan ... --try-schedules S --json` process, its rows appended to one JSON

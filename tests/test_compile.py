@@ -245,7 +245,7 @@ def test_the_microbatched_ring_and_a_host_stash_need_less_memory_on_a_tpu():
   # The stash and the forward's weights wait in host memory: the chip's arguments lose them and
   # its peak falls. (How much of the stash the peak saves depends on the shape: XLA stages the
   # slots it reads and writes through device temporaries, a large share at this tiny size; at
-  # the GPT-2-small shape: docs/memory.md, the host-memory rows.)
+  # the GPT-2-small shape: docs/results/memory.md, the host-memory rows.)
   assert in_host['host_ring_bytes'] > 0 and chunked['host_ring_bytes'] == 0
   assert in_host['ring_bytes'] + in_host['host_ring_bytes'] == chunked['ring_bytes']
   moved = chunked['argument_bytes'] - in_host['argument_bytes']

@@ -26,7 +26,7 @@ DEFAULT_MICROBATCHES = 4  # gpipe and the exact pipelines without --microbatches
 # Ouroboros without --microbatches, as one batch: the whole batch at once on CPU, where memory is
 # plentiful and small chunks only add steps; on an accelerator up to 8 micro-batches
 # (`for_platform`): chunked and streamed, GPT-2-small at batch 32 fits four v5e chips in a
-# fraction of what the whole batch needs (the TPU compiler's numbers: docs/memory.md). Streamed
+# fraction of what the whole batch needs (the TPU compiler's numbers: docs/results/memory.md). Streamed
 # (the recipe's flow), at least enough micro-batches that every gradient is one update old (G
 # locked, 2G pipelined: `delays.unit_gap_microbatches`).
 OUROBOROS_MICROBATCHES = 1
@@ -195,7 +195,7 @@ class ScheduleConfig:
     the forward recomputed in the backward) on Ouroboros, whose ring holds G batches' stashes;
     'all' (no recomputation) on every other schedule. Any policy applies to any schedule and
     changes memory and time, never the gradient: backprop and data parallelism recompute per
-    layer, model_parallel and the table pipelines per layer group (docs/memory.md)."""
+    layer, model_parallel and the table pipelines per layer group (docs/results/memory.md)."""
     if self.stash_policy != AUTO:
       return self.stash_policy
     return DEFAULT_STASH_POLICY if self.name == 'ouroboros' else 'all'
