@@ -12,6 +12,8 @@
 #            (layer_costs.py); backprop's bf16 MFU at GPT-2-small with cuDNN attention
 #            (`ouroboros bench`, the largest batch that fits; at that batch once more with
 #            --loss-chunk-tokens 0, the unchunked head)
+#   mfu_levers  (one GPU, not in the default PARTS) the MFU step at batch 64 once per lever
+#            (MFU_LEVERS below: AdamW, a padded vocabulary, the unrolled layer scan, cuBLAS)
 #   cpu      real concurrency: `ouroboros launch --processes P --pin-cpus -- bench` for each P in
 #            $PROCESSES, one core per process, every schedule at its default streamed flow
 # The cpu benches run side by side on disjoint cores, the gpu steps on the cores left. At the end
@@ -103,7 +105,29 @@ gpu_steps() {
       --loss-chunk-tokens 0 --out "$WORK/mfu_unchunked_b$batch"
     break
   done
+  # What holds the MFU back: the step at batch 64, once per lever, each against the same default
+  # (MFU_LEVERS, each "name|words": an XLA_FLAGS=... word sets the environment, the rest are flags).
+  has mfu_levers && for lever in "${MFU_LEVERS[@]}"; do
+    local name=${lever%%|*} words=() env=() flags=()
+    read -ra words <<<"${lever#*|}"
+    for word in "${words[@]}"; do
+      if [[ $word == XLA_FLAGS=* ]]; then env+=("$word"); else flags+=("$word"); fi
+    done
+    step "mfu_lever_$name" 90 env "${env[@]}" "${pin[@]}" "${mfu[@]}" --batch-size 64 \
+      --bench-steps 5 --warmup 1 "${flags[@]}" --out "$WORK/mfu_lever_$name"
+  done
 }
+# The levers of the mfu_levers part: the default; Muon's Newton-Schulz out of the step (AdamW);
+# the vocabulary padded to a multiple of 64 (nanoGPT's 50304: +0.03% of the step's FLOPs, which
+# its MFU counts); the layer scan unrolled; XLA's Triton GEMMs off (cuBLAS); all four together.
+MFU_LEVERS=(  # the most telling first: a step cut short keeps the levers it measured
+  "default|"
+  "all|XLA_FLAGS=--xla_gpu_enable_triton_gemm=false --optimizer adamw --vocab-size 50304 --layer-unroll 0"
+  "vocab50304|--vocab-size 50304"
+  "adamw|--optimizer adamw"
+  "unrolled|--layer-unroll 0"
+  "cublas|XLA_FLAGS=--xla_gpu_enable_triton_gemm=false"
+)
 
 # The cpu benches run side by side on disjoint cores (P0 on cores 0..P0-1, the next on the next
 # P1, ...) and the gpu steps on the cores left over; where the cores run out, one after another.

@@ -9,6 +9,8 @@ run or failed is reported as such) and prints Markdown:
     steps                    steps.csv: each step's seconds and exit status
     GPU correctness          gpu_tests.xml (pytest's junit report of tests/test_gpu.py)
     MFU                      mfu_b*/bench.csv: backprop's bf16 MFU at GPT-2-small, largest batch;
+    MFU levers               mfu_lever_*/bench.csv: the same step once per lever (AdamW, a padded
+                             vocabulary, the unrolled layer scan, cuBLAS), against its default;
                              mfu_unchunked_b*/bench.csv: the same with the unchunked head
     layer costs              layer_costs/layer_costs.csv (layer_costs.py)
     real concurrency         cpu_g*/bench.csv: each schedule's step, measured / ideal and the
@@ -107,6 +109,24 @@ def mfu(work: str) -> list[str]:
   return lines
 
 
+def mfu_levers(work: str) -> list[str]:
+  """The mfu_levers part: backprop's step at batch 64 once per lever, against its own default."""
+  rows = {}
+  for path in sorted(glob.glob(os.path.join(work, 'mfu_lever_*', 'bench.csv'))):
+    for r in _csv(path):
+      if r['schedule'] == 'backprop' and r.get('mfu') not in (None, '', 'nan'):
+        rows[re.search(r'mfu_lever_([^/]+)', path).group(1)] = r
+  if not rows:
+    return ['MFU levers: not measured']
+  base = rows.get('default')
+  lines = ['| lever | step ms | MFU | vs the default |', '|---|---|---|---|']
+  for name, r in rows.items():
+    step = float(r['step_time_s'])
+    speed = f'{float(base["step_time_s"]) / step:.2f}x' if base else '-'
+    lines.append(f'| {name} | {step * 1e3:.1f} | {float(r["mfu"]):.1%} | {speed} |')
+  return lines
+
+
 def layer_costs(work: str) -> list[str]:
   rows = _csv(os.path.join(work, 'layer_costs', 'layer_costs.csv'))
   if not rows:
@@ -170,6 +190,7 @@ def main(argv=None) -> int:
     ('Steps', steps(work)),
     ('GPU correctness (tests/test_gpu.py)', gpu_tests(work)),
     ('MFU', mfu(work)),
+    ('MFU levers (batch 64)', mfu_levers(work)),
     ('Per-layer costs (layer_costs.py)', layer_costs(work)),
     ('Real concurrency (ouroboros launch --pin-cpus -- bench)', concurrency(work)),
   ]

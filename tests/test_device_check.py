@@ -87,3 +87,18 @@ def test_the_summary_sets_the_unchunked_head_beside_the_default_one(tmp_path):
   assert done.returncode == 0, done.stderr
   assert 'batch 32 x 1024: **MFU 30.0%**, 100.0 ms/step' in done.stdout
   assert 'MFU 20.0%, 150.0 ms/step; the default (chunked) head runs at 1.50x' in done.stdout
+
+
+def test_the_summary_sets_each_mfu_lever_against_its_own_default(tmp_path):
+  """The mfu_levers part times the batch-64 step once per lever: the summary gives each lever's
+  step, its MFU, and the default's step over the lever's (above 1: the lever is faster)."""
+  header = 'schedule,label,step_time_s,tokens_per_s,mfu\n'
+  for name, step, mfu in (('default', 0.2, 0.25), ('adamw', 0.16, 0.3125)):
+    (tmp_path / f'mfu_lever_{name}').mkdir()
+    (tmp_path / f'mfu_lever_{name}' / 'bench.csv').write_text(
+      header + f'backprop,backprop,{step},{64 * 1024 / step},{mfu}\n'
+    )
+  done = _summary(tmp_path)
+  assert done.returncode == 0, done.stderr
+  assert '| adamw | 160.0 | 31.2% | 1.25x |' in done.stdout
+  assert '| default | 200.0 | 25.0% | 1.00x |' in done.stdout
