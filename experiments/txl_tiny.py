@@ -16,6 +16,11 @@ every --eval-every steps, and compares validation bits per byte against training
 
 `--run LABEL=PRESET[,FIELD=VALUE...]` (repeated) chooses the runs; the first one sets the time
 budget every other run is read at (default: tiny, then txl-tiny).
+
+    python experiments/txl_tiny.py --render docs/results/txl_tiny.csv
+
+prints the table of a written txl_tiny.csv (each run's last evaluation, and its validation bpb at
+the first run's final time) and trains nothing; docs/results/transformer_xl.md's tables are its.
 """
 
 from __future__ import annotations
@@ -45,13 +50,54 @@ def parse_run(text: str, fields: dict) -> tuple[str, str, dict]:
   return label, preset, {k: typed(fields[k][0], v) for k, v in values.items()}
 
 
+def read_rows(path: str) -> list[dict]:
+  with open(path, newline='') as f:
+    return [
+      {'run': r['run'], 'step': int(r['step']), 'train_s': float(r['train_s']),
+       'val_bpb': float(r['val_bpb'])}
+      for r in csv.DictReader(f)
+    ]  # fmt: skip
+
+
+def render(rows: list[dict]) -> str:
+  """The markdown table of txl_tiny.csv's rows: per run (in the CSV's order) its last
+  evaluation's step, training time and validation bpb, and its validation bpb at the first run's
+  final time, interpolated between evaluations (a run that ended sooner: its last one)."""
+  runs = list(dict.fromkeys(r['run'] for r in rows))
+  curve = lambda name: sorted(
+    (r['train_s'], r['val_bpb'], r['step']) for r in rows if r['run'] == name
+  )
+  budget, reference = curve(runs[0])[-1][:2]
+  lines = [
+    f"| run | steps | train s | val bpb | val bpb at {runs[0]}'s {budget:.0f} s |",
+    '|---|---|---|---|---|',
+  ]
+  for name in runs:
+    times, bpbs, steps = zip(*curve(name))
+    if times[0] > budget:
+      at = '-'
+    else:
+      value = float(np.interp(budget, times, bpbs))
+      at = f'{value:.4f}' if name == runs[0] else f'{value:.4f} ({value - reference:+.3f}'
+      if name != runs[0]:
+        at += f', its end at {times[-1]:.0f} s)' if times[-1] < budget else ')'
+    lines.append(f'| {name} | {steps[-1]} | {times[-1]:.0f} | {bpbs[-1]:.4f} | {at} |')
+  return '\n'.join(lines)
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument(
+    '--render', metavar='CSV', help='print the table of a written txl_tiny.csv; train nothing'
+  )
   parser.add_argument('--out', default='experiments/results/txl_tiny')
   parser.add_argument('--eval-every', type=int, default=250)
   parser.add_argument('--eval-batches', type=int, default=None, help="default: the preset's")
   parser.add_argument('--run', action='append', metavar='LABEL=PRESET[,FIELD=VALUE...]')
   args = parser.parse_args(argv)
+  if args.render:
+    print(render(read_rows(args.render)))
+    return
 
   from ouroboros_jax.runtime import host
 
