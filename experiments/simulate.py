@@ -143,6 +143,12 @@ def parse_args(argv=None):
     'tokens/s, ideal and the prediction it wrote) and stop; simulates nothing',
   )
   parser.add_argument(
+    '--simulated',
+    action='store_true',
+    help="with --render: the --measured table instead (the simulator's step from the CSV's own "
+    'pieces beside the measured one, and the busiest CPU time against its pieces); writes nothing',
+  )
+  parser.add_argument(
     '--versus',
     default='backprop',
     help='with --render: comma-separated labels of rows to give a speedup column against',
@@ -469,6 +475,9 @@ def render_bench(path: str, versus=('backprop',)) -> str:
 
 def main(argv=None):
   args = parse_args(argv)
+  if args.render and args.simulated:
+    print(format_comparison(compare_measured(args.render)))
+    return None
   if args.render:
     print(render_bench(args.render, [v for v in args.versus.split(',') if v]))
     return None
