@@ -27,6 +27,18 @@ SHAPES = {  # name: (the run's flags, the JSON)
     '--batch-size 32 --dtype bfloat16 --topology v5e:2x4',
     'docs/results/plan_1b_v5e_2x4_remat.json',
   ),
+  # 7B-class (issue 40's target): d 4096, 32 layers, 32 heads, d_ff 4 x d, seq 2048, byte-level
+  # vocabulary: 6.45B parameters. G = 8 on v5p (95 GiB a chip) and on v5e (16 GiB).
+  '7b-v5p': (
+    '--preset gpt2-small --d-model 4096 --num-layers 32 --num-heads 32 --d-ff 16384 --seq-len 2048 '
+    '--batch-size 32 --dtype bfloat16 --topology v5p:2x2x2',
+    'docs/results/plan_7b_v5p_2x2x2_remat.json',
+  ),
+  '7b-v5e': (
+    '--preset gpt2-small --d-model 4096 --num-layers 32 --num-heads 32 --d-ff 16384 --seq-len 2048 '
+    '--batch-size 32 --dtype bfloat16 --topology v5e:2x4',
+    'docs/results/plan_7b_v5e_2x4_remat.json',
+  ),
   'gpt2-small': (
     '--preset gpt2-small --batch-size 32 --dtype bfloat16 --topology v5e:2x2',
     'docs/results/plan_gpt2_small_v5e_2x2_remat.json',
