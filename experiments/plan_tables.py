@@ -94,7 +94,9 @@ def render(path: str) -> str:
 
   result = plan.load(path)
   backprop = next((r['step_s'] for r in result['rows'] if r['schedule'] == 'backprop'), None)
-  best = set(result['fastest_by_schedule'].values())
+  # a plan saved before `plan` marked each schedule's fastest: derived from its rows
+  by_schedule = result.get('fastest_by_schedule') or plan.mark_fastest(result['rows'])[1]
+  best = set(by_schedule.values())
   lines = [
     '| setting | peak GiB per chip | fits | recompute | step ms | speedup over 1 chip |',
     '|---|---|---|---|---|---|',
@@ -110,15 +112,14 @@ def render(path: str) -> str:
     peak = plan._peak(r) + (' (out of memory)' if r['fits'] is False and 'error' not in r else '')
     step = '-' if r['step_s'] is None else f'{r["step_s"] * 1e3:.1f}'
     speedup = '-' if not (r['step_s'] and backprop) else f'{backprop / r["step_s"]:.2f}x'
-    lines.append(
-      f'| {label} | {peak} | {plan._verdict(r)} | {r["recompute"]:.2f} | {step} | {speedup} |'
-    )
+    recompute = '-' if r.get('recompute') is None else f'{r["recompute"]:.2f}'  # older plans
+    lines.append(f'| {label} | {peak} | {plan._verdict(r)} | {recompute} | {step} | {speedup} |')
   lines += [f'\n{r["label"]}: {r["error"]}' for r in result['rows'] if 'error' in r]
-  lines += [f'\nskipped {s["label"]}: {s["reason"]}' for s in result['skipped']]
+  lines += [f'\nskipped {s["label"]}: {s["reason"]}' for s in result.get('skipped', [])]
   return '\n'.join(lines)
 
 
-if __name__ == '__main__':
+def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('shape', nargs='?', choices=sorted(SHAPES))
   parser.add_argument('--microbatches', default='8,16', help='the Ms, one pass each (default 8,16)')
@@ -126,7 +127,7 @@ if __name__ == '__main__':
   parser.add_argument('--policies', default=POLICIES, help=f'--try-policy (default {POLICIES})')
   parser.add_argument('--stashes', default=STASHES, help=f'--try-stash (default {STASHES})')
   parser.add_argument('--render', metavar='FILE', help='print FILE as a markdown table and stop')
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
   if args.render:
     print(render(args.render))
   elif args.shape:
@@ -134,3 +135,7 @@ if __name__ == '__main__':
     run(args.shape, counts, args.schedules.split(','), args.policies, args.stashes)
   else:
     parser.error('give a shape or --render FILE')
+
+
+if __name__ == '__main__':
+  main()
