@@ -120,7 +120,7 @@ def mfu_levers(work: str) -> list[str]:
     return ['MFU levers: not measured']
   base = rows.get('default')
   lines = ['| lever | step ms | MFU | vs the default |', '|---|---|---|---|']
-  for name, r in rows.items():
+  for name, r in sorted(rows.items(), key=lambda kv: (kv[0] != 'default', -float(kv[1]['mfu']))):
     step = float(r['step_time_s'])
     speed = f'{float(base["step_time_s"]) / step:.2f}x' if base else '-'
     lines.append(f'| {name} | {step * 1e3:.1f} | {float(r["mfu"]):.1%} | {speed} |')
