@@ -1,4 +1,4 @@
-"""Ouroboros' fixed state per device, piece by piece (docs/results/memory.md, "Ouroboros' fixed state").
+"""Ouroboros' fixed state per device, piece by piece (docs/results/memory.md, its fixed state).
 
 What one device keeps from step to step besides its parameters: the optimizer state (the
 optimizer's own moments, DC-ASGD's weight history and running mean, weight prediction's latest
@@ -21,8 +21,8 @@ import shlex
 import subprocess
 import sys
 
-# The 1B shape of docs/results/memory.md: d_model 2048, 24 layers, seq 2048, batch 32, bf16, G = 8, the
-# micro-batches Ouroboros takes on an accelerator.
+# The 1B shape of docs/results/memory.md: d_model 2048, 24 layers, seq 2048, batch 32, bf16,
+# G = 8, the micro-batches Ouroboros takes on an accelerator.
 ONE_B = (
   '--preset gpt2-small --d-model 2048 --num-layers 24 --num-heads 16 --d-ff 8192 --seq-len 2048 '
   '--batch-size 32 --dtype bfloat16 --schedule ouroboros --stages 8 --microbatches 8'

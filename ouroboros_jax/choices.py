@@ -13,7 +13,8 @@ FORWARD_MODES = ('locked', 'pipelined')  # Ouroboros: the paper's forward, or on
 FLOW_MODES = ('auto', 'batch', 'stream')
 STASH_MODES = ('graph', 'replay')  # Ouroboros: keep the VJP, or the input to replay it
 # Ouroboros' graph stash: which residuals it keeps (staging.STASH_POLICIES), by default 'nothing':
-# each group's input and weights, the rest recomputed at the forward's weights (docs/results/memory.md).
+# each group's input and weights, the rest recomputed at the forward's weights
+# (docs/results/memory.md).
 # The one default of ScheduleConfig, make_stash, GraphStash and the benchmark's pieces.
 DEFAULT_STASH_POLICY = 'nothing'
 # The policies' names (staging.STASH_POLICIES maps each to its jax.checkpoint policy): what any

@@ -26,9 +26,10 @@ DEFAULT_MICROBATCHES = 4  # gpipe and the exact pipelines without --microbatches
 # Ouroboros without --microbatches, as one batch: the whole batch at once on CPU, where memory is
 # plentiful and small chunks only add steps; on an accelerator up to 8 micro-batches
 # (`for_platform`): chunked and streamed, GPT-2-small at batch 32 fits four v5e chips in a
-# fraction of what the whole batch needs (the TPU compiler's numbers: docs/results/memory.md). Streamed
-# (the recipe's flow), at least enough micro-batches that every gradient is one update old (G
-# locked, 2G pipelined: `delays.unit_gap_microbatches`).
+# fraction of what the whole batch needs (the TPU compiler's numbers:
+# docs/results/README.md#m-like-with-like-gpt2). Streamed (the recipe's flow), at least enough
+# micro-batches that every gradient is one update old (G locked, 2G pipelined:
+# `delays.unit_gap_microbatches`).
 OUROBOROS_MICROBATCHES = 1
 OUROBOROS_ACCELERATOR_MICROBATCHES = 8
 
