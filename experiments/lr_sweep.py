@@ -139,6 +139,13 @@ RECIPES = {
     dict(G4, **STREAM4, optimizer='muon', compensation='predict,dc'),
     (0.02,),
   ),
+  # The same, its per-weight optimizer and compensation state stored in bfloat16 (--state-dtype,
+  # the default under --dtype bfloat16); this preset computes in float32, so only the state's
+  # precision differs from the recipe above (docs/results/precision.md).
+  'g4-stream4-muon-predict-dc-state-bf16': (
+    dict(G4, **STREAM4, optimizer='muon', compensation='predict,dc', state_dtype='bfloat16'),
+    (0.02,),
+  ),
   # G = 2 locked (the default stage count) streamed with M = 2: both gaps 1 (as one batch: 2, 1).
   'g2-stream2-muon-predict-dc': (
     dict(OUROBOROS, microbatches=2, flow='stream', optimizer='muon', compensation='predict,dc'),
@@ -218,6 +225,7 @@ FINALISTS = (
   'g4-muon-predict-dc',
   'pipelined-g2-muon-predict-dc',
   'g4-stream4-muon-predict-dc',
+  'g4-stream4-muon-predict-dc-state-bf16',
   'g2-stream2-muon-predict-dc',
   'pipelined-g2-stream4-muon-predict-dc',
   'pipelined-g4-muon-predict-dc',

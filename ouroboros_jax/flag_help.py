@@ -101,6 +101,9 @@ DESCRIPTIONS = {
   '--learning-rate elsewhere; nadamw: Nesterov; docs/results/README.md#q-muon)',
   'muon_learning_rate': 'muon: peak rate of the layer kernels',
   'momentum': "the optimizer's first-moment decay (AdamW/NAdamW b1, Muon's beta)",
+  'state_dtype': 'stored precision of the per-weight optimizer and compensation state (the '
+  "optimizer's first moment, DC-ASGD's running mean, weight prediction's latest update), computed "
+  'in float32 either way; docs/results/README.md#q-state-dtype',
   'dc_lambda': 'dc: the strength lambda_0 of DC-ASGD-a',
   'shrink': 'shrink: factor on delayed gradients, in (0, 1]',
   'pipemare_steps': 'pipemare: steps to reach the full rate (0: a quarter of --steps)',
@@ -149,6 +152,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
     'preset': tuple(config.PRESETS),
     'data_order': config.DATA_ORDERS,
     'optimizer': (schedule_config.AUTO, *optimizers.OPTIMIZERS),
+    'state_dtype': (schedule_config.AUTO, *optimizers.STATE_DTYPES),
   }
 
 
@@ -174,6 +178,7 @@ def _rules() -> dict[str, str]:
     "ouroboros' delays",
     'momentum': "the optimizer's own: "
     + ', '.join(f'{k} {v}' for k, v in optimizers.DEFAULT_MOMENTUM.items()),
+    'state_dtype': 'auto: bfloat16 with --dtype bfloat16, else float32',
     'compensation': f'auto: for ouroboros with G > 1 {m.RECIPE_COMPENSATION} (replay: '
     f'{m.RECIPE_COMPENSATION_REPLAY}), else none',
     'pld': 'off',

@@ -21,6 +21,7 @@ import warnings
 from collections.abc import Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from ouroboros_jax.errors import ConfigError, field_ref
@@ -28,6 +29,12 @@ from ouroboros_jax.errors import ConfigError, field_ref
 OPTIMIZERS = ('adamw', 'nadamw', 'muon')
 # Each optimizer's first-moment decay (AdamW's and NAdamW's b1, Muon's beta) when none is given.
 DEFAULT_MOMENTUM = {'adamw': 0.9, 'nadamw': 0.99, 'muon': 0.95}
+# The stored precision of the per-weight state kept from step to step (--state-dtype): the
+# optimizers' first moment (optax's mu_dtype: Muon's momentum, Adam's first moment; Adam's second
+# moment stays in the parameters' dtype) and the staleness compensations' (DC-ASGD's running mean
+# of g * g, weight prediction's latest update). Each is computed in float32 and rounded where it
+# is stored. 'auto' resolves it (`TrainConfig.resolved_state_dtype`).
+STATE_DTYPES = ('float32', 'bfloat16')
 
 
 def kernel_mask(tree):
@@ -44,12 +51,35 @@ def adamw(
   b1: float = 0.9,
   b2: float = 0.999,
   eps: float = 1e-8,
+  mu_dtype=None,
 ):
   """AdamW as the paper uses it; decay only on matrices named 'kernel' (not embeddings, norms or
-  biases), so a parameter with a zero gradient does not move at all."""
+  biases), so a parameter with a zero gradient does not move at all. `mu_dtype`: optax's, the
+  first moment's stored dtype (None: the parameters')."""
   return optax.adamw(
-    learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=kernel_mask
+    learning_rate,
+    b1=b1,
+    b2=b2,
+    eps=eps,
+    mu_dtype=mu_dtype,
+    weight_decay=weight_decay,
+    mask=kernel_mask,
   )
+
+
+def state_jnp_dtype(state_dtype: str):
+  """A resolved --state-dtype (STATE_DTYPES) as the dtype its states are stored in; a one-line
+  ConfigError for anything else ('auto' included: `TrainConfig.resolved_state_dtype` resolves
+  it)."""
+  if state_dtype == 'auto':
+    raise ValueError(
+      "state_jnp_dtype takes a resolved state_dtype; TrainConfig.resolved_state_dtype resolves 'auto'."
+    )
+  if state_dtype not in STATE_DTYPES:
+    raise ConfigError(
+      f'unknown {field_ref("state_dtype", state_dtype)}; use auto, {" or ".join(STATE_DTYPES)}.'
+    )
+  return jnp.dtype(state_dtype)
 
 
 MuonDims = (
@@ -182,9 +212,11 @@ def make_optimizer(
   muon_learning_rate=None,
   b1: float | None = None,
   muon_dims: MuonDims | None = None,
+  state_dtype: str = 'float32',
 ) -> optax.GradientTransformation:
   """The base optimizer by name; weight decay on layer kernels only, in every case; Adam's second
-  moment decay B2 and epsilon EPS.
+  moment decay B2 and epsilon EPS; the first moment stored in `state_dtype` (STATE_DTYPES,
+  optax's `mu_dtype`; float32: as optax keeps it for float32 parameters).
 
   adamw   optax.adamw (b1 0.9): the paper's optimizer.
   nadamw  optax.nadamw with b1 0.99 by default: Nesterov momentum with a long memory, the recipe
@@ -196,6 +228,7 @@ def make_optimizer(
           `muon_dims` (e.g. {'*/query/kernel': kernel_dims(1, 2)} for a DenseGeneral q
           kernel [..., D, H, K]); its weight decay applies to every leaf it orthogonalises.
   """
+  mu_dtype = state_jnp_dtype(state_dtype)
   if name == 'adamw':
     return adamw(
       learning_rate,
@@ -203,6 +236,7 @@ def make_optimizer(
       b2=B2,
       eps=EPS,
       weight_decay=weight_decay,
+      mu_dtype=mu_dtype,
     )
   if name == 'nadamw':
     return optax.nadamw(
@@ -212,11 +246,13 @@ def make_optimizer(
       eps=EPS,
       weight_decay=weight_decay,
       mask=kernel_mask,
+      mu_dtype=mu_dtype,
     )
   if name == 'muon':
     return optax.contrib.muon(
       learning_rate if muon_learning_rate is None else muon_learning_rate,
       beta=DEFAULT_MOMENTUM['muon'] if b1 is None else b1,
+      mu_dtype=mu_dtype,  # the Muon momentum and the Adam part's first moment
       weight_decay=weight_decay,
       weight_decay_mask=None,  # every Muon leaf: the Adam leaves take adam_weight_decay (0)
       adam_learning_rate=learning_rate,

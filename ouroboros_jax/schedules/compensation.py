@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from ouroboros_jax import optimizers
 from ouroboros_jax.errors import ConfigError, field_ref
 
 PyTree = Any
@@ -52,16 +53,21 @@ class Compensation:
   dc_lambda        > 0: DC-ASGD-a's delay compensation of the gradient with strength lambda_0
                    (Zheng et al., ICML 2017); needs the graph stash (the gradient at w_then)
   shrink           < 1: delayed gradients scaled by this factor (FDG, Huo et al.)
+  state_dtype      the stored precision of the per-weight state they keep (DC-ASGD's running
+                   mean of g * g, prediction's latest update; `optimizers.STATE_DTYPES`): computed
+                   in float32, rounded where stored. Not a compensation of its own (`active`).
+                   `TrainConfig.resolved_compensation` gives the run's --state-dtype.
   """
 
   predict: bool = False
   pipemare_steps: int = 0
   dc_lambda: float = 0.0
   shrink: float = 1.0
+  state_dtype: str = 'float32'
 
   @property
   def active(self) -> bool:
-    return self != Compensation()
+    return dataclasses.replace(self, state_dtype='float32') != Compensation()
 
   def names(self) -> tuple[str, ...]:
     on = {
@@ -157,6 +163,12 @@ def _gap(delay):
   return jnp.asarray(0 if delay is None else delay, jnp.int32)
 
 
+def _read(stored, like):
+  """A stored state as the arithmetic reads it: widened to the dtype of the values it meets (the
+  float32 gradients and weights of float32 master weights), never narrowed."""
+  return stored.astype(jnp.promote_types(stored.dtype, like.dtype))
+
+
 def shrink_delayed(factor: float) -> optax.GradientTransformationExtraArgs:
   """g -> factor * g for a delayed gradient (delay > 0); fresh gradients pass unchanged.
 
@@ -186,6 +198,7 @@ def delay_compensation(
   eps: float = 1e-7,
   *,
   from_last_update: bool = False,
+  state_dtype: str = 'float32',
 ) -> optax.GradientTransformationExtraArgs:
   """DC-ASGD-a: g + lambda_t * g * g * (w_now - w_then), lambda_t = strength / sqrt(MS(g)).
 
@@ -201,6 +214,11 @@ def delay_compensation(
   less the group's latest update, which weight prediction keeps anyway (`remember_update` hands
   it over as the extra argument `last_update`), so the history costs no second copy of the
   weights. w_now - (w_now - u) equals the update u to float32 rounding.
+
+  `state_dtype` (`optimizers.STATE_DTYPES`): the running mean is kept in it, computed in float32
+  from the float32 read of the stored one (the step's own compensation reads the unrounded one);
+  the history keeps the weights as they are (a difference of bf16-rounded weights would be
+  mostly rounding).
   """
   if from_last_update and max_delay > 1:
     raise ValueError(
@@ -208,6 +226,7 @@ def delay_compensation(
       f'which covers a delay of at most 1, not {max_delay}.'
     )
   depth = max(max_delay, 1)
+  stored = optimizers.state_jnp_dtype(state_dtype)
 
   def init(params):
     return DelayCompensationState(
@@ -215,7 +234,7 @@ def delay_compensation(
       history=()
       if from_last_update
       else jax.tree.map(lambda p: jnp.broadcast_to(p, (depth, *p.shape)), params),
-      mean_square=jax.tree.map(jnp.zeros_like, params),
+      mean_square=jax.tree.map(lambda p: jnp.zeros_like(p, stored), params),
     )
 
   def update(updates, state, params=None, *, delay=None, last_update=None, **extra):
@@ -229,7 +248,9 @@ def delay_compensation(
           'delay_compensation(from_last_update=True) needs the latest update: wrap it with '
           'remember_update (Compensation(predict=True)).'
         )
-      w_then = jax.tree.map(lambda w, u: jnp.where(tau == 0, w, w - u), params, last_update)
+      w_then = jax.tree.map(
+        lambda w, u: jnp.where(tau == 0, w, w - _read(u, w)), params, last_update
+      )
       history = ()
     else:
       # Slot (n - tau) % depth holds the weights after update n - tau; when n < tau it was never
@@ -239,15 +260,16 @@ def delay_compensation(
       )
       history = jax.tree.map(lambda h, w: h.at[n % depth].set(w), state.history, params)
     mean_square = jax.tree.map(
-      lambda m, g: decay * m + (1 - decay) * g * g, state.mean_square, updates
+      lambda m, g: decay * _read(m, g) + (1 - decay) * g * g, state.mean_square, updates
     )
     compensated = jax.tree.map(
-      lambda g, w, w0, m: g + strength / jnp.sqrt(m + eps) * g * g * (w - w0),
+      lambda g, w, w0, m: (g + strength / jnp.sqrt(m + eps) * g * g * (w - w0)).astype(g.dtype),
       updates,
       params,
       w_then,
       mean_square,
     )
+    mean_square = jax.tree.map(lambda m: m.astype(stored), mean_square)
     return compensated, DelayCompensationState(n + 1, history, mean_square)
 
   return optax.GradientTransformationExtraArgs(init, update)
@@ -289,20 +311,27 @@ def scale_by_delay(anneal_steps: int) -> optax.GradientTransformationExtraArgs:
 
 class LastUpdateState(NamedTuple):
   inner: optax.OptState
-  last_update: PyTree  # u(t-1) = w(t) - w(t-1): the group's latest update (0 before any)
+  last_update: PyTree  # u(t-1) = w(t) - w(t-1): the group's latest update (0 before any), in
+  #                      the state dtype
 
 
-def remember_update(tx: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-  """tx whose state also keeps the update it returned last, for `predict_weights`."""
+def remember_update(
+  tx: optax.GradientTransformation, state_dtype: str = 'float32'
+) -> optax.GradientTransformationExtraArgs:
+  """tx whose state also keeps the update it returned last, for `predict_weights`, stored in
+  `state_dtype` (`optimizers.STATE_DTYPES`; its readers widen it again)."""
   tx = optax.with_extra_args_support(tx)
+  stored = optimizers.state_jnp_dtype(state_dtype)
 
   def init(params):
-    return LastUpdateState(tx.init(params), jax.tree.map(jnp.zeros_like, params))
+    return LastUpdateState(
+      tx.init(params), jax.tree.map(lambda p: jnp.zeros_like(p, stored), params)
+    )
 
   def update(updates, state, params=None, **extra):
     # The latest update goes to the inner transformations too: DC-ASGD may read w_then from it.
     updates, inner = tx.update(updates, state.inner, params, last_update=state.last_update, **extra)
-    return updates, LastUpdateState(inner, updates)
+    return updates, LastUpdateState(inner, jax.tree.map(lambda u: u.astype(stored), updates))
 
   return optax.GradientTransformationExtraArgs(init, update)
 
@@ -325,7 +354,7 @@ def predict_weights(params: PyTree, opt_state: PyTree, gaps: PyTree) -> PyTree:
 
     def shift(w, u):
       g = gap.reshape(gap.shape + (1,) * (w.ndim - gap.ndim)).astype(w.dtype)
-      return jnp.where(g == 0, w, w + g * u)
+      return jnp.where(g == 0, w, w + g * u.astype(w.dtype))
 
     return jax.tree.map(shift, p, last_update(state))
 
@@ -335,7 +364,7 @@ def predict_weights(params: PyTree, opt_state: PyTree, gaps: PyTree) -> PyTree:
 
     def shift_slots(w_GxN, u):
       g = gap_G.reshape(gap_G.shape + (1,) * (w_GxN.ndim - gap_G.ndim)).astype(w_GxN.dtype)
-      return jnp.where(g == 0, w_GxN, w_GxN + g * u)
+      return jnp.where(g == 0, w_GxN, w_GxN + g * u.astype(w_GxN.dtype))
 
     moved = {
       name: shift_slots(params['stages'][name], u)
@@ -372,10 +401,15 @@ def wrap(
   if compensation.dc_lambda > 0:
     from_last_update = compensation.predict and max_gap <= 1  # the streamed ring's recipe
     parts.append(
-      delay_compensation(compensation.dc_lambda, max_gap, from_last_update=from_last_update)
+      delay_compensation(
+        compensation.dc_lambda,
+        max_gap,
+        from_last_update=from_last_update,
+        state_dtype=compensation.state_dtype,
+      )
     )
   parts.append(optax.with_extra_args_support(tx))
   if compensation.pipemare_steps > 0:
     parts.append(scale_by_delay(compensation.pipemare_steps))
   chained = optax.chain(*parts)
-  return remember_update(chained) if compensation.predict else chained
+  return remember_update(chained, compensation.state_dtype) if compensation.predict else chained

@@ -106,6 +106,10 @@ class TrainConfig:
   # muon: the kernels' peak rate (--learning-rate: the rest); None: DEFAULT_MUON_RATES
   muon_learning_rate: float | None = None
   momentum: float | None = None  # b1 / Muon's beta; None: the optimizer's own (0.9, 0.99, 0.95)
+  # The stored precision of the per-weight optimizer and compensation state (Muon's momentum,
+  # Adam's first moment, DC-ASGD's running mean, prediction's latest update;
+  # optimizers.STATE_DTYPES), computed in float32 either way; 'auto': `resolved_state_dtype`.
+  state_dtype: str = AUTO
   # The flag's text: auto, none (the paper) or a comma list of predict, pipemare, dc, shrink
   # (ouroboros only); parsed once, with the strengths below, into the typed record
   # `resolved_compensation()` (what ScheduleConfig.compensation holds).
@@ -281,8 +285,9 @@ class TrainConfig:
     """This run with every `auto` made explicit as it runs on `platform` (default: JAX's
     backend), the one resolution of its defaults: the optimizer and Muon's rate, the staleness
     compensation, Ouroboros' flow and micro-batches (`schedule_config`, `for_platform`), the
-    exact pipelines' micro-batches, the stash policy, the attention kernel and the data order. What config.json and
-    the checkpoints store, and what a resume compares; resolving it again changes nothing."""
+    exact pipelines' micro-batches, the stash policy, the attention kernel, the data order and the
+    optimizer state's stored precision. What config.json and the checkpoints store, and what a
+    resume compares; resolving it again changes nothing."""
     if platform is None:
       import jax
 
@@ -300,6 +305,7 @@ class TrainConfig:
         self.resolved_muon_learning_rate() if optimizer == 'muon' else self.muon_learning_rate
       ),
       compensation=','.join(self.resolved_compensation().names()) or 'none',
+      state_dtype=self.resolved_state_dtype(),
       model=dataclasses.replace(self.model, attention=self.model.attention_kind(platform)),
       data_order='segments' if self.segment_order else 'windows',
     )
@@ -364,6 +370,7 @@ class TrainConfig:
       raise ConfigError(f'‹muon_learning_rate› must be positive, got {self.muon_learning_rate}.')
     if (self.growth or self.vcycle) and self.resolved_optimizer() != 'adamw':
       raise ConfigError('‹growth› and ‹vcycle› runs use AdamW; drop ‹optimizer›.')
+    optimizers.state_jnp_dtype(self.resolved_state_dtype())  # one line for an unknown dtype
     self.resolved_compensation()  # the flag's spelling, 'auto' included, and the strengths
 
   @property
@@ -379,6 +386,14 @@ class TrainConfig:
     if self.compensation == 'none' or self.growth or self.vcycle:
       return 'adamw'
     return DEFAULT_OPTIMIZER
+
+  def resolved_state_dtype(self) -> str:
+    """--state-dtype auto: bfloat16 when the model computes in bfloat16 (--dtype), whose
+    per-weight optimizer and compensation state then takes half the bytes; float32 otherwise, so
+    a float32 run stores what it computes."""
+    if self.state_dtype != AUTO:
+      return self.state_dtype
+    return 'bfloat16' if self.model.dtype == 'bfloat16' else 'float32'
 
   def resolved_muon_learning_rate(self) -> float:
     """--muon-learning-rate, or the rate measured best for this kind of schedule."""
@@ -398,13 +413,16 @@ class TrainConfig:
     spec = self.compensation
     if spec == AUTO and (self.growth or self.vcycle):
       spec = 'none'
-    return self.schedule.resolve_compensation(
+    comp = self.schedule.resolve_compensation(
       spec,
       steps=self.steps,
       dc_lambda=self.dc_lambda,
       shrink=self.shrink,
       pipemare_steps=self.pipemare_steps,
     )
+    if not comp.active:  # none stays Compensation(): the paper's method, nothing kept
+      return comp
+    return dataclasses.replace(comp, state_dtype=self.resolved_state_dtype())
 
   def std_loss_layer_ids(self) -> tuple[int, ...]:
     """--std-loss-layers -> 0-based layer indices ('all': every layer)."""
@@ -447,6 +465,7 @@ class TrainConfig:
     settings were nested (`schedule` a name, `stages`, `stash`, ... beside it), and runs written
     before --flow (they ran as one batch)."""
     d = dict(d)
+    d.setdefault('state_dtype', 'float32')  # saved before --state-dtype: every state in float32
     model = ModelConfig(**d.pop('model', {}))
     schedule = d.pop('schedule', {})
     if isinstance(schedule, str):  # the flat layout
@@ -525,6 +544,7 @@ def make_optimizer(cfg: TrainConfig, *, muon_dims: optimizers.MuonDims = optimiz
     muon_learning_rate=lr_schedule(cfg, peak=cfg.resolved_muon_learning_rate()),
     b1=cfg.momentum,
     muon_dims=muon_dims,
+    state_dtype=cfg.resolved_state_dtype(),
   )
 
 

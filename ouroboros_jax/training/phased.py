@@ -23,7 +23,7 @@ import os
 import jax
 import numpy as np
 
-from ouroboros_jax import data, staged
+from ouroboros_jax import data, optimizers, staged
 from ouroboros_jax.accelerators import growth, vcycle
 from ouroboros_jax.errors import NonFiniteLossError
 from ouroboros_jax.models import model as transformer
@@ -112,13 +112,20 @@ def train_phased(
   return report.finish(cfg.steps, reporter.val_bpb, test_bpb)
 
 
+def _mu_dtype(cfg: TrainConfig):
+  """AdamW's first moment in the run's --state-dtype, as `config.make_optimizer` stores it."""
+  return optimizers.state_jnp_dtype(cfg.resolved_state_dtype())
+
+
 def _run_growth(cfg: TrainConfig, batches, on_step):
   plan = cfg.plans.growth
   starts = np.cumsum([0, *(steps for _, steps, _ in plan.phases())])
 
   def tx_factory(phase):  # the run's warmup-cosine, continued across the phases
     base, offset = lr_schedule(cfg), int(starts[phase])
-    return staged.adamw(lambda count: base(count + offset), weight_decay=cfg.weight_decay)
+    return staged.adamw(
+      lambda count: base(count + offset), weight_decay=cfg.weight_decay, mu_dtype=_mu_dtype(cfg)
+    )
 
   params, _ = growth.train_growth(
     plan,
@@ -146,6 +153,7 @@ def _run_vcycle(cfg: TrainConfig, batches, on_step):
     return staged.adamw(
       lr_schedule(cfg, level_steps[level], cfg.learning_rate * lr_scale**level),
       weight_decay=cfg.weight_decay,
+      mu_dtype=_mu_dtype(cfg),
     )
 
   params, _, _ = vcycle.train_vcycle(

@@ -31,6 +31,7 @@ RECIPE_FLAGS = (
   'optimizer',
   'muon_learning_rate',
   'momentum',
+  'state_dtype',
   'compensation',
   'dc_lambda',
   'shrink',

@@ -32,6 +32,7 @@ RESUME_FIELDS = (
   'std_loss_layers',
   'optimizer',
   'compensation',
+  'state_dtype',
 )
 
 
