@@ -48,6 +48,9 @@ DESCRIPTIONS = {
   'loss_chunk_tokens': "tokens per chunk of the head's cross-entropy, computed with its "
   'gradient one chunk at a time, so the float32 logits [batch, length, vocabulary] are never held '
   'whole (less memory and memory traffic, the same loss and gradient); 0: all the logits at once',
+  'vocab_multiple': 'the token embedding (and an untied output projection) hold the vocabulary '
+  'rounded up to a multiple of this many rows, the extra logits masked out (the same loss and '
+  'gradients; aligned matmuls); 1: no padding',
   # ScheduleConfig
   'schedule': 'how the model is placed and trained (docs/guides/schedules.md)',
   'stages': 'pipeline stages G: devices the layers are cut over (model_parallel, gpipe, the exact '

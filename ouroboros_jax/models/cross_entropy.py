@@ -41,24 +41,28 @@ def chunk_layout(tokens: int, chunk_tokens: int) -> tuple[int, int]:
   return chunks, -(-tokens // chunks)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def chunked_cross_entropy(x_BxLxD, weight_VxD, targets_BxL, chunk_tokens: int):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def chunked_cross_entropy(
+  x_BxLxD, weight_VxD, targets_BxL, chunk_tokens: int, vocab: int | None = None
+):
   """Mean next-token NLL (nats, float32) of the logits x @ W^T, `chunk_tokens` tokens at a time
   (0, or at least B x L: one chunk). x in the compute dtype (the matmuls run in it, with float32
   accumulation); W in any dtype (cast to x's where used; its gradient comes back in its own
-  dtype); integer targets. Equals `output_projection` + `log_softmax` + the gather in value and
-  gradient, to float32 rounding (bf16: the same bf16 products)."""
-  return _loss_and_grads(x_BxLxD, weight_VxD, targets_BxL, chunk_tokens, grads=False)[0]
+  dtype); integer targets. vocab: the real vocabulary when W's rows are padded beyond it (the
+  padded logits are masked out: the loss and gradients are those of W[:vocab], and the padded
+  rows' gradient is zero); None: every row. Equals `output_projection` + `log_softmax` + the
+  gather in value and gradient, to float32 rounding (bf16: the same bf16 products)."""
+  return _loss_and_grads(x_BxLxD, weight_VxD, targets_BxL, chunk_tokens, vocab, grads=False)[0]
 
 
-def _forward(x_BxLxD, weight_VxD, targets_BxL, chunk_tokens):
+def _forward(x_BxLxD, weight_VxD, targets_BxL, chunk_tokens, vocab):
   loss, dx_BxLxD, dw_VxD = _loss_and_grads(
-    x_BxLxD, weight_VxD, targets_BxL, chunk_tokens, grads=True
+    x_BxLxD, weight_VxD, targets_BxL, chunk_tokens, vocab, grads=True
   )
   return loss, (dx_BxLxD, dw_VxD)
 
 
-def _backward(chunk_tokens, residuals, g):
+def _backward(chunk_tokens, vocab, residuals, g):
   """The forward's gradient (for cotangent 1) times the cotangent g; no gradient for targets."""
   dx_BxLxD, dw_VxD = residuals
   return (g * dx_BxLxD).astype(dx_BxLxD.dtype), (g * dw_VxD).astype(dw_VxD.dtype), None
@@ -67,10 +71,14 @@ def _backward(chunk_tokens, residuals, g):
 chunked_cross_entropy.defvjp(_forward, _backward)
 
 
-def _loss_and_grads(x_BxLxD, weight_VxD, targets_BxL, chunk_tokens: int, grads: bool):
+def _loss_and_grads(
+  x_BxLxD, weight_VxD, targets_BxL, chunk_tokens: int, real_vocab: int | None, grads: bool
+):
   """(loss, dx, dW) for cotangent 1 (dx, dW None unless `grads`)."""
   b, l, d = x_BxLxD.shape
   vocab = weight_VxD.shape[0]
+  # The padded rows' logits are -inf: no probability, no gradient.
+  padded_V = None if real_vocab is None or real_vocab >= vocab else jnp.arange(vocab) >= real_vocab
   tokens = b * l
   chunks, per_chunk = chunk_layout(tokens, chunk_tokens)
   padded = chunks * per_chunk
@@ -88,6 +96,8 @@ def _loss_and_grads(x_BxLxD, weight_VxD, targets_BxL, chunk_tokens: int, grads: 
 
   def chunk(x_UxD, targets_U, scale_U):
     logits_UxV = jnp.einsum('ud,vd->uv', x_UxD, w_VxD, preferred_element_type=f32)
+    if padded_V is not None:
+      logits_UxV = jnp.where(padded_V[None], -jnp.inf, logits_UxV)
     lse_U = jax.nn.logsumexp(logits_UxV, axis=-1)
     nll_U = lse_U - jnp.take_along_axis(logits_UxV, targets_U[:, None], axis=-1)[:, 0]
     if not grads:

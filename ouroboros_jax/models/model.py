@@ -91,6 +91,12 @@ class ModelConfig:
   # are 393 MiB at GPT-2's vocabulary of 50257 (13 GB whole at 64 x 1024 tokens), and the
   # fastest of 1024 to 8192 on an H200 there (docs/results/README.md#d-head).
   loss_chunk_tokens: int = 2048
+  # The token embedding (and an untied output projection) hold vocab_size rows padded up to a
+  # multiple of this; the padded logits are masked out of the softmax, so loss and gradients are
+  # the unpadded model's (the padded rows get none). 128 (GPT-2's 50257 -> 50304) is tensor-core
+  # and TPU-lane aligned, and faster on an H200 (docs/results/README.md#d-mfu-levers). 1: no
+  # padding.
+  vocab_multiple: int = 128
 
   def validate(self) -> None:
     for name in ('vocab_size', 'd_model', 'num_heads', 'num_layers', 'd_ff', 'seq_len'):
@@ -103,6 +109,10 @@ class ModelConfig:
         f'{field_ref("d_model", self.d_model)} is not divisible by '
         f'{field_ref("num_heads", self.num_heads)}; choose {field_ref("d_model")} as a multiple '
         f'of {field_ref("num_heads")}.'
+      )
+    if self.vocab_multiple < 1:
+      raise ConfigError(
+        f'{field_ref("vocab_multiple")} must be >= 1 (1: no padding), got {self.vocab_multiple}.'
       )
     if self.layer_unroll < 0:
       raise ConfigError(
@@ -149,6 +159,11 @@ class ModelConfig:
       )
     if not 0.0 < self.init_std < float('inf'):
       raise ConfigError(f'{field_ref("init_std")} must be a positive number, got {self.init_std}.')
+
+  @property
+  def padded_vocab(self) -> int:
+    """Rows of the token embedding: vocab_size rounded up to a multiple of vocab_multiple."""
+    return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
   @property
   def head_dim(self) -> int:
@@ -200,7 +215,7 @@ class Embedder(nnx.Module):
     # docs/results/README.md#p-bf16-sums).
     embedding = functools.partial(nnx.Embed, param_dtype=cfg.weight_dtype, rngs=rngs)
     init = nnx.initializers.normal(cfg.init_std)
-    self.token = embedding(cfg.vocab_size, cfg.d_model, embedding_init=init)
+    self.token = embedding(cfg.padded_vocab, cfg.d_model, embedding_init=init)
     self.position = embedding(cfg.seq_len, cfg.d_model, embedding_init=init)
 
   def __call__(self, tokens_BxL):
@@ -297,7 +312,7 @@ class Head(nnx.Module):
     if not cfg.tie_embeddings:
       self.unembed = nnx.Linear(
         cfg.d_model,
-        cfg.vocab_size,
+        cfg.padded_vocab,
         use_bias=False,
         kernel_init=nnx.initializers.normal(cfg.init_std),
         **precision(cfg),
@@ -447,8 +462,10 @@ def _normalized(x_BxLxC, epsilon: float = 1e-6):
 
 
 def logits(cfg: ModelConfig, head_params: Params, embed_params: Params, x_BxLxD):
-  """Residual stream -> next-token logits, through V^T when the embedding is tied."""
-  return output_projection(*unembedding(cfg, head_params, embed_params, x_BxLxD))
+  """Residual stream -> next-token logits [B, L, vocab_size] (float32), through V^T when the
+  embedding is tied; the padded vocabulary's columns are computed and dropped."""
+  logits_BxLxP = output_projection(*unembedding(cfg, head_params, embed_params, x_BxLxD))
+  return logits_BxLxP[..., : cfg.vocab_size]
 
 
 def unembedding(cfg: ModelConfig, head_params: Params, embed_params: Params, x_BxLxD):
@@ -497,7 +514,7 @@ def head_loss(cfg: ModelConfig, head_params: Params, embed_params: Params, x_BxL
   if cfg.loss_chunk_tokens:
     x_BxLxD, weight_VxD = unembedding(cfg, head_params, embed_params, x_BxLxD)
     loss = cross_entropy.chunked_cross_entropy(
-      x_BxLxD, weight_VxD, targets_BxL, cfg.loss_chunk_tokens
+      x_BxLxD, weight_VxD, targets_BxL, cfg.loss_chunk_tokens, cfg.vocab_size
     )
     return loss, {'loss': loss}
   logits_BxLxV = logits(cfg, head_params, embed_params, x_BxLxD).astype(jnp.float32)

@@ -48,7 +48,7 @@ class Embedder(nnx.Module):
   def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
     init = nnx.initializers.normal(cfg.init_std)
     self.token = nnx.Embed(  # looked up in float32, as model.Embedder's (its gradient's sums)
-      cfg.vocab_size, cfg.d_model, embedding_init=init, param_dtype=cfg.weight_dtype, rngs=rngs
+      cfg.padded_vocab, cfg.d_model, embedding_init=init, param_dtype=cfg.weight_dtype, rngs=rngs
     )
 
 

@@ -207,7 +207,7 @@ def predicted_step_s(
     d_model=model.d_model,
     d_ff=model.d_ff,
     seq_len=model.seq_len,
-    vocab=model.vocab_size,
+    vocab=model.padded_vocab,  # the rows the head computes
     batch=cfg.batch_size // replicas,
   )
   costs = simulate.transformer_costs(
