@@ -30,8 +30,8 @@ DESCRIPTIONS = {
   'pre_ln': 'pre-LN (GPT-2) blocks; false: the original post-LN blocks',
   'tie_embeddings': 'the output projection is the input embedding, transposed',
   'init_std': 'standard deviation of the initial weights',
-  'layer_unroll': 'layers per iteration of the layer scan; 0 unrolls the stack (faster on CPU, '
-  'longer compiles for deep models)',
+  'layer_unroll': 'layers per iteration of the layer scan; 0 unrolls the stack (faster, longer '
+  'compiles for deep models)',
   'model': 'architecture (transformer-xl: relative positions; with --mem-len, segment recurrence)',
   'mem_len': 'transformer-xl: hidden states each layer keeps from the previous segments (0: none); '
   'the training batches then continue each other row by row',
@@ -170,6 +170,7 @@ def _rules() -> dict[str, str]:
     'data_order': 'auto: segments for a model with a memory, else windows',
     'out': 'runs/<preset>-<schedule>',
     'layers_per_stage': 'balanced by FLOPs',
+    'layer_unroll': 'unrolled (0) on GPU, 1 elsewhere',
     'microbatches': f'{m.DEFAULT_MICROBATCHES} for gpipe and the exact pipelines; ouroboros '
     f'{m.OUROBOROS_MICROBATCHES} on CPU, up to {m.OUROBOROS_ACCELERATOR_MICROBATCHES} on an '
     'accelerator, and streamed at least G locked, 2G pipelined',

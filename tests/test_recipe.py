@@ -182,6 +182,7 @@ RESOLVED_CASES = [
   dict(schedule='ouroboros', stages=2, compensation='none'),
   dict(schedule='gpipe', stages=2),
   dict(schedule='backprop'),
+  dict(schedule='backprop', layer_unroll=2),
   dict(preset='gpt2-small', schedule='ouroboros', stages=4, dtype='bfloat16'),
 ]
 
@@ -207,6 +208,10 @@ def test_the_resolved_run_spells_out_every_auto_once(flags, platform):
     assert autos.pop('stash_policy') == 'auto'  # replay keeps the input: no policy, unset
   assert autos == {}, autos
   assert run.model.attention == cfg.model.attention_kind(platform)
+  # The layer scan: unrolled on GPU, one layer an iteration elsewhere, unless the flag says.
+  assert run.model.layer_unroll == (
+    cfg.model.layer_unroll if cfg.model.layer_unroll is not None else 0 if platform == 'gpu' else 1
+  )
 
 
 def test_the_recipes_config_is_the_run_the_cli_stores():

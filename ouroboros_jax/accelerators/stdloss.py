@@ -124,7 +124,7 @@ def layers_with_stdloss(cfg: ModelConfig, layer_params, x_BxLxD, rng, terms: Ter
     body,
     (x_BxLxD, jnp.zeros((), jnp.float32)),
     (layer_params, rngs_N, active_N, weight_N),
-    unroll=cfg.layer_unroll or True,
+    unroll=cfg.scan_unroll(),
   )
   return x_BxLxD, aux
 

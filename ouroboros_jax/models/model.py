@@ -66,9 +66,11 @@ class ModelConfig:
   pre_ln: bool = True  # pre-LN (GPT-2) blocks; False gives the original post-LN blocks
   tie_embeddings: bool = True  # the output projection is V^T, V the input embedding
   init_std: float = 0.02
-  layer_unroll: int = 1  # layers per iteration of the layer scan; 0 unrolls the stack
-  # (faster on CPU, above all with PLD's skipped layers; longer
-  # compiles for deep models)
+  # Layers per iteration of the layer scan; 0 unrolls the stack (faster, above all with PLD's
+  # skipped layers; longer compiles for deep models). None: `unroll_for` picks by platform,
+  # unrolled on GPU (faster on an H200: docs/results/README.md#d-mfu-levers), a scan of one
+  # layer elsewhere (TPU compiles stay short).
+  layer_unroll: int | None = None
   # Transformer-XL (txl.py; --model transformer-xl): relative positions, segment recurrence.
   arch: str = 'gpt'  # 'gpt' (this module) or 'transformer-xl'
   mem_len: int = 0  # hidden states each layer keeps from previous segments (0: no recurrence)
@@ -114,7 +116,7 @@ class ModelConfig:
       raise ConfigError(
         f'{field_ref("vocab_multiple")} must be >= 1 (1: no padding), got {self.vocab_multiple}.'
       )
-    if self.layer_unroll < 0:
+    if self.layer_unroll is not None and self.layer_unroll < 0:
       raise ConfigError(
         f'{field_ref("layer_unroll")} must be >= 0 (0: unroll every layer), got '
         f'{self.layer_unroll}.'
@@ -159,6 +161,17 @@ class ModelConfig:
       )
     if not 0.0 < self.init_std < float('inf'):
       raise ConfigError(f'{field_ref("init_std")} must be a positive number, got {self.init_std}.')
+
+  def unroll_for(self, platform: str | None = None) -> int:
+    """Layers per scan iteration on `platform` (default: JAX's backend): layer_unroll, or for
+    None, 0 (the whole stack unrolled) on GPU and 1 elsewhere."""
+    if self.layer_unroll is not None:
+      return self.layer_unroll
+    return 0 if (platform or jax.default_backend()) == 'gpu' else 1
+
+  def scan_unroll(self) -> int | bool:
+    """`lax.scan`'s unroll for the layer stack on JAX's backend (True: every layer)."""
+    return self.unroll_for() or True
 
   @property
   def padded_vocab(self) -> int:
@@ -422,7 +435,7 @@ def layers(
     rng,
     active_N=active_N,
     per_layer_N=(scale_N, taps_N),
-    unroll=cfg.layer_unroll or True,
+    unroll=cfg.scan_unroll(),
   )
   return x_BxLxD if taps_N is None else (x_BxLxD, inputs_N)
 

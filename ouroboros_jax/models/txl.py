@@ -212,7 +212,7 @@ def layers(
     active_N=active_N,
     per_layer_N=hidden_N,
     skipped=lambda hidden_BxMxD: hidden_BxMxD,  # a skipped layer keeps its memory
-    unroll=cfg.layer_unroll or True,
+    unroll=cfg.scan_unroll(),
   )
   if memory is None:
     return y_BxLxD, None

@@ -306,7 +306,11 @@ class TrainConfig:
       ),
       compensation=','.join(self.resolved_compensation().names()) or 'none',
       state_dtype=self.resolved_state_dtype(),
-      model=dataclasses.replace(self.model, attention=self.model.attention_kind(platform)),
+      model=dataclasses.replace(
+        self.model,
+        attention=self.model.attention_kind(platform),
+        layer_unroll=self.model.unroll_for(platform),
+      ),
       data_order='segments' if self.segment_order else 'windows',
     )
 
