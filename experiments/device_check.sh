@@ -13,7 +13,7 @@
 #            (`ouroboros bench`, the largest batch that fits; at that batch once more with
 #            --loss-chunk-tokens 0, the unchunked head)
 #   mfu_levers  (one GPU, not in the default PARTS) the MFU step at batch 64 once per lever
-#            (MFU_LEVERS below: AdamW, a padded vocabulary, the unrolled layer scan, cuBLAS)
+#            (MFU_LEVERS below: each default off, cuBLAS GEMMs, Muon)
 #   cpu      real concurrency: `ouroboros launch --processes P --pin-cpus -- bench` for each P in
 #            $PROCESSES, one core per process, every schedule at its default streamed flow
 # The cpu benches run side by side on disjoint cores, the gpu steps on the cores left. At the end
@@ -117,16 +117,17 @@ gpu_steps() {
       --bench-steps 5 --warmup 1 "${flags[@]}" --out "$WORK/mfu_lever_$name"
   done
 }
-# The levers of the mfu_levers part: the default; Muon's Newton-Schulz out of the step (AdamW);
-# the vocabulary padded to a multiple of 64 (nanoGPT's 50304: +0.03% of the step's FLOPs, which
-# its MFU counts); the layer scan unrolled; XLA's Triton GEMMs off (cuBLAS); all four together.
+# The levers of the mfu_levers part, each against the library's default (since 88b5951 the layer
+# stack unrolled on GPU and the vocabulary padded to a multiple of 128; run 8 measured them as
+# flags): each default turned off (a scan of one layer; the vocabulary unpadded), XLA's Triton
+# GEMMs off (cuBLAS), Muon in place of the bench's AdamW, both defaults off.
 MFU_LEVERS=(  # the most telling first: a step cut short keeps the levers it measured
   "default|"
-  "all|XLA_FLAGS=--xla_gpu_enable_triton_gemm=false --optimizer adamw --vocab-size 50304 --layer-unroll 0"
-  "vocab50304|--vocab-size 50304"
-  "adamw|--optimizer adamw"
-  "unrolled|--layer-unroll 0"
   "cublas|XLA_FLAGS=--xla_gpu_enable_triton_gemm=false"
+  "scan|--layer-unroll 1"
+  "unpadded|--vocab-multiple 1"
+  "muon|--optimizer muon"
+  "none|--layer-unroll 1 --vocab-multiple 1"
 )
 
 # The cpu benches run side by side on disjoint cores (P0 on cores 0..P0-1, the next on the next

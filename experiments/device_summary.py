@@ -9,8 +9,8 @@ run or failed is reported as such) and prints Markdown:
     steps                    steps.csv: each step's seconds and exit status
     GPU correctness          gpu_tests.xml (pytest's junit report of tests/test_gpu.py)
     MFU                      mfu_b*/bench.csv: backprop's bf16 MFU at GPT-2-small, largest batch;
-    MFU levers               mfu_lever_*/bench.csv: the same step once per lever (AdamW, a padded
-                             vocabulary, the unrolled layer scan, cuBLAS), against its default;
+    MFU levers               mfu_lever_*/bench.csv: the same step once per lever of the script's
+                             MFU_LEVERS (a default off, cuBLAS GEMMs, Muon), against its default;
                              mfu_unchunked_b*/bench.csv: the same with the unchunked head
     layer costs              layer_costs/layer_costs.csv (layer_costs.py)
     real concurrency         cpu_g*/bench.csv: each schedule's step, measured / ideal and the
