@@ -368,6 +368,13 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
     '--warmup', type=int, default=3, help='untimed steps before timing (default %(default)s)'
   )
   bench.add_argument(
+    '--rounds',
+    type=int,
+    default=1,
+    help='time the settings in this many rounds, each compiled and warmed up first, so that a '
+    "machine's drift slows every setting alike (default %(default)s: one setting after another)",
+  )
+  bench.add_argument(
     '--only',
     default=None,
     metavar='LABELS',
@@ -602,6 +609,7 @@ def _run_bench(args) -> None:
       out_dir=cfg.out or 'runs/bench',
       steps=args.bench_steps,
       warmup=args.warmup,
+      rounds=args.rounds,
       settings=bench.select_settings(
         stages, args.only, cfg.model.num_layers, cfg.batch_size, policy, compensation
       ),

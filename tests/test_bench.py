@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import re
 
@@ -158,6 +159,8 @@ def test_two_process_bench_writes_every_row_with_its_ideal(tmp_path):
       '3',
       '--warmup',
       '1',
+      '--rounds',  # the settings interleaved, 2 steps then 1 each (the device check: one by one)
+      '2',
       '--only',
       only,
       '--out',
@@ -255,3 +258,50 @@ def test_a_bench_cut_short_keeps_the_rows_it_measured(tmp_path):
   rows = list(csv.DictReader(open(tmp_path / 'bench.csv')))
   assert [r['label'] for r in rows] == ['backprop']
   assert float(rows[0]['predicted_s']) > 0 and float(rows[0]['step_time_s']) > 0
+
+
+def test_rounds_time_every_setting_in_turn_after_compiling_them_all(tmp_path, monkeypatch):
+  """--rounds R: every setting compiled and warmed up first, then steps / R steps of each in
+  turn, R times (the remainder in the first rounds); each row the median of all its steps."""
+  import pytest
+
+  from ouroboros_jax.errors import ConfigError
+  from ouroboros_jax.models.model import ModelConfig
+  from ouroboros_jax.perf import bench
+
+  events = []
+  prepare, time_steps = bench.prepare_setting, bench.time_steps
+
+  def prepare_logged(setting, work, config):
+    events.append(('prepare', setting.label))
+    return prepare(setting, work, config)
+
+  def time_logged(prepared, steps):
+    events.append(('time', prepared.setting.label, steps))
+    time_steps(prepared, steps)
+
+  monkeypatch.setattr(bench, 'prepare_setting', prepare_logged)
+  monkeypatch.setattr(bench, 'time_steps', time_logged)
+  model = ModelConfig(d_model=32, num_heads=2, num_layers=2, d_ff=64, seq_len=16)
+  config = bench.BenchConfig(
+    batch_size=4,
+    stages=2,
+    out_dir=str(tmp_path),
+    steps=5,
+    warmup=0,
+    rounds=2,
+    settings=bench.select_settings(2, 'backprop,model_parallel', 2),
+  )
+  rows = bench.run(model, config, log=lambda line: None)
+  assert events == [
+    ('prepare', 'backprop'),
+    ('prepare', 'model_parallel'),
+    ('time', 'backprop', 3),
+    ('time', 'model_parallel', 3),
+    ('time', 'backprop', 2),
+    ('time', 'model_parallel', 2),
+  ]
+  assert [r['label'] for r in rows] == ['backprop', 'model_parallel']
+  assert all(float(r['step_time_s']) > 0 for r in rows)
+  with pytest.raises(ConfigError, match='--rounds'):
+    bench.run(model, dataclasses.replace(config, rounds=6), log=lambda line: None)

@@ -5,7 +5,9 @@ For each setting (backprop on one device; data_parallel; model_parallel; gpipe w
 has 2G layers for their 2G chunks; ouroboros locked and pipelined, graph and replay stashes) it
 compiles the step (timed
 separately, not counted), runs `warmup` steps, then times `steps` more one by one and reports the
-**median** step time and tokens/s. It also measures, on process 0's device while every other
+**median** step time and tokens/s. With `rounds` R > 1 (`--rounds`) every setting is compiled and
+warmed up first and the timed steps are dealt out in R rounds, setting after setting, so that a
+machine whose speed drifts over minutes slows every setting alike. It also measures, on process 0's device while every other
 process waits, each layer group's forward and backward (on the whole batch, and on one
 micro-batch of B / M rows for every M the settings use: a micro-batch rarely costs 1 / M of the
 batch), the head and each device's optimizer update; then one activation hop and one gradient
@@ -41,6 +43,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -76,6 +79,10 @@ class BenchConfig:
   out_dir: str
   steps: int = 20
   warmup: int = 3
+  # 1: each setting timed in turn. R > 1: every setting is compiled and warmed up first, then
+  # timed in R rounds of steps / R steps each, setting after setting, so that a machine whose
+  # speed drifts over minutes slows every setting alike (docs/results/simulator_calibration.md).
+  rounds: int = 1
   settings: Sequence[ScheduleConfig] | None = None  # None: default_settings
   layers_per_stage: Sequence[int] | None = None  # None: balanced by FLOPs
   stash_policy: str = AUTO  # every setting's ('auto': each schedule's own), replay's none
@@ -385,8 +392,33 @@ def measure_links(activation_shape, grad_elems: int, repeats: int = 10) -> tuple
   return link, reduce
 
 
+@dataclasses.dataclass
+class Prepared:
+  """One setting compiled and warmed up, ready to be timed (`prepare_setting`)."""
+
+  setting: ScheduleConfig
+  compiled: Any
+  state: Any
+  placed: dict
+  devices: list
+  compile_s: float
+  idle_fraction: float
+  times: list = dataclasses.field(default_factory=list)
+  busy: list = dataclasses.field(default_factory=list)
+
+
 def time_setting(setting: ScheduleConfig, work: Workload, bench: BenchConfig) -> dict | None:
   """Compile and time one setting; None on processes whose devices it does not use."""
+  prepared = prepare_setting(setting, work, bench)
+  if prepared is None:
+    return None
+  time_steps(prepared, bench.steps)
+  return measurement(prepared, work)
+
+
+def prepare_setting(setting: ScheduleConfig, work: Workload, bench: BenchConfig) -> Prepared | None:
+  """Compile one setting and run its warmup steps; None on processes whose devices it does not
+  use."""
   needed = num_devices(setting)
   if needed > jax.device_count():
     raise ConfigError(
@@ -411,29 +443,60 @@ def time_setting(setting: ScheduleConfig, work: Workload, bench: BenchConfig) ->
   compiled = schedule.step.lower(state, placed).compile()
   compile_s = time.perf_counter() - start
   for _ in range(bench.warmup):
-    state, metrics = compiled(state, placed)
+    state, _ = compiled(state, placed)
   jax.block_until_ready(state)
-  times, busy = [], []
-  for _ in range(bench.steps):
+  return Prepared(setting, compiled, state, placed, devices, compile_s, schedule.idle_fraction)
+
+
+def time_steps(prepared: Prepared, steps: int) -> None:
+  """Times `steps` more steps of a prepared setting, one by one (wall and CPU seconds)."""
+  for _ in range(steps):
     start, start_cpu = time.perf_counter(), time.process_time()
-    state, metrics = compiled(state, placed)
-    jax.block_until_ready((state, metrics))
-    times.append(time.perf_counter() - start)
-    busy.append(time.process_time() - start_cpu)
-  step_s = statistics.median(times)
+    prepared.state, metrics = prepared.compiled(prepared.state, prepared.placed)
+    jax.block_until_ready((prepared.state, metrics))
+    prepared.times.append(time.perf_counter() - start)
+    prepared.busy.append(time.process_time() - start_cpu)
+
+
+def measurement(prepared: Prepared, work: Workload) -> dict:
+  """The median step of the timed steps, and the CPU seconds of the busiest process."""
+  step_s = statistics.median(prepared.times)
   # CPU seconds this process spent per step: on a loaded machine wall time stretches, this does
   # not (much); the busiest process bounds the step from below.
-  busy_s = statistics.median(busy)
-  if jax.process_count() > 1 and len({d.process_index for d in devices}) == jax.process_count():
+  busy_s = statistics.median(prepared.busy)
+  owners = {d.process_index for d in prepared.devices}
+  if jax.process_count() > 1 and len(owners) == jax.process_count():
     busy_s = float(np.max(multihost_utils.process_allgather(np.float64(busy_s))))
   return {
     'step_time_s': step_s,
     'busy_s': busy_s,
-    'compile_s': compile_s,
+    'compile_s': prepared.compile_s,
     'tokens_per_s': work.batch['inputs'].size / step_s,
-    'idle_fraction': schedule.idle_fraction,
+    'idle_fraction': prepared.idle_fraction,
     'host_load': host_load(),
   }
+
+
+def round_robin(settings, work: Workload, bench: BenchConfig):
+  """(setting, measurement or None) for every setting, timed in `bench.rounds` rounds: all of
+  them compiled and warmed up first, then steps / rounds steps of each in turn per round. Every
+  process runs the same settings in the same order (a setting waits for its devices' peers)."""
+  prepared = []
+  for setting in settings:
+    prepared.append(prepare_setting(setting, work, bench))
+    multihost_utils.sync_global_devices(f'bench prepare {setting.label}')
+  per_round = [
+    bench.steps // bench.rounds + (r < bench.steps % bench.rounds) for r in range(bench.rounds)
+  ]
+  for r, steps in enumerate(per_round):
+    for setting, ready in zip(settings, prepared):
+      if ready is not None:
+        time_steps(ready, steps)
+      multihost_utils.sync_global_devices(f'bench round {r} {setting.label}')
+  return [
+    (setting, None if ready is None else measurement(ready, work))
+    for setting, ready in zip(settings, prepared)
+  ]
 
 
 def host_load() -> float:
@@ -519,9 +582,15 @@ def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dic
         f'backward {np.round(measured["bwd_micro"][m], 4)} s'
       )
   rows = []
-  for setting in settings:
-    measured = time_setting(setting, work, bench)
-    multihost_utils.sync_global_devices(f'bench {setting.label}')
+
+  def one_by_one():
+    for setting in settings:
+      measured = time_setting(setting, work, bench)
+      multihost_utils.sync_global_devices(f'bench {setting.label}')
+      yield setting, measured
+
+  timed = one_by_one() if bench.rounds == 1 else round_robin(settings, work, bench)
+  for setting, measured in timed:
     if measured is None:
       continue
     row = _row(setting, measured, by_policy[_policy(setting)], link_s, allreduce_s)
@@ -550,6 +619,11 @@ def _workload(cfg: transformer.ModelConfig, bench: BenchConfig) -> Workload:
   cfg.validate()
   if bench.steps < 1:
     raise ConfigError(f'--bench-steps must be >= 1 (timed steps per setting), got {bench.steps}.')
+  if not 1 <= bench.rounds <= max(bench.steps, 1):
+    raise ConfigError(
+      f'--rounds must be between 1 and --bench-steps ({bench.steps}), got {bench.rounds}: each '
+      'round times at least one step of every setting.'
+    )
   if bench.warmup < 0:
     raise ConfigError(f'--warmup must be >= 0 (untimed steps before timing), got {bench.warmup}.')
   layers_per_stage = tuple(bench.layers_per_stage or partition.balance_layers(cfg, bench.stages))
@@ -573,6 +647,7 @@ def _meta(work: Workload, bench: BenchConfig) -> dict:
     'devices': [str(d) for d in jax.devices()],
     'steps': bench.steps,
     'warmup': bench.warmup,
+    'rounds': bench.rounds,
     'stash_policy': bench.stash_policy,
     'optimizer': bench.optimizer,
     'compensation': ','.join(bench.compensation.names()) or 'none',
