@@ -30,6 +30,9 @@ QUICK=${QUICK:-0}
 PARTS=${PARTS:-smoke gpu_tests layer_costs train_gpu mfu cpu}  # which steps run
 DEADLINE=${DEADLINE:-560}  # seconds: the last cpu bench is cut short to leave time to pack up
 BENCH_LIMIT=${BENCH_LIMIT:-300}  # seconds: the most one cpu bench may take
+# bench --rounds: 1 times the settings one after another (a bench cut short keeps its rows);
+# R > 1 compiles them all first and interleaves their timed steps (drift falls on all alike).
+ROUNDS=${ROUNDS:-1}
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1 OUROBOROS_DATA_DIR=${OUROBOROS_DATA_DIR:-$WORK/data}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -77,7 +80,7 @@ cpu_bench() {
   local limit=$((DEADLINE - SECONDS < BENCH_LIMIT ? DEADLINE - SECONDS : BENCH_LIMIT))
   step "$name" "$limit" python3 -m ouroboros_jax launch --processes "$p" --pin-cpus -- \
     bench --stages "$p" --num-layers $((2 * p)) --batch-size $((p < 4 ? 8 : 2 * p)) \
-    "${SHAPE[@]}" "${TIMED[@]}" \
+    "${SHAPE[@]}" "${TIMED[@]}" --rounds "$ROUNDS" \
     --optimizer adamw --compensation predict,dc --only "$only" --out "$WORK/$name"
 }
 
