@@ -10,6 +10,11 @@ shard, as `ouroboros compile` counts them (`perf.compile.shard_bytes`).
     python experiments/fixed_state.py --out docs/results/fixed_state.csv
     python experiments/fixed_state.py --render docs/results/fixed_state.csv
     python experiments/fixed_state.py --flags "--flow batch"  # any train flags on top
+    python experiments/fixed_state.py --flags "--state-dtype float32"  # the states in float32
+
+The per-weight optimizer and compensation states are stored in --state-dtype, bfloat16 by default
+at this shape (it computes in bfloat16); a CSV's column is a commit, with the state dtype where it
+is not float32's (rows written before the setting have none: every state was float32).
 """
 
 from __future__ import annotations
@@ -69,8 +74,19 @@ def pieces(flags: list[str]) -> list[dict]:
   rows = [{'piece': 'parameters', 'state': 'params', 'bytes': params}]
   rows += [{'piece': n, 'state': w, 'bytes': totals[n]} for n, w, _ in PIECES]
   for row in rows:
-    row.update(label=run.label, times_params=round(row['bytes'] / params, 3))
+    row.update(
+      label=run.label,
+      times_params=round(row['bytes'] / params, 3),
+      state_dtype=cfg.resolved_state_dtype(),
+    )
   return rows
+
+
+def column(row: dict) -> str:
+  """A row's column: its commit, and its state dtype unless float32 (or written before)."""
+  dtype = row.get('state_dtype') or 'float32'
+  commit = row.get('commit', '')
+  return commit if dtype == 'float32' else f'{commit} {dtype} state'
 
 
 def render(rows: list[dict]) -> str:
@@ -79,8 +95,8 @@ def render(rows: list[dict]) -> str:
   out = []
   for label in dict.fromkeys(r['label'] for r in rows):
     mine = [r for r in rows if r['label'] == label]
-    commits = list(dict.fromkeys(r.get('commit', '') for r in mine))
-    at = {(r['piece'], r.get('commit', '')): r for r in mine}
+    commits = list(dict.fromkeys(column(r) for r in mine))
+    at = {(r['piece'], column(r)): r for r in mine}
     params = {c: int(at['parameters', c]['bytes']) for c in commits}
     lines = [
       f'{label}, per device:',
@@ -94,7 +110,7 @@ def render(rows: list[dict]) -> str:
       lines.append(f'| {piece} | {state} | ' + ' | '.join(cells) + ' |')
 
     def total(name, pick, commit):
-      size = sum(int(r['bytes']) for r in mine if r.get('commit', '') == commit and pick(r))
+      size = sum(int(r['bytes']) for r in mine if column(r) == commit and pick(r))
       return f'**{size / params[commit]:.2f}x** ({size / GIB:.2f} GiB)' if size else '-'
 
     host = lambda r: r['piece'].startswith('the stash in host')
@@ -125,13 +141,16 @@ def main(argv=None) -> int:
   for row in rows:
     row['commit'] = commit
   print(render(rows))
-  if args.out:
-    new = not os.path.exists(args.out)
-    with open(args.out, 'a', newline='') as f:
-      writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-      if new:
-        writer.writeheader()
-      writer.writerows(rows)
+  if args.out:  # appended; rows written before a column existed get it empty
+    old = []
+    if os.path.exists(args.out):
+      with open(args.out) as f:
+        old = list(csv.DictReader(f))
+    fields = list(dict.fromkeys([*(old[0] if old else {}), *rows[0]]))
+    with open(args.out, 'w', newline='') as f:
+      writer = csv.DictWriter(f, fieldnames=fields, restval='')
+      writer.writeheader()
+      writer.writerows(old + rows)
   return 0
 
 

@@ -41,7 +41,8 @@ DESCRIPTIONS = {
   'false: one global pair, as the paper writes it',
   'dtype': 'compute dtype of activations, stashes, ring buffers and transfers (logits, loss and '
   'norm statistics stay float32)',
-  'param_dtype': 'dtype of the parameters and the optimizer state (the master weights)',
+  'param_dtype': 'dtype of the parameters (the master weights; the optimizer state that '
+  "--state-dtype does not store, such as Adam's second moment, follows it)",
   'attention': "attention kernel: auto picks the target's fused one (cuDNN on GPU, Pallas on "
   'TPU) or the blockwise one; xla materialises L x L',
   'attention_block': 'blockwise attention: keys (and queries) per block',
@@ -106,7 +107,7 @@ DESCRIPTIONS = {
   'momentum': "the optimizer's first-moment decay (AdamW/NAdamW b1, Muon's beta)",
   'state_dtype': 'stored precision of the per-weight optimizer and compensation state (the '
   "optimizer's first moment, DC-ASGD's running mean, weight prediction's latest update), computed "
-  'in float32 either way; docs/results/README.md#q-state-dtype',
+  'in float32 either way; docs/results/README.md#p-state-dtype',
   'dc_lambda': 'dc: the strength lambda_0 of DC-ASGD-a',
   'shrink': 'shrink: factor on delayed gradients, in (0, 1]',
   'pipemare_steps': 'pipemare: steps to reach the full rate (0: a quarter of --steps)',

@@ -250,3 +250,29 @@ def test_a_bad_state_dtype_is_one_line_naming_the_choices():
       model,
       optax.sgd(0.1),
     ).init(params, random_batches(1)[0])
+
+
+def test_a_resume_compares_the_state_dtype_and_old_runs_stored_float32():
+  """It shapes the optimizer state, so a resume compares its resolution ('auto' and its value
+  alike); a run saved before the setting kept every state in float32."""
+  import json
+
+  from ouroboros_jax.training import checkpoint, resume
+
+  bf16 = config.override(
+    config.get_preset('tiny'), {'schedule': 'ouroboros', 'stages': 2, 'dtype': 'bfloat16'}
+  )
+  saved = resume.run_meta(bf16, (1, 1))
+  explicit = config.override(bf16, {'state_dtype': 'bfloat16'})
+  assert resume.check_resumable(saved, explicit, (1, 1), 'OUT') == []
+  with pytest.raises(
+    checkpoint.CheckpointError,
+    match='--state-dtype bfloat16 but the flags give --state-dtype float32',
+  ):
+    resume.check_resumable(saved, config.override(bf16, {'state_dtype': 'float32'}), (1, 1), 'OUT')
+  before = json.loads(json.dumps(saved))
+  del before['config']['state_dtype']
+  with pytest.raises(checkpoint.CheckpointError, match='made with --state-dtype float32'):
+    resume.check_resumable(before, bf16, (1, 1), 'OUT')
+  as_saved = config.override(bf16, {'state_dtype': 'float32'})
+  assert resume.check_resumable(before, as_saved, (1, 1), 'OUT') == []

@@ -78,9 +78,9 @@ class ModelConfig:
   attn_dropout: float = 0.0  # dropout on the attention probabilities (transformer-xl)
   untie_r: bool = False  # transformer-xl: u, v per layer (the reference code's --untie_r);
   # False: one global pair shared by every layer, as the paper writes it
-  # Precision: activations, stashes, ring buffers and every transfer in `dtype`; parameters and
-  # optimizer state in `param_dtype` (master weights); logits, softmax, loss and norm statistics
-  # always in float32.
+  # Precision: activations, stashes, ring buffers and every transfer in `dtype`; parameters in
+  # `param_dtype` (master weights; the per-weight optimizer state in TrainConfig.state_dtype);
+  # logits, softmax, loss and norm statistics always in float32.
   dtype: str = 'float32'
   param_dtype: str = 'float32'
   # Attention kernel (attention.py): auto picks the target's fused kernel (cuDNN on GPU, Pallas on
