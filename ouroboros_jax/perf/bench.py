@@ -478,7 +478,7 @@ def measurement(prepared: Prepared, work: Workload) -> dict:
 
 
 def round_robin(settings, work: Workload, bench: BenchConfig):
-  """(setting, measurement or None) for every setting, timed in `bench.rounds` rounds: all of
+  """(setting, measurement or None) for every setting, timed in `BenchConfig.rounds` rounds: all of
   them compiled and warmed up first, then steps / rounds steps of each in turn per round. Every
   process runs the same settings in the same order (a setting waits for its devices' peers)."""
   prepared = []
