@@ -118,9 +118,11 @@ def test_every_schedule_compiles_for_a_tpu_in_bfloat16(names):
 def test_bfloat16_needs_less_than_float32_on_a_tpu(name):
   reports = _compile([('float32', (name,)), ('bfloat16', (name,))])
   fp32, bf16 = reports['float32', name], reports['bfloat16', name]
-  # Master weights and optimizer state stay float32; activations and temporaries halve.
+  # Master weights stay float32; the per-weight first moments (and Ouroboros' compensation
+  # state) are stored in bf16 (`--state-dtype auto`), the rest of the optimizer state in float32;
+  # activations and temporaries halve.
   assert bf16['params_bytes'] == fp32['params_bytes']
-  assert bf16['opt_state_bytes'] == fp32['opt_state_bytes']
+  assert fp32['opt_state_bytes'] / 2 < bf16['opt_state_bytes'] < fp32['opt_state_bytes']
   assert bf16['peak_bytes'] < fp32['peak_bytes'], (bf16, fp32)
 
 
