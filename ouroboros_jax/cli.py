@@ -371,8 +371,9 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
     '--rounds',
     type=int,
     default=1,
-    help='time the settings in this many rounds, each compiled and warmed up first, so that a '
-    "machine's drift slows every setting alike (default %(default)s: one setting after another)",
+    help='time the settings in this many rounds, each compiled and warmed up first, and re-time '
+    "the pieces in each round, so that a machine's drift slows every setting and the predictions "
+    'alike (default %(default)s: one setting after another)',
   )
   bench.add_argument(
     '--only',

@@ -280,8 +280,17 @@ def test_rounds_time_every_setting_in_turn_after_compiling_them_all(tmp_path, mo
     events.append(('time', prepared.setting.label, steps))
     time_steps(prepared, steps)
 
+  pieces_measured = bench.measure_pieces
+  forward_s = iter([0.5, 0.125, 0.25])  # the start's pieces, then those of rounds 1 and 2
+
+  def pieces_logged(work, **kw):
+    events.append(('pieces', kw.get('repeats', 10), kw.get('micro_repeats', 3)))
+    measured = pieces_measured(work, **kw)
+    return dict(measured, fwd=[next(forward_s)] * len(measured['fwd']))
+
   monkeypatch.setattr(bench, 'prepare_setting', prepare_logged)
   monkeypatch.setattr(bench, 'time_steps', time_logged)
+  monkeypatch.setattr(bench, 'measure_pieces', pieces_logged)
   model = ModelConfig(d_model=32, num_heads=2, num_layers=2, d_ff=64, seq_len=16)
   config = bench.BenchConfig(
     batch_size=4,
@@ -293,15 +302,28 @@ def test_rounds_time_every_setting_in_turn_after_compiling_them_all(tmp_path, mo
     settings=bench.select_settings(2, 'backprop,model_parallel', 2),
   )
   rows = bench.run(model, config, log=lambda line: None)
+  # The pieces are timed at the start, then again at the start of each round with 10 // R
+  # repeats (at least 3) and one per micro-batch, and the rows use their median over the rounds.
   assert events == [
+    ('pieces', 10, 3),
     ('prepare', 'backprop'),
     ('prepare', 'model_parallel'),
+    ('pieces', 5, 1),
     ('time', 'backprop', 3),
     ('time', 'model_parallel', 3),
+    ('pieces', 5, 1),
     ('time', 'backprop', 2),
     ('time', 'model_parallel', 2),
   ]
   assert [r['label'] for r in rows] == ['backprop', 'model_parallel']
   assert all(float(r['step_time_s']) > 0 for r in rows)
+  # median(0.125, 0.25): the rounds' forwards, not the start's 0.5
+  assert rows[0]['fwd_s_per_stage'].split(';')[0] == '0.1875'
+  assert bench.median_pieces(
+    [
+      {'a': [1.0, 4.0], 'b': {'2': [3.0]}, 'x_bytes': 7},
+      {'a': [3.0, 2.0], 'b': {'2': [5.0]}, 'x_bytes': 7},
+    ]
+  ) == {'a': [2.0, 3.0], 'b': {'2': [4.0]}, 'x_bytes': 7}
   with pytest.raises(ConfigError, match='--rounds'):
     bench.run(model, dataclasses.replace(config, rounds=6), log=lambda line: None)

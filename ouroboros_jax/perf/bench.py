@@ -7,7 +7,8 @@ compiles the step (timed
 separately, not counted), runs `warmup` steps, then times `steps` more one by one and reports the
 **median** step time and tokens/s. With `rounds` R > 1 (`--rounds`) every setting is compiled and
 warmed up first and the timed steps are dealt out in R rounds, setting after setting, so that a
-machine whose speed drifts over minutes slows every setting alike. It also measures, on process 0's device while every other
+machine whose speed drifts over minutes slows every setting alike; the pieces below are then
+timed again at the start of each round and their medians over the rounds used. It also measures, on process 0's device while every other
 process waits, each layer group's forward and backward (on the whole batch, and on one
 micro-batch of B / M rows for every M the settings use: a micro-batch rarely costs 1 / M of the
 batch), the head and each device's optimizer update; then one activation hop and one gradient
@@ -81,7 +82,8 @@ class BenchConfig:
   warmup: int = 3
   # 1: each setting timed in turn. R > 1: every setting is compiled and warmed up first, then
   # timed in R rounds of steps / R steps each, setting after setting, so that a machine whose
-  # speed drifts over minutes slows every setting alike (docs/results/simulator_calibration.md).
+  # speed drifts over minutes slows every setting alike, and the pieces are re-timed in each round
+  # (their medians used) so that the predictions drift too (docs/results/simulator_calibration.md).
   rounds: int = 1
   settings: Sequence[ScheduleConfig] | None = None  # None: default_settings
   layers_per_stage: Sequence[int] | None = None  # None: balanced by FLOPs
@@ -477,10 +479,14 @@ def measurement(prepared: Prepared, work: Workload) -> dict:
   }
 
 
-def round_robin(settings, work: Workload, bench: BenchConfig):
+def round_robin(settings, work: Workload, bench: BenchConfig, measure_pieces_now=None):
   """(setting, measurement or None) for every setting, timed in `BenchConfig.rounds` rounds: all of
   them compiled and warmed up first, then steps / rounds steps of each in turn per round. Every
-  process runs the same settings in the same order (a setting waits for its devices' peers)."""
+  process runs the same settings in the same order (a setting waits for its devices' peers).
+
+  With `measure_pieces_now` (a callable giving the pieces) each round also re-times the pieces
+  first, and the second result is their median over the rounds (`median_pieces`): the pieces the
+  predictions are built from then drift with the machine as the settings' steps do. Else None."""
   prepared = []
   for setting in settings:
     prepared.append(prepare_setting(setting, work, bench))
@@ -488,15 +494,33 @@ def round_robin(settings, work: Workload, bench: BenchConfig):
   per_round = [
     bench.steps // bench.rounds + (r < bench.steps % bench.rounds) for r in range(bench.rounds)
   ]
+  pieces_by_round = []
   for r, steps in enumerate(per_round):
+    if measure_pieces_now is not None:
+      pieces_by_round.append(measure_pieces_now())
     for setting, ready in zip(settings, prepared):
       if ready is not None:
         time_steps(ready, steps)
       multihost_utils.sync_global_devices(f'bench round {r} {setting.label}')
-  return [
+  timed = [
     (setting, None if ready is None else measurement(ready, work))
     for setting, ready in zip(settings, prepared)
   ]
+  return timed, median_pieces(pieces_by_round) if pieces_by_round else None
+
+
+def median_pieces(samples: Sequence[Any]) -> Any:
+  """The element-wise median of several measurements of the same pieces (numbers, lists and
+  dicts of them, nested alike); sizes in bytes (`*_bytes`) are the same in each and kept."""
+  first = samples[0]
+  if isinstance(first, dict):
+    return {
+      k: v if k.endswith('_bytes') else median_pieces([s[k] for s in samples])
+      for k, v in first.items()
+    }
+  if isinstance(first, (list, tuple)):
+    return [median_pieces(list(column)) for column in zip(*samples)]
+  return float(statistics.median(samples))
 
 
 def host_load() -> float:
@@ -589,7 +613,20 @@ def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dic
       multihost_utils.sync_global_devices(f'bench {setting.label}')
       yield setting, measured
 
-  timed = one_by_one() if bench.rounds == 1 else round_robin(settings, work, bench)
+  if bench.rounds == 1:
+    timed = one_by_one()
+  else:  # the pieces re-timed at the start of each round, fewer repeats each, their medians used
+    repeats = dict(repeats=max(3, 10 // bench.rounds), micro_repeats=1)
+    timed, medians = round_robin(
+      settings, work, bench, lambda: _measure_pieces(work, bench, settings, **repeats)
+    )
+    by_policy = {p: dict(m, concurrent_slowdown=slowdown) for p, m in medians.items()}
+    pieces = by_policy['all']
+    log(
+      f'pieces, the median of {bench.rounds} rounds: forward {np.round(pieces["fwd"], 4)} s, '
+      f'backward {np.round(pieces["bwd"], 4)} s, update {np.round(pieces["update"], 4)} s, '
+      f'head+embed {pieces["head"]:.4f} s'
+    )
   for setting, measured in timed:
     if measured is None:
       continue
@@ -662,13 +699,15 @@ def _policy(setting: ScheduleConfig) -> str:
 
 
 def _measure_pieces(
-  work: Workload, bench: BenchConfig, settings: Sequence[ScheduleConfig]
+  work: Workload, bench: BenchConfig, settings: Sequence[ScheduleConfig], **repeats
 ) -> dict[str, dict]:
   """{stash policy: the pieces measured with it}, 'all' first and always: a policy that keeps
   less has its own, slower, backward, measured apart for the settings that use it (`_policy`).
   Each is also timed on the micro-batches of those settings."""
   measure = lambda micro, **kw: on_process0_alone(
-    lambda: measure_pieces(work, optimizer=bench.optimizer, microbatches=sorted(micro), **kw)
+    lambda: measure_pieces(
+      work, optimizer=bench.optimizer, microbatches=sorted(micro), **repeats, **kw
+    )
   )
   policies = ['all', *sorted({_policy(s) for s in settings} - {'all'})]
   return {
