@@ -7,13 +7,14 @@ parameters, a global batch of 64 sequences per pipeline (a micro-batch is 64 / M
 G = 16, M = 64). Per (hardware, G, M) it tries, each at M (as `ouroboros plan` builds them,
 `plan.settings`):
 
-  gpipe, 1f1b, interleaved (2 chunks), zb_h1, zb_v, model_parallel   --stash-policy all, nothing
-  ouroboros locked and pipelined     --stash graph/nothing, replay, graph/all (its own policies)
+  gpipe, 1f1b, interleaved (2 chunks), zb_h1, zb_v, model_parallel   --stash-policy all, dots,
+                                     nothing
+  ouroboros locked and pipelined     --stash graph/nothing, replay, graph/dots, graph/all
   data_parallel (G replicas of 64 / G rows), as a reference line; backprop (1 device) as the base
 
 Time: the library's simulator through `plan.predicted_step_s` (the step `ouroboros plan`
 predicts; the recomputed forward charged by `plan.recompute_fraction`: 1 for keep=nothing and
-replay, 0 for all), at two rates: 'nvlink-300GBps' (120 TFLOP/s effective, 300 GB/s links, the
+replay, its share for dots, 0 for all), at two rates: 'nvlink-300GBps' (120 TFLOP/s effective, 300 GB/s links, the
 issue's) and 'tpu-v5e' (78.8 TFLOP/s effective, 50 GB/s ICI). Parallel efficiency = backprop's
 step on one device (keeping everything) / (G x step).
 
@@ -24,9 +25,10 @@ Memory, per chip, against a v5e chip's 15.75 GiB at both rates (`HBM_BYTES`):
   temps    the compiled step's temporaries: extrapolated from the TPU compiler's numbers at the
            1B shape (24 layers, batch 32, G = 8 on v5e:2x4; --reference, saved `ouroboros plan
            --json` files, the first that has the setting), as temps = a x params + c x units
-           (`temps_model`): units = L x b x n where the setting keeps every residual (L the
-           layers a device holds, b the rows of one micro-batch, n the micro-batch
-           stage-equivalents a device holds at once, `tables.program(...).stash_slots` / chunks)
+           (`temps_model`): units = L x b x n where the setting keeps every residual or the
+           matmul outputs (dots; L the layers a device holds, b the rows of one micro-batch, n
+           the micro-batch stage-equivalents a device holds at once,
+           `tables.program(...).stash_slots` / chunks; the line of dots its own)
            and (L / chunks) x b where it recomputes (one micro-batch's recompute of one layer
            group); a and c through the reference rows of the same schedule, forward and policy
            (a table pipeline that recomputes without a row of its own: GPipe's, else
@@ -67,8 +69,8 @@ MODEL_FLAGS = dict(
 STAGES = (4, 8, 16)
 RATIOS = (0.5, 1, 2, 4)  # M / G
 HARDWARE = ('nvlink-300GBps', 'tpu-v5e')
-STASHES = ('graph/nothing', 'replay', 'graph/all')  # Ouroboros' own
-POLICIES = ('all', 'nothing')  # every other schedule's
+STASHES = ('graph/nothing', 'replay', 'graph/dots', 'graph/all')  # Ouroboros' own
+POLICIES = ('all', 'dots', 'nothing')  # every other schedule's
 TOPOLOGY = {4: 'v5e:2x2', 8: 'v5e:2x4', 16: 'v5e:4x4'}
 # The TPU compiler's rows at the 1B shape: with recomputation, and (for what it lacks) the plan
 # before recomputation existed (its exact-pipeline rows at 9d22bd8, the others at 98d491d).
@@ -255,13 +257,14 @@ def chunks_of(setting: ScheduleConfig) -> int:
 
 
 def activation_units(setting: ScheduleConfig, num_layers: int, batch: int) -> float:
-  """What a device's activations scale with, in layer x rows: keeping every residual, L x b x n
-  (n micro-batch stage-equivalents in flight); recomputing, the working set of one chunk's
+  """What a device's activations scale with, in layer x rows: keeping every residual or every
+  matmul output (dots), L x b x n (n micro-batch stage-equivalents in flight; each policy its
+  own line through its own rows); recomputing all of it, the working set of one chunk's
   recompute of one micro-batch, (L / chunks) x b, but for the zero-bubble split, whose W keeps
   the sub-layer inputs B recorded for every micro-batch between its B and its W: L x b x n
   again (the 1B compiles: ZB-H1 keeping nothing 21.4 GiB of temporaries, 1F1B 7.4)."""
   layers, rows = layers_per_device(setting, num_layers), microbatch_rows(setting, batch)
-  if policy_of(setting) == 'all' or setting.name in ZERO_BUBBLE:
+  if policy_of(setting) in ('all', 'dots') or setting.name in ZERO_BUBBLE:
     return layers * rows * in_flight(setting)
   return layers / chunks_of(setting) * rows
 
@@ -467,10 +470,11 @@ def read_csv(path: str) -> list[dict]:
 
 
 def _short(row: dict) -> str:
-  """The setting without the schedule's name and M: 'keep=nothing', 'replay', 'graph/all'."""
+  """The setting without the schedule's name and M: 'keep=nothing', 'keep=dots', 'replay',
+  'graph/all'."""
   if row['line'].startswith('ouroboros'):
     return row['policy']
-  return 'keep=nothing' if row['policy'] == 'nothing' else 'keep=all'
+  return f'keep={row["policy"]}'
 
 
 def _gib(row) -> str:

@@ -108,3 +108,20 @@ def test_the_temporaries_line_through_two_compiled_rows():
   # the zero-bubble split's W keeps what B recorded for every micro-batch between them
   zb_h1 = ScheduleConfig(name='zb_h1', num_stages=8, microbatches=16, stash_policy='nothing')
   assert regime.activation_units(zb_h1, 32, 64) == 4 * 4 * regime.in_flight(zb_h1)
+  # keeping the matmul outputs (dots) keeps them for every micro-batch in flight, as keeping all
+  dots = ScheduleConfig(name='1f1b', num_stages=8, microbatches=16, stash_policy='dots')
+  assert regime.activation_units(dots, 32, 64) == regime.activation_units(keep, 32, 64)
+
+
+def test_dots_is_tried_between_all_and_nothing(rows):
+  """Every exact pipeline is tried keeping the matmul outputs too, Ouroboros with its graph
+  stash keeping them: a recompute share strictly between keeping all (0) and nothing (1), and a
+  step between theirs."""
+  for line, dots, keep, none in (
+    ('zb_h1', 'dots', 'all', 'nothing'),
+    ('1f1b', 'dots', 'all', 'nothing'),
+    ('ouroboros locked', 'graph/dots', 'graph/all', 'graph/nothing'),
+  ):
+    d, a, n = (_step(rows, line, 4, p) for p in (dots, keep, none))
+    assert 0 < d['recompute'] < 1
+    assert a['step_s'] < d['step_s'] < n['step_s'], line
