@@ -62,6 +62,10 @@ Measured CSV (`--measured`), written by a benchmark, one row per measured settin
     concurrent_slowdown   how many times longer a compute task takes while another device
                       computes at once (the processes of one CPU share its memory bus):
                       `bench.measure_concurrent_slowdown`; default 1 (devices independent)
+    one_device_s      the setting's own step program on one device over the first group
+                      (`bench.OneDevicePrograms`): every compute time is scaled by it over the
+                      simulator's one-device step from the row's pieces
+                      (`simulate.program_scale`); empty or absent: the pieces as timed alone
 
 The table pipelines run tick by tick, as the library's executor runs them (`simulate`'s
 `lockstep`).
@@ -403,7 +407,12 @@ def compare_measured(path: str) -> list[dict]:
   out = []
   for row in rows:
     config, costs = measured_setting(row)
-    result = sim.simulate(config, costs, lockstep=True)  # as the library's executor runs
+    # the pieces scaled to what one device's work costs inside the setting's step program,
+    # where the bench timed that program on one device (`bench.OneDevicePrograms`)
+    one_device_s = _number(row.get('one_device_s'))
+    scale = sim.program_scale(config, costs, one_device_s) if one_device_s else math.nan
+    in_program = sim.scaled(costs, scale) if one_device_s else costs
+    result = sim.simulate(config, in_program, lockstep=True)  # as the library's executor runs
     measured, ring = float(row['step_time_s']), config.name == 'ouroboros'
     out.append(
       {
@@ -421,6 +430,7 @@ def compare_measured(path: str) -> list[dict]:
         # work the simulator misses, apart from when it runs
         'busy_s': _number(row.get('busy_s'), math.nan),
         'pieces_busy_s': max(sim.simulate(config, unslowed(costs), lockstep=True).per_device_busy),
+        'program_scale': scale,
       }
     )
   return out
@@ -433,15 +443,16 @@ def unslowed(costs: sim.StageCosts) -> sim.StageCosts:
 def format_comparison(rows: list[dict]) -> str:
   lines = [
     'schedule | G | M | stash | forward | measured ms | predicted ms | error '
-    '| CPU s (busiest process) | pieces s (busiest device) | CPU / pieces',
-    '--- | --- | --- | --- | --- | --- | --- | --- | --- | --- | ---',
+    '| CPU s (busiest process) | pieces s (busiest device) | CPU / pieces | one device / pieces',
+    '--- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | ---',
   ]
   for r in rows:
+    scale = r.get('program_scale', math.nan)
     lines.append(
       f'{r["schedule"]} | {r["stages"]} | {r["microbatches"]} | {r["stash"]} | '
       f'{r["forward"]} | {r["measured_s"] * 1e3:.3f} | {r["predicted_s"] * 1e3:.3f} | '
       f'{r["rel_error"]:+.1%} | {r["busy_s"]:.2f} | {r["pieces_busy_s"]:.2f} | '
-      f'{r["busy_s"] / r["pieces_busy_s"]:.2f}'
+      f'{r["busy_s"] / r["pieces_busy_s"]:.2f} | {"" if math.isnan(scale) else f"{scale:.2f}"}'
     )
   return '\n'.join(lines)
 

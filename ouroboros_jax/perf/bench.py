@@ -479,6 +479,47 @@ def measurement(prepared: Prepared, work: Workload) -> dict:
   }
 
 
+def one_device(setting: ScheduleConfig) -> ScheduleConfig | None:
+  """`setting` on one device: the same schedule, micro-batches, chunks, stash and flow with one
+  stage, the program each of its G devices runs less the others. None for backprop and
+  data_parallel, whose devices run the whole model's one-device program already."""
+  if setting.name in ('backprop', 'data_parallel'):
+    return None
+  return dataclasses.replace(setting, num_stages=1)
+
+
+class OneDevicePrograms:
+  """Every stage setting's own step program on one device over the first layer group (with the
+  embedding and the head), compiled on process 0 when first timed and kept: what one device's
+  work costs inside its step program, which the pieces timed alone miss (on a CPU the table
+  executor's ticks and the ring's micro-batches cost 1.1-1.5x their pieces). The simulator's
+  prediction of a setting scales its compute by this step over its own one-device step from the
+  pieces (`simulate.program_scale`)."""
+
+  def __init__(self, work: Workload, bench: BenchConfig, settings: Sequence[ScheduleConfig]):
+    layers = work.layers_per_stage[0]
+    cfg = dataclasses.replace(work.cfg, num_layers=layers)
+    params = jax.device_get(transformer.init_params(cfg, jax.random.key(0)))
+    self.work = Workload(cfg, params, work.batch, (layers,))
+    self.bench = dataclasses.replace(bench, warmup=1)
+    self.settings = [s for s in settings if one_device(s) is not None]
+    self.prepared: dict[str, Prepared] = {}
+
+  def time(self, steps: int) -> dict[str, float]:
+    """{setting label: the median of `steps` steps of its one-device program}, timed on process
+    0 alone (one setting at a time, so that no process waits minutes in one collective)."""
+
+    def measure(setting):
+      if setting.label not in self.prepared:
+        self.prepared[setting.label] = prepare_setting(one_device(setting), self.work, self.bench)
+      ready = self.prepared[setting.label]
+      ready.times.clear()
+      time_steps(ready, steps)
+      return {'step_s': statistics.median(ready.times)}
+
+    return {s.label: on_process0_alone(lambda: measure(s))['step_s'] for s in self.settings}
+
+
 def round_robin(settings, work: Workload, bench: BenchConfig, measure_pieces_now=None):
   """(setting, measurement or None) for every setting, timed in `BenchConfig.rounds` rounds: all of
   them compiled and warmed up first, then steps / rounds steps of each in turn per round. Every
@@ -575,6 +616,9 @@ def simulated(
     microbatch_backward_s={m: micro[1]} if micro else {},
     concurrent_slowdown=1.0 if ideal else pieces.get('concurrent_slowdown', 1.0),
   )
+  one_device_s = pieces.get('one_device', {}).get(setting.label)
+  if one_device_s and not ideal:  # as measured: the pieces cost more inside the step program
+    costs = simulate.scaled(costs, simulate.program_scale(setting, costs, one_device_s))
   # as measured: the library's table executor, every tick ends with a ppermute
   return simulate.simulate(setting, costs, lockstep=not ideal).step_time
 
@@ -590,7 +634,13 @@ def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dic
   activation_shape = (bench.batch_size, cfg.seq_len, cfg.d_model)
   link_s, allreduce_s = measure_links(activation_shape, pieces['grad_bytes'] // 4)
   slowdown = measure_concurrent_slowdown(work)
-  by_policy = {p: dict(measured, concurrent_slowdown=slowdown) for p, measured in by_policy.items()}
+  programs = OneDevicePrograms(work, bench, settings)
+  # each setting's program on one device: timed here (3 steps), or in every round (one step)
+  one = programs.time(3) if bench.rounds == 1 else {}
+  by_policy = {
+    p: dict(measured, concurrent_slowdown=slowdown, one_device=one)
+    for p, measured in by_policy.items()
+  }
   pieces = by_policy['all']
   log(
     f'pieces: forward {np.round(pieces["fwd"], 4)} s, backward {np.round(pieces["bwd"], 4)} s, '
@@ -598,6 +648,8 @@ def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dic
     f'hop {link_s:.4f} s, all-reduce {allreduce_s:.4f} s, concurrent slowdown {slowdown:.3f}, '
     f'host load {host_load():.2f}'
   )
+  if one:
+    log(f'one-device programs: {({k: round(v, 4) for k, v in one.items()})} s')
   for policy, measured in by_policy.items():
     name = 'micro-batch' if policy == 'all' else f'stash-policy {policy} micro-batch'
     for m in measured['fwd_micro']:
@@ -617,9 +669,12 @@ def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dic
     timed = one_by_one()
   else:  # the pieces re-timed at the start of each round, fewer repeats each, their medians used
     repeats = dict(repeats=max(3, 10 // bench.rounds), micro_repeats=1)
-    timed, medians = round_robin(
-      settings, work, bench, lambda: _measure_pieces(work, bench, settings, **repeats)
-    )
+
+    def pieces_now():
+      by_policy, one = _measure_pieces(work, bench, settings, **repeats), programs.time(1)
+      return {p: dict(m, one_device=one) for p, m in by_policy.items()}
+
+    timed, medians = round_robin(settings, work, bench, pieces_now)
     by_policy = {p: dict(m, concurrent_slowdown=slowdown) for p, m in medians.items()}
     pieces = by_policy['all']
     log(
@@ -770,6 +825,8 @@ def _row(
     'link_s': link_s,
     'allreduce_s': allreduce_s,
     'concurrent_slowdown': own.get('concurrent_slowdown', 1.0),
+    # the setting's step program on one device over the first group ('': not measured)
+    'one_device_s': own.get('one_device', {}).get(setting.label, ''),
     'ideal_s': simulated(setting, own, 0.0, 0.0, ideal=True),
     'predicted_s': simulated(setting, own, link_s, allreduce_s),
   }

@@ -549,6 +549,21 @@ def emit_ouroboros_pipelined(
   g.end_step(t)
 
 
+def emit_ring_one_device(g: Graph, t: int, state: dict, *, stash: str, microbatches: int, **_):
+  """Ouroboros on one device (G = 1, no delay) cutting the batch into M micro-batches: each
+  micro-batch's forward, head and backward in turn, the gradients summed, then the update."""
+  del state
+  c, M = g.costs, microbatches
+  extra = c.microbatch_overhead_s
+  for _m in range(M):
+    x = g.compute(0, 'embed_fwd', t, t, c.embed_forward_s / M)
+    x = g.compute(0, 'fwd', t, t, c.forward_of(0, M) + extra, [x])
+    x = g.compute(0, 'head', t, t, c.head_s / M + extra, [x])
+    x = g.compute(0, 'bwd', t, t, _backward_s(c, 0, stash, M) + extra, [x])
+    g.compute(0, 'embed_bwd', t, t, c.embed_backward_s / M, [x])
+  g.end_step(t)
+
+
 # ----------------------------------------------------------------------------- simulate
 
 
@@ -602,6 +617,49 @@ def simulate(
   return _steady_state(run.name, graph, times, warmup, devices)
 
 
+def first_stage(costs: StageCosts) -> StageCosts:
+  """Stage 0's costs alone, as one device running its layer group with the embedding and the
+  head, and no other device beside it: the pieces of a setting's step on one device."""
+  first = lambda table: {m: values[:1] for m, values in table.items()}
+  return dataclasses.replace(
+    costs,
+    forward_s=costs.forward_s[:1],
+    backward_s=costs.backward_s[:1],
+    update_s=costs.update_s[:1],
+    microbatch_forward_s=first(costs.microbatch_forward_s),
+    microbatch_backward_s=first(costs.microbatch_backward_s),
+    concurrent_slowdown=1.0,
+  )
+
+
+def program_scale(run: ScheduleConfig, costs: StageCosts, one_device_step_s: float) -> float:
+  """How many times longer a setting's compute takes inside its own step program than its
+  pieces timed alone: its step measured on one device (`run` with one stage, over stage 0's
+  layer group; `bench.OneDevicePrograms`) over this simulator's step of the same from stage 0's
+  pieces (`first_stage`). On a CPU the table executor's ticks and the ring's micro-batches cost
+  1.1-1.5x their pieces (docs/results/simulator_calibration.md); `scaled` charges that."""
+  one = dataclasses.replace(_config(run), num_stages=1)
+  return one_device_step_s / simulate(one, first_stage(costs), lockstep=True).step_time
+
+
+def scaled(costs: StageCosts, factor: float) -> StageCosts:
+  """`costs` with every compute time (forward, backward, micro-batch, head, embedding, update)
+  `factor` times longer; transfers unchanged."""
+  times = lambda values: [factor * v for v in values]
+  return dataclasses.replace(
+    costs,
+    forward_s=times(costs.forward_s),
+    backward_s=times(costs.backward_s),
+    update_s=times(costs.update_s),
+    head_s=factor * costs.head_s,
+    embed_forward_s=factor * costs.embed_forward_s,
+    embed_backward_s=factor * costs.embed_backward_s,
+    microbatch_forward_s={m: times(v) for m, v in costs.microbatch_forward_s.items()},
+    microbatch_backward_s={m: times(v) for m, v in costs.microbatch_backward_s.items()},
+    microbatch_overhead_s=factor * costs.microbatch_overhead_s,
+  )
+
+
 def _config(run: ScheduleConfig | str) -> ScheduleConfig:
   """`run`, or the ScheduleConfig of a schedule's name (imported here: it imports JAX)."""
   if not isinstance(run, str):
@@ -649,7 +707,7 @@ def _emitter(
     return emit_table, tables.place(tables.build(run.name, G, run.num_microbatches, run.chunks))
   if run.name == 'ouroboros':  # G = 1 has no delay: Ouroboros is backprop there
     if G == 1:
-      return emit_backprop, None
+      return (emit_backprop if run.num_microbatches == 1 else emit_ring_one_device), None
     return (emit_ouroboros_locked if run.forward == 'locked' else emit_ouroboros_pipelined), None
   emit = {
     'backprop': emit_backprop,
