@@ -273,7 +273,7 @@ def test_rounds_time_every_setting_in_turn_after_compiling_them_all(tmp_path, mo
   prepare, time_steps = bench.prepare_setting, bench.time_steps
 
   def prepare_logged(setting, work, config):
-    events.append(('prepare', setting.label))
+    events.append(('prepare', setting.label, setting.num_stages))
     return prepare(setting, work, config)
 
   def time_logged(prepared, steps):
@@ -304,10 +304,14 @@ def test_rounds_time_every_setting_in_turn_after_compiling_them_all(tmp_path, mo
   rows = bench.run(model, config, log=lambda line: None)
   # The pieces are timed at the start, then again at the start of each round with 10 // R
   # repeats (at least 3) and one per micro-batch, and the rows use their median over the rounds.
+  # Beside the start's pieces, every stage setting's program on one device (3 steps; backprop's
+  # program is one device's already), before anything else is compiled.
   assert events == [
     ('pieces', 10, 3),
-    ('prepare', 'backprop'),
-    ('prepare', 'model_parallel'),
+    ('prepare', 'model_parallel', 1),
+    ('time', 'model_parallel', 3),
+    ('prepare', 'backprop', 1),
+    ('prepare', 'model_parallel', 2),
     ('pieces', 5, 1),
     ('time', 'backprop', 3),
     ('time', 'model_parallel', 3),
@@ -317,6 +321,21 @@ def test_rounds_time_every_setting_in_turn_after_compiling_them_all(tmp_path, mo
   ]
   assert [r['label'] for r in rows] == ['backprop', 'model_parallel']
   assert all(float(r['step_time_s']) > 0 for r in rows)
+  assert rows[0]['one_device_s'] == rows[0]['program_scale'] == ''
+  # model_parallel's one-device step, set against the start's pieces (forward 0.5 s, far more
+  # than this tiny model's real one), scales its pieces down; the prediction uses the scale
+  assert rows[1]['one_device_s'] > 0 and 0 < rows[1]['program_scale'] < 1
+  assert rows[1]['predicted_s'] < bench.simulated(
+    config.settings[1],
+    dict(
+      fwd=[0.1875] * 2,
+      bwd=[float(b) for b in rows[1]['bwd_s_per_stage'].split(';')],
+      head=rows[1]['head_s'],
+      update=[float(u) for u in rows[1]['update_s_per_stage'].split(';')],
+    ),
+    rows[1]['link_s'],
+    rows[1]['allreduce_s'],
+  )
   # median(0.125, 0.25): the rounds' forwards, not the start's 0.5
   assert rows[0]['fwd_s_per_stage'].split(';')[0] == '0.1875'
   assert bench.median_pieces(
@@ -327,3 +346,16 @@ def test_rounds_time_every_setting_in_turn_after_compiling_them_all(tmp_path, mo
   ) == {'a': [2.0, 3.0], 'b': {'2': [4.0]}, 'x_bytes': 7}
   with pytest.raises(ConfigError, match='--rounds'):
     bench.run(model, dataclasses.replace(config, rounds=6), log=lambda line: None)
+
+
+def test_one_device_keeps_the_setting_but_its_stages():
+  """The program a stage setting's devices each run, alone: one stage, everything else kept."""
+  from ouroboros_jax.perf import bench
+
+  for setting in bench.default_settings(2, 4):
+    one = bench.one_device(setting)
+    if setting.name in ('backprop', 'data_parallel'):
+      assert one is None
+      continue
+    assert one.num_stages == 1 and one.label == setting.label
+    assert dataclasses.replace(one, num_stages=2) == setting

@@ -17,6 +17,7 @@ import types
 import pytest
 
 from ouroboros_jax import costs as cost_model
+from ouroboros_jax.choices import FORWARD_MODES
 from ouroboros_jax.perf import simulate as sim
 from ouroboros_jax.schedules import ScheduleConfig, tables
 
@@ -170,6 +171,7 @@ def test_one_device_is_backprop_for_every_schedule():
     ('gpipe', {'microbatches': 4}),
     ('ouroboros', {}),
     ('ouroboros', {'forward': 'pipelined'}),
+    ('ouroboros', {'microbatches': 4}),  # micro-batch by micro-batch: the same sum
     ('data_parallel', {}),
   ]:
     assert sim.simulate(ScheduleConfig(name=schedule, **kwargs), c).step_time == pytest.approx(
@@ -518,6 +520,69 @@ def test_measured_microbatch_costs_replace_perfect_scaling():
     dataclasses.replace(perfect, microbatch_backward_s={1: [b] * G})
 
 
+def test_one_device_micro_batched_ring_sums_its_micro_batches():
+  """Ouroboros on one device cutting the batch into M: M times a micro-batch's forward, head and
+  backward, then the update (its measured micro-batch costs, not the whole batch's)."""
+  M, f, b = 4, 0.4, 0.8
+  c = costs(
+    [1.0],
+    [2.0],
+    head_s=0.2,
+    update_s=[0.3],
+    microbatch_forward_s={M: [f]},
+    microbatch_backward_s={M: [b]},
+  )
+  for forward in FORWARD_MODES:
+    ring = ScheduleConfig(name='ouroboros', microbatches=M, forward=forward)
+    assert sim.simulate(ring, c).step_time == pytest.approx(M * (f + b) + 0.2 + 0.3, abs=TOL)
+    replay = dataclasses.replace(ring, stash='replay')  # the backward re-runs the forward
+    assert sim.simulate(replay, c).step_time == pytest.approx(M * (2 * f + b) + 0.5, abs=TOL)
+
+
+@pytest.mark.parametrize(
+  'name, kwargs',
+  [
+    ('model_parallel', {}),
+    ('gpipe', {'microbatches': 4}),
+    ('1f1b', {'microbatches': 4}),
+    ('interleaved', {'microbatches': 4}),
+    ('zb_h1', {'microbatches': 4}),
+    ('zb_v', {'microbatches': 4}),
+    ('ouroboros', {}),
+    ('ouroboros', {'forward': 'pipelined', 'microbatches': 4}),
+  ],
+)
+def test_program_scale_is_the_one_device_step_over_its_pieces(name, kwargs):
+  """A setting's one-device step measured k times its pieces' one-device step gives k, and its
+  G-device prediction with every compute time scaled by k (links free) is k times the unscaled
+  one, lockstep ticks and devices slowing each other included."""
+  G, k = 2, 1.37
+  c = dataclasses.replace(
+    random_costs(random.Random(3), G, update_s=[0.3, 0.2]),
+    microbatch_forward_s={4: [0.6, 0.5]},
+    microbatch_backward_s={4: [1.1, 0.9]},
+    concurrent_slowdown=1.2,
+  )
+  run = ScheduleConfig(name=name, num_stages=G, **kwargs)
+  one = sim.first_stage(c)
+  assert one.num_stages == 1 and one.concurrent_slowdown == 1.0
+  assert one.microbatch_forward_s == {4: (0.6,)} and one.update_s == (0.3,)
+  alone = sim.simulate(dataclasses.replace(run, num_stages=1), one, lockstep=True).step_time
+  assert alone == pytest.approx(
+    one.total_compute_s()
+    if not kwargs.get('microbatches')
+    else 4 * (0.6 + 1.1) + one.head_s + one.embed_forward_s + one.embed_backward_s + 0.3,
+    abs=TOL,
+  )
+  assert sim.program_scale(run, c, k * alone) == pytest.approx(k, rel=1e-12)
+  base = sim.simulate(run, c, lockstep=True).step_time
+  assert sim.simulate(run, sim.scaled(c, k), lockstep=True).step_time == pytest.approx(
+    k * base, rel=1e-9
+  )
+  assert sim.scaled(c, k).head_s == pytest.approx(k * c.head_s)
+  assert sim.scaled(c, k).microbatch_backward_s[4] == pytest.approx((k * 1.1, k * 0.9))
+
+
 def test_measured_csv_reads_the_microbatch_columns(experiment, tmp_path):
   header = MEASURED.splitlines()[0] + ',fwd_s_per_stage_micro,bwd_s_per_stage_micro'
   path = tmp_path / 'micro.csv'
@@ -531,6 +596,25 @@ def test_measured_csv_reads_the_microbatch_columns(experiment, tmp_path):
   assert micro['predicted_s'] == pytest.approx(5 * (0.0008 + 0.0016))
   assert perfect['predicted_s'] == pytest.approx(5 * (0.002 + 0.004) / 4)
   assert dp['predicted_s'] == pytest.approx(0.0024 + 0.0048)
+
+
+def test_measured_csv_scales_the_pieces_by_their_program_scale(experiment, tmp_path):
+  """A row whose program_scale is 2 (its one-device program twice what its pieces give one
+  device) is predicted twice as slow (links free), and the table shows the scale; a row without
+  it keeps its pieces."""
+  header = MEASURED.splitlines()[0] + ',program_scale'
+  path = tmp_path / 'scaled.csv'
+  path.write_text(
+    f'{header}\n'
+    'gpipe,2,4,-,-,0.02,0.0025,0.005,0.0025,0,2.0\n'
+    'gpipe,2,4,-,-,0.02,0.0025,0.005,0.0025,0,\n'
+  )
+  scaled, plain = experiment.compare_measured(str(path))
+  assert math.isnan(plain['program_scale']) and plain['predicted_s'] > 0.01
+  assert scaled['program_scale'] == pytest.approx(2.0)
+  assert scaled['predicted_s'] == pytest.approx(2 * plain['predicted_s'])
+  table = experiment.format_comparison([scaled, plain]).splitlines()
+  assert table[2].endswith('| 2.00') and table[3].endswith('| ')
 
 
 # ----------------------------------------------------------------------------- shared devices

@@ -13,14 +13,17 @@ process waits, each layer group's forward and backward (on the whole batch, and 
 micro-batch of B / M rows for every M the settings use: a micro-batch rarely costs 1 / M of the
 batch), the head and each device's optimizer update; then one activation hop and one gradient
 all-reduce between devices, and how much slower a group's forward + backward runs while every
-process computes at once (`measure_concurrent_slowdown`). From those the discrete-event simulator
-(`simulate.py`) gives each schedule's **ideal** step time (free links, no overheads, devices that
-do not slow each other) and its **predicted** one (measured links, the measured slowdown of
-devices computing at once, the table pipelines run tick by tick). Outputs, in --out:
+process computes at once (`measure_concurrent_slowdown`), and each stage setting's own step
+program on one device over the first layer group (`time_one_device`: what one device's work
+costs inside its program, which its pieces timed alone miss). From those the discrete-event
+simulator (`simulate.py`) gives each schedule's **ideal** step time (free links, no overheads,
+devices that do not slow each other) and its **predicted** one (measured links, the measured
+slowdown of devices computing at once, the table pipelines run tick by tick, the pieces scaled to
+the one-device program, `simulate.program_scale`). Outputs, in --out:
 
   bench.csv       one row per setting (the columns `experiments/simulate.py --measured` reads,
-                  fwd_s_per_stage_micro / bwd_s_per_stage_micro and concurrent_slowdown
-                  included, plus tokens_per_s, compile_s, ideal_s, predicted_s, and host_load:
+                  fwd_s_per_stage_micro / bwd_s_per_stage_micro, concurrent_slowdown,
+                  one_device_s and program_scale included, plus tokens_per_s, compile_s, ideal_s, predicted_s, and host_load:
                   the 1-minute load average after the setting, which above the process count
                   says something else shared the cores and the row is not to be trusted)
   bench.png       tokens/s of each setting, with its ideal marked
@@ -488,36 +491,33 @@ def one_device(setting: ScheduleConfig) -> ScheduleConfig | None:
   return dataclasses.replace(setting, num_stages=1)
 
 
-class OneDevicePrograms:
-  """Every stage setting's own step program on one device over the first layer group (with the
-  embedding and the head), compiled on process 0 when first timed and kept: what one device's
-  work costs inside its step program, which the pieces timed alone miss (on a CPU the table
-  executor's ticks and the ring's micro-batches cost 1.1-1.5x their pieces). The simulator's
-  prediction of a setting scales its compute by this step over its own one-device step from the
-  pieces (`simulate.program_scale`)."""
+def time_one_device(
+  settings: Sequence[ScheduleConfig], work: Workload, bench: BenchConfig, steps: int = 3
+) -> dict[str, float]:
+  """{label: the median of `steps` steps} of every stage setting's own step program on one device
+  over the first layer group (with the embedding and the head; `one_device`): what one device's
+  work costs inside its program, which its pieces timed alone miss (on a CPU the table
+  executor's ticks and the ring's micro-batches cost 1.1-1.5x their pieces). Each is compiled,
+  warmed up once and timed on process 0 alone, one setting at a time (no process waits minutes
+  in one collective), and dropped: kept, ten of them beside the settings of a round-robin run
+  filled a 24 GiB machine."""
+  layers = work.layers_per_stage[0]
+  cfg = dataclasses.replace(work.cfg, num_layers=layers)
+  group = Workload(
+    cfg, jax.device_get(transformer.init_params(cfg, jax.random.key(0))), work.batch, (layers,)
+  )
+  once = dataclasses.replace(bench, warmup=1)
 
-  def __init__(self, work: Workload, bench: BenchConfig, settings: Sequence[ScheduleConfig]):
-    layers = work.layers_per_stage[0]
-    cfg = dataclasses.replace(work.cfg, num_layers=layers)
-    params = jax.device_get(transformer.init_params(cfg, jax.random.key(0)))
-    self.work = Workload(cfg, params, work.batch, (layers,))
-    self.bench = dataclasses.replace(bench, warmup=1)
-    self.settings = [s for s in settings if one_device(s) is not None]
-    self.prepared: dict[str, Prepared] = {}
+  def measure(setting):
+    ready = prepare_setting(one_device(setting), group, once)
+    time_steps(ready, steps)
+    return {'step_s': statistics.median(ready.times)}
 
-  def time(self, steps: int) -> dict[str, float]:
-    """{setting label: the median of `steps` steps of its one-device program}, timed on process
-    0 alone (one setting at a time, so that no process waits minutes in one collective)."""
-
-    def measure(setting):
-      if setting.label not in self.prepared:
-        self.prepared[setting.label] = prepare_setting(one_device(setting), self.work, self.bench)
-      ready = self.prepared[setting.label]
-      ready.times.clear()
-      time_steps(ready, steps)
-      return {'step_s': statistics.median(ready.times)}
-
-    return {s.label: on_process0_alone(lambda: measure(s))['step_s'] for s in self.settings}
+  return {
+    s.label: on_process0_alone(lambda s=s: measure(s))['step_s']
+    for s in settings
+    if one_device(s) is not None
+  }
 
 
 def round_robin(settings, work: Workload, bench: BenchConfig, measure_pieces_now=None):
@@ -596,7 +596,19 @@ def simulated(
   """The simulator's step time of `setting` from the measured pieces and links. `ideal`: free of
   what the schedule's own execution adds (no slowdown of devices computing at once, each table
   operation waiting only for its input); else as measured (the pieces' `concurrent_slowdown`,
-  the table executor's tick-by-tick lockstep)."""
+  the table executor's tick-by-tick lockstep, the pieces' `program_scale` where measured)."""
+  costs = stage_costs(setting, pieces, link_s, allreduce_s, ideal)
+  scale = pieces.get('program_scale', {}).get(setting.label)
+  if scale and not ideal:  # as measured: the pieces cost more inside the step program
+    costs = simulate.scaled(costs, scale)
+  # as measured: the library's table executor, every tick ends with a ppermute
+  return simulate.simulate(setting, costs, lockstep=not ideal).step_time
+
+
+def stage_costs(
+  setting: ScheduleConfig, pieces: dict, link_s: float, allreduce_s: float, ideal: bool = False
+) -> simulate.StageCosts:
+  """The simulator's costs of `setting` from the measured pieces and links (see `simulated`)."""
   stages = setting.num_stages
   fwd, bwd, update = pieces['fwd'], pieces['bwd'], pieces['update']
   micro = micro_pieces(pieces, setting)
@@ -604,7 +616,7 @@ def simulated(
     fwd, bwd, update = [sum(fwd)], [sum(bwd)], [sum(update)]
     micro = micro and ([sum(micro[0])], [sum(micro[1])])
   m = micro_size(setting)
-  costs = simulate.StageCosts(
+  return simulate.StageCosts(
     forward_s=fwd,
     backward_s=bwd,
     head_s=pieces['head'],
@@ -616,11 +628,6 @@ def simulated(
     microbatch_backward_s={m: micro[1]} if micro else {},
     concurrent_slowdown=1.0 if ideal else pieces.get('concurrent_slowdown', 1.0),
   )
-  one_device_s = pieces.get('one_device', {}).get(setting.label)
-  if one_device_s and not ideal:  # as measured: the pieces cost more inside the step program
-    costs = simulate.scaled(costs, simulate.program_scale(setting, costs, one_device_s))
-  # as measured: the library's table executor, every tick ends with a ppermute
-  return simulate.simulate(setting, costs, lockstep=not ideal).step_time
 
 
 def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dict]:
@@ -634,13 +641,18 @@ def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dic
   activation_shape = (bench.batch_size, cfg.seq_len, cfg.d_model)
   link_s, allreduce_s = measure_links(activation_shape, pieces['grad_bytes'] // 4)
   slowdown = measure_concurrent_slowdown(work)
-  programs = OneDevicePrograms(work, bench, settings)
-  # each setting's program on one device: timed here (3 steps), or in every round (one step)
-  one = programs.time(3) if bench.rounds == 1 else {}
-  by_policy = {
-    p: dict(measured, concurrent_slowdown=slowdown, one_device=one)
-    for p, measured in by_policy.items()
+  # Each stage setting's program on one device, beside the pieces it is set against: their
+  # ratio (`simulate.program_scale`) scales the setting's pieces, these or the rounds' medians.
+  one = time_one_device(settings, work, bench)
+  scales = {
+    s.label: simulate.program_scale(
+      s, stage_costs(s, by_policy[_policy(s)], 0.0, 0.0, ideal=True), one[s.label]
+    )
+    for s in settings
+    if s.label in one
   }
+  measured_once = dict(concurrent_slowdown=slowdown, one_device=one, program_scale=scales)
+  by_policy = {p: dict(measured, **measured_once) for p, measured in by_policy.items()}
   pieces = by_policy['all']
   log(
     f'pieces: forward {np.round(pieces["fwd"], 4)} s, backward {np.round(pieces["bwd"], 4)} s, '
@@ -648,8 +660,8 @@ def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dic
     f'hop {link_s:.4f} s, all-reduce {allreduce_s:.4f} s, concurrent slowdown {slowdown:.3f}, '
     f'host load {host_load():.2f}'
   )
-  if one:
-    log(f'one-device programs: {({k: round(v, 4) for k, v in one.items()})} s')
+  for label, seconds in one.items():
+    log(f'{label} on one device: {seconds:.4f} s, {scales[label]:.3f}x its pieces')
   for policy, measured in by_policy.items():
     name = 'micro-batch' if policy == 'all' else f'stash-policy {policy} micro-batch'
     for m in measured['fwd_micro']:
@@ -670,12 +682,10 @@ def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dic
   else:  # the pieces re-timed at the start of each round, fewer repeats each, their medians used
     repeats = dict(repeats=max(3, 10 // bench.rounds), micro_repeats=1)
 
-    def pieces_now():
-      by_policy, one = _measure_pieces(work, bench, settings, **repeats), programs.time(1)
-      return {p: dict(m, one_device=one) for p, m in by_policy.items()}
-
-    timed, medians = round_robin(settings, work, bench, pieces_now)
-    by_policy = {p: dict(m, concurrent_slowdown=slowdown) for p, m in medians.items()}
+    timed, medians = round_robin(
+      settings, work, bench, lambda: _measure_pieces(work, bench, settings, **repeats)
+    )
+    by_policy = {p: dict(m, **measured_once) for p, m in medians.items()}
     pieces = by_policy['all']
     log(
       f'pieces, the median of {bench.rounds} rounds: forward {np.round(pieces["fwd"], 4)} s, '
@@ -825,8 +835,10 @@ def _row(
     'link_s': link_s,
     'allreduce_s': allreduce_s,
     'concurrent_slowdown': own.get('concurrent_slowdown', 1.0),
-    # the setting's step program on one device over the first group ('': not measured)
+    # the setting's step program on one device over the first group, and that over its pieces'
+    # one-device step ('': not measured), by which its predicted_s scales the pieces
     'one_device_s': own.get('one_device', {}).get(setting.label, ''),
+    'program_scale': own.get('program_scale', {}).get(setting.label, ''),
     'ideal_s': simulated(setting, own, 0.0, 0.0, ideal=True),
     'predicted_s': simulated(setting, own, link_s, allreduce_s),
   }

@@ -635,7 +635,7 @@ def first_stage(costs: StageCosts) -> StageCosts:
 def program_scale(run: ScheduleConfig, costs: StageCosts, one_device_step_s: float) -> float:
   """How many times longer a setting's compute takes inside its own step program than its
   pieces timed alone: its step measured on one device (`run` with one stage, over stage 0's
-  layer group; `bench.OneDevicePrograms`) over this simulator's step of the same from stage 0's
+  layer group; `bench.time_one_device`) over this simulator's step of the same from stage 0's
   pieces (`first_stage`). On a CPU the table executor's ticks and the ring's micro-batches cost
   1.1-1.5x their pieces (docs/results/simulator_calibration.md); `scaled` charges that."""
   one = dataclasses.replace(_config(run), num_stages=1)
