@@ -62,11 +62,10 @@ Measured CSV (`--measured`), written by a benchmark, one row per measured settin
     concurrent_slowdown   how many times longer a compute task takes while another device
                       computes at once (the processes of one CPU share its memory bus):
                       `bench.measure_concurrent_slowdown`; default 1 (devices independent)
-    program_scale     every compute time is scaled by it: the setting's own step program
-                      timed on one device over the first group (one_device_s,
-                      `bench.time_one_device`) over the simulator's one-device step from the
-                      pieces timed beside it (`simulate.program_scale`); empty or absent: the
-                      pieces as timed alone
+    one_device_s      the setting's own step program timed on one device over the first
+                      group (`bench.time_one_device`): every compute time is scaled by it over
+                      the simulator's one-device step from the row's pieces
+                      (`simulate.program_scale`); empty or absent: the pieces as timed alone
 
 The table pipelines run tick by tick, as the library's executor runs them (`simulate`'s
 `lockstep`).
@@ -410,8 +409,9 @@ def compare_measured(path: str) -> list[dict]:
     config, costs = measured_setting(row)
     # the pieces scaled to what one device's work costs inside the setting's step program,
     # where the bench timed that program on one device (`bench.time_one_device`)
-    scale = _number(row.get('program_scale'), math.nan)
-    in_program = costs if math.isnan(scale) else sim.scaled(costs, scale)
+    one_device_s = _number(row.get('one_device_s'))
+    scale = sim.program_scale(config, costs, one_device_s) if one_device_s else math.nan
+    in_program = sim.scaled(costs, scale) if one_device_s else costs
     result = sim.simulate(config, in_program, lockstep=True)  # as the library's executor runs
     measured, ring = float(row['step_time_s']), config.name == 'ouroboros'
     out.append(

@@ -322,7 +322,7 @@ def test_rounds_time_every_setting_in_turn_after_compiling_them_all(tmp_path, mo
   assert [r['label'] for r in rows] == ['backprop', 'model_parallel']
   assert all(float(r['step_time_s']) > 0 for r in rows)
   assert rows[0]['one_device_s'] == rows[0]['program_scale'] == ''
-  # model_parallel's one-device step, set against the start's pieces (forward 0.5 s, far more
+  # model_parallel's one-device step, set against the rounds' median pieces (forward 0.1875 s, more
   # than this tiny model's real one), scales its pieces down; the prediction uses the scale
   assert rows[1]['one_device_s'] > 0 and 0 < rows[1]['program_scale'] < 1
   assert rows[1]['predicted_s'] < bench.simulated(

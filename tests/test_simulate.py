@@ -598,15 +598,15 @@ def test_measured_csv_reads_the_microbatch_columns(experiment, tmp_path):
   assert dp['predicted_s'] == pytest.approx(0.0024 + 0.0048)
 
 
-def test_measured_csv_scales_the_pieces_by_their_program_scale(experiment, tmp_path):
-  """A row whose program_scale is 2 (its one-device program twice what its pieces give one
-  device) is predicted twice as slow (links free), and the table shows the scale; a row without
-  it keeps its pieces."""
-  header = MEASURED.splitlines()[0] + ',program_scale'
+def test_measured_csv_scales_the_pieces_by_the_one_device_program(experiment, tmp_path):
+  """A row whose one_device_s is twice what its pieces give one device is predicted twice as
+  slow (links free), and the table shows the scale; a row without it keeps its pieces."""
+  header = MEASURED.splitlines()[0] + ',one_device_s'
+  # gpipe M=4 on one device from these pieces: 4 x (0.0025 + 0.005) / 4 + 0.0025 = 0.01
   path = tmp_path / 'scaled.csv'
   path.write_text(
     f'{header}\n'
-    'gpipe,2,4,-,-,0.02,0.0025,0.005,0.0025,0,2.0\n'
+    'gpipe,2,4,-,-,0.02,0.0025,0.005,0.0025,0,0.02\n'
     'gpipe,2,4,-,-,0.02,0.0025,0.005,0.0025,0,\n'
   )
   scaled, plain = experiment.compare_measured(str(path))

@@ -513,8 +513,13 @@ def time_one_device(
     time_steps(ready, steps)
     return {'step_s': statistics.median(ready.times)}
 
+  def measure_and_free(setting):
+    seconds = measure(setting)
+    jax.clear_caches()  # its compiled step, so that ten of them do not pile up
+    return seconds
+
   return {
-    s.label: on_process0_alone(lambda s=s: measure(s))['step_s']
+    s.label: on_process0_alone(lambda s=s: measure_and_free(s))['step_s']
     for s in settings
     if one_device(s) is not None
   }
@@ -598,11 +603,21 @@ def simulated(
   operation waiting only for its input); else as measured (the pieces' `concurrent_slowdown`,
   the table executor's tick-by-tick lockstep, the pieces' `program_scale` where measured)."""
   costs = stage_costs(setting, pieces, link_s, allreduce_s, ideal)
-  scale = pieces.get('program_scale', {}).get(setting.label)
+  scale = program_scale(setting, pieces)
   if scale and not ideal:  # as measured: the pieces cost more inside the step program
     costs = simulate.scaled(costs, scale)
   # as measured: the library's table executor, every tick ends with a ppermute
   return simulate.simulate(setting, costs, lockstep=not ideal).step_time
+
+
+def program_scale(setting: ScheduleConfig, pieces: dict) -> float | None:
+  """The setting's one-device program (`time_one_device`) over the simulator's one-device step
+  from these pieces (`simulate.program_scale`); None where it was not timed."""
+  one_device_s = pieces.get('one_device', {}).get(setting.label)
+  if not one_device_s:
+    return None
+  costs = stage_costs(setting, pieces, 0.0, 0.0, ideal=True)
+  return simulate.program_scale(setting, costs, one_device_s)
 
 
 def stage_costs(
@@ -641,17 +656,10 @@ def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dic
   activation_shape = (bench.batch_size, cfg.seq_len, cfg.d_model)
   link_s, allreduce_s = measure_links(activation_shape, pieces['grad_bytes'] // 4)
   slowdown = measure_concurrent_slowdown(work)
-  # Each stage setting's program on one device, beside the pieces it is set against: their
-  # ratio (`simulate.program_scale`) scales the setting's pieces, these or the rounds' medians.
+  # Each stage setting's program on one device: set against the pieces the rows use (these, or
+  # the rounds' medians; `simulate.program_scale`), it scales them.
   one = time_one_device(settings, work, bench)
-  scales = {
-    s.label: simulate.program_scale(
-      s, stage_costs(s, by_policy[_policy(s)], 0.0, 0.0, ideal=True), one[s.label]
-    )
-    for s in settings
-    if s.label in one
-  }
-  measured_once = dict(concurrent_slowdown=slowdown, one_device=one, program_scale=scales)
+  measured_once = dict(concurrent_slowdown=slowdown, one_device=one)
   by_policy = {p: dict(measured, **measured_once) for p, measured in by_policy.items()}
   pieces = by_policy['all']
   log(
@@ -661,7 +669,7 @@ def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dic
     f'host load {host_load():.2f}'
   )
   for label, seconds in one.items():
-    log(f'{label} on one device: {seconds:.4f} s, {scales[label]:.3f}x its pieces')
+    log(f'{label} on one device: {seconds:.4f} s')
   for policy, measured in by_policy.items():
     name = 'micro-batch' if policy == 'all' else f'stash-policy {policy} micro-batch'
     for m in measured['fwd_micro']:
@@ -838,7 +846,7 @@ def _row(
     # the setting's step program on one device over the first group, and that over its pieces'
     # one-device step ('': not measured), by which its predicted_s scales the pieces
     'one_device_s': own.get('one_device', {}).get(setting.label, ''),
-    'program_scale': own.get('program_scale', {}).get(setting.label, ''),
+    'program_scale': program_scale(setting, own) or '',
     'ideal_s': simulated(setting, own, 0.0, 0.0, ideal=True),
     'predicted_s': simulated(setting, own, link_s, allreduce_s),
   }
