@@ -583,14 +583,19 @@ def test_program_scale_is_the_one_device_step_over_its_pieces(name, kwargs):
   assert sim.scaled(c, k).microbatch_backward_s[4] == pytest.approx((k * 1.1, k * 0.9))
 
 
+def measured_csv(path, extra_columns: str, *rows: str):
+  """A measured CSV at `path`: MEASURED's columns plus `extra_columns`, and `rows`."""
+  path.write_text('\n'.join([MEASURED.splitlines()[0] + extra_columns, *rows]) + '\n')
+  return path
+
+
 def test_measured_csv_reads_the_microbatch_columns(experiment, tmp_path):
-  header = MEASURED.splitlines()[0] + ',fwd_s_per_stage_micro,bwd_s_per_stage_micro'
-  path = tmp_path / 'micro.csv'
-  path.write_text(
-    f'{header}\n'
-    'gpipe,2,4,-,-,0.01,0.002,0.004,0,0,0.0008,0.0016\n'
-    'gpipe,2,4,-,-,0.01,0.002,0.004,0,0,,\n'
-    'data_parallel,2,,,,0.01,0.002;0.002,0.004;0.004,0,,0.0012;0.0012,0.0024;0.0024\n'
+  path = measured_csv(
+    tmp_path / 'micro.csv',
+    ',fwd_s_per_stage_micro,bwd_s_per_stage_micro',
+    'gpipe,2,4,-,-,0.01,0.002,0.004,0,0,0.0008,0.0016',
+    'gpipe,2,4,-,-,0.01,0.002,0.004,0,0,,',
+    'data_parallel,2,,,,0.01,0.002;0.002,0.004;0.004,0,,0.0012;0.0012,0.0024;0.0024',
   )
   micro, perfect, dp = experiment.main(['--measured', str(path), '--out', str(tmp_path / 'o')])
   assert micro['predicted_s'] == pytest.approx(5 * (0.0008 + 0.0016))
@@ -601,13 +606,12 @@ def test_measured_csv_reads_the_microbatch_columns(experiment, tmp_path):
 def test_measured_csv_scales_the_pieces_by_the_one_device_program(experiment, tmp_path):
   """A row whose one_device_s is twice what its pieces give one device is predicted twice as
   slow (links free), and the table shows the scale; a row without it keeps its pieces."""
-  header = MEASURED.splitlines()[0] + ',one_device_s'
   # gpipe M=4 on one device from these pieces: 4 x (0.0025 + 0.005) / 4 + 0.0025 = 0.01
-  path = tmp_path / 'scaled.csv'
-  path.write_text(
-    f'{header}\n'
-    'gpipe,2,4,-,-,0.02,0.0025,0.005,0.0025,0,0.02\n'
-    'gpipe,2,4,-,-,0.02,0.0025,0.005,0.0025,0,\n'
+  path = measured_csv(
+    tmp_path / 'scaled.csv',
+    ',one_device_s',
+    'gpipe,2,4,-,-,0.02,0.0025,0.005,0.0025,0,0.02',
+    'gpipe,2,4,-,-,0.02,0.0025,0.005,0.0025,0,',
   )
   scaled, plain = experiment.compare_measured(str(path))
   assert math.isnan(plain['program_scale']) and plain['predicted_s'] > 0.01
