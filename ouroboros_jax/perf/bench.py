@@ -23,7 +23,8 @@ the one-device program, `simulate.program_scale`). Outputs, in --out:
 
   bench.csv       one row per setting (the columns `experiments/simulate.py --measured` reads,
                   fwd_s_per_stage_micro / bwd_s_per_stage_micro, concurrent_slowdown,
-                  one_device_s and program_scale included, plus tokens_per_s, compile_s, ideal_s, predicted_s, and host_load:
+                  one_device_s and program_scale included, plus tokens_per_s, compile_s,
+                  ideal_s, predicted_s, and host_load:
                   the 1-minute load average after the setting, which above the process count
                   says something else shared the cores and the row is not to be trusted)
   bench.png       tokens/s of each setting, with its ideal marked
@@ -496,8 +497,8 @@ def time_one_device(
 ) -> dict[str, float]:
   """{label: the median of `steps` steps} of every stage setting's own step program on one device
   over the first layer group (with the embedding and the head; `one_device`): what one device's
-  work costs inside its program, which its pieces timed alone miss (on a CPU the table
-  executor's ticks and the ring's micro-batches cost 1.1-1.5x their pieces). Each is compiled,
+  work costs inside its program, which its pieces timed alone miss (on a CPU GPipe and 1F1B at
+  M = 4 cost 1.07-1.26x their pieces; docs/results/simulator_calibration.md). Each is compiled,
   warmed up once and timed on process 0 alone, one setting at a time (no process waits minutes
   in one collective), and dropped: kept, ten of them beside the settings of a round-robin run
   filled a 24 GiB machine."""
@@ -511,15 +512,11 @@ def time_one_device(
   def measure(setting):
     ready = prepare_setting(one_device(setting), group, once)
     time_steps(ready, steps)
+    jax.clear_caches()  # its compiled step, so that ten of them do not pile up
     return {'step_s': statistics.median(ready.times)}
 
-  def measure_and_free(setting):
-    seconds = measure(setting)
-    jax.clear_caches()  # its compiled step, so that ten of them do not pile up
-    return seconds
-
   return {
-    s.label: on_process0_alone(lambda s=s: measure_and_free(s))['step_s']
+    s.label: on_process0_alone(lambda s=s: measure(s))['step_s']
     for s in settings
     if one_device(s) is not None
   }

@@ -636,8 +636,8 @@ def program_scale(run: ScheduleConfig, costs: StageCosts, one_device_step_s: flo
   """How many times longer a setting's compute takes inside its own step program than its
   pieces timed alone: its step measured on one device (`run` with one stage, over stage 0's
   layer group; `bench.time_one_device`) over this simulator's step of the same from stage 0's
-  pieces (`first_stage`). On a CPU the table executor's ticks and the ring's micro-batches cost
-  1.1-1.5x their pieces (docs/results/simulator_calibration.md); `scaled` charges that."""
+  pieces (`first_stage`). On a CPU GPipe and 1F1B at M = 4 cost 1.07-1.26x their pieces
+  inside their programs (docs/results/simulator_calibration.md); `scaled` charges that."""
   one = dataclasses.replace(_config(run), num_stages=1)
   return one_device_step_s / simulate(one, first_stage(costs), lockstep=True).step_time
 
