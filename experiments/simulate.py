@@ -48,8 +48,9 @@ Measured CSV (`--measured`), written by a benchmark, one row per measured settin
     link_s            one hop of a whole batch's activation between neighbouring devices
                       (latency included); 0 or empty where nothing travels
   optional columns:
-    link_latency_s    the fixed part of link_s (gpipe's micro-batch hops cost
-                      latency + (link_s - latency) / M); default 0
+    link_latency_s    the fixed part of link_s, which every hop pays in full (a
+                      micro-batch hop costs latency + (link_s - latency) / M): the bench
+                      writes the collective's wait, `bench.measure_collective_wait`; default 0
     allreduce_s       data_parallel: one all-reduce of every gradient; default 0
     update_s_per_stage   the optimizer update (clip + AdamW) of each stage's parameters (device
                       0's with the embedding and head), G values joined by ';'; default free

@@ -176,14 +176,54 @@ def test_two_process_bench_writes_every_row_with_its_ideal(tmp_path):
   pieces = re.findall(r'\[p(\d)\] (pieces: .*), hop', log)
   assert sorted(p for p, _ in pieces) == ['0', '1'], log[-3000:]
   assert pieces[0][1] == pieces[1][1]
+  # The collective's wait is one number for all: the largest any process measured.
+  waits = dict(re.findall(r'\[p(\d)\] pieces: .*collective wait ([0-9.]+) s', log))
+  assert sorted(waits) == ['0', '1'] and waits['0'] == waits['1'], log[-3000:]
   with open(tmp_path / 'bench.csv') as f:
     rows = {row['label']: row for row in csv.DictReader(f)}
   assert set(rows) == set(only.split(','))
+  # Every hop pays it: the CSV's link_s holds it, and link_latency_s is it.
+  wait = float(rows['model_parallel']['link_latency_s'])
+  assert f'{wait:.4f}' == waits['0'] and float(rows['model_parallel']['link_s']) > wait >= 0
   for row in rows.values():
     assert float(row['step_time_s']) > 0 and float(row['ideal_s']) > 0
     assert float(row['predicted_s']) >= float(row['ideal_s'])
   assert rows['backprop']['stages'] == '1' and rows['model_parallel']['stages'] == '2'
   assert (tmp_path / 'bench.png').stat().st_size > 0
+
+
+def test_every_tick_of_a_table_pays_the_collective_wait():
+  """The wait `measure_collective_wait` finds is the latency of every hop: a table pipeline run
+  tick by tick is one wait longer per tick, and the ideal step does not pay it."""
+  import pytest
+
+  from ouroboros_jax.perf import bench
+  from ouroboros_jax.schedules import ScheduleConfig, tables
+
+  zb = ScheduleConfig(name='zb_h1', num_stages=2, microbatches=8)
+  pieces = {
+    'fwd': [1.0, 1.0],
+    'bwd': [2.0, 2.0],
+    'fwd_micro': {'8': [0.15, 0.15]},
+    'bwd_micro': {'8': [0.3, 0.3]},
+    'head': 0.05,
+    'update': [0.01, 0.01],
+  }
+  assert bench.tick_seconds(pieces) == 0.15
+  assert bench.tick_seconds({'fwd': [1.0, 2.0]}) == 2.0
+  ticks = len(tables.place(tables.build('zb_h1', 2, 8, 1)).grid[0])
+  without = bench.simulated(zb, pieces, 0.004, 0.0)
+  waited = bench.simulated(zb, dict(pieces, collective_wait=0.02), 0.004, 0.0)
+  assert waited - without == pytest.approx(ticks * 0.02)
+  ideal = bench.simulated(zb, dict(pieces, collective_wait=0.02), 0.0, 0.0, ideal=True)
+  assert ideal == bench.simulated(zb, pieces, 0.0, 0.0, ideal=True) < without
+
+
+def test_collective_wait_is_nothing_on_one_device_and_never_negative():
+  from ouroboros_jax.perf import bench
+
+  assert bench.measure_collective_wait(0.01, 32) >= 0.0  # the suite's 8 simulated devices
+  assert bench.measure_collective_wait(0.0, 32) == 0.0
 
 
 def test_mfu_is_model_flops_over_the_devices_bf16_peak():

@@ -15,11 +15,14 @@ batch), the head and each device's optimizer update; then one activation hop and
 all-reduce between devices, and how much slower a group's forward + backward runs while every
 process computes at once (`measure_concurrent_slowdown`), and each stage setting's own step
 program on one device over the first layer group (`time_one_device`: what one device's work
-costs inside its program, which its pieces timed alone miss). From those the discrete-event
+costs inside its program, which its pieces timed alone miss), and what one collective inside a
+step adds to a tick of compute beyond its data, the wait for the last process to reach it
+(`measure_collective_wait`, column link_latency_s). From those the discrete-event
 simulator (`simulate.py`) gives each schedule's **ideal** step time (free links, no overheads,
 devices that do not slow each other) and its **predicted** one (measured links, the measured
 slowdown of devices computing at once, the table pipelines run tick by tick, the pieces scaled to
-the one-device program, `simulate.program_scale`). Outputs, in --out:
+the one-device program, `simulate.program_scale`, every hop paying the collective's wait).
+Outputs, in --out:
 
   bench.csv       one row per setting (the columns `experiments/simulate.py --measured` reads,
                   fwd_s_per_stage_micro / bwd_s_per_stage_micro, concurrent_slowdown,
@@ -398,6 +401,58 @@ def measure_links(activation_shape, grad_elems: int, repeats: int = 10) -> tuple
   return link, reduce
 
 
+def measure_collective_wait(tick_s: float, width: int, ticks: int = 10, repeats: int = 3) -> float:
+  """The mean seconds one collective inside a compiled step adds to a tick of about `tick_s`
+  seconds of compute on every device, beyond the data it moves: the wait for the process that
+  reaches it last. Every process runs the same program, `ticks` ticks of a chain of
+  `tanh(h @ w)` (`width` wide, as many links as make `tick_s`) each followed by a `ppermute` of
+  `h` round the devices, and the same program without the `ppermute`; the two are timed in
+  turn, `repeats` times each, and the wait is their mean difference per tick (at least 0). The
+  mean, not the median: a step sums its ticks, and the waits come in bursts (on the 2-core CPU
+  machine of docs/results/simulator_calibration.md, runs of ticks each ~100 ms late). 0.0 on one
+  device.
+
+  A table pipeline ends every tick with such a collective and the ring every round, so the
+  simulator charges it on every hop as the link's latency (`stage_costs`)."""
+  if jax.device_count() < 2 or tick_s <= 0:
+    return 0.0
+  n = jax.device_count()
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ('x',))
+  shift = [(i, (i + 1) % n) for i in range(n)]
+
+  def program(links: int, collective: bool):
+    def ticks_of(h, w):
+      def tick(_, h):
+        for _ in range(links):
+          h = jnp.tanh(h @ w)
+        return jax.lax.ppermute(h, 'x', shift) if collective else h
+
+      return jax.lax.fori_loop(0, ticks, tick, h)
+
+    return jax.jit(jax.shard_map(ticks_of, mesh=mesh, in_specs=(P('x'), P()), out_specs=P('x')))
+
+  put = lambda shape, spec, value: jax.make_array_from_callback(
+    shape, NamedSharding(mesh, spec), lambda idx: np.full(shape, value, np.float32)[idx]
+  )
+  h, w = put((n * 64, width), P('x'), 0.5), put((width, width), P(), 1.0 / width)
+  probe = 4  # links per tick of a first, short program: the seconds one link takes
+  link_s = _median_time(program(probe, False), h, w, repeats=2) / (ticks * probe)
+  # the same number of links on every process (the longest estimate), so that no process waits
+  # for another by design
+  links = max(1, round(tick_s / float(multihost_utils.process_allgather(link_s).min())))
+  alone, together = program(links, False), program(links, True)
+  jax.block_until_ready((alone(h, w), together(h, w)))  # compile and warm both
+  spent = {alone: [], together: []}
+  for _ in range(repeats):
+    for fn in (alone, together):
+      start = time.perf_counter()
+      jax.block_until_ready(fn(h, w))
+      spent[fn].append(time.perf_counter() - start)
+  wait = (np.mean(spent[together]) - np.mean(spent[alone])) / ticks
+  # the same number on every process: the largest wait any of them saw
+  return max(0.0, float(multihost_utils.process_allgather(np.float64(wait)).max()))
+
+
 @dataclasses.dataclass
 class Prepared:
   """One setting compiled and warmed up, ready to be timed (`prepare_setting`)."""
@@ -585,6 +640,14 @@ def micro_size(setting: ScheduleConfig) -> int:
   return setting.num_microbatches
 
 
+def tick_seconds(pieces: dict) -> float:
+  """A table pipeline's tick: the slowest group's forward of the smallest micro-batch timed
+  (the whole batch where none was)."""
+  micro = pieces.get('fwd_micro', {})
+  smallest = micro[max(micro, key=int)] if micro else pieces['fwd']
+  return max(smallest)
+
+
 def micro_pieces(pieces: dict, setting: ScheduleConfig) -> tuple[list[float], list[float]] | None:
   """(forward, backward) per stage of one micro-batch of `setting`, None where not measured."""
   m = str(micro_size(setting))
@@ -633,8 +696,10 @@ def stage_costs(
     backward_s=bwd,
     head_s=pieces['head'],
     update_s=update,
+    # a hop of B / k rows costs the collective's wait (0 where not measured) + link_s / k
     activation_bytes=1.0 if link_s else 0.0,
     bandwidth=1.0 / link_s if link_s else np.inf,
+    latency=pieces.get('collective_wait', 0.0) if link_s else 0.0,
     allreduce_s=allreduce_s,
     microbatch_forward_s={m: micro[0]} if micro else {},
     microbatch_backward_s={m: micro[1]} if micro else {},
@@ -653,16 +718,18 @@ def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dic
   activation_shape = (bench.batch_size, cfg.seq_len, cfg.d_model)
   link_s, allreduce_s = measure_links(activation_shape, pieces['grad_bytes'] // 4)
   slowdown = measure_concurrent_slowdown(work)
+  wait = measure_collective_wait(tick_seconds(pieces), work.cfg.d_model)
   # Each stage setting's program on one device: set against the pieces the rows use (these, or
   # the rounds' medians; `simulate.program_scale`), it scales them.
   one = time_one_device(settings, work, bench)
-  measured_once = dict(concurrent_slowdown=slowdown, one_device=one)
+  measured_once = dict(concurrent_slowdown=slowdown, one_device=one, collective_wait=wait)
   by_policy = {p: dict(measured, **measured_once) for p, measured in by_policy.items()}
   pieces = by_policy['all']
   log(
     f'pieces: forward {np.round(pieces["fwd"], 4)} s, backward {np.round(pieces["bwd"], 4)} s, '
     f'update {np.round(pieces["update"], 4)} s, head+embed {pieces["head"]:.4f} s, '
     f'hop {link_s:.4f} s, all-reduce {allreduce_s:.4f} s, concurrent slowdown {slowdown:.3f}, '
+    f'collective wait {wait:.4f} s, '
     f'host load {host_load():.2f}'
   )
   for label, seconds in one.items():
@@ -837,7 +904,10 @@ def _row(
     'bwd_s_per_stage_micro': per_stage(micro[1]) if micro else '',
     'head_s': own['head'],
     'update_s_per_stage': per_stage(own['update']),
-    'link_s': link_s,
+    # one whole-batch hop inside a step: the hop timed alone plus the collective's wait (its
+    # fixed part, which every micro-batch hop pays in full)
+    'link_s': link_s + own.get('collective_wait', 0.0) if link_s else 0.0,
+    'link_latency_s': own.get('collective_wait', 0.0) if link_s else 0.0,
     'allreduce_s': allreduce_s,
     'concurrent_slowdown': own.get('concurrent_slowdown', 1.0),
     # the setting's step program on one device over the first group, and that over its pieces'
