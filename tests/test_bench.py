@@ -331,6 +331,8 @@ def test_rounds_time_every_setting_in_turn_after_compiling_them_all(tmp_path, mo
   monkeypatch.setattr(bench, 'prepare_setting', prepare_logged)
   monkeypatch.setattr(bench, 'time_steps', time_logged)
   monkeypatch.setattr(bench, 'measure_pieces', pieces_logged)
+  # its own tests time it; here its tick would be the 0.5 s faked forward (~40 s of probing)
+  monkeypatch.setattr(bench, 'measure_collective_wait', lambda tick_s, width: 0.0)
   model = ModelConfig(d_model=32, num_heads=2, num_layers=2, d_ff=64, seq_len=16)
   config = bench.BenchConfig(
     batch_size=4,

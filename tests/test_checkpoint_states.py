@@ -88,3 +88,27 @@ def test_transformer_xl_ouroboros_resumes_bitwise(tmp_path, text_corpus):
   assert straight.model.mem_len == 0 and straight.schedule.stash == 'graph'
   _, a, b = straight_and_resumed(straight, tmp_path / 'b', stop_at=3)
   assert_trees_equal(a, b)
+
+
+def test_orbax_s_warning_about_the_loop_s_own_wait_is_dropped_and_nothing_else(caplog):
+  """The loop waits for each save to land before the next (and before a SIGTERM stop), and
+  Orbax counts that wait as the next save's: its 'consider checkpointing less frequently' would
+  be a second stderr line beside a stop's one-line message. Only that record is dropped."""
+  import logging
+
+  from ouroboros_jax.training import checkpoint
+
+  checkpoint.quiet_own_wait()
+  checkpoint.quiet_own_wait()  # once is enough: the filter is not added twice
+  absl_logger = logging.getLogger('absl')
+  assert absl_logger.filters.count(checkpoint._OWN_WAIT_RECORDS) == 1
+  with caplog.at_level(logging.WARNING, logger='absl'):
+    absl_logger.warning(
+      'Waiting for previous save to complete took %f seconds. If this number is high, consider'
+      ' checkpointing less frequently.',
+      1.325,
+    )
+    absl_logger.warning('Waiting for something else took %f seconds.', 2.0)
+  assert [r.getMessage() for r in caplog.records] == [
+    'Waiting for something else took 2.000000 seconds.'
+  ]

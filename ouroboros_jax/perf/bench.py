@@ -422,9 +422,8 @@ def measure_collective_wait(tick_s: float, width: int, ticks: int = 10, repeats:
 
   def program(links: int, collective: bool):
     def ticks_of(h, w):
-      def tick(_, h):
-        for _ in range(links):
-          h = jnp.tanh(h @ w)
+      def tick(_, h):  # a loop of links, not an unrolled chain: a small width needs thousands
+        h = jax.lax.fori_loop(0, links, lambda _, h: jnp.tanh(h @ w), h)
         return jax.lax.ppermute(h, 'x', shift) if collective else h
 
       return jax.lax.fori_loop(0, ticks, tick, h)

@@ -247,9 +247,32 @@ def _with_empty(restored, abstract_state):
   return jax.tree.unflatten(treedef, [make(a) if _is_empty(a) else next(saved) for a in leaves])
 
 
+class _OwnWaitRecords(logging.Filter):
+  """Drops Orbax's 'Waiting for previous save to complete took N seconds ... consider
+  checkpointing less frequently'. Orbax counts every `wait_until_finished()` since the last save
+  as the next save's wait, so the loop's own wait for a save to land (to report it, and before a
+  SIGTERM stop) reads as advice to checkpoint less. It is not: a stop saves one more step
+  whatever the interval. Anything else passes."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith('Waiting for previous save to complete took')
+
+
+_OWN_WAIT_RECORDS = _OwnWaitRecords()
+
+
+def quiet_own_wait() -> None:
+  """From now on, Orbax's warning about the wait for the previous save is dropped
+  (`_OwnWaitRecords`); `save` calls it."""
+  absl_logger = logging.getLogger('absl')
+  if _OWN_WAIT_RECORDS not in absl_logger.filters:
+    absl_logger.addFilter(_OWN_WAIT_RECORDS)
+
+
 def save(manager: ocp.CheckpointManager, state, data_state: dict, meta: dict) -> None:
   """Starts an asynchronous save of step int(state.step); `manager.wait_until_finished()` joins.
   The state's `fingerprint` is saved with the data state and checked by `restore`."""
+  quiet_own_wait()
   step = int(jax.device_get(state.step))
   state = without_empty(state)
   data_state = dict(data_state, fingerprint=fingerprint(state))
