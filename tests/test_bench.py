@@ -176,8 +176,9 @@ def test_two_process_bench_writes_every_row_with_its_ideal(tmp_path):
   pieces = re.findall(r'\[p(\d)\] (pieces: .*), hop', log)
   assert sorted(p for p, _ in pieces) == ['0', '1'], log[-3000:]
   assert pieces[0][1] == pieces[1][1]
-  # The collective's wait is one number for all: the largest any process measured.
-  waits = dict(re.findall(r'\[p(\d)\] pieces: .*collective wait ([0-9.]+) s', log))
+  # The collective's wait is one number for all: the largest any process measured, and the
+  # rows use its median over the rounds.
+  waits = dict(re.findall(r'\[p(\d)\] pieces, the median .*collective wait ([0-9.]+) s', log))
   assert sorted(waits) == ['0', '1'] and waits['0'] == waits['1'], log[-3000:]
   with open(tmp_path / 'bench.csv') as f:
     rows = {row['label']: row for row in csv.DictReader(f)}
@@ -331,8 +332,23 @@ def test_rounds_time_every_setting_in_turn_after_compiling_them_all(tmp_path, mo
   monkeypatch.setattr(bench, 'prepare_setting', prepare_logged)
   monkeypatch.setattr(bench, 'time_steps', time_logged)
   monkeypatch.setattr(bench, 'measure_pieces', pieces_logged)
-  # its own tests time it; here its tick would be the 0.5 s faked forward (~40 s of probing)
-  monkeypatch.setattr(bench, 'measure_collective_wait', lambda tick_s, width: 0.0)
+  # The probes re-run in each round too. Their own tests time them; here the wait's tick would
+  # be the 0.5 s faked forward (~40 s of probing), and one process has no slowdown to find.
+  waits, slowdowns = iter([0.05, 0.01, 0.03]), iter([1.3, 1.1, 1.2])  # the start, rounds 1, 2
+
+  def probe_logged(name, values):
+    def probe(repeats):
+      events.append((name, repeats))
+      return next(values)
+
+    return probe
+
+  monkeypatch.setattr(
+    bench, 'collective_wait_probe', lambda tick_s, width: probe_logged('wait', waits)
+  )
+  monkeypatch.setattr(
+    bench, 'concurrent_slowdown_probe', lambda work: probe_logged('slowdown', slowdowns)
+  )
   model = ModelConfig(d_model=32, num_heads=2, num_layers=2, d_ff=64, seq_len=16)
   config = bench.BenchConfig(
     batch_size=4,
@@ -348,19 +364,30 @@ def test_rounds_time_every_setting_in_turn_after_compiling_them_all(tmp_path, mo
   # repeats (at least 3) and one per micro-batch, and the rows use their median over the rounds.
   # Beside the start's pieces, every stage setting's program on one device (3 steps; backprop's
   # program is one device's already), before anything else is compiled.
+  # The slowdown and the wait likewise: once at the start, then once more in each round.
   assert events == [
     ('pieces', 10, 3),
+    ('slowdown', 3),
+    ('wait', 3),
     ('prepare', 'model_parallel', 1),
     ('time', 'model_parallel', 3),
     ('prepare', 'backprop', 1),
     ('prepare', 'model_parallel', 2),
+    ('slowdown', 1),
+    ('wait', 2),
     ('pieces', 5, 1),
     ('time', 'backprop', 3),
     ('time', 'model_parallel', 3),
+    ('slowdown', 1),
+    ('wait', 2),
     ('pieces', 5, 1),
     ('time', 'backprop', 2),
     ('time', 'model_parallel', 2),
   ]
+  # the rows use the rounds' medians of both, not the start's 1.3 and 0.05
+  for row in rows:
+    assert row['concurrent_slowdown'] == pytest.approx(1.15)
+  assert rows[1]['link_latency_s'] == pytest.approx(0.02)
   assert [r['label'] for r in rows] == ['backprop', 'model_parallel']
   assert all(float(r['step_time_s']) > 0 for r in rows)
   assert rows[0]['one_device_s'] == rows[0]['program_scale'] == ''
@@ -374,8 +401,10 @@ def test_rounds_time_every_setting_in_turn_after_compiling_them_all(tmp_path, mo
       bwd=[float(b) for b in rows[1]['bwd_s_per_stage'].split(';')],
       head=rows[1]['head_s'],
       update=[float(u) for u in rows[1]['update_s_per_stage'].split(';')],
+      concurrent_slowdown=1.15,
+      collective_wait=0.02,
     ),
-    rows[1]['link_s'],
+    rows[1]['link_s'] - rows[1]['link_latency_s'],
     rows[1]['allreduce_s'],
   )
   # median(0.125, 0.25): the rounds' forwards, not the start's 0.5

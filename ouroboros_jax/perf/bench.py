@@ -7,8 +7,9 @@ compiles the step (timed
 separately, not counted), runs `warmup` steps, then times `steps` more one by one and reports the
 **median** step time and tokens/s. With `rounds` R > 1 (`--rounds`) every setting is compiled and
 warmed up first and the timed steps are dealt out in R rounds, setting after setting, so that a
-machine whose speed drifts over minutes slows every setting alike; the pieces below are then
-timed again at the start of each round and their medians over the rounds used. It also measures, on process 0's device while every other
+machine whose speed drifts over minutes slows every setting alike; the pieces below, the
+concurrent slowdown and the collective's wait included, are then timed again at the start of
+each round and their medians over the rounds used. It also measures, on process 0's device while every other
 process waits, each layer group's forward and backward (on the whole batch, and on one
 micro-batch of B / M rows for every M the settings use: a micro-batch rarely costs 1 / M of the
 batch), the head and each device's optimizer update; then one activation hop and one gradient
@@ -89,8 +90,9 @@ class BenchConfig:
   warmup: int = 3
   # 1: each setting timed in turn. R > 1: every setting is compiled and warmed up first, then
   # timed in R rounds of steps / R steps each, setting after setting, so that a machine whose
-  # speed drifts over minutes slows every setting alike, and the pieces are re-timed in each round
-  # (their medians used) so that the predictions drift too (docs/results/simulator_calibration.md).
+  # speed drifts over minutes slows every setting alike, and the pieces (with the concurrent
+  # slowdown and the collective's wait) are re-timed in each round, their medians used, so that
+  # the predictions drift too (docs/results/simulator_calibration.md).
   rounds: int = 1
   settings: Sequence[ScheduleConfig] | None = None  # None: default_settings
   layers_per_stage: Sequence[int] | None = None  # None: balanced by FLOPs
@@ -200,8 +202,9 @@ def select_settings(
   return chosen
 
 
-def _median_time(fn, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))  # compile / warm
+def _median_time(fn, *args, repeats: int, warm: bool = True) -> float:
+  if warm:
+    jax.block_until_ready(fn(*args))  # compile / warm
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
@@ -328,20 +331,26 @@ def on_process0_alone(measure: Callable[[], dict], max_bytes: int = 1 << 16) -> 
 
 def measure_concurrent_slowdown(work: Workload, repeats: int = 3) -> float:
   """How many times longer a layer group's forward + backward takes while every other process
-  runs its own at the same time than alone: processes 0..G-1 each time stage p's forward and
-  backward on the whole batch, first one process at a time, then all at once (each for about
-  the same wall time), and the ratio of the sums (at least 1) is the same number on every
-  process. 1.0 with one process (devices of one process are not timed against each other).
+  runs its own at the same time than alone (`concurrent_slowdown_probe`, measured once)."""
+  return concurrent_slowdown_probe(work)(repeats)
+
+
+def concurrent_slowdown_probe(work: Workload) -> Callable[[int], float]:
+  """A compiled and warmed probe, `probe(repeats)`: how many times longer a layer group's forward
+  + backward takes while every other process runs its own at the same time than alone.
+  Processes 0..G-1 each time stage p's forward and backward on the whole batch, first one process
+  at a time, then all at once (each for about the same wall time), and the ratio of the sums (at
+  least 1) is the same number on every process. Always 1.0 with one process (devices of one
+  process are not timed against each other). Every process calls the probe at once; a bench of
+  several rounds calls it in each (`run`), and uses the median.
 
   Processes on one CPU share its memory bus and caches, so a schedule that computes on every
   device at once (the pipelined ring, data parallelism, a full pipeline) runs each piece slower
   than the pieces timed alone; `simulate.StageCosts.concurrent_slowdown` models that."""
   stages = len(work.layers_per_stage)
   if jax.process_count() == 1 or jax.process_count() < stages:
-    return 1.0
+    return lambda repeats=3: 1.0
   me = jax.process_index()
-  alone = np.zeros(jax.process_count())
-  together = np.zeros(jax.process_count())
   if me < stages:
     model = partition.transformer_stages(work.cfg, work.layers_per_stage)
     params = partition.to_staged(work.params, work.layers_per_stage)
@@ -357,18 +366,24 @@ def measure_concurrent_slowdown(work: Workload, repeats: int = 3) -> float:
       return backward(params_s, kept, jnp.ones_like(y))
 
     jax.block_until_ready(piece())  # compile and warm
-  for turn in range(stages):  # alone: one process at a time
-    multihost_utils.sync_global_devices(f'bench: concurrent, alone {turn}')
-    if me == turn:
-      alone[me] = _median_time(piece, repeats=repeats)
-  alone = np.asarray(multihost_utils.process_allgather(alone)).max(axis=0)
-  multihost_utils.sync_global_devices('bench: concurrent, together')
-  if me < stages:  # together: each about as long as the slowest stage's `repeats` runs
-    runs = max(repeats, round(repeats * alone[:stages].max() / alone[me]))
-    together[me] = _median_time(piece, repeats=runs)
-  together = np.asarray(multihost_utils.process_allgather(together)).max(axis=0)
-  # Computing beside another process never helps: a ratio under 1 is timing noise.
-  return max(1.0, float(together[:stages].sum() / alone[:stages].sum()))
+
+  def probe(repeats: int = 3) -> float:
+    alone = np.zeros(jax.process_count())
+    together = np.zeros(jax.process_count())
+    for turn in range(stages):  # alone: one process at a time
+      multihost_utils.sync_global_devices(f'bench: concurrent, alone {turn}')
+      if me == turn:
+        alone[me] = _median_time(piece, repeats=repeats, warm=False)
+    alone = np.asarray(multihost_utils.process_allgather(alone)).max(axis=0)
+    multihost_utils.sync_global_devices('bench: concurrent, together')
+    if me < stages:  # together: each about as long as the slowest stage's `repeats` runs
+      runs = max(repeats, round(repeats * alone[:stages].max() / alone[me]))
+      together[me] = _median_time(piece, repeats=runs, warm=False)
+    together = np.asarray(multihost_utils.process_allgather(together)).max(axis=0)
+    # Computing beside another process never helps: a ratio under 1 is timing noise.
+    return max(1.0, float(together[:stages].sum() / alone[:stages].sum()))
+
+  return probe
 
 
 def measure_links(activation_shape, grad_elems: int, repeats: int = 10) -> tuple[float, float]:
@@ -403,19 +418,27 @@ def measure_links(activation_shape, grad_elems: int, repeats: int = 10) -> tuple
 
 def measure_collective_wait(tick_s: float, width: int, ticks: int = 10, repeats: int = 3) -> float:
   """The mean seconds one collective inside a compiled step adds to a tick of about `tick_s`
-  seconds of compute on every device, beyond the data it moves: the wait for the process that
-  reaches it last. Every process runs the same program, `ticks` ticks of a chain of
-  `tanh(h @ w)` (`width` wide, as many links as make `tick_s`) each followed by a `ppermute` of
-  `h` round the devices, and the same program without the `ppermute`; the two are timed in
-  turn, `repeats` times each, and the wait is their mean difference per tick (at least 0). The
-  mean, not the median: a step sums its ticks, and the waits come in bursts (on the 2-core CPU
-  machine of docs/results/simulator_calibration.md, runs of ticks each ~100 ms late). 0.0 on one
-  device.
+  seconds of compute (`collective_wait_probe`, measured once)."""
+  return collective_wait_probe(tick_s, width, ticks)(repeats)
+
+
+def collective_wait_probe(tick_s: float, width: int, ticks: int = 10) -> Callable[[int], float]:
+  """A compiled and warmed probe, `probe(repeats)`: the mean seconds one collective inside a
+  compiled step adds to a tick of about `tick_s` seconds of compute on every device, beyond the
+  data it moves: the wait for the process that reaches it last. Every process runs the same
+  program, `ticks` ticks of a chain of `tanh(h @ w)` (`width` wide, as many links as make
+  `tick_s`) each followed by a `ppermute` of `h` round the devices, and the same program without
+  the `ppermute`; the two are timed in turn, `repeats` times each, and the wait is their mean
+  difference per tick (at least 0), the largest any process saw. The mean, not the median: a
+  step sums its ticks, and the waits come in bursts (on the 2-core CPU machine of
+  docs/results/simulator_calibration.md, runs of ticks each ~100 ms late), so one short sample
+  misses them or catches too many; a bench of several rounds calls the probe in each (`run`) and
+  uses the median of the rounds. Always 0.0 on one device.
 
   A table pipeline ends every tick with such a collective and the ring every round, so the
   simulator charges it on every hop as the link's latency (`stage_costs`)."""
   if jax.device_count() < 2 or tick_s <= 0:
-    return 0.0
+    return lambda repeats=3: 0.0
   n = jax.device_count()
   mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ('x',))
   shift = [(i, (i + 1) % n) for i in range(n)]
@@ -434,22 +457,26 @@ def measure_collective_wait(tick_s: float, width: int, ticks: int = 10, repeats:
     shape, NamedSharding(mesh, spec), lambda idx: np.full(shape, value, np.float32)[idx]
   )
   h, w = put((n * 64, width), P('x'), 0.5), put((width, width), P(), 1.0 / width)
-  probe = 4  # links per tick of a first, short program: the seconds one link takes
-  link_s = _median_time(program(probe, False), h, w, repeats=2) / (ticks * probe)
+  probe_links = 4  # links per tick of a first, short program: the seconds one link takes
+  link_s = _median_time(program(probe_links, False), h, w, repeats=2) / (ticks * probe_links)
   # the same number of links on every process (the longest estimate), so that no process waits
   # for another by design
   links = max(1, round(tick_s / float(multihost_utils.process_allgather(link_s).min())))
   alone, together = program(links, False), program(links, True)
   jax.block_until_ready((alone(h, w), together(h, w)))  # compile and warm both
-  spent = {alone: [], together: []}
-  for _ in range(repeats):
-    for fn in (alone, together):
-      start = time.perf_counter()
-      jax.block_until_ready(fn(h, w))
-      spent[fn].append(time.perf_counter() - start)
-  wait = (np.mean(spent[together]) - np.mean(spent[alone])) / ticks
-  # the same number on every process: the largest wait any of them saw
-  return max(0.0, float(multihost_utils.process_allgather(np.float64(wait)).max()))
+
+  def probe(repeats: int = 3) -> float:
+    spent = {alone: [], together: []}
+    for _ in range(repeats):
+      for fn in (alone, together):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(h, w))
+        spent[fn].append(time.perf_counter() - start)
+    wait = (np.mean(spent[together]) - np.mean(spent[alone])) / ticks
+    # the same number on every process: the largest wait any of them saw
+    return max(0.0, float(multihost_utils.process_allgather(np.float64(wait)).max()))
+
+  return probe
 
 
 @dataclasses.dataclass
@@ -716,8 +743,9 @@ def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dic
   pieces = by_policy['all']
   activation_shape = (bench.batch_size, cfg.seq_len, cfg.d_model)
   link_s, allreduce_s = measure_links(activation_shape, pieces['grad_bytes'] // 4)
-  slowdown = measure_concurrent_slowdown(work)
-  wait = measure_collective_wait(tick_seconds(pieces), work.cfg.d_model)
+  slowdown_probe = concurrent_slowdown_probe(work)
+  wait_probe = collective_wait_probe(tick_seconds(pieces), work.cfg.d_model)
+  slowdown, wait = slowdown_probe(3), wait_probe(3)
   # Each stage setting's program on one device: set against the pieces the rows use (these, or
   # the rounds' medians; `simulate.program_scale`), it scales them.
   one = time_one_device(settings, work, bench)
@@ -753,15 +781,19 @@ def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dic
   else:  # the pieces re-timed at the start of each round, fewer repeats each, their medians used
     repeats = dict(repeats=max(3, 10 // bench.rounds), micro_repeats=1)
 
-    timed, medians = round_robin(
-      settings, work, bench, lambda: _measure_pieces(work, bench, settings, **repeats)
-    )
-    by_policy = {p: dict(m, **measured_once) for p, m in medians.items()}
+    def pieces_now():  # the slowdown and the wait drift (and burst) too: each round's own
+      drift = dict(concurrent_slowdown=slowdown_probe(1), collective_wait=wait_probe(2))
+      measured = _measure_pieces(work, bench, settings, **repeats)
+      return {p: dict(m, **drift) for p, m in measured.items()}
+
+    timed, medians = round_robin(settings, work, bench, pieces_now)
+    by_policy = {p: dict(m, one_device=one) for p, m in medians.items()}
     pieces = by_policy['all']
     log(
       f'pieces, the median of {bench.rounds} rounds: forward {np.round(pieces["fwd"], 4)} s, '
       f'backward {np.round(pieces["bwd"], 4)} s, update {np.round(pieces["update"], 4)} s, '
-      f'head+embed {pieces["head"]:.4f} s'
+      f'head+embed {pieces["head"]:.4f} s, concurrent slowdown '
+      f'{pieces["concurrent_slowdown"]:.3f}, collective wait {pieces["collective_wait"]:.4f} s'
     )
   for setting, measured in timed:
     if measured is None:
