@@ -186,6 +186,16 @@ def test_two_process_bench_writes_every_row_with_its_ideal(tmp_path):
   # Every hop pays it: the CSV's link_s holds it, and link_latency_s is it.
   wait = float(rows['model_parallel']['link_latency_s'])
   assert f'{wait:.4f}' == waits['0'] and float(rows['model_parallel']['link_s']) > wait >= 0
+  # Each stage setting's own program ran beside a copy of itself on the other process: its
+  # slowdown, the same number on both, is the row's; backprop's row keeps the rounds' median of
+  # the whole-batch probe's.
+  beside = re.findall(r'\[p(\d)\] (.*) on one device: [0-9.]+ s, ([0-9.]+)x beside', log)
+  assert sorted(label for _, label, _ in beside) == sorted(2 * [*only.split(',')[1:]]), log[-3000:]
+  for _, label, slowdown in beside:
+    assert float(slowdown) >= 1.0
+    assert f'{float(rows[label]["concurrent_slowdown"]):.3f}' == slowdown
+  median = re.findall(r'\[p0\] pieces, the median .*concurrent slowdown ([0-9.]+),', log)
+  assert f'{float(rows["backprop"]["concurrent_slowdown"]):.3f}' == median[0]
   for row in rows.values():
     assert float(row['step_time_s']) > 0 and float(row['ideal_s']) > 0
     assert float(row['predicted_s']) >= float(row['ideal_s'])
@@ -313,9 +323,9 @@ def test_rounds_time_every_setting_in_turn_after_compiling_them_all(tmp_path, mo
   events = []
   prepare, time_steps = bench.prepare_setting, bench.time_steps
 
-  def prepare_logged(setting, work, config):
+  def prepare_logged(setting, work, config, devices=None):
     events.append(('prepare', setting.label, setting.num_stages))
-    return prepare(setting, work, config)
+    return prepare(setting, work, config, devices)
 
   def time_logged(prepared, steps):
     events.append(('time', prepared.setting.label, steps))
@@ -362,14 +372,15 @@ def test_rounds_time_every_setting_in_turn_after_compiling_them_all(tmp_path, mo
   rows = bench.run(model, config, log=lambda line: None)
   # The pieces are timed at the start, then again at the start of each round with 10 // R
   # repeats (at least 3) and one per micro-batch, and the rows use their median over the rounds.
-  # Beside the start's pieces, every stage setting's program on one device (3 steps; backprop's
-  # program is one device's already), before anything else is compiled.
+  # Beside the start's pieces, every stage setting's program on one device (3 steps, then 3 more:
+  # backprop's program is one device's already), before anything else is compiled.
   # The slowdown and the wait likewise: once at the start, then once more in each round.
   assert events == [
     ('pieces', 10, 3),
     ('slowdown', 3),
     ('wait', 3),
     ('prepare', 'model_parallel', 1),
+    ('time', 'model_parallel', 3),
     ('time', 'model_parallel', 3),
     ('prepare', 'backprop', 1),
     ('prepare', 'model_parallel', 2),

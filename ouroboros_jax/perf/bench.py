@@ -503,16 +503,18 @@ def time_setting(setting: ScheduleConfig, work: Workload, bench: BenchConfig) ->
   return measurement(prepared, work)
 
 
-def prepare_setting(setting: ScheduleConfig, work: Workload, bench: BenchConfig) -> Prepared | None:
-  """Compile one setting and run its warmup steps; None on processes whose devices it does not
-  use."""
+def prepare_setting(
+  setting: ScheduleConfig, work: Workload, bench: BenchConfig, devices: Sequence | None = None
+) -> Prepared | None:
+  """Compile one setting and run its warmup steps on `devices` (None: the first ones it needs of
+  all processes'); None on processes whose devices it does not use."""
   needed = num_devices(setting)
   if needed > jax.device_count():
     raise ConfigError(
       f'{setting.label} needs {needed} devices but {jax.device_count()} exist; '
       'use fewer --stages or launch more processes.'
     )
-  devices = jax.devices()[:needed]
+  devices = list(devices or jax.devices())[:needed]
   if not any(d.process_index == jax.process_index() for d in devices):
     return None
   split = (
@@ -575,32 +577,60 @@ def one_device(setting: ScheduleConfig) -> ScheduleConfig | None:
 
 def time_one_device(
   settings: Sequence[ScheduleConfig], work: Workload, bench: BenchConfig, steps: int = 3
-) -> dict[str, float]:
-  """{label: the median of `steps` steps} of every stage setting's own step program on one device
-  over the first layer group (with the embedding and the head; `one_device`): what one device's
-  work costs inside its program, which its pieces timed alone miss (on a CPU GPipe and 1F1B at
-  M = 4 cost 1.07-1.26x their pieces; docs/results/simulator_calibration.md). Each is compiled,
-  warmed up once and timed on process 0 alone, one setting at a time (no process waits minutes
-  in one collective), and dropped: kept, ten of them beside the settings of a round-robin run
-  filled a 24 GiB machine."""
+) -> tuple[dict[str, float], dict[str, float]]:
+  """({label: seconds}, {label: slowdown}) of every stage setting's own step program on one
+  device over the first layer group (with the embedding and the head; `one_device`).
+
+  The seconds: the median of 2 x `steps` steps on process 0 alone, half before and half after
+  the steps together below. What one device's work costs inside its program, which its pieces
+  timed alone miss (on a CPU GPipe and 1F1B at M = 4 cost 1.07-1.26x their pieces;
+  docs/results/simulator_calibration.md).
+
+  The slowdown (several processes only): every process that owns one of the setting's devices
+  runs the same program on its own device at once, `steps` steps, and the mean of their medians
+  over the seconds alone (at least 1) is how much slower this program runs while the others run
+  theirs: `StageCosts.concurrent_slowdown` for this setting. A table pipeline's split backward
+  reads its stash again in W, and on a CPU its program slowed 1.09-1.13x beside a copy of itself
+  where 1F1B's slowed 1.00-1.01x and the whole-batch forward and backward of
+  `concurrent_slowdown_probe` 1.00-1.08x (docs/results/simulator_calibration.md).
+
+  Each program is compiled, warmed up once, timed and dropped, one setting at a time (kept, ten
+  of them beside the settings of a round-robin run filled a 24 GiB machine)."""
   layers = work.layers_per_stage[0]
   cfg = dataclasses.replace(work.cfg, num_layers=layers)
   group = Workload(
     cfg, jax.device_get(transformer.init_params(cfg, jax.random.key(0))), work.batch, (layers,)
   )
   once = dataclasses.replace(bench, warmup=1)
-
-  def measure(setting):
-    ready = prepare_setting(one_device(setting), group, once)
-    time_steps(ready, steps)
+  me, several = jax.process_index(), jax.process_count() > 1
+  seconds, slowdowns = {}, {}
+  for setting in settings:
+    if one_device(setting) is None:
+      continue
+    owners = {d.process_index for d in jax.devices()[: num_devices(setting)]}
+    runs = me == 0 or (several and me in owners)
+    local = jax.local_devices()[:1]
+    ready = prepare_setting(one_device(setting), group, once, devices=local) if runs else None
+    alone, together = [], 0.0
+    for phase in ('alone', 'together', 'alone again'):
+      multihost_utils.sync_global_devices(f'bench one device {setting.label} {phase}')
+      if ready is not None and (me == 0 if phase != 'together' else several):
+        ready.times.clear()
+        time_steps(ready, steps)
+        if phase == 'together':
+          together = statistics.median(ready.times)
+        else:
+          alone += ready.times
+    alone_s = float(
+      multihost_utils.broadcast_one_to_all(np.float64(statistics.median(alone or [0.0])))
+    )
+    seconds[setting.label] = alone_s
+    if several:
+      spent = np.asarray(multihost_utils.process_allgather(np.float64(together)))
+      slowdowns[setting.label] = max(1.0, float(spent[sorted(owners)].mean() / alone_s))
+    del ready
     jax.clear_caches()  # its compiled step, so that ten of them do not pile up
-    return {'step_s': statistics.median(ready.times)}
-
-  return {
-    s.label: on_process0_alone(lambda s=s: measure(s))['step_s']
-    for s in settings
-    if one_device(s) is not None
-  }
+  return seconds, slowdowns
 
 
 def round_robin(settings, work: Workload, bench: BenchConfig, measure_pieces_now=None):
@@ -706,6 +736,14 @@ def program_scale(setting: ScheduleConfig, pieces: dict) -> float | None:
   return simulate.program_scale(setting, costs, one_device_s)
 
 
+def concurrent_slowdown(setting: ScheduleConfig, pieces: dict) -> float:
+  """How much slower `setting`'s compute runs while the other devices compute: its own one-device
+  program beside copies of itself (`time_one_device`) where timed, else the whole-batch forward
+  and backward's (`concurrent_slowdown_probe`), else 1."""
+  own = pieces.get('program_slowdown', {}).get(setting.label)
+  return own or pieces.get('concurrent_slowdown', 1.0)
+
+
 def stage_costs(
   setting: ScheduleConfig, pieces: dict, link_s: float, allreduce_s: float, ideal: bool = False
 ) -> simulate.StageCosts:
@@ -729,7 +767,7 @@ def stage_costs(
     allreduce_s=allreduce_s,
     microbatch_forward_s={m: micro[0]} if micro else {},
     microbatch_backward_s={m: micro[1]} if micro else {},
-    concurrent_slowdown=1.0 if ideal else pieces.get('concurrent_slowdown', 1.0),
+    concurrent_slowdown=1.0 if ideal else concurrent_slowdown(setting, pieces),
   )
 
 
@@ -748,8 +786,13 @@ def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dic
   slowdown, wait = slowdown_probe(3), wait_probe(3)
   # Each stage setting's program on one device: set against the pieces the rows use (these, or
   # the rounds' medians; `simulate.program_scale`), it scales them.
-  one = time_one_device(settings, work, bench)
-  measured_once = dict(concurrent_slowdown=slowdown, one_device=one, collective_wait=wait)
+  one, program_slowdown = time_one_device(settings, work, bench)
+  measured_once = dict(
+    concurrent_slowdown=slowdown,
+    one_device=one,
+    program_slowdown=program_slowdown,
+    collective_wait=wait,
+  )
   by_policy = {p: dict(measured, **measured_once) for p, measured in by_policy.items()}
   pieces = by_policy['all']
   log(
@@ -760,7 +803,11 @@ def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dic
     f'host load {host_load():.2f}'
   )
   for label, seconds in one.items():
-    log(f'{label} on one device: {seconds:.4f} s')
+    beside = program_slowdown.get(label)
+    log(
+      f'{label} on one device: {seconds:.4f} s'
+      + (f', {beside:.3f}x beside the other processes' if beside else '')
+    )
   for policy, measured in by_policy.items():
     name = 'micro-batch' if policy == 'all' else f'stash-policy {policy} micro-batch'
     for m in measured['fwd_micro']:
@@ -787,7 +834,9 @@ def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dic
       return {p: dict(m, **drift) for p, m in measured.items()}
 
     timed, medians = round_robin(settings, work, bench, pieces_now)
-    by_policy = {p: dict(m, one_device=one) for p, m in medians.items()}
+    by_policy = {
+      p: dict(m, one_device=one, program_slowdown=program_slowdown) for p, m in medians.items()
+    }
     pieces = by_policy['all']
     log(
       f'pieces, the median of {bench.rounds} rounds: forward {np.round(pieces["fwd"], 4)} s, '
@@ -940,7 +989,7 @@ def _row(
     'link_s': link_s + own.get('collective_wait', 0.0) if link_s else 0.0,
     'link_latency_s': own.get('collective_wait', 0.0) if link_s else 0.0,
     'allreduce_s': allreduce_s,
-    'concurrent_slowdown': own.get('concurrent_slowdown', 1.0),
+    'concurrent_slowdown': concurrent_slowdown(setting, own),
     # the setting's step program on one device over the first group, and that over its pieces'
     # one-device step ('': not measured), by which its predicted_s scales the pieces
     'one_device_s': own.get('one_device', {}).get(setting.label, ''),
