@@ -50,7 +50,8 @@ Measured CSV (`--measured`), written by a benchmark, one row per measured settin
   optional columns:
     link_latency_s    the fixed part of link_s, which every hop pays in full (a
                       micro-batch hop costs latency + (link_s - latency) / M): the bench
-                      writes the collective's wait, `bench.measure_collective_wait`; default 0
+                      writes the collective's wait, `bench.collective_wait_probe` (the
+                      rounds' median); default 0
     allreduce_s       data_parallel: one all-reduce of every gradient; default 0
     update_s_per_stage   the optimizer update (clip + AdamW) of each stage's parameters (device
                       0's with the embedding and head), G values joined by ';'; default free
@@ -62,7 +63,10 @@ Measured CSV (`--measured`), written by a benchmark, one row per measured settin
     bwd_s_per_stage_micro   the same for the backward (graph mode, as bwd_s_per_stage)
     concurrent_slowdown   how many times longer a compute task takes while another device
                       computes at once (the processes of one CPU share its memory bus):
-                      `bench.measure_concurrent_slowdown`; default 1 (devices independent)
+                      the bench writes the setting's own program beside copies of itself
+                      (`bench.time_one_device`) where it timed one, else the whole-batch
+                      forward and backward's (`bench.concurrent_slowdown_probe`), the rounds'
+                      median; default 1 (devices independent)
     one_device_s      the setting's own step program timed on one device over the first
                       group (`bench.time_one_device`): every compute time is scaled by it over
                       the simulator's one-device step from the row's pieces
