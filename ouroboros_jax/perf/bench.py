@@ -16,7 +16,8 @@ batch), the head and each device's optimizer update; then one activation hop and
 all-reduce between devices, and how much slower a group's forward + backward runs while every
 process computes at once (`measure_concurrent_slowdown`), and each stage setting's own step
 program on one device over the first layer group (`time_one_device`: what one device's work
-costs inside its program, which its pieces timed alone miss), and what one collective inside a
+costs inside its program, which its pieces timed alone miss, and how much slower that program
+runs beside copies of itself on the other processes), and what one collective inside a
 step adds to a tick of compute beyond its data, the wait for the last process to reach it
 (`measure_collective_wait`, column link_latency_s). From those the discrete-event
 simulator (`simulate.py`) gives each schedule's **ideal** step time (free links, no overheads,
