@@ -30,7 +30,8 @@ QUICK=${QUICK:-0}
 PARTS=${PARTS:-smoke gpu_tests layer_costs train_gpu mfu cpu}  # which steps run
 DEADLINE=${DEADLINE:-560}  # seconds: the last cpu bench is cut short to leave time to pack up
 # seconds: the most one cpu bench may take (run 7: 346 s at G = 8, before each bench also timed
-# its settings' one-device programs, ~10 s each, and the collective wait, ~15 s)
+# its settings' one-device programs, ~10 s each then and now 9 steps each instead of 3, alone and
+# beside copies of themselves, and the collective wait, ~15 s; a cut-short bench keeps its rows)
 BENCH_LIMIT=${BENCH_LIMIT:-460}
 # bench --rounds: 1 times the settings one after another (a bench cut short keeps its rows);
 # R > 1 compiles them all first and interleaves their timed steps (drift falls on all alike).
