@@ -221,6 +221,29 @@ def test_children_die_with_the_launcher(signum):
     assert 'SIGTERM: passing it on' in launcher.stdout.read()
 
 
+def test_a_stop_while_the_children_start_stops_them_like_any_other(monkeypatch):
+  """Was: a SIGTERM that came while the launcher still started its output threads left it with a
+  traceback and exit status 1 (test_children_die_with_the_launcher, once in a loaded CI run)."""
+  import io
+
+  start = launch._Children.start
+
+  children = []
+
+  def start_then_stopped(started, *args):
+    children.append(started)
+    start(started, *args)  # every child started, then the signal
+    raise launch._Stop(signal.SIGTERM)
+
+  monkeypatch.setattr(launch._Children, 'start', start_then_stopped)
+  child = "import os, time; print('pid', os.getpid(), flush=True); time.sleep(300)"
+  options = launch.LaunchOptions(program=[sys.executable, '-c', child], grace_s=5)
+  out = io.StringIO()
+  assert launch.launch(2, [], options=options, out=out) == 128 + signal.SIGTERM
+  assert '[launch] SIGTERM: passing it on to every process' in out.getvalue()
+  assert len(children) == 1 and all(p.returncode is not None for p in children[0].procs)
+
+
 def test_launch_and_process_config_errors(monkeypatch):
   with pytest.raises(ConfigError, match='nothing to launch'):
     launch.launch(2, [])

@@ -218,8 +218,12 @@ def launch(
   children = _Children(out)
   try:
     command = [*(options.program or [sys.executable, '-m', 'ouroboros_jax']), *args]
-    children.start(num_processes, command, options.pin_cpus)
-    first_failure = children.supervise(options, timeout_s)
+    try:
+      children.start(num_processes, command, options.pin_cpus)
+    except (KeyboardInterrupt, _Stop) as stop:  # a stop while they start: the same stop
+      first_failure = children.stop(stop, options.grace_s)
+    else:
+      first_failure = children.supervise(options, timeout_s)
   finally:
     children.end()
     for sig, handler in handlers.items():
@@ -314,12 +318,17 @@ class _Children:
           return first_failure or 124
         time.sleep(0.1)
     except (KeyboardInterrupt, _Stop) as stop:
-      signum = stop.signum if isinstance(stop, _Stop) else signal.SIGINT
-      out.write(f'[launch] {signal.Signals(signum).name}: passing it on to every process\n')
-      out.flush()
-      _stop_children(self.procs, signum, options.grace_s)
-      return first_failure or 128 + signum
+      stopped = self.stop(stop, options.grace_s)
+      return first_failure or stopped
     return first_failure
+
+  def stop(self, stop: KeyboardInterrupt | _Stop, grace_s: float) -> int:
+    """Passes a stop signal on to every child (`grace_s` to end, then killed); 128 + signal."""
+    signum = stop.signum if isinstance(stop, _Stop) else signal.SIGINT
+    self.out.write(f'[launch] {signal.Signals(signum).name}: passing it on to every process\n')
+    self.out.flush()
+    _stop_children(self.procs, signum, grace_s)
+    return 128 + signum
 
   def _peer_failed(self, me: int) -> bool:
     """Whether a process other than `me` has failed (for the thread forwarding me's output: it
