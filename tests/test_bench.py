@@ -6,6 +6,7 @@ import csv
 import dataclasses
 import io
 import re
+import statistics
 
 from ouroboros_jax.runtime import launch
 
@@ -327,9 +328,14 @@ def test_rounds_time_every_setting_in_turn_after_compiling_them_all(tmp_path, mo
     events.append(('prepare', setting.label, setting.num_stages))
     return prepare(setting, work, config, devices)
 
+  one_device_alone = []  # each round's seconds of model_parallel's one-device program, alone
+
   def time_logged(prepared, steps):
-    events.append(('time', prepared.setting.label, steps))
+    stages = prepared.setting.num_stages
+    events.append(('time', prepared.setting.label, stages, steps))
     time_steps(prepared, steps)
+    if stages == 1 and prepared.setting.name == 'model_parallel':
+      one_device_alone.append(prepared.times[-steps:])
 
   pieces_measured = bench.measure_pieces
   forward_s = iter([0.5, 0.125, 0.25])  # the start's pieces, then those of rounds 1 and 2
@@ -372,29 +378,41 @@ def test_rounds_time_every_setting_in_turn_after_compiling_them_all(tmp_path, mo
   rows = bench.run(model, config, log=lambda line: None)
   # The pieces are timed at the start, then again at the start of each round with 10 // R
   # repeats (at least 3) and one per micro-batch, and the rows use their median over the rounds.
-  # Beside the start's pieces, every stage setting's program on one device (3 steps, then 3 more:
-  # backprop's program is one device's already), before anything else is compiled.
-  # The slowdown and the wait likewise: once at the start, then once more in each round.
+  # The slowdown and the wait likewise: once at the start, then once more in each round. Every
+  # stage setting's program on one device is compiled at the start, before anything else, and
+  # timed in each round after the pieces: one untimed step of a fresh state, then one step
+  # alone, one beside the other processes (none here) and one alone again (backprop's program
+  # is one device's already).
+  one_device_round = [
+    ('time', 'model_parallel', 1, 1),
+    ('time', 'model_parallel', 1, 1),
+    ('time', 'model_parallel', 1, 1),
+  ]
   assert events == [
     ('pieces', 10, 3),
     ('slowdown', 3),
     ('wait', 3),
     ('prepare', 'model_parallel', 1),
-    ('time', 'model_parallel', 3),
-    ('time', 'model_parallel', 3),
     ('prepare', 'backprop', 1),
     ('prepare', 'model_parallel', 2),
     ('slowdown', 1),
     ('wait', 2),
     ('pieces', 5, 1),
-    ('time', 'backprop', 3),
-    ('time', 'model_parallel', 3),
+    *one_device_round,
+    ('time', 'backprop', 1, 3),
+    ('time', 'model_parallel', 2, 3),
     ('slowdown', 1),
     ('wait', 2),
     ('pieces', 5, 1),
-    ('time', 'backprop', 2),
-    ('time', 'model_parallel', 2),
+    *one_device_round,
+    ('time', 'backprop', 1, 2),
+    ('time', 'model_parallel', 2, 2),
   ]
+  # the one-device seconds: the median over the rounds of each round's median alone (the untimed
+  # first step of each round left out)
+  alone = [statistics.median(a + b) for a, b in zip(one_device_alone[1::3], one_device_alone[2::3])]
+  assert len(alone) == 2
+  assert rows[1]['one_device_s'] == pytest.approx(statistics.median(alone))
   # the rows use the rounds' medians of both, not the start's 1.3 and 0.05
   for row in rows:
     assert row['concurrent_slowdown'] == pytest.approx(1.15)

@@ -482,7 +482,8 @@ def collective_wait_probe(tick_s: float, width: int, ticks: int = 10) -> Callabl
 
 @dataclasses.dataclass
 class Prepared:
-  """One setting compiled and warmed up, ready to be timed (`prepare_setting`)."""
+  """One setting compiled and warmed up, ready to be timed (`prepare_setting`). `fresh()` builds
+  a new state (its initial one), for a program whose state is dropped between uses."""
 
   setting: ScheduleConfig
   compiled: Any
@@ -491,6 +492,7 @@ class Prepared:
   devices: list
   compile_s: float
   idle_fraction: float
+  fresh: Callable[[], Any]
   times: list = dataclasses.field(default_factory=list)
   busy: list = dataclasses.field(default_factory=list)
 
@@ -527,7 +529,8 @@ def prepare_setting(
   )
   model = partition.transformer_stages(work.cfg, split)
   schedule = build_schedule(setting, model, bench_optimizer(bench.optimizer), devices=devices)
-  state = schedule.init(partition.to_staged(work.params, split), work.batch)
+  fresh = lambda: schedule.init(partition.to_staged(work.params, split), work.batch)
+  state = fresh()
   placed = placement.place_batch(work.batch, schedule.mesh)
   start = time.perf_counter()
   compiled = schedule.step.lower(state, placed).compile()
@@ -535,7 +538,9 @@ def prepare_setting(
   for _ in range(bench.warmup):
     state, _ = compiled(state, placed)
   jax.block_until_ready(state)
-  return Prepared(setting, compiled, state, placed, devices, compile_s, schedule.idle_fraction)
+  return Prepared(
+    setting, compiled, state, placed, devices, compile_s, schedule.idle_fraction, fresh
+  )
 
 
 def time_steps(prepared: Prepared, steps: int) -> None:
@@ -579,8 +584,19 @@ def one_device(setting: ScheduleConfig) -> ScheduleConfig | None:
 def time_one_device(
   settings: Sequence[ScheduleConfig], work: Workload, bench: BenchConfig, steps: int = 3
 ) -> tuple[dict[str, float], dict[str, float]]:
-  """({label: seconds}, {label: slowdown}) of every stage setting's own step program on one
-  device over the first layer group (with the embedding and the head; `one_device`).
+  """`one_device_probe`'s ({label: seconds}, {label: slowdown}), measured once."""
+  return one_device_probe(settings, work, bench)(steps)
+
+
+def one_device_probe(
+  settings: Sequence[ScheduleConfig], work: Workload, bench: BenchConfig
+) -> Callable[[int], tuple[dict[str, float], dict[str, float]]]:
+  """A compiled probe, `probe(steps)`: ({label: seconds}, {label: slowdown}) of every stage
+  setting's own step program on one device over the first layer group (with the embedding and
+  the head; `one_device`). Every process calls the probe at once; a bench of several rounds calls
+  it in each (`run`) and uses the medians: on the 2-core CPU machine of
+  docs/results/simulator_calibration.md the same program timed once, at the start, ran 16-20%
+  slower in one run than in the next, and predicted its setting 14-26% too slow.
 
   The seconds: the median of 2 x `steps` steps on process 0 alone, half before and half after
   the steps together below. What one device's work costs inside its program, which its pieces
@@ -595,43 +611,57 @@ def time_one_device(
   where 1F1B's slowed 1.00-1.01x and the whole-batch forward and backward of
   `concurrent_slowdown_probe` 1.00-1.08x (docs/results/simulator_calibration.md).
 
-  Each program is compiled, warmed up once, timed and dropped, one setting at a time (kept, ten
-  of them beside the settings of a round-robin run filled a 24 GiB machine)."""
+  Each program is compiled once and only its executable kept: a probe builds its state afresh,
+  runs one untimed step, times, and drops it (ten states kept beside the settings of a
+  round-robin run filled a 24 GiB machine)."""
   layers = work.layers_per_stage[0]
   cfg = dataclasses.replace(work.cfg, num_layers=layers)
   group = Workload(
     cfg, jax.device_get(transformer.init_params(cfg, jax.random.key(0))), work.batch, (layers,)
   )
-  once = dataclasses.replace(bench, warmup=1)
+  unwarmed = dataclasses.replace(bench, warmup=0)
   me, several = jax.process_index(), jax.process_count() > 1
-  seconds, slowdowns = {}, {}
+  programs = {}  # label: (its owner processes, the prepared program or None where not run here)
   for setting in settings:
     if one_device(setting) is None:
       continue
     owners = {d.process_index for d in jax.devices()[: num_devices(setting)]}
     runs = me == 0 or (several and me in owners)
     local = jax.local_devices()[:1]
-    ready = prepare_setting(one_device(setting), group, once, devices=local) if runs else None
-    alone, together = [], 0.0
-    for phase in ('alone', 'together', 'alone again'):
-      multihost_utils.sync_global_devices(f'bench one device {setting.label} {phase}')
-      if ready is not None and (me == 0 if phase != 'together' else several):
-        ready.times.clear()
-        time_steps(ready, steps)
-        if phase == 'together':
-          together = statistics.median(ready.times)
-        else:
-          alone += ready.times
-    alone_s = float(
-      multihost_utils.broadcast_one_to_all(np.float64(statistics.median(alone or [0.0])))
-    )
-    seconds[setting.label] = alone_s
-    if several:
-      spent = np.asarray(multihost_utils.process_allgather(np.float64(together)))
-      slowdowns[setting.label] = max(1.0, float(spent[sorted(owners)].mean() / alone_s))
-    del ready
-    jax.clear_caches()  # its compiled step, so that ten of them do not pile up
-  return seconds, slowdowns
+    ready = prepare_setting(one_device(setting), group, unwarmed, devices=local) if runs else None
+    if ready is not None:
+      ready.state = None  # kept: the executable only
+    programs[setting.label] = owners, ready
+    multihost_utils.sync_global_devices(f'bench one device {setting.label} compiled')
+
+  def probe(steps: int = 3) -> tuple[dict[str, float], dict[str, float]]:
+    seconds, slowdowns = {}, {}
+    for label, (owners, ready) in programs.items():
+      if ready is not None:
+        ready.state = ready.fresh()
+        time_steps(ready, 1)  # untimed: the new state's first step
+      alone, together = [], 0.0
+      for phase in ('alone', 'together', 'alone again'):
+        multihost_utils.sync_global_devices(f'bench one device {label} {phase}')
+        if ready is not None and (me == 0 if phase != 'together' else several):
+          ready.times.clear()
+          time_steps(ready, steps)
+          if phase == 'together':
+            together = statistics.median(ready.times)
+          else:
+            alone += ready.times
+      alone_s = float(
+        multihost_utils.broadcast_one_to_all(np.float64(statistics.median(alone or [0.0])))
+      )
+      seconds[label] = alone_s
+      if several:
+        spent = np.asarray(multihost_utils.process_allgather(np.float64(together)))
+        slowdowns[label] = max(1.0, float(spent[sorted(owners)].mean() / alone_s))
+      if ready is not None:
+        ready.state = None
+    return seconds, slowdowns
+
+  return probe
 
 
 def round_robin(settings, work: Workload, bench: BenchConfig, measure_pieces_now=None):
@@ -786,8 +816,10 @@ def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dic
   wait_probe = collective_wait_probe(tick_seconds(pieces), work.cfg.d_model)
   slowdown, wait = slowdown_probe(3), wait_probe(3)
   # Each stage setting's program on one device: set against the pieces the rows use (these, or
-  # the rounds' medians; `simulate.program_scale`), it scales them.
-  one, program_slowdown = time_one_device(settings, work, bench)
+  # the rounds' medians; `simulate.program_scale`), it scales them. Timed here for one round,
+  # else in each round beside the pieces.
+  one_device_now = one_device_probe(settings, work, bench)
+  one, program_slowdown = one_device_now(3) if bench.rounds == 1 else ({}, {})
   measured_once = dict(
     concurrent_slowdown=slowdown,
     one_device=one,
@@ -803,12 +835,6 @@ def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dic
     f'collective wait {wait:.4f} s, '
     f'host load {host_load():.2f}'
   )
-  for label, seconds in one.items():
-    beside = program_slowdown.get(label)
-    log(
-      f'{label} on one device: {seconds:.4f} s'
-      + (f', {beside:.3f}x beside the other processes' if beside else '')
-    )
   for policy, measured in by_policy.items():
     name = 'micro-batch' if policy == 'all' else f'stash-policy {policy} micro-batch'
     for m in measured['fwd_micro']:
@@ -829,21 +855,25 @@ def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dic
   else:  # the pieces re-timed at the start of each round, fewer repeats each, their medians used
     repeats = dict(repeats=max(3, 10 // bench.rounds), micro_repeats=1)
 
-    def pieces_now():  # the slowdown and the wait drift (and burst) too: each round's own
+    def pieces_now():  # the slowdown, the wait and the programs drift (and burst) too
       drift = dict(concurrent_slowdown=slowdown_probe(1), collective_wait=wait_probe(2))
       measured = _measure_pieces(work, bench, settings, **repeats)
+      drift['one_device'], drift['program_slowdown'] = one_device_now(1)
       return {p: dict(m, **drift) for p, m in measured.items()}
 
-    timed, medians = round_robin(settings, work, bench, pieces_now)
-    by_policy = {
-      p: dict(m, one_device=one, program_slowdown=program_slowdown) for p, m in medians.items()
-    }
+    timed, by_policy = round_robin(settings, work, bench, pieces_now)
     pieces = by_policy['all']
     log(
       f'pieces, the median of {bench.rounds} rounds: forward {np.round(pieces["fwd"], 4)} s, '
       f'backward {np.round(pieces["bwd"], 4)} s, update {np.round(pieces["update"], 4)} s, '
       f'head+embed {pieces["head"]:.4f} s, concurrent slowdown '
       f'{pieces["concurrent_slowdown"]:.3f}, collective wait {pieces["collective_wait"]:.4f} s'
+    )
+  for label, seconds in pieces['one_device'].items():
+    beside = pieces['program_slowdown'].get(label)
+    log(
+      f'{label} on one device: {seconds:.4f} s'
+      + (f', {beside:.3f}x beside the other processes' if beside else '')
     )
   for setting, measured in timed:
     if measured is None:
