@@ -345,8 +345,16 @@ def test_rounds_time_every_setting_in_turn_after_compiling_them_all(tmp_path, mo
     measured = pieces_measured(work, **kw)
     return dict(measured, fwd=[next(forward_s)] * len(measured['fwd']))
 
+  step_untimed = bench.step_untimed
+
+  def untimed_logged(prepared):
+    events.append(('untimed', prepared.setting.label, prepared.setting.num_stages))
+    step_untimed(prepared)
+
   monkeypatch.setattr(bench, 'prepare_setting', prepare_logged)
   monkeypatch.setattr(bench, 'time_steps', time_logged)
+  monkeypatch.setattr(bench, 'step_untimed', untimed_logged)
+  monkeypatch.setattr(bench.host, 'release_freed_memory', lambda: events.append(('release',)))
   monkeypatch.setattr(bench, 'measure_pieces', pieces_logged)
   # The probes re-run in each round too. Their own tests time them; here the wait's tick would
   # be the 0.5 s faked forward (~40 s of probing), and one process has no slowdown to find.
@@ -376,18 +384,30 @@ def test_rounds_time_every_setting_in_turn_after_compiling_them_all(tmp_path, mo
     settings=bench.select_settings(2, 'backprop,model_parallel', 2),
   )
   rows = bench.run(model, config, log=lambda line: None)
+
   # The pieces are timed at the start, then again at the start of each round with 10 // R
   # repeats (at least 3) and one per micro-batch, and the rows use their median over the rounds.
   # The slowdown and the wait likewise: once at the start, then once more in each round. Every
   # stage setting's program on one device is compiled at the start, before anything else, and
   # timed in each round after the pieces: one untimed step of a fresh state, then one step
   # alone, one beside the other processes (none here) and one alone again (backprop's program
-  # is one device's already).
-  one_device_round = [
-    ('time', 'model_parallel', 1, 1),
-    ('time', 'model_parallel', 1, 1),
-    ('time', 'model_parallel', 1, 1),
-  ]
+  # is one device's already). Then the memory they freed goes back to the kernel, and each
+  # setting takes one untimed step before its timed ones.
+  def round_of(steps):
+    return [
+      ('slowdown', 1),
+      ('wait', 2),
+      ('pieces', 5, 1),
+      ('untimed', 'model_parallel', 1),
+      ('time', 'model_parallel', 1, 1),
+      ('time', 'model_parallel', 1, 1),
+      ('release',),
+      ('untimed', 'backprop', 1),
+      ('time', 'backprop', 1, steps),
+      ('untimed', 'model_parallel', 2),
+      ('time', 'model_parallel', 2, steps),
+    ]
+
   assert events == [
     ('pieces', 10, 3),
     ('slowdown', 3),
@@ -395,22 +415,11 @@ def test_rounds_time_every_setting_in_turn_after_compiling_them_all(tmp_path, mo
     ('prepare', 'model_parallel', 1),
     ('prepare', 'backprop', 1),
     ('prepare', 'model_parallel', 2),
-    ('slowdown', 1),
-    ('wait', 2),
-    ('pieces', 5, 1),
-    *one_device_round,
-    ('time', 'backprop', 1, 3),
-    ('time', 'model_parallel', 2, 3),
-    ('slowdown', 1),
-    ('wait', 2),
-    ('pieces', 5, 1),
-    *one_device_round,
-    ('time', 'backprop', 1, 2),
-    ('time', 'model_parallel', 2, 2),
+    *round_of(3),
+    *round_of(2),
   ]
-  # the one-device seconds: the median over the rounds of each round's median alone (the untimed
-  # first step of each round left out)
-  alone = [statistics.median(a + b) for a, b in zip(one_device_alone[1::3], one_device_alone[2::3])]
+  # the one-device seconds: the median over the rounds of each round's median alone
+  alone = [statistics.median(a + b) for a, b in zip(one_device_alone[::2], one_device_alone[1::2])]
   assert len(alone) == 2
   assert rows[1]['one_device_s'] == pytest.approx(statistics.median(alone))
   # the rows use the rounds' medians of both, not the start's 1.3 and 0.05

@@ -191,3 +191,35 @@ def test_libtpu_counts_as_an_accelerator_only_where_tpu_chips_are(platforms_from
   assert host.libtpu_without_chips() and host.cpu_backend_expected() is True
   monkeypatch.setattr(host, 'tpu_chips_visible', lambda: True)
   assert not host.libtpu_without_chips() and host.cpu_backend_expected() is False
+
+
+# Keeps freed memory (configure_cpu_runtime), then frees 256 MiB it touched: the process's
+# resident pages stay, until release_freed_memory() hands them back.
+_RELEASE = """
+import ctypes
+from ouroboros_jax.runtime import host
+def resident_mib():
+  return int(open('/proc/self/statm').read().split()[1]) * 4096 / 2**20
+libc = ctypes.CDLL('libc.so.6')
+libc.malloc.restype = ctypes.c_void_p
+host.configure_cpu_runtime()
+small = libc.malloc(1 << 10)  # above the block: the heap's top cannot simply shrink
+block = libc.malloc(256 << 20)
+ctypes.memset(block, 1, 256 << 20)
+libc.free(ctypes.c_void_p(block))
+kept = resident_mib()
+released = host.release_freed_memory()
+print(released, kept - resident_mib())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith('linux'), reason='glibc malloc')
+def test_freed_memory_kept_for_speed_goes_back_to_the_kernel_when_asked():
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu'}
+  out = subprocess.run(
+    [sys.executable, '-c', _RELEASE], capture_output=True, text=True, env=env, timeout=120
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  released, returned_mib = out.stdout.split()
+  assert released == 'True'
+  assert float(returned_mib) > 200, out.stdout  # of the 256 MiB freed

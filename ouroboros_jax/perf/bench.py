@@ -69,6 +69,7 @@ from ouroboros_jax.models import model as transformer
 from ouroboros_jax.models import partition
 from ouroboros_jax.optimizers import LIBRARY_DIMS, make_optimizer
 from ouroboros_jax.perf import simulate
+from ouroboros_jax.runtime import host
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule
 from ouroboros_jax.schedules.compensation import Compensation
 from ouroboros_jax.schedules.config import AUTO
@@ -553,6 +554,13 @@ def time_steps(prepared: Prepared, steps: int) -> None:
     prepared.busy.append(time.process_time() - start_cpu)
 
 
+def step_untimed(prepared: Prepared) -> None:
+  """One step of a prepared setting, not timed: its first on a new state, or after
+  `host.release_freed_memory`, pays for faulting its scratch memory in."""
+  prepared.state, metrics = prepared.compiled(prepared.state, prepared.placed)
+  jax.block_until_ready((prepared.state, metrics))
+
+
 def measurement(prepared: Prepared, work: Workload) -> dict:
   """The median step of the timed steps, and the CPU seconds of the busiest process."""
   step_s = statistics.median(prepared.times)
@@ -639,7 +647,7 @@ def one_device_probe(
     for label, (owners, ready) in programs.items():
       if ready is not None:
         ready.state = ready.fresh()
-        time_steps(ready, 1)  # untimed: the new state's first step
+        step_untimed(ready)
       alone, together = [], 0.0
       for phase in ('alone', 'together', 'alone again'):
         multihost_utils.sync_global_devices(f'bench one device {label} {phase}')
@@ -671,7 +679,9 @@ def round_robin(settings, work: Workload, bench: BenchConfig, measure_pieces_now
 
   With `measure_pieces_now` (a callable giving the pieces) each round also re-times the pieces
   first, and the second result is their median over the rounds (`median_pieces`): the pieces the
-  predictions are built from then drift with the machine as the settings' steps do. Else None."""
+  predictions are built from then drift with the machine as the settings' steps do. Else None.
+  What the pieces allocated and freed is then handed back to the kernel
+  (`host.release_freed_memory`), and each setting runs one untimed step before its timed ones."""
   prepared = []
   for setting in settings:
     prepared.append(prepare_setting(setting, work, bench))
@@ -683,8 +693,11 @@ def round_robin(settings, work: Workload, bench: BenchConfig, measure_pieces_now
   for r, steps in enumerate(per_round):
     if measure_pieces_now is not None:
       pieces_by_round.append(measure_pieces_now())
+      host.release_freed_memory()
     for setting, ready in zip(settings, prepared):
       if ready is not None:
+        if measure_pieces_now is not None:
+          step_untimed(ready)
         time_steps(ready, steps)
       multihost_utils.sync_global_devices(f'bench round {r} {setting.label}')
   timed = [

@@ -190,17 +190,39 @@ def keep_freed_memory() -> bool:
   Returns False, and does nothing, where the C library is not glibc (macOS, musl), which have
   their own allocators.
   """
-  if not sys.platform.startswith('linux'):
-    return False
-  try:
-    libc = ctypes.CDLL(ctypes.util.find_library('c') or 'libc.so.6')
-    libc.gnu_get_libc_version  # noqa: B018  (raises AttributeError outside glibc)
-  except (OSError, AttributeError):
+  libc = _glibc()
+  if libc is None:
     return False
   return all(
     libc.mallopt(param, value) == 1
     for param, value in ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
   )
+
+
+def release_freed_memory() -> bool:
+  """Hands the pages of the memory the process has freed back to the kernel (glibc's
+  `malloc_trim`), which `keep_freed_memory` otherwise keeps: for a program that interleaves
+  short-lived work of many sizes with long-lived state, as the benchmark's rounds do (its heap,
+  one arena never trimmed, grew ~1.5 GiB a round on process 0 until a 24 GiB machine ran out).
+  The next step of any program then faults its scratch memory in again: run one untimed. Returns
+  False, and does nothing, outside glibc."""
+  libc = _glibc()
+  if libc is None:
+    return False
+  libc.malloc_trim(0)
+  return True
+
+
+def _glibc():
+  """glibc's C library, None where the C library is another (macOS, musl) or not Linux."""
+  if not sys.platform.startswith('linux'):
+    return None
+  try:
+    libc = ctypes.CDLL(ctypes.util.find_library('c') or 'libc.so.6')
+    libc.gnu_get_libc_version  # noqa: B018  (raises AttributeError outside glibc)
+  except (OSError, AttributeError):
+    return None
+  return libc
 
 
 def configure_cpu_runtime() -> bool:
