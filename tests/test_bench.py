@@ -391,16 +391,19 @@ def test_rounds_time_every_setting_in_turn_after_compiling_them_all(tmp_path, mo
   # stage setting's program on one device is compiled at the start, before anything else, and
   # timed in each round after the pieces: one untimed step of a fresh state, then one step
   # alone, one beside the other processes (none here) and one alone again (backprop's program
-  # is one device's already). Then the memory they freed goes back to the kernel, and each
-  # setting takes one untimed step before its timed ones.
+  # is one device's already). The memory the pieces, each one-device program and then the
+  # round's measurements freed goes back to the kernel, so the next program runs one untimed
+  # step first: each setting too, before its timed ones.
   def round_of(steps):
     return [
       ('slowdown', 1),
       ('wait', 2),
       ('pieces', 5, 1),
+      ('release',),
       ('untimed', 'model_parallel', 1),
       ('time', 'model_parallel', 1, 1),
       ('time', 'model_parallel', 1, 1),
+      ('release',),
       ('release',),
       ('untimed', 'backprop', 1),
       ('time', 'backprop', 1, steps),

@@ -26,16 +26,16 @@ needs_libtpu = pytest.mark.skipif(
 )
 TOPOLOGY = 'v5e:2x2'
 SMALL = dict(d_model=64, num_heads=2, d_ff=256, num_layers=4, seq_len=512, batch_size=8)
-# Schedules at SMALL on 2 stages (the data-parallel one on 2 replicas) in one dtype, one JSON
-# report per line.
+# Schedules at SMALL on 2 stages (the data-parallel one on 2 replicas) in each dtype of argv[2]
+# (comma-separated), one JSON report per line.
 EVERY_SCHEDULE = """
 import json, sys
 from ouroboros_jax.choices import MICROBATCHED
 from ouroboros_jax.perf import compile as compile_lib
 from ouroboros_jax.training import config
 
-small, dtype, names = json.loads(sys.argv[1]), sys.argv[2], sys.argv[4].split(',')
-for name in names:
+small, dtypes, names = json.loads(sys.argv[1]), sys.argv[2].split(','), sys.argv[4].split(',')
+for dtype, name in [(dtype, name) for dtype in dtypes for name in names]:
   spread = {'backprop': {}, 'data_parallel': {'data_parallel': 2}}.get(name, {'stages': 2})
   if name in MICROBATCHED:  # micro-batches of 4: activations larger than the chip's VMEM
     spread['microbatches'] = 2
@@ -55,27 +55,35 @@ def _env(**changes) -> dict:
 
 
 def _compile(runs) -> dict:
-  """{(dtype, schedule): report} of each (dtype, schedules) in `runs`, one subprocess each, side
-  by side."""
+  """{(dtype, schedule): report} of each (dtypes, schedules) in `runs`: one subprocess each, side
+  by side, that compiles every schedule in every dtype (one libtpu start-up for them all)."""
   procs = {
-    (dtype, names): subprocess.Popen(
-      [sys.executable, '-c', EVERY_SCHEDULE, json.dumps(SMALL), dtype, TOPOLOGY, ','.join(names)],
+    (dtypes, names): subprocess.Popen(
+      [
+        sys.executable,
+        '-c',
+        EVERY_SCHEDULE,
+        json.dumps(SMALL),
+        ','.join(dtypes),
+        TOPOLOGY,
+        ','.join(names),
+      ],
       cwd=REPO_ROOT,
       env=_env(),
       stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,
       text=True,
     )
-    for dtype, names in runs
+    for dtypes, names in runs
   }
   reports = {}
-  for (dtype, names), run in procs.items():
+  for (dtypes, names), run in procs.items():
     out, err = run.communicate(timeout=300)
     assert run.returncode == 0, err[-3000:]
     assert not err.strip(), err[-3000:]  # libtpu's start-up warnings are quieted
     got = [json.loads(line) for line in out.splitlines()]
-    assert [r['schedule'] for r in got] == list(names), dtype
-    reports.update({(dtype, r['schedule']): r for r in got})
+    assert [(r['dtype'], r['schedule']) for r in got] == [(d, n) for d in dtypes for n in names]
+    reports.update({(r['dtype'], r['schedule']): r for r in got})
   for (dtype, name), r in reports.items():
     assert r['dtype'] == dtype
     assert (r['topology'], r['platform'], r['device_kind']) == (TOPOLOGY, 'tpu', 'TPU v5 lite')
@@ -95,7 +103,9 @@ def _compile(runs) -> dict:
 # bfloat16 (the TPU's compute dtype), and float32 only where it is compared: for one schedule of
 # each kind of program, the whole model on one chip (backprop; data_parallel is it replicated),
 # the exact pipelines (1f1b; model_parallel, gpipe, interleaved, zb_h1 and zb_v stage the same
-# layers with other tick tables) and the ring (ouroboros). Two compiles per test, side by side.
+# layers with other tick tables) and the ring (ouroboros). Two compiles per test, in one
+# subprocess: each libtpu start-up and import costs ~5 s, and side by side the two subprocesses
+# only shared 2 busy cores.
 # (Before: every schedule in both dtypes, 18 compiles in two tests of 175 s and 113 s.)
 COMPARED = ('backprop', '1f1b', 'ouroboros')
 BFLOAT16_ONLY = (('data_parallel', 'model_parallel'), ('gpipe', 'interleaved'), ('zb_h1', 'zb_v'))
@@ -109,14 +119,14 @@ def test_the_tpu_compiles_cover_every_schedule():
 @needs_libtpu
 @pytest.mark.parametrize('names', BFLOAT16_ONLY, ids='+'.join)
 def test_every_schedule_compiles_for_a_tpu_in_bfloat16(names):
-  reports = _compile([('bfloat16', (name,)) for name in names])
+  reports = _compile([(('bfloat16',), names)])
   assert sorted(name for _, name in reports) == sorted(names)
 
 
 @needs_libtpu
 @pytest.mark.parametrize('name', COMPARED)
 def test_bfloat16_needs_less_than_float32_on_a_tpu(name):
-  reports = _compile([('float32', (name,)), ('bfloat16', (name,))])
+  reports = _compile([(('float32', 'bfloat16'), (name,))])
   fp32, bf16 = reports['float32', name], reports['bfloat16', name]
   # Master weights stay float32; the per-weight first moments (and Ouroboros' compensation
   # state) are stored in bf16 (`--state-dtype auto`), the rest of the optimizer state in float32;

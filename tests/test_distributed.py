@@ -18,8 +18,9 @@ from ouroboros_jax.runtime import distributed, launch
 
 from helpers import assert_trees_equal
 
-# The same 5 Ouroboros steps, run either as 2 processes (1 CPU device each) or as 1 process with
-# 2 simulated devices; the script writes the final parameters of process 0 to argv[2].
+# The same 5 Ouroboros steps with each stash of argv[1] (comma-separated), run either as 2
+# processes (1 CPU device each) or as 1 process with 2 simulated devices; the script writes the
+# final parameters of process 0 to argv[2] with the stash's name in place of STASH.
 SCRIPT = textwrap.dedent("""
     import sys
     import jax
@@ -35,53 +36,59 @@ SCRIPT = textwrap.dedent("""
     from ouroboros_jax.schedules.compensation import Compensation
     cfg = M.ModelConfig(d_model=16, num_heads=2, num_layers=4, d_ff=32, seq_len=8)
     params = jax.device_get(partition.to_staged(M.init_params(cfg, jax.random.key(0)), (2, 2)))
-    config = ScheduleConfig(name='ouroboros', num_stages=2, stash=sys.argv[1],
-                            compensation=Compensation())  # the paper's ring
-    schedule = build_schedule(config, partition.transformer_stages(cfg, (2, 2)),
-                              staged.adamw(1e-2))
-    rng = np.random.default_rng(0)
-    batches = [{k: rng.integers(0, 256, (4, 8)).astype(np.int32) for k in ('inputs', 'targets')}
-               for _ in range(5)]
-    place = lambda b: jax.tree.map(lambda a: jax.make_array_from_process_local_data(
-        NamedSharding(schedule.mesh, P(staged.DATA)), a), b)
-    state = schedule.init(params, batches[0])
-    for batch in batches:
-      state, metrics = schedule.step(state, place(batch))
-    gathered = multihost_utils.process_allgather(state.params, tiled=True)
-    if jax.process_index() == 0:
-      np.save(sys.argv[2], np.concatenate([np.ravel(x) for x in jax.tree.leaves(gathered)]))
-    print('processes', jax.process_count(), 'loss', float(metrics['loss']))
+    for stash in sys.argv[1].split(','):
+      config = ScheduleConfig(name='ouroboros', num_stages=2, stash=stash,
+                              compensation=Compensation())  # the paper's ring
+      schedule = build_schedule(config, partition.transformer_stages(cfg, (2, 2)),
+                                staged.adamw(1e-2))
+      rng = np.random.default_rng(0)
+      batches = [{k: rng.integers(0, 256, (4, 8)).astype(np.int32) for k in ('inputs', 'targets')}
+                 for _ in range(5)]
+      place = lambda b: jax.tree.map(lambda a: jax.make_array_from_process_local_data(
+          NamedSharding(schedule.mesh, P(staged.DATA)), a), b)
+      state = schedule.init(params, batches[0])
+      for batch in batches:
+        state, metrics = schedule.step(state, place(batch))
+      gathered = multihost_utils.process_allgather(state.params, tiled=True)
+      if jax.process_index() == 0:
+        np.save(sys.argv[2].replace('STASH', stash),
+                np.concatenate([np.ravel(x) for x in jax.tree.leaves(gathered)]))
+      print(stash, 'processes', jax.process_count(), 'loss', float(metrics['loss']))
 """)
 
 
-@pytest.mark.parametrize('stash', ['graph', 'replay'])
-def test_two_processes_equal_two_simulated_devices(tmp_path, stash):
+def test_two_processes_equal_two_simulated_devices(tmp_path):
+  """Both stashes, one after the other in each run (one start-up of each run for both)."""
+  stashes = ('graph', 'replay')
   script = tmp_path / 'run.py'
   script.write_text(SCRIPT)
   out = io.StringIO()
   code = launch.launch(
     2,
-    [stash, str(tmp_path / 'multi.npy')],
+    [','.join(stashes), str(tmp_path / 'multi_STASH.npy')],
     options=launch.LaunchOptions(program=[sys.executable, str(script)]),
     timeout_s=240,
     out=out,
   )
   assert code == 0, out.getvalue()[-3000:]
-  assert out.getvalue().count('processes 2 loss') == 2
   single = subprocess.run(
-    [sys.executable, str(script), stash, str(tmp_path / 'single.npy')],
+    [sys.executable, str(script), ','.join(stashes), str(tmp_path / 'single_STASH.npy')],
     capture_output=True,
     text=True,
     timeout=240,
     env={**launch.child_env(0, 1, 0), 'OUROBOROS_COORDINATOR': '', 'XLA_FLAGS': ''},
   )
   assert single.returncode == 0, single.stderr[-3000:]
-  assert 'processes 1 loss' in single.stdout
-  multi, one = np.load(tmp_path / 'multi.npy'), np.load(tmp_path / 'single.npy')
-  # 5 AdamW steps at lr 1e-2 in float32, sums in another order (one vs two partitions): Adam
-  # amplifies a reordered sum on near-zero gradient coordinates, ~1e-5 seen, so 1e-4 (was 2e-5,
-  # within 2x of what was seen); a missing all-reduce or a wrong shard moves parameters by > 1e-3.
-  np.testing.assert_allclose(multi, one, rtol=0, atol=1e-4)
+  for stash in stashes:
+    assert out.getvalue().count(f'{stash} processes 2 loss') == 2
+    assert f'{stash} processes 1 loss' in single.stdout
+    multi = np.load(tmp_path / f'multi_{stash}.npy')
+    one = np.load(tmp_path / f'single_{stash}.npy')
+    # 5 AdamW steps at lr 1e-2 in float32, sums in another order (one vs two partitions): Adam
+    # amplifies a reordered sum on near-zero gradient coordinates, ~1e-5 seen, so 1e-4 (was
+    # 2e-5, within 2x of what was seen); a missing all-reduce or a wrong shard moves parameters
+    # by > 1e-3.
+    np.testing.assert_allclose(multi, one, rtol=0, atol=1e-4, err_msg=stash)
 
 
 def test_a_killed_process_makes_launch_fail_fast(tmp_path):

@@ -8,8 +8,8 @@ separately, not counted), runs `warmup` steps, then times `steps` more one by on
 **median** step time and tokens/s. With `rounds` R > 1 (`--rounds`) every setting is compiled and
 warmed up first and the timed steps are dealt out in R rounds, setting after setting, so that a
 machine whose speed drifts over minutes slows every setting alike; the pieces below, the
-concurrent slowdown and the collective's wait included, are then timed again at the start of
-each round and their medians over the rounds used. It also measures, on process 0's device while every other
+concurrent slowdown, the collective's wait and the one-device programs included, are then timed
+again at the start of each round and their medians over the rounds used. It also measures, on process 0's device while every other
 process waits, each layer group's forward and backward (on the whole batch, and on one
 micro-batch of B / M rows for every M the settings use: a micro-batch rarely costs 1 / M of the
 batch), the head and each device's optimizer update; then one activation hop and one gradient
@@ -667,6 +667,7 @@ def one_device_probe(
         slowdowns[label] = max(1.0, float(spent[sorted(owners)].mean() / alone_s))
       if ready is not None:
         ready.state = None
+        host.release_freed_memory()  # its state and scratch: the next program faults its own in
     return seconds, slowdowns
 
   return probe
@@ -871,6 +872,7 @@ def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dic
     def pieces_now():  # the slowdown, the wait and the programs drift (and burst) too
       drift = dict(concurrent_slowdown=slowdown_probe(1), collective_wait=wait_probe(2))
       measured = _measure_pieces(work, bench, settings, **repeats)
+      host.release_freed_memory()  # the pieces' (each program below first runs one step untimed)
       drift['one_device'], drift['program_slowdown'] = one_device_now(1)
       return {p: dict(m, **drift) for p, m in measured.items()}
 
