@@ -141,8 +141,11 @@ def test_a_full_disk_ends_train_in_one_line_and_keeps_the_last_checkpoint(tmp_pa
     rf'the last good checkpoint is step (\d+) in {re.escape(str(out))}/checkpoints: .* --resume',
     stderr,
   )
+  # Where the disk fills depends on the logs' and the save's temporary files, which vary from run
+  # to run by a page or two: the last good checkpoint is one of the run's checkpoint steps before
+  # its last (step 6 never fits beside an earlier one).
   if os.sysconf('SC_PAGE_SIZE') == 4096:  # tmpfs counts whole pages: larger ones fill it sooner
-    assert kept and kept[1] == '2', stderr
+    assert kept and kept[1] in ('2', '4'), stderr
   # The last good checkpoint stays, whole, and nothing a cut-short save began is left.
   assert os.listdir(after / 'checkpoints') == ([kept[1]] if kept else [])
   if kept:
