@@ -5,6 +5,8 @@ from __future__ import annotations
 
 # The exact pipelines run from their tables (schedules/tables.py, schedules/pipeline.py).
 EXACT_PIPELINES = ('1f1b', 'interleaved', 'zb_h1', 'zb_v')
+# The zero-bubble pipelines split a backward into B (the input gradient) and W (the weight's).
+SPLIT_BACKWARD = ('zb_h1', 'zb_v')
 MICROBATCHED = ('gpipe', *EXACT_PIPELINES, 'ouroboros')  # they cut a batch into micro-batches
 SCHEDULES = ('backprop', 'data_parallel', 'model_parallel', 'gpipe', *EXACT_PIPELINES, 'ouroboros')
 FORWARD_MODES = ('locked', 'pipelined')  # Ouroboros: the paper's forward, or one hop per step

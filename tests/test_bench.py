@@ -146,6 +146,48 @@ def test_pieces_include_each_micro_batch_and_the_rows_carry_the_setting_s_own(tm
   assert np.isfinite(row['predicted_s'])
 
 
+def test_a_zero_bubble_row_splits_its_backward_by_the_measured_input_grad_share(tmp_path):
+  """measure_pieces times a split backward's B and W apart for each M asked; a zero-bubble row
+  carries its M's share and is predicted with it (B longer than W: a longer lockstep step), a
+  fused row carries none."""
+  import pytest
+
+  from ouroboros_jax.models.model import ModelConfig
+  from ouroboros_jax.perf import bench
+  from ouroboros_jax.schedules import ScheduleConfig
+
+  model = ModelConfig(d_model=32, num_heads=2, num_layers=2, d_ff=64, seq_len=16)
+  work = bench._workload(model, bench.BenchConfig(batch_size=4, stages=2, out_dir=str(tmp_path)))
+  pieces = bench.measure_pieces(
+    work, repeats=1, microbatches=(4,), micro_repeats=1, split_microbatches=(4,)
+  )
+  assert set(pieces['input_grad_share']) == {'4'}
+  assert 0 < pieces['input_grad_share']['4'] < 1
+  fake = {
+    'fwd': [1.0, 1.0],
+    'bwd': [2.0, 2.0],
+    'fwd_micro': {'4': [0.25, 0.25]},
+    'bwd_micro': {'4': [0.5, 0.5]},
+    'head': 0.0,
+    'update': [0.0, 0.0],
+  }
+  measured = {'step_time_s': 1.0, 'busy_s': 1.0, 'compile_s': 1.0, 'tokens_per_s': 1.0}
+  zb = ScheduleConfig(name='zb_h1', num_stages=2, microbatches=4)
+  even = bench._row(zb, measured, fake, 0.0, 0.0)
+  skewed = bench._row(zb, measured, dict(fake, input_grad_share={'4': 0.7}), 0.0, 0.0)
+  assert (even['input_grad_share'], skewed['input_grad_share']) == ('', 0.7)
+  assert (
+    bench.stage_costs(zb, dict(fake, input_grad_share={'4': 0.7}), 0, 0).input_grad_share == 0.7
+  )
+  assert skewed['predicted_s'] > even['predicted_s'] + 0.05
+  one_f_one_b = ScheduleConfig(name='1f1b', num_stages=2, microbatches=4)
+  fused = bench._row(one_f_one_b, measured, dict(fake, input_grad_share={'4': 0.7}), 0.0, 0.0)
+  assert fused['input_grad_share'] == ''
+  assert fused['predicted_s'] == pytest.approx(
+    bench._row(one_f_one_b, measured, fake, 0, 0)['predicted_s']
+  )
+
+
 def test_two_process_bench_writes_every_row_with_its_ideal(tmp_path):
   out = io.StringIO()
   only = 'backprop,model_parallel,ouroboros pipelined/graph'

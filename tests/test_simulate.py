@@ -621,6 +621,23 @@ def test_measured_csv_scales_the_pieces_by_the_one_device_program(experiment, tm
   assert table[2].endswith('| 2.00') and table[3].endswith('| ')
 
 
+def test_measured_csv_reads_a_zero_bubble_row_s_input_grad_share(experiment, tmp_path):
+  """A ZB-H1 row with B at 0.7 of its backward is predicted slower than the same row read as an
+  even split (its lockstep ticks wait for the longer B); an old CSV without the column reads as
+  an even split."""
+  path = measured_csv(
+    tmp_path / 'split.csv',
+    ',input_grad_share',
+    'zb_h1,2,4,-,-,0.02,0.0025,0.005,0.0025,0,0.7',
+    'zb_h1,2,4,-,-,0.02,0.0025,0.005,0.0025,0,',
+  )
+  skewed, even = experiment.compare_measured(str(path))
+  old = measured_csv(tmp_path / 'old.csv', '', 'zb_h1,2,4,-,-,0.02,0.0025,0.005,0.0025,0')
+  (before,) = experiment.compare_measured(str(old))
+  assert even['predicted_s'] == pytest.approx(before['predicted_s'])
+  assert skewed['predicted_s'] > even['predicted_s'] * 1.05
+
+
 # ----------------------------------------------------------------------------- shared devices
 
 
@@ -688,6 +705,32 @@ def test_lockstep_ticks_make_1f1b_wait_for_the_slower_operation_of_each_tick():
   assert sim.simulate(
     ScheduleConfig(name='gpipe', microbatches=4), linked, lockstep=True
   ).step_time == (pytest.approx(step('gpipe', True) + ticks * 0.01, abs=TOL))
+
+
+@pytest.mark.parametrize('name', ['zb_h1', 'zb_v'])
+@pytest.mark.parametrize('share', [0.5, 0.58, 0.7])
+def test_a_split_backward_gives_b_its_measured_share_and_w_the_rest(name, share):
+  """Straight from the lockstep equations: a step of a zero-bubble table is the sum over its
+  ticks of the slowest device's operation, F = f / (M v), B = share b / (M v), W = (1 - share)
+  b / (M v) (free links, no head). A fused table's B is all of b whatever the share."""
+  f, b, m = 1.0, 2.0, 4
+  c = costs([f] * 2, [b] * 2, input_grad_share=share)
+  placed = tables.place(tables.build(name, 2, m))
+  v = placed.pipeline.chunks
+  op_s = {'F': f / (m * v), 'B': share * b / (m * v), 'W': (1 - share) * b / (m * v)}
+  reference = sum(
+    max(op_s[row[tick].kind] if row[tick] else 0.0 for row in placed.grid)
+    for tick in range(len(placed.grid[0]))
+  )
+  config = ScheduleConfig(name=name, microbatches=m)
+  assert sim.simulate(config, c, lockstep=True).step_time == pytest.approx(reference, abs=TOL)
+  fused = ScheduleConfig(name='1f1b', microbatches=m)
+  assert sim.simulate(fused, c, lockstep=True).step_time == pytest.approx(
+    sim.simulate(fused, costs([f] * 2, [b] * 2), lockstep=True).step_time, abs=TOL
+  )
+  for wrong in (0.0, 1.0):
+    with pytest.raises(ValueError, match='input_grad_share'):
+      costs([f], [b], input_grad_share=wrong)
 
 
 def test_costs_from_one_measured_layer_scale_by_each_stage_s_layers():

@@ -63,7 +63,13 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ouroboros_jax import costs, placement
-from ouroboros_jax.choices import DEFAULT_STASH_POLICY, FORWARD_MODES, MICROBATCHED, STASH_MODES
+from ouroboros_jax.choices import (
+  DEFAULT_STASH_POLICY,
+  FORWARD_MODES,
+  MICROBATCHED,
+  SPLIT_BACKWARD,
+  STASH_MODES,
+)
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.models import model as transformer
 from ouroboros_jax.models import partition
@@ -73,7 +79,7 @@ from ouroboros_jax.runtime import host
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule
 from ouroboros_jax.schedules.compensation import Compensation
 from ouroboros_jax.schedules.config import AUTO
-from ouroboros_jax.schedules.stash import GraphStash
+from ouroboros_jax.schedules.stash import GraphStash, TappedStash
 from ouroboros_jax.update import GroupedOptimizer
 
 
@@ -237,6 +243,26 @@ def time_group(stash, params, s, key, x, repeats, sizes=(), micro_repeats=3):
   return time_on(x, repeats), {str(m): time_on(x[: rows // m], micro_repeats) for m in sizes}
 
 
+def input_grad_share(split, params_s, s, key, x, sizes, repeats=3) -> dict[str, float]:
+  """{str(M): B / (B + W)} of group s's split backward (`TappedStash`: B the input gradient
+  through the taps, W the weight gradient from them) on the first B / M rows of x, for each M in
+  `sizes`: how a zero-bubble table divides a backward between its B and W ticks
+  (`simulate.StageCosts.input_grad_share`)."""
+  stash = TappedStash(split)
+  forward = jax.jit(lambda p, h: stash.forward(p, h, s, key))
+  b = jax.jit(lambda p, kept, d: stash.input_grad(p, kept, d, s, key))
+  w = jax.jit(stash.weight_grad)
+  shares = {}
+  for m in sizes:
+    y, kept, _ = forward(params_s, x[: x.shape[0] // m])
+    delta = jnp.ones_like(y)
+    for_w = b(params_s, kept, delta)[1]
+    b_s = _median_time(b, params_s, kept, delta, repeats=repeats)
+    w_s = _median_time(w, params_s, kept, for_w, repeats=repeats)
+    shares[str(m)] = b_s / (b_s + w_s)
+  return shares
+
+
 def measure_pieces(
   work: Workload,
   repeats: int = 10,
@@ -244,6 +270,7 @@ def measure_pieces(
   optimizer: str = 'adamw',
   microbatches: Sequence[int] = (),
   micro_repeats: int = 3,
+  split_microbatches: Sequence[int] = (),
 ) -> dict:
   """Seconds of each piece alone on this process's first device: per-group forward and backward
   (from a kept graph), and device 0's extra work (embedding and head, forward + backward).
@@ -251,7 +278,11 @@ def measure_pieces(
   For every M in `microbatches` (M >= 2 dividing the batch) it also times each group's forward
   and backward on B / M rows (`micro_repeats` times each), under 'fwd_micro' / 'bwd_micro'
   keyed by str(M): what a micro-batch costs, which on a CPU (and a GPU at small micro-batches)
-  is more than 1 / M of the whole batch's time."""
+  is more than 1 / M of the whole batch's time.
+
+  For every M in `split_microbatches` (the zero-bubble settings' micro-batches) it also times
+  group 0's split backward, B and W apart, under 'input_grad_share' keyed by str(M)
+  (`input_grad_share`; the model's layers all have the same split)."""
   layers_per_stage = work.layers_per_stage
   model = partition.transformer_stages(work.cfg, layers_per_stage)
   params = partition.to_staged(work.params, layers_per_stage)
@@ -283,6 +314,20 @@ def measure_pieces(
     return jax.grad(loss_of, argnums=(0, 1, 2))(head_p, embed_p, h)
 
   head_s = _median_time(jax.jit(device0_extra), params['embed'], params['head'], repeats=repeats)
+  split_sizes = sorted({int(m) for m in split_microbatches if int(m) == 1 or str(m) in fwd_micro})
+  shares = (
+    input_grad_share(
+      model.weight_split,
+      jax.tree.map(lambda a: a[0], params['stages']),
+      0,
+      key,
+      x,
+      split_sizes,
+      micro_repeats,
+    )
+    if split_sizes and model.weight_split is not None
+    else {}
+  )
 
   # The optimizer update (clip + the optimizer) of each device's own parameters: stage s, and on
   # device 0 also the embedding and the head.
@@ -302,6 +347,7 @@ def measure_pieces(
     'bwd': bwd,
     'fwd_micro': fwd_micro,
     'bwd_micro': bwd_micro,
+    'input_grad_share': shares,
     'head': head_s,
     'update': update,
     'activation_bytes': x.nbytes,
@@ -813,6 +859,7 @@ def stage_costs(
     microbatch_forward_s={m: micro[0]} if micro else {},
     microbatch_backward_s={m: micro[1]} if micro else {},
     concurrent_slowdown=1.0 if ideal else concurrent_slowdown(setting, pieces),
+    input_grad_share=pieces.get('input_grad_share', {}).get(str(m), 0.5),
   )
 
 
@@ -855,6 +902,11 @@ def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dic
       log(
         f'{name} pieces, M={m}: forward {np.round(measured["fwd_micro"][m], 4)} s, '
         f'backward {np.round(measured["bwd_micro"][m], 4)} s'
+        + (
+          f', split backward B / (B + W) {measured["input_grad_share"][m]:.3f}'
+          if m in measured.get('input_grad_share', {})
+          else ''
+        )
       )
   rows = []
 
@@ -966,16 +1018,25 @@ def _measure_pieces(
 ) -> dict[str, dict]:
   """{stash policy: the pieces measured with it}, 'all' first and always: a policy that keeps
   less has its own, slower, backward, measured apart for the settings that use it (`_policy`).
-  Each is also timed on the micro-batches of those settings."""
-  measure = lambda micro, **kw: on_process0_alone(
+  Each is also timed on the micro-batches of those settings, and the zero-bubble ones' split
+  backward on theirs."""
+  measure = lambda micro, split, **kw: on_process0_alone(
     lambda: measure_pieces(
-      work, optimizer=bench.optimizer, microbatches=sorted(micro), **repeats, **kw
+      work,
+      optimizer=bench.optimizer,
+      microbatches=sorted(micro),
+      split_microbatches=sorted(split),
+      **repeats,
+      **kw,
     )
   )
   policies = ['all', *sorted({_policy(s) for s in settings} - {'all'})]
+  own = lambda policy: [s for s in settings if _policy(s) == policy]
   return {
     policy: measure(
-      {micro_size(s) for s in settings if _policy(s) == policy} - {1}, stash_policy=policy
+      {micro_size(s) for s in own(policy)} - {1},
+      {micro_size(s) for s in own(policy) if s.name in SPLIT_BACKWARD},
+      stash_policy=policy,
     )
     for policy in policies
   }
@@ -1028,6 +1089,12 @@ def _row(
     # one micro-batch (B / M rows, M = micro_size) of each group, '' where the setting has none
     'fwd_s_per_stage_micro': per_stage(micro[0]) if micro else '',
     'bwd_s_per_stage_micro': per_stage(micro[1]) if micro else '',
+    # a zero-bubble setting's B over B + W of one micro-batch ('': not measured, an even split)
+    'input_grad_share': (
+      own.get('input_grad_share', {}).get(str(micro_size(setting)), '')
+      if setting.name in SPLIT_BACKWARD
+      else ''
+    ),
     'head_s': own['head'],
     'update_s_per_stage': per_stage(own['update']),
     # one whole-batch hop inside a step: the hop timed alone plus the collective's wait (its

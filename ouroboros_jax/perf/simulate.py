@@ -67,6 +67,11 @@ class StageCosts:
   # (devices that share a memory bus and caches: the processes of one CPU), measured as the
   # stages' forward + backward timed on every device at once over the same timed alone; 1: none
   concurrent_slowdown: float = 1.0
+  # a split (zero-bubble) backward's B over its B + W: the input gradient's share of the
+  # backward, W (the weight gradient's matrix products) the rest. B also carries the attention's
+  # and the norms' backward, so on a CPU it took 0.53-0.58 of a transformer layer's, not half
+  # (docs/results/simulator_calibration.md); measured per micro-batch by `bench.measure_pieces`
+  input_grad_share: float = 0.5
 
   def __post_init__(self):
     object.__setattr__(self, 'forward_s', tuple(float(f) for f in self.forward_s))
@@ -101,6 +106,8 @@ class StageCosts:
       raise ValueError('costs must be >= 0 and the bandwidth > 0.')
     if not self.concurrent_slowdown > 0:
       raise ValueError(f'concurrent_slowdown must be > 0, got {self.concurrent_slowdown}.')
+    if not 0 < self.input_grad_share < 1:
+      raise ValueError(f'input_grad_share must be in (0, 1), got {self.input_grad_share}.')
 
   @property
   def num_stages(self) -> int:
@@ -408,8 +415,9 @@ def emit_model_parallel(g: Graph, t: int, state: dict, **_) -> None:
 def emit_table(g: Graph, t: int, state: dict, *, table, lockstep: bool = False, **_) -> None:
   """An exact pipeline from its table (`schedules.tables`), tick by tick: the operation each
   device runs, after the value it reads has arrived. F of a chunk costs the stage's forward of
-  one micro-batch (`StageCosts.forward_of`) / v; a split schedule's (ZB) B and W half its
-  backward each, a fused schedule's B all of it (one VJP; its W ticks compute nothing). The
+  one micro-batch (`StageCosts.forward_of`) / v; a split schedule's (ZB) B its backward's
+  `input_grad_share` and W the rest, a fused schedule's B all of it (one VJP; its W ticks compute
+  nothing). The
   embedding runs before the first chunk's F and after its B; the head after the last chunk's F,
   on the same device.
 
@@ -421,11 +429,12 @@ def emit_table(g: Graph, t: int, state: dict, *, table, lockstep: bool = False, 
   c, pipeline = g.costs, table.pipeline
   m, v, fused = pipeline.microbatches, pipeline.chunks, pipeline.fused
   last, nbytes, extra = pipeline.last_stage, c.activation_bytes / m, c.microbatch_overhead_s
+  b_share = 1.0 if fused else c.input_grad_share
   cost = {
     'F': lambda d: c.forward_of(d, m) / v + extra,
     # B re-runs what the stash policy left out (the zero-bubble split's W does not)
-    'B': lambda d: (c.backward_of(d, m) / (1 if fused else 2) + c.recompute_of(d, m)) / v + extra,
-    'W': lambda d: 0.0 if fused else c.backward_of(d, m) / (2 * v) + extra,
+    'B': lambda d: (c.backward_of(d, m) * b_share + c.recompute_of(d, m)) / v + extra,
+    'W': lambda d: 0.0 if fused else c.backward_of(d, m) * (1 - b_share) / v + extra,
   }
   p = len(table.grid)
   channels = [o for o in _channels(table) if o] if lockstep else []

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
-from ouroboros_jax.choices import EXACT_PIPELINES
+from ouroboros_jax.choices import EXACT_PIPELINES, SPLIT_BACKWARD
 from ouroboros_jax.errors import ConfigError, field_ref
 
 KINDS = ('F', 'B', 'W')
@@ -114,7 +114,7 @@ def build(name: str, num_stages: int, microbatches: int, chunks: int | None = No
       f'of {field_ref("num_stages", num_stages)}; use '
       f'{field_ref("microbatches", -(-microbatches // num_stages) * num_stages)}.'
     )
-  fused = name not in ('zb_h1', 'zb_v')
+  fused = name not in SPLIT_BACKWARD
   if name == 'zb_v':
     return _zb_v(Pipeline(name, num_stages, microbatches, chunks, fused, ()))
   order = {'gpipe': _gpipe, '1f1b': _one_f_one_b, 'interleaved': _interleaved, 'zb_h1': _zb_h1}
