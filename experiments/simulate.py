@@ -393,7 +393,7 @@ def measured_setting(row: dict) -> tuple[ScheduleConfig, sim.StageCosts]:
     ),
     **measured_micro,
     concurrent_slowdown=_number(row.get('concurrent_slowdown'), 1.0),
-    input_grad_share=_number(row.get('input_grad_share'), 0.5),
+    input_grad_share=_number(row.get('input_grad_share'), sim.StageCosts.input_grad_share),
   )
   ring = dict(stash=_mode(row.get('stash'), 'graph'), forward=_mode(row.get('forward'), 'locked'))
   config = ScheduleConfig(

@@ -314,7 +314,7 @@ def measure_pieces(
     return jax.grad(loss_of, argnums=(0, 1, 2))(head_p, embed_p, h)
 
   head_s = _median_time(jax.jit(device0_extra), params['embed'], params['head'], repeats=repeats)
-  split_sizes = sorted({int(m) for m in split_microbatches if int(m) == 1 or str(m) in fwd_micro})
+  split_sizes = sorted({int(m) for m in split_microbatches if rows % int(m) == 0})
   shares = (
     input_grad_share(
       model.weight_split,
@@ -859,7 +859,9 @@ def stage_costs(
     microbatch_forward_s={m: micro[0]} if micro else {},
     microbatch_backward_s={m: micro[1]} if micro else {},
     concurrent_slowdown=1.0 if ideal else concurrent_slowdown(setting, pieces),
-    input_grad_share=pieces.get('input_grad_share', {}).get(str(m), 0.5),
+    input_grad_share=pieces.get('input_grad_share', {}).get(
+      str(m), simulate.StageCosts.input_grad_share
+    ),
   )
 
 
