@@ -17,7 +17,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ouroboros_jax.errors import ConfigError, field_ref
-from ouroboros_jax.staged import DATA, STAGE, PyTree, Schedule, StagedModel, TrainState
+from ouroboros_jax.staged import DATA, STAGE, PyTree, Schedule, StagedModel, TrainState, batch_rows
 from ouroboros_jax.update import GroupedOptimizer
 
 
@@ -307,7 +307,7 @@ def empty_memory(model: StagedModel, params: PyTree, example_batch, replicas: in
       'this model keeps a memory from batch to batch, whose shape follows the batch; call '
       'init(params, example_batch).'
     )
-  batch_size = example_batch['inputs'].shape[0]
+  batch_size = batch_rows(example_batch['inputs'])
   local = batch_size // replicas
   memory_G = jax.vmap(lambda p: model.memory.init(p, local))(params['stages'])
   return {'memory': jax.tree.map(lambda a: jnp.repeat(a[:, None], replicas, axis=1), memory_G)}
@@ -348,7 +348,7 @@ def onto_mesh(tree: PyTree, mesh: Mesh) -> PyTree:
 
 def check_batch(batch: dict, replicas: int, microbatches: int = 1) -> None:
   """Every data replica gets B/R examples and cuts them into M micro-batches."""
-  size, divisor = batch['inputs'].shape[0], replicas * microbatches
+  size, divisor = batch_rows(batch['inputs']), replicas * microbatches
   if size % divisor == 0:
     return
   if microbatches > 1:

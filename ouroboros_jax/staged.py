@@ -35,6 +35,7 @@ from typing import Any, Callable, NamedTuple
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
 from ouroboros_jax.optimizers import adamw  # noqa: F401  (staged.adamw, as the notebooks write it)
@@ -98,6 +99,9 @@ class StagedModel:
   shared: tuple[str, ...] = ()
   # The stages take `batch_index=t` (see the module docstring).
   takes_batch_index: bool = False
+  # What the loss of a batch of targets averages over (its valid tokens, say): targets -> a
+  # scalar, from the targets alone. None: every row weighs the same. See `loss_shares`.
+  loss_weight: Callable[..., jax.Array] | None = None
 
   def run_stage(self, stage_params, x, stage_index, rng, memory=None, batch_index=None):
     """(y, new memory): one stage with its memory; (y, None) for a model without one."""
@@ -145,6 +149,22 @@ class StagedModel:
 
 def stage_count(params: PyTree) -> int:
   return jax.tree.leaves(params['stages'])[0].shape[0]
+
+
+def pull(vjp_fn, cotangent: PyTree, *like: PyTree) -> tuple:
+  """`vjp_fn(cotangent)` with cotangents laid out as the library holds them: a leaf that is not
+  a float (a bool mask, int positions between stages) has a cotangent of zeros of its own dtype,
+  not JAX's `float0`, so ring buffers, stashes and `lax.cond` branches hold it like any other.
+  `like`: one tree per output of vjp_fn (its primal, whose dtypes the cotangents take), or None
+  for an output of floats only."""
+  to_jax = lambda c: c if _is_float(c) else np.zeros(jnp.shape(c), jax.dtypes.float0)
+  out = vjp_fn(jax.tree.map(to_jax, cotangent))
+  back = lambda g, p: jnp.zeros(jnp.shape(p), p.dtype) if g.dtype == jax.dtypes.float0 else g
+  return tuple(g if p is None else jax.tree.map(back, g, p) for g, p in zip(out, like))
+
+
+def _is_float(a) -> bool:
+  return jnp.issubdtype(jnp.result_type(a), jnp.inexact)
 
 
 def batch_rows(x: PyTree) -> int:

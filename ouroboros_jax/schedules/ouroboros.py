@@ -142,7 +142,7 @@ def build(
       compensation=comp,
     )
 
-  rows = lambda batch: batch['inputs'].shape[0]
+  rows = lambda batch: staged.batch_rows(batch['inputs'])
   return placement.make_schedule(
     'ouroboros',
     model,
@@ -221,7 +221,11 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t):
     head_targets_M = read(by_item(batches_S['targets']), items_h)
 
   # 1. Forward and 2. head, one micro-batch at a time.
-  seen = {'inputs': batch['inputs'], 'head_targets_M': head_targets_M}
+  seen = {
+    'inputs': batch['inputs'],
+    'head_targets_M': head_targets_M,
+    'head_shares_M': _head_shares(ring, batches_S, head_targets_M, items_h),
+  }
   fwd = _forward_wave(ring, params, forward_params, buffers, seen, t)
   # One write after the wave, rather than the stash carried through it: a loop's carry is a
   # buffer of its own, and carrying the stash would cost copies of all of it. It never
@@ -262,8 +266,9 @@ def _forward_wave(ring: _Ring, params, forward_params, buffers, seen, t) -> _For
   0 in round 0, as in the paper when M = 1), so the forward takes M + G - 1 rounds of 1/M of the
   work. Pipelined: in round r every group forwards what its predecessor sent `hop` ticks ago
   (item tM + r - s * hop). The head runs on device 0 on each item as it arrives: fresh loss,
-  head gradient and delta_{G-1}, each 1/M of a batch's. `seen` holds the inputs of the batch
-  entering the ring and the targets of the items the head sees this step."""
+  head gradient and delta_{G-1}, each times the item's share of its batch's loss. `seen` holds
+  the inputs of the batch entering the ring and the targets and shares of the items the head
+  sees this step."""
   model, num_stages, num_micro = ring.model, ring.num_stages, ring.num_microbatches
   head_targets_M = seen['head_targets_M']
   pipelined, s, hop = ring.pipelined, jax.lax.axis_index(STAGE), ring.timing.hop
@@ -280,7 +285,9 @@ def _forward_wave(ring: _Ring, params, forward_params, buffers, seen, t) -> _For
   first_memory = jax.tree.map(lambda a: a[0], memory_M)
   no_kept = _zeros(jax.eval_shape(run_forward, x_like, items_f[0], first_memory)[1])
   head_zeros = _zeros(  # x_like an argument: jnp functions take no ShapeDtypeStruct
-    jax.eval_shape(lambda x: ring_lib.head(model, params, x, head_targets_M[0]), x_like)
+    jax.eval_shape(
+      lambda x: ring_lib.head(model, params, x, ring_lib.at(head_targets_M, 0)), x_like
+    )
   )
 
   def forward_round(r, carry):
@@ -311,7 +318,7 @@ def _forward_wave(ring: _Ring, params, forward_params, buffers, seen, t) -> _For
     head_on = (k >= 0) & ring.real(items_h[jnp.clip(k, 0, num_micro - 1)])
     k = jnp.clip(k, 0, num_micro - 1)
     loss, g_head, g_embed, delta = ring_lib.head(
-      model, params, x_h, head_targets_M[k], 1.0 / num_micro, when=head_on
+      model, params, x_h, ring_lib.at(head_targets_M, k), seen['head_shares_M'][k], when=head_on
     )
     head_sum = jax.tree.map(jnp.add, head_sum, (loss, g_head, g_embed))
     delta_fresh_M = ring_lib.set_where(delta_fresh_M, k, delta, head_on)
@@ -332,6 +339,24 @@ def _forward_wave(ring: _Ring, params, forward_params, buffers, seen, t) -> _For
     0, rounds, forward_round, carry
   )
   return _Forwarded(kept_M, memory_M, loss, g_head, g_embed, delta_fresh_M, act_fifo)
+
+
+def _head_shares(ring: _Ring, batches_S, targets_M, items_h):
+  """[M]: each item the head sees this step, its share of its own batch's loss: 1/M, or (a
+  model with a `loss_weight`) its weight over its batch's, over every data replica
+  (`ring_lib.loss_shares`). Streamed, the items may span two batches, whose weights are read
+  from the batches in flight."""
+  model, num_micro = ring.model, ring.num_microbatches
+  if model.loss_weight is None or ring.aligned:  # aligned: the M items are one batch
+    return ring_lib.loss_shares(model, targets_M)
+  weigh = lambda targets_M: jax.vmap(model.loss_weight)(targets_M).astype(jnp.float32)
+  batch_targets = lambda b: ring_lib.read_slot(batches_S['targets'], b, ring.depth)
+  first = items_h[0] // num_micro
+  totals = [
+    weigh(ring_lib.microbatches(batch_targets(b), num_micro)).sum() for b in (first, first + 1)
+  ]
+  own_total_M = jnp.where(items_h // num_micro == first, *totals)
+  return ring_lib.shares_of(weigh(targets_M), own_total_M)
 
 
 class _Pending(NamedTuple):
@@ -542,14 +567,22 @@ def _grads(ring: _Ring, state: TrainState, forward_params, batch, t, t_async):
     batch_M = ring_lib.microbatches(batch, num_micro)
     memory_M = ring_lib.microbatches(ring_lib.local_memory(buffers), num_micro)
 
+    shares_M = ring_lib.loss_shares(ring.model, batch_M['targets'])
+
     def micro(m, carry):
       grads, loss, memory_M = carry
       memory = ring_lib.at(memory_M, m)
       grads_m, loss_m, memory = ring_lib.locked_grads(
-        ring.model, params, ring_lib.at(batch_M, m), ring.item_key(t * num_micro + m), t, memory
+        ring.model,
+        params,
+        ring_lib.at(batch_M, m),
+        ring.item_key(t * num_micro + m),
+        t,
+        memory,
+        share=shares_M[m],
       )
       memory_M = jax.tree.map(lambda a, new: a.at[m].set(new), memory_M, memory)
-      add = lambda total, g: total + g / num_micro
+      add = lambda total, g: total + g
       return jax.tree.map(add, grads, grads_m), add(loss, loss_m), memory_M
 
     no_grads = _zeros({k: params[k] for k in ('embed', 'stages', 'head')})

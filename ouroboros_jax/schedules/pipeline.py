@@ -27,8 +27,9 @@ micro-batches, parameters and key on this device).
 Stash and inbox slots are reused as soon as their value is read for the last time, so the
 memory a schedule holds is the table's (1F1B keeps p micro-batches where GPipe keeps m; XLA's
 memory analysis orders them so, tests/test_pipeline.py). The gradient is exact: every (micro-batch,
-stage) runs F, B and W once, and the loss is the mean of the micro-batch losses, so the step
-gives backprop's parameters (tested for G in {2, 4}, M in {G, 2G}). A fused schedule (GPipe,
+stage) runs F, B and W once, and the loss is the micro-batch losses weighted by their shares
+of the batch's (`ring.loss_shares`: 1/m each, or by a `loss_weight` such as valid tokens), so
+the step gives backprop's parameters (tested for G in {2, 4}, M in {G, 2G}). A fused schedule (GPipe,
 1F1B, interleaved) and a split one (ZB-H1, ZB-V) differ only in their tables.
 
 Placement. Device d holds the chunks `pipeline.stage_of(d, c)`: stage d for one chunk per device,
@@ -69,7 +70,7 @@ class _Carry(NamedTuple):
   grad_chunks: PyTree  # leaves [v, ...]: this device's chunk gradients
   grad_embed: PyTree
   grad_head: PyTree
-  loss: jax.Array  # mean over micro-batches of the micro-batch losses (on the head's device)
+  loss: jax.Array  # the micro-batch losses, each times its share (on the head's device)
   memory: PyTree  # leaves [v, m, b, ...]: each chunk's memory of each micro-batch's rows, or None
 
 
@@ -180,12 +181,13 @@ class _Step(NamedTuple):
   params: PyTree  # embed, head and this device's chunks (leaves [v, ...])
   inputs: jax.Array  # [m, b, ...]: the micro-batches
   targets: jax.Array  # [m, b, ...]
+  shares: jax.Array  # [m]: each micro-batch's share of the step's loss (ring.loss_shares)
   key: jax.Array  # the batch's dropout key on this data replica
   index: jax.Array  # the batch's index t (for a model that takes it)
   nothing: PyTree  # shaped as an activation: what a tick sends when it sends nothing
 
   def key_of(self, i):
-    return ring.microbatch_key(self.key, i, self.inputs.shape[0])
+    return ring.microbatch_key(self.key, i, self.shares.shape[0])
 
   def chunk(self, c) -> PyTree:
     return jax.tree.map(lambda a: a[c], self.params['stages'])
@@ -200,9 +202,12 @@ def _device_grads(executor: _Executor, params, batch, t, buffers):
   m = executor.microbatches
   key = replica_key(executor.seed, t, executor.replicas)
   inputs, targets = ring.microbatches((batch['inputs'], batch['targets']), m)
-  x_like = jax.eval_shape(lambda: ring.embed(executor.model, params['embed'], inputs[0], key))
+  x_like = jax.eval_shape(
+    lambda: ring.embed(executor.model, params['embed'], ring.at(inputs, 0), key)
+  )
   nothing = jax.tree.map(lambda a: jnp.full(a.shape, executor.bubble_fill, a.dtype), x_like)
-  step = _Step(params, inputs, targets, key, t, nothing)
+  shares = ring.loss_shares(executor.model, targets)
+  step = _Step(params, inputs, targets, shares, key, t, nothing)
   # A memory (leaves [v, 1, B/R, ...]: this device's chunks) cut into micro-batch rows.
   memory = jax.tree.map(
     lambda a: a[:, 0].reshape(a.shape[0], m, -1, *a.shape[3:]), buffers.get('memory')
@@ -341,7 +346,9 @@ def _forward(executor: _Executor, step: _Step, sums: _Sums, read: _Slots, inbox,
   to the next stage, or the head's gradient to this stage's own B."""
   del delta
   i, k, c = op['microbatch'], op['stage'], op['chunk']
-  embed = lambda: ring.embed(executor.model, step.params['embed'], step.inputs[i], step.key_of(i))
+  embed = lambda: ring.embed(
+    executor.model, step.params['embed'], ring.at(step.inputs, i), step.key_of(i)
+  )
   x = jax.lax.cond(k == 0, embed, lambda: inbox)
   y, kept, memory = executor.stash.forward(
     step.chunk(c), x, k, step.key_of(i), read.memory, step.index
@@ -359,10 +366,13 @@ def _forward(executor: _Executor, step: _Step, sums: _Sums, read: _Slots, inbox,
 
 
 def _head(executor: _Executor, step: _Step, y, i):
-  """The loss of micro-batch i as 1/m of the step's, and its gradients (`ring.head_vjp`)."""
-  m = executor.microbatches
-  loss, g_head, g_embed, dy = ring.head_vjp(executor.model, step.params, y, step.targets[i], 1 / m)
-  return loss / m, g_head, g_embed, dy
+  """The loss of micro-batch i times its share of the step's (1/m, or its weight's share:
+  `ring.loss_shares`), and its gradients (`ring.head_vjp`)."""
+  share = step.shares[i]
+  loss, g_head, g_embed, dy = ring.head_vjp(
+    executor.model, step.params, y, ring.at(step.targets, i), share
+  )
+  return loss * share, g_head, g_embed, dy
 
 
 def _input_grad(executor: _Executor, step: _Step, sums: _Sums, read: _Slots, inbox, delta, op):
@@ -381,7 +391,7 @@ def _input_grad(executor: _Executor, step: _Step, sums: _Sums, read: _Slots, inb
     g_chunk, dx = _backward(executor, step, read.kept, delta, op)
     sums = _add_chunk_grad(sums, op, g_chunk) if executor.pipeline.fused else sums
   embed_grad = lambda: ring.embed_grad(
-    executor.model, step.params['embed'], step.inputs[i], step.key_of(i), dx
+    executor.model, step.params['embed'], ring.at(step.inputs, i), step.key_of(i), dx
   )
   g_embed = ring.on_stage(op['stage'], 0, embed_grad)
   return sums._replace(grad_embed=_add(sums.grad_embed, g_embed)), read, dx

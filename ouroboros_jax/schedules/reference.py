@@ -125,7 +125,9 @@ def run(
   s - 1 produced at step t - 1; the head sees group G-1's output one step later.
 
   microbatches=M: rows m*B/M .. (m+1)*B/M - 1 of a batch are its micro-batch m (dropout key
-  fold_in(key of the batch, m)), and the head's loss is weighted 1/M. A stream is a queue of
+  fold_in(key of the batch, m)), and the head's loss is weighted by the item's share of its own
+  batch's loss: 1/M, or w_m / (the batch's weight) for a model with a `loss_weight` (each
+  item's gradient is that of its batch's weighted mean, whichever step applies it). A stream is a queue of
   micro-batches going round the ring one tick at a time, with its own stashes and inboxes.
   flow='batch': micro-batch m of every batch forms stream m, which ticks once per step, exactly
   as a whole batch would. flow='stream': one stream takes micro-batch m of batch t at tick
@@ -227,8 +229,17 @@ class SlowRing:
 
   def micro(self, batch, m):
     """Micro-batch m: its rows of every leaf."""
-    rows = batch['inputs'].shape[0] // self.num_micro
+    rows = staged.batch_rows(batch['inputs']) // self.num_micro
     return jax.tree.map(lambda a: a[m * rows : (m + 1) * rows], batch)
+
+  def share(self, batch, m) -> float:
+    """Micro-batch m's share of `batch`'s loss: 1/M, or its weight over the batch's."""
+    if self.model.loss_weight is None:
+      return 1.0 / self.num_micro
+    weight = [
+      float(self.model.loss_weight(self.micro(batch, k)['targets'])) for k in range(self.num_micro)
+    ]
+    return weight[m] / sum(weight) if sum(weight) > 0 else 0.0
 
   def stage_params(self, params, s):
     return jax.tree.map(lambda a: a[s], params['stages'])
@@ -248,7 +259,7 @@ class SlowRing:
     for stream, clock in self.ticks(t):
       items = _Items(batches, stream, self.micro)
       head_input = self.forward(stream, forward_params, t, clock, items)
-      loss, g_head, g_embed, delta_head = self.head(head_input, items)
+      loss, g_head, g_embed, delta_head = self.head(head_input, items, batches, stream)
       g_stages, ready_s, gap_s, g_embed = self.backward(
         stream, t, clock, items, delta_head, g_embed
       )
@@ -300,7 +311,7 @@ class SlowRing:
           self.params, micro, self.key(t, m), t
         )
       else:
-        rows = micro['inputs'].shape[0]
+        rows = staged.batch_rows(micro['inputs'])
         memory_G = jax.tree.map(
           lambda *a: jnp.stack(a),
           *[self.memory_of(s, rows * self.num_micro, m) for s in range(self.num_stages)],
@@ -310,8 +321,9 @@ class SlowRing:
         )
         for s in range(self.num_stages):
           self.set_memory(s, m, jax.tree.map(lambda a, s=s: a[s], memory_G))
-      grads_m = jax.tree.map(lambda g: g / self.num_micro, grads_m)
-      loss += float(loss_m) / self.num_micro
+      share = self.share(batch, m)
+      grads_m = jax.tree.map(lambda g: g * share, grads_m)
+      loss += float(loss_m) * share
       grads = grads_m if grads is None else jax.tree.map(jnp.add, grads, grads_m)
     if self.slow:
       self.params = self.slow.apply(
@@ -374,9 +386,10 @@ class SlowRing:
     head_input, stream.head_inbox, stream.act_inbox = stream.head_inbox, new_act[0], new_act
     return head_input
 
-  def head(self, head_input, items):
+  def head(self, head_input, items, batches, stream: _Stream):
     """Module K: (loss, head gradient, its embed gradient, delta_{G-1}) of the item that
-    reached the head, fresh and weighted 1/M; None, zeros and None while the pipe fills."""
+    reached the head, fresh and weighted by its share of its batch's loss (`share`); None,
+    zeros and None while the pipe fills."""
     zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
     if head_input is None:
       return None, zeros(self.params['head']), zeros(self.params['embed']), None
@@ -388,8 +401,12 @@ class SlowRing:
       self.params['embed'],
       x,
     )
-    weight = 1.0 / self.num_micro
-    return (float(loss) * weight, *head_vjp(jnp.full_like(loss, weight)))
+    b, m = stream.item(clock)
+    weight = self.share(batches[b], m)
+    return (
+      float(loss) * weight,
+      *staged.pull(head_vjp, jnp.full_like(loss, weight), None, None, x),
+    )
 
   def backward(self, stream: _Stream, t: int, clock: int, items, delta_head, g_embed):
     """Tick `clock` at step t: every group back-propagates the item its delayed error gradient
@@ -410,12 +427,12 @@ class SlowRing:
       assert c == clock - self.timing.backward_ticks(s), (s, c, clock)
       gap[s] = t - forward_step
       if self.config.stash == 'graph':
-        g_stages[s], dx = kept(delta)
+        g_stages[s], dx = staged.pull(kept, delta, None, delta)
       else:
         x, memory = kept
         run_s = self.stage_fn(stream, s, c, memory)
         vjp_fn = jax.vjp(run_s, self.stage_params(params, s), x, has_aux=True)[1]
-        g_stages[s], dx = vjp_fn(delta)
+        g_stages[s], dx = staged.pull(vjp_fn, delta, None, x)
       ready[s] = True
       if s > 0:
         new_inbox[s - 1] = dx
@@ -423,7 +440,7 @@ class SlowRing:
       # Module 1 ends at the embedding of item c.
       key = staged.piece_rng(self.key(*stream.item(c)), EMBED_PIECE)
       embed_c = lambda e: model.embed(e, items[c]['inputs'], key)
-      g_stale = jax.vjp(embed_c, params['embed'])[1](dx)[0]
+      g_stale = staged.pull(jax.vjp(embed_c, params['embed'])[1], dx, None)[0]
       g_embed = jax.tree.map(jnp.add, g_embed, g_stale)
     if num_stages > 1:
       new_inbox[num_stages - 1] = delta_head

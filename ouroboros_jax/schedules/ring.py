@@ -171,25 +171,47 @@ def locked_forward(forward, x, num_stages: int, memory=None):
   return jax.lax.fori_loop(0, num_stages, forward_round, (x, empty, memory))
 
 
-def head_vjp(model: StagedModel, params, x, targets, weight: float = 1.0):
-  """Module K's loss on x and, for cotangent `weight` (1/M for one of M micro-batches), its
-  gradients: (loss, head gradient, the head's embed gradient, the gradient of x). The head of
-  the ring (`head`) and of the table pipelines (pipeline.py)."""
+def head_vjp(model: StagedModel, params, x, targets, share=1.0):
+  """Module K's loss on x and, for cotangent `share` (the micro-batch's share of the step's
+  loss, `loss_shares`), its gradients: (loss, head gradient, the head's embed gradient, the
+  gradient of x). The head of the ring (`head`) and of the table pipelines (pipeline.py)."""
   loss_of = lambda head_p, embed_p, h: model.loss(head_p, embed_p, h, targets)[0]
   loss, vjp_fn = jax.vjp(loss_of, params['head'], params['embed'], x)
-  return (loss, *vjp_fn(jnp.full_like(loss, weight)))
+  return (loss, *staged.pull(vjp_fn, jnp.full_like(loss, share), None, None, x))
 
 
-def head(model: StagedModel, params, x, targets, weight: float = 1.0, when=True):
+def head(model: StagedModel, params, x, targets, share=1.0, when=True):
   """Module K on device 0: (loss, head gradient, the head's embed gradient, delta_{G-1}), all
-  scaled by `weight` (1/M for one of M micro-batches); zeros on the other devices, and where
-  `when` is false."""
+  scaled by `share` (the micro-batch's share of the step's loss, `loss_shares`); zeros on the
+  other devices, and where `when` is false."""
 
   def loss_and_grads():
-    loss, *grads = head_vjp(model, params, x, targets, weight)
-    return (loss if weight == 1.0 else loss * weight, *grads)
+    loss, *grads = head_vjp(model, params, x, targets, share)
+    return (loss * share, *grads)
 
   return on_stage(jnp.where(when, jax.lax.axis_index(STAGE), -1), 0, loss_and_grads)
+
+
+def loss_shares(model: StagedModel, targets_M):
+  """[M] float32: each micro-batch's share of the loss of the batch its targets_M ([M, b, ...])
+  cut from, times the data replicas R, so that the mean over replicas of the share-weighted
+  sums is the loss the model states for the whole batch. Without a `loss_weight` every
+  micro-batch weighs the same (1/M). With one, micro-batch m's loss is the mean over its weight
+  w_m (its valid tokens), and its share is R w_m / (the sum of w over every replica's
+  micro-batches): the gradient is that of the whole batch's weighted mean, however unevenly the
+  weight falls. A batch of weight 0 has shares 0 (no NaN)."""
+  num_micro = jax.tree.leaves(targets_M)[0].shape[0]
+  if model.loss_weight is None:
+    return jnp.full((num_micro,), 1.0 / num_micro, jnp.float32)
+  weight_M = jax.vmap(model.loss_weight)(targets_M).astype(jnp.float32)
+  return shares_of(weight_M, weight_M.sum())
+
+
+def shares_of(weight_M, local_total):
+  """R w_m / (the batch's weight over every data replica); 0 for a batch of weight 0."""
+  total = jax.lax.psum(local_total, DATA)
+  replicas = jax.lax.axis_size(DATA)
+  return jnp.where(total > 0, replicas * weight_M / jnp.where(total > 0, total, 1.0), 0.0)
 
 
 def locked_backward(backward, delta, num_stages: int):
@@ -216,7 +238,7 @@ def locked_backward(backward, delta, num_stages: int):
 def embed_grad(model: StagedModel, embed_params, tokens, key, dx):
   """The embedding's input-side gradient for the gradient dx of its output (`embed` with the
   same tokens and key). Of the ring (`embed_backward`) and of the table pipelines."""
-  return jax.vjp(lambda e: embed(model, e, tokens, key), embed_params)[1](dx)[0]
+  return staged.pull(jax.vjp(lambda e: embed(model, e, tokens, key), embed_params)[1], dx, None)[0]
 
 
 def embed_backward(model: StagedModel, embed_params, tokens, key, dx):
@@ -250,11 +272,11 @@ def with_memory(buffers, memory):
 
 
 def locked_grads(
-  model: StagedModel, params, batch, key, batch_index, memory=None, policy: str = 'all'
+  model: StagedModel, params, batch, key, batch_index, memory=None, policy: str = 'all', share=1.0
 ):
   """Plain synchronous backprop over the ring: the exact gradient of `batch` (batch
-  `batch_index`, dropout key `key`), as (grads, loss, this device's new memory (None without
-  one)).
+  `batch_index`, dropout key `key`) times its `share` of the step's loss (`loss_shares`), as
+  (grads, loss, this device's new memory (None without one)).
 
   Locked forward, head on device 0, locked backward, embedding backward; in every round all
   devices but one wait. This is `model_parallel`'s step and Ouroboros' synchronous warm-up.
@@ -267,7 +289,7 @@ def locked_grads(
   x = embed(model, params['embed'], batch['inputs'], key)
   forward = lambda x: stash.forward(params_s, x, s, key, memory, batch_index)
   x, kept, memory = locked_forward(forward, x, num_stages, memory)
-  loss, g_head, g_embed_out, delta = head(model, params, x, batch['targets'])
+  loss, g_head, g_embed_out, delta = head(model, params, x, batch['targets'], share)
   backward = lambda delta: stash.backward(params_s, kept, delta, s, key, batch_index)
   g_stage, dx = locked_backward(backward, delta, num_stages)
   g_embed_in = embed_backward(model, params['embed'], batch['inputs'], key, dx)

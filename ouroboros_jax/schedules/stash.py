@@ -107,7 +107,7 @@ class GraphStash(_ModelStash):
     treedef, positions = vjp_layout(vjp_of, params_s, delta, memory_like)
     if not self.keep_weights:
       kept = with_weights(kept, positions, params_s)
-    return jax.tree.unflatten(treedef, kept)(delta)
+    return staged.pull(jax.tree.unflatten(treedef, kept), delta, params_s, delta)
 
 
 class ReplayStash(_ModelStash):
@@ -126,7 +126,7 @@ class ReplayStash(_ModelStash):
   def backward(self, params_s, kept, delta, stage_index, key, batch_index=None):
     x, memory = (kept, None) if self.model.memory is None else kept
     run = lambda p, h: self._run(p, h, stage_index, key, memory, batch_index)
-    return jax.vjp(run, params_s, x, has_aux=True)[1](delta)
+    return staged.pull(jax.vjp(run, params_s, x, has_aux=True)[1], delta, params_s, x)
 
 
 class TappedStash:
@@ -163,12 +163,12 @@ class TappedStash:
     `recompute` the recorded inputs too) for output gradient delta."""
     if self.recompute:
       _, vjp_fn, inputs = self._vjp(params_s, kept, stage_index, key)
-      dx, tap_grads = vjp_fn(delta)
+      dx, tap_grads = staged.pull(vjp_fn, delta, delta, None)
       return dx, {'tap_grads': tap_grads, 'inputs': inputs}
     vjp_of = lambda h: self._vjp(params_s, h, stage_index, key)[1]
     treedef, positions = vjp_layout(vjp_of, params_s, delta)
     vjp_fn = jax.tree.unflatten(treedef, with_weights(kept['vjp'], positions, params_s))
-    dx, tap_grads = vjp_fn(delta)
+    dx, tap_grads = staged.pull(vjp_fn, delta, delta, None)
     return dx, {'tap_grads': tap_grads}
 
   def weight_grad(self, params_s, kept, for_w):

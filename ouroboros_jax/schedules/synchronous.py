@@ -173,9 +173,10 @@ def build_data_parallel(
 
   Parameters are replicated, the batch is split over `data`; each replica back-propagates its
   B/R examples through every stage group in order, then `lax.pmean` averages the gradients (and
-  the loss) over `data`: the mean over replicas of per-replica mean losses is the batch's mean
-  loss, so the gradient is backprop's. Idle fraction 0: every device works all the time
-  (communication is not counted).
+  the loss) over `data`, each replica's weighted by its share of the batch's loss
+  (`ring.loss_shares`: R w_r / sum of w, 1 without a `loss_weight`): the batch's mean loss, so
+  the gradient is backprop's. Idle fraction 0: every device works all the time (communication
+  is not counted).
   """
   replicas = config.data_parallel
   mesh = placement.make_mesh(1, replicas, devices)
@@ -184,6 +185,9 @@ def build_data_parallel(
     key = replica_key(config.seed, t, replicas)
     with staging.recompute_layers(config.resolved_stash_policy):
       grads, loss, buffers = whole_model_grads(model, params, batch, key, t, buffers)
+    if model.loss_weight is not None:  # R w_r / w: this replica's share of the batch's loss
+      share = ring.loss_shares(model, jax.tree.map(lambda a: a[None], batch['targets']))[0]
+      grads, loss = jax.tree.map(lambda a: a * share, (grads, loss))
     return (*jax.lax.pmean((grads, loss), DATA), buffers)
 
   return synchronous_schedule(config, model, tx, mesh, DeviceGrads(device_grads, 0.0))
@@ -221,7 +225,8 @@ def build_model_parallel(
     key = replica_key(config.seed, t, replicas)
     memory = ring.local_memory(buffers)
     policy = config.resolved_stash_policy
-    grads, loss, memory = ring.locked_grads(model, params, batch, key, t, memory, policy)
+    share = ring.loss_shares(model, jax.tree.map(lambda a: a[None], batch['targets']))[0]
+    grads, loss, memory = ring.locked_grads(model, params, batch, key, t, memory, policy, share)
     return grads, loss, ring.with_memory(buffers, memory)
 
   idle = model_parallel_idle_fraction(num_stages)
