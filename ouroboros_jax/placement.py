@@ -26,8 +26,14 @@ def make_schedule(
 ) -> Schedule:
   """A Schedule with its step and evaluation jitted the way every schedule's are; the step keeps
   the state where `init_state` placed it."""
+
+  def checked_init(params, example_batch=None, *args, **kwargs):
+    if example_batch is not None:
+      check_batch_keys(example_batch)
+    return init(params, example_batch, *args, **kwargs)
+
   return Schedule(
-    init=explain_sharding(init),
+    init=explain_sharding(checked_init),
     step=explain_sharding(jit_step(keep_placement(step, mesh))),
     evaluate=jit_evaluate(model),
     mesh=mesh,
@@ -344,6 +350,22 @@ def onto_mesh(tree: PyTree, mesh: Mesh) -> PyTree:
     return x if on_mesh else jax.device_put(x, replicated)
 
   return jax.tree.map(place, tree)
+
+
+BATCH_KEYS = ('inputs', 'targets')
+
+
+def check_batch_keys(batch) -> None:
+  """A batch is {'inputs': what the embedding takes, 'targets': what the loss takes}, each an
+  array or a pytree of arrays that lead with the batch axis."""
+  missing = [key for key in BATCH_KEYS if not isinstance(batch, Mapping) or key not in batch]
+  if missing:
+    have = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+    raise ConfigError(
+      f'the batch has no {" or ".join(repr(k) for k in missing)} (it has {have}); every schedule '
+      "takes {'inputs': ..., 'targets': ...}; for a model that shifts its own inputs (Flax's "
+      'lm1b), pass the same tokens as both.'
+    )
 
 
 def check_batch(batch: dict, replicas: int, microbatches: int = 1) -> None:

@@ -7,8 +7,16 @@ A model is given to a schedule as a `StagedModel`: three pure functions
     loss(head_params, embed_params, x, targets)      -> (loss, metrics)   (module K)
 
 The activations x may be any pytree whose leaves lead with the batch axis (the standardization
-loss carries {'h': hidden states, 'aux': the auxiliary loss so far, per row}); ring buffers,
-stashes and the pipelines' inboxes hold them leaf by leaf. A model whose stages need the index of
+loss carries {'h': hidden states, 'aux': the auxiliary loss so far, per row}; a user's model a
+bool mask and int positions); ring buffers, stashes and the pipelines' inboxes hold them leaf by
+leaf. A leaf that is not a float is not differentiated: its cotangent is zeros of its own dtype
+(`pull`). A batch is {'inputs', 'targets'}, each an array or a pytree of them.
+
+The loss of a batch is a mean. A model whose loss averages over a weight that varies from batch
+to batch (the valid tokens of a padded batch) states it with `loss_weight(targets) -> scalar`:
+every schedule then forms the gradient of the whole batch's weighted mean, whichever micro-batch
+or replica a token falls in (schedules.ring.loss_shares); Ouroboros weighs each item by its own
+batch's weight. Without one, every micro-batch and replica weighs the same. A model whose stages need the index of
 the batch they run on (PLD's theta(t)) sets `takes_batch_index`: every schedule then calls
 `stage(..., batch_index=t)`, with t the batch's index (the step that consumes it), the same t
 its dropout key `batch_key(seed, t)` comes from.

@@ -11,11 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import max_abs_diff, run_schedule
 
 from ouroboros_jax import staged
-from ouroboros_jax.schedules import ScheduleConfig, reference
+from ouroboros_jax.schedules import ScheduleConfig, build_schedule, reference
 from ouroboros_jax.schedules.compensation import Compensation
+
+from helpers import max_abs_diff, raises_for_cli, run_schedule
 
 ROWS, SEQ, WIDTH, VOCAB, PAD = 8, 6, 8, 11, 0
 
@@ -140,3 +141,14 @@ def test_a_batch_of_padding_only_moves_nothing():
   got, losses = run_schedule(config, model, tx, params, [empty])
   assert losses == [0.0]
   assert max_abs_diff(got.params, params) == 0.0
+
+
+def test_a_batch_without_targets_is_refused_at_init():
+  """lm1b's own batches carry only the tokens (the model shifts them): one line at `init`, not a
+  KeyError at the first step."""
+  for name, devices in (('backprop', 1), ('1f1b', 2), ('ouroboros', 2)):
+    schedule = build_schedule(
+      ScheduleConfig(name=name, num_stages=devices), masked_model(), optax.sgd(0.1)
+    )
+    with raises_for_cli(r"the batch has no 'targets' \(it has \['inputs'\]\).*same tokens as both"):
+      schedule.init(masked_params(devices), {'inputs': padded_batches(1)[0]['inputs']})
