@@ -80,6 +80,7 @@ EXACT = [
   ('interleaved', 2, {'microbatches': 4}),
   ('zb_v', 2, {'microbatches': 4}),
   ('ouroboros', 1, {'microbatches': 4}),
+  ('ouroboros', 1, {'microbatches': 2, 'data_parallel': 2}),
 ]
 
 
