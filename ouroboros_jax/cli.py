@@ -783,9 +783,11 @@ def main(argv=None) -> int:
 
     jax.config.update('jax_num_cpu_devices', args.cpu_devices)
 
-  from ouroboros_jax.runtime import distributed
+  from ouroboros_jax.runtime import distributed, streams
   from ouroboros_jax.training import rundir
 
+  if args.command != 'sample':  # a closed pipe or terminal never stops a run (sample: below)
+    streams.outlive_readers()
   handlers, code = {}, 0
   if args.command != 'launch':  # the launcher passes these signals on to its children itself
     stopping = (signal.SIGTERM, signal.SIGHUP) + (
@@ -806,6 +808,9 @@ def main(argv=None) -> int:
     signum = e.signum if isinstance(e, rundir.Terminated) else signal.SIGINT
     _fail(_stopped_message(args, signum), 128 + signum)
   except Exception as e:  # pylint: disable=broad-exception-caught
+    if args.command == 'sample' and streams.reader_gone(e):  # `sample | head` had enough
+      streams.silence(sys.stdout)
+      return 0
     if distributed.is_peer_lost(e):  # one line instead of XLA's traceback
       e = errors.PeerLostError(distributed.peer_lost_message('its connection closed'))
     code = exit_code(e)

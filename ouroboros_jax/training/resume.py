@@ -192,6 +192,12 @@ def check_out_dir(cfg: TrainConfig, resume: bool) -> None:
       f'{out_dir} already holds a finished run (summary.json); choose '
       'another --out, or remove it to train there again.'
     )
+  config_path = os.path.join(out_dir, 'config.json')
+  if not resume and os.path.lexists(config_path) and not _is_run_config(config_path):
+    raise CheckpointError(
+      f'{config_path} is not a config an ouroboros run wrote, and a new run would overwrite it; '
+      'choose another --out, or move it away to train there.'
+    )
   if not resume and _has_rows(os.path.join(out_dir, 'metrics.jsonl')):
     files = [
       f for f in ('metrics.jsonl', 'config.json') if os.path.exists(os.path.join(out_dir, f))
@@ -201,6 +207,21 @@ def check_out_dir(cfg: TrainConfig, resume: bool) -> None:
       'stopped before its first one); a new run would overwrite them: choose another --out, or '
       'remove them to train there again.'
     )
+
+
+# Keys every config.json a run writes (`TrainConfig.to_dict`) holds, since the first release.
+_RUN_CONFIG_KEYS = frozenset({'schedule', 'model', 'steps', 'batch_size', 'seed'})
+
+
+def _is_run_config(path: str) -> bool:
+  """Whether `path` is a config.json an earlier run wrote (a JSON object with a run's keys):
+  only such a file may be replaced by a new run; a user's own is refused."""
+  try:
+    with open(path, encoding='utf-8') as f:
+      saved = json.load(f)
+  except (OSError, UnicodeDecodeError, ValueError):
+    return False
+  return isinstance(saved, dict) and _RUN_CONFIG_KEYS <= saved.keys()
 
 
 def _has_rows(path: str) -> bool:
