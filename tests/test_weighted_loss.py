@@ -2,7 +2,8 @@
 int leaves (a mask, positions) travelling between stages. Every schedule forms the gradient of
 the whole batch's weighted mean (`StagedModel.loss_weight`, `ring.loss_shares`), however
 unevenly the padding falls over its micro-batches and replicas; Ouroboros forms, for each item,
-that of its own batch's, as the slow reference does."""
+that of its own batch's, as the slow reference does. And the one-line errors such a user meets
+first: a batch without targets, a schedule named by a string."""
 
 from __future__ import annotations
 
@@ -153,3 +154,8 @@ def test_a_batch_without_targets_is_refused_at_init():
     )
     with raises_for_cli(r"the batch has no 'targets' \(it has \['inputs'\]\).*same tokens as both"):
       schedule.init(masked_params(devices), {'inputs': padded_batches(1)[0]['inputs']})
+
+
+def test_a_schedule_named_by_a_string_is_one_line():
+  with raises_for_cli(r"build_schedule takes a ScheduleConfig, not 'ouroboros'; pass Schedule"):
+    build_schedule('ouroboros', masked_model(), optax.sgd(0.1))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import optax
 
 from ouroboros_jax.choices import SCHEDULES
+from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.placement import check_batch
 from ouroboros_jax.schedules import tables
 from ouroboros_jax.schedules.config import ScheduleConfig
@@ -57,6 +58,12 @@ def build_schedule(
   """The builder every caller uses: checks `config` (one-line ConfigErrors), then dispatches on
   `config.name`. Every schedule's `init` checks the parameters' stage groups against `config`
   (`placement.check_stage_params`) before it traces anything."""
+  if not isinstance(config, ScheduleConfig):
+    given = repr(config) if isinstance(config, str) else f'a {type(config).__name__}'
+    raise ConfigError(
+      f'build_schedule takes a ScheduleConfig, not {given}; pass '
+      "ScheduleConfig(name='ouroboros', num_stages=G, ...) or recipe(...).schedule."
+    )
   config.validate()
   builders = {
     'backprop': build_backprop,
