@@ -121,7 +121,10 @@ LIBRARY_DIMS = {
   for module in sorted(LIBRARY_KERNELS)
   for pattern in (f'{module}/kernel', f'*/{module}/kernel')
 }
-NOT_MATRICES = frozenset({'bias', 'scale', 'embedding'})  # and names ending in '_bias'
+NOT_MATRICES = frozenset({'bias', 'scale', 'embedding'})  # and names ending in '_bias',
+# '_embedding' (a position embedding [1, L, D] is a table, not a matrix)
+# The module groups the schedules apply an optimizer to one at a time (update.GROUPS).
+GROUPS = ('embed', 'stages', 'head')
 
 
 class MuonDimsWarning(UserWarning):
@@ -141,14 +144,15 @@ def leaf_path(path) -> str:
   return '/'.join(names)
 
 
-def _library_dims(path: str, leaf, warned: set[str] | None):
-  """The library's rule for one leaf; a warning, once per path in `warned`, where it guesses."""
+def _library_dims(path: str, leaf, warned: set[str] | None, bias_shape=None):
+  """The library's rule for one leaf; a warning, once per path in `warned`, where it guesses.
+  `bias_shape`: the shape of the kernel's sibling 'bias', if it has one."""
   names = path.split('/')
   name = names[-1]
-  if leaf.ndim < 2 or name in NOT_MATRICES or name.endswith('_bias'):
+  if leaf.ndim < 2 or name in NOT_MATRICES or name.endswith(('_bias', '_embedding')):
     return None
   if name == 'kernel':
-    if leaf.ndim > 2:
+    if leaf.ndim > 2 and not _one_in_one_out(leaf.shape, bias_shape):
       _warn_once(
         warned,
         path,
@@ -170,6 +174,18 @@ def _library_dims(path: str, leaf, warned: set[str] | None):
   return None
 
 
+def _one_in_one_out(kernel_shape, bias_shape) -> bool:
+  """Whether a kernel's bias shows it is [..., in, out] (a Dense / Linear kernel, stacked): its
+  bias is then [..., out], the kernel's shape without its input axis. A kernel with several input
+  axes has a bias of fewer axes; one with several output axes [..., in, o1, ..., ob] has a bias
+  of this shape only if in = o1 = ... = o(b-1), which makes the kernel's last axes but one equal:
+  that case stays a guess."""
+  if bias_shape is None or len(kernel_shape) < 3:
+    return False
+  dense_bias = tuple(kernel_shape[:-2]) + tuple(kernel_shape[-1:])
+  return tuple(bias_shape) == dense_bias and kernel_shape[-3] != kernel_shape[-2]
+
+
 def _warn_once(warned: set[str] | None, path: str, message: str) -> None:
   if warned is not None:
     if path in warned:
@@ -185,18 +201,32 @@ def muon_dimensions(tree, dims: MuonDims | None = None, *, warned: set[str] | No
   leaf named 'kernel' as [..., in, out] (leading axes: stacked layers and stages, batch axes of the
   orthogonalisation), and gives Adam to biases, norms' scales, embeddings and vectors. It warns
   (`MuonDimsWarning`, naming the leaf and what to pass) where it guesses: a kernel of 3+ axes
-  outside the library's own modules (a DenseGeneral kernel looks the same), and a matrix-shaped
-  leaf not named 'kernel' (it gets Adam). `warned`: the paths already warned about, which are
-  not warned about again (make_optimizer keeps one set per optimizer); None: warn every call."""
+  outside the library's own modules (a DenseGeneral kernel looks the same) unless its sibling
+  'bias' is [..., out], which shows one input and one output axis (a stacked Dense / NNX Linear
+  kernel), and a matrix-shaped leaf not named 'kernel' (it gets Adam). `warned`: the paths
+  already warned about, which are not warned about again (make_optimizer keeps one set per
+  optimizer); None: warn every call.
+
+  The schedules apply the optimizer per module group ('embed', each stage, 'head'), so `dims`
+  names paths within a group ('qkv/kernel'); on a whole {'embed', 'stages', 'head'} tree a
+  pattern matches the full path or, failing that, the path within its group, so the optimizer
+  reads each leaf as the schedules do."""
+
+  shapes = {leaf_path(p): jnp.shape(a) for p, a in jax.tree_util.tree_leaves_with_path(tree)}
+  whole = isinstance(tree, Mapping) and set(tree) == set(GROUPS)
 
   def leaf_dims(key_path, leaf):
     path = leaf_path(key_path)
     if callable(dims):
       return dims(path, leaf)
-    for pattern, spec in (dims or {}).items():
-      if fnmatch.fnmatchcase(path, pattern):
-        return spec
-    return _library_dims(path, leaf, warned)
+    # On a whole {'embed', 'stages', 'head'} tree, a pattern also matches the path within its
+    # group, as the schedules (which apply the optimizer per group) read it.
+    for candidate in (path, path.partition('/')[2]) if whole else (path,):
+      for pattern, spec in (dims or {}).items():
+        if fnmatch.fnmatchcase(candidate, pattern):
+          return spec
+    bias = shapes.get(path[: -len('kernel')] + 'bias') if path.endswith('kernel') else None
+    return _library_dims(path, leaf, warned, bias)
 
   return jax.tree_util.tree_map_with_path(leaf_dims, tree)
 

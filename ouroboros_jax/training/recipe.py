@@ -2,6 +2,7 @@
 
     r = recipe('ouroboros', num_stages=2, batch_size=32, steps=1000)
     schedule = build_schedule(r.schedule, model, r.optimizer)
+    r = recipe('data_parallel', data_parallel=2, batch_size=32)   # 2 replicas, not 2 stages
 
 A bare `ScheduleConfig(name='ouroboros')` resolves its `auto`s when it is built, to the same
 schedule (`ScheduleConfig.for_platform`); the paper's method is `compensation=Compensation()`.
@@ -74,7 +75,15 @@ def recipe(
   `flow=`, `stash=`, `clip_norm=`, `data_parallel=`, ...) and `RECIPE_FLAGS`. The paper's method
   is explicit: `compensation='none'` (which also makes `optimizer='auto'` AdamW). `muon_dims`:
   your model's matrices for Muon (`optimizers.kernel_dims`; see `optimizers.muon_dimensions`).
+
+  num_stages (the second argument) is a pipelined schedule's stage count, not a device count:
+  backprop runs on one device, data parallelism on `data_parallel=R` replicas
+  (`recipe('data_parallel', data_parallel=2)`).
+  The optimizer is applied per module group ('embed', each stage, 'head') by the schedules;
+  applied to the whole {'embed', 'stages', 'head'} tree it reads every leaf as they do
+  (`optimizers.muon_dimensions`), but without their global-norm clip.
   Raises ConfigError (one line, naming the flag) where the CLI would."""
+  _check_stages(name, num_stages)
   given = {'schedule': name, 'stages': num_stages, **flags}
   for flag, value in (
     ('batch_size', batch_size),
@@ -98,6 +107,24 @@ def recipe(
   # module that happens to share a name, e.g. a DenseGeneral 'qkv', silently and wrongly).
   optimizer = config.make_optimizer(cfg, muon_dims={} if muon_dims is None else muon_dims)
   return Recipe(cfg.schedule_config(platform), optimizer, cfg.resolved(platform))
+
+
+def _check_stages(name: str, num_stages: int) -> None:
+  """A stage count given to a schedule that runs every layer on each device, read as what the
+  caller likely meant: a device count."""
+  if name == 'data_parallel' and num_stages != 1:
+    raise ConfigError(
+      f"recipe('data_parallel', {num_stages}): the second argument is num_stages, a pipeline's "
+      f'stage count, and data parallelism keeps every layer on each device; pass '
+      f"data_parallel={num_stages} for {num_stages} replicas: recipe('data_parallel', "
+      f'data_parallel={num_stages}).'
+    )
+  if name == 'backprop' and num_stages != 1:
+    raise ConfigError(
+      f"recipe('backprop', {num_stages}): the second argument is num_stages, a pipeline's stage "
+      "count, and backprop runs every layer on one device; drop it, or use recipe('data_parallel', "
+      f'data_parallel={num_stages}) for {num_stages} devices.'
+    )
 
 
 def _validate(cfg: config.TrainConfig) -> None:
