@@ -10,10 +10,12 @@ stacked parameters with one call:
     mine = staging.to_layers(state.params)      # back to the layout the layers came in
 
 `embed`, `layer` and `head` may each be a pure function, a Flax NNX module, or a Flax Linen
-module (or its `apply`). The N layers are cut into G contiguous stage groups of
-`layers_per_stage` layers; an uneven split is stored padded, leaves [G, max layers per stage, ...],
-and each stage skips its padding slots by `lax.cond` on its stage index (no FLOPs, no gradient),
-so every schedule runs it and the exact ones still equal backprop. The built-in Transformer and
+module (or its `apply`); layers that take more than x (a mask, positions) get them from
+`context=`, and `staging.check(my_loss, batch)` compares the staged loss with your own. The N
+layers are cut into G contiguous stage groups of `layers_per_stage` layers; an uneven split is
+stored padded, leaves [G, max layers per stage, ...], and each stage skips its padding slots by
+`lax.cond` on its stage index (no FLOPs, no gradient), so every schedule runs it and the exact
+ones still equal backprop. The built-in Transformer and
 Transformer-XL are staged by the same pieces (`to_staged`, `stage_mask`, `scan_layers`).
 
 Shape letters: G stage groups, N layer slots per group (the most layers any group has).
@@ -224,6 +226,7 @@ class Staging(NamedTuple):
   muon_dims: Muon's view of every kernel the modules describe (Flax `Dense`, `DenseGeneral`,
     NNX `Linear`, `LinearGeneral`: input axes, then output axes), by its path within its group,
     for `recipe(..., muon_dims=)` / `make_optimizer(..., muon_dims=)`; {} for pure functions.
+  check(my_loss, batch): the staged model's loss on a batch against yours (see `check`).
   """
 
   model: StagedModel
@@ -231,6 +234,32 @@ class Staging(NamedTuple):
   layers_per_stage: tuple[int, ...]
   to_layers: Callable[[dict], dict]
   muon_dims: dict
+
+  def check(
+    self,
+    loss_of_batch: Callable[[dict], Any],
+    batch: dict,
+    *,
+    params: dict | None = None,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+  ) -> tuple[float, float]:
+    """(the staged model's loss, yours) on `batch`, after checking that they agree: the staged
+    one is `model.forward_loss(params, batch)` (default `self.params`; no dropout), yours is
+    `loss_of_batch(batch)` (a loss or (loss, aux); your own model as you run it, without
+    dropout, e.g. through `nnx.view(model, deterministic=True)`). Raises ConfigError (one
+    line, naming both losses) when |staged - yours| > atol + rtol * |yours|."""
+    params = self.params if params is None else params
+    staged = float(jax.jit(lambda p, b: self.model.forward_loss(p, b)[0])(params, batch))
+    mine = loss_of_batch(batch)
+    mine = float(mine[0] if isinstance(mine, tuple) else mine)
+    if not abs(staged - mine) <= atol + rtol * abs(mine):  # NaN fails too
+      raise ConfigError(
+        f"Staging.check: the staged model's loss {staged:.7g} is not your loss {mine:.7g} on "
+        f'this batch (|difference| {abs(staged - mine):.2g}); check the pieces, their order, the '
+        'context the layers take and the loss against your model.'
+      )
+    return staged, mine
 
 
 def from_layers(
@@ -246,16 +275,19 @@ def from_layers(
   layers_per_stage: Sequence[int] | None = None,
   tied_embedding: bool = False,
   example_inputs=None,
+  context: Callable[[Any], dict] | None = None,
 ) -> Staging:
   """A model of one embedding, N layers of one kind and a head, staged for every schedule.
 
-  embed: token ids -> activations x; layer: x -> x (one layer); head: x -> what `loss` takes
-  (logits). Each is one of
+  embed: the batch's 'inputs' (an array, or the dict it is) -> activations x; layer: x -> x (one
+  layer); head: x -> what `loss` takes (logits). Each is one of
     - a pure function: `embed(params, inputs, rng)`, `layer(params, x, rng)`, `head(params, x)`
       (with `tied_embedding`: `head(params, embed_params, x)`); rng is the piece's dropout key,
       None when the schedule draws none;
-    - a Flax NNX module, called as `module(x)` with the parameters (`nnx.Param`) it is given; its
-      other state (rngs, batch statistics) is the module's own and is not trained;
+    - a Flax NNX module, called as `module(x)` with the parameters (`nnx.Param`) it is given;
+      every RNG stream it holds is reseeded from the piece's key (a dropout built without rngs
+      gets one), and without a key (`evaluate`; the head always) it runs its deterministic view,
+      no dropout; its other state (batch statistics) is the module's own and is not trained;
     - a Flax Linen module or its `apply`, called as `apply({'params': p}, x)` (with
       `rngs={'dropout': rng}` when there is a key).
   layers: the N layers' parameters, a list (one tree per layer: Linen params, NNX `State`s or
@@ -267,6 +299,11 @@ def from_layers(
     num_stages, times 2 chunks for interleaved and zb_v); an uneven split pads and skips.
   example_inputs: token ids (shapes only, e.g. a batch's 'inputs'): Linen modules show their
     kernels' layouts only when run, so `muon_dims` covers Linen pieces only when given these.
+  context: `context(inputs) -> dict` of what every layer needs besides x (a mask, positions,
+    segment ids), computed once per (micro-)batch at the embedding. Its leaves travel between
+    stages with x (the activations become {'x': x, **context}; each leaf must lead with the
+    batch axis) and each layer is called `layer(x, **context)` (pure: `layer(params, x, rng,
+    **context)`); the embedding takes the inputs only, the head x only.
   Linen's `Partitioned` boxes and NNX states are unboxed: the ring places the parameters itself.
   Raises ConfigError (one line) for layers that do not match or do not fill the stages.
   """
@@ -291,15 +328,17 @@ def from_layers(
   else:
     layers_per_stage = parse_layers_per_stage(layers_per_stage, num_layers, num_stages)
   loss = token_cross_entropy if loss is None else loss
+  staged_embed, staged_layer, take_x = _with_context(embed_fn, layer_fn, context)
 
   def head_loss(head_p, embed_p, x, targets):
+    x = take_x(x)
     out = head_fn(head_p, embed_p, x) if tied_embedding else head_fn(head_p, x)
     result = loss(out, targets)
     return result if isinstance(result, tuple) else (result, {})
 
   model = StagedModel(
-    embed=embed_fn,
-    stage=layered_stage(layer_fn, layers_per_stage),
+    embed=staged_embed,
+    stage=layered_stage(staged_layer, layers_per_stage),
     loss=head_loss,
     tied_embedding=tied_embedding,
   )
@@ -316,6 +355,7 @@ def from_layers(
     (layer, layer_fn, _first(stacked)),
     (head, head_fn, head_params),
     example_inputs,
+    context,
   )
   return Staging(model, params, tuple(layers_per_stage), to_layers, dims)
 
@@ -331,7 +371,45 @@ def _first(stacked: PyTree) -> PyTree:
   return jax.tree.map(lambda a: a[0], stacked)
 
 
-def _muon_dims(embed, layer, head, example_inputs) -> dict:
+def _with_context(embed_fn: Callable, layer_fn: Callable, context: Callable | None):
+  """(embed, layer, the head's x) of the staged model. Without `context`: the pieces as they are.
+  With it: the embedding's activations are {'x': x, **context(inputs)}, every layer takes
+  `layer_fn(params, x, rng, **context)` and passes the context on, and the head reads 'x'."""
+  if context is None:
+    return embed_fn, layer_fn, lambda x: x
+
+  def embed(params, inputs, rng):
+    x = embed_fn(params, inputs, rng)
+    return {'x': x, **_context_of(context, inputs, x)}
+
+  def layer(params, act, rng):
+    extra = {name: leaf for name, leaf in act.items() if name != 'x'}
+    return {**act, 'x': layer_fn(params, act['x'], rng, **extra)}
+
+  return embed, layer, lambda act: act['x']
+
+
+def _context_of(context: Callable, inputs, x) -> dict:
+  """`context(inputs)`, checked: a dict without 'x' whose every leaf leads with x's batch axis."""
+  extra = context(inputs)
+  if not isinstance(extra, collections.abc.Mapping) or 'x' in extra:
+    got = "the key 'x'" if isinstance(extra, collections.abc.Mapping) else type(extra).__name__
+    raise ConfigError(
+      f'from_layers: context(inputs) must return a dict of what the layers take besides x, not '
+      f"{got}; return e.g. {{'mask': ...}} under other names (x is the activations' own)."
+    )
+  rows = jax.tree.leaves(x)[0].shape[0]
+  for path, leaf in jax.tree_util.tree_leaves_with_path(dict(extra)):
+    if jnp.ndim(leaf) == 0 or jnp.shape(leaf)[0] != rows:
+      raise ConfigError(
+        f'from_layers: context{jax.tree_util.keystr(path)} has shape {jnp.shape(leaf)}, but what '
+        f'travels between stages leads with the batch axis ({rows} rows); broadcast it, e.g. '
+        f'jnp.broadcast_to(leaf, ({rows}, ...)).'
+      )
+  return dict(extra)
+
+
+def _muon_dims(embed, layer, head, example_inputs, context=None) -> dict:
   """{path within its group: kernel_dims} for the kernels of Flax's linear modules in the pieces
   (NNX: read from the modules; Linen: recorded while the pieces run on `example_inputs`, shapes
   only).
@@ -356,14 +434,17 @@ def _muon_dims(embed, layer, head, example_inputs) -> dict:
           add(path, 1, 1)
   linen = [piece for piece, _, _ in (embed, layer, head) if _linen_module(piece) is not None]
   if linen and example_inputs is not None:
-    for path, in_axes, out_axes in _linen_kernels(embed, layer, head, example_inputs):
+    for path, in_axes, out_axes in _linen_kernels(embed, layer, head, example_inputs, context):
       add(path, in_axes, out_axes)
   return {key: dims for key, dims in found.items() if key not in clashes}
 
 
-def _linen_kernels(embed, layer, head, inputs) -> list[tuple[tuple[str, ...], int, int]]:
+def _linen_kernels(
+  embed, layer, head, inputs, context=None
+) -> list[tuple[tuple[str, ...], int, int]]:
   """(module path, input axes, output axes) of each Linen Dense / DenseGeneral the Linen pieces
-  call on `inputs` (`nn.intercept_methods` under `jax.eval_shape`: no FLOPs)."""
+  call on `inputs` (and the layer on `context(inputs)`; `nn.intercept_methods` under
+  `jax.eval_shape`: no FLOPs)."""
   from flax import linen
 
   calls, recording = [], [False]  # record inside the Linen pieces only: a pure function's
@@ -380,16 +461,16 @@ def _linen_kernels(embed, layer, head, inputs) -> list[tuple[tuple[str, ...], in
       calls.append((tuple(module.scope.path), in_axes, out_axes))
     return next_fun(*args, **kwargs)
 
-  def run(piece, p, *args):
+  def run(piece, p, *args, **extra):
     recording[0] = _linen_module(piece[0]) is not None
     try:
-      return piece[1](p, *args)
+      return piece[1](p, *args, **extra)
     finally:
       recording[0] = False
 
   def trace(embed_p, layer_p, head_p):
     x = run(embed, embed_p, inputs, None)
-    x = run(layer, layer_p, x, None)
+    x = run(layer, layer_p, x, None, **({} if context is None else context(inputs)))
     return run(head, head_p, x) if _linen_module(head[0]) is not None else x
 
   with linen.intercept_methods(record):
@@ -423,26 +504,19 @@ def _is_pure(piece) -> bool:
 
 
 def _piece(piece, what: str, *, takes_rng: bool):
-  """(a pure function of (params, *args[, rng]), the module's own parameters or None)."""
-  nnx = _nnx()
-  if isinstance(piece, nnx.Module):
-    graphdef, params, rest = nnx.split(piece, nnx.Param, ...)
-
-    def call(p, *args):
-      if takes_rng:
-        args = args[:-1]  # an NNX module keeps its own rngs
-      return nnx.merge(graphdef, p, rest)(*args)
-
-    return call, nnx.to_pure_dict(params)
+  """(a pure function of (params, *args[, rng], **context), the module's own parameters or
+  None)."""
+  if isinstance(piece, _nnx().Module):
+    return _nnx_piece(piece, takes_rng)
   module = _linen_module(piece)
   if module is not None:
 
-    def apply(p, *args):
+    def apply(p, *args, **context):
       rngs = None
       if takes_rng:
         *args, rng = args
         rngs = None if rng is None else {'dropout': rng}
-      return module.apply({'params': p}, *args, rngs=rngs)
+      return module.apply({'params': p}, *args, rngs=rngs, **context)
 
     return apply, None
   if not callable(piece):
@@ -451,6 +525,58 @@ def _piece(piece, what: str, *, takes_rng: bool):
       f'{type(piece).__name__}.'
     )
   return piece, None
+
+
+def _nnx_piece(piece, takes_rng: bool):
+  """An NNX module as a pure function of its parameters. Every call merges a fresh module in
+  its own trace (the user's module is never mutated) and, given the piece's key, reseeds every
+  RNG stream it holds from that key alone; without a key (`evaluate`, the head) it runs its
+  deterministic view (`nnx.view(..., deterministic=True)`: no dropout)."""
+  nnx = _nnx()
+  graphdef, params, rest = nnx.split(piece, nnx.Param, ...)
+  rest = nnx.to_pure_dict(rest)  # arrays, not the module's Variables: merged afresh per trace
+
+  def call(p, *args, **context):
+    rng = args[-1] if takes_rng else None
+    module = nnx.merge(graphdef, p, rest)
+    module = _deterministic(module) if rng is None else _seeded(module, rng)
+    return module(*(args[:-1] if takes_rng else args), **context)
+
+  return call, nnx.to_pure_dict(params)
+
+
+def _deterministic(module):
+  return _nnx().view(module, deterministic=True, raise_if_not_found=False)
+
+
+def _seeded(module, rng):
+  """`module` (a fresh merge) with its i-th RNG stream keyed fold_in(rng, i), its count reset,
+  and a stream of the same kind for each dropout module built without rngs: the same key, the
+  same masks, in any schedule."""
+  nnx = _nnx()
+  nodes = [node for _, node in nnx.iter_graph(module)]
+  streams = [node for node in nodes if isinstance(node, nnx.RngStream)]
+  for i, stream in enumerate(streams):
+    shape = stream.key.get_value().shape
+    key = jax.random.fold_in(rng, i)
+    if shape:  # a split stream (nnx.split_rngs): one key per slot
+      key = jax.random.split(key, int(np.prod(shape))).reshape(shape)
+    stream.key.set_value(key)
+    stream.count.set_value(jnp.zeros(shape, jnp.uint32))
+  needy = [node for node in nodes if _draws_without_rngs(node)]
+  for j, node in enumerate(needy, len(streams)):
+    node.rngs = nnx.RngStream(jax.random.fold_in(rng, j), tag='dropout')
+  return module
+
+
+def _draws_without_rngs(node) -> bool:
+  """An NNX dropout (nnx.Dropout, attention dropout) built without rngs, which would fail."""
+  nnx = _nnx()
+  if isinstance(node, nnx.Dropout):
+    return node.rngs is None and node.rate > 0
+  if isinstance(node, nnx.MultiHeadAttention):
+    return node.rngs is None and node.dropout_rate > 0
+  return False
 
 
 def _params(given, default, name: str, what: str):
