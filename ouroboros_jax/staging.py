@@ -276,6 +276,7 @@ def from_layers(
   tied_embedding: bool = False,
   example_inputs=None,
   context: Callable[[Any], dict] | None = None,
+  loss_weight: Callable[[Any], Any] | None = None,
 ) -> Staging:
   """A model of one embedding, N layers of one kind and a head, staged for every schedule.
 
@@ -295,7 +296,10 @@ def from_layers(
     `layer` it is the template whose structure every layer shares.
   embed_params, head_params: their parameters; an NNX module's own when left out.
   loss: (head's output, targets) -> loss or (loss, metrics); default: mean token cross-entropy
-    of logits. num_stages or layers_per_stage: the stage groups (`ScheduleConfig.stage_groups`:
+    of logits. loss_weight: targets -> what `loss` averages over (e.g. `(targets > 0).sum()`,
+    the valid tokens of a padded batch), so that every schedule forms the gradient of the whole
+    batch's mean however the padding falls over micro-batches and replicas
+    (`StagedModel.loss_weight`); None: every row weighs the same. num_stages or layers_per_stage: the stage groups (`ScheduleConfig.stage_groups`:
     num_stages, times 2 chunks for interleaved and zb_v); an uneven split pads and skips.
   example_inputs: token ids (shapes only, e.g. a batch's 'inputs'): Linen modules show their
     kernels' layouts only when run, so `muon_dims` covers Linen pieces only when given these.
@@ -341,6 +345,7 @@ def from_layers(
     stage=layered_stage(staged_layer, layers_per_stage),
     loss=head_loss,
     tied_embedding=tied_embedding,
+    loss_weight=loss_weight,
   )
   params = to_staged(
     {'embed': embed_params, 'layers': stacked, 'head': head_params}, layers_per_stage

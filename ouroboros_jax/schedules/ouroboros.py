@@ -277,7 +277,9 @@ def _forward_wave(ring: _Ring, params, forward_params, buffers, seen, t) -> _For
   items_f = ring.items(t, s * ring.timing.forward_hop)  # the items group s forwards, in order
   items_h = ring.items(t, ring.timing.head_ticks)  # the items the head sees
   memory_M = ring_lib.microbatches(ring_lib.local_memory(buffers), num_micro)  # or None
-  x_like = jax.eval_shape(lambda: ring_lib.embed(model, forward_params['embed'], inputs_M[0], None))
+  x_like = jax.eval_shape(
+    lambda: ring_lib.embed(model, forward_params['embed'], ring_lib.at(inputs_M, 0), None)
+  )
 
   def run_forward(x, item, memory):
     return ring.stash.forward(forward_s, x, s, ring.item_key(item), memory, item // num_micro)
@@ -297,7 +299,7 @@ def _forward_wave(ring: _Ring, params, forward_params, buffers, seen, t) -> _For
     j = jnp.clip(j, 0, num_micro - 1)
     item = items_f[j]
     x0 = ring_lib.embed(
-      model, forward_params['embed'], inputs_M[j], ring.item_key(t * num_micro + j)
+      model, forward_params['embed'], ring_lib.at(inputs_M, j), ring.item_key(t * num_micro + j)
     )
     if pipelined:  # what the predecessor sent hop ticks ago; its slot takes what comes now
       received = ring_lib.at(act_fifo, r % hop)
