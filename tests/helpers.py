@@ -129,6 +129,29 @@ SMALL_CLI = [
 ]
 
 
+def guide_block(name: str) -> str:
+  """The Python of docs/guides/own_model.md's block between `<!-- NAME:begin -->` and
+  `<!-- NAME:end -->` (the tests run the guide's examples as written)."""
+  text = (REPO_ROOT / 'docs' / 'guides' / 'own_model.md').read_text()
+  found = re.search(rf'<!-- {name}:begin -->\n```python\n(.*?)```\n<!-- {name}:end -->', text, re.S)
+  assert found, f'the guide lost its {name} example'
+  return found.group(1)
+
+
+# (schedule, its ScheduleConfig fields, its stage groups): every exact schedule on 2 devices.
+# gpipe, 1f1b and zb_h1 run one group per device; interleaved and zb_v two chunks per device,
+# so 4 groups.
+EXACT_ON_TWO_DEVICES = [
+  ('backprop', {}, 2),
+  ('model_parallel', {'num_stages': 2}, 2),
+  ('gpipe', {'num_stages': 2, 'microbatches': 2}, 2),
+  ('1f1b', {'num_stages': 2, 'microbatches': 2}, 2),
+  ('zb_h1', {'num_stages': 2, 'microbatches': 2}, 2),
+  ('interleaved', {'num_stages': 2, 'microbatches': 2}, 4),
+  ('zb_v', {'num_stages': 2, 'microbatches': 2}, 4),
+]
+
+
 def run_cli(*args, timeout=90, **kwargs):
   return subprocess.run(
     [sys.executable, '-m', 'ouroboros_jax', *map(str, args)],

@@ -14,7 +14,6 @@ written from the paper's equations (`schedules/reference.py`), with the library'
 from __future__ import annotations
 
 import functools
-import re
 import warnings
 
 import jax
@@ -32,7 +31,7 @@ from ouroboros_jax.schedules import reference
 from ouroboros_jax.schedules.compensation import Compensation
 from ouroboros_jax.staging import token_cross_entropy
 
-from helpers import REPO_ROOT, max_abs_diff, random_batches, run_schedule
+from helpers import guide_block, max_abs_diff, random_batches, run_schedule
 
 VOCAB, WIDTH, HEADS, SEQ, BATCH, STEPS = 32, 8, 2, 6, 8, 3
 HEAD_DIM = WIDTH // HEADS
@@ -337,11 +336,8 @@ def test_the_modules_tell_muon_how_to_read_their_kernels(framework):
 
 def test_the_guides_linen_example_runs_and_learns():
   """docs/guides/own_model.md's Linen block, as written: staged, trained, written back."""
-  text = (REPO_ROOT / 'docs' / 'guides' / 'own_model.md').read_text()
-  block = re.search(r'<!-- linen:begin -->\n```python\n(.*?)```\n<!-- linen:end -->', text, re.S)
-  assert block, 'the guide lost its Linen example'
   scope: dict = {}
-  exec(compile(block.group(1), 'own_model.md', 'exec'), scope)
+  exec(compile(guide_block('linen'), 'own_model.md', 'exec'), scope)
   assert float(scope['metrics']['loss']) < 4.0  # from log 256 = 5.55 on 16 symbols
   trained, start = scope['params'], scope['staging'].to_layers(scope['staging'].params)
   assert set(trained) == {'embed', 'head', 'blocks_0', 'blocks_1', 'blocks_2'}

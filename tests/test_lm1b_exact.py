@@ -12,7 +12,6 @@ the two classes differ (the masks are really drawn)."""
 from __future__ import annotations
 
 import functools
-import re
 
 import optax
 import pytest
@@ -21,7 +20,7 @@ from flax import nnx
 from ouroboros_jax import from_layers
 from ouroboros_jax.schedules import ScheduleConfig
 
-from helpers import REPO_ROOT, max_abs_diff, run_schedule
+from helpers import guide_block, max_abs_diff, run_schedule
 
 STEPS = 2
 
@@ -29,10 +28,7 @@ STEPS = 2
 @functools.cache
 def guide_pieces() -> dict:
   """The guide's lm1b block up to its training: the pieces, the padded batch, the loss."""
-  text = (REPO_ROOT / 'docs' / 'guides' / 'own_model.md').read_text()
-  block = re.search(r'<!-- lm1b:begin -->\n```python\n(.*?)```\n<!-- lm1b:end -->', text, re.S)
-  assert block, 'the guide lost its lm1b example'
-  pieces = block.group(1).split('\nrun = recipe(')[0]
+  pieces = guide_block('lm1b').split('\nrun = recipe(')[0]
   scope: dict = {}
   exec(compile(pieces, 'own_model.md', 'exec'), scope)
   return scope

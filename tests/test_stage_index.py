@@ -20,7 +20,7 @@ import pytest
 from ouroboros_jax import ScheduleConfig, StagedModel, build_schedule
 from ouroboros_jax.errors import ConfigError
 
-from helpers import max_abs_diff, random_batches, run_schedule
+from helpers import EXACT_ON_TWO_DEVICES, max_abs_diff, random_batches, run_schedule
 
 VOCAB, WIDTH, LAYERS, STEPS, BATCH = 32, 8, 3, 3, 8
 ATOL = 1e-5  # float32: an exact schedule only reorders sums (measured below 1e-6)
@@ -102,18 +102,8 @@ def backprop():
   return squeezed, losses
 
 
-# (schedule, its ScheduleConfig fields, its stage groups): every schedule on 2 devices. gpipe,
-# 1f1b and zb_h1 run one group per device, so the 3 layers pad to 2 groups x 2; interleaved and
-# zb_v run two chunks per device, 4 groups, so they pad to 4 groups x 1.
-EXACT = [
-  ('backprop', {}, 2),
-  ('model_parallel', {'num_stages': 2}, 2),
-  ('gpipe', {'num_stages': 2, 'microbatches': 2}, 2),
-  ('1f1b', {'num_stages': 2, 'microbatches': 2}, 2),
-  ('zb_h1', {'num_stages': 2, 'microbatches': 2}, 2),
-  ('interleaved', {'num_stages': 2, 'microbatches': 2}, 4),
-  ('zb_v', {'num_stages': 2, 'microbatches': 2}, 4),
-]
+# 3 layers pad to 2 groups x 2 (one group per device) or to 4 groups x 1 (interleaved, zb_v).
+EXACT = EXACT_ON_TWO_DEVICES
 
 
 @pytest.mark.parametrize('name, fields, groups', EXACT, ids=[e[0] for e in EXACT])

@@ -259,7 +259,7 @@ def test_fresh_run_refuses_an_out_dir_with_an_earlier_runs_metrics(tmp_path):
   resume.check_out_dir(cfg, resume=False)  # not there yet
   out.mkdir()
   resume.check_out_dir(cfg, resume=False)  # empty
-  (out / 'config.json').write_text('{}')
+  (out / 'config.json').write_text(json.dumps(cfg.to_dict()))  # what a run writes first
   (out / 'metrics.jsonl').write_text('')
   resume.check_out_dir(cfg, resume=False)  # a run that logged nothing: nothing to lose
   (out / 'metrics.jsonl').write_text('{"step": 20, "split": "train", "loss": 3.1}\n')

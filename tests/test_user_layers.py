@@ -36,7 +36,7 @@ from ouroboros_jax.schedules.compensation import Compensation
 from ouroboros_jax.staging import token_cross_entropy
 from ouroboros_jax.update import GroupedOptimizer
 
-from helpers import REPO_ROOT, max_abs_diff, run_schedule
+from helpers import EXACT_ON_TWO_DEVICES, guide_block, max_abs_diff, run_schedule
 
 VOCAB, WIDTH, HEADS, SEQ, BATCH, LAYERS = 32, 8, 2, 6, 8, 3
 
@@ -364,14 +364,7 @@ def test_a_stage_count_for_a_schedule_without_stages_says_what_to_pass():
 # ----------------------------------------------------------------------------- the pipelines
 
 # The schedules that pass activations from stage to stage: (name, fields, stage groups).
-PIPELINED = [
-  ('model_parallel', {'num_stages': 2}, 2),
-  ('gpipe', {'num_stages': 2, 'microbatches': 2}, 2),
-  ('1f1b', {'num_stages': 2, 'microbatches': 2}, 2),
-  ('zb_h1', {'num_stages': 2, 'microbatches': 2}, 2),
-  ('interleaved', {'num_stages': 2, 'microbatches': 2}, 4),
-  ('zb_v', {'num_stages': 2, 'microbatches': 2}, 4),
-]
+PIPELINED = EXACT_ON_TWO_DEVICES[1:]
 
 
 def four_layers(groups):
@@ -414,11 +407,8 @@ def test_ouroboros_carries_the_context_between_stages():
 
 def test_the_guides_lm1b_example_runs_and_learns():
   """docs/guides/own_model.md's lm1b-style NNX pieces, as written: staged, checked, trained."""
-  text = (REPO_ROOT / 'docs' / 'guides' / 'own_model.md').read_text()
-  block = re.search(r'<!-- lm1b:begin -->\n```python\n(.*?)```\n<!-- lm1b:end -->', text, re.S)
-  assert block, 'the guide lost its lm1b example'
   scope: dict = {}
-  exec(compile(block.group(1), 'own_model.md', 'exec'), scope)
+  exec(compile(guide_block('lm1b'), 'own_model.md', 'exec'), scope)
   staged_loss, mine = scope['losses']
   assert abs(staged_loss - mine) < 1e-5
   assert float(scope['metrics']['loss']) < mine - 0.3  # it learned
