@@ -351,7 +351,7 @@ def _head_shares(ring: _Ring, batches_S, targets_M, items_h):
   model, num_micro = ring.model, ring.num_microbatches
   if model.loss_weight is None or ring.aligned:  # aligned: the M items are one batch
     return ring_lib.loss_shares(model, targets_M)
-  weigh = lambda targets_M: jax.vmap(model.loss_weight)(targets_M).astype(jnp.float32)
+  weigh = functools.partial(ring_lib.micro_weights, model)
   batch_targets = lambda b: ring_lib.read_slot(batches_S['targets'], b, ring.depth)
   first = items_h[0] // num_micro
   totals = [

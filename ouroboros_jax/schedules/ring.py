@@ -203,8 +203,13 @@ def loss_shares(model: StagedModel, targets_M):
   num_micro = jax.tree.leaves(targets_M)[0].shape[0]
   if model.loss_weight is None:
     return jnp.full((num_micro,), 1.0 / num_micro, jnp.float32)
-  weight_M = jax.vmap(model.loss_weight)(targets_M).astype(jnp.float32)
+  weight_M = micro_weights(model, targets_M)
   return shares_of(weight_M, weight_M.sum())
+
+
+def micro_weights(model: StagedModel, targets_M):
+  """[M] float32: the `loss_weight` of each micro-batch of targets_M ([M, b, ...])."""
+  return jax.vmap(model.loss_weight)(targets_M).astype(jnp.float32)
 
 
 def shares_of(weight_M, local_total):
