@@ -108,8 +108,10 @@ def test_streamed_transformer_xl_warmup_mean_tie_and_replicas_match_reference():
 
 
 def test_one_microbatch_streams_as_one_batch_and_the_stash_shrinks(tmp_path):
-  """M = 1: streaming is the paper's ring, bit for bit. M = 4 at G = 4: two steps of items
-  kept per device instead of G + 1, and a checkpoint resumes the stream exactly."""
+  """M = 1: streaming is the paper's ring, bit for bit. M = 4 at G = 4, locked: 8 micro-batches
+  kept per device (group 0's 2G: its lag G and the G - 1 rounds the wave takes to reach the
+  head) instead of the (G + 1) M = 20 as one batch, and a checkpoint resumes the stream
+  exactly."""
   model, params = tiny_transformer(4, dropout=0.1)
   batches = random_batches(8, seed=6)
   config = lambda flow, micro: ScheduleConfig(
@@ -125,8 +127,8 @@ def test_one_microbatch_streams_as_one_batch_and_the_stash_shrinks(tmp_path):
   streamed = run('stream', 4)[0]
   # the ring's buffers have their shapes from the start
   batched = build_schedule(config('batch', 4), model, adam()).init(params, batches[0])
-  depth = lambda state: jax.tree.leaves(state.ring['stash'])[0].shape[2]
-  assert (depth(streamed), depth(batched)) == (2, 5)
+  slots = lambda state: jax.tree.leaves(state.ring['stash'])[0].shape[2]
+  assert (slots(streamed), slots(batched)) == (8, 20)
   assert (
     jax.tree.leaves(streamed.ring['delta'])[0].shape[2] * 4
     == (jax.tree.leaves(batched.ring['delta'])[0].shape[2])

@@ -15,6 +15,7 @@ is its lag in micro-batches: at most one update once M reaches the largest lag, 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -76,16 +77,59 @@ class Timing:
 
   @property
   def depth(self) -> int:
-    """Slots, each a step's worth of items (or a step's weights), that a device keeps so that
-    everything in flight survives until its backward: ceil(largest lag / M) + 1."""
+    """Slots of whole batches (their inputs and targets) a device keeps until the head and the
+    embedding's backward have read them: ceil(largest lag / M) + 1."""
     return self.embed_gap + 1
 
   @property
   def weight_slots(self) -> int:
-    """Slots of a graph stash's forward weights, one per step's version: the current version is
-    the step's own forward weights, so only the older ones wait (depth - 1; 1 when nothing
-    waits, so the buffer keeps its shape)."""
-    return max(self.depth - 1, 1)
+    """Slots of a graph stash's forward weights, one per update's version: the current version
+    is the step's own forward weights, so only the older ones wait, as many as the largest
+    group's gap (ceil(lag / M) updates; 1 when nothing waits, so the buffer keeps its shape)."""
+    return max(*self.stage_gaps, 1)
+
+  # -- the step's loop: one round per tick, the forward, the head and the backward of each ------
+
+  @property
+  def rounds(self) -> int:
+    """Rounds of a step's loop. Pipelined, one per tick. Locked, the forward of a tick crosses
+    the G groups within it, group s in the tick's round + s, so the wave takes G - 1 more."""
+    return self.microbatches + self.backward_round(0)
+
+  def forward_round(self, stage: int, index: int) -> int:
+    """The round in which group `stage` forwards the index-th item it forwards in a step."""
+    return index + (0 if self.forward_hop else stage)
+
+  def backward_round(self, index: int) -> int:
+    """The round in which every group back-propagates the index-th item it back-propagates in a
+    step, after its forward in that round: the round in which the head sees its index-th item
+    (round index pipelined; locked, the last group's output reaches the head in round G - 1)."""
+    return index + (0 if self.forward_hop else self.num_stages - 1)
+
+  def _forward_order(self, stage: int, item: int) -> tuple:
+    tick = item + self.forward_ticks(stage)
+    return tick // self.microbatches, self.forward_round(stage, tick % self.microbatches), 0
+
+  def _backward_order(self, stage: int, item: int) -> tuple:
+    tick = item + self.backward_ticks(stage)
+    return tick // self.microbatches, self.backward_round(tick % self.microbatches), 1
+
+  def group_stash_slots(self, stage: int) -> int:
+    """Micro-batch slots group `stage`'s stash needs, item u in slot u % N: the fewest N for
+    which item u + N is forwarded after item u is back-propagated, in the step's loop order
+    (step, round, forward before backward). Pipelined that is the items in flight, lag + 1
+    (2(G - s) + 1 streamed); locked the backward of a tick waits for the wave to reach the
+    head, G - 1 - s rounds after group s's forward, so it can be up to that many more."""
+    items = range(self.microbatches)
+    for slots in itertools.count(1):
+      if all(self._forward_order(stage, u + slots) > self._backward_order(stage, u) for u in items):
+        return slots
+    raise AssertionError('unreachable')
+
+  @property
+  def stash_slots(self) -> int:
+    """Micro-batch slots of the stash on every device (SPMD: each holds the deepest group's)."""
+    return max(self.group_stash_slots(s) for s in range(self.num_stages))
 
 
 def unit_gap_microbatches(num_stages: int, forward: str = 'locked') -> int:

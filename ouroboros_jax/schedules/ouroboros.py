@@ -75,8 +75,8 @@ class _Ring:
 
   @property
   def depth(self) -> int:
-    """Slots per device, each a step's micro-batches (or weights): G + 1 locked and 2G + 1
-    pipelined as one batch; ceil(largest lag / M) + 1 streamed."""
+    """Slots of whole batches (inputs and targets) per device: G + 1 locked and 2G + 1
+    pipelined as one batch; ceil(largest lag / M) + 1 streamed (`Timing.depth`)."""
     return self.timing.depth
 
   @property
@@ -156,191 +156,227 @@ def build(
 # -- one step on one device of the ring: the four steps of the algorithm ---------------------------
 #
 # The ring's clock is the tick: micro-batch m of batch t is item u = tM + m and enters at tick u
-# (delays.Timing). Step t runs ticks tM .. tM + M - 1: first the forward of all of them (the
-# wave), then the backward of all of them (the chain). Nothing the backward of a tick reads is
-# written by a later tick's forward, and the weights change only between steps, so this is the
+# (delays.Timing). Step t runs ticks tM .. tM + M - 1 as one loop of rounds (Timing.rounds): in
+# each, every device forwards an item, the head (device 0) computes the loss of the item that has
+# come round the ring, and every device back-propagates an item, in that order. Nothing a round
+# reads is written by a later round and the weights change only between steps, so this is the
 # tick-by-tick order of the algorithm. A message between neighbours waits in a FIFO of `hop`
-# ticks: M as one batch (it arrives next step), 1 streamed (next tick).
+# ticks: M as one batch (it arrives next step), 1 streamed (next round). What a group keeps of an
+# item waits from its forward to its backward in a ring of micro-batch slots, item u in slot
+# u % Timing.stash_slots: the items in flight, not whole steps.
 
 
-class _Forwarded(NamedTuple):
-  """What the forward wave and the head of one step leave on a device."""
+class _StepInputs(NamedTuple):
+  """What every round of step t on device s reads."""
 
-  kept_M: Any  # what the stash keeps of each item this device forwarded, in tick order
-  memory_M: Any  # the model's renewed memory, micro-batch by micro-batch (None without one)
-  loss: jax.Array  # device 0: the head's loss of its items
-  g_head: Any  # device 0: the head's gradient ...
-  g_embed: Any  # ... and the tied embedding's head-side gradient, both fresh
-  delta_fresh_M: jax.Array  # device 0: the head's delta_{G-1} of each of its items
-  act_fifo: Any  # pipelined: the activations in flight to this device
+  params: Any
+  forward_params: Any  # the weights of the forward (= params unless predicted)
+  inputs_M: Any  # the batch entering the ring, micro-batch by micro-batch
+  head_targets_M: Any  # the targets ...
+  head_shares_M: jax.Array  # ... and loss shares of the items the head sees this step
+  backward_inputs_M: Any  # the inputs of the items back-propagated this step (the embedding's)
+  backward_weights: Any  # graph: m -> the weights item m was forwarded with; None: replay
+  items_b: jax.Array  # the items group s back-propagates this step, in order
+  t: jax.Array
+
+
+class _Carry(NamedTuple):
+  """What a round hands the next."""
+
+  received: Any  # locked: what the predecessor sent this round
+  act_fifo: Any  # pipelined: the activations in flight to this device (`hop` slots); else None
+  stash_N: Any  # what this device keeps of each item in flight, item u in slot u % N
+  memory_M: Any  # the model's memory, micro-batch by micro-batch (None without one)
+  head_sum: Any  # device 0: (loss, head gradient, the head's embed gradient), summed
+  g_stage: Any  # this group's delayed gradient, summed
+  g_embed: Any  # device 0: the embedding's delayed (input-side) gradient, summed
+  delta_fifo: Any  # the error gradients in flight to this device (`hop` slots)
 
 
 def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t):
   """Step t of the ring on device s (inside the shard_map): (grads, new buffers, loss)."""
-  s, depth, timing = jax.lax.axis_index(STAGE), ring.depth, ring.timing
-  forward_ticks = s * timing.forward_hop
-  backward_ticks = jnp.asarray([timing.backward_ticks(g) for g in range(ring.num_stages)])[s]
-  local = lambda tree: jax.tree.map(lambda a: a[0, 0], tree)
+  s, timing, num_micro = jax.lax.axis_index(STAGE), ring.timing, ring.num_microbatches
   kept_buffers = buffers.get(placement.HOST, buffers)  # offloaded, or beside the others
-  stash_S, weights_S = local(kept_buffers['stash']), local(kept_buffers.get('weights'))
-  batches_S = local(buffers['batches'])
-  by_item = lambda tree: ring_lib.slots_by_microbatch(tree, ring.num_microbatches)
-  read = lambda buffers, items: ring_lib.read_items(buffers, items[0], depth, ring.aligned)
-  version_shift = forward_ticks // ring.num_microbatches  # weights by step: one slot per batch
-  items_b = ring.items(t, backward_ticks)
-
+  weights_W = _local(kept_buffers.get('weights'))
+  batches_S = ring_lib.write_slot(_local(buffers['batches']), batch, t, ring.depth)
+  by_item = lambda tree: ring_lib.slots_by_microbatch(tree, num_micro)
+  read = lambda tree, items: ring_lib.read_items(by_item(tree), items[0], ring.depth, ring.aligned)
+  backward_ticks = jnp.asarray([timing.backward_ticks(g) for g in range(ring.num_stages)])[s]
+  items_b, items_h = ring.items(t, backward_ticks), ring.items(t, timing.head_ticks)
+  head_targets_M = read(batches_S['targets'], items_h)
   # Graph: the backward differentiates at the weights each item was forwarded with. This step's
   # forward weights are at hand; only the older versions wait in the ring (Timing.weight_slots).
-  forward_s = None if weights_S is None else ring_lib.local_stage_params(forward_params)
-  version_now = t - version_shift
-
-  def read_pending(stash_S, batches_S, weights_S):
-    return _Pending(
-      kept_M=read(stash_S, items_b),
-      inputs_M=read(by_item(batches_S['inputs']), items_b),
-      weights=_backward_weights(
-        ring, weights_S, forward_s, version_now, items_b, forward_ticks, version_shift
-      ),
-      items=items_b,
-    )
-
-  # As one batch with G > 1 nothing this step writes is read this step: read first, so that XLA
-  # updates the ring buffers in place (read after a write, each would cost a copy of all its
-  # slots). Streamed, the backward reaches items that entered this step: write, then read.
-  read_first = ring.aligned and ring.num_stages > 1
-  items_h = ring.items(t, timing.head_ticks)
-  if read_first:
-    pending = read_pending(stash_S, batches_S, weights_S)
-    head_targets_M = (
-      ring_lib.microbatches(batch['targets'], ring.num_microbatches)
-      if timing.head_ticks == 0  # the locked head sees the batch entering now
-      else read(by_item(batches_S['targets']), items_h)
-    )
-  batches_S = ring_lib.write_slot(batches_S, batch, t, depth)
-  if not read_first:
-    head_targets_M = read(by_item(batches_S['targets']), items_h)
-
-  # 1. Forward and 2. head, one micro-batch at a time.
-  seen = {
-    'inputs': batch['inputs'],
-    'head_targets_M': head_targets_M,
-    'head_shares_M': _head_shares(ring, batches_S, head_targets_M, items_h),
-  }
-  fwd = _forward_wave(ring, params, forward_params, buffers, seen, t)
-  # One write after the wave, rather than the stash carried through it: a loop's carry is a
-  # buffer of its own, and carrying the stash would cost copies of all of it. It never
-  # overwrites an item the backward reads this step (Timing.depth).
-  items_f = ring.items(t, forward_ticks)
-  stash_S = ring_lib.write_items(stash_S, fwd.kept_M, items_f[0], depth, ring.aligned)
-
-  # 3. Backward, all devices at once, each on the items whose error gradients reach it now.
-  if not read_first:
-    pending = read_pending(stash_S, batches_S, weights_S)
-  g_stage, g_embed_stale, delta_fifo = _backward_chain(ring, params, pending, buffers, fwd)
-  if weights_S is not None:  # after every read of the step: XLA updates the slot in place
-    weights_S = ring_lib.write_slot(weights_S, forward_s, version_now, timing.weight_slots)
-
-  # 4. Gradients, each on the device that owns it (embed and head live on device 0).
-  g_embed = jax.tree.map(jnp.add, fwd.g_embed, g_embed_stale)
+  forward_s = ring_lib.local_stage_params(forward_params)
+  version_now = t  # the weights of an item forwarded in step t are version t
+  step = _StepInputs(
+    params=params,
+    forward_params=forward_params,
+    inputs_M=ring_lib.microbatches(batch['inputs'], num_micro),
+    head_targets_M=head_targets_M,
+    head_shares_M=_head_shares(ring, batches_S, head_targets_M, items_h),
+    backward_inputs_M=read(batches_S['inputs'], items_b),
+    backward_weights=_backward_weights(ring, weights_W, forward_s, version_now, items_b),
+    items_b=items_b,
+    t=t,
+  )
+  first = _first_carry(ring, step, buffers, _local(kept_buffers['stash']))
+  out = jax.lax.fori_loop(0, timing.rounds, functools.partial(_round, ring, step), first)
+  kept = {'stash': out.stash_N}
+  if weights_W is not None:  # after every read of the step: XLA updates the slot in place
+    kept['weights'] = ring_lib.write_slot(weights_W, forward_s, version_now, timing.weight_slots)
+  loss, g_head, g_embed = out.head_sum
+  g_embed = jax.tree.map(jnp.add, g_embed, out.g_embed)  # the head's fresh one, module 1's stale
   if ring.config.tied_grad == 'mean' and ring.model.tied_embedding:
     both = ring.real(ring.items(t, timing.backward_ticks(0))[-1])  # module 1's stale one too
     g_embed = jax.tree.map(lambda g: jnp.where(both, 0.5 * g, g), g_embed)
-  grads, loss = ring_lib.gather_grads(g_embed, fwd.g_head, g_stage, fwd.loss)
-  kept = {'stash': stash_S} if weights_S is None else {'stash': stash_S, 'weights': weights_S}
-  new_buffers = {'batches': batches_S, 'delta': ring_lib.whole_batch(delta_fifo)}
+  grads, loss = ring_lib.gather_grads(g_embed, g_head, out.g_stage, loss)
+  return grads, _new_buffers(ring, buffers, kept, batches_S, out), loss
+
+
+def _new_buffers(ring: _Ring, buffers, kept, batches_S, out: _Carry):
+  """The ring buffers [G, R, ...] the step leaves: the batches, the stash (on the device or in
+  the host's memory), the messages in flight and a model's memory."""
+  new_buffers = {'batches': batches_S, 'delta': ring_lib.whole_batch(out.delta_fifo)}
   if placement.HOST in buffers:
     new_buffers[placement.HOST] = kept
   else:
     new_buffers.update(kept)
   if ring.pipelined:
-    new_buffers['act'] = ring_lib.whole_batch(fwd.act_fifo)
-  if fwd.memory_M is not None:
-    new_buffers['memory'] = ring_lib.whole_batch(fwd.memory_M)
-  return grads, jax.tree.map(lambda a: a[None, None], new_buffers), loss
+    new_buffers['act'] = ring_lib.whole_batch(out.act_fifo)
+  if out.memory_M is not None:
+    new_buffers['memory'] = ring_lib.whole_batch(out.memory_M)
+  return jax.tree.map(lambda a: a[None, None], new_buffers)
 
 
-def _forward_wave(ring: _Ring, params, forward_params, buffers, seen, t) -> _Forwarded:
-  """Steps 1 and 2 on device s: the forward of this step's ticks and the head on each.
-
-  Locked: a wave in which group s forwards micro-batch r - s of batch t in round r (only device
-  0 in round 0, as in the paper when M = 1), so the forward takes M + G - 1 rounds of 1/M of the
-  work. Pipelined: in round r every group forwards what its predecessor sent `hop` ticks ago
-  (item tM + r - s * hop). The head runs on device 0 on each item as it arrives: fresh loss,
-  head gradient and delta_{G-1}, each times the item's share of its batch's loss. `seen` holds
-  the inputs of the batch entering the ring and the targets and shares of the items the head
-  sees this step."""
-  model, num_stages, num_micro = ring.model, ring.num_stages, ring.num_microbatches
-  head_targets_M = seen['head_targets_M']
-  pipelined, s, hop = ring.pipelined, jax.lax.axis_index(STAGE), ring.timing.hop
-  forward_s = ring_lib.local_stage_params(forward_params)  # = params_s unless predicted
-  inputs_M = ring_lib.microbatches(seen['inputs'], num_micro)
-  items_f = ring.items(t, s * ring.timing.forward_hop)  # the items group s forwards, in order
-  items_h = ring.items(t, ring.timing.head_ticks)  # the items the head sees
-  memory_M = ring_lib.microbatches(ring_lib.local_memory(buffers), num_micro)  # or None
+def _first_carry(ring: _Ring, step: _StepInputs, buffers, stash_N) -> _Carry:
+  """The loop's carry before round 0: the messages in flight from the last step, the stash and
+  the memory as the buffers hold them, and zero sums."""
+  model, hop, s = ring.model, ring.timing.hop, jax.lax.axis_index(STAGE)
   x_like = jax.eval_shape(
-    lambda: ring_lib.embed(model, forward_params['embed'], ring_lib.at(inputs_M, 0), None)
+    lambda: ring_lib.embed(model, step.forward_params['embed'], ring_lib.at(step.inputs_M, 0), None)
+  )
+  head_like = jax.eval_shape(  # x_like an argument: jnp functions take no ShapeDtypeStruct
+    lambda x: ring_lib.head(model, step.params, x, ring_lib.at(step.head_targets_M, 0)), x_like
+  )
+  params_s = ring_lib.local_stage_params(step.params)
+  at_weights = params_s if step.backward_weights is None else step.backward_weights(0)
+  grads_like = jax.eval_shape(  # of a slot's stash and an error gradient
+    lambda kept, x: ring.stash.backward(at_weights, kept, x, s, ring.item_key(step.t), 0),
+    ring_lib.read_slot(stash_N, 0, ring.timing.stash_slots),
+    x_like,
+  )
+  return _Carry(
+    received=_zeros(x_like),
+    act_fifo=ring_lib.microbatches(_local(buffers['act']), hop) if ring.pipelined else None,
+    stash_N=stash_N,
+    memory_M=ring_lib.microbatches(ring_lib.local_memory(buffers), ring.num_microbatches),
+    head_sum=_zeros(head_like[:3]),
+    g_stage=_zeros(grads_like[0]),
+    g_embed=_zeros(step.params['embed']),
+    delta_fifo=ring_lib.microbatches(_local(buffers['delta']), hop),
   )
 
-  def run_forward(x, item, memory):
+
+def _round(ring: _Ring, step: _StepInputs, r, carry: _Carry) -> _Carry:
+  """Round r of the step: 1. forward, 2. head, 3. backward."""
+  carry, x_head = _forward_round(ring, step, r, carry)
+  carry, delta_head = _head_round(ring, step, r, x_head, carry)
+  return _backward_round(ring, step, r, delta_head, carry)
+
+
+def _forward_round(ring: _Ring, step: _StepInputs, r, carry: _Carry):
+  """Step 1 in round r on device s: group s forwards its next item of the step (device 0 embeds
+  it first), keeps what its backward needs in the item's stash slot and sends its output on.
+  Locked, it forwards micro-batch r - s of the step's batch, as it reaches it in the wave;
+  pipelined, what its predecessor sent `hop` ticks ago. Returns (carry, what reaches the head:
+  G-1's output, sent this round (locked) or `hop` ticks ago (pipelined))."""
+  model, timing, num_micro = ring.model, ring.timing, ring.num_microbatches
+  s, hop = jax.lax.axis_index(STAGE), timing.hop
+  j = r - timing.forward_round(s, 0)  # this round's index among the items group s forwards
+  active = (j >= 0) & (j < num_micro)
+  j = jnp.clip(j, 0, num_micro - 1)
+  item = step.t * num_micro + j - s * timing.forward_hop
+  entering = step.t * num_micro + j  # device 0 embeds the item entering the ring now
+  x0 = ring_lib.embed(
+    model, step.forward_params['embed'], ring_lib.at(step.inputs_M, j), ring.item_key(entering)
+  )
+  received, act_fifo = carry.received, carry.act_fifo
+  if ring.pipelined:  # what the predecessor sent hop ticks ago; its slot takes what comes now
+    received = ring_lib.at(act_fifo, r % hop)
+  forward_s = ring_lib.local_stage_params(step.forward_params)  # = params_s unless predicted
+
+  def run_forward(x, memory):
     return ring.stash.forward(forward_s, x, s, ring.item_key(item), memory, item // num_micro)
 
-  first_memory = jax.tree.map(lambda a: a[0], memory_M)
-  no_kept = _zeros(jax.eval_shape(run_forward, x_like, items_f[0], first_memory)[1])
-  head_zeros = _zeros(  # x_like an argument: jnp functions take no ShapeDtypeStruct
-    jax.eval_shape(
-      lambda x: ring_lib.head(model, params, x, ring_lib.at(head_targets_M, 0)), x_like
-    )
+  x = ring_lib.select(s == 0, x0, received)
+  memory = ring_lib.at(carry.memory_M, item % num_micro)
+  no_kept = _zeros(jax.eval_shape(run_forward, x, memory)[1])
+  y, kept, new_memory = jax.lax.cond(
+    active, run_forward, lambda x, memory: (x, no_kept, memory), x, memory
+  )
+  stash_N = ring_lib.write_slot_where(carry.stash_N, kept, item, timing.stash_slots, active)
+  # Only a real item renews the memory (while a pipe fills, a group forwards zeros).
+  memory_M = ring_lib.set_where(carry.memory_M, item % num_micro, new_memory, ring.real(item))
+  sent = ring_lib.send_forward(y, ring.num_stages)
+  if ring.pipelined:
+    act_fifo = ring_lib.set_at(act_fifo, r % hop, sent)
+  x_head = received if ring.pipelined else sent
+  carry = carry._replace(received=sent, act_fifo=act_fifo, stash_N=stash_N, memory_M=memory_M)
+  return carry, x_head
+
+
+def _head_round(ring: _Ring, step: _StepInputs, r, x_head, carry: _Carry):
+  """Step 2 in round r on device 0: the head on the item that has just come round the ring, its
+  k-th of the step: fresh loss, head gradient and delta_{G-1}, each times the item's share of
+  its batch's loss. Returns (carry, delta_{G-1}: zeros elsewhere and for no real item)."""
+  num_micro = ring.num_microbatches
+  k = r - ring.timing.backward_round(0)
+  items_h = ring.items(step.t, ring.timing.head_ticks)
+  head_on = (k >= 0) & ring.real(items_h[jnp.clip(k, 0, num_micro - 1)])
+  k = jnp.clip(k, 0, num_micro - 1)
+  targets = ring_lib.at(step.head_targets_M, k)
+  loss, g_head, g_embed, delta = ring_lib.head(
+    ring.model, step.params, x_head, targets, step.head_shares_M[k], when=head_on
+  )
+  head_sum = jax.tree.map(jnp.add, carry.head_sum, (loss, g_head, g_embed))
+  return carry._replace(head_sum=head_sum), delta
+
+
+def _backward_round(ring: _Ring, step: _StepInputs, r, delta_head, carry: _Carry) -> _Carry:
+  """Step 3 in round r on device s: group s back-propagates its m-th item of the step with the
+  error gradient its successor sent `hop` ticks ago (device G-1: the head's; G = 1: this round's)
+  from what its forward kept in the item's slot. Module 1 ends at the embedding: device 0 turns
+  dx into V's stale input-side gradient. The one hop of the backward: s hands dx to s - 1;
+  device 0 hands the head's delta to G - 1."""
+  model, stash, num_micro = ring.model, ring.stash, ring.num_microbatches
+  s, hop = jax.lax.axis_index(STAGE), ring.timing.hop
+  m = r - ring.timing.backward_round(0)
+  active = (m >= 0) & (m < num_micro)
+  m = jnp.clip(m, 0, num_micro - 1)
+  item = step.items_b[m]
+  key = ring.item_key(item)
+  kept = ring_lib.read_slot(carry.stash_N, item, ring.timing.stash_slots)
+  delta = delta_head if ring.num_stages == 1 else ring_lib.at(carry.delta_fifo, m % hop)
+  at_weights = (
+    ring_lib.local_stage_params(step.params)
+    if step.backward_weights is None
+    else step.backward_weights(m)
   )
 
-  def forward_round(r, carry):
-    received, kept_M, memory_M, head_sum, delta_fresh_M, act_fifo = carry
-    j = r if pipelined else r - s  # this round's index among the items group s forwards
-    active = (j >= 0) & (j < num_micro)
-    j = jnp.clip(j, 0, num_micro - 1)
-    item = items_f[j]
-    x0 = ring_lib.embed(
-      model, forward_params['embed'], ring_lib.at(inputs_M, j), ring.item_key(t * num_micro + j)
-    )
-    if pipelined:  # what the predecessor sent hop ticks ago; its slot takes what comes now
-      received = ring_lib.at(act_fifo, r % hop)
-    x = ring_lib.select(s == 0, x0, received)
-    memory = ring_lib.at(memory_M, item % num_micro)
-    y, kept, new_memory = jax.lax.cond(
-      active, run_forward, lambda x, item, mem: (x, no_kept, mem), x, item, memory
-    )
-    kept_M = ring_lib.set_where(kept_M, j, kept, active)
-    # Only a real item renews the memory (while a pipe fills, a group forwards zeros).
-    memory_M = ring_lib.set_where(memory_M, item % num_micro, new_memory, ring.real(item))
-    sent = ring_lib.send_forward(y, num_stages)
-    if pipelined:  # device 0's head reads what G-1 sent hop ticks ago
-      act_fifo = ring_lib.set_at(act_fifo, r % hop, sent)
-      k, x_h = r, received
-    else:  # group G-1's output of micro-batch r - (G - 1) has just reached device 0
-      k, x_h = r - (num_stages - 1), sent
-    head_on = (k >= 0) & ring.real(items_h[jnp.clip(k, 0, num_micro - 1)])
-    k = jnp.clip(k, 0, num_micro - 1)
-    loss, g_head, g_embed, delta = ring_lib.head(
-      model, params, x_h, ring_lib.at(head_targets_M, k), seen['head_shares_M'][k], when=head_on
-    )
-    head_sum = jax.tree.map(jnp.add, head_sum, (loss, g_head, g_embed))
-    delta_fresh_M = ring_lib.set_where(delta_fresh_M, k, delta, head_on)
-    return sent, kept_M, memory_M, head_sum, delta_fresh_M, act_fifo
+  def backward():
+    return stash.backward(at_weights, kept, delta, s, key, item // num_micro)
 
-  rounds = num_micro if pipelined else num_micro + num_stages - 1
-  zeros_M = jax.tree.map(lambda a: jnp.zeros((num_micro, *a.shape), a.dtype), x_like)
-  act_fifo = ring_lib.microbatches(_local(buffers['act']), hop) if pipelined else None
-  carry = (
-    _zeros(x_like),
-    jax.tree.map(lambda a: jnp.zeros((num_micro, *a.shape), a.dtype), no_kept),
-    memory_M,
-    head_zeros[:3],
-    zeros_M,
-    act_fifo,
+  no_grads = lambda: _zeros(jax.eval_shape(backward))
+  g_m, dx = jax.lax.cond(active & ring.real(item), backward, no_grads)
+  inputs = ring_lib.at(step.backward_inputs_M, m)
+  g_embed_m = ring_lib.embed_backward(model, step.params['embed'], inputs, key, dx, when=active)
+  sent = ring_lib.send_backward(ring_lib.select(s == 0, delta_head, dx), ring.num_stages)
+  add = lambda a, b: jax.tree.map(jnp.add, a, b)
+  return carry._replace(
+    g_stage=add(carry.g_stage, g_m),
+    g_embed=add(carry.g_embed, g_embed_m),
+    delta_fifo=ring_lib.set_where(carry.delta_fifo, m % hop, sent, active),
   )
-  _, kept_M, memory_M, (loss, g_head, g_embed), delta_fresh_M, act_fifo = jax.lax.fori_loop(
-    0, rounds, forward_round, carry
-  )
-  return _Forwarded(kept_M, memory_M, loss, g_head, g_embed, delta_fresh_M, act_fifo)
 
 
 def _head_shares(ring: _Ring, batches_S, targets_M, items_h):
@@ -361,32 +397,21 @@ def _head_shares(ring: _Ring, batches_S, targets_M, items_h):
   return ring_lib.shares_of(weigh(targets_M), own_total_M)
 
 
-class _Pending(NamedTuple):
-  """What group s needs for the backward of this step's items: what its forward kept of them,
-  their inputs (for the embedding's gradient on device 0), the weights their forward ran at
-  (graph; None: replay at the current ones) and the items' indices."""
-
-  kept_M: Any
-  inputs_M: Any
-  weights: Any  # a function m -> the weights item m was forwarded with, or None
-  items: jax.Array
-
-
-def _backward_weights(
-  ring: _Ring, weights_S, forward_s, version_now, items_b, forward_ticks, version_shift
-):
+def _backward_weights(ring: _Ring, weights_W, forward_s, version_now, items_b):
   """m -> the weights item items_b[m] was forwarded with (graph; None: replay). As one batch the
   step's items share one version; streamed they span two, both read once. Version `version_now`
   is this step's forward weights `forward_s`; the older ones are read from the ring's slots."""
-  if weights_S is None:
+  if weights_W is None:
     return None
-  num_micro = ring.num_microbatches
-  version = (items_b + forward_ticks) // num_micro - version_shift
-  slots = ring.timing.weight_slots
+  num_micro, timing = ring.num_microbatches, ring.timing
+  forward_ticks = jax.lax.axis_index(STAGE) * timing.forward_hop
+  version = (items_b + forward_ticks) // num_micro  # the step each item was forwarded in
 
   def read(v):  # kept narrow where the forward reads only the cast (_kept_weights): widened back
     older = jax.tree.map(
-      lambda a, w: a.astype(w.dtype), ring_lib.read_slot(weights_S, v, slots), forward_s
+      lambda a, w: a.astype(w.dtype),
+      ring_lib.read_slot(weights_W, v, timing.weight_slots),
+      forward_s,
     )
     if ring.aligned and ring.num_stages > 1:  # as one batch nothing reads this step's version
       return older
@@ -397,49 +422,6 @@ def _backward_weights(
     return lambda m: weights
   older, newer = read(version[0]), read(version[0] + 1)
   return lambda m: ring_lib.select(version[m] == version[0], older, newer)
-
-
-def _backward_chain(ring: _Ring, params, pending: _Pending, buffers, fwd: _Forwarded):
-  """Step 3 on device s, one tick at a time: group s back-propagates item u = pending.items[m]
-  with the error gradient its successor sent `hop` ticks ago (device G-1: the head's; G = 1: the
-  fresh one). Module 1 ends at the embedding: device 0 turns dx into V's stale input-side
-  gradient. The one hop of the backward: s hands dx to s - 1; device 0 hands the head's delta
-  to G - 1. Returns (stage gradient, embedding gradient, the FIFO of error gradients in flight
-  to this device)."""
-  model, stash, s, hop = ring.model, ring.stash, jax.lax.axis_index(STAGE), ring.timing.hop
-  params_s = ring_lib.local_stage_params(params)
-  delta_fresh_M = fwd.delta_fresh_M
-
-  def backward_micro(m, carry):
-    g_stage, g_embed, fifo = carry
-    item = pending.items[m]
-    key = ring.item_key(item)
-    kept = ring_lib.at(pending.kept_M, m)
-    # G = 1: the head's fresh delta, no hop
-    delta = ring_lib.at(delta_fresh_M, m) if ring.num_stages == 1 else ring_lib.at(fifo, m % hop)
-    at_weights = params_s if pending.weights is None else pending.weights(m)
-    batch_index = item // ring.num_microbatches
-    g_m, dx = ring_lib.mask(
-      ring.real(item), stash.backward(at_weights, kept, delta, s, key, batch_index)
-    )
-    inputs = ring_lib.at(pending.inputs_M, m)
-    g_embed_m = ring_lib.embed_backward(model, params['embed'], inputs, key, dx)
-    sent = ring_lib.send_backward(
-      ring_lib.select(s == 0, ring_lib.at(delta_fresh_M, m), dx), ring.num_stages
-    )
-    add = lambda a, b: jax.tree.map(jnp.add, a, b)
-    return add(g_stage, g_m), add(g_embed, g_embed_m), ring_lib.set_at(fifo, m % hop, sent)
-
-  one = lambda tree: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), tree)
-  at_weights = params_s if pending.weights is None else pending.weights(0)
-  backward_shapes = lambda kept, x: stash.backward(
-    at_weights, kept, x, s, ring.item_key(pending.items[0]), 0
-  )
-  no_grad = _zeros(jax.eval_shape(backward_shapes, one(pending.kept_M), one(delta_fresh_M)))
-  fifo = ring_lib.microbatches(_local(buffers['delta']), hop)
-  return jax.lax.fori_loop(
-    0, ring.num_microbatches, backward_micro, (no_grad[0], _zeros(params['embed']), fifo)
-  )
 
 
 def _zeros(shapes):
@@ -463,8 +445,9 @@ def _device_shapes(ring: _Ring, fn, *args):
 
 
 def _init(ring: _Ring, params, example_batch):
-  """The fresh TrainState, with zeroed ring buffers [G, R, ...]: the stash [slots, M, ...] and,
-  graph, the forward's weights [slots, ...]; the batches in flight [slots, ...]; the error
+  """The fresh TrainState, with zeroed ring buffers [G, R, ...]: the stash, a micro-batch per
+  slot [Timing.stash_slots, ...], and, graph, the forward's weights [Timing.weight_slots, ...];
+  the batches in flight [Timing.depth, ...]; the error
   gradient (and, pipelined, the activation) in flight; and a model's empty memory, if any."""
   replicas, num_stages, num_micro = (
     ring.config.data_parallel,
@@ -508,7 +491,7 @@ def _init(ring: _Ring, params, example_batch):
     weights_s = _kept_weights(ring, params_s, x_micro, memory_micro)
 
   def fresh_buffers():
-    stash = {'stash': jax.tree.map(lambda a: buffer(a, ring.depth, num_micro), kept)}
+    stash = {'stash': jax.tree.map(lambda a: buffer(a, ring.timing.stash_slots), kept)}
     if ring.stash.at_forward_weights:
       stash['weights'] = jax.tree.map(lambda a: buffer(a, ring.timing.weight_slots), weights_s)
     buffers = {

@@ -101,25 +101,6 @@ def read_items(buffers, first, depth: int, aligned: bool):
   return jax.tree.map(read, buffers)
 
 
-def write_items(buffers, values, first, depth: int, aligned: bool):
-  """Ring buffers [depth, M, ...] with the M items from `first` on overwritten by `values`
-  ([M, ...]); `read_items` says how."""
-
-  def write(buf, v):
-    num_micro, block = buf.shape[1], first // buf.shape[1]
-    if aligned:
-      return buf.at[block % depth].set(placement.into_space_of(v, buf))
-    slots = [(block + i) % depth for i in (0, 1)]
-    two = jnp.concatenate([placement.to_device(buf[slot]) for slot in slots])
-    two = jax.lax.dynamic_update_slice_in_dim(two, v, first % num_micro, 0)
-    for i, slot in enumerate(slots):
-      part = two[i * num_micro : (i + 1) * num_micro]
-      buf = buf.at[slot].set(placement.into_space_of(part, buf))
-    return buf
-
-  return jax.tree.map(write, buffers, values)
-
-
 def read_slot(buffers, batch_index, depth: int):
   """The entries of batch `batch_index` in ring buffers of `depth` slots (slot = index % depth),
   in device memory wherever the buffers live."""
@@ -132,6 +113,13 @@ def write_slot(buffers, values, batch_index, depth: int):
   values = jax.tree.map(lambda buf, v: v.astype(buf.dtype), buffers, values)  # on the device
   values = placement.into_space_of(values, buffers)
   return jax.tree.map(lambda buf, v: buf.at[batch_index % depth].set(v), buffers, values)
+
+
+def write_slot_where(buffers, values, index, depth: int, when):
+  """`write_slot` where `when`, the buffers unchanged elsewhere: a select, not a cond, so that
+  XLA updates the buffers in place under jit."""
+  values = select(when, values, read_slot(buffers, index, depth))
+  return write_slot(buffers, values, index, depth)
 
 
 def local_stage_params(params):
@@ -246,10 +234,11 @@ def embed_grad(model: StagedModel, embed_params, tokens, key, dx):
   return staged.pull(jax.vjp(lambda e: embed(model, e, tokens, key), embed_params)[1], dx, None)[0]
 
 
-def embed_backward(model: StagedModel, embed_params, tokens, key, dx):
-  """Module 1 ends at the embedding: device 0 turns dx into V's input-side gradient."""
+def embed_backward(model: StagedModel, embed_params, tokens, key, dx, when=True):
+  """Module 1 ends at the embedding: device 0 turns dx into V's input-side gradient (zeros on
+  the other devices, and where `when` is false)."""
   backward = lambda: embed_grad(model, embed_params, tokens, key, dx)
-  return on_stage(jax.lax.axis_index(STAGE), 0, backward)
+  return on_stage(jnp.where(when, jax.lax.axis_index(STAGE), -1), 0, backward)
 
 
 def gather_grads(g_embed, g_head, g_stage, loss):
