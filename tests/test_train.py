@@ -274,8 +274,8 @@ def test_fresh_run_refuses_an_out_dir_with_an_earlier_runs_metrics(tmp_path):
 def test_resume_compares_what_the_settings_resolve_to_not_their_spelling():
   """A run saved with --optimizer auto --compensation auto (the recipe: muon, predict,dc) resumes
   with the explicit spelling; a real change is still refused. An Ouroboros run saved before its
-  ring had micro-batches (it recorded --microbatches 4 and had no --stash-memory) has another
-  ring layout: it is refused in one line that says so."""
+  ring had micro-batches (it recorded --microbatches 4 and had no --stash-memory), or while its
+  stash kept whole steps, has another ring layout: it is refused in one line that says so."""
   from ouroboros_jax.training import resume
 
   auto = config.override(config.get_preset('tiny'), {'schedule': 'ouroboros', 'stages': 2})
@@ -287,6 +287,20 @@ def test_resume_compares_what_the_settings_resolve_to_not_their_spelling():
   del old['config']['schedule']['stash_memory']
   with pytest.raises(checkpoint.CheckpointError, match='before micro-batches.*another --out'):
     resume.check_resumable(old, auto, (1, 1), 'OUT')
+  # ... and one saved while its stash kept whole steps (before micro-batch slots, issue 58)
+  steps = {k: v for k, v in saved.items() if k != 'ring_layout'}
+  with pytest.raises(checkpoint.CheckpointError, match='kept whole steps.*another --out'):
+    resume.check_resumable(steps, auto, (1, 1), 'OUT')
+  backprop = config.override(config.get_preset('tiny'), {})  # no ring: nothing to refuse
+  assert (
+    resume.check_resumable(
+      {k: v for k, v in resume.run_meta(backprop, (2,)).items() if k != 'ring_layout'},
+      backprop,
+      (2,),
+      'OUT',
+    )
+    == []
+  )
   with pytest.raises(
     checkpoint.CheckpointError, match='--optimizer muon but the flags give --optimizer adamw'
   ):

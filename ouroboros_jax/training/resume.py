@@ -36,12 +36,18 @@ RESUME_FIELDS = (
 )
 
 
+# The layout of Ouroboros' ring buffers, recorded with every checkpoint: the stash in micro-batch
+# slots (delays.Timing.stash_slots; issue 58). A checkpoint without it kept whole steps.
+RING_LAYOUT = 'micro-batch slots'
+
+
 def run_meta(cfg: TrainConfig, layers_per_stage) -> dict:
   """What every checkpoint records besides the state: the resolved config and the layout."""
   return {
     'schedule': cfg.schedule.name,
     'stages': cfg.schedule.num_stages,
     'layers_per_stage': list(layers_per_stage),
+    'ring_layout': RING_LAYOUT,
     'config': cfg.to_dict(),
   }
 
@@ -58,6 +64,12 @@ def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str)
       '(before micro-batches, and so before --stash-memory): its ring buffers have another layout '
       'and cannot be resumed; finish that run with the version that made it, or choose another '
       '--out.'
+    )
+  if saved['schedule'] == 'ouroboros' and saved.get('ring_layout') != RING_LAYOUT:
+    raise CheckpointError(
+      f'the checkpoint in {where} was made by an Ouroboros whose stash kept whole steps (before '
+      'its stash held micro-batch slots): its ring buffers have another layout and cannot be '
+      'resumed; finish that run with the version that made it, or choose another --out.'
     )
   saved_cfg = TrainConfig.from_dict(saved['config'])
   # The resolved runs (`TrainConfig.resolved`), not the spellings: --optimizer auto of a recipe
