@@ -299,3 +299,37 @@ def test_a_topology_compile_keeps_out_of_a_users_compilation_cache(tmp_path):
   first, second = map(json.loads, run.stdout.splitlines())
   assert first['fits'] and first['peak_bytes'] == second['peak_bytes'] > 0
   assert not (cache.exists() and any(cache.iterdir()))  # nothing was written to it
+
+
+SLOTS_BY_M = """
+import json, sys
+from ouroboros_jax.perf import compile as compile_lib
+from ouroboros_jax.training import config
+
+small = {**json.loads(sys.argv[1]), 'batch_size': 16, 'dtype': 'bfloat16'}
+for micro in (4, 8):
+  ring = {'schedule': 'ouroboros', 'stages': 4, 'microbatches': micro, 'forward': 'pipelined'}
+  ring.update(flow='stream', stash_policy='all')
+  cfg = config.override(config.get_preset('tiny'), {**small, **ring})
+  print(json.dumps(compile_lib.compile_step(cfg, sys.argv[2])), flush=True)
+"""
+
+
+@needs_libtpu
+def test_more_microbatches_shrink_ouroboros_stash_on_a_tpu():
+  """G = 4, pipelined, keeping every residual: at M = 2G the stash holds the same 2G + 1
+  micro-batches in flight as at M = G, each half the rows, so the ring's bytes halve (with the
+  stash in whole steps they fell to 0.67x: two steps of 8 items against three of 4) and the
+  chip's peak falls."""
+  run = subprocess.run(
+    [sys.executable, '-c', SLOTS_BY_M, json.dumps(SMALL), TOPOLOGY],
+    cwd=REPO_ROOT,
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert run.returncode == 0, run.stderr[-3000:]
+  at_g, at_2g = map(json.loads, run.stdout.splitlines())
+  assert at_2g['ring_bytes'] < 0.55 * at_g['ring_bytes'], (at_2g, at_g)
+  assert at_2g['peak_bytes'] < 0.75 * at_g['peak_bytes'], (at_2g, at_g)
