@@ -444,30 +444,25 @@ def _device_shapes(ring: _Ring, fn, *args):
   return jax.eval_shape(on_device, *args)
 
 
-def _init(ring: _Ring, params, example_batch):
-  """The fresh TrainState, with zeroed ring buffers [G, R, ...]: the stash, a micro-batch per
-  slot [Timing.stash_slots, ...], and, graph, the forward's weights [Timing.weight_slots, ...];
-  the batches in flight [Timing.depth, ...]; the error
-  gradient (and, pipelined, the activation) in flight; and a model's empty memory, if any."""
-  replicas, num_stages, num_micro = (
-    ring.config.data_parallel,
-    ring.num_stages,
-    ring.num_microbatches,
+class _ItemShapes(NamedTuple):
+  """The shapes one device's ring buffers are made of."""
+
+  local: Any  # a data replica's batch
+  x_micro: Any  # one micro-batch's activation
+  kept: Any  # what the stash keeps of one micro-batch
+  weights_s: Any  # graph: the forward's weights as the ring keeps them; None: replay
+
+
+def _item_shapes(ring: _Ring, params, example_batch) -> _ItemShapes:
+  """What one device keeps per micro-batch in flight, traced as the step traces it."""
+  replicas, num_micro = ring.config.data_parallel, ring.num_microbatches
+  divided = lambda tree, n: jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct((a.shape[0] // n, *a.shape[1:]), a.dtype), tree
   )
-  placement.check_batch(example_batch, replicas, num_micro)
-  placement.check_stage_params(params, ring.config)  # before anything is traced
-  local = jax.tree.map(
-    lambda a: jax.ShapeDtypeStruct((a.shape[0] // replicas, *a.shape[1:]), a.dtype), example_batch
-  )
-  micro = jax.tree.map(
-    lambda a: jax.ShapeDtypeStruct((a.shape[0] // num_micro, *a.shape[1:]), a.dtype), local
-  )
+  local = divided(example_batch, replicas)
+  micro = divided(local, num_micro)
   params_s = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params['stages'])
   x_micro = _device_shapes(ring, ring.model.embed, params['embed'], micro['inputs'], None)
-  hop = ring.timing.hop  # a FIFO of `hop` micro-batches in flight to each device
-  in_flight = jax.tree.map(
-    lambda a: jax.ShapeDtypeStruct((hop * a.shape[0], *a.shape[1:]), a.dtype), x_micro
-  )
   memory = jax.eval_shape(
     lambda: placement.empty_memory(ring.model, params, example_batch, replicas)
   )
@@ -476,27 +471,36 @@ def _init(ring: _Ring, params, example_batch):
     memory.get('memory'),
   )
   # Stage index and key traced, as in the step: what a graph stash keeps can depend on it.
-  _, kept, _ = _device_shapes(
-    ring,
-    ring.stash.forward,
-    params_s,
-    x_micro,
-    jnp.int32(0),
-    jax.random.key(0),
-    memory_micro,
-    jnp.int32(0),
-  )
-  buffer = lambda a, *lead: jnp.zeros((num_stages, replicas, *lead, *a.shape), a.dtype)
-  if ring.stash.at_forward_weights:  # the weights each batch in flight was forwarded with, ...
+  index, key = jnp.int32(0), jax.random.key(0)
+  forward = ring.stash.forward
+  _, kept, _ = _device_shapes(ring, forward, params_s, x_micro, index, key, memory_micro, index)
+  weights_s = None
+  if ring.stash.at_forward_weights:  # the weights each item in flight was forwarded with
     weights_s = _kept_weights(ring, params_s, x_micro, memory_micro)
+  return _ItemShapes(local, x_micro, kept, weights_s)
+
+
+def _init(ring: _Ring, params, example_batch):
+  """The fresh TrainState, with zeroed ring buffers [G, R, ...]: the stash, a micro-batch per
+  slot [Timing.stash_slots, ...], and, graph, the forward's weights [Timing.weight_slots, ...];
+  the batches in flight [Timing.depth, ...]; the error gradient (and, pipelined, the
+  activation) in flight, `hop` micro-batches each; and a model's empty memory, if any."""
+  replicas, timing = ring.config.data_parallel, ring.timing
+  placement.check_batch(example_batch, replicas, ring.num_microbatches)
+  placement.check_stage_params(params, ring.config)  # before anything is traced
+  shapes = _item_shapes(ring, params, example_batch)
+  in_flight = jax.tree.map(  # a FIFO of `hop` micro-batches in flight to each device
+    lambda a: jax.ShapeDtypeStruct((timing.hop * a.shape[0], *a.shape[1:]), a.dtype), shapes.x_micro
+  )
+  buffer = lambda a, *lead: jnp.zeros((ring.num_stages, replicas, *lead, *a.shape), a.dtype)
 
   def fresh_buffers():
-    stash = {'stash': jax.tree.map(lambda a: buffer(a, ring.timing.stash_slots), kept)}
-    if ring.stash.at_forward_weights:
-      stash['weights'] = jax.tree.map(lambda a: buffer(a, ring.timing.weight_slots), weights_s)
+    stash = {'stash': jax.tree.map(lambda a: buffer(a, timing.stash_slots), shapes.kept)}
+    if shapes.weights_s is not None:
+      stash['weights'] = jax.tree.map(lambda a: buffer(a, timing.weight_slots), shapes.weights_s)
     buffers = {
       **placement.empty_memory(ring.model, params, example_batch, replicas),
-      'batches': jax.tree.map(lambda a: buffer(a, ring.depth), local),
+      'batches': jax.tree.map(lambda a: buffer(a, ring.depth), shapes.local),
       'delta': jax.tree.map(buffer, in_flight),
     }
     if ring.config.stash_memory == 'pinned_host':  # waits in host memory (placement.HOST)
