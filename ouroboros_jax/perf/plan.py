@@ -40,7 +40,8 @@ from ouroboros_jax.schedules.config import AUTO
 from ouroboros_jax.training import config
 from ouroboros_jax.training.config import TrainConfig
 
-STASH_SETTINGS = ('graph/nothing', 'graph/dots', 'graph/all', 'replay')
+# Every policy of the graph stash (as every other schedule may recompute), and the replay stash.
+STASH_SETTINGS = (*(f'graph/{p}' for p in STASH_POLICY_NAMES), 'replay')
 DEFAULT_STASH = ('graph/nothing', 'replay', 'graph/all')
 DEFAULT_MICROBATCHES = (8,)
 # What the other schedules' forward keeps (--stash-policy): every residual, or the group's (the

@@ -13,7 +13,10 @@ tied V^T, loss); layer group s is on device s. At every step t:
      tied V sums the head's fresh gradient and module 1's stale one.
 
 Pipelined (`forward='pipelined'`): group s forwards batch t - s and back-propagates t - 2G + s.
-With M micro-batches the batch goes round the ring in M chunks with the whole batch's delays.
+With M micro-batches the batch goes round the ring in M chunks (as one batch, with the whole
+batch's delays; streamed, one tick apart across updates), a step is one loop of rounds that each
+forward, head and back-propagate one chunk, and a chunk's stash waits in a micro-batch slot of
+its own from its forward to its backward: a device keeps what is in flight (delays.Timing).
 """
 
 from __future__ import annotations
