@@ -15,6 +15,9 @@ error with its flags (--stash graph), through `render(error.marked, flag_of)`.
       DataError               missing, unreadable or unsuitable data
       DiskFullError           a write into the run's directory found no space (names it and the
                               space needed; what was written before is kept whole)
+      CheckpointWriteError    a checkpoint could not be written (read-only, forbidden, a path too
+                              long, an I/O error): names the path, the cause and the checkpoint
+                              to resume from
       NonFiniteLossError      the loss became NaN/Inf (exit status 3; names the last checkpoint)
       PeerLostError           a process of a multi-process run was lost (killed, crashed): names
                               it, the step and the checkpoint to resume from
@@ -83,6 +86,12 @@ class DataError(UserError, ValueError):
 class DiskFullError(UserError):
   """A write into a run's directory found no space left; the message names the directory, the
   space the run needs there and the checkpoint to resume from."""
+
+
+class CheckpointWriteError(UserError):
+  """A checkpoint could not be written for another reason than space (a read-only or forbidden
+  directory, a path too long, an I/O error); the message names the path, the cause and the
+  checkpoint to resume from."""
 
 
 class PeerLostError(UserError, RuntimeError):

@@ -78,18 +78,23 @@ def _events(path) -> list:
 
 
 def _small_file_system(where: pathlib.Path, size: str, script: str) -> subprocess.CompletedProcess:
-  """Runs `script` (sh) with a `size` tmpfs mounted at `where`, in a mount namespace of its own:
-  a user namespace needs no privileges where the kernel allows them (root also works without
-  one). Skips the test, with the reason, where neither can mount."""
+  """Runs `script` (sh) with a `size` tmpfs mounted at `where`, in a mount namespace of its own."""
   where.mkdir()
-  mount = f'mount -t tmpfs -o size={size} tmpfs "{where}" || exit 97\n'
+  return _in_mount_namespace(f'mount -t tmpfs -o size={size} tmpfs "{where}"', script)
+
+
+def _in_mount_namespace(mount: str, script: str) -> subprocess.CompletedProcess:
+  """Runs `mount` then `script` (sh) in a mount namespace of its own: a user namespace needs no
+  privileges where the kernel allows them (root also works without one). Skips the test, with
+  the reason, where neither can mount."""
+  mount = f'{{ {mount}; }} || exit 97\n'
   tries = [['unshare', '--user', '--map-root-user', '--mount']]
   if os.geteuid() == 0:
     tries.append(['unshare', '--mount'])
   reasons = []
   for unshare in tries:
     if shutil.which(unshare[0]) is None:
-      pytest.skip('no `unshare` here to make a small file system without privileges')
+      pytest.skip('no `unshare` here to mount without privileges')
     result = subprocess.run(
       [*unshare, 'sh', '-c', mount + script],
       cwd=REPO_ROOT,
@@ -100,7 +105,7 @@ def _small_file_system(where: pathlib.Path, size: str, script: str) -> subproces
     if result.returncode != 97 and 'unshare:' not in result.stderr:
       return result
     reasons.append(f'{" ".join(unshare)}: {result.stderr.strip()[:200]}')
-  pytest.skip(f'cannot mount a small tmpfs here ({"; ".join(reasons)})')
+  pytest.skip(f'cannot mount here ({"; ".join(reasons)})')
 
 
 def test_a_full_disk_ends_train_in_one_line_and_keeps_the_last_checkpoint(tmp_path, text_corpus):
@@ -294,3 +299,56 @@ def test_sample_on_damaged_checkpoints_says_what_train_resume_says(finished_run,
   result = run_cli('sample', '--ckpt', out, '--length', '4')
   assert_one_line_error(result, 2, 'no readable checkpoint in ', 'steps [2, 4]', 'another --out')
   assert result.stderr.strip() == f'error: {cli_message(info.value)}'
+
+
+# ----------------------------------------------------------------------------- a checkpoint that cannot be written
+
+
+def _train_argv(text_corpus, out, steps='4') -> list[str]:
+  return [
+    sys.executable,
+    '-m',
+    'ouroboros_jax',
+    'train',
+    *SMALL,
+    '--data',
+    f'text:{text_corpus}',
+    '--steps',
+    steps,
+    '--checkpoint-every',
+    '2',
+    '--out',
+    os.fspath(out),
+  ]
+
+
+def test_a_read_only_checkpoints_directory_ends_train_in_one_line(tmp_path, text_corpus):
+  """EROFS on the first save: one error line that names the directory and the cause, no
+  temporary directory left, and no hang (Orbax's threads would wait for the failed save)."""
+  out = tmp_path / 'run'
+  (out / 'checkpoints').mkdir(parents=True)
+  where = out / 'checkpoints'
+  mount = f'mount --bind "{where}" "{where}" && mount -o remount,bind,ro "{where}"'
+  result = _in_mount_namespace(mount, shlex.join(_train_argv(text_corpus, out)))
+  assert_one_line_error(
+    result, 2, f'cannot write a checkpoint into {where}: Read-only file system', '--out'
+  )
+  assert 'no checkpoint was saved' in result.stderr
+  assert os.listdir(where) == []
+
+
+def test_a_checkpoint_path_too_long_ends_train_in_one_line(tmp_path, text_corpus):
+  """A legal --out whose checkpoint files' paths are too long (ENAMETOOLONG below Orbax's
+  temporary directory): one error line naming the cause, nothing left behind, no hang."""
+  out = tmp_path
+  while len(os.fspath(out)) < 4010:  # OUT and its files fit in PATH_MAX; a checkpoint's do not
+    out = out / ('d' * min(200, 4010 - len(os.fspath(out))))
+  result = subprocess.run(
+    _train_argv(text_corpus, out, steps='2'),
+    cwd=REPO_ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert_one_line_error(result, 2, 'cannot write a checkpoint into', 'File name too long')
+  assert os.listdir(out / 'checkpoints') == []

@@ -435,6 +435,40 @@ def remove_unfinished(out_dir: str) -> None:
       shutil.rmtree(os.path.join(where, name), ignore_errors=True)
 
 
+# The deepest file a save writes below its temporary directory: an OCDBT data file of process 0.
+_DEEPEST_FILE = ('state', 'ocdbt.process_0', 'd', '0' * 32)
+
+
+def check_writable(out_dir: str, step: int) -> None:
+  """Raises the OSError a save of `step` would meet in its first writes (a read-only or
+  forbidden checkpoints directory, a path too long), before Orbax's threads start: a save that
+  fails there leaves threads waiting for it until the process is killed. Writes and removes the
+  save's own temporary directory with a file as deep as its deepest. Process 0 only (the others
+  write into the same directory); call it when no save is in flight."""
+  if jax.process_index() != 0:
+    return
+  probe = os.path.join(checkpoint_dir(out_dir), f'{step}.orbax-checkpoint-tmp')
+  path = os.path.join(probe, *_DEEPEST_FILE)
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, 'wb') as f:
+      f.write(b'\0')
+  finally:
+    shutil.rmtree(probe, ignore_errors=True)
+
+
+def write_failure(exc: BaseException | None, out_dir: str) -> OSError | None:
+  """The OSError on a path in `out_dir` that `exc` is, or came from (None: another error)."""
+  seen, root = set(), os.path.abspath(out_dir)
+  while exc is not None and id(exc) not in seen:
+    seen.add(id(exc))
+    if isinstance(exc, OSError) and exc.filename is not None:
+      if os.path.abspath(os.fsdecode(exc.filename)).startswith(root):
+        return exc
+    exc = exc.__cause__ or exc.__context__
+  return None
+
+
 def state_bytes(state) -> int:
   """Bytes of a state's arrays (the bulk of one checkpoint of it)."""
   return sum(x.nbytes for x in jax.tree.leaves(state) if hasattr(x, 'nbytes'))

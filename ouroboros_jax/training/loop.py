@@ -52,7 +52,13 @@ import numpy as np
 
 from ouroboros_jax import costs, data, placement, schedules
 from ouroboros_jax.accelerators import pld
-from ouroboros_jax.errors import DiskFullError, NonFiniteLossError, PeerLostError
+from ouroboros_jax.errors import (
+  CheckpointWriteError,
+  DiskFullError,
+  NonFiniteLossError,
+  PeerLostError,
+  UserError,
+)
 from ouroboros_jax.models import partition
 from ouroboros_jax.runtime import distributed, watchdog
 from ouroboros_jax.training import checkpoint, phased, resume, rundir, sizing
@@ -247,19 +253,25 @@ def _run(cfg: TrainConfig, options: _Options) -> dict:
 
 @contextlib.contextmanager
 def _disk_full_ends_run(cfg: TrainConfig, checkpoint_bytes: int | None):
-  """A write into OUT that finds no space ends the run with one DiskFullError. Every write
-  before it is whole (checkpoints are renamed into place when complete, the other files are
-  written whole or not at all), so the run resumes from its last checkpoint."""
+  """A write into OUT that finds no space ends the run with one DiskFullError, and a checkpoint
+  that cannot be written for another reason (read-only, forbidden, a path too long, an I/O
+  error) with one CheckpointWriteError. Every write before it is whole (checkpoints are renamed
+  into place when complete, the other files are written whole or not at all), so the run resumes
+  from its last checkpoint."""
   try:
     yield
   except Exception as e:  # pylint: disable=broad-exception-caught
-    if not rundir.is_disk_full(e) or isinstance(e, DiskFullError):
+    if isinstance(e, UserError):
       raise
-    raise _disk_full(cfg, checkpoint_bytes) from e
+    if rundir.is_disk_full(e):
+      raise _disk_full(cfg, checkpoint_bytes) from e
+    failed = checkpoint.write_failure(e, cfg.out_dir)
+    if failed is None:
+      raise
+    raise _write_failed(cfg, failed) from e
 
 
 def _disk_full(cfg: TrainConfig, checkpoint_bytes: int | None) -> DiskFullError:
-  ckpt_dir = checkpoint.checkpoint_dir(cfg.out_dir)
   checkpoint.remove_unfinished(cfg.out_dir)  # a save cut short never counted as a checkpoint
   latest = checkpoint.latest_step(cfg.out_dir)
   if latest is not None:  # a checkpoint as written, with its metadata
@@ -271,16 +283,30 @@ def _disk_full(cfg: TrainConfig, checkpoint_bytes: int | None) -> DiskFullError:
     else 'the run needs more'
   )
   free = f', {_size(free)} free' if free is not None else ''
-  resume_from = (
-    f'the last good checkpoint is step {latest} in {ckpt_dir}: free space there and continue '
-    'with --resume'
-    if latest is not None
-    else f'no checkpoint was saved in {ckpt_dir}: free space and start again with another --out'
-  )
   return DiskFullError(
-    f'no space left on the device of {cfg.out_dir} ({need}{free}); {resume_from} (nothing '
-    'written before was lost).'
+    f'no space left on the device of {cfg.out_dir} ({need}{free}); '
+    f'{_resume_from(cfg, latest, "free space")} (nothing written before was lost).'
   )
+
+
+def _write_failed(cfg: TrainConfig, failed: OSError) -> CheckpointWriteError:
+  checkpoint.remove_unfinished(cfg.out_dir)
+  latest = checkpoint.latest_step(cfg.out_dir)
+  cause = failed.strerror or type(failed).__name__
+  return CheckpointWriteError(
+    f'cannot write a checkpoint into {checkpoint.checkpoint_dir(cfg.out_dir)}: {cause} '
+    f'({os.fsdecode(failed.filename)}); {_resume_from(cfg, latest, "fix that")} (nothing written '
+    'before was lost).'
+  )
+
+
+def _resume_from(cfg: TrainConfig, latest: int | None, fix: str) -> str:
+  ckpt_dir = checkpoint.checkpoint_dir(cfg.out_dir)
+  if latest is not None:
+    return (
+      f'the last good checkpoint is step {latest} in {ckpt_dir}: {fix} and continue with --resume'
+    )
+  return f'no checkpoint was saved in {ckpt_dir}: {fix} and start again with another --out'
 
 
 def _size(num_bytes: int) -> str:
@@ -472,6 +498,7 @@ def _save(run: _Run, step: int, saved: _Saved) -> None:
     raise _non_finite(run, saved, f'parameters became non-finite at step {step}')
   run.manager.wait_until_finished()  # Orbax would wait for the previous save here anyway
   saved.report(run)
+  checkpoint.check_writable(run.cfg.out_dir, step)  # before Orbax's threads: they would hang
   checkpoint.save(
     run.manager,
     run.state,
