@@ -51,11 +51,17 @@ def test_bench_names_its_own_flags_and_refuses_an_empty_only(tmp_path):
   # cannot be cut refused before anything is measured: M = 2G = 4 does not divide 2 rows.
   chosen = bench.select_settings(2, 'zb_v,backprop', 4)
   assert [s.label for s in chosen] == ['zb_v M=8', 'backprop']
-  with pytest.raises(ConfigError, match=r'^--batch-size 2 cannot be cut .* ouroboros M=4 stream'):
-    bench.select_settings(2, 'backprop,ouroboros M=4 stream', 2, batch_size=2)
+  with pytest.raises(ConfigError, match=r'^--batch-size 2 cannot be cut .* gpipe M=4'):
+    bench.select_settings(2, 'backprop,gpipe M=4', 2, batch_size=2)
+  # Ouroboros' M resolves from the batch, as train's does: M = 2G = 4 on 2 rows is 2
+  chosen = bench.select_settings(2, 'backprop,ouroboros M=4 stream', 2, batch_size=2)
+  assert [s.label for s in chosen] == ['backprop', 'ouroboros M=2 stream pipelined/graph']
   fitting = bench.select_settings(2, None, 2, batch_size=2)
   assert fitting and all(2 % bench.micro_size(s) == 0 for s in fitting)
   assert len(fitting) < len(bench.default_settings(2, 2))
+  # A prefix that matches nothing is named, not ignored.
+  with pytest.raises(ConfigError, match=r"^--only 'bogus' matches no setting; labels are: "):
+    bench.select_settings(2, 'backprop,bogus', 2)
 
 
 def test_the_settings_are_schedule_configs_of_the_paper_s_method():

@@ -49,6 +49,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import math
 import os
 import statistics
 import time
@@ -184,12 +185,18 @@ def select_settings(
   compensation: Compensation = Compensation(),
 ) -> list[ScheduleConfig]:
   """The default settings whose label starts with one of the comma-separated prefixes in `only`,
-  in the order `only` names them. With `batch_size`, a chosen setting that cannot cut that batch
-  is a ConfigError before anything is measured (by default such settings are left out)."""
+  in the order `only` names them; a prefix that matches none is a ConfigError. With
+  `batch_size`, an Ouroboros setting whose micro-batches do not divide a replica's batch cuts it
+  as `train` would, into the largest count that divides both (`resolved_for_batch`); another
+  setting that cannot cut the batch is a ConfigError before anything is measured (without
+  `only`, such settings are left out)."""
   settings = default_settings(devices, num_layers, stash_policy, compensation)
   fits = lambda s: batch_size is None or batch_size % micro_size(s) == 0
+  resolved = lambda chosen: list(
+    dict.fromkeys(s if batch_size is None else resolved_for_batch(s, batch_size) for s in chosen)
+  )
   if only is None:
-    return [s for s in settings if fits(s)]
+    return [s for s in resolved(settings) if fits(s)]
   labels = ', '.join(s.label for s in settings)
   prefixes = [p.strip() for p in only.split(',') if p.strip()]
   if not prefixes:
@@ -197,10 +204,12 @@ def select_settings(
       f'--only {only!r} names no setting; give comma-separated label prefixes from: {labels} '
       '(or drop --only to run them all).'
     )
+  unknown = [p for p in prefixes if not any(s.label.startswith(p) for s in settings)]
+  if unknown:
+    names = ', '.join(map(repr, unknown))
+    raise ConfigError(f'--only {names} matches no setting; labels are: {labels}.')
   # In the order --only names them: a run cut short has measured the settings named first.
-  chosen = list(dict.fromkeys(s for p in prefixes for s in settings if s.label.startswith(p)))
-  if not chosen:
-    raise ConfigError(f'--only {only!r} matches no setting; labels are: {labels}.')
+  chosen = resolved(s for p in prefixes for s in settings if s.label.startswith(p))
   unfit = [s.label for s in chosen if not fits(s)]
   if unfit:
     raise ConfigError(
@@ -208,6 +217,17 @@ def select_settings(
       f'{", ".join(unfit)}; use a --batch-size that they divide, or leave them out of --only.'
     )
   return chosen
+
+
+def resolved_for_batch(setting: ScheduleConfig, batch_size: int) -> ScheduleConfig:
+  """An Ouroboros setting whose M does not divide a replica's rows cut into gcd(M, rows)
+  micro-batches, as `train` resolves Ouroboros' micro-batches from its batch
+  (`ScheduleConfig.for_platform`); any other setting as it is (an exact pipeline's M is what it
+  is measured at)."""
+  rows = max(batch_size // setting.data_parallel, 1)
+  if setting.name != 'ouroboros' or rows % setting.num_microbatches == 0:
+    return setting
+  return dataclasses.replace(setting, microbatches=math.gcd(setting.num_microbatches, rows))
 
 
 def _median_time(fn, *args, repeats: int, warm: bool = True) -> float:
