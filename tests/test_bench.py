@@ -519,3 +519,21 @@ def test_one_device_keeps_the_setting_but_its_stages():
       continue
     assert one.num_stages == 1 and one.label == setting.label
     assert dataclasses.replace(one, num_stages=2) == setting
+
+
+def test_a_bench_moves_an_earlier_benchs_results_aside(tmp_path):
+  """Never overwritten silently: the earlier outputs go to earlier-1, earlier-2, ... with a line."""
+  from ouroboros_jax.perf import bench
+
+  said = []
+  assert bench.keep_earlier(str(tmp_path), said.append) is None and said == []
+  for n in (1, 2):
+    (tmp_path / 'bench.csv').write_text(f'run {n}\n')
+    (tmp_path / 'bench.md').write_text(f'table {n}\n')
+    where = bench.keep_earlier(str(tmp_path), said.append)
+    assert where == str(tmp_path / f'earlier-{n}')
+    assert (tmp_path / f'earlier-{n}' / 'bench.csv').read_text() == f'run {n}\n'
+    assert not (tmp_path / 'bench.csv').exists()
+  assert said[-1] == (
+    f"moved the earlier bench's bench.csv, bench.md to {tmp_path}/earlier-2 (nothing was deleted)"
+  )

@@ -886,8 +886,11 @@ def stage_costs(
 
 
 def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dict]:
-  """Benchmarks every setting of `bench`; process 0 writes the outputs and returns the rows."""
+  """Benchmarks every setting of `bench`; process 0 writes the outputs and returns the rows
+  (an earlier bench's in the same directory moved aside first, `keep_earlier`)."""
   work = _workload(cfg, bench)
+  if jax.process_index() == 0:
+    keep_earlier(bench.out_dir, log)
   settings = bench.settings or default_settings(
     bench.stages, cfg.num_layers, bench.stash_policy, bench.compensation
   )
@@ -1156,6 +1159,27 @@ def table(rows: list[dict]) -> str:
 
 def _percent(value) -> str:
   return '-' if value is None or value != value else f'{value:.1%}'  # nan: unknown peak
+
+
+OUTPUTS = ('bench.csv', 'bench.json', 'bench.md', 'bench.png')
+
+
+def keep_earlier(out_dir: str, log=print) -> str | None:
+  """Moves an earlier bench's outputs in `out_dir` into `out_dir/earlier-N` (the first free N)
+  and says so: a bench never overwrites results silently. Returns where they went (None: there
+  were none)."""
+  found = [name for name in OUTPUTS if os.path.exists(os.path.join(out_dir, name))]
+  if not found:
+    return None
+  n = 1
+  while os.path.exists(os.path.join(out_dir, f'earlier-{n}')):
+    n += 1
+  where = os.path.join(out_dir, f'earlier-{n}')
+  os.makedirs(where)
+  for name in found:
+    os.replace(os.path.join(out_dir, name), os.path.join(where, name))
+  log(f"moved the earlier bench's {', '.join(found)} to {where} (nothing was deleted)")
+  return where
 
 
 def write_csv(rows: list[dict], out_dir: str) -> None:
