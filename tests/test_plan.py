@@ -289,3 +289,19 @@ def test_plan_compiles_only_the_settings_the_model_can_take():
   assert not [r for r in out['rows'] if 'error' in r]
   assert [s['label'].split()[0] for s in out['skipped']] == ['interleaved', 'zb_v']
   assert out['stages'] == [2] and out['devices'] == len(jax.devices())
+
+
+@pytest.mark.parametrize(
+  'row, words',
+  [
+    ({'label': None, 'fits': True}, 'row 0 has no label'),
+    (7, 'row 0 is int, not an object'),
+    ({'label': 'a', 'fits': 'yes'}, "row 0 \\(a\\): fits is 'yes'"),
+    ({'label': 'a', 'fits': True, 'peak_bytes': 'big'}, "row 0 \\(a\\): peak_bytes is 'big'"),
+  ],
+)
+def test_a_hand_edited_plan_is_refused_in_one_line(tmp_path, row, words):
+  path = tmp_path / 'plan.json'
+  path.write_text(json.dumps({'rows': [row], 'fastest': None}))
+  with pytest.raises(ConfigError, match=rf'^--render {path}: not a saved plan \({words}\)'):
+    plan.load(str(path))

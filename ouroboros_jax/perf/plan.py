@@ -367,9 +367,25 @@ def load(path: str) -> dict:
     with open(path) as f:
       result = json.load(f)
     result['rows'], result['fastest']  # noqa: B018
+    for i, row in enumerate(result['rows']):
+      _check_row(row, i)
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise ConfigError(f'--render {path}: not a saved plan ({e}); save one with --json.') from e
   return result
+
+
+def _check_row(row, i: int) -> None:
+  """TypeError naming what is wrong with row i of a saved plan (a hand edit, another file)."""
+  number = lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
+  if not isinstance(row, dict):
+    raise TypeError(f'row {i} is {type(row).__name__}, not an object')
+  if not isinstance(row.get('label'), str):
+    raise TypeError(f'row {i} has no label')
+  if row.get('fits') not in (True, False, None):
+    raise TypeError(f'row {i} ({row["label"]}): fits is {row["fits"]!r}')
+  for key in ('peak_bytes', 'step_s', 'recompute'):
+    if not number(row.get(key)):
+      raise TypeError(f'row {i} ({row["label"]}): {key} is {row[key]!r}')
 
 
 def _peak(row: dict) -> str:
