@@ -44,7 +44,9 @@ PyTree = Any
 def even_split(num_layers: int, num_stages: int) -> tuple[int, ...]:
   """Layers per stage as even as they go, the extra layers on the last stages: device 0 also
   holds the embedding and the head, so it gets the fewest."""
-  if not 1 <= num_stages <= num_layers:
+  if num_stages < 1:
+    raise ConfigError(f'{field_ref("num_stages", num_stages)} must be at least 1.')
+  if num_stages > num_layers:
     raise ConfigError(
       f'{num_layers} layers cannot fill {field_ref("num_stages", num_stages)} stage groups '
       '(each needs at least one layer); use fewer stages or more layers.'
@@ -195,7 +197,16 @@ def scan_layers(
       skip = lambda x: (x, skipped(extra))
     return jax.lax.cond(active, run, skip, x)
 
-  return jax.lax.scan(body, x, (params_N, rngs_N, active_N, per_layer_N), unroll=unroll)
+  try:
+    return jax.lax.scan(body, x, (params_N, rngs_N, active_N, per_layer_N), unroll=unroll)
+  except TypeError as e:
+    if 'carry input and carry output must have equal types' not in str(e):
+      raise
+    found = next((line for line in str(e).splitlines() if line.startswith('The input carry')), '')
+    raise ConfigError(
+      'a layer must give back an activation of the shape and dtype it was given (activations '
+      f'travel between stages as they are), and this one does not: {found}'
+    ) from None
 
 
 def layered_stage(layer: Callable, layers_per_stage: Sequence[int]) -> Callable:

@@ -191,3 +191,46 @@ def test_the_check_runs_before_any_tracing():
   with pytest.raises(ConfigError, match='has leading axis 3, but ouroboros'):
     schedule.init(mlp_params(3), BATCH)
   assert not calls
+
+
+def test_the_python_api_names_what_is_wrong_in_one_line():
+  """From Python as from the command line: a number given as text, no stages, a layer that
+  changes the activation's shape, a batch of another size than init's."""
+  import jax.numpy as jnp
+  import optax
+
+  from ouroboros_jax import ConfigError, ScheduleConfig, build_schedule, from_layers
+  from ouroboros_jax.training.recipe import recipe
+
+  with pytest.raises(ConfigError, match=r"^learning_rate must be a number, got 'fast'\.$"):
+    recipe('ouroboros', 2, learning_rate='fast')
+  embed = lambda p, x, rng: p['e'][x]
+  head = lambda p, x: x @ p['o']
+  pieces = dict(embed_params={'e': jnp.ones((16, 8))}, head_params={'o': jnp.ones((8, 16))})
+  layers = [{'w': jnp.eye(8)} for _ in range(4)]
+  with pytest.raises(ConfigError, match=r'^num_stages=0 must be at least 1\.$'):
+    from_layers(embed, lambda p, x, rng: x @ p['w'], head, layers=layers, num_stages=0, **pieces)
+  narrowing = from_layers(
+    embed, lambda p, x, rng: (x @ p['w'])[..., :4], head, layers=layers, num_stages=2, **pieces
+  )
+  batch = {'inputs': jnp.zeros((8, 4), jnp.int32), 'targets': jnp.zeros((8, 4), jnp.int32)}
+  ring = ScheduleConfig(name='ouroboros', num_stages=2)
+  with pytest.raises(
+    ConfigError,
+    match=r'^a layer must give back an activation of the shape .*'
+    r'float32\[4,4,8\] .* float32\[4,4,4\]',
+  ):
+    schedule = build_schedule(ring, narrowing.model, optax.sgd(0.1))
+    schedule.step(schedule.init(narrowing.params, batch), batch)
+  staged = from_layers(
+    embed, lambda p, x, rng: x @ p['w'], head, layers=layers, num_stages=2, **pieces
+  )
+  schedule = build_schedule(ring, staged.model, optax.sgd(0.1))
+  state = schedule.init(staged.params, batch)
+  small = {k: v[:6] for k, v in batch.items()}
+  with pytest.raises(
+    ConfigError,
+    match=r'^batch of 6 rows, but this Ouroboros state was made for '
+    r'batches of 8',
+  ):
+    schedule.step(state, small)

@@ -31,6 +31,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from ouroboros_jax import placement, staged
+from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.schedules import compensation
 from ouroboros_jax.schedules import ring as ring_lib
 from ouroboros_jax.schedules import stash as stash_lib
@@ -598,8 +599,22 @@ def _grads(ring: _Ring, state: TrainState, forward_params, batch, t, t_async):
   return ouroboros_grads()
 
 
+def _check_rows(ring: _Ring, state: TrainState, batch: dict) -> None:
+  """One-line ConfigError for a batch of another size than the one the state was made for (its
+  ring keeps the batches in flight, `init`'s example batch's rows each)."""
+  held = jax.tree.leaves(state.ring['batches'])[0].shape[3] * ring.config.data_parallel
+  rows = staged.batch_rows(batch['inputs'])
+  if rows != held:
+    raise ConfigError(
+      f'batch of {rows} rows, but this Ouroboros state was made for batches of {held} (the '
+      "example batch given to init); its ring holds the batches in flight, so every step's "
+      'batch has their size: give batches of that size, or init a state with this one.'
+    )
+
+
 def _step(ring: _Ring, state: TrainState, batch: dict):
   placement.check_batch(batch, ring.config.data_parallel, ring.num_microbatches)
+  _check_rows(ring, state, batch)
   model, t, timing = ring.model, state.step, ring.timing
   t_async = t - ring.config.sync_warmup_steps
   warm = t_async < 0

@@ -42,6 +42,7 @@ import dataclasses
 import difflib
 import functools
 import math
+import numbers
 import typing
 from typing import Any, Mapping
 
@@ -139,6 +140,7 @@ class TrainConfig:
 
   @functools.cached_property
   def _validated(self) -> bool:
+    _check_types(self)  # before the model's checks compare numbers
     self.model.validate()
     for name, value in flat(self).items():  # nan and inf pass every comparison below
       if isinstance(value, float) and not math.isfinite(value):
@@ -701,6 +703,20 @@ def override(cfg: TrainConfig, values: Mapping[str, Any]) -> TrainConfig:
     attr: dataclasses.replace(getattr(cfg, attr), **changes[cls]) for cls, attr in _NESTED.items()
   }
   return dataclasses.replace(cfg, **nested, **changes[TrainConfig])
+
+
+def _check_types(cfg: TrainConfig) -> None:
+  """One-line ConfigError for a number field given something else (from Python: the command line
+  parses its flags), e.g. learning_rate='fast'."""
+  kinds = fields()
+  for name, value in flat(cfg).items():
+    kind = kinds[name].kind
+    if value is None or kind not in (int, float):
+      continue
+    allowed = numbers.Integral if kind is int else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, allowed):
+      what = 'an integer' if kind is int else 'a number'
+      raise ConfigError(f'{field_ref(name)} must be {what}, got {value!r}.')
 
 
 def flat(cfg: TrainConfig) -> dict[str, Any]:
