@@ -352,3 +352,51 @@ def test_a_checkpoint_path_too_long_ends_train_in_one_line(tmp_path, text_corpus
   )
   assert_one_line_error(result, 2, 'cannot write a checkpoint into', 'File name too long')
   assert os.listdir(out / 'checkpoints') == []
+
+
+# ----------------------------------------------------------------------------- signals during a save
+
+UNDER_FIRE = """
+import os, signal, sys
+from ouroboros_jax import cli
+from ouroboros_jax.training import checkpoint
+
+real = checkpoint.save
+
+
+def save_under_fire(manager, state, *args):  # the save of step 4 gets two SIGTERMs at once
+  if int(state.step) == 4:
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)
+  real(manager, state, *args)
+
+
+checkpoint.save = save_under_fire
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_two_sigterms_during_a_save_end_train_in_one_line_with_the_save_whole(
+  tmp_path, text_corpus
+):
+  """The second signal, which stops a run at once, waits for the save it falls into: one line,
+  exit 128 + 15, step 4 saved whole, and nothing else left in the checkpoints directory (the
+  old step Orbax deletes is renamed away whole first)."""
+  out = tmp_path / 'run'
+  argv = _train_argv(text_corpus, out, steps='8')[3:]  # after `python -m ouroboros_jax`
+  result = subprocess.run(
+    [sys.executable, '-c', UNDER_FIRE, *argv, '--keep-checkpoints', '1'],
+    cwd=REPO_ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert_one_line_error(
+    result, 143, 'stopped by SIGTERM; the latest complete checkpoint is step 4', '--resume'
+  )
+  assert os.listdir(out / 'checkpoints') == ['4']
+  manager = checkpoint.make_manager(out, read_only=True)
+  try:
+    assert int(checkpoint.restore_single_device(manager, 4)['step']) == 4
+  finally:
+    manager.close()

@@ -170,6 +170,9 @@ def _handlers():
   }
 
 
+DELETED = 'deleted'  # OUT/checkpoints/deleted: old checkpoints, renamed there whole, then removed
+
+
 def make_manager(out_dir: str, *, keep: int = 3, read_only: bool = False) -> ocp.CheckpointManager:
   """The run's CheckpointManager: asynchronous saves, the newest `keep` checkpoints kept.
 
@@ -182,6 +185,9 @@ def make_manager(out_dir: str, *, keep: int = 3, read_only: bool = False) -> ocp
     create=not read_only,
     # A writer removes what an interrupted save left behind (it never counted as a checkpoint).
     cleanup_tmp_directories=not read_only,
+    # An old checkpoint is renamed away whole before it is deleted (`sweep`): a process ended
+    # while Orbax deletes it never leaves half a checkpoint behind.
+    todelete_subdir=None if read_only else DELETED,
   )
   return ocp.CheckpointManager(checkpoint_dir(out_dir), options=options, item_handlers=_handlers())
 
@@ -426,12 +432,13 @@ def set_aside(out_dir: str, steps) -> str | None:
 
 def remove_unfinished(out_dir: str) -> None:
   """Removes what saves cut short left in OUT/checkpoints (`<step>.orbax-checkpoint-tmp*`: never
-  a checkpoint). Only process 0 removes; call it when no save is in flight."""
+  a checkpoint) and the old checkpoints set aside for deletion (DELETED). Only process 0
+  removes; call it when no save is in flight."""
   where = checkpoint_dir(out_dir)
   if jax.process_index() != 0 or not os.path.isdir(where):
     return
   for name in os.listdir(where):
-    if '.orbax-checkpoint-tmp' in name:
+    if '.orbax-checkpoint-tmp' in name or name == DELETED:
       shutil.rmtree(os.path.join(where, name), ignore_errors=True)
 
 

@@ -354,16 +354,18 @@ def _train_state(cfg: TrainConfig, options: _Options, opened, schedule, state, l
     finally:
       report.bar.close()
       log.close()
-    manager.wait_until_finished()
+    with rundir.shielded():
+      manager.wait_until_finished()
   except BaseException as e:
     if distributed.is_peer_lost(e):  # a save in flight would wait for the lost peer, forever
       raise PeerLostError(distributed.peer_lost_message('its connection closed')) from None
-    # An async save in flight must land, also on errors; if it fails too (a full disk), the
-    # error on its way says what happened.
-    with contextlib.suppress(Exception):
+    # An async save in flight must land, also on errors and whatever signals come; if it fails
+    # too (a full disk), the error on its way says what happened.
+    with contextlib.suppress(Exception), rundir.shielded(then_stop=False):
       manager.wait_until_finished()
     with contextlib.suppress(Exception):
       manager.close()
+      checkpoint.remove_unfinished(cfg.out_dir)
     raise
   manager.close()
   return summary
@@ -408,7 +410,7 @@ def _loop(run: _Run, step: int) -> dict:
   if not compiled:  # resumed a finished run: nothing left to train
     val_bpb = _evaluate(run, step, 'validation', cfg.eval_batches)
   test_bpb = _evaluate(run, step, 'test', cfg.test_batches)
-  run.manager.wait_until_finished()
+  _land(run)
   saved.report(run)
   return report.finish(step, val_bpb, test_bpb)
 
@@ -442,7 +444,7 @@ def _stop_if_asked(run: _Run, step: int, pending: list, saved: _Saved) -> None:
       raise rundir.Terminated(signum)
     rundir.check_stop()
   except rundir.Terminated:
-    run.manager.wait_until_finished()
+    _land(run)
     saved.report(run)
     raise
 
@@ -493,16 +495,25 @@ def _evaluate(run: _Run, step: int, split: str, max_batches: int | None) -> floa
   return run.report.evaluated(step, split, loss)
 
 
+def _land(run: _Run) -> None:
+  """Waits for the save in flight to land, whatever signals come meanwhile (`rundir.shielded`),
+  then removes what Orbax set aside (old checkpoints renamed for deletion)."""
+  with rundir.shielded():
+    run.manager.wait_until_finished()
+  checkpoint.remove_unfinished(run.cfg.out_dir)
+
+
 def _save(run: _Run, step: int, saved: _Saved) -> None:
   if not all_finite(run.state.params):  # a finite loss, but the update overflowed
     raise _non_finite(run, saved, f'parameters became non-finite at step {step}')
-  run.manager.wait_until_finished()  # Orbax would wait for the previous save here anyway
+  _land(run)  # Orbax would wait for the previous save here anyway
   saved.report(run)
   checkpoint.check_writable(run.cfg.out_dir, step)  # before Orbax's threads: they would hang
-  checkpoint.save(
-    run.manager,
-    run.state,
-    {'iterator': run.train_it.get_state(), 'crc32': run.report.crc},
-    run.meta,
-  )
+  with rundir.shielded():  # a second signal waits for the save to be under way
+    checkpoint.save(
+      run.manager,
+      run.state,
+      {'iterator': run.train_it.get_state(), 'crc32': run.report.crc},
+      run.meta,
+    )
   saved.latest = saved.unreported = step

@@ -110,7 +110,7 @@ class Terminated(KeyboardInterrupt):
     self.signum = signum
 
 
-_STOP = {'signum': None, 'loop_running': False, 'agreed': False}
+_STOP = {'signum': None, 'loop_running': False, 'agreed': False, 'shielded': False, 'due': False}
 
 
 def request_stop(signum: int) -> None:
@@ -123,7 +123,28 @@ def request_stop(signum: int) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
     return
   if not (first and _STOP['loop_running']):
+    if _STOP['shielded']:  # a save or its wait: the stop waits for the block's end
+      _STOP['due'] = True
+      return
     raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def shielded(then_stop: bool = True) -> Iterator[None]:
+  """A block a signal must not cut (a checkpoint's save, the wait for it to land): a request
+  that would stop the run at once (a second signal) stops it when the block ends instead (with
+  `then_stop`; without, the run is stopping already and goes on doing so). The
+  watchdog still ends a process the block holds too long (`runtime/watchdog.py`); what a save
+  cut short leaves is never a checkpoint (`checkpoint.remove_unfinished`)."""
+  outer = _STOP['shielded']
+  _STOP['shielded'] = True
+  try:
+    yield
+  finally:
+    _STOP['shielded'] = outer
+  if not outer and _STOP['due'] and then_stop:
+    _STOP['due'] = False
+    raise Terminated(_STOP['signum'])
 
 
 def check_stop() -> None:
@@ -157,7 +178,7 @@ def stop_agreed(step: int) -> int | None:
 def stoppable(agreed: bool = False) -> Iterator[None]:
   """Marks a training loop as running: stop requests then wait for its next step boundary.
   agreed: the processes of a multi-process run stop together (`stop_agreed`)."""
-  _STOP.update(signum=None, loop_running=True, agreed=agreed)
+  _STOP.update(signum=None, loop_running=True, agreed=agreed, due=False)
   try:
     yield
   finally:
