@@ -99,3 +99,24 @@ def test_the_stash_buffers_have_the_slots_shape(stash):
   if stash == 'graph':
     for leaf in jax.tree.leaves(state.ring['weights']):
       assert leaf.shape[:3] == (2, 2, timing.weight_slots) == (2, 2, 1)
+
+
+def test_one_group_streamed_is_the_batch_flow_and_the_reference():
+  """G = 1 has no delay, so streaming changes nothing: bit for bit the batch flow, and the slow
+  reference. (With the stash in whole steps, a streamed G = 1 wrote its one slot in two halves
+  and the second put back the last step's residuals: 0.096 from the reference.)"""
+  from ouroboros_jax.schedules import reference
+
+  from helpers import adam, assert_trees_equal, max_abs_diff, run_schedule
+
+  model, params = tiny_transformer(1, dropout=0.1)
+  batches = random_batches(5, seed=2, batch=16)
+  run = lambda flow: ScheduleConfig(
+    name='ouroboros', compensation=Compensation(), seed=3, microbatches=2, flow=flow
+  )
+  streamed, _ = run_schedule(run('stream'), model, adam(), params, batches)
+  batched, _ = run_schedule(run('batch'), model, adam(), params, batches)
+  assert_trees_equal(streamed.params, batched.params)
+  want, _, _ = reference.run(model, adam(), params, batches, run('stream'))
+  assert max_abs_diff(params, want) > 1e-2  # training moved the weights
+  assert max_abs_diff(streamed.params, want) < 2e-5
