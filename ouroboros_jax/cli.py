@@ -525,6 +525,8 @@ def to_flags(cfg: config.TrainConfig) -> list[str]:
 def _join_process_group(args) -> None:
   from ouroboros_jax.runtime import distributed
 
+  if args.command != 'train':  # only train's loop stops at a step every process agrees on
+    distributed.leave_signals_to_python()
   if distributed.initialize(
     distributed.ProcessConfig(
       coordinator=args.coordinator,
@@ -806,6 +808,8 @@ def main(argv=None) -> int:
     }[args.command](args)
   except KeyboardInterrupt as e:
     signum = e.signum if isinstance(e, rundir.Terminated) else signal.SIGINT
+    if distributed.is_multi_process():  # every process got the signal: each ends, at once
+      distributed.end_stopped(_stopped_message(args, signum), 128 + signum)
     _fail(_stopped_message(args, signum), 128 + signum)
   except Exception as e:  # pylint: disable=broad-exception-caught
     if args.command == 'sample' and streams.reader_gone(e):  # `sample | head` had enough

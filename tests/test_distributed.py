@@ -478,3 +478,31 @@ def test_flags_a_multi_process_run_cannot_use_are_refused_at_once(tmp_path, flag
   for word in words:
     assert word in lines[0], lines[0]
   assert 'Traceback' not in result.stdout
+
+
+def test_sigterm_stops_a_two_process_bench_within_seconds(tmp_path):
+  """JAX's preemption notifier would take the SIGTERM the launcher passes on and the bench would
+  time on until the launcher killed it a minute later; it is the command's own now: each
+  process ends at once with one line, and the launcher with 128 + 15."""
+  run = subprocess.Popen(
+    [sys.executable, '-m', 'ouroboros_jax', 'launch', '--processes', '2', '--', 'bench']
+    + ['--stages', '2', '--preset', 'tiny', '--num-layers', '4', '--batch-size', '8']
+    + ['--only', 'gpipe,1f1b,backprop', '--out', str(tmp_path / 'bench')],
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
+  try:
+    for line in run.stdout:  # the two processes have joined and begun to measure
+      if 'Gloo' in line and 'connected' in line:
+        break
+    time.sleep(2)
+    run.send_signal(signal.SIGTERM)
+    start = time.monotonic()
+    out, _ = run.communicate(timeout=40)
+  finally:
+    run.kill()
+  assert time.monotonic() - start < 15
+  assert run.returncode == 128 + signal.SIGTERM, out[-2000:]
+  assert '[p0] error: stopped by SIGTERM.' in out and '[p1] error: stopped by SIGTERM.' in out
+  assert 'Traceback' not in out

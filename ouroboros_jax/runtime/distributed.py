@@ -73,6 +73,16 @@ def from_env(config: ProcessConfig) -> ProcessConfig:
     ) from None
 
 
+def leave_signals_to_python() -> None:
+  """Keeps JAX's preemption notifier from taking SIGTERM when the process group is joined: the
+  command's own handler then stops each process at once (`bench`: with the rows it has), where
+  the notifier would only record it for a training loop's agreed stop (`rundir.stop_agreed`)
+  that a command without one never reaches."""
+  import jax
+
+  jax.config.update('jax_enable_preemption_service', False)
+
+
 def initialize(config: ProcessConfig) -> bool:
   """Joins the process group if one is configured; returns whether it did."""
   config = from_env(config)
@@ -168,6 +178,14 @@ def announce_failure(message: str, code: int) -> None:
     return
   client, posted = _client(), f'{jax.process_index()}\t{code}\t{message}'
   _bounded(lambda: client.key_value_set(FAILED_KEY, posted))  # a peer posted first: it raises
+
+
+def end_stopped(message: str, code: int) -> None:
+  """Ends a process of a multi-process run that a signal stopped (every process got it): its
+  `error: message` line, then exits with `code` without the shutdown barrier, which peers that
+  are ending too would leave to crash."""
+  _last_words(f'error: {message}', code)
+  _end_now(code)
 
 
 def _end_now(code: int) -> None:
