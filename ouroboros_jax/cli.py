@@ -841,7 +841,8 @@ def _terminate(signum, _frame):
 
 
 def _hard_stop_message(args):
-  """The line of a process the watchdog ends (`runtime/watchdog.py`): (signum, steady) -> text.
+  """The line of a process the watchdog ends (`runtime/watchdog.py`): (signum, steady, signals)
+  -> text.
   It runs on the watchdog's thread, which must not import or block: OUT is worked out now."""
   out = None
   if args.command == 'train':
@@ -850,7 +851,7 @@ def _hard_stop_message(args):
     except Exception:  # pylint: disable=broad-exception-caught  (its own error comes later)
       out = None
 
-  def message(signum: int, steady: bool) -> str:
+  def message(signum: int, steady: bool, signals: int = 1) -> str:
     name = signal.Signals(signum).name
     what = 'interrupted' if signum == signal.SIGINT else f'stopped by {name}'
     if out is None:
@@ -871,10 +872,12 @@ def _hard_stop_message(args):
       )
     if not steady:
       return f'{what} during set-up, while XLA was busy (compiling or allocating); {then}.'
-    return (
-      f'{what} at once (XLA held the run past {watchdog.STEADY_GRACE_S:g} s, or a second '
-      f'signal came); the steps after the latest checkpoint are lost; {then}.'
+    why = (
+      'a second signal came'
+      if signals > 1
+      else f'XLA held the run past {watchdog.STEADY_GRACE_S:g} s'
     )
+    return f'{what} at once ({why}); the steps after the latest checkpoint are lost; {then}.'
 
   return message
 
@@ -893,6 +896,9 @@ def _stopped_message(args, signum: int) -> str:
     return f'{what}; check the checkpoints in --out before resuming.'
   where = checkpoint.checkpoint_dir(out)
   if step is None:
+    logged = os.path.join(out, 'metrics.jsonl')
+    if not (os.path.exists(logged) and os.path.getsize(logged)):  # nothing a new run would lose
+      return f'{what} before the first checkpoint; nothing to resume in {where}: run it again.'
     return (
       f'{what} before the first checkpoint; nothing to resume in {where}: start again with '
       'another --out (or remove its metrics.jsonl and config.json).'

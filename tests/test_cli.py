@@ -553,3 +553,26 @@ def test_ctrl_c_before_the_first_checkpoint_says_so(tmp_path, text_corpus):
     f'error: interrupted before the first checkpoint; nothing to resume in {out}/checkpoints: '
     'start again with another --out (or remove its metrics.jsonl and config.json).'
   ]
+
+
+def test_a_dangling_symlink_out_is_named_as_one(tmp_path):
+  from ouroboros_jax.training import rundir
+
+  out = tmp_path / 'run'
+  out.symlink_to(tmp_path / 'gone')
+  with pytest.raises(ConfigError, match=r'it is a symbolic link to .*gone, which does not exist'):
+    rundir.check_writable(str(out))
+
+
+def test_a_run_stopped_before_it_logged_is_told_to_run_again(tmp_path):
+  """No metrics row yet: the same --out takes the run again, and no file is named to remove."""
+  out = tmp_path / 'run'
+  out.mkdir()
+  args = cli.make_parser().parse_args(['train', '--out', str(out)])
+  line = cli._stopped_message(args, signal.SIGTERM)  # pylint: disable=protected-access
+  assert line == (
+    f'stopped by SIGTERM before the first checkpoint; nothing to resume in {out}/checkpoints: '
+    'run it again.'
+  )
+  (out / 'metrics.jsonl').write_text('{"step": 10}\n')
+  assert 'remove its metrics.jsonl' in cli._stopped_message(args, signal.SIGTERM)  # pylint: disable=protected-access

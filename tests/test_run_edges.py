@@ -11,6 +11,7 @@ import pathlib
 import re
 import shlex
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -400,3 +401,14 @@ def test_two_sigterms_during_a_save_end_train_in_one_line_with_the_save_whole(
     assert int(checkpoint.restore_single_device(manager, 4)['step']) == 4
   finally:
     manager.close()
+
+
+def test_the_watchdogs_line_says_why_it_ended_the_run(tmp_path):
+  """One signal that XLA held past the grace, or a second one: the line names which."""
+  args = cli.make_parser().parse_args(['train', '--out', str(tmp_path / 'run')])
+  message = cli._hard_stop_message(args)  # pylint: disable=protected-access
+  held = message(signal.SIGTERM, True, 1)
+  assert held.startswith('stopped by SIGTERM at once (XLA held the run past 30 s)'), held
+  again = message(signal.SIGTERM, True, 2)
+  assert again.startswith('stopped by SIGTERM at once (a second signal came)'), again
+  assert message(signal.SIGINT, False, 1).startswith('interrupted during set-up')

@@ -6,7 +6,8 @@ SIGTERM or Ctrl-C is recorded and nothing more, for minutes. The command's handl
 (`cli._terminate`: a training loop stops at its next step boundary and saves, anything else
 raises at once) keep their meaning; this watchdog only adds a deadline:
 
-    watchdog.install(message)   # the main thread, before the set-up; message(signum, steady)
+    watchdog.install(message)   # the main thread, before the set-up; message(signum, steady,
+                                # signals received)
     watchdog.steady()           # the training loop has run its first step (compiled)
     watchdog.acknowledge()      # from the handler: the loop took the stop, it will save and stop
     watchdog.said()             # the command is printing its own last line and exiting
@@ -82,8 +83,9 @@ _current: _Watch | None = None
 
 def install(message: Callable[[int, bool], str]) -> bool:
   """Starts watching (from the main thread; elsewhere, and when installed already, it does
-  nothing and returns False). message(signum, steady): the line the watchdog prints when it
-  ends the process (steady: the training loop had run its first step); it runs on the watchdog's thread while the main thread may hold any lock, so it must
+  nothing and returns False). message(signum, steady, signals): the line the watchdog prints
+  when it ends the process (steady: the training loop had run its first step; signals: how many
+  came); it runs on the watchdog's thread while the main thread may hold any lock, so it must
   not import or block."""
   global _current
   if _current is not None or threading.current_thread() is not threading.main_thread():
@@ -157,7 +159,7 @@ def _end(watch: _Watch, signum: int) -> None:
   _lock.acquire()  # never released: the process ends here
   if not watch.said:
     try:
-      line = watch.message(signum, watch.steady)
+      line = watch.message(signum, watch.steady, len(watch.deadlines))
     except Exception:  # pylint: disable=broad-exception-caught
       line = f'stopped by {signal.Signals(signum).name}.'
     print(f'error: {line}', file=sys.stderr, flush=True)

@@ -56,7 +56,9 @@ def check_writable(out_dir: str) -> None:
       pass
   except OSError as e:
     reason = e.strerror or type(e).__name__
-    if isinstance(e, FileExistsError) or (os.path.exists(out_dir) and not os.path.isdir(out_dir)):
+    if os.path.islink(out_dir) and not os.path.exists(out_dir):
+      reason = f'it is a symbolic link to {os.readlink(out_dir)}, which does not exist'
+    elif isinstance(e, FileExistsError) or (os.path.exists(out_dir) and not os.path.isdir(out_dir)):
       reason = 'it is a file, not a directory'
     elif isinstance(e, NotADirectoryError) or e.errno == errno.ENOTDIR:
       reason = 'a part of the path is a file'
