@@ -240,6 +240,14 @@ def test_resume_with_different_flags_names_them(short_run, tmp_path):
     'OUT',
   )
   assert changed == ['--stash-policy all -> dots']
+  # an unset setting reads as the flag spells it, not as Python's None
+  momentum = resume.check_resumable(
+    resume.run_meta(cfg, (cfg.model.num_layers,)),
+    config.override(cfg, {'momentum': 0.5}),
+    (cfg.model.num_layers,),
+    'OUT',
+  )
+  assert momentum == ['--momentum none -> 0.5']
 
 
 def test_fresh_run_refuses_an_out_dir_with_checkpoints(short_run):

@@ -86,7 +86,7 @@ def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str)
     have['layers_per_stage'] = ','.join(map(str, layers_per_stage))
 
   def flags(values):
-    return ' '.join(f'{config.flag(n)} {values[n]}' for n in wrong)
+    return ' '.join(f'{config.flag(n)} {"none" if values[n] is None else values[n]}' for n in wrong)
 
   if wrong:
     raise CheckpointError(
@@ -95,8 +95,9 @@ def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str)
       'another --out.'
     )
   ignored = set(names) | {'out', 'layers_per_stage'}
+  spell = lambda v: 'none' if v is None else v  # as the flag takes it (--momentum none)
   return [
-    f'{config.flag(n)} {want[n]} -> {have[n]}'
+    f'{config.flag(n)} {spell(want[n])} -> {spell(have[n])}'
     for n in have
     if n not in ignored and n in want and want[n] != have[n]
   ]
