@@ -333,3 +333,15 @@ def test_more_microbatches_shrink_ouroboros_stash_on_a_tpu():
   at_g, at_2g = map(json.loads, run.stdout.splitlines())
   assert at_2g['ring_bytes'] < 0.55 * at_g['ring_bytes'], (at_2g, at_g)
   assert at_2g['peak_bytes'] < 0.75 * at_g['peak_bytes'], (at_2g, at_g)
+
+
+def test_a_step_beyond_what_xla_indexes_does_not_fit_in_one_report():
+  """A billion sequences: no allocation, no traceback; the report says it does not fit (exit
+  status 1 from the command), its peak the arguments alone."""
+  from ouroboros_jax.training import config
+
+  cfg = config.override(config.get_preset('tiny'), {'batch_size': 10**9})
+  report = compile_lib.compile_step(cfg)
+  assert report['fits'] is False
+  assert report['peak_bytes'] >= 10**9 * cfg.model.seq_len * 4 * 2  # inputs and targets
+  assert 'more than one XLA program indexes' in compile_lib.format_report(report)

@@ -137,6 +137,9 @@ def compile_step(cfg: TrainConfig, topology: str | None = None) -> dict:
     host_ring_bytes=shard_bytes(state.ring.get(placement.HOST, {})),
     batch_bytes=shard_bytes(batch),
   )
+  tokens = cfg.batch_size * cfg.model.seq_len
+  if tokens > MAX_TOKENS:
+    return _beyond_index_report(report, shard_bytes(state) + report['batch_bytes'], tokens, device)
   start = time.perf_counter()
   try:
     stats = schedule.step.lower(state, batch).compile().memory_analysis()
@@ -185,7 +188,7 @@ def _abstract_step(cfg: TrainConfig, run, devices: list) -> tuple:
   )
   model = assemble.staged_model(cfg, layers_per_stage)
   schedule = build_schedule(run, model, make_optimizer(cfg), devices=devices)
-  example = assemble.example_batch(cfg)
+  example = assemble.example_batch_shapes(cfg)  # a huge batch is a verdict, not an allocation
   batch = _placed(example, placement.named(placement.batch_spec(example), schedule.mesh))
   state = jax.eval_shape(schedule.init, params, batch)
   state = _placed(state, placement.state_shardings(state, schedule.mesh))
@@ -252,6 +255,27 @@ def _out_of_memory_report(report, argument_bytes, required, capacity, error) -> 
     compiler_oom=_one_line(error)[:300],
   )
   return _verdict(report, capacity)
+
+
+# The most tokens one step may hold: XLA indexes an array's elements with 32-bit integers.
+MAX_TOKENS = 2**31 - 1
+
+
+def _beyond_index_report(report, argument_bytes, tokens, device) -> dict:
+  """A step of more tokens than an XLA program indexes (MAX_TOKENS) cannot be built, let alone
+  fit: it does not fit, its peak at least the arguments (a lower bound)."""
+  report.update(dict.fromkeys(_COMPILED_FIELDS))
+  report.update(
+    compile_s=0.0,
+    compiler_oom=None,
+    argument_bytes=argument_bytes,
+    peak_bytes=argument_bytes,
+    beyond_index=f'a step of {tokens:,} tokens is more than one XLA program indexes '
+    f'({MAX_TOKENS:,}): nothing was compiled; the peak is the arguments alone, a lower bound',
+  )
+  report = _verdict(report, device_capacity(device))
+  report['fits'] = False
+  return report
 
 
 def _verdict(report: dict, capacity: int | None) -> dict:
@@ -391,6 +415,8 @@ def format_report(report: dict) -> str:
     lines.append(
       '  (the compiler ran out of memory: the peak is its figure, the temporaries it less the state)'
     )
+  if report.get('beyond_index'):
+    lines.append(f'  ({report["beyond_index"]})')
   lines.append(verdict_line(report))
   return '\n'.join(lines)
 
