@@ -821,6 +821,8 @@ def main(argv=None) -> int:
     message = _one_line(e) if code is not None else None
     if code is None and out_of_memory(e):
       message, code = out_of_memory_message(args, e), EXIT_USAGE
+    if code is not None:  # refused: an OUT it made and never wrote into goes again
+      rundir.remove_unused()
     if distributed.is_multi_process():  # its peers must not wait for it: end them all now
       distributed.fail_every_process(message, code or 1)
     if code is None:

@@ -576,3 +576,17 @@ def test_a_run_stopped_before_it_logged_is_told_to_run_again(tmp_path):
   )
   (out / 'metrics.jsonl').write_text('{"step": 10}\n')
   assert 'remove its metrics.jsonl' in cli._stopped_message(args, signal.SIGTERM)  # pylint: disable=protected-access
+
+
+def test_a_refused_run_leaves_no_directories_behind(tmp_path):
+  """A run refused after it made --out (data that is not there) takes the directories it made
+  away again; one that existed stays."""
+  deep = tmp_path / 'a' / 'b' / 'c'
+  result = run_cli('train', *SMALL, '--steps', '2', '--data', 'text:/no/such.txt', '--out', deep)
+  assert_one_line_error(result, 2, 'data file not found')
+  assert os.listdir(tmp_path) == []
+  (tmp_path / 'mine').mkdir()
+  result = run_cli(
+    'train', *SMALL, '--steps', '2', '--data', 'text:/no/such.txt', '--out', tmp_path / 'mine'
+  )
+  assert result.returncode == 2 and (tmp_path / 'mine').is_dir()

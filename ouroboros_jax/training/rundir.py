@@ -35,6 +35,7 @@ import errno
 import fcntl
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -45,13 +46,23 @@ from ouroboros_jax.errors import ConfigError
 LOCK_NAME = '.lock'
 
 
+# The outermost directory each `check_writable` made (a refused run takes them away again).
+_MADE: list[str] = []
+
+
 def check_writable(out_dir: str) -> None:
   """Creates OUT if needed and proves a file can be written there; one-line ConfigError if not.
 
   Cheap and free of JAX, so the CLI calls it before the slow set-up (imports, data, compiling).
   """
   try:
+    missing = os.path.abspath(out_dir)
+    while not os.path.lexists(os.path.dirname(missing) or '/') and missing != '/':
+      missing = os.path.dirname(missing)
+    made = not os.path.lexists(missing)
     os.makedirs(out_dir, exist_ok=True)
+    if made:
+      _MADE.append(missing)
     with tempfile.NamedTemporaryFile(dir=out_dir, prefix='.write-test-'):
       pass
   except OSError as e:
@@ -65,6 +76,17 @@ def check_writable(out_dir: str) -> None:
     raise ConfigError(
       f'cannot write into --out {out_dir} ({reason}); choose a writable directory.'
     ) from None
+
+
+def remove_unused() -> None:
+  """Takes away the directories `check_writable` made for a run that was refused before it wrote
+  anything into them (they hold nothing but directories and OUT's lock): a refused run leaves
+  no trace."""
+  while _MADE:
+    root = _MADE.pop()
+    files = {name for _, _, names in os.walk(root) for name in names}
+    if files <= {LOCK_NAME}:
+      shutil.rmtree(root, ignore_errors=True)
 
 
 def holder(out_dir: str) -> str:
