@@ -4,6 +4,7 @@ the CLI in a subprocess, a tiny training config."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pathlib
 import re
@@ -259,3 +260,12 @@ def straight_and_resumed(straight, out, stop_at: int):
       manager.close()
 
   return stopped, final(straight.out_dir), final(stopped.out_dir)
+
+
+def unfinish(out) -> None:
+  """OUT as a run stopped before its end leaves it: no summary.json, no final test row."""
+  out = pathlib.Path(out)
+  os.remove(out / 'summary.json')
+  rows = [json.loads(line) for line in (out / 'metrics.jsonl').read_text().splitlines() if line]
+  kept = ''.join(json.dumps(r) + '\n' for r in rows if r.get('split') != 'test')
+  (out / 'metrics.jsonl').write_text(kept)

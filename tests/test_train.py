@@ -18,7 +18,7 @@ from ouroboros_jax import cli, data, placement, staged
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.training import checkpoint, config, loop, metrics, resume, sample
 
-from helpers import assert_trees_equal, host_tree, tiny_config
+from helpers import assert_trees_equal, host_tree, tiny_config, unfinish
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -446,7 +446,7 @@ def test_a_damaged_checkpoint_falls_back_and_resumes_exactly(
   cfg, saved_30 = three_checkpoints
   out = tmp_path / 'run'
   shutil.copytree(cfg.out_dir, out)
-  os.remove(out / 'summary.json')
+  unfinish(out)
   with open(out / 'metrics.jsonl', 'a') as f:
     f.write('{"step": 31, "split": "tra')  # a crash in the middle of a metrics row
   resumed = config.override(cfg, {'out': os.fspath(out)})
@@ -462,8 +462,10 @@ def test_a_damaged_checkpoint_falls_back_and_resumes_exactly(
     assert 'resuming from step 20 in ' in said.out
     assert ', the newest readable checkpoint' in said.out
     assert 'dropped its torn last line' in said.out
-  # Nothing deleted: the skipped checkpoints are set aside, the run wrote its own again...
-  assert sorted(os.listdir(out / checkpoint.SET_ASIDE)) == [str(s) for s in moved]
+  # Nothing deleted: the skipped checkpoints are set aside with the metrics rows they belong to,
+  # the run wrote its own again...
+  aside = sorted(os.listdir(out / checkpoint.SET_ASIDE))
+  assert aside == [str(s) for s in moved] + [f'metrics-until-step-{moved[-1]}.jsonl']
   manager = checkpoint.make_manager(out, read_only=True)
   try:
     assert sorted(manager.all_steps()) == [10, 20, 30]
@@ -480,7 +482,7 @@ def test_no_readable_checkpoint_is_one_clear_error(three_checkpoints, tmp_path):
   cfg, _ = three_checkpoints
   out = tmp_path / 'run'
   shutil.copytree(cfg.out_dir, out)
-  os.remove(out / 'summary.json')  # an unfinished run (a finished one has nothing to resume)
+  unfinish(out)  # an unfinished run (a finished one has nothing to resume)
   for step in (10, 20, 30):
     _damage(out / 'checkpoints' / str(step), 'empty_meta')
   with pytest.raises(

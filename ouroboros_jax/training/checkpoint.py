@@ -38,6 +38,7 @@ the same devices with the same layout.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import logging
@@ -446,14 +447,23 @@ def remove_unfinished(out_dir: str) -> None:
 _DEEPEST_FILE = ('state', 'ocdbt.process_0', 'd', '0' * 32)
 
 
-def check_writable(out_dir: str, step: int) -> None:
+def check_writable(out_dir: str, step: int, need_bytes: int | None = None) -> None:
   """Raises the OSError a save of `step` would meet in its first writes (a read-only or
   forbidden checkpoints directory, a path too long), before Orbax's threads start: a save that
   fails there leaves threads waiting for it until the process is killed. Writes and removes the
-  save's own temporary directory with a file as deep as its deepest. Process 0 only (the others
-  write into the same directory); call it when no save is in flight."""
+  save's own temporary directory with a file as deep as its deepest. With `need_bytes` (the
+  size of a checkpoint), ENOSPC where less is free: a save that fills the disk half-way leaves
+  Orbax's writers racing the clean-up. Process 0 only (the others write into the same
+  directory); call it when no save is in flight."""
   if jax.process_index() != 0:
     return
+  free = rundir.free_bytes(out_dir)
+  if need_bytes is not None and free is not None and free < need_bytes:
+    raise OSError(
+      errno.ENOSPC,
+      f'{os.strerror(errno.ENOSPC)}: {need_bytes} bytes needed, {free} free',
+      checkpoint_dir(out_dir),
+    )
   probe = os.path.join(checkpoint_dir(out_dir), f'{step}.orbax-checkpoint-tmp')
   path = os.path.join(probe, *_DEEPEST_FILE)
   try:

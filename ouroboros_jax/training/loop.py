@@ -508,7 +508,11 @@ def _save(run: _Run, step: int, saved: _Saved) -> None:
     raise _non_finite(run, saved, f'parameters became non-finite at step {step}')
   _land(run)  # Orbax would wait for the previous save here anyway
   saved.report(run)
-  checkpoint.check_writable(run.cfg.out_dir, step)  # before Orbax's threads: they would hang
+  # Before Orbax's threads start: a save that fails in them hangs (read-only) or races the
+  # clean-up (a disk that fills half-way); a checkpoint needs about what the last one took.
+  latest = checkpoint.latest_step(run.cfg.out_dir)
+  need = checkpoint.checkpoint_size(run.cfg.out_dir, latest) if latest is not None else None
+  checkpoint.check_writable(run.cfg.out_dir, step, need)
   with rundir.shielded():  # a second signal waits for the save to be under way
     checkpoint.save(
       run.manager,

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+
+import jax
 
 from ouroboros_jax.errors import CheckpointError
 from ouroboros_jax.models import model as transformer
-from ouroboros_jax.training import checkpoint, config
+from ouroboros_jax.training import checkpoint, config, metrics
 from ouroboros_jax.training.config import TrainConfig
 
 # Settings that fix the shape of the TrainState or the data stream (with every ModelConfig
@@ -133,8 +136,9 @@ def resume_state(cfg: TrainConfig, manager, target, layers_per_stage, resume_fro
   if newer:
     manager.close()
     where = checkpoint.set_aside(cfg.out_dir, newer)
+    logs = _set_aside_logs(cfg.out_dir, where, max(newer))
     print(
-      f'moved the checkpoints of steps {sorted(newer)} to {where} (nothing was deleted).',
+      f'moved the checkpoints of steps {sorted(newer)}{logs} to {where} (nothing was deleted).',
       flush=True,
     )
     manager = checkpoint.make_manager(cfg.out_dir, keep=cfg.keep_checkpoints)
@@ -142,6 +146,24 @@ def resume_state(cfg: TrainConfig, manager, target, layers_per_stage, resume_fro
     resuming_line(step, ckpt_dir, newest_readable=bool(unreadable), changed=changed), flush=True
   )
   return state, data_state, manager
+
+
+def _set_aside_logs(out_dir: str, where: str, newest: int) -> str:
+  """Keeps the metrics rows and the summary a resume from an earlier step will train over, beside
+  the checkpoints it set aside (metrics-until-step-N.jsonl, summary-step-N.json; process 0).
+  Returns what it kept, for the line that says so."""
+  if jax.process_index() != 0:
+    return ''
+  kept = []
+  for name, kept_as, move in (
+    ('metrics.jsonl', f'metrics-until-step-{newest}.jsonl', False),
+    ('summary.json', f'summary-step-{newest}.json', True),
+  ):
+    path = os.path.join(out_dir, name)
+    if os.path.exists(path):
+      (shutil.move if move else shutil.copyfile)(path, os.path.join(where, kept_as))
+      kept.append(name)
+  return f', and the {" and ".join(kept)} they belong to,' if kept else ''
 
 
 def resuming_line(step: int, ckpt_dir: str, *, newest_readable: bool, changed: list[str]) -> str:
@@ -158,25 +180,57 @@ def resuming_line(step: int, ckpt_dir: str, *, newest_readable: bool, changed: l
 def finished_summary(cfg: TrainConfig, resume_from: int | None) -> dict | None:
   """The summary of the run in OUT when it is finished and `--resume` has nothing to train: its
   summary.json belongs to its newest checkpoint and --steps asks for no more steps. Says so in
-  one line; nothing in OUT is written. None otherwise (a larger --steps trains on; --resume-from
-  an earlier step trains again from there)."""
+  one line, and warns if that checkpoint does not read back; nothing in OUT is written. None
+  otherwise (a larger --steps trains on; --resume-from an earlier step trains again from
+  there). A finished run whose summary.json is missing or unreadable (its metrics.jsonl holds
+  the final test row) is a CheckpointError: evaluating it again would log that row twice."""
   path = os.path.join(cfg.out_dir, 'summary.json')
   try:
     with open(path) as f:
       summary = json.load(f)
-    step = int(summary['step'])
-  except (OSError, ValueError, KeyError, TypeError):
-    return None
-  if checkpoint.latest_step(cfg.out_dir) != step or cfg.steps > step:
+    step, damage = int(summary['step']), None
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    summary, step = None, _tested_step(cfg.out_dir)
+    damage = 'is missing' if isinstance(e, FileNotFoundError) else 'does not read back'
+  if step is None or checkpoint.latest_step(cfg.out_dir) != step or cfg.steps > step:
     return None
   if resume_from is not None and resume_from != step:
     return None
+  if summary is None:
+    raise CheckpointError(
+      f'{cfg.out_dir} holds a run finished at step {step} (metrics.jsonl holds its test row), '
+      f'but its {path} {damage}; nothing to resume: put summary.json back, or pass '
+      f'{config.flag("steps")} above {step} to train on.'
+    )
   print(
     f'{cfg.out_dir} holds a run finished at step {step} ({path}); nothing to resume and '
     f'nothing changed: pass {config.flag("steps")} above {step} to train on.',
     flush=True,
   )
+  _warn_if_unreadable(cfg.out_dir, step)
   return summary
+
+
+def _tested_step(out_dir: str) -> int | None:
+  """The step of the last test row in OUT's metrics.jsonl (a run logs one when it finishes)."""
+  try:
+    rows = metrics.read_metrics(os.path.join(out_dir, 'metrics.jsonl'))
+  except (OSError, ValueError, CheckpointError):
+    return None
+  steps = [r.get('step') for r in rows if isinstance(r, dict) and r.get('split') == 'test']
+  return steps[-1] if steps else None
+
+
+def _warn_if_unreadable(out_dir: str, step: int) -> None:
+  """Says on stderr if the finished run's checkpoint does not read back whole (to train on from
+  it, or to sample from it, would fail)."""
+  manager = checkpoint.make_manager(out_dir, read_only=True)
+  try:
+    checkpoint.restore_single_device(manager, step)
+  except CheckpointError as e:
+    checkpoint.warn(f'{e}; it cannot be trained on from or sampled.')
+  finally:
+    manager.close()
 
 
 def check_out_dir(cfg: TrainConfig, resume: bool) -> None:
