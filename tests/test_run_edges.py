@@ -447,3 +447,60 @@ def test_a_finished_run_stays_finished(finished_run, tmp_path, capsys):
   aside = out / 'checkpoints-set-aside'
   assert (aside / 'metrics-until-step-4.jsonl').read_text() == rows
   assert (aside / 'summary-step-4.json').read_text() == summary
+
+
+INJECTED = """
+import errno, os, sys
+from ouroboros_jax import cli
+from ouroboros_jax.training import checkpoint
+
+code = getattr(errno, sys.argv[1])
+
+
+def failing_save(manager, state, *args):  # the write fails as a device would make it fail
+  where = os.path.join(str(manager.directory), f'{int(state.step)}.orbax-checkpoint-tmp')
+  raise OSError(code, os.strerror(code), where)
+
+
+checkpoint.save = failing_save
+sys.exit(cli.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize('name', ['EIO', 'EFBIG', 'EACCES'])
+def test_a_failing_checkpoint_write_is_one_line(tmp_path, text_corpus, name):
+  """Injected at the write: an I/O error, a file too large, a forbidden write. One error line
+  naming the path and the cause; the run ends (no hang)."""
+  out = tmp_path / 'run'
+  argv = _train_argv(text_corpus, out, steps='2')[3:]
+  result = subprocess.run(
+    [sys.executable, '-c', INJECTED, name, *argv],
+    cwd=REPO_ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  cause = os.strerror(getattr(errno, name))
+  assert_one_line_error(result, 2, f'cannot write a checkpoint into {out}/checkpoints: {cause}')
+
+
+def test_a_read_only_checkpoints_directory_ends_a_two_process_run(tmp_path, text_corpus):
+  """In several processes as in one: one line, every process ends, nothing hangs."""
+  out = tmp_path / 'run'
+  (out / 'checkpoints').mkdir(parents=True)
+  where = out / 'checkpoints'
+  mount = f'mount --bind "{where}" "{where}" && mount -o remount,bind,ro "{where}"'
+  train = [
+    *_train_argv(text_corpus, out)[3:],
+    '--schedule',
+    'data_parallel',
+    '--data-parallel',
+    '2',
+  ]
+  launch = [sys.executable, '-m', 'ouroboros_jax', 'launch', '--processes', '2', '--', *train]
+  result = _in_mount_namespace(mount, shlex.join(launch))
+  assert result.returncode == 2, result.stderr[-2000:]
+  assert (
+    'cannot write a checkpoint into' in result.stderr and 'Read-only file system' in result.stderr
+  )
+  assert 'Traceback' not in result.stderr and os.listdir(where) == []

@@ -453,25 +453,39 @@ def check_writable(out_dir: str, step: int, need_bytes: int | None = None) -> No
   fails there leaves threads waiting for it until the process is killed. Writes and removes the
   save's own temporary directory with a file as deep as its deepest. With `need_bytes` (the
   size of a checkpoint), ENOSPC where less is free: a save that fills the disk half-way leaves
-  Orbax's writers racing the clean-up. Process 0 only (the others write into the same
-  directory); call it when no save is in flight."""
-  if jax.process_index() != 0:
-    return
+  Orbax's writers racing the clean-up. Process 0 probes (the others write into the same
+  directory) and every process raises what it found; call it when no save is in flight."""
+  probe = os.path.join(checkpoint_dir(out_dir), f'{step}.orbax-checkpoint-tmp')
+  failure = _probe(probe, out_dir, need_bytes) if jax.process_index() == 0 else None
+  if jax.process_count() > 1:  # all of them stop here, or none: the save is collective
+    from jax.experimental import multihost_utils
+
+    code = int(multihost_utils.broadcast_one_to_all(np.int32(failure.errno if failure else 0)))
+    if failure is None and code:
+      failure = OSError(code, os.strerror(code), probe)
+  if failure is not None:
+    raise failure
+
+
+def _probe(probe: str, out_dir: str, need_bytes: int | None) -> OSError | None:
+  """What `check_writable` finds on this process: the OSError, or None."""
   free = rundir.free_bytes(out_dir)
   if need_bytes is not None and free is not None and free < need_bytes:
-    raise OSError(
+    return OSError(
       errno.ENOSPC,
       f'{os.strerror(errno.ENOSPC)}: {need_bytes} bytes needed, {free} free',
       checkpoint_dir(out_dir),
     )
-  probe = os.path.join(checkpoint_dir(out_dir), f'{step}.orbax-checkpoint-tmp')
   path = os.path.join(probe, *_DEEPEST_FILE)
   try:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, 'wb') as f:
       f.write(b'\0')
+  except OSError as e:
+    return e
   finally:
     shutil.rmtree(probe, ignore_errors=True)
+  return None
 
 
 def write_failure(exc: BaseException | None, out_dir: str) -> OSError | None:
