@@ -54,6 +54,20 @@ def _env(**changes) -> dict:
   return {k: v for k, v in env.items() if v is not None}
 
 
+def _reports(script: str) -> list[dict]:
+  """The JSON reports `script` prints, a line each, run on SMALL and TOPOLOGY in a subprocess."""
+  run = subprocess.run(
+    [sys.executable, '-c', script, json.dumps(SMALL), TOPOLOGY],
+    cwd=REPO_ROOT,
+    env=_env(),
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert run.returncode == 0, run.stderr[-3000:]
+  return [json.loads(line) for line in run.stdout.splitlines()]
+
+
 def _compile(runs) -> dict:
   """{(dtype, schedule): report} of each (dtypes, schedules) in `runs`: one subprocess each, side
   by side, that compiles every schedule in every dtype (one libtpu start-up for them all)."""
@@ -240,16 +254,7 @@ def test_the_microbatched_ring_and_a_host_stash_need_less_memory_on_a_tpu():
   """Ouroboros without --microbatches on a TPU cuts the batch in 8; the compiler's peak per chip
   falls below the un-chunked step's (the stash keeps the same bytes; the step's temporaries are
   those of one micro-batch). With --stash-memory pinned_host the stash leaves the chip."""
-  run = subprocess.run(
-    [sys.executable, '-c', MICROBATCHED_RING, json.dumps(SMALL), TOPOLOGY],
-    cwd=REPO_ROOT,
-    env=_env(),
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert run.returncode == 0, run.stderr[-3000:]
-  whole, chunked, in_host = map(json.loads, run.stdout.splitlines())
+  whole, chunked, in_host = _reports(MICROBATCHED_RING)
   assert (whole['microbatches'], chunked['microbatches']) == (1, 8)
   assert whole['stash'] == chunked['stash'] == 'graph/nothing'  # the default stash
   assert chunked['temp_bytes'] < 0.75 * whole['temp_bytes'], (chunked, whole)
@@ -321,16 +326,7 @@ def test_more_microbatches_shrink_ouroboros_stash_on_a_tpu():
   micro-batches in flight as at M = G, each half the rows, so the ring's bytes halve (with the
   stash in whole steps they fell to 0.67x: two steps of 8 items against three of 4) and the
   chip's peak falls."""
-  run = subprocess.run(
-    [sys.executable, '-c', SLOTS_BY_M, json.dumps(SMALL), TOPOLOGY],
-    cwd=REPO_ROOT,
-    env=_env(),
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert run.returncode == 0, run.stderr[-3000:]
-  at_g, at_2g = map(json.loads, run.stdout.splitlines())
+  at_g, at_2g = _reports(SLOTS_BY_M)
   assert at_2g['ring_bytes'] < 0.55 * at_g['ring_bytes'], (at_2g, at_g)
   assert at_2g['peak_bytes'] < 0.75 * at_g['peak_bytes'], (at_2g, at_g)
 

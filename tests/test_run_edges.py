@@ -115,23 +115,7 @@ def test_a_full_disk_ends_train_in_one_line_and_keeps_the_last_checkpoint(tmp_pa
   # it is copied out before the namespace ends.
   disk, after = tmp_path / 'disk', tmp_path / 'after'
   out = disk / 'run'
-  argv = [
-    sys.executable,
-    '-m',
-    'ouroboros_jax',
-    'train',
-    *SMALL,
-    '--data',
-    f'text:{text_corpus}',
-    '--steps',
-    '6',
-    '--checkpoint-every',
-    '2',
-    '--log-every',
-    '1',
-    '--out',
-    out,
-  ]
+  argv = [*_train_argv(text_corpus, out, steps='6'), '--log-every', '1']
   script = (
     f'{shlex.join(map(str, argv))} > "{tmp_path}/stdout" 2> "{tmp_path}/stderr"\n'
     f'code=$?; cp -a "{out}" "{after}"; exit $code\n'
