@@ -2,7 +2,8 @@
 compared bit for bit (issue 58: the stash in micro-batch slots must train exactly as the stash in
 step slots did).
 
-  python experiments/stash_trajectories.py record OUT.npz    # on one version
+  python experiments/stash_trajectories.py record OUT.npz [REGEX]   # on one version (the
+                                                                     # settings REGEX matches)
   python experiments/stash_trajectories.py compare A.npz B.npz
 
 The grid: G in {1, 2, 4}; M in {1, 2, G, 2G, 4G}; locked and pipelined; as one batch and
@@ -14,6 +15,7 @@ records its losses and final parameters.
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
@@ -24,10 +26,11 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), '..', 'tests'))
 
 import jax  # noqa: E402
-from helpers import adam, random_batches, run_schedule, tiny_transformer  # noqa: E402
 
 from ouroboros_jax.schedules import ScheduleConfig  # noqa: E402
 from ouroboros_jax.schedules.compensation import Compensation  # noqa: E402
+
+from helpers import adam, random_batches, run_schedule, tiny_transformer  # noqa: E402
 
 POLICIES = ('nothing', 'dots', 'dots_no_batch', 'all')
 
@@ -55,9 +58,11 @@ def settings():
       yield f'TXL G=2 M=2 {forward} {flow} {stash}', txl, 2, options
 
 
-def record(out: str) -> None:
+def record(out: str, pattern: str = '') -> None:
   results = {}
   for label, model_options, num_stages, options in settings():
+    if not re.search(pattern, label):
+      continue
     model, params = tiny_transformer(num_stages, dropout=0.1, **model_options)
     batches = random_batches(2 * num_stages + 4, seed=2, batch=16)
     config = ScheduleConfig(
@@ -76,14 +81,14 @@ def compare(a: str, b: str) -> None:
   worst, equal = 0.0, 0
   for key in sorted(old.files):
     if key not in new.files:
-      print(f'missing in {b}: {key}')
-      continue
+      continue  # recorded in one of them only
     diff = float(np.max(np.abs(old[key] - new[key]))) if old[key].size else 0.0
     equal += diff == 0.0
     worst = max(worst, diff)
     if diff > 0:
       print(f'{key}: {diff:.3g}')
-  print(f'{len(old.files)} arrays, {equal} bit for bit, largest difference {worst:.3g}')
+  compared = len(set(old.files) & set(new.files))
+  print(f'{compared} arrays, {equal} bit for bit, largest difference {worst:.3g}')
 
 
 if __name__ == '__main__':

@@ -223,8 +223,13 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t):
     items_b=items_b,
     t=t,
   )
-  first = _first_carry(ring, step, buffers, _local(kept_buffers['stash']))
-  out = jax.lax.fori_loop(0, timing.rounds, functools.partial(_round, ring, step), first)
+  carry = _first_carry(ring, step, buffers, _local(kept_buffers['stash']))
+  # Locked, the first G - 1 rounds only fill the wave: no backward reaches a group before the
+  # head has seen the step's first item. A loop of their own, so that every round of the second
+  # back-propagates (a backward under a cond would cost its temporaries twice).
+  fill = timing.backward_round(0)
+  carry = jax.lax.fori_loop(0, fill, functools.partial(_fill_round, ring, step), carry)
+  out = jax.lax.fori_loop(fill, timing.rounds, functools.partial(_round, ring, step), carry)
   kept = {'stash': out.stash_N}
   if weights_W is not None:  # after every read of the step: XLA updates the slot in place
     kept['weights'] = ring_lib.write_slot(weights_W, forward_s, version_now, timing.weight_slots)
@@ -286,6 +291,11 @@ def _round(ring: _Ring, step: _StepInputs, r, carry: _Carry) -> _Carry:
   carry, x_head = _forward_round(ring, step, r, carry)
   carry, delta_head = _head_round(ring, step, r, x_head, carry)
   return _backward_round(ring, step, r, delta_head, carry)
+
+
+def _fill_round(ring: _Ring, step: _StepInputs, r, carry: _Carry) -> _Carry:
+  """A round of the locked wave before the head has seen an item of the step: the forward only."""
+  return _forward_round(ring, step, r, carry)[0]
 
 
 def _forward_round(ring: _Ring, step: _StepInputs, r, carry: _Carry):
@@ -354,9 +364,7 @@ def _backward_round(ring: _Ring, step: _StepInputs, r, delta_head, carry: _Carry
   device 0 hands the head's delta to G - 1."""
   model, stash, num_micro = ring.model, ring.stash, ring.num_microbatches
   s, hop = jax.lax.axis_index(STAGE), ring.timing.hop
-  m = r - ring.timing.backward_round(0)
-  active = (m >= 0) & (m < num_micro)
-  m = jnp.clip(m, 0, num_micro - 1)
+  m = r - ring.timing.backward_round(0)  # in 0 .. M - 1: the fill rounds have no backward
   item = step.items_b[m]
   key = ring.item_key(item)
   kept = ring_lib.read_slot(carry.stash_N, item, ring.timing.stash_slots)
@@ -367,19 +375,18 @@ def _backward_round(ring: _Ring, step: _StepInputs, r, delta_head, carry: _Carry
     else step.backward_weights(m)
   )
 
-  def backward():
-    return stash.backward(at_weights, kept, delta, s, key, item // num_micro)
-
-  no_grads = lambda: _zeros(jax.eval_shape(backward))
-  g_m, dx = jax.lax.cond(active & ring.real(item), backward, no_grads)
+  # A select, not a cond: an item that has not entered the ring (the pipe filling) is computed
+  # and dropped, which costs no memory a cond's two branches would.
+  backward = stash.backward(at_weights, kept, delta, s, key, item // num_micro)
+  g_m, dx = ring_lib.mask(ring.real(item), backward)
   inputs = ring_lib.at(step.backward_inputs_M, m)
-  g_embed_m = ring_lib.embed_backward(model, step.params['embed'], inputs, key, dx, when=active)
+  g_embed_m = ring_lib.embed_backward(model, step.params['embed'], inputs, key, dx)
   sent = ring_lib.send_backward(ring_lib.select(s == 0, delta_head, dx), ring.num_stages)
   add = lambda a, b: jax.tree.map(jnp.add, a, b)
   return carry._replace(
     g_stage=add(carry.g_stage, g_m),
     g_embed=add(carry.g_embed, g_embed_m),
-    delta_fifo=ring_lib.set_where(carry.delta_fifo, m % hop, sent, active),
+    delta_fifo=ring_lib.set_at(carry.delta_fifo, m % hop, sent),
   )
 
 

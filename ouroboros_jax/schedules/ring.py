@@ -234,11 +234,10 @@ def embed_grad(model: StagedModel, embed_params, tokens, key, dx):
   return staged.pull(jax.vjp(lambda e: embed(model, e, tokens, key), embed_params)[1], dx, None)[0]
 
 
-def embed_backward(model: StagedModel, embed_params, tokens, key, dx, when=True):
-  """Module 1 ends at the embedding: device 0 turns dx into V's input-side gradient (zeros on
-  the other devices, and where `when` is false)."""
+def embed_backward(model: StagedModel, embed_params, tokens, key, dx):
+  """Module 1 ends at the embedding: device 0 turns dx into V's input-side gradient."""
   backward = lambda: embed_grad(model, embed_params, tokens, key, dx)
-  return on_stage(jnp.where(when, jax.lax.axis_index(STAGE), -1), 0, backward)
+  return on_stage(jax.lax.axis_index(STAGE), 0, backward)
 
 
 def gather_grads(g_embed, g_head, g_stage, loss):
