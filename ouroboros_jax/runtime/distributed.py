@@ -19,6 +19,12 @@ shutdown barrier its peers would never reach; every process watches that key (`w
 exits with its exit status and one line naming the failed process. Without this, a peer waits in a collective until the
 heartbeat time-out and then aborts with a C++ stack.
 
+Under `ouroboros launch` the launcher hosts the coordination service (`host_service`), not
+process 0: a killed process 0 then takes no service with it, and its peers end with their own
+line (`watch_peers`) where XLA's client would abort them with a C++ stack within milliseconds.
+Process 0's own service, which `jax.distributed.initialize` always starts, is bound to a spare
+port nothing connects to (ENV_SERVICE_BIND).
+
 A process other than 0 first waits up to `init_timeout_s` (--init-timeout) for the coordinator's
 port to accept a connection, and stops with a one-line error if it never does: XLA's own client
 would abort the process with a C++ stack after its time-out instead.
@@ -42,6 +48,9 @@ from ouroboros_jax.errors import ConfigError, PeerLostError
 ENV_COORDINATOR = 'OUROBOROS_COORDINATOR'
 ENV_NUM_PROCESSES = 'OUROBOROS_NUM_PROCESSES'
 ENV_PROCESS_ID = 'OUROBOROS_PROCESS_ID'
+# Where process 0 binds the service it starts when another process (the launcher) hosts the one
+# every process connects to.
+ENV_SERVICE_BIND = 'OUROBOROS_SERVICE_BIND'
 FAILED_KEY = 'ouroboros_jax/failed'  # where a failing process posts its error for its peers
 
 
@@ -127,9 +136,21 @@ def initialize(config: ProcessConfig) -> bool:
       coordinator_address=config.coordinator,
       num_processes=config.num_processes,
       process_id=config.process_id,
+      coordinator_bind_address=os.environ.get(ENV_SERVICE_BIND) or None,
       **kwargs,
     )
   return True
+
+
+def host_service(address: str, num_processes: int):
+  """Starts the coordination service for `num_processes` processes at `address` in this process
+  (the launcher's), as `jax.distributed.initialize` does in process 0; returns it, to
+  `.shutdown()` once every process has ended. JAX has no public call for a service alone."""
+  from jax._src.lib import _jax  # pylint: disable=import-outside-toplevel
+
+  return _jax.get_distributed_runtime_service(
+    address, num_processes, heartbeat_timeout=ProcessConfig.heartbeat_timeout_s
+  )
 
 
 def wait_for_coordinator(address: str, timeout_s: float) -> None:

@@ -76,9 +76,11 @@ def free_port() -> int:
 
 
 def child_env(process_id: int, num_processes: int, port: int) -> dict:
-  """The launcher's environment for process `process_id`: its place in the group, one
-  single-threaded CPU device, and the caller's own XLA flags other than a device count."""
+  """The launcher's environment for process `process_id`: its place in the group (the
+  coordination service at `port`), one single-threaded CPU device, and the caller's own XLA
+  flags other than a device count."""
   env = dict(os.environ)
+  env.pop(distributed.ENV_SERVICE_BIND, None)  # `_Children.start` sets it, hosting the service
   own_flags = [f for f in env.get('XLA_FLAGS', '').split() if not f.startswith(_DEVICE_COUNT_FLAG)]
   env.update(
     {
@@ -261,16 +263,20 @@ class _Children:
     self.out, self.procs, self.threads, self.errors = out, [], [], []
     self.failed = threading.Event()
     self.failures = []  # (process index, exit code) of the failed processes, first failed first
+    self.service = None  # the coordination service, hosted here (`distributed.host_service`)
 
   def start(self, num_processes: int, command: list[str], pin_cpus: bool) -> None:
     port, cores = free_port(), usable_cpus()
+    self.service = distributed.host_service(f'127.0.0.1:{port}', num_processes)
     for i in range(num_processes):
+      # Process 0's own service (JAX starts one there) on a spare port nothing connects to.
+      spare = {distributed.ENV_SERVICE_BIND: f'127.0.0.1:{free_port()}'} if i == 0 else {}
       cmd = ['taskset', '-c', str(cores[i % len(cores)]), *command] if pin_cpus else command
       # Its own session, so a Ctrl-C in the terminal reaches the launcher only, which passes it
       # on; and it dies with the launcher, however the launcher dies.
       p = subprocess.Popen(
         cmd,
-        env=child_env(i, num_processes, port),
+        env={**child_env(i, num_processes, port), **spare},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -365,6 +371,8 @@ class _Children:
       p.wait()
     for th in self.threads:
       th.join(timeout=5)
+    if self.service is not None:
+      self.service.shutdown()
 
   def reason(self, first_failure: int) -> str:
     """One line: the first process to fail (in time) and how, with the `error:` line it printed,
