@@ -55,12 +55,12 @@ def pieces(flags: list[str]) -> list[dict]:
   os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
   import jax
 
-  from ouroboros_jax import cli
+  from ouroboros_jax import cli_parsers
   from ouroboros_jax.perf import compile as compile_lib
   from ouroboros_jax.training import config
 
-  args = cli.make_parser().parse_args(['compile', *flags])
-  cfg = config.override(cli.config_from_args(args), {'attention': 'xla'})
+  args = cli_parsers.make_parser().parse_args(['compile', *flags])
+  cfg = config.override(cli_parsers.config_from_args(args), {'attention': 'xla'})
   run = cfg.schedule_config('tpu')  # what the run resolves to on an accelerator
   devices = jax.devices()[: run.num_stages * run.data_parallel]
   _, state, _ = compile_lib._abstract_step(cfg, run, devices)  # pylint: disable=protected-access

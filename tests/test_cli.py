@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from ouroboros_jax import cli
+from ouroboros_jax import cli_messages, cli_parsers
 from ouroboros_jax.models.model import ConfigError
 from ouroboros_jax.training import config
 
@@ -29,7 +29,7 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_every_config_field_has_a_flag():
-  parser = cli.make_parser().commands['train']
+  parser = cli_parsers.make_parser().commands['train']
   flags = {o for a in parser._actions for o in a.option_strings}
   for name in config.fields():
     assert config.flag(name) in flags, name
@@ -37,7 +37,7 @@ def test_every_config_field_has_a_flag():
 
 
 def test_flags_override_the_preset_and_nothing_else():
-  args = cli.make_parser().parse_args(
+  args = cli_parsers.make_parser().parse_args(
     [
       'train',
       '--preset',
@@ -57,7 +57,7 @@ def test_flags_override_the_preset_and_nothing_else():
       'ouroboros',
     ]
   )
-  cfg = cli.config_from_args(args)
+  cfg = cli_parsers.config_from_args(args)
   small = config.get_preset('small')
   assert (cfg.model.d_model, cfg.model.num_layers, cfg.model.pre_ln) == (96, 3, False)
   assert (cfg.steps, cfg.layers_per_stage, cfg.schedule.num_stages) == (10, '1,2', 2)
@@ -344,19 +344,19 @@ def test_a_finished_run_is_not_overwritten(tmp_path):
 def test_silent_settings_are_refused_and_booleans_take_values():
   result = run_cli('train', '--schedule', 'backprop', '--stages', '2')
   assert_one_line_error(result, 2, '--stages 2 does nothing')
-  parser = cli.make_parser()
+  parser = cli_parsers.make_parser()
   for flags, value in (
     (['--pre-ln', 'false'], False),
     (['--pre-ln'], True),
     (['--no-pre-ln'], False),
     (['--pre-ln', 'true'], True),
   ):
-    assert cli.config_from_args(parser.parse_args(['train', *flags])).model.pre_ln is value
+    assert cli_parsers.config_from_args(parser.parse_args(['train', *flags])).model.pre_ln is value
   result = run_cli('train', '--pre-ln', 'maybe')
   assert_one_line_error(result, 2, "expected true or false, got 'maybe'")
   # A negative number in exponent form is a value, not a flag; an empty value is refused.
   args = parser.parse_args(['train', '--learning-rate', '-1e-3'])
-  assert cli.config_from_args(args).learning_rate == -1e-3
+  assert cli_parsers.config_from_args(args).learning_rate == -1e-3
   assert_one_line_error(
     run_cli('train', '--learning-rate', '-1e-3'), 2, '--learning-rate must be positive'
   )
@@ -365,7 +365,7 @@ def test_silent_settings_are_refused_and_booleans_take_values():
 
 def _refused(flags: list[str], *words: str) -> None:
   """`train FLAGS` is refused by the settings check, one line naming every word."""
-  cfg = cli.config_from_args(cli.make_parser().parse_args(['train', *flags]))
+  cfg = cli_parsers.config_from_args(cli_parsers.make_parser().parse_args(['train', *flags]))
   with pytest.raises(ConfigError) as error:
     cfg.validate()
   message = cli_message(error.value)
@@ -387,7 +387,7 @@ def test_a_sync_warm_up_as_long_as_the_run_is_refused():
     '--sync-warmup-steps 20',
   )
   ok = ['--schedule', 'ouroboros', '--stages', '2', '--sync-warmup-steps', '19', '--steps', '20']
-  cli.config_from_args(cli.make_parser().parse_args(['train', *ok])).validate()
+  cli_parsers.config_from_args(cli_parsers.make_parser().parse_args(['train', *ok])).validate()
 
 
 def test_microbatches_on_a_schedule_without_them_is_refused():
@@ -400,7 +400,7 @@ def test_microbatches_on_a_schedule_without_them_is_refused():
       'drop it',
     )
   _refused(['--microbatches', '2'], '--microbatches 2', 'not backprop')
-  parser = cli.make_parser()
+  parser = cli_parsers.make_parser()
   for flags, micro in (
     (['--schedule', 'ouroboros', '--stages', '2'], 1),  # not given: nothing to refuse
     (['--schedule', 'ouroboros', '--stages', '2', '--microbatches', '1'], 1),
@@ -408,7 +408,7 @@ def test_microbatches_on_a_schedule_without_them_is_refused():
     (['--schedule', 'gpipe', '--stages', '2'], 4),  # not given: gpipe's default
     (['--schedule', 'gpipe', '--stages', '2', '--microbatches', '8'], 8),
   ):
-    cfg = cli.config_from_args(parser.parse_args(['train', *flags]))
+    cfg = cli_parsers.config_from_args(parser.parse_args(['train', *flags]))
     cfg.validate()
     assert cfg.schedule.num_microbatches == micro, flags
 
@@ -431,14 +431,14 @@ def test_the_tie_is_an_ouroboros_flag_and_the_stash_policy_is_every_schedule_s()
     '--stash replay keeps only the input',
     'drop it or use --stash graph',
   )
-  parser = cli.make_parser()
+  parser = cli_parsers.make_parser()
   for flags in (
     ['--schedule', 'gpipe', '--stages', '2'],
     ['--schedule', 'zb_h1', '--stages', '2', '--stash-policy', 'nothing'],
     ['--schedule', 'ouroboros', '--stages', '2', '--stash', 'replay'],
     ['--schedule', 'ouroboros', '--stages', '2', '--stash-policy', 'all', '--tied-grad', 'mean'],
   ):
-    cli.config_from_args(parser.parse_args(['train', *flags])).validate()
+    cli_parsers.config_from_args(parser.parse_args(['train', *flags])).validate()
   # A run saved before (every config.json holds them; the policy's default was once 'all')
   # still loads and resumes: what nothing read is dropped, but the other schedules' policy,
   # which they now read, is kept (a resume does not compare it there: it shapes no state).
@@ -468,7 +468,7 @@ def test_streamed_micro_batches_are_an_ouroboros_flag():
   )
   _refused(['--schedule', 'ouroboros', '--flow', 'streams'], 'unknown --flow streams', 'batch')
   flags = ['--schedule', 'ouroboros', '--stages', '2', '--microbatches', '4', '--flow', 'stream']
-  cfg = cli.config_from_args(cli.make_parser().parse_args(['train', *flags]))
+  cfg = cli_parsers.config_from_args(cli_parsers.make_parser().parse_args(['train', *flags]))
   cfg.validate()
   assert cfg.schedule_config().flow == 'stream'
 
@@ -483,25 +483,25 @@ def test_too_many_stages_says_each_stage_needs_a_whole_layer():
 
 
 def test_out_of_memory_names_the_sizes_to_lower():
-  parser = cli.make_parser()
+  parser = cli_parsers.make_parser()
   oom = RuntimeError('RESOURCE_EXHAUSTED: Out of memory allocating 1.2 TiB')
-  assert cli.out_of_memory(oom)
+  assert cli_messages.out_of_memory(oom)
   args = parser.parse_args(['train', '--seq-len', '200000', '--batch-size', '1'])
-  message = cli.out_of_memory_message(args, oom)
+  message = cli_messages.out_of_memory_message(args, oom)
   assert '\n' not in message and message.startswith('out of memory (RESOURCE_EXHAUSTED')
   for words in ('--seq-len (now 200000; attention memory grows with its square)',
                 '--batch-size (now 1)', '--d-model (now 128)', '--num-layers (now 2)',
                 '--schedule gpipe or ouroboros with --stages N', 'more devices'):  # fmt: skip
     assert words in message, (words, message)
   args = parser.parse_args(['train', '--schedule', 'gpipe', '--stages', '2', '--num-layers', '4'])
-  message = cli.out_of_memory_message(args, oom)
+  message = cli_messages.out_of_memory_message(args, oom)
   assert 'more --microbatches (now 4)' in message and 'more --stages (now 2)' in message
   assert '--stash-policy nothing' in message  # every schedule can recompute
   args = parser.parse_args(['train', '--schedule', 'gpipe', '--stages', '2', '--num-layers', '4',
                             '--stash-policy', 'nothing'])  # fmt: skip
-  assert '--stash-policy' not in cli.out_of_memory_message(args, oom)  # it keeps the least
+  assert '--stash-policy' not in cli_messages.out_of_memory_message(args, oom)  # it keeps the least
   args = parser.parse_args(['sample', '--ckpt', 'runs/x'])
-  assert 'more memory' in cli.out_of_memory_message(args, oom)
+  assert 'more memory' in cli_messages.out_of_memory_message(args, oom)
 
 
 def test_sample_refuses_impossible_lengths_and_temperatures(tmp_path):
@@ -568,14 +568,14 @@ def test_a_run_stopped_before_it_logged_is_told_to_run_again(tmp_path):
   """No metrics row yet: the same --out takes the run again, and no file is named to remove."""
   out = tmp_path / 'run'
   out.mkdir()
-  args = cli.make_parser().parse_args(['train', '--out', str(out)])
-  line = cli._stopped_message(args, signal.SIGTERM)  # pylint: disable=protected-access
+  args = cli_parsers.make_parser().parse_args(['train', '--out', str(out)])
+  line = cli_messages.stopped_message(args, signal.SIGTERM)
   assert line == (
     f'stopped by SIGTERM before the first checkpoint; nothing to resume in {out}/checkpoints: '
     'run it again.'
   )
   (out / 'metrics.jsonl').write_text('{"step": 10}\n')
-  assert 'remove its metrics.jsonl' in cli._stopped_message(args, signal.SIGTERM)  # pylint: disable=protected-access
+  assert 'remove its metrics.jsonl' in cli_messages.stopped_message(args, signal.SIGTERM)
 
 
 def test_a_refused_run_leaves_no_directories_behind(tmp_path):

@@ -1,7 +1,7 @@
 """`--help` of every subcommand (issue 42, item 7): each flag says what it does, its choices and
 its default, read from where they are defined; each subcommand offers only the flags it reads.
 
-The parsers are walked in-process (`cli.make_parser`), so nothing here compiles or trains.
+The parsers are walked in-process (`cli_parsers.make_parser`), so nothing here compiles or trains.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import re
 import pytest
 
 from ouroboros_jax import choices as named
-from ouroboros_jax import cli, flag_help, optimizers
+from ouroboros_jax import cli, cli_parsers, flag_help, optimizers
 from ouroboros_jax.models import attention
 from ouroboros_jax.models.model import ARCHS, DTYPES
 from ouroboros_jax.perf import plan
@@ -20,7 +20,7 @@ from ouroboros_jax.schedules.compensation import COMPENSATIONS
 from ouroboros_jax.schedules.stash import STASH_POLICIES
 from ouroboros_jax.training import config
 
-COMMANDS = cli.make_parser().commands
+COMMANDS = cli_parsers.make_parser().commands
 
 # Every flag that takes one of a fixed set of names, with the set, from where it is defined.
 CHOICES = {
@@ -180,9 +180,9 @@ def test_compile_takes_a_warm_up_longer_than_the_presets_run():
   """`compile` has no --steps, so the preset's cannot refuse a --sync-warmup-steps (train's
   check of the two stays)."""
   flags = ['--schedule', 'ouroboros', '--stages', '2', '--sync-warmup-steps', '5000']
-  args = cli.make_parser().parse_args(['compile', *flags])
+  args = cli_parsers.make_parser().parse_args(['compile', *flags])
   cfg = cli._compile_target(args)  # pylint: disable=protected-access
   assert cfg.schedule.sync_warmup_steps == 5000 < cfg.steps
-  train = cli.config_from_args(cli.make_parser().parse_args(['train', *flags]))
+  train = cli_parsers.config_from_args(cli_parsers.make_parser().parse_args(['train', *flags]))
   with pytest.raises(config.ConfigError, match='not shorter than'):
     train.validate()

@@ -38,7 +38,9 @@ LAYERS = {
   'accelerators': 3,
   'perf': 4,
   'training': 4,
-  'cli': 5,
+  'cli': 5,  # main and the commands
+  'cli_parsers': 5,  # the cli's parsers and the config its flags make
+  'cli_messages': 5,  # the cli's lines for a failure or a stop
   'flag_help': 5,  # the cli's help lines: it reads the config, the presets and the choices
   '__main__': 5,
   '__init__': 5,

@@ -141,11 +141,11 @@ def test_ouroboros_cuts_the_batch_on_accelerators_only():
 
 
 def test_the_recipe_streams_with_enough_micro_batches_for_gaps_of_one_update():
-  from ouroboros_jax import cli
+  from ouroboros_jax import cli_parsers
   from ouroboros_jax.schedules import delays
 
   def run(*flags, platform='cpu'):
-    cfg = cli.config_from_args(cli.make_parser().parse_args(['train', *flags]))
+    cfg = cli_parsers.config_from_args(cli_parsers.make_parser().parse_args(['train', *flags]))
     cfg.validate()
     got = cfg.schedule_config(platform)
     return got.resolved_flow, got.num_microbatches

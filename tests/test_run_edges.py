@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from ouroboros_jax import cli, errors
+from ouroboros_jax import cli_messages, cli_parsers, errors
 from ouroboros_jax.training import checkpoint, config, loop, metrics, rundir, sample
 
 from helpers import REPO_ROOT, assert_one_line_error, cli_message, run_cli, tiny_config, unfinish
@@ -223,7 +223,7 @@ def test_a_full_disk_in_any_write_of_a_run_is_one_disk_full_error(
 def test_resume_on_a_finished_run_says_so_and_changes_nothing(finished_run, tmp_path):
   out, cfg = _copy(finished_run, tmp_path)
   before = _hashes(out)
-  result = run_cli('train', *cli.to_flags(cfg), '--resume')
+  result = run_cli('train', *cli_parsers.to_flags(cfg), '--resume')
   assert result.returncode == 0, result.stderr
   assert result.stderr == ''
   assert result.stdout.strip().splitlines() == [
@@ -360,8 +360,8 @@ def test_two_sigterms_during_a_save_end_train_in_one_line_with_the_save_whole(
 
 def test_the_watchdogs_line_says_why_it_ended_the_run(tmp_path):
   """One signal that XLA held past the grace, or a second one: the line names which."""
-  args = cli.make_parser().parse_args(['train', '--out', str(tmp_path / 'run')])
-  message = cli._hard_stop_message(args)  # pylint: disable=protected-access
+  args = cli_parsers.make_parser().parse_args(['train', '--out', str(tmp_path / 'run')])
+  message = cli_messages.hard_stop_message(args)
   held = message(signal.SIGTERM, True, 1)
   assert held.startswith('stopped by SIGTERM at once (XLA held the run past 30 s)'), held
   again = message(signal.SIGTERM, True, 2)

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from ouroboros_jax import cli, optimizers, recipe
+from ouroboros_jax import cli_parsers, optimizers, recipe
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule
 from ouroboros_jax.schedules.compensation import Compensation, delay_compensation, remember_update
 from ouroboros_jax.training import config
@@ -211,7 +211,7 @@ def test_bf16_state_is_the_float32_state_rounded_and_stays_close():
 
 
 def test_the_cli_flag_and_the_python_api_resolve_the_same():
-  parser = cli.make_parser()
+  parser = cli_parsers.make_parser()
   for flags, want in (
     ([], 'float32'),
     (['--dtype', 'bfloat16'], 'bfloat16'),
@@ -219,7 +219,7 @@ def test_the_cli_flag_and_the_python_api_resolve_the_same():
     (['--state-dtype', 'float32', '--dtype', 'bfloat16'], 'float32'),
   ):
     args = parser.parse_args(['train', '--schedule', 'ouroboros', '--stages', '2', *flags])
-    cfg = cli.config_from_args(args)
+    cfg = cli_parsers.config_from_args(args)
     assert cfg.resolved('cpu').state_dtype == want, flags
     assert cfg.schedule_config('cpu').compensation.state_dtype == want
     if '--dtype' not in flags:  # recipe() takes the schedule's and the optimizer's flags

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from ouroboros_jax import cli, data, placement, staged
+from ouroboros_jax import cli_parsers, data, placement, staged
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.training import checkpoint, config, loop, metrics, resume, sample
 
@@ -182,9 +182,12 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path, prepared_
   assert checkpoint.latest_step(cfg_b.out_dir) == 10
   # ... and a new process resumes it from the command line.
   assert (
-    cli.config_from_args(cli.make_parser().parse_args(['train', *cli.to_flags(cfg_b)])) == cfg_b
+    cli_parsers.config_from_args(
+      cli_parsers.make_parser().parse_args(['train', *cli_parsers.to_flags(cfg_b)])
+    )
+    == cfg_b
   )
-  result = _run_cli('train', '--resume', '--quiet', *cli.to_flags(cfg_b))
+  result = _run_cli('train', '--resume', '--quiet', *cli_parsers.to_flags(cfg_b))
   assert result.returncode == 0, result.stderr
   assert result.stdout.strip().splitlines()[-1].startswith('done: val bpb')
 
