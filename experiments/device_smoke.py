@@ -106,7 +106,7 @@ def train_steps(config: ScheduleConfig, devices, dtype='float32', attention='aut
 
 
 def layer_pieces(device):
-  from ouroboros_jax.perf import bench
+  from ouroboros_jax.perf import timing
   from ouroboros_jax.schedules.stash import GraphStash
   from ouroboros_jax.update import GroupedOptimizer
 
@@ -117,7 +117,7 @@ def layer_pieces(device):
   x = jax.numpy.ones((2, cfg.seq_len, cfg.d_model), jax.numpy.float32)
   y, kept, _ = jax.jit(lambda p, h: stash.forward(p, h, 0, key))(layer, jax.device_put(x, device))
   jax.block_until_ready(jax.jit(lambda p, k, d: stash.backward(p, k, d, 0, key))(layer, kept, y))
-  grouped = GroupedOptimizer(bench.bench_optimizer('muon'), clip_norm=1.0)
+  grouped = GroupedOptimizer(timing.bench_optimizer('muon'), clip_norm=1.0)
   grads = jax.tree.map(jax.numpy.ones_like, params)
   jax.block_until_ready(jax.jit(grouped.apply)(params, grouped.init(params), grads))
   return 0.0

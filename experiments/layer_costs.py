@@ -38,7 +38,7 @@ import numpy as np
 from ouroboros_jax import costs
 from ouroboros_jax.models import model as transformer
 from ouroboros_jax.models import partition
-from ouroboros_jax.perf import bench, simulate
+from ouroboros_jax.perf import calibration, simulate, timing
 from ouroboros_jax.schedules.stash import GraphStash
 from ouroboros_jax.update import GroupedOptimizer
 
@@ -99,14 +99,16 @@ def time_layer(cfg: transformer.ModelConfig, params, rows: int, repeats: int) ->
   params, batch = jax.device_put((params, batch), device)
   stash, key = GraphStash(model, 'all'), jax.random.key(0)  # the whole VJP, as bench's pieces
   x = jax.jit(model.embed)(params['embed'], batch['inputs'], None)
-  (fwd, bwd), _ = bench.time_group(stash, params, 0, key, x, repeats)  # as `ouroboros bench` times
+  (fwd, bwd), _ = calibration.time_group(
+    stash, params, 0, key, x, repeats
+  )  # as `ouroboros bench` times
 
   def device0_extra(embed_p, head_p):
     h = model.embed(embed_p, batch['inputs'], None)
     loss_of = lambda hp, ep, h: model.loss(hp, ep, h, batch['targets'])[0]
     return jax.grad(loss_of, argnums=(0, 1, 2))(head_p, embed_p, h)
 
-  head = bench._median_time(
+  head = timing.median_time(
     jax.jit(device0_extra), params['embed'], params['head'], repeats=repeats
   )
   flops = 3 * costs.layer_flops(cfg.d_model, cfg.d_ff, cfg.seq_len) * rows * cfg.seq_len
@@ -120,7 +122,7 @@ def time_layer(cfg: transformer.ModelConfig, params, rows: int, repeats: int) ->
 
 def time_updates(params, optimizer: str, repeats: int) -> dict:
   """Seconds of the optimizer update (clip + optimizer) of one layer, and of embedding + head."""
-  grouped = GroupedOptimizer(bench.bench_optimizer(optimizer), clip_norm=1.0)
+  grouped = GroupedOptimizer(timing.bench_optimizer(optimizer), clip_norm=1.0)
   apply = jax.jit(grouped.apply)
   parts = {
     'per_layer': {'embed': {}, 'head': {}, 'stages': params['stages']},
@@ -134,7 +136,7 @@ def time_updates(params, optimizer: str, repeats: int) -> dict:
   for name, own in parts.items():
     own = jax.device_put(own, jax.local_devices()[0])
     grads = jax.tree.map(jnp.ones_like, own)
-    seconds[name] = bench._median_time(apply, own, grouped.init(own), grads, repeats=repeats)
+    seconds[name] = timing.median_time(apply, own, grouped.init(own), grads, repeats=repeats)
   out = {
     f'update_s_per_layer_{optimizer}': seconds['per_layer'],
     f'update_s_embed_head_{optimizer}': max(0.0, seconds['with_embed_head'] - seconds['per_layer']),

@@ -50,7 +50,7 @@ Measured CSV (`--measured`), written by a benchmark, one row per measured settin
   optional columns:
     link_latency_s    the fixed part of link_s, which every hop pays in full (a
                       micro-batch hop costs latency + (link_s - latency) / M): the bench
-                      writes the collective's wait, `bench.collective_wait_probe` (the
+                      writes the collective's wait, `calibration.collective_wait_probe` (the
                       rounds' median); default 0
     allreduce_s       data_parallel: one all-reduce of every gradient; default 0
     update_s_per_stage   the optimizer update (clip + AdamW) of each stage's parameters (device
@@ -64,12 +64,12 @@ Measured CSV (`--measured`), written by a benchmark, one row per measured settin
     concurrent_slowdown   how many times longer a compute task takes while another device
                       computes at once (the processes of one CPU share its memory bus):
                       the bench writes the setting's own program beside copies of itself
-                      (`bench.time_one_device`) where it timed one, else the whole-batch
-                      forward and backward's (`bench.concurrent_slowdown_probe`), the rounds'
+                      (`calibration.one_device_probe`) where it timed one, else the whole-batch
+                      forward and backward's (`calibration.concurrent_slowdown_probe`), the rounds'
                       median; default 1 (devices independent)
     one_device_s      the setting's own step program timed on one device over the first
-                      group (`bench.time_one_device`): every compute time is scaled by it over
-                      the simulator's one-device step from the row's pieces
+                      group (`calibration.one_device_probe`): every compute time is scaled by it
+                      over the simulator's one-device step from the row's pieces
                       (`simulate.program_scale`); empty or absent: the pieces as timed alone
 
 The table pipelines run tick by tick, as the library's executor runs them (`simulate`'s
@@ -414,7 +414,7 @@ def compare_measured(path: str) -> list[dict]:
   for row in rows:
     config, costs = measured_setting(row)
     # the pieces scaled to what one device's work costs inside the setting's step program,
-    # where the bench timed that program on one device (`bench.time_one_device`)
+    # where the bench timed that program on one device (`calibration.one_device_probe`)
     one_device_s = _number(row.get('one_device_s'))
     scale = sim.program_scale(config, costs, one_device_s) if one_device_s else math.nan
     in_program = sim.scaled(costs, scale) if one_device_s else costs

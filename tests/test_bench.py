@@ -114,19 +114,19 @@ def test_the_settings_are_schedule_configs_of_the_paper_s_method():
 
 
 def test_pieces_include_each_micro_batch_and_the_rows_carry_the_setting_s_own(tmp_path):
-  """measure_pieces times every group on B / M rows for each M asked (an M that does not divide
-  the batch is skipped); a row carries its own M's times and its ideal uses them."""
+  """calibration.measure_pieces times every group on B / M rows for each M asked (an M that does
+  not divide the batch is skipped); a row carries its own M's times and its ideal uses them."""
   import numpy as np
   import pytest
 
   from ouroboros_jax.models.model import ModelConfig
-  from ouroboros_jax.perf import bench
+  from ouroboros_jax.perf import bench, calibration
   from ouroboros_jax.schedules import ScheduleConfig
 
   model = ModelConfig(d_model=32, num_heads=2, num_layers=2, d_ff=64, seq_len=16)
   config = bench.BenchConfig(batch_size=4, stages=2, out_dir=str(tmp_path))
   work = bench._workload(model, config)
-  pieces = bench.measure_pieces(work, repeats=1, microbatches=(2, 3, 4), micro_repeats=1)
+  pieces = calibration.measure_pieces(work, repeats=1, microbatches=(2, 3, 4), micro_repeats=1)
   assert set(pieces['fwd_micro']) == set(pieces['bwd_micro']) == {'2', '4'}
   assert all(len(v) == 2 and min(v) > 0 for v in pieces['bwd_micro'].values())
   gpipe = ScheduleConfig(name='gpipe', num_stages=2, microbatches=4)
@@ -159,12 +159,12 @@ def test_a_zero_bubble_row_splits_its_backward_by_the_measured_input_grad_share(
   import pytest
 
   from ouroboros_jax.models.model import ModelConfig
-  from ouroboros_jax.perf import bench
+  from ouroboros_jax.perf import bench, calibration
   from ouroboros_jax.schedules import ScheduleConfig
 
   model = ModelConfig(d_model=32, num_heads=2, num_layers=2, d_ff=64, seq_len=16)
   work = bench._workload(model, bench.BenchConfig(batch_size=4, stages=2, out_dir=str(tmp_path)))
-  pieces = bench.measure_pieces(
+  pieces = calibration.measure_pieces(
     work, repeats=1, microbatches=(4,), micro_repeats=1, split_microbatches=(4,)
   )
   assert set(pieces['input_grad_share']) == {'4'}
@@ -183,7 +183,8 @@ def test_a_zero_bubble_row_splits_its_backward_by_the_measured_input_grad_share(
   skewed = bench._row(zb, measured, dict(fake, input_grad_share={'4': 0.7}), 0.0, 0.0)
   assert (even['input_grad_share'], skewed['input_grad_share']) == ('', 0.7)
   assert (
-    bench.stage_costs(zb, dict(fake, input_grad_share={'4': 0.7}), 0, 0).input_grad_share == 0.7
+    calibration.stage_costs(zb, dict(fake, input_grad_share={'4': 0.7}), 0, 0).input_grad_share
+    == 0.7
   )
   assert skewed['predicted_s'] > even['predicted_s'] + 0.05
   one_f_one_b = ScheduleConfig(name='1f1b', num_stages=2, microbatches=4)
@@ -253,11 +254,11 @@ def test_two_process_bench_writes_every_row_with_its_ideal(tmp_path):
 
 
 def test_every_tick_of_a_table_pays_the_collective_wait():
-  """The wait `measure_collective_wait` finds is the latency of every hop: a table pipeline run
+  """The wait `collective_wait_probe` finds is the latency of every hop: a table pipeline run
   tick by tick is one wait longer per tick, and the ideal step does not pay it."""
   import pytest
 
-  from ouroboros_jax.perf import bench
+  from ouroboros_jax.perf import calibration
   from ouroboros_jax.schedules import ScheduleConfig, tables
 
   zb = ScheduleConfig(name='zb_h1', num_stages=2, microbatches=8)
@@ -269,21 +270,21 @@ def test_every_tick_of_a_table_pays_the_collective_wait():
     'head': 0.05,
     'update': [0.01, 0.01],
   }
-  assert bench.tick_seconds(pieces) == 0.15
-  assert bench.tick_seconds({'fwd': [1.0, 2.0]}) == 2.0
+  assert calibration.tick_seconds(pieces) == 0.15
+  assert calibration.tick_seconds({'fwd': [1.0, 2.0]}) == 2.0
   ticks = len(tables.place(tables.build('zb_h1', 2, 8, 1)).grid[0])
-  without = bench.simulated(zb, pieces, 0.004, 0.0)
-  waited = bench.simulated(zb, dict(pieces, collective_wait=0.02), 0.004, 0.0)
+  without = calibration.simulated(zb, pieces, 0.004, 0.0)
+  waited = calibration.simulated(zb, dict(pieces, collective_wait=0.02), 0.004, 0.0)
   assert waited - without == pytest.approx(ticks * 0.02)
-  ideal = bench.simulated(zb, dict(pieces, collective_wait=0.02), 0.0, 0.0, ideal=True)
-  assert ideal == bench.simulated(zb, pieces, 0.0, 0.0, ideal=True) < without
+  ideal = calibration.simulated(zb, dict(pieces, collective_wait=0.02), 0.0, 0.0, ideal=True)
+  assert ideal == calibration.simulated(zb, pieces, 0.0, 0.0, ideal=True) < without
 
 
 def test_collective_wait_is_nothing_on_one_device_and_never_negative():
-  from ouroboros_jax.perf import bench
+  from ouroboros_jax.perf import calibration
 
-  assert bench.measure_collective_wait(0.01, 32) >= 0.0  # the suite's 8 simulated devices
-  assert bench.measure_collective_wait(0.0, 32) == 0.0
+  assert calibration.collective_wait_probe(0.01, 32)(3) >= 0.0  # the suite's 8 simulated devices
+  assert calibration.collective_wait_probe(0.0, 32)(3) == 0.0
 
 
 def test_mfu_is_model_flops_over_the_devices_bf16_peak():
@@ -311,7 +312,7 @@ def test_the_stash_policy_has_one_default():
   import inspect
 
   from ouroboros_jax import choices
-  from ouroboros_jax.perf import bench
+  from ouroboros_jax.perf import bench, calibration
   from ouroboros_jax.schedules import ScheduleConfig, stash
 
   default = choices.DEFAULT_STASH_POLICY
@@ -320,7 +321,7 @@ def test_the_stash_policy_has_one_default():
   for fn, name in (
     (stash.make_stash, 'policy'),
     (stash.GraphStash, 'policy'),
-    (bench.measure_pieces, 'stash_policy'),
+    (calibration.measure_pieces, 'stash_policy'),
   ):
     assert inspect.signature(fn).parameters[name].default == default, fn
   for fn in (bench.default_settings, bench.select_settings):
@@ -367,14 +368,14 @@ def test_rounds_time_every_setting_in_turn_after_compiling_them_all(tmp_path, mo
 
   from ouroboros_jax.errors import ConfigError
   from ouroboros_jax.models.model import ModelConfig
-  from ouroboros_jax.perf import bench
+  from ouroboros_jax.perf import bench, calibration, timing
 
   events = []
-  prepare, time_steps = bench.prepare_setting, bench.time_steps
+  prepare, time_steps = timing.prepare_setting, timing.time_steps
 
-  def prepare_logged(setting, work, config, devices=None):
+  def prepare_logged(setting, work, optimizer, warmup, devices=None):
     events.append(('prepare', setting.label, setting.num_stages))
-    return prepare(setting, work, config, devices)
+    return prepare(setting, work, optimizer, warmup, devices)
 
   one_device_alone = []  # each round's seconds of model_parallel's one-device program, alone
 
@@ -385,7 +386,7 @@ def test_rounds_time_every_setting_in_turn_after_compiling_them_all(tmp_path, mo
     if stages == 1 and prepared.setting.name == 'model_parallel':
       one_device_alone.append(prepared.times[-steps:])
 
-  pieces_measured = bench.measure_pieces
+  pieces_measured = calibration.measure_pieces
   forward_s = iter([0.5, 0.125, 0.25])  # the start's pieces, then those of rounds 1 and 2
 
   def pieces_logged(work, **kw):
@@ -393,17 +394,17 @@ def test_rounds_time_every_setting_in_turn_after_compiling_them_all(tmp_path, mo
     measured = pieces_measured(work, **kw)
     return dict(measured, fwd=[next(forward_s)] * len(measured['fwd']))
 
-  step_untimed = bench.step_untimed
+  step_untimed = timing.step_untimed
 
   def untimed_logged(prepared):
     events.append(('untimed', prepared.setting.label, prepared.setting.num_stages))
     step_untimed(prepared)
 
-  monkeypatch.setattr(bench, 'prepare_setting', prepare_logged)
-  monkeypatch.setattr(bench, 'time_steps', time_logged)
-  monkeypatch.setattr(bench, 'step_untimed', untimed_logged)
+  monkeypatch.setattr(timing, 'prepare_setting', prepare_logged)
+  monkeypatch.setattr(timing, 'time_steps', time_logged)
+  monkeypatch.setattr(timing, 'step_untimed', untimed_logged)
   monkeypatch.setattr(bench.host, 'release_freed_memory', lambda: events.append(('release',)))
-  monkeypatch.setattr(bench, 'measure_pieces', pieces_logged)
+  monkeypatch.setattr(calibration, 'measure_pieces', pieces_logged)
   # The probes re-run in each round too. Their own tests time them; here the wait's tick would
   # be the 0.5 s faked forward (~40 s of probing), and one process has no slowdown to find.
   waits, slowdowns = iter([0.05, 0.01, 0.03]), iter([1.3, 1.1, 1.2])  # the start, rounds 1, 2
@@ -416,10 +417,10 @@ def test_rounds_time_every_setting_in_turn_after_compiling_them_all(tmp_path, mo
     return probe
 
   monkeypatch.setattr(
-    bench, 'collective_wait_probe', lambda tick_s, width: probe_logged('wait', waits)
+    calibration, 'collective_wait_probe', lambda tick_s, width: probe_logged('wait', waits)
   )
   monkeypatch.setattr(
-    bench, 'concurrent_slowdown_probe', lambda work: probe_logged('slowdown', slowdowns)
+    calibration, 'concurrent_slowdown_probe', lambda work: probe_logged('slowdown', slowdowns)
   )
   model = ModelConfig(d_model=32, num_heads=2, num_layers=2, d_ff=64, seq_len=16)
   config = bench.BenchConfig(
@@ -483,7 +484,7 @@ def test_rounds_time_every_setting_in_turn_after_compiling_them_all(tmp_path, mo
   # model_parallel's one-device step, set against the rounds' median pieces (forward 0.1875 s, more
   # than this tiny model's real one), scales its pieces down; the prediction uses the scale
   assert rows[1]['one_device_s'] > 0 and 0 < rows[1]['program_scale'] < 1
-  assert rows[1]['predicted_s'] < bench.simulated(
+  assert rows[1]['predicted_s'] < calibration.simulated(
     config.settings[1],
     dict(
       fwd=[0.1875] * 2,
@@ -498,7 +499,7 @@ def test_rounds_time_every_setting_in_turn_after_compiling_them_all(tmp_path, mo
   )
   # median(0.125, 0.25): the rounds' forwards, not the start's 0.5
   assert rows[0]['fwd_s_per_stage'].split(';')[0] == '0.1875'
-  assert bench.median_pieces(
+  assert calibration.median_pieces(
     [
       {'a': [1.0, 4.0], 'b': {'2': [3.0]}, 'x_bytes': 7},
       {'a': [3.0, 2.0], 'b': {'2': [5.0]}, 'x_bytes': 7},
@@ -510,10 +511,10 @@ def test_rounds_time_every_setting_in_turn_after_compiling_them_all(tmp_path, mo
 
 def test_one_device_keeps_the_setting_but_its_stages():
   """The program a stage setting's devices each run, alone: one stage, everything else kept."""
-  from ouroboros_jax.perf import bench
+  from ouroboros_jax.perf import bench, calibration
 
   for setting in bench.default_settings(2, 4):
-    one = bench.one_device(setting)
+    one = calibration.one_device(setting)
     if setting.name in ('backprop', 'data_parallel'):
       assert one is None
       continue

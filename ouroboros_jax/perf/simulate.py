@@ -70,7 +70,8 @@ class StageCosts:
   # a split (zero-bubble) backward's B over its B + W: the input gradient's share of the
   # backward, W (the weight gradient's matrix products) the rest. B also carries the attention's
   # and the norms' backward, so on a CPU it took 0.53-0.58 of a transformer layer's, not half
-  # (docs/results/simulator_calibration.md); measured per micro-batch by `bench.measure_pieces`
+  # (docs/results/simulator_calibration.md); measured per micro-batch by
+  # `calibration.measure_pieces`
   input_grad_share: float = 0.5
 
   def __post_init__(self):
@@ -644,7 +645,7 @@ def first_stage(costs: StageCosts) -> StageCosts:
 def program_scale(run: ScheduleConfig, costs: StageCosts, one_device_step_s: float) -> float:
   """How many times longer a setting's compute takes inside its own step program than its
   pieces timed alone: its step measured on one device (`run` with one stage, over stage 0's
-  layer group; `bench.time_one_device`) over this simulator's step of the same from stage 0's
+  layer group; `calibration.one_device_probe`) over this simulator's step of the same from stage 0's
   pieces (`first_stage`). On a CPU GPipe and 1F1B at M = 4 cost 1.07-1.26x their pieces
   inside their programs (docs/results/simulator_calibration.md); `scaled` charges that."""
   one = dataclasses.replace(_config(run), num_stages=1)
