@@ -55,7 +55,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
   args = parse_args(argv)
-  from ouroboros_jax.training import compare, config
+  from ouroboros_jax.training import compare, config, field_flags, presets
 
   overrides = {
     'num_layers': args.num_layers,
@@ -69,7 +69,7 @@ def main(argv=None):
     key, _, value = item.partition('=')
     kind = config.fields()[key][0]
     overrides[key] = (value.lower() in ('1', 'true')) if kind is bool else kind(value)
-  base = config.override(config.get_preset('tiny'), overrides)
+  base = field_flags.override(presets.get_preset('tiny'), overrides)
   os.makedirs(args.out, exist_ok=True)
   names = args.methods.split(',') if args.methods else None
   if args.replot:

@@ -106,7 +106,7 @@ def main(argv=None):
   import jax
 
   from ouroboros_jax.runtime import host
-  from ouroboros_jax.training import config, loop
+  from ouroboros_jax.training import config, field_flags, loop, presets
 
   host.configure_cpu_runtime()  # before any device is touched
   jax.config.update('jax_num_cpu_devices', args.cpu_devices)
@@ -115,7 +115,7 @@ def main(argv=None):
   unknown = [n for n in names if n not in RUNS]
   if unknown:
     sys.exit(f'error: unknown run(s) {unknown}; choose from {", ".join(RUNS)}.')
-  base = config.get_preset(args.preset)
+  base = presets.get_preset(args.preset)
   extra = dict(kv.split('=', 1) for kv in args.set)
   typed = {k: config.fields()[k][0](v) if k in config.fields() else v for k, v in extra.items()}
   rows, finals = [], []
@@ -134,7 +134,7 @@ def main(argv=None):
       values = dict(out=out, eval_every=args.eval_every, **RUNS[name], **typed)
       if args.steps:
         values['steps'] = args.steps
-      cfg = config.override(base, values)
+      cfg = field_flags.override(base, values)
       print(f'== {name}', flush=True)
       summary = loop.train(cfg, quiet=True)
     with open(os.path.join(out, 'metrics.jsonl')) as f:

@@ -57,10 +57,10 @@ def pieces(flags: list[str]) -> list[dict]:
 
   from ouroboros_jax import cli_parsers
   from ouroboros_jax.perf import compile as compile_lib
-  from ouroboros_jax.training import config
+  from ouroboros_jax.training import field_flags
 
   args = cli_parsers.make_parser().parse_args(['compile', *flags])
-  cfg = config.override(cli_parsers.config_from_args(args), {'attention': 'xla'})
+  cfg = field_flags.override(cli_parsers.config_from_args(args), {'attention': 'xla'})
   run = cfg.schedule_config('tpu')  # what the run resolves to on an accelerator
   devices = jax.devices()[: run.num_stages * run.data_parallel]
   _, state, _ = compile_lib._abstract_step(cfg, run, devices)  # pylint: disable=protected-access

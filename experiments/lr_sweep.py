@@ -308,7 +308,7 @@ def parse_args(argv=None):
 
 
 def train_one(base, overrides, rate, steps, eval_every, eval_batches, out, reuse, seed=0):
-  from ouroboros_jax.training import config, loop
+  from ouroboros_jax.training import field_flags, loop
 
   done = os.path.join(out, 'summary.json')
   if not (reuse and os.path.exists(done)):
@@ -324,7 +324,7 @@ def train_one(base, overrides, rate, steps, eval_every, eval_batches, out, reuse
       seed=seed,
     )
     values[rate_field(overrides)] = rate
-    loop.train(config.override(base, values), quiet=True)
+    loop.train(field_flags.override(base, values), quiet=True)
   rows = []
   with open(os.path.join(out, 'metrics.jsonl')) as f:
     for line in f:
@@ -655,7 +655,7 @@ def main(argv=None):
   import jax
 
   from ouroboros_jax.runtime import host
-  from ouroboros_jax.training import config
+  from ouroboros_jax.training import presets
 
   host.configure_cpu_runtime()
   jax.config.update('jax_num_cpu_devices', 8)  # G = 8 has a device per stage
@@ -664,7 +664,7 @@ def main(argv=None):
   if unknown:
     sys.exit(f'error: unknown recipe(s) {unknown}; choose from {", ".join(RECIPES)}.')
   os.makedirs(args.out, exist_ok=True)
-  base = config.get_preset('tiny')
+  base = presets.get_preset('tiny')
   phases = args.phases.split(',')
   grid_path = os.path.join(args.out, 'grid.csv')
   grid_rows = (

@@ -71,11 +71,11 @@ PRECISION_SHAPE = dict(d_model=512, num_layers=8, num_heads=8, d_ff=2048, seq_le
 
 def compile_row(topology: str, **flags) -> dict:
   from ouroboros_jax.perf.compile import compile_step
-  from ouroboros_jax.training import config
+  from ouroboros_jax.training import field_flags, presets
 
   # The paper's AdamW for every schedule: the memory compared is the schedule's, not Muon's.
   values = dict(optimizer='adamw', compensation='none', **flags)
-  return compile_step(config.override(config.get_preset('gpt2-small'), values), topology)
+  return compile_step(field_flags.override(presets.get_preset('gpt2-small'), values), topology)
 
 
 def gib(value) -> str:

@@ -53,7 +53,7 @@ import os
 from ouroboros_jax.choices import EXACT_PIPELINES
 from ouroboros_jax.perf import plan
 from ouroboros_jax.schedules import ScheduleConfig, tables
-from ouroboros_jax.training import config
+from ouroboros_jax.training import field_flags, presets
 
 GIB = 2**30
 HBM_BYTES = round(15.75 * GIB)  # one v5e chip, as its compiler reports it
@@ -106,7 +106,7 @@ COLUMNS = [
 
 def base_config():
   """The 32-layer run, as `ouroboros train --preset gpt2-small --d-model 2048 ...` builds it."""
-  return config.override(config.get_preset('gpt2-small'), MODEL_FLAGS)
+  return field_flags.override(presets.get_preset('gpt2-small'), MODEL_FLAGS)
 
 
 def line_of(setting: ScheduleConfig) -> str:
@@ -146,7 +146,7 @@ def time_rows(cfg, hardware=HARDWARE, stages=STAGES, ratios=RATIOS) -> list[dict
     for G in stages:
       for M in [max(1, round(r * G)) for r in ratios]:
         for setting in settings_at(G, M):
-          reason = plan.applies(config.override(cfg, config.train_flags(setting)))
+          reason = plan.applies(field_flags.override(cfg, field_flags.train_flags(setting)))
           if reason is not None:
             rows.append(_time_row(name, G, M, setting, cfg, None, None, reason))
             continue
@@ -304,8 +304,8 @@ def abstract_state(setting: ScheduleConfig, cfg, devices) -> dict:
   from ouroboros_jax import placement
   from ouroboros_jax.perf import compile as compile_lib
 
-  run_cfg = config.override(cfg, config.train_flags(setting))
-  run_cfg = config.override(run_cfg, {'attention': run_cfg.model.attention_kind('tpu')})
+  run_cfg = field_flags.override(cfg, field_flags.train_flags(setting))
+  run_cfg = field_flags.override(run_cfg, {'attention': run_cfg.model.attention_kind('tpu')})
   run = run_cfg.schedule_config(devices[0].platform)
   _, state, batch = compile_lib._abstract_step(run_cfg, run, devices)  # noqa: SLF001
   ring = {k: v for k, v in state.ring.items() if k != placement.HOST}
@@ -621,7 +621,7 @@ def compile_settings(labels: list[str], cfg, path: str) -> dict:
     g_part, m_part, label = text.split(' ', 2)
     G, M = int(g_part.split('=')[1]), int(m_part.split('=')[1])
     setting = _setting_from_label({'G': G, 'M': M, 'setting': label})
-    run = config.override(cfg, config.train_flags(setting))
+    run = field_flags.override(cfg, field_flags.train_flags(setting))
     report = compile_lib.compile_step(run, TOPOLOGY[G])
     report['peak_gib'] = report['peak_bytes'] / GIB
     saved[text] = report

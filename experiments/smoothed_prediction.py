@@ -88,12 +88,12 @@ def main(argv=None):
   import jax
 
   jax.config.update('jax_num_cpu_devices', 8)
-  from ouroboros_jax.training import config
+  from ouroboros_jax.training import presets
 
   overrides = lr_sweep.RECIPES[args.recipe][0]
   if 'predict' not in overrides.get('compensation', ''):
     parser.error(f'{args.recipe} does not use weight prediction; name a recipe with "predict"')
-  base = config.get_preset('tiny')
+  base = presets.get_preset('tiny')
   curves = {}
   for beta in map(float, args.betas.split(',')):
     out = os.path.join(args.out, f'{args.recipe}-beta{beta:g}@{args.rate:g}-s{args.seed}')

@@ -102,7 +102,7 @@ def main(argv=None):
   from ouroboros_jax.runtime import host
 
   host.configure_cpu_runtime()
-  from ouroboros_jax.training import config, loop
+  from ouroboros_jax.training import config, field_flags, loop, presets
 
   runs = [parse_run(text, config.fields()) for text in args.run or DEFAULT_RUNS]
   rows, finals = [], {}
@@ -112,7 +112,7 @@ def main(argv=None):
     values = {'out': out, 'eval_every': args.eval_every, **overrides}
     if args.eval_batches:
       values['eval_batches'] = args.eval_batches
-    cfg = config.override(config.get_preset(preset), values)
+    cfg = field_flags.override(presets.get_preset(preset), values)
     print(f'== {name}', flush=True)
     finals[name] = loop.train(cfg, quiet=True)
     with open(os.path.join(out, 'metrics.jsonl')) as f:

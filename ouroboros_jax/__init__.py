@@ -38,8 +38,8 @@ moved.install()  # the old module paths (moved.MOVED) still import, with a Depre
 # Loaded on first use: the training stack imports Orbax, Grain and TFDS.
 _LAZY = {
   'TrainConfig': 'ouroboros_jax.training.config',
-  'get_preset': 'ouroboros_jax.training.config',
-  'override': 'ouroboros_jax.training.config',
+  'get_preset': 'ouroboros_jax.training.presets',
+  'override': 'ouroboros_jax.training.field_flags',
   'Recipe': 'ouroboros_jax.training.recipe',
   'recipe': 'ouroboros_jax.training.recipe',
 }

@@ -44,7 +44,7 @@ import sys
 from ouroboros_jax import cli_messages, errors
 from ouroboros_jax.cli_parsers import EXIT_USAGE, config_from_args, fail, make_parser, unknown_flag
 from ouroboros_jax.runtime import host, watchdog
-from ouroboros_jax.training import config
+from ouroboros_jax.training import config, field_flags
 
 # Simulated CPU devices: XLA starts them all at once, with threads of their own, in a time that
 # grows faster than their number (measured on 2 cores, jaxlib 0.10: 2048 devices 2 s more than
@@ -111,7 +111,7 @@ def _run_bench(args) -> None:
   # the paper's AdamW without compensation, as the benchmark has always timed).
   optimizer = 'adamw' if cfg.optimizer == 'auto' else cfg.optimizer
   spec = 'none' if cfg.compensation == 'auto' else cfg.compensation
-  cfg = config.override(cfg, {'optimizer': optimizer, 'compensation': spec})
+  cfg = field_flags.override(cfg, {'optimizer': optimizer, 'compensation': spec})
   stages = max(cfg.schedule.num_stages, 2)
   fixed = [f'--{n} {v}' for n in ('microbatches', 'chunks') if (v := getattr(cfg.schedule, n))]
   if fixed:
@@ -119,9 +119,9 @@ def _run_bench(args) -> None:
       f'`bench` times every setting with its own micro-batches and chunks (see its labels); drop '
       f'{" and ".join(fixed)} and pick settings with --only.'
     )
-  ring = config.override(cfg, {'schedule': 'ouroboros', 'stages': stages})
+  ring = field_flags.override(cfg, {'schedule': 'ouroboros', 'stages': stages})
   ring.validate()  # every flag, --compensation and --layers-per-stage included
-  given = [config.flag(n) for n in ('pld', 'growth', 'vcycle', 'std_loss') if getattr(cfg, n)]
+  given = [field_flags.flag(n) for n in ('pld', 'growth', 'vcycle', 'std_loss') if getattr(cfg, n)]
   if given:
     raise errors.ConfigError(
       f'`bench` times the schedules alone; {", ".join(given)} apply to '
@@ -211,7 +211,7 @@ def _compile_target(args) -> config.TrainConfig:
   # longer than the preset's run (train checks it against its own --steps).
   warmup = cfg.schedule.sync_warmup_steps
   if warmup >= cfg.steps:
-    cfg = config.override(cfg, {'steps': warmup + 1})
+    cfg = field_flags.override(cfg, {'steps': warmup + 1})
   cfg.validate()
   if args.topology is not None and args.cpu_devices is not None:
     raise errors.ConfigError(

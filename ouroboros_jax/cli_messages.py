@@ -14,7 +14,7 @@ from ouroboros_jax import errors
 from ouroboros_jax.choices import MICROBATCHED
 from ouroboros_jax.cli_parsers import EXIT_USAGE, config_from_args
 from ouroboros_jax.runtime import watchdog
-from ouroboros_jax.training import config
+from ouroboros_jax.training import field_flags
 
 
 def exit_code(exc: BaseException) -> int | None:
@@ -57,7 +57,7 @@ def out_of_memory_message(args: argparse.Namespace, exc: BaseException) -> str:
   if model.mem_len:
     sizes.append(f'--mem-len (now {model.mem_len})')
   sizes += [
-    f'{config.flag(name)} (now {value})'
+    f'{field_flags.flag(name)} (now {value})'
     for name, value in (
       ('batch_size', cfg.batch_size),
       ('d_model', model.d_model),
@@ -160,5 +160,5 @@ def stopped_message(args, signum: int) -> str:
 def one_line(exc: BaseException) -> str:
   """The error's message on one line; a user error's config fields as their flags."""
   if isinstance(exc, errors.UserError):
-    return ' '.join(errors.render(exc.marked, config.field_flag).split())
+    return ' '.join(errors.render(exc.marked, field_flags.field_flag).split())
   return ' '.join(str(exc).split())

@@ -19,7 +19,7 @@ import sys
 from ouroboros_jax import errors, flag_help
 from ouroboros_jax.choices import SCHEDULES, STASH_MEMORIES
 from ouroboros_jax.runtime import watchdog
-from ouroboros_jax.training import config
+from ouroboros_jax.training import config, field_flags, presets
 
 EXIT_USAGE = errors.UserError.exit_code
 
@@ -135,9 +135,9 @@ def _add_field_flags(parser: argparse.ArgumentParser, omit: dict[str, str] | Non
   parser.omitted = {}
   for name, (kind, optional, owner, _) in config.fields().items():
     if name in omit:
-      parser.omitted[config.flag(name)] = omit[name]
+      parser.omitted[field_flags.flag(name)] = omit[name]
       if kind is bool:
-        parser.omitted['--no-' + config.flag(name)[2:]] = omit[name]
+        parser.omitted['--no-' + field_flags.flag(name)[2:]] = omit[name]
       continue
     group = groups.get(owner, groups[config.TrainConfig])
     help_text = flag_help.field_help(name)
@@ -145,7 +145,7 @@ def _add_field_flags(parser: argparse.ArgumentParser, omit: dict[str, str] | Non
       _add_bool_flag(group, name, help_text)
     else:
       group.add_argument(
-        config.flag(name),
+        field_flags.flag(name),
         dest=name,
         type=_optional(kind) if optional else kind,
         default=argparse.SUPPRESS,
@@ -157,7 +157,7 @@ def _add_field_flags(parser: argparse.ArgumentParser, omit: dict[str, str] | Non
 def _add_bool_flag(group, name: str, help_text: str) -> None:
   """--pre-ln, --pre-ln false and --no-pre-ln."""
   group.add_argument(
-    config.flag(name),
+    field_flags.flag(name),
     dest=name,
     nargs='?',
     const=True,
@@ -167,11 +167,11 @@ def _add_bool_flag(group, name: str, help_text: str) -> None:
     help=help_text,
   )
   group.add_argument(
-    '--no-' + config.flag(name)[2:],
+    '--no-' + field_flags.flag(name)[2:],
     dest=name,
     action='store_false',
     default=argparse.SUPPRESS,
-    help=f'same as {config.flag(name)} false',
+    help=f'same as {field_flags.flag(name)} false',
   )
 
 
@@ -484,8 +484,8 @@ def _launch_parser(sub) -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> config.TrainConfig:
   """The preset named by --preset with every field flag given applied on top."""
   given = {k: v for k, v in vars(args).items() if k in config.fields()}
-  cfg = config.get_preset(given.pop('preset', 'tiny'))
-  return config.override(cfg, given)
+  cfg = presets.get_preset(given.pop('preset', 'tiny'))
+  return field_flags.override(cfg, given)
 
 
 def to_flags(cfg: config.TrainConfig) -> list[str]:
@@ -493,7 +493,7 @@ def to_flags(cfg: config.TrainConfig) -> list[str]:
   argv = []
   for name, value in config.flat(cfg).items():
     if isinstance(value, bool):
-      argv.append(config.flag(name) if value else '--no-' + config.flag(name)[2:])
+      argv.append(field_flags.flag(name) if value else '--no-' + field_flags.flag(name)[2:])
     else:
-      argv.append(f'{config.flag(name)}={"none" if value is None else value}')
+      argv.append(f'{field_flags.flag(name)}={"none" if value is None else value}')
   return argv

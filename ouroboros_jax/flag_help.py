@@ -15,7 +15,7 @@ from ouroboros_jax.models.model import ARCHS, DTYPES
 from ouroboros_jax.schedules import config as schedule_config
 from ouroboros_jax.schedules import tables
 from ouroboros_jax.schedules.compensation import COMPENSATIONS
-from ouroboros_jax.training import config
+from ouroboros_jax.training import config, presets
 
 # What each flag does; `field_help` adds its choices and its default.
 DESCRIPTIONS = {
@@ -153,7 +153,7 @@ def _choices() -> dict[str, tuple[str, ...]]:
     'forward': named.FORWARD_MODES,
     'flow': named.FLOW_MODES,
     'tied_grad': named.TIED_GRAD_MODES,
-    'preset': tuple(config.PRESETS),
+    'preset': tuple(presets.PRESETS),
     'data_order': config.DATA_ORDERS,
     'optimizer': (schedule_config.AUTO, *optimizers.OPTIMIZERS),
     'state_dtype': (schedule_config.AUTO, *optimizers.STATE_DTYPES),
@@ -210,8 +210,8 @@ def field_help(name: str) -> str:
   if rule is not None:
     return f'{text} (default {rule})'
   default_preset = config.TrainConfig().preset
-  values = {_value(config.flat(p)[name]) for p in config.PRESETS.values()}
-  value = _value(config.flat(config.get_preset(default_preset))[name])
+  values = {_value(config.flat(p)[name]) for p in presets.PRESETS.values()}
+  value = _value(config.flat(presets.get_preset(default_preset))[name])
   if name == 'preset':
     return f'{text} (default {value})'
   if len(values) > 1:

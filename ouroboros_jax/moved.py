@@ -23,7 +23,7 @@ REMOVED_IN = '0.2.0'  # the next minor release after pyproject.toml's 0.1.0
 
 MOVED = {
   # The flat layout, before the sub-packages (see CHANGELOG.md).
-  'ouroboros_jax.presets': 'ouroboros_jax.training.config',
+  'ouroboros_jax.presets': 'ouroboros_jax.training.presets',
   'ouroboros_jax.checkpoint': 'ouroboros_jax.training.checkpoint',
   'ouroboros_jax.rundir': 'ouroboros_jax.training.rundir',
   'ouroboros_jax.sample': 'ouroboros_jax.training.sample',

@@ -10,7 +10,7 @@ muon    optax.contrib.muon on the layer kernels (Jordan et al. 2024), Adam on th
 Weight decay applies to layer kernels only (`kernel_mask`; under Muon, to the leaves it
 orthogonalises), so a parameter with a zero gradient does not move at all. The staleness
 compensations that wrap these live in schedules/compensation.py; the learning-rate schedule of a
-run in training/config.py.
+run in training/optimizer_setup.py.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def kernel_dims(in_axes: int = 1, out_axes: int = 1) -> optax.contrib.MuonDimens
 
 # The library's own models (model.py, txl.py): the modules whose `kernel` is a [..., in, out]
 # matrix (any leading axes are stacked layers and stages), as the `MuonDims` the CLI passes for
-# them (`training.config.make_optimizer`); a user's model gets no such exemption by name. And the
+# them (`training.optimizer_setup.make_optimizer`); a user's model gets no such exemption by name. And the
 # leaves that are no matrix.
 LIBRARY_KERNELS = frozenset({'qkv', 'attn_out', 'mlp_in', 'mlp_out', 'r_net', 'unembed'})
 LIBRARY_DIMS = {

@@ -166,9 +166,9 @@ def run_cli(*args, timeout=90, **kwargs):
 
 def cli_message(error: errors.UserError) -> str:
   """A user error as the command line prints it: its config fields as their flags."""
-  from ouroboros_jax.training import config
+  from ouroboros_jax.training import field_flags
 
-  return errors.render(error.marked, config.field_flag)
+  return errors.render(error.marked, field_flags.field_flag)
 
 
 @contextlib.contextmanager
@@ -212,11 +212,11 @@ TINY = dict(
 
 def tiny_config(out, prepared_data_dir, **overrides):
   """The tiny preset made smaller, training on the prepared default corpus into `out`."""
-  from ouroboros_jax.training import config
+  from ouroboros_jax.training import field_flags, presets
 
   values = dict(TINY, data_dir=prepared_data_dir, out=os.fspath(out))
   values.update(overrides)
-  return config.override(config.get_preset('tiny'), values)
+  return field_flags.override(presets.get_preset('tiny'), values)
 
 
 def save_and_restore(schedule, state, params, example_batch, directory, data_state):
@@ -239,10 +239,10 @@ def straight_and_resumed(straight, out, stop_at: int):
   of both runs as host trees)."""
   import pytest
 
-  from ouroboros_jax.training import checkpoint, config, loop
+  from ouroboros_jax.training import checkpoint, field_flags, loop
 
   loop.train(straight, quiet=True)
-  stopped = config.override(straight, {'out': os.fspath(out)})
+  stopped = field_flags.override(straight, {'out': os.fspath(out)})
 
   def crash(step, _state):
     if step == stop_at:

@@ -14,7 +14,7 @@ import pytest
 from ouroboros_jax import costs
 from ouroboros_jax.accelerators import growth, pld, vcycle
 from ouroboros_jax.models.model import ConfigError
-from ouroboros_jax.training import compare, config
+from ouroboros_jax.training import compare, field_flags, presets
 
 from helpers import assert_one_line_error, cli_message, run_cli
 
@@ -106,7 +106,7 @@ def test_vcycle_flag():
 
 
 def test_combinations_that_are_refused():
-  tiny = config.override(config.get_preset('tiny'), {'num_layers': 4, 'steps': 100})
+  tiny = field_flags.override(presets.get_preset('tiny'), {'num_layers': 4, 'steps': 100})
   ok = [
     {'pld': '0.5,0.01', 'schedule': 'ouroboros', 'stages': 2},
     {'pld': 'default', 'schedule': 'gpipe', 'stages': 2},
@@ -115,7 +115,7 @@ def test_combinations_that_are_refused():
     {'vcycle': 'down=20,coarse=20', 'schedule': 'ouroboros', 'stages': 2},
   ]
   for overrides in ok:
-    config.override(tiny, overrides).validate()
+    field_flags.override(tiny, overrides).validate()
   refused = [
     ({'growth': 'mslt:2x50,4x*', 'schedule': 'ouroboros', 'stages': 2}, 'backprop only'),
     ({'pld': '0.5,0.01', 'growth': 'mslt:2x50,4x*'}, 'cannot be combined'),
@@ -132,7 +132,7 @@ def test_combinations_that_are_refused():
   ]
   for overrides, words in refused:  # as the command line prints them
     with pytest.raises(ConfigError) as error:
-      config.override(tiny, overrides).validate()
+      field_flags.override(tiny, overrides).validate()
     assert re.search(words, cli_message(error.value)), cli_message(error.value)
 
 
@@ -181,13 +181,13 @@ def test_methods_train_and_count_their_flops(tmp_path, text_corpus):
   the V-cycle is run below; the drivers' own tests check their FLOP logs.)"""
   from ouroboros_jax.training import loop
 
-  base = config.override(config.get_preset('tiny'), {**SMALL, 'data': f'text:{text_corpus}'})
+  base = field_flags.override(presets.get_preset('tiny'), {**SMALL, 'data': f'text:{text_corpus}'})
   names = ['plain', 'pld', 'mslt']
   results = {r['method']: r for r in compare.compare(base, str(tmp_path), names, log=lambda _: 0)}
   per_token = 3 * (2 * costs.model_flops(base.model)[0] + costs.model_flops(base.model)[1])
   # FLOP counts: the same formula in Python floats, equal to float64 rounding (default rtol 1e-7).
   np.testing.assert_allclose(results['plain']['flops'], 4 * base.tokens_per_step * per_token)
-  pld_cfg = config.override(base, compare.methods(4, 2)['pld'])
+  pld_cfg = field_flags.override(base, compare.methods(4, 2)['pld'])
   np.testing.assert_allclose(results['pld']['flops'], loop.step_flops(pld_cfg, range(4)).sum())
   for name in names[1:]:
     assert results[name]['flops'] < results['plain']['flops'], name
@@ -207,8 +207,8 @@ def test_vcycle_inside_ouroboros(tmp_path, text_corpus):
   keeps the two layers the ring needs, the dip trains the half-width model."""
   from ouroboros_jax.training import loop
 
-  cfg = config.override(
-    config.get_preset('tiny'),
+  cfg = field_flags.override(
+    presets.get_preset('tiny'),
     {
       **SMALL,
       'data': f'text:{text_corpus}',

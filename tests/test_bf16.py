@@ -28,7 +28,7 @@ from ouroboros_jax.models import model as transformer
 from ouroboros_jax.models import partition
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule, reference
 from ouroboros_jax.schedules.compensation import Compensation
-from ouroboros_jax.training import config as train_config
+from ouroboros_jax.training import field_flags, presets
 
 from helpers import (
   assert_trees_equal,
@@ -200,8 +200,8 @@ def test_pld_and_stdloss_train_in_bf16_as_their_reference(flag):
   Ouroboros ring with their stages equals the slow reference in bf16; 'aux' stays float32 in
   the ring's buffers while the hidden states are bf16."""
   value = {'pld': '0.5,0.3', 'std_loss': 0.1}[flag]
-  cfg = train_config.override(
-    train_config.get_preset('tiny'), {'dtype': 'bfloat16', 'num_layers': 4, flag: value}
+  cfg = field_flags.override(
+    presets.get_preset('tiny'), {'dtype': 'bfloat16', 'num_layers': 4, flag: value}
   )
   cfg.check_accelerators()
   model_cfg = transformer.ModelConfig(

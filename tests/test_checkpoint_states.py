@@ -10,7 +10,7 @@ import jax
 import pytest
 
 from ouroboros_jax import schedules
-from ouroboros_jax.training import checkpoint, config, loop
+from ouroboros_jax.training import checkpoint, field_flags, loop, presets
 
 from helpers import assert_trees_equal, save_and_restore, straight_and_resumed
 
@@ -19,7 +19,7 @@ SHRUNK = dict(d_model=16, num_heads=2, num_layers=4, d_ff=32, seq_len=8, batch_s
 
 
 def _shrunk(preset: str, schedule: str, **values):
-  cfg = config.get_preset(preset)
+  cfg = presets.get_preset(preset)
   stages = 1 if schedule in ('backprop', 'data_parallel') else 2
   shrunk = dict(
     SHRUNK,
@@ -33,14 +33,14 @@ def _shrunk(preset: str, schedule: str, **values):
     shrunk['data_parallel'] = 2
   if schedule in ('gpipe', '1f1b', 'zb_h1'):
     shrunk['microbatches'] = 2
-  return config.override(cfg, {**shrunk, **values})
+  return field_flags.override(cfg, {**shrunk, **values})
 
 
 def _presets_by_model() -> list[str]:
   """The presets, those that shrink to the same model (and so the same states) joined by '+':
   tiny+small, enwik8-base+gpt2-small (dropout), txl-tiny, txl-enwik8-base+txl-wt103-base."""
   groups = {}
-  for name in config.PRESETS:
+  for name in presets.PRESETS:
     groups.setdefault(_shrunk(name, 'backprop').model, []).append(name)
   return ['+'.join(names) for names in groups.values()]
 

@@ -17,7 +17,7 @@ import pytest
 
 from ouroboros_jax import cli_messages, cli_parsers
 from ouroboros_jax.models.model import ConfigError
-from ouroboros_jax.training import config
+from ouroboros_jax.training import config, field_flags, presets
 
 from helpers import SMALL_CLI as SMALL
 from helpers import assert_one_line_error, cli_message, raises_for_cli, run_cli
@@ -32,7 +32,7 @@ def test_every_config_field_has_a_flag():
   parser = cli_parsers.make_parser().commands['train']
   flags = {o for a in parser._actions for o in a.option_strings}
   for name in config.fields():
-    assert config.flag(name) in flags, name
+    assert field_flags.flag(name) in flags, name
   assert {'--resume', '--quiet', '--cpu-devices'} <= flags
 
 
@@ -58,7 +58,7 @@ def test_flags_override_the_preset_and_nothing_else():
     ]
   )
   cfg = cli_parsers.config_from_args(args)
-  small = config.get_preset('small')
+  small = presets.get_preset('small')
   assert (cfg.model.d_model, cfg.model.num_layers, cfg.model.pre_ln) == (96, 3, False)
   assert (cfg.steps, cfg.layers_per_stage, cfg.schedule.num_stages) == (10, '1,2', 2)
   assert cfg.model.seq_len == small.model.seq_len and cfg.batch_size == small.batch_size
@@ -67,10 +67,10 @@ def test_flags_override_the_preset_and_nothing_else():
 
 
 def test_presets_are_valid_and_have_the_documented_shapes():
-  for name, cfg in config.PRESETS.items():
+  for name, cfg in presets.PRESETS.items():
     assert cfg.preset == name
     cfg.validate()
-  base = config.get_preset('enwik8-base').model
+  base = presets.get_preset('enwik8-base').model
   assert (base.num_layers, base.d_model, base.num_heads, base.d_ff, base.seq_len, base.dropout) == (
     12,
     512,
@@ -79,7 +79,7 @@ def test_presets_are_valid_and_have_the_documented_shapes():
     512,
     0.1,
   )
-  gpt2 = config.get_preset('gpt2-small').model
+  gpt2 = presets.get_preset('gpt2-small').model
   assert (
     gpt2.num_layers,
     gpt2.d_model,
@@ -88,9 +88,9 @@ def test_presets_are_valid_and_have_the_documented_shapes():
     gpt2.seq_len,
     gpt2.vocab_size,
   ) == (12, 768, 12, 3072, 1024, 256)
-  assert config.get_preset('enwik8-base').batch_size == 22
+  assert presets.get_preset('enwik8-base').batch_size == 22
   with raises_for_cli('unknown field nonsense'):
-    config.override(config.get_preset('tiny'), {'nonsense': 1})
+    field_flags.override(presets.get_preset('tiny'), {'nonsense': 1})
 
 
 # ----------------------------------------------------------------------------- user errors
@@ -453,7 +453,7 @@ def test_the_tie_is_an_ouroboros_flag_and_the_stash_policy_is_every_schedule_s()
       {'stash_policy': 'all', 'tied_grad': 'mean'},
     ),
   ):
-    cfg = config.get_preset('tiny')
+    cfg = presets.get_preset('tiny')
     old = config.TrainConfig.from_dict({**cfg.to_dict(), 'schedule': saved})
     old.validate()
     assert {k: getattr(old.schedule, k) for k in kept} == kept

@@ -134,7 +134,7 @@ def test_auto_is_resolved_once_for_the_python_api_and_the_cli():
   """ScheduleConfig's default compensation is 'auto', resolved by the one rule
   (`ScheduleConfig.resolve_compensation`) that TrainConfig's --compensation auto uses too."""
   from ouroboros_jax.schedules import config as schedule_config
-  from ouroboros_jax.training import config
+  from ouroboros_jax.training import field_flags, presets
 
   recipe = compensation.parse(schedule_config.RECIPE_COMPENSATION, steps=0)
   replay = compensation.parse(schedule_config.RECIPE_COMPENSATION_REPLAY, steps=0)
@@ -151,7 +151,7 @@ def test_auto_is_resolved_once_for_the_python_api_and_the_cli():
     assert run.resolved_flow == ('stream' if want.active else 'batch')
     if 'compensation' not in fields:
       flags = {'schedule': 'ouroboros', 'stages': fields.pop('num_stages'), **fields}
-      cli = config.override(config.get_preset('tiny'), flags)
+      cli = field_flags.override(presets.get_preset('tiny'), flags)
       assert cli.resolved_compensation() == want
       assert cli.schedule_config('cpu').compensation == run.for_platform('cpu', 32).compensation
   assert ScheduleConfig(name='gpipe', num_stages=2).resolved_compensation == Compensation()
@@ -296,9 +296,9 @@ def test_bad_settings_are_one_line_errors():
 def test_compensation_spec_refuses_repeats_and_none_or_auto_with_others():
   """One check of the --compensation spelling (`spec_names`), in `parse` and in
   `TrainConfig.validate` alike; the order of the names does not matter."""
-  from ouroboros_jax.training import config
+  from ouroboros_jax.training import field_flags, presets
 
-  ring = config.override(config.get_preset('tiny'), {'schedule': 'ouroboros', 'stages': 2})
+  ring = field_flags.override(presets.get_preset('tiny'), {'schedule': 'ouroboros', 'stages': 2})
   for spec, words in (
     ('predict,predict', '--compensation predict,predict lists predict more than once'),
     ('predict,dc,predict', '(--compensation predict,dc)'),
@@ -308,7 +308,7 @@ def test_compensation_spec_refuses_repeats_and_none_or_auto_with_others():
     ('none,magic', 'unknown --compensation magic; use auto, none, or a comma list'),
   ):
     with pytest.raises(ConfigError) as error:
-      config.override(ring, {'compensation': spec}).validate()
+      field_flags.override(ring, {'compensation': spec}).validate()
     message = cli_message(error.value)
     assert words in message and 'unknown --compensation none' not in message
     with raises_for_cli(r'--compensation|unknown'):
@@ -323,7 +323,7 @@ def test_checkpoints_carry_the_compensation_state_and_resume_bitwise(tmp_path, p
   step-6 checkpoint and resumed ends bit for bit where the uninterrupted run ends (last updates,
   weight history, PipeMare's count, the optimizer state and the micro-batched ring buffers are
   all in the checkpoint)."""
-  from ouroboros_jax.training import checkpoint, config, loop
+  from ouroboros_jax.training import checkpoint, field_flags, loop
 
   from helpers import assert_trees_equal, straight_and_resumed, tiny_config
 
@@ -344,7 +344,7 @@ def test_checkpoints_carry_the_compensation_state_and_resume_bitwise(tmp_path, p
   assert 'last_update' in str(jax.tree_util.tree_structure(a['opt_state']))
   with pytest.raises(checkpoint.CheckpointError, match='--compensation'):
     loop.train(
-      config.override(cut, {'compensation': 'predict', 'steps': 14}), resume=True, quiet=True
+      field_flags.override(cut, {'compensation': 'predict', 'steps': 14}), resume=True, quiet=True
     )
 
 
@@ -352,23 +352,25 @@ def test_auto_gives_every_schedule_muon_and_ouroboros_the_recipe():
   """--optimizer auto: Muon for every schedule, at the kernel rate measured best for exact (0.04)
   or delayed (0.02) gradients; Ouroboros with G > 1 also gets the recipe's compensations;
   --compensation none is the paper's AdamW."""
-  from ouroboros_jax.training import config
+  from ouroboros_jax.training import config, field_flags, presets
 
-  tiny = config.get_preset('tiny')
-  ring = config.override(tiny, {'schedule': 'ouroboros', 'stages': 2})
+  tiny = presets.get_preset('tiny')
+  ring = field_flags.override(tiny, {'schedule': 'ouroboros', 'stages': 2})
   assert ring.resolved_optimizer() == config.RECIPE_OPTIMIZER == 'muon'
   assert ring.resolved_muon_learning_rate() == 0.02
   assert ring.resolved_compensation() == compensation.parse(RECIPE_COMPENSATION, steps=ring.steps)
-  assert config.override(ring, {'stash': 'replay'}).resolved_compensation().dc_lambda == 0
+  assert field_flags.override(ring, {'stash': 'replay'}).resolved_compensation().dc_lambda == 0
   for exact in (
     tiny,
-    config.override(ring, {'stages': 1}),
-    config.override(tiny, {'schedule': 'zb_h1', 'stages': 2}),
+    field_flags.override(ring, {'stages': 1}),
+    field_flags.override(tiny, {'schedule': 'zb_h1', 'stages': 2}),
   ):
     assert exact.resolved_optimizer() == 'muon'
     assert exact.resolved_muon_learning_rate() == 0.04
     assert exact.resolved_compensation() == Compensation()
-  paper = config.override(ring, {'compensation': 'none'})
+  paper = field_flags.override(ring, {'compensation': 'none'})
   assert paper.resolved_optimizer() == 'adamw'
   assert paper.resolved_compensation() == Compensation()
-  assert config.override(tiny, {'muon_learning_rate': 0.01}).resolved_muon_learning_rate() == 0.01
+  assert (
+    field_flags.override(tiny, {'muon_learning_rate': 0.01}).resolved_muon_learning_rate() == 0.01
+  )

@@ -32,15 +32,15 @@ EVERY_SCHEDULE = """
 import json, sys
 from ouroboros_jax.choices import MICROBATCHED
 from ouroboros_jax.perf import compile as compile_lib
-from ouroboros_jax.training import config
+from ouroboros_jax.training import config, field_flags, presets
 
 small, dtypes, names = json.loads(sys.argv[1]), sys.argv[2].split(','), sys.argv[4].split(',')
 for dtype, name in [(dtype, name) for dtype in dtypes for name in names]:
   spread = {'backprop': {}, 'data_parallel': {'data_parallel': 2}}.get(name, {'stages': 2})
   if name in MICROBATCHED:  # micro-batches of 4: activations larger than the chip's VMEM
     spread['microbatches'] = 2
-  cfg = config.override(
-    config.get_preset('tiny'),
+  cfg = field_flags.override(
+    presets.get_preset('tiny'),
     {**small, **spread, 'schedule': name, 'dtype': dtype},
   )
   print(json.dumps(compile_lib.compile_step(cfg, sys.argv[3])), flush=True)
@@ -240,7 +240,7 @@ def test_the_compilers_out_of_memory_messages_are_read(message, expected):
 MICROBATCHED_RING = """
 import json, sys
 from ouroboros_jax.perf import compile as compile_lib
-from ouroboros_jax.training import config
+from ouroboros_jax.training import config, field_flags, presets
 
 small = json.loads(sys.argv[1])
 # None: the accelerator's default micro-batches; pinned_host: the stash in host memory. As one
@@ -249,13 +249,13 @@ small = json.loads(sys.argv[1])
 for micro, memory in ((1, 'device'), (None, 'device'), (None, 'pinned_host')):
   ring = {'schedule': 'ouroboros', 'stages': 2, 'microbatches': micro, 'stash_memory': memory}
   ring['flow'] = 'batch'
-  cfg = config.override(config.get_preset('tiny'), {**small, **ring, 'dtype': 'bfloat16'})
+  cfg = field_flags.override(presets.get_preset('tiny'), {**small, **ring, 'dtype': 'bfloat16'})
   print(json.dumps(compile_lib.compile_step(cfg, sys.argv[2])), flush=True)
 # G = 4 pipelined, streamed, keeping every residual, at M = G and 2G (16 rows)
 for micro in (4, 8):
   ring = {'schedule': 'ouroboros', 'stages': 4, 'microbatches': micro, 'forward': 'pipelined'}
   ring.update(flow='stream', stash_policy='all', batch_size=16, dtype='bfloat16')
-  cfg = config.override(config.get_preset('tiny'), {**small, **ring})
+  cfg = field_flags.override(presets.get_preset('tiny'), {**small, **ring})
   print(json.dumps(compile_lib.compile_step(cfg, sys.argv[2])), flush=True)
 """
 
@@ -291,9 +291,9 @@ def test_the_microbatched_ring_and_a_host_stash_need_less_memory_on_a_tpu():
 TWICE = """
 import json, sys
 from ouroboros_jax.perf import compile as compile_lib
-from ouroboros_jax.training import config
+from ouroboros_jax.training import config, field_flags, presets
 
-cfg = config.override(config.get_preset('tiny'), {**json.loads(sys.argv[1]), 'num_layers': 1})
+cfg = field_flags.override(presets.get_preset('tiny'), {**json.loads(sys.argv[1]), 'num_layers': 1})
 for _ in range(2):  # a new schedule each time: the second compile would read the first's entry
   print(json.dumps(compile_lib.compile_step(cfg, sys.argv[2])), flush=True)
 """
@@ -327,9 +327,9 @@ def test_a_topology_compile_keeps_out_of_a_users_compilation_cache(tmp_path):
 def test_a_step_beyond_what_xla_indexes_does_not_fit_in_one_report():
   """A billion sequences: no allocation, no traceback; the report says it does not fit (exit
   status 1 from the command), its peak the arguments alone."""
-  from ouroboros_jax.training import config
+  from ouroboros_jax.training import field_flags, presets
 
-  cfg = config.override(config.get_preset('tiny'), {'batch_size': 10**9})
+  cfg = field_flags.override(presets.get_preset('tiny'), {'batch_size': 10**9})
   report = compile_lib.compile_step(cfg)
   assert report['fits'] is False
   assert report['peak_bytes'] >= 10**9 * cfg.model.seq_len * 4 * 2  # inputs and targets

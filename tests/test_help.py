@@ -18,7 +18,7 @@ from ouroboros_jax.models.model import ARCHS, DTYPES
 from ouroboros_jax.perf import plan
 from ouroboros_jax.schedules.compensation import COMPENSATIONS
 from ouroboros_jax.schedules.stash import STASH_POLICIES
-from ouroboros_jax.training import config
+from ouroboros_jax.training import config, field_flags, presets
 
 COMMANDS = cli_parsers.make_parser().commands
 
@@ -35,7 +35,7 @@ CHOICES = {
   '--forward': named.FORWARD_MODES,
   '--flow': named.FLOW_MODES,
   '--tied-grad': named.TIED_GRAD_MODES,
-  '--preset': tuple(config.PRESETS),
+  '--preset': tuple(presets.PRESETS),
   '--data-order': config.DATA_ORDERS,
   '--optimizer': optimizers.OPTIMIZERS,
   '--compensation': COMPENSATIONS,
@@ -109,11 +109,11 @@ def test_flags_with_choices_list_them():
 
 
 def test_help_reads_defaults_from_where_they_are_defined(monkeypatch):
-  tiny = config.flat(config.get_preset(config.TrainConfig().preset))
+  tiny = config.flat(presets.get_preset(config.TrainConfig().preset))
   train = COMMANDS['train']
   by_flag = {a.option_strings[0]: a for a in train._actions if a.option_strings}
   for name in ('num_layers', 'steps', 'dtype', 'stash_policy', 'keep_checkpoints'):
-    assert f'(default {tiny[name]}' in _help(train, by_flag[config.flag(name)]), name
+    assert f'(default {tiny[name]}' in _help(train, by_flag[field_flags.flag(name)]), name
   # Rules are read at the time of asking: change the constant and the help follows.
   monkeypatch.setitem(config.DEFAULT_MUON_RATES, 'exact', 0.0123)
   monkeypatch.setitem(optimizers.DEFAULT_MOMENTUM, 'nadamw', 0.987)

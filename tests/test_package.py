@@ -182,7 +182,7 @@ def test_the_documented_imports_of_the_flat_layout_still_work():
   with pytest.warns(DeprecationWarning) as caught:
     from ouroboros_jax import presets, train  # the README of the flat layout
   new = {str(w.message).rpartition(' ')[2] for w in caught}
-  assert new == {'ouroboros_jax.training.config', 'ouroboros_jax.training.loop'}
+  assert new == {'ouroboros_jax.training.presets', 'ouroboros_jax.training.loop'}
 
   cfg = presets.override(presets.get_preset('tiny'), {'stages': 2, 'schedule': 'ouroboros'})
   assert callable(train.train) and cfg.schedule.num_stages == 2
@@ -216,10 +216,10 @@ def test_nothing_of_the_package_imports_an_old_path():
 
 def test_a_config_written_before_the_schedule_was_nested_still_reads():
   """config.json and checkpoint metadata of older runs hold the schedule settings flat."""
-  from ouroboros_jax.training import config
+  from ouroboros_jax.training import config, field_flags, presets
 
-  cfg = config.override(
-    config.get_preset('tiny'),
+  cfg = field_flags.override(
+    presets.get_preset('tiny'),
     {
       'schedule': 'ouroboros',
       'stages': 2,

@@ -16,7 +16,8 @@ from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.models import model as transformer
 from ouroboros_jax.perf import memory
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule, pipeline, ring, tables
-from ouroboros_jax.training.config import get_preset, override
+from ouroboros_jax.training.field_flags import override
+from ouroboros_jax.training.presets import get_preset
 from ouroboros_jax.update import GroupedOptimizer
 
 from helpers import (

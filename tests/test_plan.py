@@ -166,7 +166,7 @@ def test_the_recipe_streams_with_enough_micro_batches_for_gaps_of_one_update():
 
 
 def test_stages_that_leave_devices_over_run_data_replicas():
-  from ouroboros_jax.training import config
+  from ouroboros_jax.training import field_flags, presets
 
   tries = plan.Tries((8,), ('graph/nothing',), ('all',), stages=(2, 4))
   labels = [s.label for s in plan.settings(4, tries)]
@@ -174,11 +174,11 @@ def test_stages_that_leave_devices_over_run_data_replicas():
   assert 'ouroboros G=2xR=2 M=8 locked/graph' in labels
   assert 'ouroboros M=8 locked/graph' in labels  # G = 4: one ring of every device
   hybrid = ScheduleConfig(name='1f1b', num_stages=2, data_parallel=2, microbatches=4)
-  flags = config.train_flags(hybrid)
+  flags = field_flags.train_flags(hybrid)
   assert {k: flags[k] for k in ('schedule', 'stages', 'data_parallel', 'microbatches')} == dict(
     schedule='1f1b', stages=2, data_parallel=2, microbatches=4
   )
-  cfg = config.get_preset('gpt2-small')
+  cfg = presets.get_preset('gpt2-small')
   ring = ScheduleConfig(name='1f1b', num_stages=2, microbatches=4)
   # Two replicas each step on half the batch: faster than one ring on all of it.
   assert (
@@ -191,15 +191,15 @@ def test_stages_that_leave_devices_over_run_data_replicas():
 def test_a_setting_is_the_schedule_config_its_train_flags_give():
   """plan's settings are ScheduleConfigs built on the run's own: what the tries choose replaces
   its fields (--try-stash graph/POLICY is the stash and its policy), the rest (the clip) stays;
-  `train_flags` is `config.override`'s inverse for a schedule."""
-  from ouroboros_jax.training import config
+  `train_flags` is `field_flags.override`'s inverse for a schedule."""
+  from ouroboros_jax.training import field_flags, presets
 
-  cfg = config.override(config.get_preset('tiny'), {'clip_norm': 0.5})
+  cfg = field_flags.override(presets.get_preset('tiny'), {'clip_norm': 0.5})
   tries = plan.Tries((4,), ('graph/all', 'replay'), schedules=('ouroboros',))
   for setting in plan.settings(2, tries, cfg.schedule):
     assert setting.clip_norm == 0.5 and setting.num_stages == 2 and setting.microbatches == 4
     assert (setting.stash, setting.stash_policy) in (('graph', 'all'), ('replay', 'auto'))
-    run = config.override(cfg, config.train_flags(setting))
+    run = field_flags.override(cfg, field_flags.train_flags(setting))
     assert run.schedule == setting
     run.validate()
 
@@ -208,11 +208,11 @@ def test_a_model_with_fewer_layers_than_devices_plans_fewer_stages_with_data_rep
   """Issue 42, item 10: on 4 devices a 2-layer model gets G = 2 stages x 2 replicas, not 4
   stages (each of them an error); the settings its layers still cannot take (interleaved and
   zb_v cut 2 x 2 chunks = 4 groups) are skipped before compiling, for one reason, said once."""
-  from ouroboros_jax.training import config
+  from ouroboros_jax.training import field_flags, presets
 
   assert [plan.default_stages(4, n) for n in (1, 2, 3, 4, 12)] == [1, 2, 2, 4, 4]
   assert plan.default_stages(6, 4) == 3 and plan.default_stages(8, None) == 8
-  cfg = config.get_preset('tiny')  # 2 layers
+  cfg = presets.get_preset('tiny')  # 2 layers
   assert cfg.model.num_layers == 2
   tried = plan.settings(4, plan.Tries(), cfg.schedule, cfg.model.num_layers)
   # every schedule at each policy, Ouroboros at each stash: 8 x 2 + 2 x 3, now at G = 2
@@ -221,7 +221,7 @@ def test_a_model_with_fewer_layers_than_devices_plans_fewer_stages_with_data_rep
   assert {(s.num_stages, s.data_parallel) for s in staged} == {(2, 2)}
   reasons = {}
   for s in tried:
-    reason = plan.applies(config.override(cfg, config.train_flags(s)))
+    reason = plan.applies(field_flags.override(cfg, field_flags.train_flags(s)))
     if reason is not None:
       reasons.setdefault(reason, []).append(s.name)
   assert reasons == {
@@ -231,7 +231,9 @@ def test_a_model_with_fewer_layers_than_devices_plans_fewer_stages_with_data_rep
   # --try-stages 4 asks for the ring of every device: each stage setting is skipped, saying why.
   four = plan.settings(4, plan.Tries(stages=(4,)), cfg.schedule, cfg.model.num_layers)
   skipped = [
-    s.name for s in four if plan.applies(config.override(cfg, config.train_flags(s))) is not None
+    s.name
+    for s in four
+    if plan.applies(field_flags.override(cfg, field_flags.train_flags(s))) is not None
   ]
   assert len(skipped) == 18 and 'backprop' not in skipped
 
@@ -278,10 +280,10 @@ def test_plan_compiles_only_the_settings_the_model_can_take():
   """In-process on the test session's CPU devices (conftest): a 2-layer model, so G = 2."""
   import jax
 
-  from ouroboros_jax.training import config
+  from ouroboros_jax.training import field_flags, presets
 
-  cfg = config.override(
-    config.get_preset('tiny'), dict(zip(('d_model', 'seq_len', 'batch_size'), (32, 32, 8)))
+  cfg = field_flags.override(
+    presets.get_preset('tiny'), dict(zip(('d_model', 'seq_len', 'batch_size'), (32, 32, 8)))
   )
   tries = plan.Tries((2,), policies=('all',), schedules=('backprop', 'interleaved', 'zb_v'))
   out = plan.plan(cfg, None, tries)

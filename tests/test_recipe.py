@@ -12,14 +12,14 @@ import pytest
 
 import ouroboros_jax
 from ouroboros_jax import Compensation, ConfigError, ScheduleConfig, recipe
-from ouroboros_jax.training import config
+from ouroboros_jax.training import config, field_flags, optimizer_setup, presets
 
 BATCH, STEPS = 32, 100
 
 
 def cli_config(**flags):
   """The TrainConfig `ouroboros train` builds for these flags (cli.config_from_args)."""
-  return config.override(config.get_preset('tiny'), flags)
+  return field_flags.override(presets.get_preset('tiny'), flags)
 
 
 @pytest.mark.parametrize('platform', ['cpu', 'gpu'])
@@ -73,11 +73,11 @@ def test_the_optimizer_takes_the_clis_update(flags):
   cfg = cli_config(
     schedule='ouroboros', stages=stages, batch_size=BATCH, steps=STEPS, warmup_steps=1, **flags
   )
-  want = config.make_optimizer(cfg)
+  want = optimizer_setup.make_optimizer(cfg)
   ours, theirs = _first_updates(got, params, grads), _first_updates(want, params, grads)
   jax.tree.map(np.testing.assert_array_equal, ours, theirs)
   # and it is the recipe's optimizer, not the paper's AdamW, unless the paper is asked for
-  adam = config.make_optimizer(dataclasses.replace(cfg, optimizer='adamw'))
+  adam = optimizer_setup.make_optimizer(dataclasses.replace(cfg, optimizer='adamw'))
   differs = jax.tree.leaves(
     jax.tree.map(
       lambda a, b: not np.allclose(a, b),
@@ -193,7 +193,7 @@ def test_the_resolved_run_spells_out_every_auto_once(flags, platform):
   """`TrainConfig.resolved` (what config.json stores and a resume compares) has no `auto` left,
   runs the same schedule and optimizer as the config it came from, and is its own resolution."""
   flags = dict(flags)
-  cfg = config.override(config.get_preset(flags.pop('preset', 'tiny')), flags)
+  cfg = field_flags.override(presets.get_preset(flags.pop('preset', 'tiny')), flags)
   run = cfg.resolved(platform)
   run.validate()
   assert run.resolved(platform) == run

@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from ouroboros_jax import cli_messages, cli_parsers, errors
-from ouroboros_jax.training import checkpoint, config, loop, metrics, rundir, sample
+from ouroboros_jax.training import checkpoint, field_flags, loop, metrics, rundir, sample
 
 from helpers import REPO_ROOT, assert_one_line_error, cli_message, run_cli, tiny_config, unfinish
 from helpers import SMALL_CLI as SMALL
@@ -38,7 +38,7 @@ def _copy(cfg, tmp_path, **overrides):
   """The finished run copied into tmp_path/run, and its config pointed there."""
   out = tmp_path / 'run'
   shutil.copytree(cfg.out_dir, out)
-  return out, config.override(cfg, {'out': os.fspath(out), **overrides})
+  return out, field_flags.override(cfg, {'out': os.fspath(out), **overrides})
 
 
 def _truncate(step_dir: pathlib.Path) -> None:

@@ -19,7 +19,7 @@ from ouroboros_jax.errors import PeerLostError
 from ouroboros_jax.models import model as transformer
 from ouroboros_jax.runtime import launch
 from ouroboros_jax.schedules import compensation
-from ouroboros_jax.training import config, sizing
+from ouroboros_jax.training import field_flags, optimizer_setup, presets, sizing
 
 from helpers import REPO_ROOT, assert_one_line_error, run_cli
 
@@ -47,12 +47,13 @@ def test_a_model_beyond_memory_is_refused_at_once_in_one_line(tmp_path):
 )
 def test_the_size_check_counts_what_the_run_allocates(flags):
   """The abstract count is the real one: the materialised parameters and optimizer state."""
-  cfg = config.override(config.get_preset('tiny'), flags).resolved()
+  cfg = field_flags.override(presets.get_preset('tiny'), flags).resolved()
   count, param_bytes, opt_bytes = sizing.state_size(cfg)
   params = transformer.init_params(cfg.model, jax.random.key(0))
   run = cfg.schedule
   comp = cfg.resolved_compensation() if run.num_stages > 1 else compensation.Compensation()
-  opt_state = compensation.wrap(comp, config.make_optimizer(cfg), run.num_stages).init(params)
+  optimizer = optimizer_setup.make_optimizer(cfg)
+  opt_state = compensation.wrap(comp, optimizer, run.num_stages).init(params)
   leaves = jax.tree.leaves(params)
   assert count == sum(x.size for x in leaves) > 0
   assert param_bytes == sum(np.asarray(x).nbytes for x in leaves)

@@ -17,7 +17,7 @@ import pytest
 from ouroboros_jax import cli_parsers, optimizers, recipe
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule
 from ouroboros_jax.schedules.compensation import Compensation, delay_compensation, remember_update
-from ouroboros_jax.training import config
+from ouroboros_jax.training import field_flags, optimizer_setup, presets
 
 from helpers import (
   assert_trees_equal,
@@ -34,12 +34,12 @@ PER_WEIGHT = ('.mu', '.mean_square', '.last_update')  # the states the setting s
 
 def _recipe(state_dtype, **flags):
   """The default recipe (Muon + prediction + DC, streamed) at G = 2 as the CLI builds it."""
-  cfg = config.override(
-    config.get_preset('tiny'),
+  cfg = field_flags.override(
+    presets.get_preset('tiny'),
     {'schedule': 'ouroboros', 'stages': 2, 'steps': 20, 'state_dtype': state_dtype, **flags},
   )
   cfg.validate()
-  return cfg, cfg.schedule_config('cpu'), config.make_optimizer(cfg)
+  return cfg, cfg.schedule_config('cpu'), optimizer_setup.make_optimizer(cfg)
 
 
 def _dtypes(opt_state) -> dict[str, set]:
@@ -231,7 +231,7 @@ def test_the_cli_flag_and_the_python_api_resolve_the_same():
       with warnings.catch_warnings():
         warnings.simplefilter('ignore', optimizers.MuonDimsWarning)
         got = jax.eval_shape(run.optimizer.init, params)
-        cli_state = jax.eval_shape(config.make_optimizer(cfg).init, params)
+        cli_state = jax.eval_shape(optimizer_setup.make_optimizer(cfg).init, params)
       assert jax.tree.map(lambda a: a.dtype, got) == jax.tree.map(lambda a: a.dtype, cli_state)
       assert _dtypes(got)['.mu'] == {jnp.dtype(want)}
 
@@ -259,20 +259,22 @@ def test_a_resume_compares_the_state_dtype_and_old_runs_stored_float32():
 
   from ouroboros_jax.training import checkpoint, resume
 
-  bf16 = config.override(
-    config.get_preset('tiny'), {'schedule': 'ouroboros', 'stages': 2, 'dtype': 'bfloat16'}
+  bf16 = field_flags.override(
+    presets.get_preset('tiny'), {'schedule': 'ouroboros', 'stages': 2, 'dtype': 'bfloat16'}
   )
   saved = resume.run_meta(bf16, (1, 1))
-  explicit = config.override(bf16, {'state_dtype': 'bfloat16'})
+  explicit = field_flags.override(bf16, {'state_dtype': 'bfloat16'})
   assert resume.check_resumable(saved, explicit, (1, 1), 'OUT') == []
   with pytest.raises(
     checkpoint.CheckpointError,
     match='--state-dtype bfloat16 but the flags give --state-dtype float32',
   ):
-    resume.check_resumable(saved, config.override(bf16, {'state_dtype': 'float32'}), (1, 1), 'OUT')
+    resume.check_resumable(
+      saved, field_flags.override(bf16, {'state_dtype': 'float32'}), (1, 1), 'OUT'
+    )
   before = json.loads(json.dumps(saved))
   del before['config']['state_dtype']
   with pytest.raises(checkpoint.CheckpointError, match='made with --state-dtype float32'):
     resume.check_resumable(before, bf16, (1, 1), 'OUT')
-  as_saved = config.override(bf16, {'state_dtype': 'float32'})
+  as_saved = field_flags.override(bf16, {'state_dtype': 'float32'})
   assert resume.check_resumable(before, as_saved, (1, 1), 'OUT') == []

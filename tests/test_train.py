@@ -16,7 +16,16 @@ import pytest
 
 from ouroboros_jax import cli_parsers, data, placement, staged
 from ouroboros_jax.errors import ConfigError
-from ouroboros_jax.training import checkpoint, config, loop, metrics, resume, sample
+from ouroboros_jax.training import (
+  checkpoint,
+  config,
+  field_flags,
+  loop,
+  metrics,
+  presets,
+  resume,
+  sample,
+)
 
 from helpers import assert_trees_equal, host_tree, tiny_config, unfinish
 
@@ -71,7 +80,7 @@ def test_the_final_test_evaluation_reads_test_batches_of_the_split(short_run):
   # The same program on the same parameters and batches: the same float32 losses and mean.
   assert summary['test_bpb'] == pytest.approx(loss / math.log(2), rel=1e-12)
   with pytest.raises(ConfigError, match='test_batches'):
-    config.override(cfg, {'test_batches': 0}).validate()
+    field_flags.override(cfg, {'test_batches': 0}).validate()
 
 
 def test_metrics_rows_and_files(short_run):
@@ -95,7 +104,7 @@ def test_metrics_rows_and_files(short_run):
     # The resolved run: every auto spelled out (`TrainConfig.resolved`), the balanced layer
     # split written out.
     saved = config.TrainConfig.from_dict(json.load(f))
-    assert saved == config.override(cfg.resolved('cpu'), {'layers_per_stage': '2'})
+    assert saved == field_flags.override(cfg.resolved('cpu'), {'layers_per_stage': '2'})
     assert 'auto' not in {saved.optimizer, saved.compensation, saved.model.attention}
   with open(os.path.join(cfg.out_dir, 'summary.json')) as f:
     assert json.load(f)['val_bpb'] == summary['val_bpb']
@@ -130,7 +139,7 @@ def test_checkpoint_round_trip(short_run):
   assert crc == summary['data_crc32']
   assert meta['layers_per_stage'] == list(layers_per_stage)
   assert meta['schedule'] == 'backprop' and meta['stages'] == 1
-  assert config.TrainConfig.from_dict(meta['config']) == config.override(
+  assert config.TrainConfig.from_dict(meta['config']) == field_flags.override(
     cfg.resolved('cpu'), {'layers_per_stage': '2'}
   )
 
@@ -146,7 +155,7 @@ def test_interrupted_save_is_never_the_latest(short_run, tmp_path):
   shutil.copytree(ckpts / '100', partial)
   shutil.rmtree(partial / 'state')
   assert checkpoint.latest_step(out) == 100
-  resumed = config.override(cfg, {'out': os.fspath(out), 'steps': 104})
+  resumed = field_flags.override(cfg, {'out': os.fspath(out), 'steps': 104})
   summary = loop.train(resumed, resume=True, quiet=True)
   assert summary['step'] == 104
   assert checkpoint.latest_step(out) == 104
@@ -171,7 +180,7 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path, prepared_
   summary_a = loop.train(straight, quiet=True)
 
   # Run B stops (like a crash) two steps after its step-10 checkpoint...
-  cfg_b = config.override(straight, {'out': os.fspath(tmp_path / 'b')})
+  cfg_b = field_flags.override(straight, {'out': os.fspath(tmp_path / 'b')})
 
   def crash(step, state):
     if step == 12:
@@ -224,13 +233,13 @@ def test_resume_is_bitwise_identical_to_an_uninterrupted_run(tmp_path, prepared_
 
 def test_resume_with_different_flags_names_them(short_run, tmp_path):
   cfg, _, _ = short_run
-  other = config.override(cfg, {'d_model': 64, 'steps': 120})
+  other = field_flags.override(cfg, {'d_model': 64, 'steps': 120})
   with pytest.raises(checkpoint.CheckpointError, match='--d-model 32.*--d-model 64'):
     loop.train(other, resume=True, quiet=True)
   # What a graph stash keeps fixes the shape of Ouroboros' saved ring buffers ...
-  ring = config.override(cfg, {'schedule': 'ouroboros', 'stages': 2})
+  ring = field_flags.override(cfg, {'schedule': 'ouroboros', 'stages': 2})
   layers = ring.plans.layers_per_stage
-  other = config.override(ring, {'stash_policy': 'dots'})
+  other = field_flags.override(ring, {'stash_policy': 'dots'})
   with pytest.raises(
     checkpoint.CheckpointError, match='--stash-policy nothing.*--stash-policy dots'
   ):
@@ -238,7 +247,7 @@ def test_resume_with_different_flags_names_them(short_run, tmp_path):
   # ... and nothing of backprop's, whose recomputation changes no state: it may change on resume.
   changed = resume.check_resumable(
     resume.run_meta(cfg, (cfg.model.num_layers,)),
-    config.override(cfg, {'stash_policy': 'dots'}),
+    field_flags.override(cfg, {'stash_policy': 'dots'}),
     (cfg.model.num_layers,),
     'OUT',
   )
@@ -246,7 +255,7 @@ def test_resume_with_different_flags_names_them(short_run, tmp_path):
   # an unset setting reads as the flag spells it, not as Python's None
   momentum = resume.check_resumable(
     resume.run_meta(cfg, (cfg.model.num_layers,)),
-    config.override(cfg, {'momentum': 0.5}),
+    field_flags.override(cfg, {'momentum': 0.5}),
     (cfg.model.num_layers,),
     'OUT',
   )
@@ -266,7 +275,7 @@ def test_fresh_run_refuses_an_out_dir_with_an_earlier_runs_metrics(tmp_path):
   from ouroboros_jax.training import resume
 
   out = tmp_path / 'run'
-  cfg = config.override(config.get_preset('tiny'), {'out': os.fspath(out)})
+  cfg = field_flags.override(presets.get_preset('tiny'), {'out': os.fspath(out)})
   resume.check_out_dir(cfg, resume=False)  # not there yet
   out.mkdir()
   resume.check_out_dir(cfg, resume=False)  # empty
@@ -289,9 +298,9 @@ def test_resume_compares_what_the_settings_resolve_to_not_their_spelling():
   stash kept whole steps, has another ring layout: it is refused in one line that says so."""
   from ouroboros_jax.training import resume
 
-  auto = config.override(config.get_preset('tiny'), {'schedule': 'ouroboros', 'stages': 2})
+  auto = field_flags.override(presets.get_preset('tiny'), {'schedule': 'ouroboros', 'stages': 2})
   saved = resume.run_meta(auto, (1, 1))
-  explicit = config.override(auto, {'optimizer': 'muon', 'compensation': 'dc,predict'})
+  explicit = field_flags.override(auto, {'optimizer': 'muon', 'compensation': 'dc,predict'})
   assert resume.check_resumable(saved, explicit, (1, 1), 'OUT') == []
   old = json.loads(json.dumps(saved))
   old['config']['schedule']['microbatches'] = 4  # what an ouroboros run recorded before
@@ -302,7 +311,7 @@ def test_resume_compares_what_the_settings_resolve_to_not_their_spelling():
   steps = {k: v for k, v in saved.items() if k != 'ring_layout'}
   with pytest.raises(checkpoint.CheckpointError, match='kept whole steps.*another --out'):
     resume.check_resumable(steps, auto, (1, 1), 'OUT')
-  backprop = config.override(config.get_preset('tiny'), {})  # no ring: nothing to refuse
+  backprop = field_flags.override(presets.get_preset('tiny'), {})  # no ring: nothing to refuse
   assert (
     resume.check_resumable(
       {k: v for k, v in resume.run_meta(backprop, (2,)).items() if k != 'ring_layout'},
@@ -315,9 +324,9 @@ def test_resume_compares_what_the_settings_resolve_to_not_their_spelling():
   with pytest.raises(
     checkpoint.CheckpointError, match='--optimizer muon but the flags give --optimizer adamw'
   ):
-    resume.check_resumable(saved, config.override(auto, {'optimizer': 'adamw'}), (1, 1), 'OUT')
+    resume.check_resumable(saved, field_flags.override(auto, {'optimizer': 'adamw'}), (1, 1), 'OUT')
   # --flow auto of the recipe on CPU: streamed, 2 micro-batches (both gaps one update)
-  streamed = config.override(auto, {'flow': 'stream', 'microbatches': 2})
+  streamed = field_flags.override(auto, {'flow': 'stream', 'microbatches': 2})
   assert resume.check_resumable(saved, streamed, (1, 1), 'OUT') == []
   # a run saved before --flow ran as one batch: resumed with today's defaults it is refused,
   # naming the flags that resume it
@@ -329,7 +338,7 @@ def test_resume_compares_what_the_settings_resolve_to_not_their_spelling():
     '--microbatches 2',
   ):
     resume.check_resumable(before, auto, (1, 1), 'OUT')
-  as_before = config.override(auto, {'flow': 'batch'})
+  as_before = field_flags.override(auto, {'flow': 'batch'})
   assert resume.check_resumable(before, as_before, (1, 1), 'OUT') == []
 
 
@@ -395,7 +404,7 @@ def test_ouroboros_state_round_trips_sharded(tmp_path, prepared_data_dir):
   assert_trees_equal(host_tree(state), final['state'])
   for restored, new in zip(jax.tree.leaves(state), jax.tree.leaves(fresh)):
     assert restored.sharding == new.sharding
-  summary = loop.train(config.override(cfg, {'steps': 8}), resume=True, quiet=True)
+  summary = loop.train(field_flags.override(cfg, {'steps': 8}), resume=True, quiet=True)
   assert summary['step'] == 8 and math.isfinite(summary['val_bpb'])
 
 
@@ -452,7 +461,7 @@ def test_a_damaged_checkpoint_falls_back_and_resumes_exactly(
   unfinish(out)
   with open(out / 'metrics.jsonl', 'a') as f:
     f.write('{"step": 31, "split": "tra')  # a crash in the middle of a metrics row
-  resumed = config.override(cfg, {'out': os.fspath(out)})
+  resumed = field_flags.override(cfg, {'out': os.fspath(out)})
   if how == 'resume_from':
     loop.train(resumed, resume_from=10, quiet=True)
     moved = [20, 30]
@@ -491,7 +500,7 @@ def test_no_readable_checkpoint_is_one_clear_error(three_checkpoints, tmp_path):
   with pytest.raises(
     checkpoint.CorruptCheckpointError, match=r'no readable checkpoint .* steps \[10, 20, 30\]'
   ):
-    loop.train(config.override(cfg, {'out': os.fspath(out)}), resume=True, quiet=True)
+    loop.train(field_flags.override(cfg, {'out': os.fspath(out)}), resume=True, quiet=True)
   assert sorted(os.listdir(out / 'checkpoints')) == ['10', '20', '30']  # nothing moved
   with pytest.raises(checkpoint.CheckpointError, match='--resume-from 25: no checkpoint'):
-    loop.train(config.override(cfg, {'out': os.fspath(out)}), resume_from=25, quiet=True)
+    loop.train(field_flags.override(cfg, {'out': os.fspath(out)}), resume_from=25, quiet=True)

@@ -144,30 +144,30 @@ def test_dropout_only_with_a_key():
   ],
 )
 def test_run_settings_that_cannot_work_name_the_flag(flags, words):
-  from ouroboros_jax.training import config
+  from ouroboros_jax.training import field_flags, presets
 
-  cfg = config.override(config.get_preset('txl-tiny'), {'mem_len': 64, **flags})
+  cfg = field_flags.override(presets.get_preset('txl-tiny'), {'mem_len': 64, **flags})
   with raises_for_cli(words) as info:
     cfg.validate()
   assert '\n' not in str(info.value)
 
 
 def test_eval_mem_len_needs_a_memory():
-  from ouroboros_jax.training import config
+  from ouroboros_jax.training import field_flags, presets
 
-  cfg = config.override(config.get_preset('tiny'), {'eval_mem_len': 8})
+  cfg = field_flags.override(presets.get_preset('tiny'), {'eval_mem_len': 8})
   with raises_for_cli('--model transformer-xl'):
     cfg.validate()
 
 
 def test_presets_of_the_paper_validate_and_order_segments():
-  from ouroboros_jax.training import config
+  from ouroboros_jax.training import field_flags, presets
 
   for name in ('txl-enwik8-base', 'txl-wt103-base'):
-    cfg = config.get_preset(name)
+    cfg = presets.get_preset(name)
     cfg.validate()
     assert cfg.model.arch == 'transformer-xl' and cfg.segment_order
-  assert not config.get_preset('tiny').segment_order
-  assert not config.get_preset('txl-tiny').segment_order  # no memory: shuffled windows
-  with_memory = config.override(config.get_preset('txl-tiny'), {'mem_len': 64})
+  assert not presets.get_preset('tiny').segment_order
+  assert not presets.get_preset('txl-tiny').segment_order  # no memory: shuffled windows
+  with_memory = field_flags.override(presets.get_preset('txl-tiny'), {'mem_len': 64})
   assert with_memory.segment_order and with_memory.resolved_eval_mem_len == 64

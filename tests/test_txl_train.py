@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from ouroboros_jax import data
-from ouroboros_jax.training import config, loop
+from ouroboros_jax.training import field_flags, loop, presets
 
 
 def _wikitext(tmp_path, words=400, seed=0):
@@ -29,7 +29,7 @@ def _txl_config(tmp_path, **values):
     steps=3, eval_every=3, eval_batches=2, log_every=1, checkpoint_every=3, warmup_steps=1,
     out=str(tmp_path / 'run'),
   )  # fmt: skip
-  return config.override(config.get_preset('txl-tiny'), {**base, **values})
+  return field_flags.override(presets.get_preset('txl-tiny'), {**base, **values})
 
 
 def test_word_level_run_reports_perplexity(tmp_path):
@@ -52,7 +52,7 @@ def test_evaluation_carries_a_memory_of_its_own_length(tmp_path, prepared_data_d
   schedule, params, _ = loop.build(cfg)
   splits = data.load_splits('default', data_dir=prepared_data_dir)
   longer = loop.evaluate(schedule, params, splits['validation'], cfg, 3)
-  none = config.override(cfg, {'eval_mem_len': 0})
+  none = field_flags.override(cfg, {'eval_mem_len': 0})
   without = loop.evaluate(schedule, params, splits['validation'], none, 3)
   assert math.isfinite(longer) and math.isfinite(without)
   assert abs(longer - without) > 1e-4  # the memory is read

@@ -45,8 +45,9 @@ from ouroboros_jax.models import model as transformer
 from ouroboros_jax.models import partition
 from ouroboros_jax.runtime import host
 from ouroboros_jax.schedules import build_schedule
-from ouroboros_jax.training import assemble, config
-from ouroboros_jax.training.config import TrainConfig, make_optimizer
+from ouroboros_jax.training import assemble, field_flags
+from ouroboros_jax.training.config import TrainConfig
+from ouroboros_jax.training.optimizer_setup import make_optimizer
 
 GIB = 2**30
 TOPOLOGY_EXAMPLES = 'v5e:2x2, v5e:2x4, v4:2x2x1, v5p:2x2x1, v6e:2x2'
@@ -124,7 +125,7 @@ def compile_step(cfg: TrainConfig, topology: str | None = None) -> dict:
   devices = _target_devices(cfg, topology)
   # The step is traced here, maybe for another platform: pin the attention kernel the target's
   # run would pick ('auto' would look at this machine's backend).
-  cfg = config.override(cfg, {'attention': cfg.model.attention_kind(devices[0].platform)})
+  cfg = field_flags.override(cfg, {'attention': cfg.model.attention_kind(devices[0].platform)})
   run = cfg.schedule_config(devices[0].platform)
   schedule, state, batch = _abstract_step(cfg, run, devices)
 

@@ -37,7 +37,7 @@ from ouroboros_jax.perf import compile as compile_lib
 from ouroboros_jax.perf import simulate
 from ouroboros_jax.schedules import ScheduleConfig
 from ouroboros_jax.schedules.config import AUTO
-from ouroboros_jax.training import config
+from ouroboros_jax.training import field_flags
 from ouroboros_jax.training.config import TrainConfig
 
 # Every policy of the graph stash (as every other schedule may recompute), and the replay stash.
@@ -249,10 +249,10 @@ def plan(
   rows, skipped = [], []
   tried = settings(len(devices), tries, cfg.schedule, cfg.model.num_layers)
   for setting in tried:
-    flags = config.train_flags(setting)
-    run = config.override(cfg, flags)
+    flags = field_flags.train_flags(setting)
+    run = field_flags.override(cfg, flags)
     if setting.name != 'ouroboros' and run.compensation not in (AUTO, 'none'):
-      run = config.override(run, {'compensation': AUTO})  # none there, the same optimizer
+      run = field_flags.override(run, {'compensation': AUTO})  # none there, the same optimizer
     reason = applies(run)
     if reason is not None:
       skipped.append({'label': setting.label, 'reason': reason})
@@ -306,7 +306,7 @@ def applies(run: TrainConfig) -> str | None:
   try:
     run.validate()
   except ConfigError as e:
-    return errors.render(e.marked, config.field_flag).rstrip('.')
+    return errors.render(e.marked, field_flags.field_flag).rstrip('.')
   return None
 
 

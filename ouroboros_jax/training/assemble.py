@@ -14,7 +14,8 @@ from ouroboros_jax import schedules, staged
 from ouroboros_jax.accelerators import pld, stdloss
 from ouroboros_jax.models import attention, partition
 from ouroboros_jax.models import model as transformer
-from ouroboros_jax.training.config import TrainConfig, make_optimizer
+from ouroboros_jax.training.config import TrainConfig
+from ouroboros_jax.training.optimizer_setup import make_optimizer
 
 
 def build(cfg: TrainConfig):

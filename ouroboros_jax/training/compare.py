@@ -1,7 +1,7 @@
 """Plain training against each training accelerator, on the same data and token budget.
 
-    from ouroboros_jax.training import compare, config
-    base = config.override(config.get_preset('tiny'), {'num_layers': 4, 'steps': 300})
+    from ouroboros_jax.training import compare, config, field_flags, presets
+    base = field_flags.override(presets.get_preset('tiny'), {'num_layers': 4, 'steps': 300})
     results = compare.compare(base, out_dir='runs/accelerators')
     print(compare.markdown_table(results))
     compare.plot(results, 'accelerators.png')
@@ -40,7 +40,7 @@ import dataclasses
 import json
 import os
 
-from ouroboros_jax.training import config
+from ouroboros_jax.training import config, field_flags
 
 FIELDS = (
   'method',
@@ -80,7 +80,7 @@ def methods(steps: int, num_layers: int) -> dict[str, dict]:
 
 
 def flag_text(overrides: dict) -> str:
-  return ' '.join(f'{config.flag(k)} {v}' for k, v in overrides.items()) or '(none)'
+  return ' '.join(f'{field_flags.flag(k)} {v}' for k, v in overrides.items()) or '(none)'
 
 
 def curves(out_dir: str) -> list[dict]:
@@ -112,7 +112,7 @@ def compare(
       import shutil
 
       shutil.rmtree(run_dir)
-    cfg = config.override(base, table[name])
+    cfg = field_flags.override(base, table[name])
     cfg = dataclasses.replace(cfg, out=run_dir, checkpoint_every=10**9, keep_checkpoints=1)
     cfg.validate()
     log(f'[{name}] {flag_text(table[name])}')

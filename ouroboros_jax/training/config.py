@@ -1,57 +1,39 @@
-"""Training configurations: one frozen `TrainConfig` and the named presets (`PRESETS`).
+"""Training configurations: one frozen `TrainConfig`, its checks and resolution, and the flat
+namespace of its fields (`fields`, `flat`).
 
 A run is fully described by a `TrainConfig`: the model shape (`ModelConfig`, in `cfg.model`), the
 schedule settings (`ScheduleConfig`, in `cfg.schedule`) plus the data, optimizer, evaluation and
-checkpoint settings. Presets are starting points; every field of the three dataclasses can be
-overridden by name, which is how the CLI's flags work:
+checkpoint settings. Presets are starting points (presets.py); every field of the three
+dataclasses can be overridden by name (field_flags.py), which is how the CLI's flags work:
 
-    from ouroboros_jax.training import config
-    cfg = config.get_preset('tiny')
-    cfg = config.override(cfg, {'d_model': 64, 'steps': 10, 'schedule': 'ouroboros'})
+    from ouroboros_jax.training import field_flags, presets
+    cfg = presets.get_preset('tiny')
+    cfg = field_flags.override(cfg, {'d_model': 64, 'steps': 10, 'schedule': 'ouroboros'})
     cfg.validate()
-
-The presets (`PRESETS` below holds their values; docs/guides/cli.md#presets tabulates them):
-
-    tiny             2 layers, 128 wide: a learned model in minutes on 2 CPU cores (the default)
-    small            4 layers, 192 wide: ~25 min on 2 CPU cores
-    enwik8-base      Transformer-XL's base enwik8 model's size, without its recurrence memory
-    txl-tiny         Transformer-XL's relative attention (txl.py) at tiny's size and wall-clock
-    txl-enwik8-base  Transformer-XL's enwik8 base model in the paper's settings (--data enwik8:PATH)
-    txl-wt103-base   Transformer-XL's WikiText-103 base model, a word vocabulary (--data
-                     wikitext103:DIR)
-    gpt2-small       GPT-2 small's shape
-
-Tokens are bytes (vocabulary 256) but for txl-wt103-base's words. `enwik8-base` is the size of
-Transformer-XL's base enwik8 model (Dai et al. 2019: 12 layers, 512 wide, 8 heads, inner 2048,
-target length 512, dropout 0.1, Adam at 2.5e-4 with cosine decay, batch 22, clip 0.25); point it
-at enwik8 with `--data text:/path/to/enwik8`. `gpt2-small` has GPT-2 small's shape but GPT-2 uses
-a 50257-token BPE vocabulary (124M parameters); here the vocabulary is 256 bytes, so it has ~86M
-parameters.
 
 The optimizer (`--optimizer auto`, `TrainConfig.resolved_optimizer`) is Muon for every schedule:
 `optax.contrib.muon` on the layer kernels at their own rate (`DEFAULT_MUON_RATES`), Adam at
 `learning_rate` on embeddings, norms and biases; AdamW (the paper's) for `--compensation none`,
 `--growth` and `--vcycle` (optimizers.py has each). Linear warmup and cosine decay to
-`learning_rate * min_lr_ratio` (`make_optimizer`); the schedule clips the global gradient norm to
-`clip_norm` before the update.
+`learning_rate * min_lr_ratio` (`optimizer_setup.make_optimizer`); the schedule clips the global
+gradient norm to `clip_norm` before the update. Older runs' saved configs read through
+migrations.py (`TrainConfig.from_dict`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import math
 import numbers
 import typing
 from typing import Any, Mapping
 
-import optax
-
 from ouroboros_jax import optimizers
 from ouroboros_jax.errors import ConfigError, field_ref
 from ouroboros_jax.models.model import ModelConfig
 from ouroboros_jax.schedules.config import AUTO, ScheduleConfig
+from ouroboros_jax.training import migrations
 
 
 class Plans(typing.NamedTuple):
@@ -142,6 +124,16 @@ class TrainConfig:
   def _validated(self) -> bool:
     _check_types(self)  # before the model's checks compare numbers
     self.model.validate()
+    self._check_values()
+    self.check_compensation()  # before the schedule: an unknown --compensation names itself
+    self._check_schedule()
+    self.plans  # parses --layers-per-stage, --pld, --growth, --vcycle, --std-loss-layers
+    self.check_accelerators()
+    self.check_memory()
+    return True
+
+  def _check_values(self) -> None:
+    """Each number finite and in range, each text given not empty."""
     for name, value in flat(self).items():  # nan and inf pass every comparison below
       if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f'{field_ref(name)} must be a finite number, got {value}.')
@@ -184,7 +176,9 @@ class TrainConfig:
       raise ConfigError(f'‹min_lr_ratio› must be in [0, 1], got {self.min_lr_ratio}.')
     if self.weight_decay < 0:
       raise ConfigError(f'‹weight_decay› must be >= 0, got {self.weight_decay}.')
-    self.check_compensation()  # before the schedule: an unknown --compensation names itself
+
+  def _check_schedule(self) -> None:
+    """The schedule's own checks, and how it fits the run's steps, model and batch."""
     # Checked as on CPU: asking JAX for its backend here would start it before a multi-process
     # run joins its group (the accelerators' default micro-batches always divide the batch).
     self.schedule_config('cpu').validate()
@@ -216,10 +210,6 @@ class TrainConfig:
         f'{field_ref("data_parallel", self.schedule.data_parallel)}; choose ‹batch_size› as a '
         'multiple of it.'
       )
-    self.plans  # parses --layers-per-stage, --pld, --growth, --vcycle, --std-loss-layers
-    self.check_accelerators()
-    self.check_memory()
-    return True
 
   @property
   def segment_order(self) -> bool:
@@ -467,177 +457,37 @@ class TrainConfig:
 
   @classmethod
   def from_dict(cls, d: Mapping[str, Any]) -> 'TrainConfig':
-    """From `to_dict`'s output; also reads the flat layout of runs written before the schedule
-    settings were nested (`schedule` a name, `stages`, `stash`, ... beside it), and runs written
-    before --flow (they ran as one batch)."""
-    d = dict(d)
-    d.setdefault('state_dtype', 'float32')  # saved before --state-dtype: every state in float32
+    """From `to_dict`'s output; also reads the configs older runs wrote
+    (`migrations.upgrade`: the flat layout of runs written before the schedule settings were
+    nested, runs written before --flow, ...)."""
+    d = migrations.upgrade(d)
     model = ModelConfig(**d.pop('model', {}))
-    schedule = d.pop('schedule', {})
-    if isinstance(schedule, str):  # the flat layout
-      schedule = {'name': schedule, 'num_stages': d.pop('stages', 1)}
-      for name in _FLAT_SCHEDULE_FIELDS:
-        if name in d:
-          schedule[name] = d.pop(name)
+    schedule = d.pop('schedule')
     schedule = {k: v for k, v in schedule.items() if k not in _RESOLVED_SCHEDULE_FIELDS}
-    if schedule.get('name') == 'ouroboros':
-      schedule.setdefault('flow', 'batch')  # saved before --flow: the ring ran as one batch
-    elif schedule.get('flow') == 'batch':  # saved as the default before --flow auto
-      del schedule['flow']  # (no other schedule has a flow)
-    # Saved before they were refused where nothing reads them (every config.json holds them, and
-    # the stash policy's default was 'all'): the other schedules' tied gradient and the replay
-    # stash's policy. The other schedules' policy is kept: it recomputes now, and a resume does
-    # not compare it there (resume.check_resumable).
-    unread = ('tied_grad',) if schedule.get('name') != 'ouroboros' else ()
-    if schedule.get('stash') == 'replay':
-      unread = ('stash_policy', *unread)
-    for name in unread:
-      schedule.pop(name, None)
     return cls(model=model, schedule=ScheduleConfig(**schedule), **d)
 
 
 # ScheduleConfig fields TrainConfig fills in (`schedule_config`), and so has no flag or record of.
 _RESOLVED_SCHEDULE_FIELDS = ('seed', 'compensation')
-_FLAT_SCHEDULE_FIELDS = (
-  'data_parallel',
-  'clip_norm',
-  'microbatches',
-  'chunks',
-  'stash',
-  'stash_policy',
-  'stash_memory',
-  'forward',
-  'flow',
-  'sync_warmup_steps',
-  'tied_grad',
-)
-
-
-def lr_schedule(cfg: TrainConfig, steps: int | None = None, peak: float | None = None):
-  """Linear warmup then cosine decay over `steps` (default cfg.steps) to `peak` (default
-  cfg.learning_rate) times min_lr_ratio."""
-  steps = cfg.steps if steps is None else steps
-  peak = cfg.learning_rate if peak is None else peak
-  return optax.warmup_cosine_decay_schedule(
-    init_value=0.0,
-    peak_value=peak,
-    warmup_steps=max(min(cfg.warmup_steps, steps - 1), 0),
-    decay_steps=max(steps, 1),
-    end_value=peak * cfg.min_lr_ratio,
-  )
 
 
 # The default optimizer of every schedule (`--optimizer auto`), the best measured: backprop with
 # Muon against AdamW, each at its best rate (experiments/lr_sweep.py; tiny preset, 4 layers, 1000
-# steps; the numbers: docs/results/README.md#q-muon); the exact pipelines give backprop's parameters, so
-# the same. Its kernels' peak rate as measured best: 0.04 for exact gradients (grid 0.01-0.08),
-# 0.02 under Ouroboros' delays.
+# steps; the numbers: docs/results/README.md#q-muon); the exact pipelines give backprop's
+# parameters, so the same. Its kernels' peak rate as measured best: 0.04 for exact gradients (grid
+# 0.01-0.08), 0.02 under Ouroboros' delays. Here, with what resolves them
+# (`TrainConfig.resolved_optimizer`, `resolved_muon_learning_rate`); optimizer_setup.py builds the
+# optimizer they name.
 DEFAULT_OPTIMIZER = 'muon'
 DEFAULT_MUON_RATES = {'exact': 0.04, 'delayed': 0.02}
 RECIPE_OPTIMIZER = DEFAULT_OPTIMIZER
 # The compensations `--compensation auto` gives Ouroboros: schedules.config.RECIPE_COMPENSATION.
 
 
-def make_optimizer(cfg: TrainConfig, *, muon_dims: optimizers.MuonDims = optimizers.LIBRARY_DIMS):
-  """--optimizer (Muon by default, `TrainConfig.resolved_optimizer`) with linear warmup and
-  cosine decay; Muon's kernels follow the same schedule to their own peak. `muon_dims`: the
-  model's matrices for Muon (`optimizers.muon_dimensions`; default: the built-in models', the
-  CLI's; `recipe` passes a user's own)."""
-  return optimizers.make_optimizer(
-    cfg.resolved_optimizer(),
-    lr_schedule(cfg),
-    weight_decay=cfg.weight_decay,
-    muon_learning_rate=lr_schedule(cfg, peak=cfg.resolved_muon_learning_rate()),
-    b1=cfg.momentum,
-    muon_dims=muon_dims,
-    state_dtype=cfg.resolved_state_dtype(),
-  )
-
-
 DATA_ORDERS = ('auto', 'windows', 'segments')
 
-# ----------------------------------------------------------------------------- presets
 
-# A table, kept as one: `ruff format` would give every field its own line.
-# fmt: off
-PRESETS: dict[str, TrainConfig] = {
-  # Tuned on a 2-core CPU: ~18k tokens/s, 2000 steps in ~4 minutes including compilation.
-  # Two layers beat four there: at this budget more tokens matter more than depth. 2048 tokens
-  # per step stays under the early critical batch; 1e-2 is close to where training stalls.
-  'tiny': TrainConfig(
-      model=ModelConfig(d_model=128, num_heads=4, num_layers=2, d_ff=512, seq_len=64),
-      preset='tiny', batch_size=32, steps=2000, learning_rate=5e-3, warmup_steps=50,
-      log_every=20, eval_every=500, eval_batches=125,  # 125: all of the default validation
-      checkpoint_every=1000),
-  'small': TrainConfig(
-      model=ModelConfig(d_model=192, num_heads=6, num_layers=4, d_ff=768, seq_len=128),
-      preset='small', batch_size=32, steps=1500, learning_rate=3e-3, warmup_steps=100,
-      log_every=20, eval_every=250, eval_batches=60, checkpoint_every=500),
-  # Transformer-XL's enwik8 base model size (Dai et al. 2019), without its recurrence memory.
-  'enwik8-base': TrainConfig(
-      model=ModelConfig(d_model=512, num_heads=8, num_layers=12, d_ff=2048, seq_len=512,
-                        dropout=0.1),
-      preset='enwik8-base', batch_size=22, steps=400_000, learning_rate=2.5e-4,
-      warmup_steps=0, min_lr_ratio=0.0, weight_decay=0.0, schedule=ScheduleConfig(clip_norm=0.25),
-      log_every=100, eval_every=4000, eval_batches=100, checkpoint_every=4000),
-  # Transformer-XL's attention (txl.py) at tiny's size, with the steps that fill tiny's time, and
-  # u, v per layer (the reference code's TF scripts' --untie_r). Against `tiny` in the same time:
-  # docs/results/README.md#x-attention; at this size its memory does not pay for itself on 2 CPU
-  # cores (--mem-len 64, segment order): docs/results/README.md#x-memory.
-  'txl-tiny': TrainConfig(
-      model=ModelConfig(arch='transformer-xl', d_model=128, num_heads=4, num_layers=2, d_ff=512,
-                        seq_len=64, untie_r=True),
-      preset='txl-tiny', batch_size=32, steps=2100, learning_rate=5e-3, warmup_steps=50,
-      log_every=20, eval_every=500, eval_batches=125, checkpoint_every=1000),
-  # Transformer-XL itself (txl.py), in the paper's settings: its enwik8 base model (12 layers,
-  # post-LN, tgt_len 512, mem_len 512, Adam 2.5e-4 cosine, clip 0.25, batch 22; 1.06 bpc in the
-  # paper) and its WikiText-103 base model (16 layers, d 410, tgt/mem 150; the paper's adaptive
-  # softmax is a full softmax here). Point --data at the files: enwik8:PATH, wikitext103:DIR.
-  'txl-enwik8-base': TrainConfig(
-      model=ModelConfig(arch='transformer-xl', d_model=512, num_heads=8, num_layers=12,
-                        d_ff=2048, seq_len=512, mem_len=512, dropout=0.1, pre_ln=False),
-      preset='txl-enwik8-base', batch_size=22, steps=400_000, learning_rate=2.5e-4,
-      warmup_steps=0, min_lr_ratio=0.0, weight_decay=0.0, schedule=ScheduleConfig(clip_norm=0.25),
-      log_every=200, eval_every=4000, eval_batches=100, checkpoint_every=4000),
-  'txl-wt103-base': TrainConfig(
-      model=ModelConfig(arch='transformer-xl', vocab_size=267_735, d_model=410, num_heads=10,
-                        num_layers=16, d_ff=2100, seq_len=150, mem_len=150, dropout=0.1,
-                        pre_ln=False),
-      preset='txl-wt103-base', batch_size=60, steps=200_000, learning_rate=2.5e-4,
-      warmup_steps=0, min_lr_ratio=0.0, weight_decay=0.0, schedule=ScheduleConfig(clip_norm=0.25),
-      log_every=200, eval_every=4000, eval_batches=100, checkpoint_every=4000),
-  # GPT-2 small's shape (124M parameters with its 50257-token BPE vocabulary). This is a
-  # byte-level model (vocabulary 256), so it has ~86M parameters and is not GPT-2's tokenizer.
-  'gpt2-small': TrainConfig(
-      model=ModelConfig(d_model=768, num_heads=12, num_layers=12, d_ff=3072, seq_len=1024,
-                        dropout=0.1),
-      preset='gpt2-small', batch_size=32, steps=100_000, learning_rate=6e-4,
-      warmup_steps=2000, min_lr_ratio=0.1, weight_decay=0.1, log_every=100,
-      eval_every=2000, eval_batches=50, checkpoint_every=2000),
-}
-# fmt: on
-
-
-def get_preset(name: str) -> TrainConfig:
-  if name not in PRESETS:
-    raise ConfigError(f'unknown {field_ref("preset", name)}; choose one of {", ".join(PRESETS)}.')
-  return PRESETS[name]
-
-
-# ----------------------------------------------------------------------------- fields & overrides
-
-
-def flag(name: str) -> str:
-  return '--' + name.replace('_', '-')
-
-
-def field_flag(name: str) -> str | None:
-  """The command-line flag of a config field, by its flat name or its name in ModelConfig,
-  ScheduleConfig or TrainConfig (`num_stages` -> --stages); None for a name that is not one."""
-  by_attribute = {f.attribute: flat_name for flat_name, f in fields().items()}
-  if name in fields():
-    return flag(name)
-  return flag(by_attribute[name]) if name in by_attribute else None
+# ----------------------------------------------------------------------------- fields
 
 
 @functools.lru_cache(maxsize=None)
@@ -652,7 +502,7 @@ _FLAG_NAMES = {
   (ModelConfig, 'arch'): 'model',
 }
 # Where each nested config sits in TrainConfig.
-_NESTED = {ModelConfig: 'model', ScheduleConfig: 'schedule'}
+NESTED = {ModelConfig: 'model', ScheduleConfig: 'schedule'}
 
 
 class Field(typing.NamedTuple):
@@ -675,7 +525,7 @@ def fields() -> dict[str, Field]:
   out = {}
   for cls in (ModelConfig, ScheduleConfig, TrainConfig):
     for f in dataclasses.fields(cls):
-      if (cls is TrainConfig and f.name in _NESTED.values()) or (
+      if (cls is TrainConfig and f.name in NESTED.values()) or (
         cls is ScheduleConfig and f.name in _RESOLVED_SCHEDULE_FIELDS
       ):
         continue
@@ -686,23 +536,6 @@ def fields() -> dict[str, Field]:
       assert name not in out, name
       out[name] = Field(args[0] if optional else hint, optional, cls, f.name)
   return out
-
-
-def override(cfg: TrainConfig, values: Mapping[str, Any]) -> TrainConfig:
-  """A copy of cfg with settings replaced by flat name (`fields`); unknown names raise."""
-  known = fields()
-  changes = {cls: {} for cls in (ModelConfig, ScheduleConfig, TrainConfig)}
-  for name, value in values.items():
-    if name not in known:
-      close = difflib.get_close_matches(name, known, n=1)
-      hint = f'; did you mean {field_ref(close[0])}?' if close else ' (see `config.fields()`).'
-      raise ConfigError(f'unknown field {field_ref(name)}{hint}')
-    field = known[name]
-    changes[field.owner][field.attribute] = value
-  nested = {
-    attr: dataclasses.replace(getattr(cfg, attr), **changes[cls]) for cls, attr in _NESTED.items()
-  }
-  return dataclasses.replace(cfg, **nested, **changes[TrainConfig])
 
 
 def _check_types(cfg: TrainConfig) -> None:
@@ -723,15 +556,6 @@ def flat(cfg: TrainConfig) -> dict[str, Any]:
   """Every setting by its flat name, as `override` takes them."""
   out = {}
   for name, field in fields().items():
-    owner = cfg if field.owner is TrainConfig else getattr(cfg, _NESTED[field.owner])
+    owner = cfg if field.owner is TrainConfig else getattr(cfg, NESTED[field.owner])
     out[name] = getattr(owner, field.attribute)
   return out
-
-
-def train_flags(schedule: ScheduleConfig) -> dict[str, Any]:
-  """Every setting of `schedule` by its `ouroboros train` flag's flat name (`fields()`:
-  --schedule for `name`, --stages for `num_stages`, ...), as `override` takes them:
-  `override(cfg, train_flags(s))` runs cfg on the schedule `s` (all of it but the seed and
-  the compensation, which TrainConfig's own --seed and --compensation give)."""
-  values = flat(dataclasses.replace(TrainConfig(), schedule=schedule))
-  return {n: v for n, v in values.items() if fields()[n].owner is ScheduleConfig}

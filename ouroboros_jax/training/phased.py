@@ -28,8 +28,9 @@ from ouroboros_jax.accelerators import growth, vcycle
 from ouroboros_jax.errors import NonFiniteLossError
 from ouroboros_jax.models import model as transformer
 from ouroboros_jax.training import rundir
-from ouroboros_jax.training.config import TrainConfig, lr_schedule
+from ouroboros_jax.training.config import TrainConfig
 from ouroboros_jax.training.metrics import MetricsLog, Report, batch_crc32
+from ouroboros_jax.training.optimizer_setup import lr_schedule
 
 
 @functools.lru_cache(maxsize=16)
@@ -113,7 +114,7 @@ def train_phased(
 
 
 def _mu_dtype(cfg: TrainConfig):
-  """AdamW's first moment in the run's --state-dtype, as `config.make_optimizer` stores it."""
+  """AdamW's first moment in the run's --state-dtype, as `optimizer_setup.make_optimizer` stores it."""
   return optimizers.state_jnp_dtype(cfg.resolved_state_dtype())
 
 

@@ -8,8 +8,8 @@ A bare `ScheduleConfig(name='ouroboros')` resolves its `auto`s when it is built,
 schedule (`ScheduleConfig.for_platform`); the paper's method is `compensation=Compensation()`.
 `recipe` gives the resolved settings and the optimizer, what `ouroboros train` gives for the same
 flags: it builds the `TrainConfig` the CLI builds (the preset, the flags applied by
-`config.override`) and asks it the same questions, `TrainConfig.schedule_config` (the
-compensation, the flow and the micro-batches for the platform) and `config.make_optimizer` (the
+`field_flags.override`) and asks it the same questions, `TrainConfig.schedule_config` (the
+compensation, the flow and the micro-batches for the platform) and `optimizer_setup.make_optimizer` (the
 optimizer, its rates and their warmup and cosine decay). No default is restated here.
 """
 
@@ -24,7 +24,7 @@ import optax
 from ouroboros_jax import optimizers
 from ouroboros_jax.errors import ConfigError, field_ref
 from ouroboros_jax.schedules.config import ScheduleConfig
-from ouroboros_jax.training import config
+from ouroboros_jax.training import config, field_flags, optimizer_setup, presets
 
 # The TrainConfig flags that shape the schedule or the optimizer, besides ScheduleConfig's own
 # (--schedule, --stages, --microbatches, --flow, ...): what `recipe` takes as keywords.
@@ -101,11 +101,11 @@ def recipe(
       raise ConfigError(
         f'recipe() takes the flags of the schedule and the optimizer, not {field_ref(flag)}{hint}'
       )
-  cfg = config.override(config.get_preset(preset), given)  # as the CLI's config_from_args
+  cfg = field_flags.override(presets.get_preset(preset), given)  # as the CLI's config_from_args
   _validate(cfg)
   # A user's model: their muon_dims, never the built-in models' (which would place a user's
   # module that happens to share a name, e.g. a DenseGeneral 'qkv', silently and wrongly).
-  optimizer = config.make_optimizer(cfg, muon_dims={} if muon_dims is None else muon_dims)
+  optimizer = optimizer_setup.make_optimizer(cfg, muon_dims={} if muon_dims is None else muon_dims)
   return Recipe(cfg.schedule_config(platform), optimizer, cfg.resolved(platform))
 
 

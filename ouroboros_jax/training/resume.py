@@ -11,7 +11,7 @@ import jax
 
 from ouroboros_jax.errors import CheckpointError
 from ouroboros_jax.models import model as transformer
-from ouroboros_jax.training import checkpoint, config, metrics
+from ouroboros_jax.training import checkpoint, config, field_flags, metrics
 from ouroboros_jax.training.config import TrainConfig
 
 # Settings that fix the shape of the TrainState or the data stream (with every ModelConfig
@@ -89,7 +89,9 @@ def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str)
     have['layers_per_stage'] = ','.join(map(str, layers_per_stage))
 
   def flags(values):
-    return ' '.join(f'{config.flag(n)} {"none" if values[n] is None else values[n]}' for n in wrong)
+    return ' '.join(
+      f'{field_flags.flag(n)} {"none" if values[n] is None else values[n]}' for n in wrong
+    )
 
   if wrong:
     raise CheckpointError(
@@ -100,7 +102,7 @@ def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str)
   ignored = set(names) | {'out', 'layers_per_stage'}
   spell = lambda v: 'none' if v is None else v  # as the flag takes it (--momentum none)
   return [
-    f'{config.flag(n)} {spell(want[n])} -> {spell(have[n])}'
+    f'{field_flags.flag(n)} {spell(want[n])} -> {spell(have[n])}'
     for n in have
     if n not in ignored and n in want and want[n] != have[n]
   ]
@@ -200,11 +202,11 @@ def finished_summary(cfg: TrainConfig, resume_from: int | None) -> dict | None:
     raise CheckpointError(
       f'{cfg.out_dir} holds a run finished at step {step} (metrics.jsonl holds its test row), '
       f'but its {path} {damage}; nothing to resume: put summary.json back, or pass '
-      f'{config.flag("steps")} above {step} to train on.'
+      f'{field_flags.flag("steps")} above {step} to train on.'
     )
   print(
     f'{cfg.out_dir} holds a run finished at step {step} ({path}); nothing to resume and '
-    f'nothing changed: pass {config.flag("steps")} above {step} to train on.',
+    f'nothing changed: pass {field_flags.flag("steps")} above {step} to train on.',
     flush=True,
   )
   _warn_if_unreadable(cfg.out_dir, step)

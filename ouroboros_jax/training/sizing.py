@@ -30,7 +30,8 @@ import jax
 from ouroboros_jax.errors import ConfigError, field_ref
 from ouroboros_jax.models import model as transformer
 from ouroboros_jax.schedules import compensation
-from ouroboros_jax.training.config import TrainConfig, make_optimizer
+from ouroboros_jax.training.config import TrainConfig
+from ouroboros_jax.training.optimizer_setup import make_optimizer
 
 
 def _bytes(tree) -> int:
