@@ -733,10 +733,11 @@ def test_a_split_backward_gives_b_its_measured_share_and_w_the_rest(name, share)
       costs([f], [b], input_grad_share=wrong)
 
 
-def test_costs_from_one_measured_layer_scale_by_each_stage_s_layers():
-  """experiments/layer_costs.py's rows -> StageCosts: every stage pays its layers' measured
-  forward, backward and update, device 0 also the head and the embedding's update, and a
-  measured micro-batch replaces the division by M."""
+def test_costs_from_one_measured_layer_scale_by_each_stage_s_layers(experiment):
+  """experiments/layer_costs.py's rows -> StageCosts (experiments/simulate.py's
+  `measured_transformer_costs`): every stage pays its layers' measured forward, backward and
+  update, device 0 also the head and the embedding's update, and a measured micro-batch replaces
+  the division by M."""
   model = sim.ModelShape('m', num_layers=4, d_model=8, d_ff=32, seq_len=4, vocab=16, batch=32)
   row = lambda f, b: {
     'fwd_s_per_layer': f,
@@ -745,7 +746,7 @@ def test_costs_from_one_measured_layer_scale_by_each_stage_s_layers():
     'update_s_per_layer_adamw': 0.5,
     'update_s_embed_head_adamw': 0.25,
   }
-  costs = sim.measured_transformer_costs(
+  costs = experiment.measured_transformer_costs(
     model, sim.NVLINK, 2, {32: row(1.0, 2.0), 4: row(0.2, 0.3)}
   )
   layers = cost_model.balance_layers(4, 2, 3.0, 3.0)

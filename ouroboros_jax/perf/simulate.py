@@ -837,47 +837,6 @@ def transformer_costs(
   )
 
 
-def measured_transformer_costs(
-  model: ModelShape,
-  hardware: Hardware,
-  num_stages: int,
-  layer_rows: Mapping[int, Mapping[str, float]],
-  optimizer: str = 'adamw',
-  bytes_per_value: int = 2,
-) -> StageCosts:
-  """StageCosts of `model` cut into `num_stages` groups, from one layer's measured costs
-  instead of a FLOP rate: `layer_rows` maps rows (the batch, or one micro-batch of it) to a row of
-  experiments/layer_costs.py (fwd_s_per_layer, bwd_s_per_layer, head_s: embedding + head, f + b;
-  update_s_per_layer_<optimizer>, update_s_embed_head_<optimizer>). A micro-batch size that was
-  measured is charged as measured; the links are `hardware`'s."""
-  whole = layer_rows[model.batch]
-  per_layer = whole['fwd_s_per_layer'] + whole['bwd_s_per_layer']
-  layers_per_stage = costs.balance_layers(model.num_layers, num_stages, per_layer, whole['head_s'])
-  tokens = model.batch * model.seq_len
-  update = [n * whole[f'update_s_per_layer_{optimizer}'] for n in layers_per_stage]
-  update[0] += whole[f'update_s_embed_head_{optimizer}']
-  micro = {
-    model.batch // rows: row for rows, row in layer_rows.items() if rows < model.batch
-  }  # M -> the row of one micro-batch of B / M rows
-  return StageCosts(
-    forward_s=[n * whole['fwd_s_per_layer'] for n in layers_per_stage],
-    backward_s=[n * whole['bwd_s_per_layer'] for n in layers_per_stage],
-    head_s=whole['head_s'],
-    activation_bytes=tokens * model.d_model * bytes_per_value,
-    grad_bytes=model.params * bytes_per_value,
-    bandwidth=hardware.bandwidth,
-    latency=hardware.latency,
-    update_s=update,
-    batch_size=model.batch,
-    microbatch_forward_s={
-      m: [n * row['fwd_s_per_layer'] for n in layers_per_stage] for m, row in micro.items()
-    },
-    microbatch_backward_s={
-      m: [n * row['bwd_s_per_layer'] for n in layers_per_stage] for m, row in micro.items()
-    },
-  )
-
-
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
   name: str
