@@ -147,10 +147,12 @@ def test_a_layer_with_a_mask_and_positions_equals_the_users_forward_and_gradient
   model, loss, params = model_and_loss()
   staging = staging_of(model)
   batch = batches(1)[0]
-  got = staging.model.forward_loss(staging.params, batch)[0]
-  assert abs(float(got) - float(loss(params, batch))) < 1e-6
-  grads = jax.grad(lambda p: staging.model.forward_loss(p, batch)[0])(staging.params)
-  want = jax.grad(loss)(params, batch)
+  # Jitted: op by op, the staged model's forward and gradient took 10-25 s.
+  staged_loss = jax.jit(lambda p: staging.model.forward_loss(p, batch)[0])
+  got = staged_loss(staging.params)
+  assert abs(float(got) - float(jax.jit(loss)(params, batch))) < 1e-6
+  grads = jax.jit(jax.grad(staged_loss))(staging.params)
+  want = jax.jit(jax.grad(loss))(params, batch)
   assert max_abs_diff(as_mine(staging.to_layers(grads)), want) < 1e-6
   assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(want)) > 1e-3
   # What travels between stages: x, the bool mask and the int positions, each batch-leading.
@@ -162,7 +164,8 @@ def test_a_layer_with_a_mask_and_positions_equals_the_users_forward_and_gradient
   unmasked = from_layers(
     model.embed, model.layers[0], model.head, layers=model.layers, num_stages=2, context=free
   )
-  assert abs(float(unmasked.model.forward_loss(unmasked.params, batch)[0]) - float(got)) > 1e-4
+  unmasked_loss = jax.jit(lambda p: unmasked.model.forward_loss(p, batch)[0])
+  assert abs(float(unmasked_loss(unmasked.params)) - float(got)) > 1e-4
 
 
 def test_backprop_trains_a_layer_with_context_as_jax_grad_does():
