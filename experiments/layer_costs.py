@@ -1,8 +1,8 @@
 """Per-layer costs of the simulator's model shapes, measured on this machine's first device.
 
-For each model shape of `perf.simulate.MODELS` (GPT-2-small: d 768, seq 1024; 1B: d 2048, seq
+For each model shape of `perf.cost_model.MODELS` (GPT-2-small: d 768, seq 1024; 1B: d 2048, seq
 2048; vocabulary 50257, batch 32) it times, on one device, in the simulator's form
-(`simulate.StageCosts`: every time is for the rows given, a layer's backward from its kept
+(`cost_model.StageCosts`: every time is for the rows given, a layer's backward from its kept
 graph):
 
     fwd_s_per_layer      one Transformer layer's forward (the graph stash's, keeping residuals)
@@ -38,7 +38,7 @@ import numpy as np
 from ouroboros_jax import costs
 from ouroboros_jax.models import model as transformer
 from ouroboros_jax.models import partition
-from ouroboros_jax.perf import calibration, simulate, timing
+from ouroboros_jax.perf import calibration, cost_model, timing
 from ouroboros_jax.schedules.stash import GraphStash
 from ouroboros_jax.update import GroupedOptimizer
 
@@ -62,7 +62,7 @@ COLUMNS = [
 def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--out', default='experiments/results/layer_costs')
-  parser.add_argument('--models', default=','.join(simulate.MODELS))
+  parser.add_argument('--models', default=','.join(cost_model.MODELS))
   parser.add_argument('--dtype', default='bfloat16')
   parser.add_argument('--attention', default='auto', help='auto: cuDNN on a GPU in bf16')
   parser.add_argument('--microbatches', default='8', help='comma list of M (rows = batch / M)')
@@ -72,7 +72,7 @@ def parse_args(argv=None):
   return parser.parse_args(argv)
 
 
-def model_config(shape: simulate.ModelShape, args) -> transformer.ModelConfig:
+def model_config(shape: cost_model.ModelShape, args) -> transformer.ModelConfig:
   """One layer of `shape` as the library's Transformer (64-wide heads, no dropout)."""
   return transformer.ModelConfig(
     vocab_size=shape.vocab,
@@ -144,7 +144,7 @@ def time_updates(params, optimizer: str, repeats: int) -> dict:
   return out
 
 
-def measure(shape: simulate.ModelShape, args) -> list[dict]:
+def measure(shape: cost_model.ModelShape, args) -> list[dict]:
   cfg = model_config(shape, args)
   params = partition.to_staged(transformer.init_params(cfg, jax.random.key(0)), (1,))
   updates = {}
@@ -179,7 +179,7 @@ def measure(shape: simulate.ModelShape, args) -> list[dict]:
 
 def main(argv=None) -> None:
   args = parse_args(argv)
-  shapes = [simulate.MODELS[name] for name in args.models.split(',')]
+  shapes = [cost_model.MODELS[name] for name in args.models.split(',')]
   if args.quick:
     shapes = [
       dataclasses.replace(s, d_model=64, d_ff=256, seq_len=32, vocab=256, batch=8) for s in shapes

@@ -90,6 +90,7 @@ from collections.abc import Mapping
 
 from ouroboros_jax import costs as cost_model
 from ouroboros_jax.choices import MICROBATCHED
+from ouroboros_jax.perf import cost_model as sim_costs
 from ouroboros_jax.perf import simulate as sim
 from ouroboros_jax.schedules import ScheduleConfig
 
@@ -144,8 +145,12 @@ def parse_args(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument('--out', default='experiments/results/simulate')
   parser.add_argument('--stages', default=','.join(map(str, STAGES)))
-  parser.add_argument('--models', default=','.join(sim.MODELS), help=', '.join(sim.MODELS))
-  parser.add_argument('--hardware', default=','.join(sim.HARDWARE), help=', '.join(sim.HARDWARE))
+  parser.add_argument(
+    '--models', default=','.join(sim_costs.MODELS), help=', '.join(sim_costs.MODELS)
+  )
+  parser.add_argument(
+    '--hardware', default=','.join(sim_costs.HARDWARE), help=', '.join(sim_costs.HARDWARE)
+  )
   parser.add_argument('--measured', metavar='CSV', help='compare with a benchmark CSV instead')
   parser.add_argument(
     '--render',
@@ -179,11 +184,11 @@ def parse_args(argv=None):
 
 
 def predict(
-  model: sim.ModelShape, hardware: sim.Hardware, stages, costs_of=None
+  model: sim_costs.ModelShape, hardware: sim_costs.Hardware, stages, costs_of=None
 ) -> tuple[list[dict], list]:
   """One row per (G, variant) that fits the model; and the G values that do not (G > layers).
-  costs_of(G): the StageCosts at G (default: `sim.transformer_costs` on `hardware`)."""
-  costs_of = costs_of or (lambda g: sim.transformer_costs(model, hardware, g))
+  costs_of(G): the StageCosts at G (default: `sim_costs.transformer_costs` on `hardware`)."""
+  costs_of = costs_of or (lambda g: sim_costs.transformer_costs(model, hardware, g))
   rows, skipped = [], [g for g in stages if g > model.num_layers]
   for num_stages in [g for g in stages if g <= model.num_layers]:
     costs = costs_of(num_stages)
@@ -238,13 +243,13 @@ def read_layer_costs(path: str) -> dict:
 
 
 def measured_transformer_costs(
-  model: sim.ModelShape,
-  hardware: sim.Hardware,
+  model: sim_costs.ModelShape,
+  hardware: sim_costs.Hardware,
   num_stages: int,
   layer_rows: Mapping[int, Mapping[str, float]],
   optimizer: str = 'adamw',
   bytes_per_value: int = 2,
-) -> sim.StageCosts:
+) -> sim_costs.StageCosts:
   """The simulator's StageCosts of `model` cut into `num_stages` groups, from one layer's measured costs
   instead of a FLOP rate: `layer_rows` maps rows (the batch, or one micro-batch of it) to a row of
   experiments/layer_costs.py (fwd_s_per_layer, bwd_s_per_layer, head_s: embedding + head, f + b;
@@ -261,7 +266,7 @@ def measured_transformer_costs(
   micro = {
     model.batch // rows: row for rows, row in layer_rows.items() if rows < model.batch
   }  # M -> the row of one micro-batch of B / M rows
-  return sim.StageCosts(
+  return sim_costs.StageCosts(
     forward_s=[n * whole['fwd_s_per_layer'] for n in layers_per_stage],
     backward_s=[n * whole['bwd_s_per_layer'] for n in layers_per_stage],
     head_s=whole['head_s'],
@@ -295,10 +300,10 @@ def plot_speedup(rows: list[dict], path: str) -> None:
 
   panels = sorted(
     {(r['hardware'], r['model']) for r in rows},
-    key=lambda p: (list(sim.HARDWARE).index(p[0]), list(sim.MODELS).index(p[1])),
+    key=lambda p: (list(sim_costs.HARDWARE).index(p[0]), list(sim_costs.MODELS).index(p[1])),
   )
-  hardware = sorted({p[0] for p in panels}, key=list(sim.HARDWARE).index)
-  models = sorted({p[1] for p in panels}, key=list(sim.MODELS).index)
+  hardware = sorted({p[0] for p in panels}, key=list(sim_costs.HARDWARE).index)
+  models = sorted({p[1] for p in panels}, key=list(sim_costs.MODELS).index)
   fig, axes = plt.subplots(
     len(hardware), len(models), squeeze=False, figsize=(5.5 * len(models), 4.2 * len(hardware))
   )
@@ -330,7 +335,7 @@ def plot_gantt(path: str, num_stages: int = 4, steps_shown: int = 3) -> None:
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt
 
-  costs = sim.transformer_costs(sim.GPT2_SMALL, sim.NVLINK, num_stages)
+  costs = sim_costs.transformer_costs(sim_costs.GPT2_SMALL, sim_costs.NVLINK, num_stages)
   runs = [(label, VARIANTS[label](num_stages)) for label in GANTT]
   colors = {
     'fwd': 'tab:blue',
@@ -404,7 +409,7 @@ def _per_stage(text: str, num_stages: int, schedule: str) -> list[float]:
   return values
 
 
-def measured_setting(row: dict) -> tuple[ScheduleConfig, sim.StageCosts]:
+def measured_setting(row: dict) -> tuple[ScheduleConfig, sim_costs.StageCosts]:
   """(the ScheduleConfig, its StageCosts) of one measured-CSV row."""
   schedule = row['schedule'].strip()
   devices = int(row['stages'])
@@ -421,7 +426,7 @@ def measured_setting(row: dict) -> tuple[ScheduleConfig, sim.StageCosts]:
     )
     if parts > 1 and (row.get(column) or '').strip() not in ('', '-')
   }
-  costs = sim.StageCosts(
+  costs = sim_costs.StageCosts(
     forward_s=_per_stage(row['fwd_s_per_stage'], num_stages, schedule),
     backward_s=_per_stage(row['bwd_s_per_stage'], num_stages, schedule),
     head_s=_number(row.get('head_s')),
@@ -438,7 +443,7 @@ def measured_setting(row: dict) -> tuple[ScheduleConfig, sim.StageCosts]:
     ),
     **measured_micro,
     concurrent_slowdown=_number(row.get('concurrent_slowdown'), 1.0),
-    input_grad_share=_number(row.get('input_grad_share'), sim.StageCosts.input_grad_share),
+    input_grad_share=_number(row.get('input_grad_share'), sim_costs.StageCosts.input_grad_share),
   )
   ring = dict(stash=_mode(row.get('stash'), 'graph'), forward=_mode(row.get('forward'), 'locked'))
   config = ScheduleConfig(
@@ -462,7 +467,7 @@ def compare_measured(path: str) -> list[dict]:
     # where the bench timed that program on one device (`calibration.one_device_probe`)
     one_device_s = _number(row.get('one_device_s'))
     scale = sim.program_scale(config, costs, one_device_s) if one_device_s else math.nan
-    in_program = sim.scaled(costs, scale) if one_device_s else costs
+    in_program = sim_costs.scaled(costs, scale) if one_device_s else costs
     result = sim.simulate(config, in_program, lockstep=True)  # as the library's executor runs
     measured, ring = float(row['step_time_s']), config.name == 'ouroboros'
     out.append(
@@ -487,7 +492,7 @@ def compare_measured(path: str) -> list[dict]:
   return out
 
 
-def unslowed(costs: sim.StageCosts) -> sim.StageCosts:
+def unslowed(costs: sim_costs.StageCosts) -> sim_costs.StageCosts:
   return dataclasses.replace(costs, concurrent_slowdown=1.0)
 
 
@@ -554,9 +559,9 @@ def main(argv=None):
   measured = read_layer_costs(args.layer_costs) if args.layer_costs else None
   rows = []
   for model_name in [m for m in args.models.split(',') if m]:
-    model = sim.MODELS[model_name]
+    model = sim_costs.MODELS[model_name]
     for hw_name in [h for h in args.hardware.split(',') if h]:
-      hardware, costs_of = sim.HARDWARE[hw_name], None
+      hardware, costs_of = sim_costs.HARDWARE[hw_name], None
       if measured is not None:
         device, layer_rows = measured[model_name]
         hardware = dataclasses.replace(hardware, name=f'{device} measured, {hardware.name} links')

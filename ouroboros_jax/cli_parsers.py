@@ -376,8 +376,8 @@ def _compile_parser(sub) -> argparse.ArgumentParser:
 
 
 def _plan_parser(sub) -> argparse.ArgumentParser:
+  from ouroboros_jax.perf import cost_model
   from ouroboros_jax.perf import plan as plan_lib
-  from ouroboros_jax.perf import simulate
 
   plan = _subcommand(
     sub,
@@ -397,7 +397,7 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
     default=None,
     metavar='NAME',
     help=f"the simulator's rates, one of {', '.join(plan_lib.HARDWARE)} (default: the "
-    f"topology's TPU generation, else {simulate.NVLINK.name})",
+    f"topology's TPU generation, else {cost_model.NVLINK.name})",
   )
   _json_flag(plan)
   plan.add_argument(

@@ -18,6 +18,7 @@ import pytest
 
 from ouroboros_jax import costs as cost_model
 from ouroboros_jax.choices import FORWARD_MODES
+from ouroboros_jax.perf import cost_model as sim_costs
 from ouroboros_jax.perf import simulate as sim
 from ouroboros_jax.schedules import ScheduleConfig, tables
 
@@ -37,7 +38,7 @@ TOL = 1e-9  # float64 sums of O(1..100) simulated times: ~1e-14; a wrong bubble 
 
 
 def costs(forward, backward, **kwargs):
-  return sim.StageCosts(forward_s=forward, backward_s=backward, **kwargs)
+  return sim_costs.StageCosts(forward_s=forward, backward_s=backward, **kwargs)
 
 
 def random_costs(rng: random.Random, num_stages: int, **kwargs):
@@ -191,7 +192,7 @@ def test_the_idle_fractions_the_schedules_advertise():
 
 
 def test_the_simulator_needs_only_the_standard_library():
-  """simulate.py and the package modules it imports (the delays, the cost model) use the standard
+  """simulate.py and the package modules it imports (the delays, cost_model.py) use the standard
   library only at import time (a function may import JAX when it is called)."""
   todo, seen = ['perf.simulate'], set()
   while todo:
@@ -220,6 +221,7 @@ def test_the_simulator_needs_only_the_standard_library():
     todo += sorted(own - seen)
   assert seen == {
     'perf.simulate',
+    'perf.cost_model',
     'schedules.delays',
     'schedules.tables',
     'choices',
@@ -327,9 +329,9 @@ def test_a_schedule_config_s_own_defaults_are_simulated():
 
 def test_transformer_costs_from_flops():
   L, d, f, seq, V, batch, G = 4, 64, 256, 32, 100, 2, 2
-  c = sim.transformer_costs(
-    sim.ModelShape('test', L, d, f, seq, V, batch),
-    sim.Hardware('test', flops_per_s=1e9, bandwidth=1e9, latency=0.0),
+  c = sim_costs.transformer_costs(
+    sim_costs.ModelShape('test', L, d, f, seq, V, batch),
+    sim_costs.Hardware('test', flops_per_s=1e9, bandwidth=1e9, latency=0.0),
     G,
     layers_per_stage=(1, 3),
     bytes_per_value=4,
@@ -344,15 +346,15 @@ def test_transformer_costs_from_flops():
 
 
 def test_balanced_split_gives_device_0_fewer_layers_and_stops_at_the_layer_count():
-  c = sim.transformer_costs(sim.GPT2_SMALL, sim.NVLINK, 4)
-  per_layer = cost_model.layer_flops(768, 3072, 1024) * 32 * 1024 / sim.NVLINK.flops_per_s
+  c = sim_costs.transformer_costs(sim_costs.GPT2_SMALL, sim_costs.NVLINK, 4)
+  per_layer = cost_model.layer_flops(768, 3072, 1024) * 32 * 1024 / sim_costs.NVLINK.flops_per_s
   layers = [f / per_layer for f in c.forward_s]
   assert all(n == pytest.approx(round(n)) for n in layers) and sum(layers) == pytest.approx(12)
   assert layers[0] < min(layers[1:])  # device 0 also carries the head
   with pytest.raises(ValueError, match='num_stages=16 cuts the model into 16 groups'):
-    sim.transformer_costs(sim.GPT2_SMALL, sim.NVLINK, 16)
-  assert sim.GPT2_SMALL.params == pytest.approx(124e6, rel=0.05)
-  assert 1e9 < sim.ONE_B.params < 1.5e9
+    sim_costs.transformer_costs(sim_costs.GPT2_SMALL, sim_costs.NVLINK, 16)
+  assert sim_costs.GPT2_SMALL.params == pytest.approx(124e6, rel=0.05)
+  assert 1e9 < sim_costs.ONE_B.params < 1.5e9
 
 
 # ----------------------------------------------------------------------------- the experiment
@@ -564,7 +566,7 @@ def test_program_scale_is_the_one_device_step_over_its_pieces(name, kwargs):
     concurrent_slowdown=1.2,
   )
   run = ScheduleConfig(name=name, num_stages=G, **kwargs)
-  one = sim.first_stage(c)
+  one = sim_costs.first_stage(c)
   assert one.num_stages == 1 and one.concurrent_slowdown == 1.0
   assert one.microbatch_forward_s == {4: (0.6,)} and one.update_s == (0.3,)
   alone = sim.simulate(dataclasses.replace(run, num_stages=1), one, lockstep=True).step_time
@@ -576,11 +578,11 @@ def test_program_scale_is_the_one_device_step_over_its_pieces(name, kwargs):
   )
   assert sim.program_scale(run, c, k * alone) == pytest.approx(k, rel=1e-12)
   base = sim.simulate(run, c, lockstep=True).step_time
-  assert sim.simulate(run, sim.scaled(c, k), lockstep=True).step_time == pytest.approx(
+  assert sim.simulate(run, sim_costs.scaled(c, k), lockstep=True).step_time == pytest.approx(
     k * base, rel=1e-9
   )
-  assert sim.scaled(c, k).head_s == pytest.approx(k * c.head_s)
-  assert sim.scaled(c, k).microbatch_backward_s[4] == pytest.approx((k * 1.1, k * 0.9))
+  assert sim_costs.scaled(c, k).head_s == pytest.approx(k * c.head_s)
+  assert sim_costs.scaled(c, k).microbatch_backward_s[4] == pytest.approx((k * 1.1, k * 0.9))
 
 
 def measured_csv(path, extra_columns: str, *rows: str):
@@ -738,7 +740,7 @@ def test_costs_from_one_measured_layer_scale_by_each_stage_s_layers(experiment):
   `measured_transformer_costs`): every stage pays its layers' measured forward, backward and
   update, device 0 also the head and the embedding's update, and a measured micro-batch replaces
   the division by M."""
-  model = sim.ModelShape('m', num_layers=4, d_model=8, d_ff=32, seq_len=4, vocab=16, batch=32)
+  model = sim_costs.ModelShape('m', num_layers=4, d_model=8, d_ff=32, seq_len=4, vocab=16, batch=32)
   row = lambda f, b: {
     'fwd_s_per_layer': f,
     'bwd_s_per_layer': b,
@@ -747,13 +749,13 @@ def test_costs_from_one_measured_layer_scale_by_each_stage_s_layers(experiment):
     'update_s_embed_head_adamw': 0.25,
   }
   costs = experiment.measured_transformer_costs(
-    model, sim.NVLINK, 2, {32: row(1.0, 2.0), 4: row(0.2, 0.3)}
+    model, sim_costs.NVLINK, 2, {32: row(1.0, 2.0), 4: row(0.2, 0.3)}
   )
   layers = cost_model.balance_layers(4, 2, 3.0, 3.0)
   assert sum(layers) == 4 and layers[0] < layers[1]  # device 0 carries the head
   assert costs.forward_s == tuple(1.0 * n for n in layers)
   assert costs.backward_s == tuple(2.0 * n for n in layers)
   assert costs.update_s == (0.5 * layers[0] + 0.25, 0.5 * layers[1])
-  assert costs.head_s == 3.0 and costs.bandwidth == sim.NVLINK.bandwidth
+  assert costs.head_s == 3.0 and costs.bandwidth == sim_costs.NVLINK.bandwidth
   assert costs.microbatch_forward_s == {8: tuple(0.2 * n for n in layers)}
   assert costs.microbatch_backward_s == {8: tuple(0.3 * n for n in layers)}

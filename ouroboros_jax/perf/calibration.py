@@ -42,7 +42,7 @@ from jax.sharding import PartitionSpec as P
 from ouroboros_jax.choices import DEFAULT_STASH_POLICY, SPLIT_BACKWARD
 from ouroboros_jax.models import model as transformer
 from ouroboros_jax.models import partition
-from ouroboros_jax.perf import simulate, timing
+from ouroboros_jax.perf import cost_model, simulate, timing
 from ouroboros_jax.perf.timing import Workload, median_time, micro_size, num_devices
 from ouroboros_jax.runtime import host
 from ouroboros_jax.schedules import ScheduleConfig
@@ -71,7 +71,7 @@ def input_grad_share(split, params_s, s, key, x, sizes, repeats=3) -> dict[str, 
   """{str(M): B / (B + W)} of group s's split backward (`TappedStash`: B the input gradient
   through the taps, W the weight gradient from them) on the first B / M rows of x, for each M in
   `sizes`: how a zero-bubble table divides a backward between its B and W ticks
-  (`simulate.StageCosts.input_grad_share`)."""
+  (`cost_model.StageCosts.input_grad_share`)."""
   stash = TappedStash(split)
   forward = jax.jit(lambda p, h: stash.forward(p, h, s, key))
   b = jax.jit(lambda p, kept, d: stash.input_grad(p, kept, d, s, key))
@@ -293,7 +293,7 @@ def concurrent_slowdown_probe(work: Workload) -> Callable[[int], float]:
 
   Processes on one CPU share its memory bus and caches, so a schedule that computes on every
   device at once (the pipelined ring, data parallelism, a full pipeline) runs each piece slower
-  than the pieces timed alone; `simulate.StageCosts.concurrent_slowdown` models that."""
+  than the pieces timed alone; `cost_model.StageCosts.concurrent_slowdown` models that."""
   stages = len(work.layers_per_stage)
   if jax.process_count() == 1 or jax.process_count() < stages:
     return lambda repeats=3: 1.0
@@ -635,7 +635,7 @@ def simulated(
   costs = stage_costs(setting, pieces, link_s, allreduce_s, ideal)
   scale = program_scale(setting, pieces)
   if scale and not ideal:  # as measured: the pieces cost more inside the step program
-    costs = simulate.scaled(costs, scale)
+    costs = cost_model.scaled(costs, scale)
   # as measured: the library's table executor, every tick ends with a ppermute
   return simulate.simulate(setting, costs, lockstep=not ideal).step_time
 
@@ -660,7 +660,7 @@ def concurrent_slowdown(setting: ScheduleConfig, pieces: dict) -> float:
 
 def stage_costs(
   setting: ScheduleConfig, pieces: dict, link_s: float, allreduce_s: float, ideal: bool = False
-) -> simulate.StageCosts:
+) -> cost_model.StageCosts:
   """The simulator's costs of `setting` from the measured pieces and links (see `simulated`)."""
   stages = setting.num_stages
   fwd, bwd, update = pieces['fwd'], pieces['bwd'], pieces['update']
@@ -669,7 +669,7 @@ def stage_costs(
     fwd, bwd, update = [sum(fwd)], [sum(bwd)], [sum(update)]
     micro = micro and ([sum(micro[0])], [sum(micro[1])])
   m = micro_size(setting)
-  return simulate.StageCosts(
+  return cost_model.StageCosts(
     forward_s=fwd,
     backward_s=bwd,
     head_s=pieces['head'],
@@ -683,6 +683,6 @@ def stage_costs(
     microbatch_backward_s={m: micro[1]} if micro else {},
     concurrent_slowdown=1.0 if ideal else concurrent_slowdown(setting, pieces),
     input_grad_share=pieces.get('input_grad_share', {}).get(
-      str(m), simulate.StageCosts.input_grad_share
+      str(m), cost_model.StageCosts.input_grad_share
     ),
   )

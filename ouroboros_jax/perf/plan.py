@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Callable
+from typing import Callable, Sequence
 
 from ouroboros_jax import errors
 from ouroboros_jax.choices import EXACT_PIPELINES, SCHEDULES, STASH_MEMORIES, STASH_POLICY_NAMES
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.perf import compile as compile_lib
-from ouroboros_jax.perf import simulate
+from ouroboros_jax.perf import cost_model, simulate
 from ouroboros_jax.schedules import ScheduleConfig
 from ouroboros_jax.schedules.config import AUTO
 from ouroboros_jax.training import field_flags
@@ -49,12 +49,12 @@ DEFAULT_MICROBATCHES = (8,)
 # schedule gets the recomputation Ouroboros' default stash has.
 DEFAULT_POLICIES = ('all', 'nothing')
 
-# Effective rates (40% of the bf16 peak, as simulate.NVLINK) and one ICI link per direction.
-TPU_V5E = simulate.Hardware('tpu-v5e', flops_per_s=0.4 * 197e12, bandwidth=50e9, latency=5e-6)
-TPU_V4 = simulate.Hardware('tpu-v4', flops_per_s=0.4 * 275e12, bandwidth=50e9, latency=5e-6)
-TPU_V5P = simulate.Hardware('tpu-v5p', flops_per_s=0.4 * 459e12, bandwidth=100e9, latency=5e-6)
-TPU_V6E = simulate.Hardware('tpu-v6e', flops_per_s=0.4 * 918e12, bandwidth=100e9, latency=5e-6)
-HARDWARE = {h.name: h for h in (TPU_V5E, TPU_V4, TPU_V5P, TPU_V6E, *simulate.HARDWARE.values())}
+# Effective rates (40% of the bf16 peak, as cost_model.NVLINK) and one ICI link per direction.
+TPU_V5E = cost_model.Hardware('tpu-v5e', flops_per_s=0.4 * 197e12, bandwidth=50e9, latency=5e-6)
+TPU_V4 = cost_model.Hardware('tpu-v4', flops_per_s=0.4 * 275e12, bandwidth=50e9, latency=5e-6)
+TPU_V5P = cost_model.Hardware('tpu-v5p', flops_per_s=0.4 * 459e12, bandwidth=100e9, latency=5e-6)
+TPU_V6E = cost_model.Hardware('tpu-v6e', flops_per_s=0.4 * 918e12, bandwidth=100e9, latency=5e-6)
+HARDWARE = {h.name: h for h in (TPU_V5E, TPU_V4, TPU_V5P, TPU_V6E, *cost_model.HARDWARE.values())}
 
 
 def _stash_fields(stash: str) -> dict[str, str]:
@@ -92,21 +92,9 @@ def default_stages(num_devices: int, num_layers: int | None = None) -> int:
 _OUROBOROS_ONLY = ('stash', 'stash_memory', 'forward', 'flow', 'sync_warmup_steps', 'tied_grad')
 
 
-def settings(
-  num_devices: int,
-  tries: Tries = Tries(),
-  base: ScheduleConfig = ScheduleConfig(),
-  num_layers: int | None = None,
-) -> list[ScheduleConfig]:
-  """Every setting of `tries` on `num_devices` devices, each the ScheduleConfig `base` (`plan`'s:
-  the run's own) with what the tries choose: the stage schedules at each G of tries.stages (None:
-  `default_stages` for a model of `num_layers`) with num_devices / G data replicas, gpipe and the
-  exact pipelines at each M, Ouroboros' at each M, forward, stash (and its policy) and each of
-  tries.memories. The Ouroboros-only fields of `base` go to the Ouroboros settings alone, its
-  --chunks to the interleaved ones."""
-  microbatches, stashes, memories = tries.microbatches, tries.stashes, tries.memories
-  schedules = tries.schedules
-  stages = tries.stages or (default_stages(num_devices, num_layers),)
+def _check_tries(tries: Tries, num_devices: int, stages: Sequence[int]) -> None:
+  """A ConfigError naming the --try-* flag of the first value of `tries` the plan cannot try."""
+  schedules, stashes, memories = tries.schedules, tries.stashes, tries.memories
   for g in stages:
     if g < 1 or num_devices % g:
       raise ConfigError(
@@ -135,6 +123,23 @@ def settings(
         f'unknown stash policy {policy!r}; choose --try-policy from {", ".join(STASH_POLICY_NAMES)}.'
       )
 
+
+def settings(
+  num_devices: int,
+  tries: Tries = Tries(),
+  base: ScheduleConfig = ScheduleConfig(),
+  num_layers: int | None = None,
+) -> list[ScheduleConfig]:
+  """Every setting of `tries` on `num_devices` devices, each the ScheduleConfig `base` (`plan`'s:
+  the run's own) with what the tries choose: the stage schedules at each G of tries.stages (None:
+  `default_stages` for a model of `num_layers`) with num_devices / G data replicas, gpipe and the
+  exact pipelines at each M, Ouroboros' at each M, forward, stash (and its policy) and each of
+  tries.memories. The Ouroboros-only fields of `base` go to the Ouroboros settings alone, its
+  --chunks to the interleaved ones."""
+  microbatches, stashes, memories = tries.microbatches, tries.stashes, tries.memories
+  schedules = tries.schedules
+  stages = tries.stages or (default_stages(num_devices, num_layers),)
+  _check_tries(tries, num_devices, stages)
   defaults = ScheduleConfig()
 
   def setting(name, stages=1, data_parallel=1, microbatches=None, **ring) -> ScheduleConfig:
@@ -181,19 +186,19 @@ def settings(
   return [s for s in out if schedules is None or s.name in schedules]
 
 
-def hardware_for(topology: str | None, name: str | None = None) -> simulate.Hardware:
+def hardware_for(topology: str | None, name: str | None = None) -> cost_model.Hardware:
   """The simulator's rates: `name` if given, else the TPU generation the topology names, else
-  simulate.NVLINK (a GPU-class device)."""
+  cost_model.NVLINK (a GPU-class device)."""
   if name is not None:
     if name not in HARDWARE:
       raise ConfigError(f'unknown hardware {name!r}; choose --hardware from {", ".join(HARDWARE)}.')
     return HARDWARE[name]
   generation = (topology or '').split(':')[0].split('-')[0].lower()
-  return HARDWARE.get(f'tpu-{generation}', simulate.NVLINK)
+  return HARDWARE.get(f'tpu-{generation}', cost_model.NVLINK)
 
 
 def predicted_step_s(
-  cfg: TrainConfig, setting: ScheduleConfig, hardware: simulate.Hardware
+  cfg: TrainConfig, setting: ScheduleConfig, hardware: cost_model.Hardware
 ) -> float:
   """The simulator's steady-state step time of `setting` for cfg's model and batch. On a stage x
   data mesh, one replica's step on its share of the batch (the gradient all-reduce between the
@@ -202,7 +207,7 @@ def predicted_step_s(
   data = setting.name == 'data_parallel'
   replicas = 1 if data else setting.data_parallel
   stages = setting.num_stages
-  shape = simulate.ModelShape(
+  shape = cost_model.ModelShape(
     cfg.preset,
     num_layers=model.num_layers,
     d_model=model.d_model,
@@ -211,7 +216,7 @@ def predicted_step_s(
     vocab=model.padded_vocab,  # the rows the head computes
     batch=cfg.batch_size // replicas,
   )
-  costs = simulate.transformer_costs(
+  costs = cost_model.transformer_costs(
     shape, hardware, stages, bytes_per_value=2 if model.dtype == 'bfloat16' else 4
   )
   # What the backward re-runs of the forward: the policy's share (the replay stash: all of it,
@@ -228,7 +233,7 @@ def recompute_fraction(setting: ScheduleConfig, model) -> float:
   replay stash or --stash-policy nothing; 0: none), as the simulator charges it."""
   if setting.name == 'ouroboros' and setting.stash == 'replay':
     return 1.0
-  return simulate.recompute_fraction(setting.resolved_stash_policy, model.seq_len, model.d_model)
+  return cost_model.recompute_fraction(setting.resolved_stash_policy, model.seq_len, model.d_model)
 
 
 def plan(

@@ -1,9 +1,10 @@
 """A discrete-event performance model of every schedule: predicted step time, idle time, speedup.
 
-    costs = transformer_costs(GPT2_SMALL, NVLINK, num_stages=4)
+    costs = cost_model.transformer_costs(cost_model.GPT2_SMALL, cost_model.NVLINK, num_stages=4)
     result = simulate(ScheduleConfig(name='ouroboros', num_stages=4, forward='pipelined'), costs)
     result.step_time, result.speedup, result.idle_fraction, result.timeline  # a Gantt chart's rows
 
+The costs of a step's pieces (`StageCosts`) and the Transformer cost model: `cost_model.py`.
 What is and is not modelled, and each schedule's step: docs/algorithm.md ("Step time"). Needs
 only the standard library at import: it reads a `ScheduleConfig` by its fields, and imports it
 (and so JAX) only to make one of a plain schedule name.
@@ -14,10 +15,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from typing import TYPE_CHECKING, Callable, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
-from ouroboros_jax import costs
 from ouroboros_jax.choices import EXACT_PIPELINES, FORWARD_MODES, SCHEDULES, STASH_MODES
+from ouroboros_jax.perf.cost_model import StageCosts, backprop_time, first_stage
 from ouroboros_jax.schedules import tables
 from ouroboros_jax.schedules.delays import backward_batch, forward_batch, lags
 
@@ -27,137 +28,6 @@ if TYPE_CHECKING:  # read by duck typing: schedules.config imports JAX, this mod
 # The pipelines the simulator runs from their tables, as the library's executor does: GPipe and
 # the exact pipelines (the head per micro-batch on the last stage's device).
 TABLE_PIPELINES = ('gpipe', *EXACT_PIPELINES)
-
-# ----------------------------------------------------------------------------- costs
-
-
-@dataclasses.dataclass(frozen=True)
-class StageCosts:
-  """Seconds and bytes of one training step's pieces; every time is for the whole batch, except
-  the measured micro-batch times.
-
-  A schedule that cuts the batch into M equal micro-batches (gpipe, the table pipelines,
-  Ouroboros with M > 1; data_parallel's D replicas, each on B / D rows) charges a stage's forward
-  or backward of one micro-batch `microbatch_forward_s[M][s]` / `microbatch_backward_s[M][s]`
-  where measured, else forward_s[s] / M (perfect scaling, which small micro-batches miss: a
-  matmul of B / M rows rarely runs at the whole batch's rate).
-  """
-
-  forward_s: Sequence[float]  # per stage s: its layer group's forward
-  backward_s: Sequence[float]  # per stage s: backward from a kept graph, no recompute
-  head_s: float = 0.0  # device 0: final norm, output projection, loss; f + b
-  embed_forward_s: float = 0.0  # device 0: embedding lookup
-  embed_backward_s: float = 0.0  # device 0: embedding gradient
-  activation_bytes: float = 0.0  # one batch's activation (= error gradient) between stages
-  grad_bytes: float = 0.0  # every parameter's gradient (the data-parallel all-reduce)
-  bandwidth: float = math.inf  # bytes / s, per link and direction
-  latency: float = 0.0  # seconds per transfer
-  microbatch_overhead_s: float = 0.0  # fixed cost added to every micro-batch task (M > 1)
-  allreduce_s: float | None = None  # a measured all-reduce time; overrides the ring formula
-  update_s: Sequence[float] = ()  # per stage s: the optimizer update of its parameters
-  # (device 0's includes embedding and head); () = free
-  batch_size: int | None = None  # when known, checked against R and M
-  # M -> per stage s: one micro-batch of B / M rows, measured (M >= 2; an M not given: / M)
-  microbatch_forward_s: Mapping[int, Sequence[float]] = dataclasses.field(default_factory=dict)
-  microbatch_backward_s: Mapping[int, Sequence[float]] = dataclasses.field(default_factory=dict)
-  # the fraction of a group's forward that its backward re-runs first (`recompute_fraction` of
-  # the stash policy; 0: nothing recomputed, or backward_s measured with the recompute in it)
-  recompute: float = 0.0
-  # how many times longer a compute task takes while another device computes at the same time
-  # (devices that share a memory bus and caches: the processes of one CPU), measured as the
-  # stages' forward + backward timed on every device at once over the same timed alone; 1: none
-  concurrent_slowdown: float = 1.0
-  # a split (zero-bubble) backward's B over its B + W: the input gradient's share of the
-  # backward, W (the weight gradient's matrix products) the rest. B also carries the attention's
-  # and the norms' backward, so on a CPU it took 0.53-0.58 of a transformer layer's, not half
-  # (docs/results/simulator_calibration.md); measured per micro-batch by
-  # `calibration.measure_pieces`
-  input_grad_share: float = 0.5
-
-  def __post_init__(self):
-    object.__setattr__(self, 'forward_s', tuple(float(f) for f in self.forward_s))
-    object.__setattr__(self, 'backward_s', tuple(float(b) for b in self.backward_s))
-    object.__setattr__(self, 'update_s', tuple(float(u) for u in self.update_s))
-    for name in ('microbatch_forward_s', 'microbatch_backward_s'):
-      table = {int(m): tuple(float(v) for v in values) for m, values in getattr(self, name).items()}
-      for m, values in table.items():
-        if m < 2 or len(values) != len(self.forward_s) or min(values, default=0.0) < 0:
-          raise ValueError(
-            f'{name}[{m}] needs M >= 2 and one time >= 0 per stage ({len(self.forward_s)}); '
-            f'got {values}.'
-          )
-      object.__setattr__(self, name, table)
-    if self.update_s and len(self.update_s) != len(self.forward_s):
-      raise ValueError(f'update_s needs one entry per stage; got {len(self.update_s)}.')
-    if not self.forward_s or len(self.forward_s) != len(self.backward_s):
-      raise ValueError(
-        f'forward_s and backward_s need one entry per stage; got '
-        f'{len(self.forward_s)} and {len(self.backward_s)}.'
-      )
-    scalars = (
-      self.head_s,
-      self.embed_forward_s,
-      self.embed_backward_s,
-      self.activation_bytes,
-      self.grad_bytes,
-      self.latency,
-      self.microbatch_overhead_s,
-    )
-    if min(*self.forward_s, *self.backward_s, *self.update_s, *scalars) < 0 or self.bandwidth <= 0:
-      raise ValueError('costs must be >= 0 and the bandwidth > 0.')
-    if not self.concurrent_slowdown > 0:
-      raise ValueError(f'concurrent_slowdown must be > 0, got {self.concurrent_slowdown}.')
-    if not 0 < self.input_grad_share < 1:
-      raise ValueError(f'input_grad_share must be in (0, 1), got {self.input_grad_share}.')
-
-  @property
-  def num_stages(self) -> int:
-    return len(self.forward_s)
-
-  def forward_of(self, s: int, microbatches: int = 1) -> float:
-    """Stage s's forward of one of `microbatches` equal micro-batches: measured, or / M."""
-    measured = self.microbatch_forward_s.get(microbatches) if microbatches > 1 else None
-    return measured[s] if measured else self.forward_s[s] / microbatches
-
-  def recompute_of(self, s: int, microbatches: int = 1) -> float:
-    """What stage s's backward of one of `microbatches` micro-batches re-runs of its forward."""
-    return self.recompute * self.forward_of(s, microbatches) if self.recompute else 0.0
-
-  def backward_of(self, s: int, microbatches: int = 1) -> float:
-    """Stage s's backward (from a kept graph) of one of `microbatches` equal micro-batches."""
-    measured = self.microbatch_backward_s.get(microbatches) if microbatches > 1 else None
-    return measured[s] if measured else self.backward_s[s] / microbatches
-
-  def transfer_s(self, nbytes: float) -> float:
-    """One message over one link."""
-    return self.latency + nbytes / self.bandwidth
-
-  def allreduce_time(self, replicas: int) -> float:
-    """Ring all-reduce of every gradient over `replicas` devices (0 for one)."""
-    if replicas == 1:
-      return 0.0
-    if self.allreduce_s is not None:
-      return self.allreduce_s
-    return (
-      2 * (replicas - 1) / replicas * self.grad_bytes / self.bandwidth
-      + 2 * (replicas - 1) * self.latency
-    )
-
-  def total_compute_s(self) -> float:
-    """One device doing everything: the backprop step."""
-    return (
-      self.embed_forward_s
-      + sum(self.forward_s)
-      + self.head_s
-      + sum(self.backward_s)
-      + self.embed_backward_s
-      + sum(self.update_s)
-    )
-
-
-def backprop_time(costs: StageCosts) -> float:
-  """Step time of plain backprop on one device, the reference of every speedup."""
-  return costs.total_compute_s()
 
 
 # ----------------------------------------------------------------------------- task graph
@@ -341,28 +211,6 @@ def _backward_s(costs: StageCosts, s: int, stash: str, microbatches: int = 1) ->
   return costs.backward_of(s, microbatches) + costs.recompute_of(s, microbatches)
 
 
-# The share of a layer group's forward that each stash policy (staging.STASH_POLICIES) leaves to be
-# re-run in the backward. 'nothing' re-runs all of it. 'dots' keeps every matrix product's output
-# and re-runs the rest (norms, activations, softmax, dropout, residual adds): few FLOPs, but
-# memory-bound passes over the activations, estimated at DOTS_RECOMPUTE of the forward's time (an
-# estimate, not a measurement). 'dots_no_batch' also re-runs attention's two batched products,
-# QK^T and PV: their share of the FLOPs, L / (6d + L) with d_ff = 4d (`recompute_fraction`).
-DOTS_RECOMPUTE = 0.2
-
-
-def recompute_fraction(policy: str, seq_len: int = 0, d_model: int = 1) -> float:
-  """The fraction of a group's forward that `policy`'s backward re-runs (see DOTS_RECOMPUTE)."""
-  if policy == 'all':
-    return 0.0
-  if policy == 'nothing':
-    return 1.0
-  if policy == 'dots':
-    return DOTS_RECOMPUTE
-  if policy == 'dots_no_batch':
-    return DOTS_RECOMPUTE + seq_len / (6 * d_model + seq_len)
-  raise ValueError(f'unknown stash policy {policy!r}; choose all, dots, dots_no_batch or nothing.')
-
-
 def _whole_model(g: Graph, t: int, device: int, parts: int) -> int:
   """Backprop of the whole model on one device, on 1 / `parts` of the batch (the layer groups at
   their measured micro-batch times where given); returns the last task."""
@@ -428,15 +276,9 @@ def emit_table(g: Graph, t: int, state: dict, *, table, lockstep: bool = False, 
   later tick has already arrived. Without it a device waits only for the values it reads."""
   del state
   c, pipeline = g.costs, table.pipeline
-  m, v, fused = pipeline.microbatches, pipeline.chunks, pipeline.fused
-  last, nbytes, extra = pipeline.last_stage, c.activation_bytes / m, c.microbatch_overhead_s
-  b_share = 1.0 if fused else c.input_grad_share
-  cost = {
-    'F': lambda d: c.forward_of(d, m) / v + extra,
-    # B re-runs what the stash policy left out (the zero-bubble split's W does not)
-    'B': lambda d: (c.backward_of(d, m) * b_share + c.recompute_of(d, m)) / v + extra,
-    'W': lambda d: 0.0 if fused else c.backward_of(d, m) * (1 - b_share) / v + extra,
-  }
+  m, last = pipeline.microbatches, pipeline.last_stage
+  nbytes = c.activation_bytes / m
+  cost = _table_op_costs(c, pipeline)
   p = len(table.grid)
   channels = [o for o in _channels(table) if o] if lockstep else []
   after_tick = [[] for _ in range(p)]  # lockstep: what device d's next tick waits for
@@ -463,17 +305,40 @@ def emit_table(g: Graph, t: int, state: dict, *, table, lockstep: bool = False, 
       if op.kind == 'B' and k == 0:
         task = g.compute(d, 'embed_bwd', t, op.microbatch, c.embed_backward_s / m, [task])
       ends.append(task)
-    if lockstep:  # the tick's ppermutes: d sends to d + o on every channel o
-      after_tick = [[end] for end in ends]
-      for d in range(p):
-        for o in channels:
-          hop = g.send(ends[d], (d + o) % p, 'tick', t, tick, nbytes)
-          after_tick[d].append(hop)
-          after_tick[(d + o) % p].append(hop)
+    if lockstep:
+      after_tick = _tick_hops(g, t, tick, ends, channels, nbytes)
   if lockstep:  # the last tick's ppermute ends inside the step
     for d in range(p):
       g.compute(d, 'idle', t, -1, 0.0, after_tick[d])
   g.end_step(t)
+
+
+def _table_op_costs(c: StageCosts, pipeline) -> dict[str, Callable[[int], float]]:
+  """Device d's seconds for one table operation (F, B or W) of one micro-batch's chunk."""
+  m, v, fused = pipeline.microbatches, pipeline.chunks, pipeline.fused
+  extra = c.microbatch_overhead_s
+  b_share = 1.0 if fused else c.input_grad_share
+  return {
+    'F': lambda d: c.forward_of(d, m) / v + extra,
+    # B re-runs what the stash policy left out (the zero-bubble split's W does not)
+    'B': lambda d: (c.backward_of(d, m) * b_share + c.recompute_of(d, m)) / v + extra,
+    'W': lambda d: 0.0 if fused else c.backward_of(d, m) * (1 - b_share) / v + extra,
+  }
+
+
+def _tick_hops(
+  g: Graph, t: int, tick: int, ends: list, channels: Sequence[int], nbytes: float
+) -> list[list[int]]:
+  """Lockstep: the tick's ppermutes, device d sending to d + o on every channel o after `ends[d]`
+  (its last task of the tick); returns what each device's next tick waits for."""
+  p = len(ends)
+  after_tick = [[end] for end in ends]
+  for d in range(p):
+    for o in channels:
+      hop = g.send(ends[d], (d + o) % p, 'tick', t, tick, nbytes)
+      after_tick[d].append(hop)
+      after_tick[(d + o) % p].append(hop)
+  return after_tick
 
 
 def _channels(table) -> tuple[int, ...]:
@@ -627,47 +492,14 @@ def simulate(
   return _steady_state(run.name, graph, times, warmup, devices)
 
 
-def first_stage(costs: StageCosts) -> StageCosts:
-  """Stage 0's costs alone, as one device running its layer group with the embedding and the
-  head, and no other device beside it: the pieces of a setting's step on one device."""
-  first = lambda table: {m: values[:1] for m, values in table.items()}
-  return dataclasses.replace(
-    costs,
-    forward_s=costs.forward_s[:1],
-    backward_s=costs.backward_s[:1],
-    update_s=costs.update_s[:1],
-    microbatch_forward_s=first(costs.microbatch_forward_s),
-    microbatch_backward_s=first(costs.microbatch_backward_s),
-    concurrent_slowdown=1.0,
-  )
-
-
 def program_scale(run: ScheduleConfig, costs: StageCosts, one_device_step_s: float) -> float:
   """How many times longer a setting's compute takes inside its own step program than its
   pieces timed alone: its step measured on one device (`run` with one stage, over stage 0's
   layer group; `calibration.one_device_probe`) over this simulator's step of the same from stage 0's
   pieces (`first_stage`). On a CPU GPipe and 1F1B at M = 4 cost 1.07-1.26x their pieces
-  inside their programs (docs/results/simulator_calibration.md); `scaled` charges that."""
+  inside their programs (docs/results/simulator_calibration.md); `cost_model.scaled` charges that."""
   one = dataclasses.replace(_config(run), num_stages=1)
   return one_device_step_s / simulate(one, first_stage(costs), lockstep=True).step_time
-
-
-def scaled(costs: StageCosts, factor: float) -> StageCosts:
-  """`costs` with every compute time (forward, backward, micro-batch, head, embedding, update)
-  `factor` times longer; transfers unchanged."""
-  times = lambda values: [factor * v for v in values]
-  return dataclasses.replace(
-    costs,
-    forward_s=times(costs.forward_s),
-    backward_s=times(costs.backward_s),
-    update_s=times(costs.update_s),
-    head_s=factor * costs.head_s,
-    embed_forward_s=factor * costs.embed_forward_s,
-    embed_backward_s=factor * costs.embed_backward_s,
-    microbatch_forward_s={m: times(v) for m, v in costs.microbatch_forward_s.items()},
-    microbatch_backward_s={m: times(v) for m, v in costs.microbatch_backward_s.items()},
-    microbatch_overhead_s=factor * costs.microbatch_overhead_s,
-  )
 
 
 def _config(run: ScheduleConfig | str) -> ScheduleConfig:
@@ -790,86 +622,3 @@ def _check(run: ScheduleConfig, costs: StageCosts) -> None:
   ):
     if applies and batch is not None and batch % parts:
       raise ValueError(f'batch {batch} cannot be cut into {name}={parts} equal parts.')
-
-
-# ----------------------------------------------------------------------------- cost model
-
-
-def transformer_costs(
-  model: ModelShape,
-  hardware: Hardware,
-  num_stages: int,
-  layers_per_stage: Sequence[int] | None = None,
-  bytes_per_value: int = 2,
-) -> StageCosts:
-  """StageCosts of `model`, a decoder-only Transformer with tied embeddings, cut into
-  `num_stages` groups, on `hardware`.
-
-  `hardware.flops_per_s` is the *effective* rate (peak x utilisation). Backward = 2 x forward.
-  The embedding's lookup and scatter-add gradient are memory-bound and tiny; they are counted as
-  2 d_model FLOPs per token each, a placeholder that keeps them on device 0's timeline.
-  """
-  num_layers, d_model, flops_per_s = model.num_layers, model.d_model, hardware.flops_per_s
-  costs.check_stages(num_layers, num_stages)
-  tokens = model.batch * model.seq_len
-  per_layer = costs.layer_flops(d_model, model.d_ff, model.seq_len) * tokens / flops_per_s
-  head = costs.head_flops(d_model, model.vocab) * tokens / flops_per_s
-  if layers_per_stage is None:
-    # Forward costs on both sides: the backward is 2x either way, so the balance is the same.
-    layers_per_stage = costs.balance_layers(num_layers, num_stages, per_layer, head)
-  if len(layers_per_stage) != num_stages or sum(layers_per_stage) != num_layers:
-    raise ValueError(
-      f'layers_per_stage {tuple(layers_per_stage)} must give {num_stages} stages '
-      f'summing to {num_layers} layers.'
-    )
-  embed = 2 * d_model * tokens / flops_per_s
-  return StageCosts(
-    forward_s=[n * per_layer for n in layers_per_stage],
-    backward_s=[2 * n * per_layer for n in layers_per_stage],
-    head_s=3 * head,
-    embed_forward_s=embed,
-    embed_backward_s=embed,
-    activation_bytes=tokens * d_model * bytes_per_value,
-    grad_bytes=model.params * bytes_per_value,
-    bandwidth=hardware.bandwidth,
-    latency=hardware.latency,
-    batch_size=model.batch,
-  )
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-  name: str
-  num_layers: int
-  d_model: int
-  d_ff: int
-  seq_len: int
-  vocab: int
-  batch: int
-
-  @property
-  def params(self) -> int:
-    return self.num_layers * (4 * self.d_model**2 + 2 * self.d_model * self.d_ff) + (
-      self.vocab * self.d_model
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-  name: str
-  flops_per_s: float  # effective: peak x utilisation
-  bandwidth: float  # bytes / s per link direction
-  latency: float  # seconds per message
-
-
-GPT2_SMALL = ModelShape(
-  'gpt2-small', num_layers=12, d_model=768, d_ff=3072, seq_len=1024, vocab=50257, batch=32
-)
-ONE_B = ModelShape(
-  '1b', num_layers=24, d_model=2048, d_ff=8192, seq_len=2048, vocab=50257, batch=32
-)
-# A 300 TFLOP/s (bf16) accelerator at 40% utilisation, NVLink-class links or a 25 GB/s network.
-NVLINK = Hardware('nvlink-300GBps', flops_per_s=0.4 * 300e12, bandwidth=300e9, latency=5e-6)
-NETWORK = Hardware('network-25GBps', flops_per_s=0.4 * 300e12, bandwidth=25e9, latency=5e-6)
-MODELS = {m.name: m for m in (GPT2_SMALL, ONE_B)}
-HARDWARE = {h.name: h for h in (NVLINK, NETWORK)}
