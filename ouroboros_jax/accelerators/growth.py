@@ -326,22 +326,8 @@ def train_growth(
     params = transformer.init_params(dataclasses.replace(cfg, num_layers=plan.depths[0]), key_init)
   log, t, flops, opt_state = [], 0, 0.0, None
   for phase_index, (depth, steps, num_frozen) in enumerate(plan.phases()):
-    current = jax.tree.leaves(params['layers'])[0].shape[0]
-    if depth > current:
-      params = grow(
-        params, depth, plan.init, cfg=cfg, key=jax.random.fold_in(key_grow, phase_index)
-      )
-    tx = tx_factory(phase_index)
-    opt_state = jax.jit(
-      functools.partial(_phase_opt_state, plan.opt_state, tx, previous_depth=current)
-    )(params, opt_state)
-    step = make_step(
-      dataclasses.replace(cfg, num_layers=depth),
-      tx,
-      num_frozen,
-      train_embedding=plan.train_embedding,
-      clip_norm=run.clip_norm,
-      seed=run.seed,
+    params, opt_state, step = _start_phase(
+      plan, cfg, run, tx_factory, key_grow, (phase_index, depth, num_frozen), params, opt_state
     )
     for _ in range(steps):
       batch = next(batches)
@@ -365,6 +351,30 @@ def train_growth(
     if run.on_phase_end is not None:
       run.on_phase_end(phase_index, params)
   return params, log
+
+
+def _start_phase(
+  plan: GrowthPlan, cfg: ModelConfig, run: GrowthRun, tx_factory, key_grow, phase, params, opt_state
+):
+  """A phase's start: `params` grown to the phase's depth, the optimizer state of its optimizer
+  (`plan.opt_state`), and its step. `phase`: (its index, depth, frozen layers)."""
+  phase_index, depth, num_frozen = phase
+  current = jax.tree.leaves(params['layers'])[0].shape[0]
+  if depth > current:
+    params = grow(params, depth, plan.init, cfg=cfg, key=jax.random.fold_in(key_grow, phase_index))
+  tx = tx_factory(phase_index)
+  opt_state = jax.jit(
+    functools.partial(_phase_opt_state, plan.opt_state, tx, previous_depth=current)
+  )(params, opt_state)
+  step = make_step(
+    dataclasses.replace(cfg, num_layers=depth),
+    tx,
+    num_frozen,
+    train_embedding=plan.train_embedding,
+    clip_norm=run.clip_norm,
+    seed=run.seed,
+  )
+  return params, opt_state, step
 
 
 def _phase_opt_state(
@@ -412,6 +422,35 @@ def parse_plan(text: str, num_layers: int, total_steps: int) -> GrowthPlan:
   method = method.strip().lower()
   if not sep or method not in METHODS:
     raise bad('it must start with mslt: or stacking:')
+  depths, steps, options, final = _plan_items(rest, bad)
+  if not depths:
+    raise bad('it has no DEPTHxSTEPS phase')
+  if final is not None and method != 'mslt':
+    raise bad('a final all:STEPS phase belongs to mslt (stacking trains every layer anyway)')
+  counts = _step_counts(steps + ([final] if final is not None else []), total_steps, bad)
+  unknown = set(options) - {'init', 'embed'}
+  if unknown:
+    raise bad(f'unknown option {sorted(unknown)[0]!r} (options: init, embed)')
+  if options.get('embed', 'frozen') not in ('frozen', 'train'):
+    raise bad('embed= takes frozen or train')
+  plan = GrowthPlan(
+    depths=tuple(depths),
+    steps=tuple(counts[: len(depths)]),
+    method=method,
+    init=options.get('init', 'copy_top'),
+    final_steps=counts[-1] if final is not None else 0,
+    train_embedding=options.get('embed') == 'train',
+  )
+  try:
+    plan.validate(dataclasses.replace(ModelConfig(), num_layers=num_layers))
+  except ConfigError as e:
+    raise bad(str(e).rstrip('.')) from None
+  return plan
+
+
+def _plan_items(rest: str, bad: Callable[[str], ConfigError]):
+  """The comma-separated items of a --growth plan after METHOD: (depths, their STEPS as written,
+  the key=value options, the final all:STEPS or None)."""
   depths, steps, options, final = [], [], {}, None
   for item in filter(None, (i.strip() for i in rest.split(','))):
     if item.startswith('all:'):
@@ -427,11 +466,14 @@ def parse_plan(text: str, num_layers: int, total_steps: int) -> GrowthPlan:
       steps.append(count.strip())
     else:
       raise bad(f'{item!r} is not DEPTHxSTEPS, all:STEPS or an option')
-  if not depths:
-    raise bad('it has no DEPTHxSTEPS phase')
-  if final is not None and method != 'mslt':
-    raise bad('a final all:STEPS phase belongs to mslt (stacking trains every layer anyway)')
-  counts = steps + ([final] if final is not None else [])
+  return depths, steps, options, final
+
+
+def _step_counts(
+  counts: list[str], total_steps: int, bad: Callable[[str], ConfigError]
+) -> list[int]:
+  """Each phase's STEPS as written (one may be `*`, the rest of `total_steps`) -> the step
+  counts, which must add up to `total_steps`."""
   if sum(c == '*' for c in counts) > 1:
     raise bad('only one phase may take the rest of the steps (*)')
   if any(c != '*' and not c.isdigit() for c in counts):
@@ -446,22 +488,4 @@ def parse_plan(text: str, num_layers: int, total_steps: int) -> GrowthPlan:
       f'its phases take {known} steps but --steps is {total_steps}; make them add up '
       'or end with DEPTHx*'
     )
-  unknown = set(options) - {'init', 'embed'}
-  if unknown:
-    raise bad(f'unknown option {sorted(unknown)[0]!r} (options: init, embed)')
-  if options.get('embed', 'frozen') not in ('frozen', 'train'):
-    raise bad('embed= takes frozen or train')
-  counts = [int(c) for c in counts]
-  plan = GrowthPlan(
-    depths=tuple(depths),
-    steps=tuple(counts[: len(depths)]),
-    method=method,
-    init=options.get('init', 'copy_top'),
-    final_steps=counts[-1] if final is not None else 0,
-    train_embedding=options.get('embed') == 'train',
-  )
-  try:
-    plan.validate(dataclasses.replace(ModelConfig(), num_layers=num_layers))
-  except ConfigError as e:
-    raise bad(str(e).rstrip('.')) from None
-  return plan
+  return [int(c) for c in counts]
