@@ -324,6 +324,8 @@ def _sample_parser(sub) -> argparse.ArgumentParser:
 
 
 def _bench_parser(sub) -> argparse.ArgumentParser:
+  from ouroboros_jax.perf import bench as bench_lib  # its defaults: BenchConfig's, stated once
+
   bench = _subcommand(
     sub,
     'bench',
@@ -331,16 +333,23 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
     'See ouroboros_jax/perf/bench.py. Model and '
     'batch come from --preset and the field flags; --stages sets G.',
   )
+  defaults = bench_lib.BenchConfig
   bench.add_argument(
-    '--bench-steps', type=int, default=20, help='timed steps per setting (default %(default)s)'
+    '--bench-steps',
+    type=int,
+    default=defaults.steps,
+    help='timed steps per setting (default %(default)s)',
   )
   bench.add_argument(
-    '--warmup', type=int, default=3, help='untimed steps before timing (default %(default)s)'
+    '--warmup',
+    type=int,
+    default=defaults.warmup,
+    help='untimed steps before timing (default %(default)s)',
   )
   bench.add_argument(
     '--rounds',
     type=int,
-    default=1,
+    default=defaults.rounds,
     help='time the settings in this many rounds, each compiled and warmed up first, and re-time '
     "the pieces in each round, so that a machine's drift slows every setting and the predictions "
     'alike (default %(default)s: one setting after another)',
