@@ -19,7 +19,7 @@ delayed gradients change *what is learned per step*, not speed (see `ouroboros b
     python experiments/convergence.py                      # tiny preset, ~30 min on 2 CPU cores
     python experiments/convergence.py --steps 300 --runs backprop,ouroboros-g2-graph
     python experiments/convergence.py --reuse     # finish an interrupted experiment
-    python experiments/convergence.py --render docs/results/convergence_recipe.csv  # its table
+    python experiments/convergence.py --render docs/results/archive/convergence_recipe.csv  # table
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ today's, in alternating order, pair after pair (the page gives the commands). Th
 pair, code and forward, are collected into one CSV (`pair,code,label,step_ms,ideal_ms,...`, the
 bench's per-stage pieces as `;`-joined lists).
 
-    python experiments/locked_step.py --render docs/results/locked_step_bisect.csv
+    python experiments/locked_step.py --render docs/results/archive/locked_step_bisect.csv
 
 prints the page's table from that CSV and measures nothing.
 """

@@ -24,7 +24,8 @@ one device at the same batch per step; data_parallel uses D = G replicas.
     python experiments/simulate.py --stages 1,2,4 --models 1b --hardware nvlink-300GBps
     python experiments/simulate.py --measured bench.csv     # predicted vs measured
     python experiments/simulate.py --render docs/results/bench_2proc_cpu.csv  # a bench's table
-    python experiments/simulate.py --layer-costs docs/results/device_h200/layer_costs/layer_costs.csv \
+    python experiments/simulate.py \
+        --layer-costs docs/results/archive/device_h200/layer_costs/layer_costs.csv \
         --hardware nvlink-300GBps --stages 1,2,4,8     # from one layer's costs measured on a GPU
 
 Measured CSV (`--measured`), written by a benchmark, one row per measured setting:

@@ -90,7 +90,7 @@ def test_lr_sweep_render_picks_rows_in_order(fixture_csv):
     ('lr_sweep', 'recipe', 'stream_ring_1000.csv'),
     ('lr_sweep', 'recipe', 'long_pair_stream.csv'),
     ('lr_sweep', 'recipe', 'equal_time.csv'),
-    ('convergence', 'run', 'convergence_recipe.csv'),
+    ('convergence', 'run', 'archive/convergence_recipe.csv'),
   ],
 )
 def test_render_of_a_committed_csv_gives_its_last_evaluations(script, name, csv_name, capsys):
@@ -121,7 +121,7 @@ def test_render_of_a_committed_csv_gives_its_last_evaluations(script, name, csv_
 
 
 def test_simulate_render_gives_a_bench_csvs_own_columns(capsys):
-  path = ROOT / 'docs' / 'results' / 'bench_2proc_cpu_pipelines.csv'
+  path = ROOT / 'docs' / 'results' / 'archive' / 'bench_2proc_cpu_pipelines.csv'
   _script('simulate').main(['--render', str(path), '--versus', 'backprop,gpipe M=4'])
   table = {r['setting']: r for r in _rows(capsys.readouterr().out)}
   with open(path) as f:
