@@ -443,18 +443,7 @@ def _flash_bwd(plan: _Plan, residuals, dy_HxBxLxK):
       dqu = _add_rows(dqu, dqu_blk, qb * bq, axis=2)
       dk_HxBxJxK += jnp.einsum('hbqj,hbqd->hbjd', dscore, qu_blk, preferred_element_type=f32)
       if plan.relative:
-        dwindow = _unskew(dscore, plan.window)
-        dqv_blk = jnp.einsum('hbqw,hwd->hbqd', dwindow, r_win, preferred_element_type=f32)
-        dqv = _add_rows(dqv, dqv_blk, qb * bq, axis=2)
-        # Over (b, q) as one axis: XLA:CPU otherwise transposes the [H, B, Q, W] window first.
-        h, b, q, w = dwindow.shape
-        dr_win = jnp.einsum(
-          'hnw,hnd->hwd',
-          dwindow.reshape(h, b * q, w),
-          qv_blk.reshape(h, b * q, -1),
-          preferred_element_type=f32,
-        )
-        dr = _add_rows(dr, dr_win, _window_start(plan, qb, kb), axis=1)
+        dqv, dr = _relative_grads(plan, qb, kb, dscore, (qv_blk, r_win), (dqv, dr))
       return dk_HxBxJxK, dv_HxBxJxK, dqu, dqv, dr
 
     zeros = jnp.zeros(k.shape[:2] + (bk, k.shape[3]), f32)
@@ -470,6 +459,26 @@ def _flash_bwd(plan: _Plan, residuals, dy_HxBxLxK):
   grads = lax.fori_loop(0, plan.num_k, key_block, init)
   cast = lambda g, x: None if x is None else g.astype(x.dtype)
   return _Operands(*(cast(g, x) for g, x in zip(grads, ops))), None
+
+
+def _relative_grads(plan: _Plan, qb, kb, dscore, blocks, grads):
+  """`_flash_bwd`'s position term for query block qb and key block kb: the score gradient
+  `dscore` unskewed to the window, added into dqv (rows of qb) and dr (the window's rows).
+  `blocks`: (qv of the block, its window of r); `grads`: (dqv, dr). Returns (dqv, dr)."""
+  (qv_blk, r_win), (dqv, dr), f32 = blocks, grads, jnp.float32
+  dwindow = _unskew(dscore, plan.window)
+  dqv_blk = jnp.einsum('hbqw,hwd->hbqd', dwindow, r_win, preferred_element_type=f32)
+  dqv = _add_rows(dqv, dqv_blk, qb * plan.block_q, axis=2)
+  # Over (b, q) as one axis: XLA:CPU otherwise transposes the [H, B, Q, W] window first.
+  h, b, q, w = dwindow.shape
+  dr_win = jnp.einsum(
+    'hnw,hnd->hwd',
+    dwindow.reshape(h, b * q, w),
+    qv_blk.reshape(h, b * q, -1),
+    preferred_element_type=f32,
+  )
+  dr = _add_rows(dr, dr_win, _window_start(plan, qb, kb), axis=1)
+  return dqv, dr
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -81,58 +81,75 @@ def _loss_and_grads(
   padded_V = None if real_vocab is None or real_vocab >= vocab else jnp.arange(vocab) >= real_vocab
   tokens = b * l
   chunks, per_chunk = chunk_layout(tokens, chunk_tokens)
-  padded = chunks * per_chunk
-  f32 = jnp.float32
   w_VxD = weight_VxD.astype(x_BxLxD.dtype)
-  x_TxD = x_BxLxD.reshape(tokens, d)
-  targets_T = targets_BxL.reshape(tokens)
-  # Each token's share of the mean: 1/T, 0 on the padded tail (its gradient then adds nothing).
-  scale_T = jnp.full((tokens,), 1.0 / tokens, f32)
-  if padded > tokens:
-    tail = padded - tokens
-    x_TxD = jnp.pad(x_TxD, ((0, tail), (0, 0)))
-    targets_T = jnp.pad(targets_T, (0, tail))
-    scale_T = jnp.pad(scale_T, (0, tail))
-
-  def chunk(x_UxD, targets_U, scale_U):
-    logits_UxV = jnp.einsum('ud,vd->uv', x_UxD, w_VxD, preferred_element_type=f32)
-    if padded_V is not None:
-      logits_UxV = jnp.where(padded_V[None], -jnp.inf, logits_UxV)
-    lse_U = jax.nn.logsumexp(logits_UxV, axis=-1)
-    nll_U = lse_U - jnp.take_along_axis(logits_UxV, targets_U[:, None], axis=-1)[:, 0]
-    if not grads:
-      return nll_U
-    p_UxV = jnp.exp(logits_UxV - lse_U[:, None])
-    is_target_UxV = targets_U[:, None] == jnp.arange(vocab, dtype=targets_U.dtype)[None]
-    g_UxV = (jnp.where(is_target_UxV, p_UxV - 1.0, p_UxV) * scale_U[:, None]).astype(x_UxD.dtype)
-    dx_UxD = jnp.einsum('uv,vd->ud', g_UxV, w_VxD, preferred_element_type=f32)
-    dw_VxD = jnp.einsum('uv,ud->vd', g_UxV, x_UxD, preferred_element_type=f32)
-    return nll_U, dx_UxD.astype(x_UxD.dtype), dw_VxD
-
+  rows = _token_rows(x_BxLxD, targets_BxL, chunks * per_chunk)
+  chunk = functools.partial(_chunk, w_VxD, padded_V, grads)
   if chunks == 1:
-    out = chunk(x_TxD, targets_T, scale_T)
+    out = chunk(*rows)
     nll_T, dx_TxD, dw_VxD = out if grads else (out, None, None)
   else:
-    x_QxUxD = x_TxD.reshape(chunks, per_chunk, d)
-    xs = (x_QxUxD, targets_T.reshape(chunks, per_chunk), scale_T.reshape(chunks, per_chunk))
-    if grads:
-
-      def body(dw_VxD, chunk_inputs):
-        nll_U, dx_UxD, dw_chunk_VxD = chunk(*chunk_inputs)
-        return dw_VxD + dw_chunk_VxD, (nll_U, dx_UxD)
-
-      # The first chunk's dW starts the sum: inside a shard_map it varies over the mesh axes x
-      # and W vary over, as the loop's sum does (a carry of zeros would not: check_vma refuses).
-      first = [a[0] for a in xs]
-      nll_U, dx_UxD, dw_VxD = chunk(*first)
-      dw_VxD, (nll_QxU, dx_QxUxD) = jax.lax.scan(body, dw_VxD, [a[1:] for a in xs])
-      nll_QxU = jnp.concatenate([nll_U[None], nll_QxU])
-      dx_TxD = jnp.concatenate([dx_UxD[None], dx_QxUxD]).reshape(padded, d)
-    else:
-      nll_QxU, dx_TxD, dw_VxD = jax.lax.map(lambda a: chunk(*a), xs), None, None
-    nll_T = nll_QxU.reshape(padded)
+    nll_T, dx_TxD, dw_VxD = _over_chunks(chunk, rows, chunks, per_chunk, grads)
   loss = nll_T[:tokens].sum() / tokens
   if not grads:
     return loss, None, None
   dx_BxLxD = dx_TxD[:tokens].reshape(b, l, d)
   return loss, dx_BxLxD, dw_VxD.astype(weight_VxD.dtype)
+
+
+def _token_rows(x_BxLxD, targets_BxL, padded: int):
+  """(x, targets, each token's share of the mean) one row per token, padded to `padded` rows."""
+  b, l, d = x_BxLxD.shape
+  tokens = b * l
+  x_TxD = x_BxLxD.reshape(tokens, d)
+  targets_T = targets_BxL.reshape(tokens)
+  # Each token's share of the mean: 1/T, 0 on the padded tail (its gradient then adds nothing).
+  scale_T = jnp.full((tokens,), 1.0 / tokens, jnp.float32)
+  if padded > tokens:
+    tail = padded - tokens
+    x_TxD = jnp.pad(x_TxD, ((0, tail), (0, 0)))
+    targets_T = jnp.pad(targets_T, (0, tail))
+    scale_T = jnp.pad(scale_T, (0, tail))
+  return x_TxD, targets_T, scale_T
+
+
+def _chunk(w_VxD, padded_V, grads: bool, x_UxD, targets_U, scale_U):
+  """One chunk's nll (and, with `grads`, its dx and its dW for cotangent 1)."""
+  f32, vocab = jnp.float32, w_VxD.shape[0]
+  logits_UxV = jnp.einsum('ud,vd->uv', x_UxD, w_VxD, preferred_element_type=f32)
+  if padded_V is not None:
+    logits_UxV = jnp.where(padded_V[None], -jnp.inf, logits_UxV)
+  lse_U = jax.nn.logsumexp(logits_UxV, axis=-1)
+  nll_U = lse_U - jnp.take_along_axis(logits_UxV, targets_U[:, None], axis=-1)[:, 0]
+  if not grads:
+    return nll_U
+  p_UxV = jnp.exp(logits_UxV - lse_U[:, None])
+  is_target_UxV = targets_U[:, None] == jnp.arange(vocab, dtype=targets_U.dtype)[None]
+  g_UxV = (jnp.where(is_target_UxV, p_UxV - 1.0, p_UxV) * scale_U[:, None]).astype(x_UxD.dtype)
+  dx_UxD = jnp.einsum('uv,vd->ud', g_UxV, w_VxD, preferred_element_type=f32)
+  dw_VxD = jnp.einsum('uv,ud->vd', g_UxV, x_UxD, preferred_element_type=f32)
+  return nll_U, dx_UxD.astype(x_UxD.dtype), dw_VxD
+
+
+def _over_chunks(chunk, rows, chunks: int, per_chunk: int, grads: bool):
+  """`chunk` over the Q chunks of the token rows in a loop: (nll per row, dx per row, the summed
+  dW), dx and dW None unless `grads`."""
+  x_TxD, targets_T, scale_T = rows
+  padded, d = chunks * per_chunk, x_TxD.shape[1]
+  x_QxUxD = x_TxD.reshape(chunks, per_chunk, d)
+  xs = (x_QxUxD, targets_T.reshape(chunks, per_chunk), scale_T.reshape(chunks, per_chunk))
+  if grads:
+
+    def body(dw_VxD, chunk_inputs):
+      nll_U, dx_UxD, dw_chunk_VxD = chunk(*chunk_inputs)
+      return dw_VxD + dw_chunk_VxD, (nll_U, dx_UxD)
+
+    # The first chunk's dW starts the sum: inside a shard_map it varies over the mesh axes x
+    # and W vary over, as the loop's sum does (a carry of zeros would not: check_vma refuses).
+    first = [a[0] for a in xs]
+    nll_U, dx_UxD, dw_VxD = chunk(*first)
+    dw_VxD, (nll_QxU, dx_QxUxD) = jax.lax.scan(body, dw_VxD, [a[1:] for a in xs])
+    nll_QxU = jnp.concatenate([nll_U[None], nll_QxU])
+    dx_TxD = jnp.concatenate([dx_UxD[None], dx_QxUxD]).reshape(padded, d)
+  else:
+    nll_QxU, dx_TxD, dw_VxD = jax.lax.map(lambda a: chunk(*a), xs), None, None
+  return nll_QxU.reshape(padded), dx_TxD, dw_VxD

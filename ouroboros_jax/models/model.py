@@ -123,6 +123,23 @@ class ModelConfig:
       )
     if not 0.0 <= self.dropout < 1.0:
       raise ConfigError(f'{field_ref("dropout")} must be in [0, 1), got {self.dropout}.')
+    self._validate_arch()
+    for name, choices in (('dtype', DTYPES), ('param_dtype', DTYPES)):
+      if getattr(self, name) not in choices:
+        raise ConfigError(
+          f'unknown {field_ref(name, getattr(self, name))}; choose one of {", ".join(choices)}.'
+        )
+    self._validate_attention()
+    if self.loss_chunk_tokens < 0:
+      raise ConfigError(
+        f'{field_ref("loss_chunk_tokens")} must be >= 0 (0: the unchunked head), got '
+        f'{self.loss_chunk_tokens}.'
+      )
+    if not 0.0 < self.init_std < float('inf'):
+      raise ConfigError(f'{field_ref("init_std")} must be a positive number, got {self.init_std}.')
+
+  def _validate_arch(self) -> None:
+    """The architecture, and the Transformer-XL settings only it takes."""
     if self.arch not in ARCHS:
       raise ConfigError(f'unknown model {field_ref("arch", self.arch)}; use {" or ".join(ARCHS)}.')
     for name in ('mem_len', 'clamp_len'):
@@ -138,11 +155,9 @@ class ModelConfig:
             f'{self.arch!r}; use {field_ref("arch", "transformer-xl")} or drop '
             f'{field_ref(name)}.'
           )
-    for name, choices in (('dtype', DTYPES), ('param_dtype', DTYPES)):
-      if getattr(self, name) not in choices:
-        raise ConfigError(
-          f'unknown {field_ref(name, getattr(self, name))}; choose one of {", ".join(choices)}.'
-        )
+
+  def _validate_attention(self) -> None:
+    """The attention kernel for this model and dtype, and its settings."""
     attention_kernels.check(
       self.attention, self.compute_dtype, relative=self.arch == 'transformer-xl'
     )
@@ -154,13 +169,6 @@ class ModelConfig:
       )
     if self.attention_block < 1:
       raise ConfigError(f'{field_ref("attention_block")} must be >= 1, got {self.attention_block}.')
-    if self.loss_chunk_tokens < 0:
-      raise ConfigError(
-        f'{field_ref("loss_chunk_tokens")} must be >= 0 (0: the unchunked head), got '
-        f'{self.loss_chunk_tokens}.'
-      )
-    if not 0.0 < self.init_std < float('inf'):
-      raise ConfigError(f'{field_ref("init_std")} must be a positive number, got {self.init_std}.')
 
   def unroll_for(self, platform: str | None = None) -> int:
     """Layers per scan iteration on `platform` (default: JAX's backend): layer_unroll, or for
