@@ -292,36 +292,56 @@ def from_layers(
   """A model of one embedding, N layers of one kind and a head, staged for every schedule.
 
   embed: the batch's 'inputs' (an array, or the dict it is) -> activations x; layer: x -> x (one
-  layer); head: x -> what `loss` takes (logits). Each is one of
-    - a pure function: `embed(params, inputs, rng)`, `layer(params, x, rng)`, `head(params, x)`
-      (with `tied_embedding`: `head(params, embed_params, x)`); rng is the piece's dropout key,
-      None when the schedule draws none;
-    - a Flax NNX module, called as `module(x)` with the parameters (`nnx.Param`) it is given;
-      every RNG stream it holds is reseeded from the piece's key (a dropout built without rngs
-      gets one), and without a key (`evaluate`; the head always) it runs its deterministic view,
-      no dropout; its other state (batch statistics) is the module's own and is not trained;
-    - a Flax Linen module or its `apply`, called as `apply({'params': p}, x)` (with
-      `rngs={'dropout': rng}` when there is a key).
+  layer); head: x -> what `loss` takes (logits). Each is a pure function, `embed(params, inputs,
+  rng)`, `layer(params, x, rng)`, `head(params, x)` (with `tied_embedding`: `head(params,
+  embed_params, x)`; rng: the piece's dropout key, None when the schedule draws none), a Flax NNX
+  module, or a Flax Linen module or its `apply` (how each is called and seeded: `_piece`).
   layers: the N layers' parameters, a list (one tree per layer: Linen params, NNX `State`s or
     NNX modules) or one tree stacked on a leading axis of N (`nn.scan`, `nnx.vmap`). For an NNX
     `layer` it is the template whose structure every layer shares.
-  embed_params, head_params: their parameters; an NNX module's own when left out.
+  embed_params, head_params: their parameters; an NNX module's own when left out. Linen's
+    `Partitioned` boxes and NNX states are unboxed: the ring places the parameters itself.
   loss: (head's output, targets) -> loss or (loss, metrics); default: mean token cross-entropy
     of logits. loss_weight: targets -> what `loss` averages over (e.g. `(targets > 0).sum()`,
-    the valid tokens of a padded batch), so that every schedule forms the gradient of the whole
-    batch's mean however the padding falls over micro-batches and replicas
-    (`StagedModel.loss_weight`); None: every row weighs the same. num_stages or layers_per_stage: the stage groups (`ScheduleConfig.stage_groups`:
-    num_stages, times 2 chunks for interleaved and zb_v); an uneven split pads and skips.
+    a padded batch's valid tokens), for the whole batch's mean however the padding falls over
+    micro-batches and replicas (`StagedModel.loss_weight`); None: every row weighs the same.
+  num_stages or layers_per_stage: the stage groups (`ScheduleConfig.stage_groups`: num_stages,
+    times 2 chunks for interleaved and zb_v); an uneven split pads and skips.
   example_inputs: token ids (shapes only, e.g. a batch's 'inputs'): Linen modules show their
     kernels' layouts only when run, so `muon_dims` covers Linen pieces only when given these.
   context: `context(inputs) -> dict` of what every layer needs besides x (a mask, positions,
-    segment ids), computed once per (micro-)batch at the embedding. Its leaves travel between
-    stages with x (the activations become {'x': x, **context}; each leaf must lead with the
-    batch axis) and each layer is called `layer(x, **context)` (pure: `layer(params, x, rng,
-    **context)`); the embedding takes the inputs only, the head x only.
-  Linen's `Partitioned` boxes and NNX states are unboxed: the ring places the parameters itself.
+    segment ids; each leaf leads with the batch axis), computed once per (micro-)batch at the
+    embedding, carried between stages with x (`_with_context`); each layer is called
+    `layer(x, **context)` (pure: `layer(params, x, rng, **context)`), the head takes x only.
   Raises ConfigError (one line) for layers that do not match or do not fill the stages.
   """
+  (embed_fn, embed_params), layer_fn, (head_fn, head_params) = _pieces(
+    (embed, layer, head), embed_params, head_params, tied_embedding
+  )
+  stacked, as_given = _stack(layers)
+  layers_per_stage = _stage_split(stacked, num_stages, layers_per_stage)
+  model = _staged_model(
+    (embed_fn, layer_fn, head_fn), layers_per_stage, loss, context, tied_embedding, loss_weight
+  )
+  params, to_layers = _staged_params(
+    {'embed': embed_params, 'layers': stacked, 'head': head_params}, layers_per_stage, as_given
+  )
+  pieces = (embed, embed_fn, embed_params), (layer, layer_fn, _first(stacked))
+  dims = _muon_dims(*pieces, (head, head_fn, head_params), example_inputs, context)
+  return Staging(model, params, tuple(layers_per_stage), to_layers, dims)
+
+
+def token_cross_entropy(logits_BxLxV, targets_BxL):
+  """Mean next-token cross-entropy (nats) of logits, computed in float32: (loss, {'loss'})."""
+  logp_BxLxV = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32))
+  loss = -jnp.take_along_axis(logp_BxLxV, targets_BxL[..., None], axis=-1).mean()
+  return loss, {'loss': loss}
+
+
+def _pieces(pieces, embed_params, head_params, tied_embedding: bool):
+  """`from_layers`' pieces (embed, layer, head) as pure functions (`_piece`): ((embed, its
+  parameters), layer, (head, its parameters)), the parameters given or an NNX module's own."""
+  embed, layer, head = pieces
   embed_fn, embed_default = _piece(embed, 'embed', takes_rng=True)
   layer_fn, _ = _piece(layer, 'layer', takes_rng=True)
   head_fn, head_default = _piece(head, 'head', takes_rng=False)
@@ -332,18 +352,43 @@ def from_layers(
     )
   embed_params = _params(embed_params, embed_default, 'embed_params', 'embed')
   head_params = _params(head_params, head_default, 'head_params', 'head')
-  stacked, as_given = _stack(layers)
-  num_layers = jax.tree.leaves(stacked)[0].shape[0]
-  if layers_per_stage is None:
-    if num_stages is None:
-      raise ConfigError(
-        f'from_layers needs {field_ref("num_stages")} or {field_ref("layers_per_stage")}; pass one.'
-      )
-    layers_per_stage = even_split(num_layers, num_stages)
-  else:
-    layers_per_stage = parse_layers_per_stage(layers_per_stage, num_layers, num_stages)
+  return (embed_fn, embed_params), layer_fn, (head_fn, head_params)
+
+
+def _staged_model(
+  pieces, layers_per_stage, loss, context, tied_embedding: bool, loss_weight
+) -> StagedModel:
+  """`from_layers`' StagedModel of its pure pieces (embed, layer, head) and its loss (None:
+  `token_cross_entropy`)."""
+  embed_fn, layer_fn, head_fn = pieces
   loss = token_cross_entropy if loss is None else loss
   staged_embed, staged_layer, take_x = _with_context(embed_fn, layer_fn, context)
+  return StagedModel(
+    embed=staged_embed,
+    stage=layered_stage(staged_layer, layers_per_stage),
+    loss=_head_loss(head_fn, loss, take_x, tied_embedding),
+    tied_embedding=tied_embedding,
+    loss_weight=loss_weight,
+  )
+
+
+def _stage_split(
+  stacked: PyTree, num_stages: int | None, layers_per_stage: Sequence[int] | None
+) -> tuple[int, ...]:
+  """`from_layers`' stage groups of the layers `stacked` on a leading axis: `layers_per_stage`
+  checked, or an even split into num_stages."""
+  num_layers = jax.tree.leaves(stacked)[0].shape[0]
+  if layers_per_stage is not None:
+    return parse_layers_per_stage(layers_per_stage, num_layers, num_stages)
+  if num_stages is None:
+    raise ConfigError(
+      f'from_layers needs {field_ref("num_stages")} or {field_ref("layers_per_stage")}; pass one.'
+    )
+  return even_split(num_layers, num_stages)
+
+
+def _head_loss(head_fn: Callable, loss: Callable, take_x: Callable, tied_embedding: bool):
+  """`StagedModel.loss` of `from_layers`' head and loss: (loss, metrics) of the head's output."""
 
   def head_loss(head_p, embed_p, x, targets):
     x = take_x(x)
@@ -351,36 +396,18 @@ def from_layers(
     result = loss(out, targets)
     return result if isinstance(result, tuple) else (result, {})
 
-  model = StagedModel(
-    embed=staged_embed,
-    stage=layered_stage(staged_layer, layers_per_stage),
-    loss=head_loss,
-    tied_embedding=tied_embedding,
-    loss_weight=loss_weight,
-  )
-  params = to_staged(
-    {'embed': embed_params, 'layers': stacked, 'head': head_params}, layers_per_stage
-  )
+  return head_loss
+
+
+def _staged_params(params: dict, layers_per_stage: Sequence[int], as_given: Callable):
+  """(`Staging.params`, `Staging.to_layers`): `from_layers`' parameters ({'embed', 'layers'
+  stacked, 'head'}) in the stage layout, and the way back to the layout the layers came in."""
 
   def to_layers(staged_params: dict) -> dict:
     flat = from_staged(staged_params, layers_per_stage)
     return {**flat, 'layers': as_given(flat['layers'])}
 
-  dims = _muon_dims(
-    (embed, embed_fn, embed_params),
-    (layer, layer_fn, _first(stacked)),
-    (head, head_fn, head_params),
-    example_inputs,
-    context,
-  )
-  return Staging(model, params, tuple(layers_per_stage), to_layers, dims)
-
-
-def token_cross_entropy(logits_BxLxV, targets_BxL):
-  """Mean next-token cross-entropy (nats) of logits, computed in float32: (loss, {'loss'})."""
-  logp_BxLxV = jax.nn.log_softmax(logits_BxLxV.astype(jnp.float32))
-  loss = -jnp.take_along_axis(logp_BxLxV, targets_BxL[..., None], axis=-1).mean()
-  return loss, {'loss': loss}
+  return to_staged(params, layers_per_stage), to_layers
 
 
 def _first(stacked: PyTree) -> PyTree:
@@ -521,7 +548,15 @@ def _is_pure(piece) -> bool:
 
 def _piece(piece, what: str, *, takes_rng: bool):
   """(a pure function of (params, *args[, rng], **context), the module's own parameters or
-  None)."""
+  None) of one of `from_layers`' pieces:
+    - a pure function: as it is; rng is the piece's dropout key, None when the schedule draws
+      none;
+    - a Flax NNX module, called as `module(x)` with the parameters (`nnx.Param`) it is given;
+      every RNG stream it holds is reseeded from the piece's key (a dropout built without rngs
+      gets one), and without a key (`evaluate`; the head always) it runs its deterministic view,
+      no dropout; its other state (batch statistics) is the module's own and is not trained;
+    - a Flax Linen module or its `apply`, called as `apply({'params': p}, x)` (with
+      `rngs={'dropout': rng}` when there is a key)."""
   if isinstance(piece, _nnx().Module):
     return _nnx_piece(piece, takes_rng)
   module = _linen_module(piece)

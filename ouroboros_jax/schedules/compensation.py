@@ -229,13 +229,7 @@ def delay_compensation(
   stored = optimizers.state_jnp_dtype(state_dtype)
 
   def init(params):
-    return DelayCompensationState(
-      count=jnp.zeros((), jnp.int32),
-      history=()
-      if from_last_update
-      else jax.tree.map(lambda p: jnp.broadcast_to(p, (depth, *p.shape)), params),
-      mean_square=jax.tree.map(lambda p: jnp.zeros_like(p, stored), params),
-    )
+    return _initial_state(params, 0 if from_last_update else depth, stored)
 
   def update(updates, state, params=None, *, delay=None, last_update=None, **extra):
     del extra
@@ -243,31 +237,11 @@ def delay_compensation(
       raise ValueError('delay_compensation needs the parameters (w_now).')
     n, tau = state.count, _gap(delay)
     if from_last_update:
-      if last_update is None:
-        raise ValueError(
-          'delay_compensation(from_last_update=True) needs the latest update: wrap it with '
-          'remember_update (Compensation(predict=True)).'
-        )
-      w_then = jax.tree.map(
-        lambda w, u: jnp.where(tau == 0, w, w - _read(u, w)), params, last_update
-      )
-      history = ()
+      w_then, history = _weights_before_last_update(params, tau, last_update), ()
     else:
-      # Slot (n - tau) % depth holds the weights after update n - tau; when n < tau it was never
-      # written and holds w_0, which is what the weights were before this group's first update.
-      w_then = jax.tree.map(
-        lambda h, w: jnp.where(tau == 0, w, h[(n - tau) % depth]), state.history, params
-      )
-      history = jax.tree.map(lambda h, w: h.at[n % depth].set(w), state.history, params)
-    mean_square = jax.tree.map(
-      lambda m, g: decay * _read(m, g) + (1 - decay) * g * g, state.mean_square, updates
-    )
-    compensated = jax.tree.map(
-      lambda g, w, w0, m: (g + strength / jnp.sqrt(m + eps) * g * g * (w - w0)).astype(g.dtype),
-      updates,
-      params,
-      w_then,
-      mean_square,
+      w_then, history = _weights_from_history(state, params, tau, depth)
+    compensated, mean_square = _compensate(
+      updates, params, w_then, state.mean_square, (strength, decay, eps)
     )
     mean_square = jax.tree.map(lambda m: m.astype(stored), mean_square)
     return compensated, DelayCompensationState(n + 1, history, mean_square)
@@ -276,6 +250,59 @@ def delay_compensation(
 
 
 # ----------------------------------------------------------------------------- on the update
+
+
+def _initial_state(params, depth: int, stored) -> DelayCompensationState:
+  """`delay_compensation`'s state before its first update: a history of `depth` copies of the
+  weights (none for 0), the running mean of g * g at zero in the `stored` dtype."""
+  return DelayCompensationState(
+    count=jnp.zeros((), jnp.int32),
+    history=()
+    if not depth
+    else jax.tree.map(lambda p: jnp.broadcast_to(p, (depth, *p.shape)), params),
+    mean_square=jax.tree.map(lambda p: jnp.zeros_like(p, stored), params),
+  )
+
+
+def _compensate(updates, params, w_then, mean_square, settings):
+  """DC-ASGD-a's step (`delay_compensation`): the compensated gradients and the running mean of
+  g * g updated, in float32. `settings`: (strength, decay, eps)."""
+  strength, decay, eps = settings
+  mean_square = jax.tree.map(
+    lambda m, g: decay * _read(m, g) + (1 - decay) * g * g, mean_square, updates
+  )
+  compensated = jax.tree.map(
+    lambda g, w, w0, m: (g + strength / jnp.sqrt(m + eps) * g * g * (w - w0)).astype(g.dtype),
+    updates,
+    params,
+    w_then,
+    mean_square,
+  )
+  return compensated, mean_square
+
+
+def _weights_before_last_update(params, tau, last_update):
+  """`delay_compensation(from_last_update=True)`'s w_then: w_now less the group's latest update
+  (w_now itself at a delay of 0)."""
+  if last_update is None:
+    raise ValueError(
+      'delay_compensation(from_last_update=True) needs the latest update: wrap it with '
+      'remember_update (Compensation(predict=True)).'
+    )
+  return jax.tree.map(lambda w, u: jnp.where(tau == 0, w, w - _read(u, w)), params, last_update)
+
+
+def _weights_from_history(state: DelayCompensationState, params, tau, depth: int):
+  """`delay_compensation`'s w_then read from its history of the last `depth` weights (w_now at a
+  delay of 0), and the history with w_now written in."""
+  n = state.count
+  # Slot (n - tau) % depth holds the weights after update n - tau; when n < tau it was never
+  # written and holds w_0, which is what the weights were before this group's first update.
+  w_then = jax.tree.map(
+    lambda h, w: jnp.where(tau == 0, w, h[(n - tau) % depth]), state.history, params
+  )
+  history = jax.tree.map(lambda h, w: h.at[n % depth].set(w), state.history, params)
+  return w_then, history
 
 
 class DelayScaleState(NamedTuple):

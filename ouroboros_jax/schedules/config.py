@@ -76,6 +76,41 @@ class ScheduleConfig:
 
   @functools.cached_property
   def _validated(self) -> bool:
+    self._check_values()
+    _check_compensation(self.compensation)
+    if self.name == 'backprop' and self.data_parallel > 1:
+      raise ConfigError(
+        f'backprop runs on one device; for {self.data_parallel} replicas use '
+        f'{field_ref("name", "data_parallel")}.'
+      )
+    if self.name != 'ouroboros':  # the Ouroboros-only settings must not pass silently
+      self._check_no_ouroboros_settings()
+    if self.stash == 'replay' and self.stash_policy != AUTO:
+      raise ConfigError(
+        f'{field_ref("stash_policy", self.stash_policy)} chooses what '
+        f'{field_ref("stash", "graph")} keeps, and {field_ref("stash", "replay")} keeps only '
+        f'the input; drop it or use {field_ref("stash", "graph")}.'
+      )
+    if self.name not in MICROBATCHED and self.microbatches not in (None, 1):
+      raise ConfigError(
+        f'{field_ref("microbatches", self.microbatches)} applies to '
+        f'{field_ref("name")} {", ".join(MICROBATCHED)} only, not {self.name} (it steps on the '
+        'whole batch); drop it.'
+      )
+    if self.name in EXACT_PIPELINES or self.name == 'gpipe':
+      from ouroboros_jax.schedules import tables
+
+      tables.build(self.name, self.num_stages, self.num_microbatches, self.chunks)
+    elif self.chunks not in (None, 1):
+      raise ConfigError(
+        f'{field_ref("chunks", self.chunks)} applies to {field_ref("name", "interleaved")} '
+        f'only, not {self.name}; drop it.'
+      )
+    check_fits(self.resolved_compensation, self.stash)
+    return True
+
+  def _check_values(self) -> None:
+    """Each field alone: the counts in range, the named choices known."""
     for name in ('num_stages', 'data_parallel', 'microbatches'):
       if getattr(self, name) is not None and getattr(self, name) < 1:
         raise ConfigError(
@@ -103,50 +138,23 @@ class ScheduleConfig:
         raise ConfigError(
           f'unknown {field_ref(name, getattr(self, name))}; choose one of {", ".join(choices)}.'
         )
-    _check_compensation(self.compensation)
-    if self.name == 'backprop' and self.data_parallel > 1:
-      raise ConfigError(
-        f'backprop runs on one device; for {self.data_parallel} replicas use '
-        f'{field_ref("name", "data_parallel")}.'
-      )
-    if self.name != 'ouroboros':  # the Ouroboros-only settings must not pass silently
-      defaults = ScheduleConfig()
-      for name in ('stash', 'stash_memory', 'forward', 'flow', 'sync_warmup_steps', 'tied_grad'):
-        if getattr(self, name) != getattr(defaults, name):
-          raise ConfigError(
-            f'{field_ref(name, getattr(self, name))} applies to '
-            f'{field_ref("name", "ouroboros")} only, not {self.name}; drop it or use '
-            f'{field_ref("name", "ouroboros")}.'
-          )
-      if self.resolved_compensation.active:
-        raise ConfigError(
-          f'{field_ref("compensation", ",".join(self.resolved_compensation.names()))} compensates '
-          f'delayed gradients, and {field_ref("name", self.name)} has none; use '
-          f'{field_ref("name", "ouroboros")} or {field_ref("compensation", "none")}.'
-        )
-    if self.stash == 'replay' and self.stash_policy != AUTO:
-      raise ConfigError(
-        f'{field_ref("stash_policy", self.stash_policy)} chooses what '
-        f'{field_ref("stash", "graph")} keeps, and {field_ref("stash", "replay")} keeps only '
-        f'the input; drop it or use {field_ref("stash", "graph")}.'
-      )
-    if self.name not in MICROBATCHED and self.microbatches not in (None, 1):
-      raise ConfigError(
-        f'{field_ref("microbatches", self.microbatches)} applies to '
-        f'{field_ref("name")} {", ".join(MICROBATCHED)} only, not {self.name} (it steps on the '
-        'whole batch); drop it.'
-      )
-    if self.name in EXACT_PIPELINES or self.name == 'gpipe':
-      from ouroboros_jax.schedules import tables
 
-      tables.build(self.name, self.num_stages, self.num_microbatches, self.chunks)
-    elif self.chunks not in (None, 1):
+  def _check_no_ouroboros_settings(self) -> None:
+    """Another schedule than Ouroboros: no Ouroboros-only field off its default, no compensation."""
+    defaults = ScheduleConfig()
+    for name in ('stash', 'stash_memory', 'forward', 'flow', 'sync_warmup_steps', 'tied_grad'):
+      if getattr(self, name) != getattr(defaults, name):
+        raise ConfigError(
+          f'{field_ref(name, getattr(self, name))} applies to '
+          f'{field_ref("name", "ouroboros")} only, not {self.name}; drop it or use '
+          f'{field_ref("name", "ouroboros")}.'
+        )
+    if self.resolved_compensation.active:
       raise ConfigError(
-        f'{field_ref("chunks", self.chunks)} applies to {field_ref("name", "interleaved")} '
-        f'only, not {self.name}; drop it.'
+        f'{field_ref("compensation", ",".join(self.resolved_compensation.names()))} compensates '
+        f'delayed gradients, and {field_ref("name", self.name)} has none; use '
+        f'{field_ref("name", "ouroboros")} or {field_ref("compensation", "none")}.'
       )
-    check_fits(self.resolved_compensation, self.stash)
-    return True
 
   @property
   def delayed(self) -> bool:

@@ -351,8 +351,32 @@ class Program(NamedTuple):
 
 
 def program(table: Table) -> Program:
+  p, num_ticks = table.pipeline.num_stages, ticks(table)
+  slots = _slots(table)
+  fields, sends = _tick_fields(table, slots, num_ticks)
+  channels = tuple(sorted({(to - d) % p for _, d, to, _, _ in sends}))
+  for o in channels:
+    fields[f'store_{o}'] = [[NOWHERE] * num_ticks for _ in range(p)]
+    fields[f'slot_{o}'] = [[0] * num_ticks for _ in range(p)]
+  for t, d, to, keep, slot in sends:
+    o = (to - d) % p
+    fields[f'store_{o}'][to][t], fields[f'slot_{o}'][to][t] = keep, slot
+  count = lambda what: max(1, max((max(s.values(), default=-1) + 1) for s in slots[what]))
+  return Program(
+    num_ticks,
+    {name: tuple(map(tuple, rows)) for name, rows in fields.items()},
+    channels,
+    count('stash'),
+    count(ACTIVATIONS),
+    count(GRADIENTS),
+  )
+
+
+def _slots(table: Table) -> dict[str, list[dict[tuple[int, int], int]]]:
+  """Per store ('stash', ACTIVATIONS, GRADIENTS) and device: the slot of each (micro-batch,
+  virtual stage) value it keeps, reused once the value's last reader has run."""
   pipeline, p = table.pipeline, table.pipeline.num_stages
-  last, num_ticks = pipeline.last_stage, ticks(table)
+  last = pipeline.last_stage
   tick_of = {
     (op.kind, op.microbatch, pipeline.stage_of(d, op.chunk)): t
     for d, row in enumerate(table.grid)
@@ -369,8 +393,14 @@ def program(table: Table) -> Program:
         held[ACTIVATIONS][d].append(((i, k), tick_of[('F', i, k - 1)] + 1, t))
       gradient_from = tick_of[('F', i, k)] if k == last else tick_of[('B', i, k + 1)]
       held[GRADIENTS][d].append(((i, k), gradient_from + 1, w))
-  slots = {what: [_allocate(lives) for lives in per_device] for what, per_device in held.items()}
+  return {what: [_allocate(lives) for lives in per_device] for what, per_device in held.items()}
 
+
+def _tick_fields(table: Table, slots: dict, num_ticks: int) -> tuple[dict, list]:
+  """`Program.fields` of each device's operation per tick (all but the channels' store_<o> and
+  slot_<o>), and the sends: (tick, from device, to device, where it is kept, slot)."""
+  pipeline, p = table.pipeline, table.pipeline.num_stages
+  last = pipeline.last_stage
   names = ('kind', 'microbatch', 'chunk', 'stage', 'stash_slot', 'inbox_slot')
   fields = {name: [[0] * num_ticks for _ in range(p)] for name in names}
   sends = []  # (tick, from device, to device, where it is kept, slot)
@@ -398,22 +428,7 @@ def program(table: Table) -> Program:
       elif op.kind == 'B' and k > 0:
         to = pipeline.place_of(k - 1)[0]
         sends.append((t, d, to, GRADIENTS, slots[GRADIENTS][to][(op.microbatch, k - 1)]))
-  channels = tuple(sorted({(to - d) % p for _, d, to, _, _ in sends}))
-  for o in channels:
-    fields[f'store_{o}'] = [[NOWHERE] * num_ticks for _ in range(p)]
-    fields[f'slot_{o}'] = [[0] * num_ticks for _ in range(p)]
-  for t, d, to, keep, slot in sends:
-    o = (to - d) % p
-    fields[f'store_{o}'][to][t], fields[f'slot_{o}'][to][t] = keep, slot
-  count = lambda what: max(1, max((max(s.values(), default=-1) + 1) for s in slots[what]))
-  return Program(
-    num_ticks,
-    {name: tuple(map(tuple, rows)) for name, rows in fields.items()},
-    channels,
-    count('stash'),
-    count(ACTIVATIONS),
-    count(GRADIENTS),
-  )
+  return fields, sends
 
 
 def _allocate(lives: list[tuple[object, int, int]]) -> dict[object, int]:
