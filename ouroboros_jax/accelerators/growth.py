@@ -357,7 +357,7 @@ def _start_phase(
   plan: GrowthPlan, cfg: ModelConfig, run: GrowthRun, tx_factory, key_grow, phase, params, opt_state
 ):
   """A phase's start: `params` grown to the phase's depth, the optimizer state of its optimizer
-  (`plan.opt_state`), and its step. `phase`: (its index, depth, frozen layers)."""
+  (`GrowthPlan.opt_state`), and its step. `phase`: (its index, depth, frozen layers)."""
   phase_index, depth, num_frozen = phase
   current = jax.tree.leaves(params['layers'])[0].shape[0]
   if depth > current:
