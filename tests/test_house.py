@@ -10,8 +10,6 @@ from __future__ import annotations
 import ast
 import pathlib
 
-import pytest
-
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / 'ouroboros_jax'
 
@@ -48,9 +46,6 @@ def test_no_module_is_over_700_lines():
   )
 
 
-@pytest.mark.xfail(
-  strict=True, reason='issue 60 item 5: docs/results is being split into the finding and an archive'
-)
 def test_docs_results_top_level_is_short():
   entries = sorted(p.name for p in (ROOT / 'docs' / 'results').iterdir())
   assert len(entries) <= RESULTS_TOP_LEVEL_LIMIT, (
