@@ -74,8 +74,7 @@ def out_of_memory_message(args: argparse.Namespace, exc: BaseException) -> str:
       spread.append('--schedule gpipe or ouroboros with --stages N (the layers cut over N devices)')
     elif run.num_stages < model.num_layers:
       spread.append(f'more --stages (now {run.num_stages})')
-    replay = run.name == 'ouroboros' and run.stash == 'replay'
-    if not replay and run.resolved_stash_policy != 'nothing':  # the least a forward keeps
+    if not run.replays and run.resolved_stash_policy != 'nothing':  # the least a forward keeps
       spread.append('--stash-policy nothing')
     if run.name == 'ouroboros':
       if run.stash_memory == 'device':

@@ -194,8 +194,7 @@ def _update_seconds(params, stages: int, optimizer: str, repeats: int) -> list[f
 def policy(setting: ScheduleConfig) -> str:
   """The stash policy a setting's backward runs with (`resolved_stash_policy`); the replay
   stash's backward keeps the whole VJP of the forward it re-runs ('all')."""
-  replay = setting.name == 'ouroboros' and setting.stash == 'replay'
-  return 'all' if replay else setting.resolved_stash_policy
+  return 'all' if setting.replays else setting.resolved_stash_policy
 
 
 def measure_by_policy(

@@ -204,7 +204,7 @@ def _run_report(cfg: TrainConfig, run, topology: str | None, device) -> dict:
     'stages': run.num_stages,
     'data_parallel': run.data_parallel,
     'microbatches': run.num_microbatches,
-    'stash': _stash(run),
+    'stash': run.stash_label,
     'forward': run.forward if run.name == 'ouroboros' else None,
     'flow': run.resolved_flow if run.name == 'ouroboros' else None,
     'dtype': cfg.model.dtype,
@@ -370,14 +370,6 @@ def shard_bytes(tree) -> int:
     math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
     for leaf in jax.tree.leaves(tree)
   )
-
-
-def _stash(run) -> str:
-  """What the run's forward keeps for its backward: Ouroboros' stash and its policy, every other
-  schedule's policy ('all': no recomputation)."""
-  if run.name != 'ouroboros':
-    return run.resolved_stash_policy
-  return f'graph/{run.resolved_stash_policy}' if run.stash == 'graph' else run.stash
 
 
 def _one_line(exc: BaseException) -> str:

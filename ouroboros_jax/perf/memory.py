@@ -55,15 +55,7 @@ def memory_report(
   report = {
     'schedule': schedule_config.name,
     'stages': schedule_config.num_stages,
-    'stash': (
-      (
-        'graph/' + schedule_config.resolved_stash_policy
-        if schedule_config.stash == 'graph'
-        else schedule_config.stash
-      )
-      if schedule_config.name == 'ouroboros'
-      else '-'
-    ),
+    'stash': schedule_config.stash_label if schedule_config.name == 'ouroboros' else '-',
     'params_bytes': per_device_bytes(state.params),
     'ring_bytes': per_device_bytes(state.ring),
   }

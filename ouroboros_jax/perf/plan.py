@@ -222,8 +222,7 @@ def predicted_step_s(
   # What the backward re-runs of the forward: the policy's share (the replay stash: all of it,
   # which the simulator adds itself).
   fraction = recompute_fraction(setting, model)
-  replay = setting.name == 'ouroboros' and setting.stash == 'replay'
-  costs = dataclasses.replace(costs, recompute=0.0 if replay else fraction)
+  costs = dataclasses.replace(costs, recompute=0.0 if setting.replays else fraction)
   run = dataclasses.replace(setting, data_parallel=setting.data_parallel if data else 1)
   return simulate.simulate(run, costs).step_time
 
@@ -231,7 +230,7 @@ def predicted_step_s(
 def recompute_fraction(setting: ScheduleConfig, model) -> float:
   """The share of a layer group's forward that the setting's backward re-runs (1: all of it, the
   replay stash or --stash-policy nothing; 0: none), as the simulator charges it."""
-  if setting.name == 'ouroboros' and setting.stash == 'replay':
+  if setting.replays:
     return 1.0
   return cost_model.recompute_fraction(setting.resolved_stash_policy, model.seq_len, model.d_model)
 

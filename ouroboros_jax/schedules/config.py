@@ -199,6 +199,21 @@ class ScheduleConfig:
     return self.resolve_compensation()
 
   @property
+  def replays(self) -> bool:
+    """Ouroboros' replay stash (Features Replay): each group keeps only its input and re-runs
+    its forward in the backward, so no stash policy applies to it. Decided here alone."""
+    return self.name == 'ouroboros' and self.stash == 'replay'
+
+  @property
+  def stash_label(self) -> str:
+    """What the forward keeps for its backward, as the reports print it: Ouroboros' stash and
+    its policy ('graph/nothing', 'replay'), every other schedule's policy ('all': no
+    recomputation)."""
+    if self.name != 'ouroboros':
+      return self.resolved_stash_policy
+    return 'replay' if self.replays else f'graph/{self.resolved_stash_policy}'
+
+  @property
   def resolved_stash_policy(self) -> str:
     """--stash-policy auto: DEFAULT_STASH_POLICY ('nothing': each group's input and weights,
     the forward recomputed in the backward) on Ouroboros, whose ring holds G batches' stashes;
@@ -228,8 +243,9 @@ class ScheduleConfig:
     least `delays.unit_gap_microbatches` (the smallest divisor of the batch that reaches it, or
     every row its own micro-batch). The CLI resolves here (`TrainConfig.schedule_config`), and so
     does `build_schedule`, on the devices' platform and the batch it steps on."""
-    replay = self.name == 'ouroboros' and self.stash == 'replay'  # no policy: it keeps the input
-    run = self if replay else dataclasses.replace(self, stash_policy=self.resolved_stash_policy)
+    run = (
+      self if self.replays else dataclasses.replace(self, stash_policy=self.resolved_stash_policy)
+    )
     if self.name != 'ouroboros':  # 'auto' is no compensation there, and there is no flow
       if self.name in MICROBATCHED and self.microbatches is None:
         return dataclasses.replace(run, microbatches=self.num_microbatches)
