@@ -25,6 +25,7 @@ same tables.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 from ouroboros_jax.choices import EXACT_PIPELINES, SPLIT_BACKWARD
@@ -79,9 +80,11 @@ class Table(NamedTuple):
 # ----------------------------------------------------------------------------- the schedules
 
 
+@functools.lru_cache(maxsize=64)
 def build(name: str, num_stages: int, microbatches: int, chunks: int | None = None) -> Pipeline:
   """The named schedule for p = num_stages devices and m = microbatches, with `chunks` model
-  chunks per device (None: the schedule's own, DEFAULT_CHUNKS); one-line errors."""
+  chunks per device (None: the schedule's own, DEFAULT_CHUNKS); one-line errors. Built once per
+  setting (validation, the step and the simulator ask for the same immutable table)."""
   if name not in PIPELINES:
     raise ConfigError(
       f'unknown pipeline {field_ref("name", name)}; choose one of {", ".join(PIPELINES)}.'
