@@ -204,9 +204,22 @@ def announce_failure(message: str, code: int) -> None:
 def end_stopped(message: str, code: int) -> None:
   """Ends a process of a multi-process run that a signal stopped (every process got it): its
   `error: message` line, then exits with `code` without the shutdown barrier, which peers that
-  are ending too would leave to crash."""
+  are ending too would leave to crash. It says first that it ends as planned, so that a peer
+  whose own stop comes a moment later does not take it for a lost process (`_watch_pids`)."""
+  _claim_failure()  # this process's own watches stand down
+  _say_done()
   _last_words(f'error: {message}', code)
   _end_now(code)
+
+
+def _say_done() -> None:
+  """Posts that this process ends as planned, for its peers' `_watch_pids` (`_ended_by_plan`)."""
+  import jax
+
+  if _service_gone():
+    return
+  client, me = _client(), jax.process_index()
+  _bounded(lambda: client.key_value_set(f'{_DONE_KEY}/{me}', '1'))
 
 
 def _end_now(code: int) -> None:
