@@ -66,8 +66,8 @@ def _bool(text: str) -> bool:
 
 
 def _optional(kind):
-  def parse(text: str):
-    return None if text.lower() in ('none', '') else kind(text)
+  def parse(text: str):  # '' is kept: an empty --out or --data is refused by name, not defaulted
+    return None if text.lower() == 'none' else kind(text)
 
   parse.__name__ = kind.__name__
   return parse
