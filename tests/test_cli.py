@@ -363,7 +363,7 @@ def test_silent_settings_are_refused_and_booleans_take_values():
   assert_one_line_error(run_cli('train', '--compensation', ''), 2, '--compensation is empty')
   # An empty --out is refused, not read as 'none' (which wrote to runs/PRESET-SCHEDULE).
   args = parser.parse_args(['train', '--out', ''])
-  with pytest.raises(ConfigError, match='out. is empty'):
+  with pytest.raises(ConfigError, match='out.? is empty'):
     cli_parsers.config_from_args(args).validate()
   assert cli_parsers.config_from_args(parser.parse_args(['train', '--out', 'none'])).out is None
 
