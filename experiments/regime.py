@@ -138,10 +138,10 @@ def time_rows(cfg, hardware=HARDWARE, stages=STAGES, ratios=RATIOS) -> list[dict
   rows = []
   for name in hardware:
     rates = plan.hardware_for(None, name)
-    base = plan.predicted_step_s(cfg, ScheduleConfig(), rates)  # keeps everything
+    base = _predicted(cfg, ScheduleConfig(), rates)  # keeps everything
     for policy in POLICIES:
       setting = ScheduleConfig(stash_policy=policy)
-      step = plan.predicted_step_s(cfg, setting, rates)
+      step = _predicted(cfg, setting, rates)
       rows.append(_time_row(name, 1, '', setting, cfg, step, base / step, ''))
     for G in stages:
       for M in [max(1, round(r * G)) for r in ratios]:
@@ -150,9 +150,14 @@ def time_rows(cfg, hardware=HARDWARE, stages=STAGES, ratios=RATIOS) -> list[dict
           if reason is not None:
             rows.append(_time_row(name, G, M, setting, cfg, None, None, reason))
             continue
-          step = plan.predicted_step_s(cfg, setting, rates)
+          step = _predicted(cfg, setting, rates)
           rows.append(_time_row(name, G, M, setting, cfg, step, base / (G * step), ''))
   return rows
+
+
+def _predicted(cfg, setting: ScheduleConfig, rates) -> float:
+  """`plan`'s predicted step of `setting`, resolved as the run resolves it on a TPU."""
+  return plan.predicted_step_s(cfg, setting.resolve('tpu', cfg.batch_size), rates)
 
 
 def _time_row(hardware, G, M, setting, cfg, step, efficiency, note) -> dict:

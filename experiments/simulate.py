@@ -99,8 +99,14 @@ STAGES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def _ring(**fields):
-  """G -> the Ouroboros ScheduleConfig of `fields` on G stages."""
-  return lambda g: ScheduleConfig(name='ouroboros', num_stages=g, **fields)
+  """G -> the Ouroboros ScheduleConfig of `fields` on G stages, the batch as one micro-batch."""
+  return lambda g: ScheduleConfig(name='ouroboros', num_stages=g, microbatches=1, **fields)
+
+
+def _resolved(spec_at):
+  """G -> the setting of `spec_at(G)` as the simulator takes it (resolved; no default of it
+  depends on the platform or the batch)."""
+  return lambda g: spec_at(g).resolve('cpu')
 
 
 # A line of the plot across G -> the ScheduleConfig it runs at G. The names are the lines', not
@@ -125,6 +131,7 @@ VARIANTS = {
     name='ouroboros', num_stages=g, microbatches=2 * g, forward='pipelined', flow='stream'
   ),
 }
+VARIANTS = {label: _resolved(spec_at) for label, spec_at in VARIANTS.items()}
 GANTT = ('model_parallel', 'gpipe M=4', 'ouroboros locked', 'ouroboros pipelined')  # gantt.png
 COLUMNS = [
   'model',
@@ -204,7 +211,7 @@ def predict(
           'label': label,
           'schedule': config.name,
           'devices': result.num_devices,
-          'microbatches': '' if config.microbatches is None else config.microbatches,
+          'microbatches': config.microbatches if config.name in MICROBATCHED else '',
           'stash': config.stash if ring else '',
           'forward': config.forward if ring else '',
           'step_time_s': result.step_time,
@@ -453,7 +460,7 @@ def measured_setting(row: dict) -> tuple[ScheduleConfig, sim_costs.StageCosts]:
     data_parallel=devices if schedule == 'data_parallel' else 1,
     microbatches=micro if schedule in MICROBATCHED else None,
     **(ring if schedule == 'ouroboros' else {}),
-  )
+  ).resolve('cpu')
   return config, costs
 
 

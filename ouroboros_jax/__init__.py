@@ -28,7 +28,7 @@ from ouroboros_jax import moved
 from ouroboros_jax.errors import ConfigError, UserError
 from ouroboros_jax.models import txl  # noqa: F401  (registers Transformer-XL with model.init_params)
 from ouroboros_jax.optimizers import kernel_dims, make_optimizer
-from ouroboros_jax.schedules import SCHEDULES, ScheduleConfig, build_schedule
+from ouroboros_jax.schedules import SCHEDULES, ResolvedSchedule, ScheduleConfig, build_schedule
 from ouroboros_jax.schedules.compensation import Compensation
 from ouroboros_jax.staged import Schedule, StagedModel, TrainState, adamw
 from ouroboros_jax.staging import Staging, from_layers
@@ -51,6 +51,7 @@ __all__ = [
   'ConfigError',
   'Recipe',
   'Schedule',
+  'ResolvedSchedule',
   'ScheduleConfig',
   'StagedModel',
   'Staging',

@@ -22,10 +22,17 @@ from ouroboros_jax.update import GroupedOptimizer
 
 
 def make_schedule(
-  name: str, model: StagedModel, mesh: Mesh, init: Callable, step: Callable, idle_fraction: float
+  name: str,
+  model: StagedModel,
+  mesh: Mesh,
+  init: Callable,
+  step: Callable,
+  idle_fraction: float,
+  settings: Callable,
 ) -> Schedule:
   """A Schedule with its step and evaluation jitted the way every schedule's are; the step keeps
-  the state where `init_state` placed it."""
+  the state where `init_state` placed it. `settings(rows)`: the ResolvedSchedule it runs a batch
+  of `rows` rows with."""
 
   def checked_init(params, example_batch=None, *args, **kwargs):
     if example_batch is not None:
@@ -39,6 +46,7 @@ def make_schedule(
     mesh=mesh,
     idle_fraction=idle_fraction,
     name=name,
+    settings=settings,
   )
 
 
@@ -127,6 +135,11 @@ def jit_evaluate(model: StagedModel) -> Callable:
 
 
 # ----------------------------------------------------------------------------- mesh & placement
+
+
+def platform(devices=None) -> str:
+  """The platform ('cpu', 'gpu', 'tpu') of `devices`, by default JAX's devices."""
+  return (jax.devices() if devices is None else devices)[0].platform
 
 
 def make_mesh(num_stages: int, data_parallel: int = 1, devices=None) -> Mesh:

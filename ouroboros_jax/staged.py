@@ -205,6 +205,8 @@ class Schedule(NamedTuple):
     batch whose index is metrics['loss_batch'] (schedules with a delayed head report an older one).
   evaluate(params, batch) -> loss          exact loss with every stage, no dropout.
   idle_fraction: the fraction of device-steps doing no work, from the schedule itself.
+  settings(rows) -> ResolvedSchedule       what it runs a batch of `rows` rows with, every
+    default resolved (Ouroboros' micro-batches may depend on the batch).
   """
 
   init: Callable[..., TrainState]
@@ -213,6 +215,7 @@ class Schedule(NamedTuple):
   mesh: Mesh
   idle_fraction: float
   name: str
+  settings: Callable[[int], Any]
 
 
 EMBED_PIECE = -1

@@ -105,7 +105,7 @@ def test_the_settings_are_schedule_configs_of_the_paper_s_method():
   recipe = Compensation(predict=True, dc_lambda=1.0)
   ring = {s.label: s for s in bench.default_settings(2, 4, 'all', recipe) if s.name == 'ouroboros'}
   assert ring['ouroboros locked/graph/all'].compensation == recipe
-  assert ring['ouroboros locked/replay'].stash_policy == 'auto'  # replay has no policy
+  assert ring['ouroboros locked/replay'].stash_label == 'replay'  # no policy: the input alone
   others = [s for s in bench.default_settings(2, 4, 'all', recipe) if s.name != 'ouroboros']
   assert {s.stash_policy for s in others} == {'all'}  # an explicit policy applies to every one
   assert bench.select_settings(2, 'ouroboros locked/graph', 4, stash_policy='dots') == [
@@ -142,11 +142,11 @@ def test_pieces_include_each_micro_batch_and_the_rows_carry_the_setting_s_own(tm
     'update': [0.0, 0.0],
   }
   measured = {'step_time_s': 6.0, 'busy_s': 6.0, 'compile_s': 1.0, 'tokens_per_s': 1.0}
-  row = bench._row(gpipe, dict(measured, idle_fraction=0.2), fake, 0.0, 0.0)
+  row = bench._row(gpipe.resolve('cpu'), dict(measured, idle_fraction=0.2), fake, 0.0, 0.0)
   assert row['fwd_s_per_stage_micro'] == '0.4;0.4' and row['bwd_s_per_stage_micro'] == '0.8;0.8'
   # Sums of a few decimal constants: float64 rounding (pytest.approx rel 1e-6).
   assert row['ideal_s'] == pytest.approx(5 * 1.2)
-  gpipe = ScheduleConfig(name='gpipe', num_stages=2, microbatches=2)
+  gpipe = ScheduleConfig(name='gpipe', num_stages=2, microbatches=2).resolve('cpu')
   row = bench._row(gpipe, dict(measured, idle_fraction=0.0), fake, 0, 0)
   assert row['fwd_s_per_stage_micro'] == '' and row['ideal_s'] == pytest.approx(3 * 1.5)
   assert np.isfinite(row['predicted_s'])
@@ -178,7 +178,7 @@ def test_a_zero_bubble_row_splits_its_backward_by_the_measured_input_grad_share(
     'update': [0.0, 0.0],
   }
   measured = {'step_time_s': 1.0, 'busy_s': 1.0, 'compile_s': 1.0, 'tokens_per_s': 1.0}
-  zb = ScheduleConfig(name='zb_h1', num_stages=2, microbatches=4)
+  zb = ScheduleConfig(name='zb_h1', num_stages=2, microbatches=4).resolve('cpu')
   even = bench._row(zb, measured, fake, 0.0, 0.0)
   skewed = bench._row(zb, measured, dict(fake, input_grad_share={'4': 0.7}), 0.0, 0.0)
   assert (even['input_grad_share'], skewed['input_grad_share']) == ('', 0.7)
@@ -187,7 +187,7 @@ def test_a_zero_bubble_row_splits_its_backward_by_the_measured_input_grad_share(
     == 0.7
   )
   assert skewed['predicted_s'] > even['predicted_s'] + 0.05
-  one_f_one_b = ScheduleConfig(name='1f1b', num_stages=2, microbatches=4)
+  one_f_one_b = ScheduleConfig(name='1f1b', num_stages=2, microbatches=4).resolve('cpu')
   fused = bench._row(one_f_one_b, measured, dict(fake, input_grad_share={'4': 0.7}), 0.0, 0.0)
   assert fused['input_grad_share'] == ''
   assert fused['predicted_s'] == pytest.approx(
@@ -261,7 +261,7 @@ def test_every_tick_of_a_table_pays_the_collective_wait():
   from ouroboros_jax.perf import calibration
   from ouroboros_jax.schedules import ScheduleConfig, tables
 
-  zb = ScheduleConfig(name='zb_h1', num_stages=2, microbatches=8)
+  zb = ScheduleConfig(name='zb_h1', num_stages=2, microbatches=8).resolve('cpu')
   pieces = {
     'fwd': [1.0, 1.0],
     'bwd': [2.0, 2.0],

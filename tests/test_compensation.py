@@ -166,7 +166,7 @@ def test_auto_is_resolved_once_for_the_python_api_and_the_cli():
       flags = {'schedule': 'ouroboros', 'stages': fields.pop('num_stages'), **fields}
       cli = field_flags.override(presets.get_preset('tiny'), flags)
       assert cli.resolved_compensation() == want
-      assert cli.schedule_config('cpu').compensation == run.for_platform('cpu', 32).compensation
+      assert cli.schedule_config('cpu').compensation == run.resolve('cpu', 32).compensation
   assert ScheduleConfig(name='gpipe', num_stages=2).resolved_compensation == Compensation()
   with raises_for_cli(r"--compensation predict,dc takes 'auto' \(the recipe\) or a Compensation"):
     ScheduleConfig(name='ouroboros', num_stages=2, compensation='predict,dc').validate()

@@ -15,7 +15,7 @@ def test_replay_ring_is_inputs_only_and_graph_ring_is_larger():
     cfg,
     ScheduleConfig(
       name='ouroboros', compensation=Compensation(), num_stages=stages, stash='replay'
-    ),
+    ).resolve('cpu', batch),
     batch,
     (2, 2),
   )
@@ -27,7 +27,7 @@ def test_replay_ring_is_inputs_only_and_graph_ring_is_larger():
       num_stages=stages,
       stash='graph',
       stash_policy='all',
-    ),
+    ).resolve('cpu', batch),
     batch,
     (2, 2),
   )

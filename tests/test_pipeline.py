@@ -146,7 +146,7 @@ def test_xla_memory_orders_1f1b_below_gpipe_at_twice_as_many_microbatches_as_sta
   """1F1B keeps p micro-batches' residuals where GPipe keeps all M = 2p (G = 4, M = 8)."""
   cfg = transformer.ModelConfig(d_model=32, num_heads=2, num_layers=4, d_ff=64, seq_len=32)
   report = lambda name: memory.memory_report(
-    cfg, ScheduleConfig(name=name, num_stages=4, microbatches=8), batch_size=16
+    cfg, ScheduleConfig(name=name, num_stages=4, microbatches=8).resolve('cpu'), batch_size=16
   )
   gpipe, one_f_one_b = report('gpipe'), report('1f1b')
   if 'temp_bytes' not in gpipe:

@@ -9,7 +9,7 @@ import pytest
 
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.perf import plan
-from ouroboros_jax.schedules import ScheduleConfig
+from ouroboros_jax.schedules import ResolvedSchedule, ScheduleConfig
 from ouroboros_jax.schedules.compensation import Compensation
 
 from helpers import assert_one_line_error, run_cli
@@ -124,16 +124,22 @@ def test_plan_bad_input_is_one_line(flags, words):
 
 def test_ouroboros_cuts_the_batch_on_accelerators_only():
   run = ScheduleConfig(name='ouroboros', compensation=Compensation(), num_stages=4, data_parallel=2)
-  assert run.for_platform('cpu', 32).num_microbatches == 1
-  assert run.for_platform('tpu', 32).num_microbatches == 8  # 16 rows per replica
-  assert run.for_platform('gpu', 12).num_microbatches == 2  # 6 rows: the largest divisor <= 8
+  assert run.resolve('cpu', 32).num_microbatches == 1
+  assert run.resolve('tpu', 32).num_microbatches == 8  # 16 rows per replica
+  assert run.resolve('gpu', 12).num_microbatches == 2  # 6 rows: the largest divisor <= 8
   explicit = ScheduleConfig(name='ouroboros', num_stages=4, microbatches=2)
-  assert explicit.for_platform('tpu', 32).num_microbatches == 2
+  assert explicit.resolve('tpu', 32).num_microbatches == 2
   pipeline = ScheduleConfig(name='1f1b', num_stages=4)
-  assert pipeline.for_platform('tpu', 32) == ScheduleConfig(
-    name='1f1b', num_stages=4, microbatches=4, stash_policy='all'
+  assert pipeline.resolve('tpu', 32) == ResolvedSchedule(
+    name='1f1b',
+    num_stages=4,
+    microbatches=4,
+    chunks=1,
+    stash_policy='all',
+    flow='batch',
+    compensation=Compensation(),
   )
-  assert pipeline.for_platform('cpu', 32) == pipeline.for_platform('tpu', 32)  # any platform
+  assert pipeline.resolve('cpu', 32) == pipeline.resolve('tpu', 32)  # any platform
   with pytest.raises(ConfigError, match='unknown stash setting'):
     plan.settings(4, plan.Tries(stashes=('everything',)))
   with pytest.raises(ConfigError, match="unknown stash policy 'some'; choose --try-policy from"):
@@ -159,7 +165,7 @@ def test_the_recipe_streams_with_enough_micro_batches_for_gaps_of_one_update():
   assert run(*g2, '--compensation', 'none') == ('batch', 1)  # the paper's method, unchanged
   assert run(*g2, '--compensation', 'none', platform='tpu') == ('batch', 8)
   assert run(*g2, '--flow', 'batch') == ('batch', 1)
-  g4 = ScheduleConfig(name='ouroboros', num_stages=4, flow='stream').for_platform('cpu', 32)
+  g4 = ScheduleConfig(name='ouroboros', num_stages=4, flow='stream').resolve('cpu', 32)
   assert delays.version_gaps(4, 'locked', g4.num_microbatches, 'stream') == (1, [1, 1, 1, 1])
   assert delays.version_gaps(4, 'locked', 1, 'stream') == (4, [4, 3, 2, 1])
   assert ScheduleConfig(name='1f1b', num_stages=4).resolved_flow == 'batch'
@@ -183,8 +189,8 @@ def test_stages_that_leave_devices_over_run_data_replicas():
   # Two replicas each step on half the batch: faster than one ring on all of it.
   assert (
     0
-    < plan.predicted_step_s(cfg, hybrid, plan.TPU_V5E)
-    < plan.predicted_step_s(cfg, ring, plan.TPU_V5E)
+    < plan.predicted_step_s(cfg, hybrid.resolve('tpu'), plan.TPU_V5E)
+    < plan.predicted_step_s(cfg, ring.resolve('tpu'), plan.TPU_V5E)
   )
 
 

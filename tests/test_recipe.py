@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import ouroboros_jax
-from ouroboros_jax import Compensation, ConfigError, ScheduleConfig, recipe
+from ouroboros_jax import Compensation, ConfigError, ResolvedSchedule, ScheduleConfig, recipe
 from ouroboros_jax.training import config, field_flags, optimizer_setup, presets
 
 BATCH, STEPS = 32, 100
@@ -93,15 +93,14 @@ def test_the_papers_method_is_explicit():
   assert run.config.resolved_optimizer() == 'adamw'
   assert run.schedule.compensation == Compensation() and not run.schedule.compensation.active
   assert run.schedule.resolved_flow == 'batch' and run.schedule.num_microbatches == 1
-  assert dataclasses.asdict(run.schedule) == dataclasses.asdict(
-    ScheduleConfig(
-      name='ouroboros',
-      num_stages=2,
-      compensation=Compensation(),
-      microbatches=1,
-      flow='batch',
-      stash_policy='nothing',
-    )
+  assert run.schedule == ResolvedSchedule(
+    name='ouroboros',
+    num_stages=2,
+    compensation=Compensation(),
+    microbatches=1,
+    chunks=1,
+    flow='batch',
+    stash_policy='nothing',
   )
 
 
@@ -119,12 +118,50 @@ def test_the_papers_method_is_explicit():
 )
 def test_a_bare_config_resolves_to_the_recipes_schedule_field_by_field(stages, fields, platform):
   """ScheduleConfig's `auto`s (compensation, flow, micro-batches) resolve as the CLI resolves
-  them: `for_platform`, which `build_schedule` calls with the batch it is given."""
+  them: `resolve`, which `build_schedule` calls with the batch it is given."""
   bare = ScheduleConfig(name='ouroboros', num_stages=stages, **fields)
   want = recipe('ouroboros', stages, BATCH, platform=platform, **fields).schedule
-  assert dataclasses.asdict(bare.for_platform(platform, BATCH)) == dataclasses.asdict(want)
+  assert bare.resolve(platform, BATCH) == want
   if stages > 1:  # never the paper's method by accident
     assert bare.resolved_compensation.active and want.compensation != Compensation()
+
+
+@pytest.mark.parametrize(
+  'name, stages, fields',
+  [
+    ('ouroboros', 2, {}),
+    ('ouroboros', 2, {'forward': 'pipelined', 'stash': 'replay', 'data_parallel': 2}),
+    ('ouroboros', 2, {'compensation': 'none', 'clip_norm': 0.0}),
+    ('interleaved', 2, {}),
+    ('zb_h1', 2, {'microbatches': 8, 'stash_policy': 'dots'}),
+    ('data_parallel', 1, {'data_parallel': 2}),
+  ],
+)
+def test_one_resolution_leaves_no_auto_and_the_cli_recipe_and_builder_agree(name, stages, fields):
+  """`ScheduleConfig.resolve` writes out every default (no 'auto', no None), resolves a resolved
+  record to itself, and the CLI (`TrainConfig.schedule_config`), `recipe` and `build_schedule`
+  (`Schedule.settings`) give equal resolved records for the same settings."""
+  from ouroboros_jax import build_schedule
+
+  from helpers import adam, tiny_transformer
+
+  flags = {'schedule': name, 'stages': stages, 'batch_size': BATCH, **fields}
+  cli = field_flags.override(presets.get_preset('tiny'), {**flags, 'num_layers': 4})
+  cli.validate()
+  run = cli.schedule_config('cpu')
+  values = {f.name: getattr(run, f.name) for f in dataclasses.fields(run)}
+  assert isinstance(run, ResolvedSchedule) and isinstance(run.compensation, Compensation)
+  assert not [k for k, v in values.items() if v is None or v == 'auto'], values
+  assert run.resolve('tpu', 3) is run  # idempotent: resolved once
+  assert ScheduleConfig(**values).resolve('cpu', BATCH) == run  # its own spelling: the same
+  del flags['batch_size']
+  given = {k: v for k, v in flags.items() if k not in ('schedule', 'stages')}
+  assert recipe(name, stages, BATCH, platform='cpu', **given).schedule == run
+  # build_schedule resolves the bare config (the flags' spelling) the same way
+  bare = dataclasses.replace(cli.schedule, seed=cli.seed, compensation=cli.resolved_compensation())
+  assert bare != run and not isinstance(bare, ResolvedSchedule)
+  model, _ = tiny_transformer(run.stage_groups)
+  assert build_schedule(bare, model, adam()).settings(BATCH) == run
 
 
 def test_building_a_bare_config_runs_the_recipes_schedule():

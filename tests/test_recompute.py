@@ -96,7 +96,7 @@ def test_keeping_nothing_needs_less_scratch_memory(name, num_stages, fields):
 def test_the_default_policy_is_ouroboros_nothing_and_all_elsewhere():
   assert ScheduleConfig(name='ouroboros', num_stages=2).resolved_stash_policy == 'nothing'
   assert ScheduleConfig(name='1f1b', num_stages=2).resolved_stash_policy == 'all'
-  resolved = ScheduleConfig(name='1f1b', num_stages=2).for_platform('cpu', 8)
+  resolved = ScheduleConfig(name='1f1b', num_stages=2).resolve('cpu', 8)
   assert resolved.stash_policy == 'all' and resolved.label == '1f1b M=4'
   assert _config('1f1b', 2, 'nothing').label == '1f1b M=4 keep=nothing'
   with pytest.raises(

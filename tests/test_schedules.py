@@ -117,7 +117,7 @@ def _prepare(r: Run):
   if r.bubbles == 'zeros':
     schedule = build_schedule(config, model, tx)
   else:
-    schedule = schedules.build_gpipe(config, model, tx, bubble_fill=float(r.bubbles))
+    schedule = schedules.build_gpipe(config.resolve('cpu'), model, tx, bubble_fill=float(r.bubbles))
   mesh = schedule.mesh
   state = schedule.init(partition.to_staged(initial_params(), r.layers_per_stage), batches()[0])
   replicated = NamedSharding(mesh, P())

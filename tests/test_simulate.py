@@ -37,6 +37,11 @@ def _load(name: str, path: pathlib.Path):
 TOL = 1e-9  # float64 sums of O(1..100) simulated times: ~1e-14; a wrong bubble is O(0.1)
 
 
+def _run(**fields):
+  """A setting as the simulator takes it: resolved (on 'cpu', batches of 8 rows)."""
+  return ScheduleConfig(**fields).resolve('cpu', 8)
+
+
 def costs(forward, backward, **kwargs):
   return sim_costs.StageCosts(forward_s=forward, backward_s=backward, **kwargs)
 
@@ -59,7 +64,7 @@ def random_costs(rng: random.Random, num_stages: int, **kwargs):
 @pytest.mark.parametrize('microbatches', [1, 4, 8])
 def test_gpipe_reproduces_the_analytic_bubble(num_stages, microbatches):
   G, M, F, B = num_stages, microbatches, 1.0, 2.0
-  result = sim.simulate(ScheduleConfig(name='gpipe', microbatches=M), costs([F] * G, [B] * G))
+  result = sim.simulate(_run(name='gpipe', microbatches=M), costs([F] * G, [B] * G))
   bubble = (G - 1) / (M + G - 1)
   assert result.idle_fraction == pytest.approx(bubble, abs=TOL)
   assert all(i == pytest.approx(bubble, abs=TOL) for i in result.per_device_idle)
@@ -101,21 +106,19 @@ def test_model_parallel_is_the_sum_of_everything(num_stages):
 @pytest.mark.parametrize('num_stages', [2, 3, 6])
 def test_pipelined_ouroboros_is_the_busiest_device(num_stages):
   c = random_costs(random.Random(10 + num_stages), num_stages)
-  result = sim.simulate(ScheduleConfig(name='ouroboros', forward='pipelined'), c)
+  result = sim.simulate(_run(name='ouroboros', forward='pipelined'), c)
   device0 = c.embed_forward_s + c.forward_s[0] + c.head_s + c.backward_s[0] + c.embed_backward_s
   others = [f + b for f, b in zip(c.forward_s[1:], c.backward_s[1:])]
   assert result.step_time == pytest.approx(max(device0, *others), abs=TOL)
   # Hops that fit inside a step are hidden: only what reads them waits, a step later.
   hops = dataclasses.replace(c, latency=0.1, activation_bytes=1e6, bandwidth=1e8)
-  linked = sim.simulate(ScheduleConfig(name='ouroboros', forward='pipelined'), hops)
+  linked = sim.simulate(_run(name='ouroboros', forward='pipelined'), hops)
   assert linked.step_time == pytest.approx(result.step_time, abs=TOL)
 
 
 def test_pipelined_equal_stages_reach_the_g_fold_speedup():
   G = 8
-  result = sim.simulate(
-    ScheduleConfig(name='ouroboros', forward='pipelined'), costs([1.0] * G, [2.0] * G)
-  )
+  result = sim.simulate(_run(name='ouroboros', forward='pipelined'), costs([1.0] * G, [2.0] * G))
   assert result.step_time == pytest.approx(3.0, abs=TOL)
   assert result.speedup == pytest.approx(G, abs=TOL)
   assert result.idle_fraction == pytest.approx(0.0, abs=TOL)
@@ -124,13 +127,11 @@ def test_pipelined_equal_stages_reach_the_g_fold_speedup():
 @pytest.mark.parametrize('forward', ['locked', 'pipelined'])
 def test_replay_adds_the_forward_to_every_backward(forward):
   c = random_costs(random.Random(3), 4)
-  replay = sim.simulate(ScheduleConfig(name='ouroboros', forward=forward, stash='replay'), c)
+  replay = sim.simulate(_run(name='ouroboros', forward=forward, stash='replay'), c)
   recompute = dataclasses.replace(c, backward_s=[f + b for f, b in zip(c.forward_s, c.backward_s)])
-  graph = sim.simulate(ScheduleConfig(name='ouroboros', forward=forward, stash='graph'), recompute)
+  graph = sim.simulate(_run(name='ouroboros', forward=forward, stash='graph'), recompute)
   assert replay.step_time == pytest.approx(graph.step_time, abs=TOL)
-  assert (
-    replay.step_time > sim.simulate(ScheduleConfig(name='ouroboros', forward=forward), c).step_time
-  )
+  assert replay.step_time > sim.simulate(_run(name='ouroboros', forward=forward), c).step_time
 
 
 def test_link_latency_adds_g_hops_to_the_locked_forward():
@@ -152,14 +153,14 @@ def test_data_parallel_all_reduce(replicas):
   c = random_costs(
     random.Random(replicas), 3, grad_bytes=grad_bytes, bandwidth=bandwidth, latency=latency
   )
-  result = sim.simulate(ScheduleConfig(name='data_parallel', data_parallel=D), c)
+  result = sim.simulate(_run(name='data_parallel', data_parallel=D), c)
   all_reduce = 2 * (D - 1) / D * grad_bytes / bandwidth + 2 * (D - 1) * latency
   assert result.step_time == pytest.approx(c.total_compute_s() / D + all_reduce, abs=TOL)
   assert result.num_devices == D
   measured = dataclasses.replace(c, allreduce_s=0.5)
   expected = c.total_compute_s() / D + (0.5 if D > 1 else 0.0)
   assert sim.simulate(
-    ScheduleConfig(name='data_parallel', data_parallel=D), measured
+    _run(name='data_parallel', data_parallel=D), measured
   ).step_time == pytest.approx(expected, abs=TOL)
 
 
@@ -175,7 +176,7 @@ def test_one_device_is_backprop_for_every_schedule():
     ('ouroboros', {'microbatches': 4}),  # micro-batch by micro-batch: the same sum
     ('data_parallel', {}),
   ]:
-    assert sim.simulate(ScheduleConfig(name=schedule, **kwargs), c).step_time == pytest.approx(
+    assert sim.simulate(_run(name=schedule, **kwargs), c).step_time == pytest.approx(
       expected, abs=TOL
     ), (schedule, kwargs)
 
@@ -187,7 +188,7 @@ def test_the_idle_fractions_the_schedules_advertise():
     assert sim.simulate('model_parallel', c).idle_fraction == pytest.approx((G - 1) / G)
     assert sim.simulate('ouroboros', c).idle_fraction == pytest.approx((G - 1) / (G + 2))
     assert sim.simulate(
-      ScheduleConfig(name='data_parallel', data_parallel=G), c
+      _run(name='data_parallel', data_parallel=G), c
     ).idle_fraction == pytest.approx(0)
 
 
@@ -259,7 +260,7 @@ def test_no_schedule_beats_the_physical_limit(num_stages):
       microbatch_overhead_s=rng.choice([0.0, 0.01]),
     )
     for schedule, kwargs in ALL_SETTINGS + [('data_parallel', {'data_parallel': num_stages})]:
-      result = sim.simulate(ScheduleConfig(name=schedule, **kwargs), c)
+      result = sim.simulate(_run(name=schedule, **kwargs), c)
       assert result.speedup <= result.num_devices + TOL, (schedule, kwargs, result.speedup)
       assert all(-TOL <= i <= 1 + TOL for i in result.per_device_idle)
 
@@ -271,7 +272,7 @@ def test_timeline_never_overlaps_on_a_device_or_a_link(schedule, kwargs):
   c = random_costs(
     random.Random(7), 3, latency=0.05, activation_bytes=1e6, bandwidth=1e7, grad_bytes=1e6
   )
-  result = sim.simulate(ScheduleConfig(name=schedule, **kwargs), c)
+  result = sim.simulate(_run(name=schedule, **kwargs), c)
   lanes = {}
   for span in result.timeline:
     assert span.end >= span.start >= 0
@@ -300,15 +301,15 @@ def test_bad_settings_are_refused():
   with pytest.raises(ValueError, match='unknown schedule'):
     sim.simulate('pipedream', c)
   with pytest.raises(ValueError, match='stash'):
-    sim.simulate(ScheduleConfig(name='ouroboros', stash='none'), c)
+    sim.simulate(_run(name='ouroboros', stash='none'), c)
   with pytest.raises(ValueError, match='forward'):
-    sim.simulate(ScheduleConfig(name='ouroboros', forward='eager'), c)
+    sim.simulate(_run(name='ouroboros', forward='eager'), c)
   with pytest.raises(ValueError, match='microbatches=4'):
-    sim.simulate(ScheduleConfig(name='gpipe', microbatches=4), c)
+    sim.simulate(_run(name='gpipe', microbatches=4), c)
   with pytest.raises(ValueError, match='hybrid'):
-    sim.simulate(ScheduleConfig(name='gpipe', data_parallel=2), c)
+    sim.simulate(_run(name='gpipe', data_parallel=2), c)
   with pytest.raises(ValueError, match='num_stages=4 but the costs have 2 stages'):
-    sim.simulate(ScheduleConfig(name='model_parallel', num_stages=4), c)
+    sim.simulate(_run(name='model_parallel', num_stages=4), c)
 
 
 def test_a_schedule_config_s_own_defaults_are_simulated():
@@ -316,10 +317,10 @@ def test_a_schedule_config_s_own_defaults_are_simulated():
   the batch, Ouroboros takes it whole unless told) rather than a rule of its own."""
   c = costs([1.0] * 2, [2.0] * 2)
   for name in ('gpipe', '1f1b', 'ouroboros'):
-    default = ScheduleConfig(name=name, num_stages=2)
-    given = ScheduleConfig(name=name, num_stages=2, microbatches=default.num_microbatches)
+    default = _run(name=name, num_stages=2)
+    given = _run(name=name, num_stages=2, microbatches=default.microbatches)
     assert sim.simulate(default, c).step_time == sim.simulate(given, c).step_time
-    assert sim.simulate(name, c).step_time == sim.simulate(default, c).step_time
+    assert sim.simulate(name, c).step_time == sim.simulate(_run(name=name), c).step_time
   with pytest.raises(ValueError, match='one entry per stage'):
     costs([1.0], [1.0, 2.0])
 
@@ -454,7 +455,7 @@ def test_the_exact_pipelines_run_from_their_tables(name, chunks, num_stages, mic
   table = tables.place(tables.build(name, num_stages, microbatches, chunks))
   bubble = tables.bubble(table)
   result = sim.simulate(
-    ScheduleConfig(name=name, microbatches=microbatches, chunks=chunks),
+    _run(name=name, microbatches=microbatches, chunks=chunks),
     costs([1.0] * num_stages, [2.0] * num_stages),
   )
   assert result.idle_fraction == pytest.approx(bubble / (1 + bubble), abs=TOL)
@@ -464,10 +465,9 @@ def test_the_exact_pipelines_run_from_their_tables(name, chunks, num_stages, mic
 def test_zero_bubble_beats_1f1b_which_matches_gpipe_in_time():
   c = costs([1.0] * 4, [2.0] * 4, latency=0.01)
   step = {
-    name: sim.simulate(ScheduleConfig(name=name, microbatches=8), c).step_time
-    for name in ('gpipe', '1f1b')
+    name: sim.simulate(_run(name=name, microbatches=8), c).step_time for name in ('gpipe', '1f1b')
   }
-  step['zb_h1'] = sim.simulate(ScheduleConfig(name='zb_h1', microbatches=8), c).step_time
+  step['zb_h1'] = sim.simulate(_run(name='zb_h1', microbatches=8), c).step_time
   assert step['zb_h1'] < step['1f1b']
   assert step['1f1b'] == pytest.approx(step['gpipe'], rel=0.05)
 
@@ -477,7 +477,7 @@ def test_zb_v_beats_zb_h1_on_free_links_but_pays_for_its_longer_chain_of_hops():
   micro-batch over 2p - 2 hops each way instead of p - 1, so latency eats the gain."""
   step = lambda name, latency: (
     sim.simulate(
-      ScheduleConfig(name=name, microbatches=8), costs([1.0] * 4, [2.0] * 4, latency=latency)
+      _run(name=name, microbatches=8), costs([1.0] * 4, [2.0] * 4, latency=latency)
     ).step_time
   )
   assert step('zb_v', 0.0) < step('zb_h1', 0.0) < step('1f1b', 0.0)
@@ -495,26 +495,24 @@ def test_measured_microbatch_costs_replace_perfect_scaling():
   measured = dataclasses.replace(
     perfect, microbatch_forward_s={M: [f] * G}, microbatch_backward_s={M: [b] * G}
   )
-  gpipe = lambda c, m=M: sim.simulate(ScheduleConfig(name='gpipe', microbatches=m), c).step_time
+  gpipe = lambda c, m=M: sim.simulate(_run(name='gpipe', microbatches=m), c).step_time
   assert gpipe(perfect) == pytest.approx((M + G - 1) * (F + B) / M, abs=TOL)
   assert gpipe(measured) == pytest.approx((M + G - 1) * (f + b), abs=TOL)  # 6.0, not 3.75
   assert gpipe(measured, 2) == pytest.approx(gpipe(perfect, 2), abs=TOL)  # M = 2 not measured
   stream = lambda forward: (
-    sim.simulate(
-      ScheduleConfig(name='ouroboros', microbatches=M, forward=forward), measured
-    ).step_time
+    sim.simulate(_run(name='ouroboros', microbatches=M, forward=forward), measured).step_time
   )
   assert stream('pipelined') == pytest.approx(M * (f + b), abs=TOL)
   assert stream('locked') == pytest.approx((M + G - 1) * f + M * b, abs=TOL)
-  replay = sim.simulate(ScheduleConfig(name='ouroboros', microbatches=M, stash='replay'), measured)
+  replay = sim.simulate(_run(name='ouroboros', microbatches=M, stash='replay'), measured)
   assert replay.step_time == pytest.approx((M + G - 1) * f + M * (f + b), abs=TOL)
-  zb = sim.simulate(ScheduleConfig(name='zb_h1', microbatches=M), measured).per_device_busy
+  zb = sim.simulate(_run(name='zb_h1', microbatches=M), measured).per_device_busy
   assert zb == pytest.approx([M * (f + b)] * G, abs=TOL)  # B and W: half the measured b each
   # data_parallel's replicas each compute B / D rows: the micro-batch cost at M = D
   halves = dataclasses.replace(
     perfect, microbatch_forward_s={2: [0.6] * G}, microbatch_backward_s={2: [1.1] * G}
   )
-  dp = sim.simulate(ScheduleConfig(name='data_parallel', data_parallel=2), halves)
+  dp = sim.simulate(_run(name='data_parallel', data_parallel=2), halves)
   assert dp.step_time == pytest.approx(G * (0.6 + 1.1), abs=TOL)
   with pytest.raises(ValueError, match=r'microbatch_forward_s\[4\] needs'):
     dataclasses.replace(perfect, microbatch_forward_s={4: [f]})
@@ -535,7 +533,7 @@ def test_one_device_micro_batched_ring_sums_its_micro_batches():
     microbatch_backward_s={M: [b]},
   )
   for forward in FORWARD_MODES:
-    ring = ScheduleConfig(name='ouroboros', microbatches=M, forward=forward)
+    ring = _run(name='ouroboros', microbatches=M, forward=forward)
     assert sim.simulate(ring, c).step_time == pytest.approx(M * (f + b) + 0.2 + 0.3, abs=TOL)
     replay = dataclasses.replace(ring, stash='replay')  # the backward re-runs the forward
     assert sim.simulate(replay, c).step_time == pytest.approx(M * (2 * f + b) + 0.5, abs=TOL)
@@ -565,7 +563,7 @@ def test_program_scale_is_the_one_device_step_over_its_pieces(name, kwargs):
     microbatch_backward_s={4: [1.1, 0.9]},
     concurrent_slowdown=1.2,
   )
-  run = ScheduleConfig(name=name, num_stages=G, **kwargs)
+  run = _run(name=name, num_stages=G, **kwargs)
   one = sim_costs.first_stage(c)
   assert one.num_stages == 1 and one.concurrent_slowdown == 1.0
   assert one.microbatch_forward_s == {4: (0.6,)} and one.update_s == (0.3,)
@@ -658,7 +656,7 @@ def test_shared_execution_at_no_slowdown_is_the_one_pass_execution(num_stages):
   ]:
     fields = {k: v for k, v in kwargs.items() if k != 'lockstep'}
     tasks = sim.task_graph(
-      ScheduleConfig(name=schedule, **fields), c, steps=8, lockstep=kwargs.get('lockstep', False)
+      _run(name=schedule, **fields), c, steps=8, lockstep=kwargs.get('lockstep', False)
     ).tasks
     one_pass = [t for span in sim.execute(tasks) for t in span]
     shared = [t for span in sim._execute_shared(tasks, 1.0) for t in span]
@@ -669,20 +667,18 @@ def test_concurrent_slowdown_slows_only_what_runs_beside_another_device():
   """F = 1, B = 2 on G = 2 devices that run 1.5x slower while both compute: the pipelined ring
   always computes on both, the locked forward on one at a time, model_parallel never on two."""
   c = costs([1.0] * 2, [2.0] * 2, concurrent_slowdown=1.5)
-  step = lambda **kwargs: sim.simulate(ScheduleConfig(**kwargs), c).step_time
+  step = lambda **kwargs: sim.simulate(_run(**kwargs), c).step_time
   assert step(name='ouroboros', forward='pipelined') == pytest.approx(1.5 * 3.0, abs=TOL)
   assert step(name='ouroboros') == pytest.approx(2 * 1.0 + 1.5 * 2.0, abs=TOL)
   assert step(name='model_parallel') == pytest.approx(6.0, abs=TOL)
   assert step(name='data_parallel', data_parallel=2) == pytest.approx(1.5 * 3.0, abs=TOL)
   assert step(name='backprop') == pytest.approx(6.0, abs=TOL)
   # one device alone for part of a task: GPipe M = 2 with the head on the last device
-  half = sim.simulate(
-    ScheduleConfig(name='gpipe', microbatches=2), dataclasses.replace(c, head_s=1.0)
-  )
+  half = sim.simulate(_run(name='gpipe', microbatches=2), dataclasses.replace(c, head_s=1.0))
   assert (
     half.step_time
     > sim.simulate(
-      ScheduleConfig(name='gpipe', microbatches=2), costs([1.0] * 2, [2.0] * 2, head_s=1.0)
+      _run(name='gpipe', microbatches=2), costs([1.0] * 2, [2.0] * 2, head_s=1.0)
     ).step_time
   )
   with pytest.raises(ValueError, match='concurrent_slowdown'):
@@ -695,7 +691,7 @@ def test_lockstep_ticks_make_1f1b_wait_for_the_slower_operation_of_each_tick():
   forwards then all backwards, does not; ZB's B and W are halves, as long as its F."""
   c = costs([1.0] * 2, [2.0] * 2)
   step = lambda name, lockstep: (
-    sim.simulate(ScheduleConfig(name=name, microbatches=4), c, lockstep=lockstep).step_time
+    sim.simulate(_run(name=name, microbatches=4), c, lockstep=lockstep).step_time
   )
   assert step('gpipe', True) == pytest.approx(step('gpipe', False), abs=TOL)
   assert step('zb_h1', True) == pytest.approx(step('zb_h1', False), abs=TOL)
@@ -704,9 +700,9 @@ def test_lockstep_ticks_make_1f1b_wait_for_the_slower_operation_of_each_tick():
   # every tick's hop is on the critical path in lockstep, even an idle tick's
   linked = dataclasses.replace(c, latency=0.01, activation_bytes=1.0, bandwidth=math.inf)
   ticks = tables.ticks(tables.place(tables.build('gpipe', 2, 4)))
-  assert sim.simulate(
-    ScheduleConfig(name='gpipe', microbatches=4), linked, lockstep=True
-  ).step_time == (pytest.approx(step('gpipe', True) + ticks * 0.01, abs=TOL))
+  assert sim.simulate(_run(name='gpipe', microbatches=4), linked, lockstep=True).step_time == (
+    pytest.approx(step('gpipe', True) + ticks * 0.01, abs=TOL)
+  )
 
 
 @pytest.mark.parametrize('name', ['zb_h1', 'zb_v'])
@@ -724,9 +720,9 @@ def test_a_split_backward_gives_b_its_measured_share_and_w_the_rest(name, share)
     max(op_s[row[tick].kind] if row[tick] else 0.0 for row in placed.grid)
     for tick in range(len(placed.grid[0]))
   )
-  config = ScheduleConfig(name=name, microbatches=m)
+  config = _run(name=name, microbatches=m)
   assert sim.simulate(config, c, lockstep=True).step_time == pytest.approx(reference, abs=TOL)
-  fused = ScheduleConfig(name='1f1b', microbatches=m)
+  fused = _run(name='1f1b', microbatches=m)
   assert sim.simulate(fused, c, lockstep=True).step_time == pytest.approx(
     sim.simulate(fused, costs([f] * 2, [b] * 2), lockstep=True).step_time, abs=TOL
   )

@@ -49,7 +49,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from ouroboros_jax import costs
+from ouroboros_jax import costs, placement
 from ouroboros_jax.choices import FORWARD_MODES, MICROBATCHED, STASH_MODES
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.models import model as transformer
@@ -59,7 +59,7 @@ from ouroboros_jax.perf.timing import Workload, micro_size, num_devices
 from ouroboros_jax.runtime import host
 from ouroboros_jax.schedules import ScheduleConfig
 from ouroboros_jax.schedules.compensation import Compensation
-from ouroboros_jax.schedules.config import AUTO
+from ouroboros_jax.schedules.config import AUTO, ResolvedSchedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +82,7 @@ class BenchConfig:
   # slowdown and the collective's wait) are re-timed in each round, their medians used, so that
   # the predictions drift too (docs/results/simulator_calibration.md).
   rounds: int = 1
-  settings: Sequence[ScheduleConfig] | None = None  # None: default_settings
+  settings: Sequence[ResolvedSchedule] | None = None  # None: default_settings
   layers_per_stage: Sequence[int] | None = None  # None: balanced by FLOPs
   stash_policy: str = AUTO  # every setting's ('auto': each schedule's own), replay's none
   optimizer: str = 'adamw'
@@ -95,7 +95,7 @@ def default_settings(
   stash_policy: str = AUTO,
   compensation: Compensation = Compensation(),
 ) -> list[ScheduleConfig]:
-  """Every setting on `devices` devices, each a ScheduleConfig with every `auto` explicit (its
+  """Every setting on `devices` devices, each resolved (`ScheduleConfig.resolve`: its
   own micro-batches and flow; `compensation`, by default none: the paper's method, on the
   Ouroboros settings and none elsewhere; `stash_policy` on every setting but the replay stash,
   by default each schedule's own, `ScheduleConfig.resolved_stash_policy`); the two-chunk
@@ -116,7 +116,10 @@ def default_settings(
       stash_policy=policy('ouroboros') if stash == 'graph' else AUTO,
       forward=forward,
       flow=flow,
-      compensation=compensation,
+      # The replay stash cannot take DC-ASGD (no gradient at the forward's weights): the rest.
+      compensation=compensation
+      if stash == 'graph'
+      else dataclasses.replace(compensation, dc_lambda=0.0),
     )
 
   out = [
@@ -135,7 +138,8 @@ def default_settings(
   # Streamed micro-batches at the smallest M that makes every gap one update (G locked, 2G
   # pipelined)
   out += [ring(g * (1 + (f == 'pipelined')), 'graph', f, flow='stream') for f in FORWARD_MODES]
-  return out
+  platform = placement.platform()  # every count above is given: no batch is needed
+  return [s.resolve(platform) for s in out]
 
 
 def select_settings(
@@ -184,7 +188,7 @@ def select_settings(
 def resolved_for_batch(setting: ScheduleConfig, batch_size: int) -> ScheduleConfig:
   """An Ouroboros setting whose M does not divide a replica's rows cut into gcd(M, rows)
   micro-batches, as `train` resolves Ouroboros' micro-batches from its batch
-  (`ScheduleConfig.for_platform`); any other setting as it is (an exact pipeline's M is what it
+  (`ScheduleConfig.resolve`); any other setting as it is (an exact pipeline's M is what it
   is measured at)."""
   rows = max(batch_size // setting.data_parallel, 1)
   if setting.name != 'ouroboros' or rows % setting.num_microbatches == 0:
@@ -437,7 +441,7 @@ def mfu(cfg: transformer.ModelConfig, tokens: int, step_s: float, devices: int, 
 
 
 def _row(
-  setting: ScheduleConfig, measured: dict, own: dict, link_s: float, allreduce_s: float
+  setting: ResolvedSchedule, measured: dict, own: dict, link_s: float, allreduce_s: float
 ) -> dict:
   """One setting's row: what was timed, its pieces, and the simulator's ideal and prediction
   (`calibration.columns`)."""
@@ -446,10 +450,10 @@ def _row(
     'schedule': setting.name,
     'label': setting.label,
     'stages': num_devices(setting),
-    'microbatches': setting.num_microbatches if setting.name in MICROBATCHED else '',
+    'microbatches': setting.microbatches if setting.name in MICROBATCHED else '',
     'stash': setting.stash if ring else '-',
     'forward': setting.forward if ring else '-',
-    'flow': setting.resolved_flow,
+    'flow': setting.flow,
     **measured,
     **calibration.columns(setting, own, link_s, allreduce_s),
   }

@@ -20,11 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ouroboros_jax import staged
+from ouroboros_jax import placement, staged
 from ouroboros_jax.models import model as transformer
 from ouroboros_jax.models import partition
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule
 from ouroboros_jax.schedules.compensation import Compensation
+from ouroboros_jax.schedules.config import ResolvedSchedule, require_resolved
 
 
 def per_device_bytes(tree) -> int:
@@ -38,10 +39,13 @@ def per_device_bytes(tree) -> int:
 
 def memory_report(
   cfg: transformer.ModelConfig,
-  schedule_config: ScheduleConfig,
+  schedule_config: ResolvedSchedule,
   batch_size: int,
   layers_per_stage=None,
 ) -> dict:
+  """The compiled step's per-device memory of the resolved setting `schedule_config` for a model
+  `cfg` on batches of `batch_size` rows (arguments, temporaries, the compiler's peak)."""
+  schedule_config = require_resolved(schedule_config, 'memory_report')
   layers_per_stage = layers_per_stage or partition.balance_layers(cfg, schedule_config.stage_groups)
   model = partition.transformer_stages(cfg, layers_per_stage)
   params = partition.to_staged(transformer.init_params(cfg, jax.random.key(0)), layers_per_stage)
@@ -104,11 +108,10 @@ def stash_comparison(
 ) -> list[dict]:
   """Backprop and Ouroboros with each stash mode (and each graph stash policy), for the same
   model and batch: the paper's ring (no compensation, the whole batch at once), on any platform."""
-  rows = [memory_report(cfg, ScheduleConfig(name='backprop'), batch_size)]
   ring = ScheduleConfig(
     name='ouroboros', num_stages=num_stages, microbatches=1, compensation=Compensation()
   )
   modes = [dataclasses.replace(ring, stash_policy=policy) for policy in policies]
-  for run in [*modes, dataclasses.replace(ring, stash='replay')]:
-    rows.append(memory_report(cfg, run, batch_size))
-  return rows
+  runs = [ScheduleConfig(name='backprop'), *modes, dataclasses.replace(ring, stash='replay')]
+  platform = placement.platform()
+  return [memory_report(cfg, run.resolve(platform, batch_size), batch_size) for run in runs]

@@ -36,7 +36,7 @@ from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.perf import compile as compile_lib
 from ouroboros_jax.perf import cost_model, simulate
 from ouroboros_jax.schedules import ScheduleConfig
-from ouroboros_jax.schedules.config import AUTO
+from ouroboros_jax.schedules.config import AUTO, ResolvedSchedule
 from ouroboros_jax.training import field_flags
 from ouroboros_jax.training.config import TrainConfig
 
@@ -198,9 +198,10 @@ def hardware_for(topology: str | None, name: str | None = None) -> cost_model.Ha
 
 
 def predicted_step_s(
-  cfg: TrainConfig, setting: ScheduleConfig, hardware: cost_model.Hardware
+  cfg: TrainConfig, setting: ResolvedSchedule, hardware: cost_model.Hardware
 ) -> float:
-  """The simulator's steady-state step time of `setting` for cfg's model and batch. On a stage x
+  """The simulator's steady-state step time of the resolved `setting` (as cfg's run resolves it
+  on the target: `TrainConfig.schedule_config`) for cfg's model and batch. On a stage x
   data mesh, one replica's step on its share of the batch (the gradient all-reduce between the
   replicas is not modelled)."""
   model = cfg.model
@@ -261,17 +262,10 @@ def plan(
     if reason is not None:
       skipped.append({'label': setting.label, 'reason': reason})
       continue
-    try:
-      report = compile_lib.compile_step(run, topology)
-    except ConfigError as e:  # a setting this model cannot take (e.g. more stages than layers)
-      report = {'error': str(e), 'fits': False, 'peak_bytes': None}
-    except Exception as e:  # pylint: disable=broad-exception-caught
-      # A compiler that fails on one setting says nothing about the others: report it, go on.
-      reason = ' '.join(str(e).split())[:300]
-      report = {'error': f'the compiler failed: {reason}', 'fits': False, 'peak_bytes': None}
-    row = {'label': setting.label, **flags, **report}
-    row['recompute'] = recompute_fraction(setting, cfg.model)
-    row['step_s'] = predicted_step_s(cfg, setting, rates) if 'error' not in row else None
+    row = {'label': setting.label, **flags, **_compiled(run, topology)}
+    resolved = run.schedule_config(devices[0].platform) if 'error' not in row else None
+    row['recompute'] = recompute_fraction(resolved or setting, cfg.model)
+    row['step_s'] = predicted_step_s(cfg, resolved, rates) if resolved else None
     rows.append(row)
     if log:
       log(f'{setting.label:<44} {_peak(row):>9} GiB  {_verdict(row)}')
@@ -286,6 +280,18 @@ def plan(
     'fastest': fastest,
     'fastest_by_schedule': by_schedule,
   }
+
+
+def _compiled(run: TrainConfig, topology: str | None) -> dict:
+  """compile_step's report of one setting's run, or its error as a row that does not fit."""
+  try:
+    return compile_lib.compile_step(run, topology)
+  except ConfigError as e:  # a setting this model cannot take (e.g. more stages than layers)
+    return {'error': str(e), 'fits': False, 'peak_bytes': None}
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    # A compiler that fails on one setting says nothing about the others: report it, go on.
+    reason = ' '.join(str(e).split())[:300]
+    return {'error': f'the compiler failed: {reason}', 'fits': False, 'peak_bytes': None}
 
 
 def mark_fastest(rows: list[dict]) -> tuple[str | None, dict[str, str]]:

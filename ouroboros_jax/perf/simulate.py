@@ -1,13 +1,14 @@
 """A discrete-event performance model of every schedule: predicted step time, idle time, speedup.
 
     costs = cost_model.transformer_costs(cost_model.GPT2_SMALL, cost_model.NVLINK, num_stages=4)
-    result = simulate(ScheduleConfig(name='ouroboros', num_stages=4, forward='pipelined'), costs)
+    run = ScheduleConfig(name='ouroboros', num_stages=4, forward='pipelined').resolve('gpu', 32)
+    result = simulate(run, costs)
     result.step_time, result.speedup, result.idle_fraction, result.timeline  # a Gantt chart's rows
 
 The costs of a step's pieces (`StageCosts`) and the Transformer cost model: `cost_model.py`.
 What is and is not modelled, and each schedule's step: docs/algorithm.md ("Step time"). Needs
-only the standard library at import: it reads a `ScheduleConfig` by its fields, and imports it
-(and so JAX) only to make one of a plain schedule name.
+only the standard library at import: it reads a `ResolvedSchedule` by its fields, and imports
+schedules.config (and so JAX) only when it is called.
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ import math
 import statistics
 from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
-from ouroboros_jax.choices import EXACT_PIPELINES, FORWARD_MODES, SCHEDULES, STASH_MODES
+from ouroboros_jax.choices import EXACT_PIPELINES, SCHEDULES
 from ouroboros_jax.perf.cost_model import StageCosts, backprop_time, first_stage
 from ouroboros_jax.schedules import tables
 from ouroboros_jax.schedules.delays import backward_batch, forward_batch, lags
 
 if TYPE_CHECKING:  # read by duck typing: schedules.config imports JAX, this module must not
-  from ouroboros_jax.schedules.config import ScheduleConfig
+  from ouroboros_jax.schedules.config import ResolvedSchedule
 
 # The pipelines the simulator runs from their tables, as the library's executor does: GPipe and
 # the exact pipelines (the head per micro-batch on the last stage's device).
@@ -464,13 +465,17 @@ class SimResult:
 
 
 def simulate(
-  run: ScheduleConfig | str, costs: StageCosts, steps: int | None = None, *, lockstep: bool = False
+  run: ResolvedSchedule | str,
+  costs: StageCosts,
+  steps: int | None = None,
+  *,
+  lockstep: bool = False,
 ) -> SimResult:
-  """Run the schedule `run` (a `ScheduleConfig`, or a schedule's name with ScheduleConfig's
+  """Run the schedule `run` (a `ResolvedSchedule`, or a schedule's name with ScheduleConfig's
   defaults) on `costs` for `steps` steps (default 3G + 10) and measure its steady state.
 
   G is costs.num_stages (a config's num_stages, where it is not 1, must equal it). The config
-  gives the name, M (its `num_microbatches`, which states the default), data_parallel's replica
+  gives the name, M (its micro-batches), data_parallel's replica
   count R (the stage schedules run on G devices), Ouroboros' `stash` and `forward` (the other
   schedules keep no stash and ignore them) and the interleaved pipeline's `chunks`; what else it
   says (the flow, the compensation) does not change the step's tasks.
@@ -492,7 +497,7 @@ def simulate(
   return _steady_state(run.name, graph, times, warmup, devices)
 
 
-def program_scale(run: ScheduleConfig, costs: StageCosts, one_device_step_s: float) -> float:
+def program_scale(run: ResolvedSchedule, costs: StageCosts, one_device_step_s: float) -> float:
   """How many times longer a setting's compute takes inside its own step program than its
   pieces timed alone: its step measured on one device (`run` with one stage, over stage 0's
   layer group; `calibration.one_device_probe`) over this simulator's step of the same from stage 0's
@@ -502,17 +507,20 @@ def program_scale(run: ScheduleConfig, costs: StageCosts, one_device_step_s: flo
   return one_device_step_s / simulate(one, first_stage(costs), lockstep=True).step_time
 
 
-def _config(run: ScheduleConfig | str) -> ScheduleConfig:
-  """`run`, or the ScheduleConfig of a schedule's name (imported here: it imports JAX)."""
-  if not isinstance(run, str):
-    return run
-  from ouroboros_jax.schedules.config import ScheduleConfig
+def _config(run: ResolvedSchedule | str) -> ResolvedSchedule:
+  """`run` (resolved: `ScheduleConfig.resolve`), or a schedule's name with ScheduleConfig's
+  defaults resolved (on 'cpu': Ouroboros takes the batch whole; imported here: it imports JAX)."""
+  from ouroboros_jax.schedules.config import ScheduleConfig, require_resolved
 
-  return ScheduleConfig(name=run)
+  if isinstance(run, str):
+    if run not in SCHEDULES:
+      raise ValueError(f'unknown schedule {run!r}; choose one of {", ".join(SCHEDULES)}.')
+    return ScheduleConfig(name=run).resolve('cpu')
+  return require_resolved(run, 'simulate')
 
 
 def task_graph(
-  run: ScheduleConfig | str, costs: StageCosts, steps: int, *, lockstep: bool = False
+  run: ResolvedSchedule | str, costs: StageCosts, steps: int, *, lockstep: bool = False
 ) -> Graph:
   """The tasks of `steps` training steps of `run` on `costs`, in emission order."""
   run = _config(run)
@@ -528,7 +536,7 @@ def task_graph(
       else list(costs.update_s)
     )
   options = dict(
-    microbatches=run.num_microbatches,
+    microbatches=run.microbatches,
     replicas=run.data_parallel,
     stash=run.stash,
     table=table,
@@ -540,16 +548,16 @@ def task_graph(
 
 
 def _emitter(
-  run: ScheduleConfig, costs: StageCosts
+  run: ResolvedSchedule, costs: StageCosts
 ) -> tuple[Callable[..., None], tables.Table | None]:
   """The function that emits one step of `run` (checked), and an exact pipeline's table."""
   G = costs.num_stages
   _check(run, costs)
   if run.name in TABLE_PIPELINES:
-    return emit_table, tables.place(tables.build(run.name, G, run.num_microbatches, run.chunks))
+    return emit_table, tables.place(tables.build(run.name, G, run.microbatches, run.chunks))
   if run.name == 'ouroboros':  # G = 1 has no delay: Ouroboros is backprop there
     if G == 1:
-      return (emit_backprop if run.num_microbatches == 1 else emit_ring_one_device), None
+      return (emit_backprop if run.microbatches == 1 else emit_ring_one_device), None
     return (emit_ouroboros_locked if run.forward == 'locked' else emit_ouroboros_pipelined), None
   emit = {
     'backprop': emit_backprop,
@@ -597,22 +605,14 @@ def _steady_state(
   )
 
 
-def _check(run: ScheduleConfig, costs: StageCosts) -> None:
-  schedule, microbatches, data_parallel = run.name, run.num_microbatches, run.data_parallel
-  stash, forward = run.stash, run.forward
-  if schedule not in SCHEDULES:
-    raise ValueError(f'unknown schedule {schedule!r}; choose one of {", ".join(SCHEDULES)}.')
+def _check(run: ResolvedSchedule, costs: StageCosts) -> None:
+  """What the simulator cannot model of a setting `resolve` has checked."""
+  schedule, microbatches, data_parallel = run.name, run.microbatches, run.data_parallel
   if run.num_stages not in (1, costs.num_stages):
     raise ValueError(
       f'num_stages={run.num_stages} but the costs have {costs.num_stages} stages; give the '
       'costs of one layer group per stage.'
     )
-  if stash not in STASH_MODES:
-    raise ValueError(f'unknown stash {stash!r}; choose graph or replay.')
-  if forward not in FORWARD_MODES:
-    raise ValueError(f'unknown forward {forward!r}; choose locked or pipelined.')
-  if microbatches < 1 or data_parallel < 1:
-    raise ValueError('microbatches and data_parallel must be >= 1.')
   if data_parallel > 1 and schedule != 'data_parallel':
     raise ValueError('hybrid stage x data meshes are not modelled; use data_parallel alone.')
   batch = costs.batch_size

@@ -23,6 +23,7 @@ from ouroboros_jax.models import model as transformer
 from ouroboros_jax.models import partition
 from ouroboros_jax.optimizers import LIBRARY_DIMS, make_optimizer
 from ouroboros_jax.schedules import ScheduleConfig, build_schedule
+from ouroboros_jax.schedules.config import ResolvedSchedule, require_resolved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,14 +90,15 @@ class Prepared:
 
 
 def prepare_setting(
-  setting: ScheduleConfig,
+  setting: ResolvedSchedule,
   work: Workload,
   optimizer: str,
   warmup: int,
   devices: Sequence | None = None,
 ) -> Prepared | None:
-  """Compile one setting with `optimizer` and run `warmup` steps on `devices` (None: the first
-  ones it needs of all processes'); None on processes whose devices it does not use."""
+  """Compile one resolved setting with `optimizer` and run `warmup` steps on `devices` (None: the
+  first ones it needs of all processes'); None on processes whose devices it does not use."""
+  setting = require_resolved(setting, 'bench')
   needed = num_devices(setting)
   if needed > jax.device_count():
     raise ConfigError(

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import optax
 
+from ouroboros_jax import placement
 from ouroboros_jax.choices import SCHEDULES
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.placement import check_batch
 from ouroboros_jax.schedules import tables
-from ouroboros_jax.schedules.config import ScheduleConfig
+from ouroboros_jax.schedules.config import ResolvedSchedule, ScheduleConfig
 from ouroboros_jax.schedules.pipeline import build_gpipe, build_pipeline, gpipe_idle_fraction
 from ouroboros_jax.schedules.synchronous import (
   build_backprop,
@@ -38,6 +39,7 @@ from ouroboros_jax.staged import Schedule, StagedModel
 
 __all__ = [
   'SCHEDULES',
+  'ResolvedSchedule',
   'ScheduleConfig',
   'build_schedule',
   'build_backprop',
@@ -55,9 +57,11 @@ __all__ = [
 def build_schedule(
   config: ScheduleConfig, model: StagedModel, tx: optax.GradientTransformation, *, devices=None
 ) -> Schedule:
-  """The builder every caller uses: checks `config` (one-line ConfigErrors), then dispatches on
-  `config.name`. Every schedule's `init` checks the parameters' stage groups against `config`
-  (`placement.check_stage_params`) before it traces anything."""
+  """The builder every caller uses: checks `config` (one-line ConfigErrors), resolves it on the
+  devices' platform (`ScheduleConfig.resolve`; Ouroboros' micro-batches from the batch `init` is
+  given, which they may cut) and dispatches on `config.name`. Every schedule's `init` checks the
+  parameters' stage groups against `config` (`placement.check_stage_params`) before it traces
+  anything."""
   if not isinstance(config, ScheduleConfig):
     given = repr(config) if isinstance(config, str) else f'a {type(config).__name__}'
     raise ConfigError(
@@ -65,6 +69,11 @@ def build_schedule(
       "ScheduleConfig(name='ouroboros', num_stages=G, ...) or recipe(...).schedule."
     )
   config.validate()
+  if config.name == 'ouroboros':
+    from ouroboros_jax.schedules import ouroboros
+
+    return ouroboros.build(config, model, tx, devices=devices)
+  config = config.resolve(placement.platform(devices))
   builders = {
     'backprop': build_backprop,
     'data_parallel': build_data_parallel,
@@ -74,8 +83,4 @@ def build_schedule(
     return builders[config.name](config, model, tx, devices=devices)
   if config.name in tables.PIPELINES:  # gpipe and the other exact pipelines: from their tables
     return build_pipeline(config, model, tx, devices=devices)
-  if config.name == 'ouroboros':
-    from ouroboros_jax.schedules import ouroboros
-
-    return ouroboros.build(config, model, tx, devices=devices)
   raise AssertionError(config.name)  # validate() knows SCHEDULES

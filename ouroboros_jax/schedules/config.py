@@ -25,7 +25,7 @@ from ouroboros_jax.schedules.delays import unit_gap_microbatches
 DEFAULT_MICROBATCHES = 4  # gpipe and the exact pipelines without --microbatches
 # Ouroboros without --microbatches, as one batch: the whole batch at once on CPU, where memory is
 # plentiful and small chunks only add steps; on an accelerator up to 8 micro-batches
-# (`for_platform`): chunked and streamed, GPT-2-small at batch 32 fits four v5e chips in a
+# (`ScheduleConfig.resolve`): chunked and streamed, GPT-2-small at batch 32 fits four v5e chips in a
 # fraction of what the whole batch needs (the TPU compiler's numbers:
 # docs/results/README.md#m-like-with-like-gpt2). Streamed (the recipe's flow), at least enough
 # micro-batches that every gradient is one update old (G locked, 2G pipelined:
@@ -85,7 +85,8 @@ class ScheduleConfig:
       )
     if self.name != 'ouroboros':  # the Ouroboros-only settings must not pass silently
       self._check_no_ouroboros_settings()
-    if self.stash == 'replay' and self.stash_policy != AUTO:
+    # Replay keeps the input alone, which is 'nothing' (how its resolved record spells it).
+    if self.stash == 'replay' and self.stash_policy not in (AUTO, DEFAULT_STASH_POLICY):
       raise ConfigError(
         f'{field_ref("stash_policy", self.stash_policy)} chooses what '
         f'{field_ref("stash", "graph")} keeps, and {field_ref("stash", "replay")} keeps only '
@@ -97,7 +98,7 @@ class ScheduleConfig:
         f'{field_ref("name")} {", ".join(MICROBATCHED)} only, not {self.name} (it steps on the '
         'whole batch); drop it.'
       )
-    if self.name in EXACT_PIPELINES or self.name == 'gpipe':
+    if self.name in tables_names():
       from ouroboros_jax.schedules import tables
 
       tables.build(self.name, self.num_stages, self.num_microbatches, self.chunks)
@@ -142,8 +143,10 @@ class ScheduleConfig:
   def _check_no_ouroboros_settings(self) -> None:
     """Another schedule than Ouroboros: no Ouroboros-only field off its default, no compensation."""
     defaults = ScheduleConfig()
+    # Every other schedule takes each batch as one: its resolved record spells flow 'batch'.
+    also = {'flow': 'batch'}
     for name in ('stash', 'stash_memory', 'forward', 'flow', 'sync_warmup_steps', 'tied_grad'):
-      if getattr(self, name) != getattr(defaults, name):
+      if getattr(self, name) not in (getattr(defaults, name), also.get(name)):
         raise ConfigError(
           f'{field_ref(name, getattr(self, name))} applies to '
           f'{field_ref("name", "ouroboros")} only, not {self.name}; drop it or use '
@@ -233,38 +236,60 @@ class ScheduleConfig:
       return self.flow
     return 'stream' if self.resolved_compensation.active else 'batch'
 
-  def for_platform(self, platform: str, batch_size: int) -> ScheduleConfig:
-    """This config resolved as it runs on `platform` ('cpu', 'gpu', 'tpu') with batches of
-    batch_size, the one resolution of its defaults: the compensation as its record
-    (`resolved_compensation`), Ouroboros' flow and micro-batches, and the pipelines' micro-batches
-    (DEFAULT_MICROBATCHES), every one written out. Ouroboros without --microbatches cuts
-    each replica's batch: as one batch, into the largest power-of-two divisor of it up to
+  def resolve(self, platform: str, batch_size: int | None = None) -> ResolvedSchedule:
+    """This config as it runs on `platform` ('cpu', 'gpu', 'tpu') with batches of `batch_size`
+    rows: the one resolution of its defaults, every `auto` and None written out (a
+    `ResolvedSchedule`). The compensation becomes its record (`resolved_compensation`), the stash
+    policy the schedule's own (`resolved_stash_policy`), Ouroboros' flow its `resolved_flow`
+    (other schedules: 'batch'), the chunks the schedule's count, no clip 0.0, and the
+    micro-batches `num_microbatches` except Ouroboros' without --microbatches, which cut each
+    replica's batch: as one batch, into the largest power-of-two divisor of it up to
     OUROBOROS_ACCELERATOR_MICROBATCHES on an accelerator and not at all on CPU; streamed, into at
     least `delays.unit_gap_microbatches` (the smallest divisor of the batch that reaches it, or
-    every row its own micro-batch). The CLI resolves here (`TrainConfig.schedule_config`), and so
-    does `build_schedule`, on the devices' platform and the batch it steps on."""
-    run = (
-      self if self.replays else dataclasses.replace(self, stash_policy=self.resolved_stash_policy)
+    every row its own micro-batch). Checks this config first (`validate`). `batch_size` may be
+    None where nothing depends on it (any schedule but Ouroboros without ‹microbatches› off CPU
+    or streamed). The CLI resolves here (`TrainConfig.schedule_config`), and so does
+    `build_schedule`, on the devices' platform and the batch it steps on; a resolved record
+    resolves to itself."""
+    self.validate()
+    ouroboros = self.name == 'ouroboros'
+    from ouroboros_jax.schedules import tables
+
+    return ResolvedSchedule(
+      **{
+        **dataclasses.asdict(self),
+        'compensation': self.resolved_compensation,
+        'stash_policy': self.resolved_stash_policy,
+        'flow': self.resolved_flow if ouroboros else 'batch',
+        'chunks': self.chunks or tables.DEFAULT_CHUNKS.get(self.name, 1),
+        'clip_norm': self.clip_norm or 0.0,
+        'microbatches': self._resolved_microbatches(platform, batch_size),
+      }
     )
-    if self.name != 'ouroboros':  # 'auto' is no compensation there, and there is no flow
-      if self.name in MICROBATCHED and self.microbatches is None:
-        return dataclasses.replace(run, microbatches=self.num_microbatches)
-      return run
-    run = dataclasses.replace(run, compensation=self.resolved_compensation)
-    run = dataclasses.replace(run, flow=run.resolved_flow)  # after the compensation: it picks it
-    if run.microbatches is not None:
-      return run
-    local = max(batch_size // run.data_parallel, 1)
+
+  def _resolved_microbatches(self, platform: str, batch_size: int | None) -> int:
+    """`resolve`'s micro-batches: the count given, or the schedule's default (above)."""
+    if self.name != 'ouroboros' or self.microbatches is not None:
+      return self.num_microbatches
+    stream = self.resolved_flow == 'stream'
+    if batch_size is None:
+      if platform == 'cpu' and not stream:
+        return OUROBOROS_MICROBATCHES
+      raise ConfigError(
+        f'Ouroboros without {field_ref("microbatches")} cuts the batch into micro-batches: '
+        'resolve it with the batch size, or give the micro-batches.'
+      )
+    local = max(batch_size // self.data_parallel, 1)
     micro = (
       OUROBOROS_MICROBATCHES
       if platform == 'cpu'
       else math.gcd(OUROBOROS_ACCELERATOR_MICROBATCHES, local)
     )
-    if run.resolved_flow == 'stream':
-      need = unit_gap_microbatches(run.num_stages, run.forward)
+    if stream:
+      need = unit_gap_microbatches(self.num_stages, self.forward)
       if micro < need:
         micro = next((m for m in range(need, local + 1) if local % m == 0), local)
-    return dataclasses.replace(run, microbatches=micro)
+    return micro
 
   @property
   def num_microbatches(self) -> int:
@@ -305,7 +330,9 @@ class ScheduleConfig:
         parts.append(f'M={self.num_microbatches}')
       if self.resolved_stash_policy != 'all':
         parts.append(f'keep={self.resolved_stash_policy}')
-    if self.chunks is not None:
+    from ouroboros_jax.schedules import tables
+
+    if self.chunks not in (None, tables.DEFAULT_CHUNKS.get(self.name, 1)):  # not the default
       parts.append(f'chunks={self.chunks}')
     return ' '.join(parts)
 
@@ -328,3 +355,50 @@ def _check_compensation(value) -> None:
       'Compensation(predict=True, dc_lambda=1.0); a comma list is for recipe(compensation=...) '
       'and TrainConfig.'
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedSchedule(ScheduleConfig):
+  """A ScheduleConfig as it runs, from `ScheduleConfig.resolve` alone: no `auto` and no None
+  (the micro-batches, chunks, stash policy, flow and compensation record written out, no clip
+  0.0). Every schedule's builder, the simulator, `bench`, `plan`, `compile` and `memory` take
+  this; questions such as `replays`, `stash_label` and `num_microbatches` read its fields."""
+
+  def __post_init__(self):
+    values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    unresolved = [name for name, value in values.items() if value is None or value == AUTO]
+    if unresolved or not isinstance(self.compensation, Compensation):
+      raise TypeError(
+        f'a ResolvedSchedule has no auto or None (got them in {", ".join(unresolved)}); make '
+        'one with ScheduleConfig.resolve(platform, batch_size).'
+      )
+
+  @functools.cached_property
+  def _validated(self) -> bool:
+    """Checked as the ScheduleConfig it was resolved from; the tables once more, as written."""
+    self._check_values()
+    if self.name in tables_names():
+      from ouroboros_jax.schedules import tables
+
+      tables.build(self.name, self.num_stages, self.microbatches, self.chunks)
+    return True
+
+  def resolve(self, platform: str, batch_size: int | None = None) -> ResolvedSchedule:
+    """Itself: resolved once."""
+    del platform, batch_size
+    return self
+
+
+def tables_names() -> tuple[str, ...]:
+  """The schedules that run from a tick table: gpipe and the exact pipelines."""
+  return ('gpipe', *EXACT_PIPELINES)
+
+
+def require_resolved(config: ScheduleConfig, user: str) -> ResolvedSchedule:
+  """`config` if resolved, else one line telling the caller of `user` to resolve it first."""
+  if not isinstance(config, ResolvedSchedule):
+    raise ConfigError(
+      f'{user} takes a resolved schedule; pass config.resolve(platform, batch_size) '
+      "(TrainConfig.schedule_config() gives a run's)."
+    )
+  return config

@@ -75,7 +75,7 @@ class _Ring:
 
   @property
   def num_microbatches(self) -> int:
-    return self.config.num_microbatches
+    return self.config.microbatches
 
   @property
   def depth(self) -> int:
@@ -114,7 +114,7 @@ def build(
   `config.compensation` (compensation.py; 'auto': `ScheduleConfig.resolve_compensation`) wraps
   `tx` with the update-side compensations and, with `predict`, runs each module's forward at its
   predicted weights. A config without ‹microbatches› takes them from the batch `init` and `step`
-  are given, resolved as the CLI resolves them (`ScheduleConfig.for_platform`, on the devices'
+  are given, resolved as the CLI resolves them (`ScheduleConfig.resolve`, on the devices'
   platform)."""
   num_stages = config.num_stages
   comp = config.resolved_compensation
@@ -130,8 +130,8 @@ def build(
 
   @functools.cache
   def ring(batch_size: int) -> _Ring:  # the micro-batches, and what they imply, for this batch
-    run = config.for_platform(platform, batch_size)
-    timing = Timing(num_stages, run.forward, run.num_microbatches, run.resolved_flow)
+    run = config.resolve(platform, batch_size)
+    timing = Timing(num_stages, run.forward, run.microbatches, run.flow)
     return _Ring(
       config=run,
       model=model,
@@ -154,6 +154,7 @@ def build(
     lambda params, example_batch: _init(ring(rows(example_batch)), params, example_batch),
     lambda state, batch: _step(ring(rows(batch)), state, batch),
     idle_fraction(num_stages, forward=config.forward),
+    lambda rows: ring(rows).config,
   )
 
 

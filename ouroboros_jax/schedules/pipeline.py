@@ -53,7 +53,7 @@ import numpy as np
 
 from ouroboros_jax import placement
 from ouroboros_jax.schedules import ring, tables
-from ouroboros_jax.schedules.config import ScheduleConfig
+from ouroboros_jax.schedules.config import ResolvedSchedule, require_resolved
 from ouroboros_jax.schedules.stash import GraphStash, TappedStash
 from ouroboros_jax.schedules.synchronous import DeviceGrads, replica_key, synchronous_schedule
 from ouroboros_jax.staged import DATA, STAGE, PyTree, Schedule, StagedModel
@@ -74,10 +74,10 @@ class _Carry(NamedTuple):
   memory: PyTree  # leaves [v, m, b, ...]: each chunk's memory of each micro-batch's rows, or None
 
 
-def pipeline_table(config: ScheduleConfig) -> tables.Table:
+def pipeline_table(config: ResolvedSchedule) -> tables.Table:
   """The checked table of `config`'s schedule (one-line ConfigErrors for settings it cannot
   take)."""
-  pipeline = tables.build(config.name, config.num_stages, config.num_microbatches, config.chunks)
+  pipeline = tables.build(config.name, config.num_stages, config.microbatches, config.chunks)
   table = tables.place(pipeline)
   tables.check(table)
   return table
@@ -96,7 +96,7 @@ def gpipe_idle_fraction(num_stages: int, microbatches: int) -> float:
 
 
 def build_gpipe(
-  config: ScheduleConfig, model: StagedModel, tx, *, devices=None, bubble_fill: float = 0.0
+  config: ResolvedSchedule, model: StagedModel, tx, *, devices=None, bubble_fill: float = 0.0
 ) -> Schedule:
   """GPipe (Huang et al. 2019) run from its table: every forward, then every backward; idle
   (G-1)/(M+G-1) (`gpipe_idle_fraction`); every stage holds its M micro-batches' residuals until
@@ -106,13 +106,13 @@ def build_gpipe(
 
 
 def build_pipeline(
-  config: ScheduleConfig, model: StagedModel, tx, *, devices=None, bubble_fill: float = 0.0
+  config: ResolvedSchedule, model: StagedModel, tx, *, devices=None, bubble_fill: float = 0.0
 ) -> Schedule:
   """The schedule of `config.name` (any of `tables.PIPELINES`) run from its table.
 
   `bubble_fill` is what an idle tick sends and an empty inbox slot holds: no operation ever
   reads it (the tests pass NaN and get the same numbers)."""
-  table = pipeline_table(config)
+  table = pipeline_table(require_resolved(config, 'build_pipeline'))
   pipeline = table.pipeline
   tapped = not pipeline.fused and model.weight_split is not None
   executor = _Executor(
@@ -122,9 +122,9 @@ def build_pipeline(
     # The weights stay put all step, so no stash keeps them. The policy chooses which residuals
     # of a chunk's forward wait for its backward ('all' by default; 'nothing': the chunk's input).
     stash=(
-      TappedStash(model.weight_split, recompute=config.resolved_stash_policy != 'all')
+      TappedStash(model.weight_split, recompute=config.stash_policy != 'all')
       if tapped
-      else GraphStash(model, config.resolved_stash_policy, keep_weights=False)
+      else GraphStash(model, config.stash_policy, keep_weights=False)
     ),
     seed=config.seed,
     replicas=config.data_parallel,

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from ouroboros_jax import staged
 from ouroboros_jax.errors import ConfigError, field_ref
-from ouroboros_jax.schedules.config import ScheduleConfig
+from ouroboros_jax.schedules.config import ResolvedSchedule, ScheduleConfig
 from ouroboros_jax.schedules.delays import Timing
 from ouroboros_jax.staged import EMBED_PIECE
 from ouroboros_jax.update import GroupedOptimizer
@@ -113,7 +113,7 @@ def run(
   `config`: the Ouroboros settings as `build_schedule` takes them, the one record of a schedule's
   settings (or its fields as keywords: `ScheduleConfig(name='ouroboros', num_stages=G, **fields)`
   with G the params' groups). Its `auto`s resolve as the schedule resolves them
-  (`ScheduleConfig.for_platform` on JAX's backend and the batches' rows): the compensation is the
+  (`ScheduleConfig.resolve` on JAX's backend and the batches' rows): the compensation is the
   recipe on a delayed ring, `Compensation()` the paper's method. Its staleness compensation runs
   as `SlowCompensation` writes it, with `tx` as the base optimizer. The reference is one replica.
 
@@ -147,7 +147,7 @@ def run(
       f' x {field_ref("data_parallel", config.data_parallel)}.'
     )
   rows = staged.batch_rows(batches[0]['inputs'])
-  ring = SlowRing(model, tx, params, config.for_platform(jax.default_backend(), rows))
+  ring = SlowRing(model, tx, params, config.resolve(jax.default_backend(), rows))
   for t in range(len(batches)):
     ring.step(t, batches)
   return ring.params, ring.losses, ring.updated
@@ -183,10 +183,10 @@ class SlowRing:
   """The ring as Python objects: one `_Stream` per micro-batch, the weights, the optimizer and
   each group's memory (all rows) shared by them."""
 
-  def __init__(self, model: staged.StagedModel, tx, params, config: ScheduleConfig):
-    """`config`: resolved (`ScheduleConfig.for_platform`), as `run` gives it."""
+  def __init__(self, model: staged.StagedModel, tx, params, config: ResolvedSchedule):
+    """`config`: resolved (`ScheduleConfig.resolve`), as `run` gives it."""
     self.config, self.params = config, params
-    self.flow = config.resolved_flow
+    self.flow = config.flow
     self.num_stages = staged.stage_count(params)
     self.pipelined = config.forward == 'pipelined' and self.num_stages > 1
     memory = model.memory and staged.Memory(
@@ -200,11 +200,11 @@ class SlowRing:
       memory=memory,
     )
     self.memory = [None] * self.num_stages  # group s's memory (Transformer-XL), once it runs
-    self.num_micro = config.num_microbatches
+    self.num_micro = config.microbatches
     optimizer = GroupedOptimizer(tx, config.clip_norm, model.shared)
     self.apply_gradients = jax.jit(optimizer.apply)
     self.opt_state = optimizer.init(params)
-    comp = config.resolved_compensation
+    comp = config.compensation
     active = comp.active
     if active and model.shared:
       raise ConfigError(

@@ -22,12 +22,12 @@ from jax.sharding import PartitionSpec as P
 
 from ouroboros_jax import placement, staged, staging
 from ouroboros_jax.schedules import ring
-from ouroboros_jax.schedules.config import ScheduleConfig
+from ouroboros_jax.schedules.config import ResolvedSchedule, require_resolved
 from ouroboros_jax.staged import DATA, STAGE, Schedule, StagedModel, TrainState
 from ouroboros_jax.update import GroupedOptimizer
 
 
-def grouped(config: ScheduleConfig, model: StagedModel, tx) -> GroupedOptimizer:
+def grouped(config: ResolvedSchedule, model: StagedModel, tx) -> GroupedOptimizer:
   """The per-group optimizer step of a schedule: tx, the config's clip, the model's shared
   leaves."""
   return GroupedOptimizer(tx, config.clip_norm, model.shared)
@@ -49,11 +49,12 @@ def replica_key(seed: int, t, replicas: int):
 # ----------------------------------------------------------------------------- backprop
 
 
-def build_backprop(config: ScheduleConfig, model: StagedModel, tx, *, devices=None) -> Schedule:
+def build_backprop(config: ResolvedSchedule, model: StagedModel, tx, *, devices=None) -> Schedule:
   """Plain backprop of the whole composition on one device (with any number of stage groups).
 
   Idle fraction 0: one device, always busy.
   """
+  config = require_resolved(config, 'build_backprop')
   mesh = placement.make_mesh(1, 1, devices)
   optimizer = grouped(config, model, tx)
 
@@ -64,14 +65,14 @@ def build_backprop(config: ScheduleConfig, model: StagedModel, tx, *, devices=No
 
   def step(state: TrainState, batch: dict):
     key = staged.batch_key(config.seed, state.step)
-    with staging.recompute_layers(config.resolved_stash_policy):
+    with staging.recompute_layers(config.stash_policy):
       grads, loss, buffers = whole_model_grads(
         model, state.params, batch, key, state.step, state.ring
       )
     new_state, metrics = synchronous_update(optimizer, state, grads, loss)
     return new_state.replace(ring=buffers), metrics
 
-  return placement.make_schedule('backprop', model, mesh, init, step, idle_fraction=0.0)
+  return placement.make_schedule('backprop', model, mesh, init, step, 0.0, lambda rows: config)
 
 
 # ----------------------------------------------------------------------------- shared plumbing
@@ -103,7 +104,7 @@ class DeviceGrads(NamedTuple):
 
 
 def synchronous_schedule(
-  config: ScheduleConfig, model: StagedModel, tx, mesh: Mesh, grads: DeviceGrads
+  config: ResolvedSchedule, model: StagedModel, tx, mesh: Mesh, grads: DeviceGrads
 ) -> Schedule:
   """A synchronous schedule (`config.name`) from its per-device gradient.
 
@@ -122,7 +123,7 @@ def synchronous_schedule(
   device_grads, idle_fraction, stage_order = grads
   num_stages, replicas = mesh.shape[STAGE], mesh.shape[DATA]
   name = config.name
-  microbatches = config.num_microbatches
+  microbatches = config.microbatches
   groups = len(stage_order) if stage_order else num_stages
   reorder = stage_order is not None and list(stage_order) != list(range(groups))
   optimizer = grouped(config, model, tx)
@@ -160,14 +161,14 @@ def synchronous_schedule(
     new_state, metrics = synchronous_update(optimizer, state, grads, loss)
     return new_state.replace(ring=buffers), metrics
 
-  return placement.make_schedule(name, model, mesh, init, step, idle_fraction)
+  return placement.make_schedule(name, model, mesh, init, step, idle_fraction, lambda rows: config)
 
 
 # ----------------------------------------------------------------------------- data parallel
 
 
 def build_data_parallel(
-  config: ScheduleConfig, model: StagedModel, tx, *, devices=None
+  config: ResolvedSchedule, model: StagedModel, tx, *, devices=None
 ) -> Schedule:
   """R replicas of the whole model on the `data` axis of a (1, R) mesh.
 
@@ -178,12 +179,12 @@ def build_data_parallel(
   the gradient is backprop's. Idle fraction 0: every device works all the time (communication
   is not counted).
   """
-  replicas = config.data_parallel
+  replicas = require_resolved(config, 'build_data_parallel').data_parallel
   mesh = placement.make_mesh(1, replicas, devices)
 
   def device_grads(params, batch, t, buffers):
     key = replica_key(config.seed, t, replicas)
-    with staging.recompute_layers(config.resolved_stash_policy):
+    with staging.recompute_layers(config.stash_policy):
       grads, loss, buffers = whole_model_grads(model, params, batch, key, t, buffers)
     if model.loss_weight is not None:  # R w_r / w: this replica's share of the batch's loss
       share = ring.loss_shares(model, jax.tree.map(lambda a: a[None], batch['targets']))[0]
@@ -203,7 +204,7 @@ def model_parallel_idle_fraction(num_stages: int) -> float:
 
 
 def build_model_parallel(
-  config: ScheduleConfig, model: StagedModel, tx, *, devices=None
+  config: ResolvedSchedule, model: StagedModel, tx, *, devices=None
 ) -> Schedule:
   """Naive model parallelism on the Ouroboros ring: what Ouroboros removes.
 
@@ -218,13 +219,14 @@ def build_model_parallel(
   Idle fraction (G-1)/G (`model_parallel_idle_fraction`): in each of the G forward rounds (F)
   and G backward rounds (B = 2F) one device works and G-1 wait.
   """
+  config = require_resolved(config, 'build_model_parallel')
   num_stages, replicas = config.num_stages, config.data_parallel
   mesh = placement.make_mesh(num_stages, replicas, devices)
 
   def device_grads(params, batch, t, buffers):
     key = replica_key(config.seed, t, replicas)
     memory = ring.local_memory(buffers)
-    policy = config.resolved_stash_policy
+    policy = config.stash_policy
     share = ring.loss_shares(model, jax.tree.map(lambda a: a[None], batch['targets']))[0]
     grads, loss, memory = ring.locked_grads(model, params, batch, key, t, memory, policy, share)
     return grads, loss, ring.with_memory(buffers, memory)

@@ -30,9 +30,10 @@ import typing
 from typing import Any, Mapping
 
 from ouroboros_jax import optimizers
+from ouroboros_jax.choices import MICROBATCHED
 from ouroboros_jax.errors import ConfigError, field_ref
 from ouroboros_jax.models.model import ModelConfig
-from ouroboros_jax.schedules.config import AUTO, ScheduleConfig
+from ouroboros_jax.schedules.config import AUTO, ResolvedSchedule, ScheduleConfig
 from ouroboros_jax.training import migrations
 
 
@@ -260,10 +261,10 @@ class TrainConfig:
       std_loss_layers=self.std_loss_layer_ids(),
     )
 
-  def schedule_config(self, platform: str | None = None) -> ScheduleConfig:
+  def schedule_config(self, platform: str | None = None) -> ResolvedSchedule:
     """The schedule as it runs on `platform` (default: JAX's backend): the run's seed, the
     resolved staleness compensation and the platform's default micro-batches
-    (`ScheduleConfig.for_platform`)."""
+    (`ScheduleConfig.resolve`)."""
     if platform is None:
       import jax
 
@@ -271,12 +272,12 @@ class TrainConfig:
     run = dataclasses.replace(
       self.schedule, seed=self.seed, compensation=self.resolved_compensation()
     )
-    return run.for_platform(platform, self.batch_size)  # after the compensation: it picks the flow
+    return run.resolve(platform, self.batch_size)  # after the compensation: it picks the flow
 
   def resolved(self, platform: str | None = None) -> TrainConfig:
     """This run with every `auto` made explicit as it runs on `platform` (default: JAX's
     backend), the one resolution of its defaults: the optimizer and Muon's rate, the staleness
-    compensation, Ouroboros' flow and micro-batches (`schedule_config`, `for_platform`), the
+    compensation, Ouroboros' flow and micro-batches (`schedule_config`, `resolve`), the
     exact pipelines' micro-batches, the stash policy, the attention kernel, the data order and the
     optimizer state's stored precision. What config.json and the checkpoints store, and what a
     resume compares; resolving it again changes nothing."""
@@ -285,8 +286,12 @@ class TrainConfig:
 
       platform = jax.default_backend()
     run = self.schedule_config(platform)  # the seed and compensation: TrainConfig's own fields
-    schedule = dataclasses.replace(
-      self.schedule, flow=run.flow, microbatches=run.microbatches, stash_policy=run.stash_policy
+    ring, spec = run.name == 'ouroboros', self.schedule
+    schedule = dataclasses.replace(  # spelled as flags: only the fields the schedule takes
+      spec,
+      flow=run.flow if ring else spec.flow,
+      microbatches=run.microbatches if run.name in MICROBATCHED else spec.microbatches,
+      stash_policy=spec.stash_policy if run.replays else run.stash_policy,
     )
     optimizer = self.resolved_optimizer()
     return dataclasses.replace(

@@ -5,7 +5,7 @@
     r = recipe('data_parallel', data_parallel=2, batch_size=32)   # 2 replicas, not 2 stages
 
 A bare `ScheduleConfig(name='ouroboros')` resolves its `auto`s when it is built, to the same
-schedule (`ScheduleConfig.for_platform`); the paper's method is `compensation=Compensation()`.
+schedule (`ScheduleConfig.resolve`); the paper's method is `compensation=Compensation()`.
 `recipe` gives the resolved settings and the optimizer, what `ouroboros train` gives for the same
 flags: it builds the `TrainConfig` the CLI builds (the preset, the flags applied by
 `field_flags.override`) and asks it the same questions, `TrainConfig.schedule_config` (the
@@ -23,7 +23,7 @@ import optax
 
 from ouroboros_jax import optimizers
 from ouroboros_jax.errors import ConfigError, field_ref
-from ouroboros_jax.schedules.config import ScheduleConfig
+from ouroboros_jax.schedules.config import ResolvedSchedule, ScheduleConfig
 from ouroboros_jax.training import config, field_flags, optimizer_setup, presets
 
 # The TrainConfig flags that shape the schedule or the optimizer, besides ScheduleConfig's own
@@ -47,7 +47,7 @@ RECIPE_FLAGS = (
 class Recipe(NamedTuple):
   """A resolved run without its model: what `build_schedule(schedule, model, optimizer)` takes."""
 
-  schedule: ScheduleConfig  # resolved for the platform: compensation, flow, micro-batches
+  schedule: ResolvedSchedule  # resolved for the platform: compensation, flow, micro-batches
   optimizer: optax.GradientTransformation  # with its learning-rate schedule over `config.steps`
   config: config.TrainConfig  # the run the CLI resolves for the same flags and stores in its
   # config.json (`TrainConfig.resolved`: no auto left)
