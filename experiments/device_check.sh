@@ -76,15 +76,16 @@ fi
 cpu_bench() {
   local p=$1 name=$2
   # Ouroboros and ZB-V first: a bench cut short keeps the rows it measured first.
-  local only="ouroboros M=$p stream,ouroboros M=$((2 * p)) stream,zb_v M=8,zb_h1 M=8,1f1b M=8"
-  only+=",interleaved M=8,gpipe M=8,model_parallel,backprop"
-  [ "$QUICK" = 1 ] && only="backprop,zb_v M=8,ouroboros M=$((2 * p)) stream"
+  local only="ouroboros M=$p stream locked,ouroboros M=$((2 * p)) stream pipelined,zb_v M=8"
+  only+=",zb_h1 M=8,1f1b M=8,interleaved M=8,gpipe M=8,model_parallel,backprop"
+  [ "$QUICK" = 1 ] && only="backprop,zb_v M=8,ouroboros M=$((2 * p)) stream pipelined"
   only=${ONLY:-$only}
   local limit=$((DEADLINE - SECONDS < BENCH_LIMIT ? DEADLINE - SECONDS : BENCH_LIMIT))
   step "$name" "$limit" python3 -m ouroboros_jax launch --processes "$p" --pin-cpus -- \
     bench --stages "$p" --num-layers $((2 * p)) --batch-size $((p < 4 ? 8 : 2 * p)) \
     "${SHAPE[@]}" "${TIMED[@]}" --rounds "$ROUNDS" \
-    --optimizer adamw --compensation predict,dc --only "$only" --out "$WORK/$name"
+    --optimizer adamw --compensation predict,dc --try-microbatches "8,$p,$((2 * p))" \
+    --try-policy all --try-stash graph/nothing --only "$only" --out "$WORK/$name"
 }
 
 has() { [[ " $PARTS " == *" $1 "* ]]; }

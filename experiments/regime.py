@@ -5,7 +5,7 @@ The shape: a 32-layer model (d_model 2048, 16 heads, d_ff 8192, seq 2048, the li
 byte-level vocabulary of 256, tied embeddings: 1.61B parameters), bf16 compute, float32
 parameters, a global batch of 64 sequences per pipeline (a micro-batch is 64 / M rows: 1 row at
 G = 16, M = 64). Per (hardware, G, M) it tries, each at M (as `ouroboros plan` builds them,
-`plan.settings`):
+`settings.settings`):
 
   gpipe, 1f1b, interleaved (2 chunks), zb_h1, zb_v, model_parallel   --stash-policy all, dots,
                                      nothing
@@ -52,6 +52,7 @@ import os
 
 from ouroboros_jax.choices import EXACT_PIPELINES
 from ouroboros_jax.perf import plan
+from ouroboros_jax.perf import settings as settings_lib
 from ouroboros_jax.schedules import ScheduleConfig, tables
 from ouroboros_jax.training import field_flags, presets
 
@@ -122,9 +123,11 @@ def policy_of(setting: ScheduleConfig) -> str:
 
 def settings_at(G: int, M: int) -> list[ScheduleConfig]:
   """Every setting `ouroboros plan` would try on G devices at M micro-batches, but backprop."""
-  tries = plan.Tries(microbatches=(M,), stashes=STASHES, policies=POLICIES)
+  tries = settings_lib.Tries(microbatches=(M,), stashes=STASHES, policies=POLICIES)
   return [
-    s for s in plan.settings(G, tries, num_layers=MODEL_FLAGS['num_layers']) if s.name != 'backprop'
+    s
+    for s in settings_lib.settings(G, tries, num_layers=MODEL_FLAGS['num_layers'])
+    if s.name != 'backprop'
   ]
 
 

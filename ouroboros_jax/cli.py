@@ -37,6 +37,7 @@ failure or a stop `cli_messages.py`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import sys
@@ -107,20 +108,11 @@ def _run_sample(args) -> None:
 
 def _run_bench(args) -> None:
   cfg = config_from_args(args)
-  # Every schedule is timed; the compensation flags apply to its Ouroboros settings ('auto':
-  # the paper's AdamW without compensation, as the benchmark has always timed).
-  optimizer = 'adamw' if cfg.optimizer == 'auto' else cfg.optimizer
-  spec = 'none' if cfg.compensation == 'auto' else cfg.compensation
-  cfg = field_flags.override(cfg, {'optimizer': optimizer, 'compensation': spec})
   stages = max(cfg.schedule.num_stages, 2)
-  fixed = [f'--{n} {v}' for n in ('microbatches', 'chunks') if (v := getattr(cfg.schedule, n))]
-  if fixed:
-    raise errors.ConfigError(
-      f'`bench` times every setting with its own micro-batches and chunks (see its labels); drop '
-      f'{" and ".join(fixed)} and pick settings with --only.'
-    )
+  # Every flag (--compensation and --layers-per-stage included) checked on the ring of G
+  # stages, whose compensation and optimizer the settings take ('auto': as train resolves them).
   ring = field_flags.override(cfg, {'schedule': 'ouroboros', 'stages': stages})
-  ring.validate()  # every flag, --compensation and --layers-per-stage included
+  ring.validate()
   given = [field_flags.flag(n) for n in ('pld', 'growth', 'vcycle', 'std_loss') if getattr(cfg, n)]
   if given:
     raise errors.ConfigError(
@@ -134,7 +126,11 @@ def _run_bench(args) -> None:
   sizing.check_fits(ring)
   from ouroboros_jax.perf import bench
 
-  policy, compensation = cfg.schedule.stash_policy, cfg.resolved_compensation()
+  compensation, tries = ring.resolved_compensation(), _tries(args)
+  base = dataclasses.replace(cfg.schedule, seed=cfg.seed, compensation=compensation)
+  settings = bench.bench_settings(
+    stages, tries, base, num_layers=cfg.model.num_layers, batch_size=cfg.batch_size, only=args.only
+  )
   bench.run(
     cfg.model,
     bench.BenchConfig(
@@ -144,11 +140,9 @@ def _run_bench(args) -> None:
       steps=args.bench_steps,
       warmup=args.warmup,
       rounds=args.rounds,
-      settings=bench.select_settings(
-        stages, args.only, cfg.model.num_layers, cfg.batch_size, policy, compensation
-      ),
-      stash_policy=policy,
-      optimizer=optimizer,
+      settings=settings,
+      tries=tries,
+      optimizer=ring.resolved_optimizer(),
       compensation=compensation,
       layers_per_stage=cfg.layers_per_stage and list(ring.plans.layers_per_stage),
     ),
@@ -174,24 +168,32 @@ def _run_plan(args) -> int:
     return 0
   cfg = _compile_target(args)
 
-  counts = _int_list(args.try_microbatches, '--try-microbatches')
-  stashes = tuple(s.strip() for s in args.try_stash.split(',') if s.strip())
   result = plan_lib.plan(
     cfg,
     args.topology,
-    plan_lib.Tries(
-      microbatches=counts,
-      stashes=stashes,
-      policies=tuple(p.strip() for p in args.try_policy.split(',') if p.strip()),
-      schedules=args.try_schedules and tuple(args.try_schedules.split(',')),
-      memories=tuple(args.try_stash_memory.split(',')),
-      stages=args.try_stages and _int_list(args.try_stages, '--try-stages'),
-    ),
+    _tries(args),
     hardware=args.hardware,
     log=plan_lib.main_log,  # progress on stderr, the result on stdout
   )
   print(json.dumps(result) if args.json else plan_lib.format_plan(result))
   return 0 if result['fastest'] else 1
+
+
+def _tries(args):
+  """The --try-* flags of `plan` and `bench` as their `settings.Tries`."""
+  from ouroboros_jax.perf import settings as settings_lib
+
+  words = lambda text: tuple(w.strip() for w in text.split(',') if w.strip())
+  stages = getattr(args, 'try_stages', None)  # plan's alone: bench runs G = --stages
+  return settings_lib.Tries(
+    microbatches=_int_list(args.try_microbatches, '--try-microbatches'),
+    stashes=words(args.try_stash),
+    policies=words(args.try_policy),
+    schedules=args.try_schedules and words(args.try_schedules),
+    memories=words(args.try_stash_memory),
+    flows=args.try_flow and words(args.try_flow),
+    stages=stages and _int_list(stages, '--try-stages'),
+  )
 
 
 def _int_list(text: str, flag: str) -> tuple[int, ...]:

@@ -17,7 +17,7 @@ import re
 import sys
 
 from ouroboros_jax import errors, flag_help
-from ouroboros_jax.choices import SCHEDULES, STASH_MEMORIES
+from ouroboros_jax.choices import SCHEDULES, STASH_MEMORIES, STASH_POLICY_NAMES
 from ouroboros_jax.runtime import watchdog
 from ouroboros_jax.training import config, field_flags, presets
 
@@ -101,24 +101,31 @@ _COMPILE_OMITS = {
     'its own model (--num-layers, --d-model)',
   ),
 }
+# What `plan` and `bench` try rather than take (the --try-* flags, settings.Tries).
+_TRIED = {
+  'microbatches': 'it tries each of --try-microbatches',
+  'stash': 'it tries each of --try-stash',
+  'stash_policy': 'it tries each of --try-policy, and of --try-stash (graph/POLICY) on ouroboros',
+  'stash_memory': 'it tries each of --try-stash-memory',
+  'forward': 'it tries both Ouroboros forwards, locked and pipelined',
+}
 _PLAN_OMITS = {
   **_COMPILE_OMITS,
+  **_TRIED,
   'schedule': 'it tries every schedule; choose some with --try-schedules',
   'stages': 'it tries G = stages with the other devices as data replicas; choose with --try-stages',
   'data_parallel': 'it tries G = stages with the other devices as data replicas; choose with '
   '--try-stages',
-  'microbatches': 'it tries each of --try-microbatches',
-  'stash': 'it tries each of --try-stash',
-  'stash_policy': 'it tries each of --try-stash (graph/POLICY)',
-  'stash_memory': 'it tries each of --try-stash-memory',
-  'forward': 'it tries both Ouroboros forwards, locked and pipelined',
 }
 _BENCH_OMITS = {
   **dict.fromkeys(
     _LOOP_FIELDS,
     'it times --bench-steps steps on synthetic batches; the data, the length of the run, its '
     "evaluations and checkpoints are `train`'s",
-  )
+  ),
+  **_TRIED,
+  'schedule': 'it times every schedule; choose some with --only or --try-schedules',
+  'data_parallel': 'it runs every setting on G = --stages devices (data_parallel on all of them)',
 }
 
 
@@ -358,10 +365,23 @@ def _bench_parser(sub) -> argparse.ArgumentParser:
     '--only',
     default=None,
     metavar='LABELS',
-    help='comma-separated settings to run, by label prefix (e.g. '
-    '"backprop,model_parallel,ouroboros pipelined/graph"; default: every setting)',
+    help='comma-separated settings to run, each a label or a prefix of labels (e.g. '
+    '"backprop,model_parallel,ouroboros M=8 pipelined/graph"; default: every setting tried)',
   )
-  return _run_flags(bench, processes=True, omit=_BENCH_OMITS)
+  _try_flags(bench, stages=False)
+  _run_flags(bench, processes=True, omit=_BENCH_OMITS)
+  # It times the paper's method by default (BenchConfig's); 'auto' given means train's recipe.
+  _set_default(bench, 'optimizer', defaults.optimizer)
+  _set_default(bench, 'compensation', ','.join(defaults.compensation.names()) or 'none')
+  return bench
+
+
+def _set_default(parser: argparse.ArgumentParser, dest: str, value: str) -> None:
+  """A field flag's default for this subcommand alone, said in its help."""
+  parser.set_defaults(**{dest: value})
+  action = next(a for a in parser._actions if a.dest == dest)  # pylint: disable=protected-access
+  head = action.help.split(' (default')[0]
+  action.help = f'{head} (default {value} here; auto: as `train` resolves it)'
 
 
 _TOPOLOGY_HELP = (
@@ -418,49 +438,64 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
   return _run_flags(plan, processes=False, omit=_PLAN_OMITS)
 
 
-def _try_flags(plan) -> None:
-  """`plan`'s --try-* flags: the settings it tries, by default `plan_lib.Tries()`'s."""
-  from ouroboros_jax.perf import plan as plan_lib
+def _try_flags(parser, stages: bool = True) -> None:
+  """The --try-* flags of `plan` and `bench`: the settings they try, by default
+  `settings.Tries()`'s (--try-stages: `plan`'s alone; `bench` runs G = --stages)."""
+  from ouroboros_jax.perf import settings as settings_lib
 
-  tries = plan_lib.Tries()  # the defaults of the --try-* flags
-  plan.add_argument(
-    '--try-microbatches',
-    default=','.join(map(str, tries.microbatches)),
-    metavar='M,M',
-    help='micro-batch counts to try on the micro-batched schedules (default %(default)s)',
-  )
-  plan.add_argument(
-    '--try-stash',
-    default=','.join(tries.stashes),
-    metavar='S,S',
-    help=f'ouroboros stashes to try, of {", ".join(plan_lib.STASH_SETTINGS)} (default %(default)s)',
-  )
-  plan.add_argument(
-    '--try-policy',
-    default=','.join(tries.policies),
-    metavar='P,P',
-    help='stash policies (what a forward keeps, the rest recomputed) to try on every schedule '
-    f'but ouroboros, of {", ".join(plan_lib.STASH_POLICY_NAMES)} (default %(default)s)',
-  )
-  plan.add_argument(
-    '--try-stages',
-    default=None,
-    metavar='G,G',
-    help='stage counts to try, each with the other devices as data replicas (default: all '
-    'devices in one ring, or the most stages the layers allow)',
-  )
-  plan.add_argument(
-    '--try-stash-memory',
-    default=','.join(tries.memories),
-    metavar='M,M',
-    help=f'where ouroboros stashes wait, of {", ".join(STASH_MEMORIES)} (default %(default)s)',
-  )
-  plan.add_argument(
-    '--try-schedules',
-    default=None,
-    metavar='S,S',
-    help=f'only these schedules, of {", ".join(SCHEDULES)} (default: every one)',
-  )
+  tries = settings_lib.Tries()  # the defaults of the --try-* flags
+  joined = lambda values: ','.join(map(str, values))
+  flags = [
+    (
+      '--try-microbatches',
+      joined(tries.microbatches),
+      'M,M',
+      'micro-batch counts to try on the micro-batched schedules (default %(default)s)',
+    ),
+    (
+      '--try-stash',
+      joined(tries.stashes),
+      'S,S',
+      f'ouroboros stashes to try, of {joined(settings_lib.STASH_SETTINGS)} (default %(default)s)',
+    ),
+    (
+      '--try-policy',
+      joined(tries.policies),
+      'P,P',
+      'stash policies (what a forward keeps, the rest recomputed) to try on every schedule but '
+      f'ouroboros, of {joined(STASH_POLICY_NAMES)} (default %(default)s)',
+    ),
+    (
+      '--try-stash-memory',
+      joined(tries.memories),
+      'M,M',
+      f'where ouroboros stashes wait, of {joined(STASH_MEMORIES)} (default %(default)s)',
+    ),
+    (
+      '--try-flow',
+      None,
+      'F,F',
+      "ouroboros flows to try, of batch, stream (default: the run's --flow)",
+    ),
+    (
+      '--try-schedules',
+      None,
+      'S,S',
+      f'only these schedules, of {joined(SCHEDULES)} (default: every one)',
+    ),
+  ]
+  if stages:
+    flags.append(
+      (
+        '--try-stages',
+        None,
+        'G,G',
+        'stage counts to try, each with the other devices as data replicas (default: '
+        'all devices in one ring, or the most stages the layers allow)',
+      )
+    )
+  for flag, default, metavar, help_text in flags:
+    parser.add_argument(flag, default=default, metavar=metavar, help=help_text)
 
 
 def _launch_parser(sub) -> argparse.ArgumentParser:

@@ -40,77 +40,69 @@ def test_bench_names_its_own_flags_and_refuses_an_empty_only(tmp_path):
     bench.run(model, bench.BenchConfig(batch_size=4, stages=2, out_dir=str(tmp_path), steps=0))
   with pytest.raises(ConfigError, match=r'^--warmup must be >= 0'):
     bench.run(model, bench.BenchConfig(batch_size=4, stages=2, out_dir=str(tmp_path), warmup=-1))
+  from ouroboros_jax.perf.settings import Tries
+
+  pick = lambda only, layers=2, batch=None, tries=Tries(): bench.bench_settings(
+    2, tries, num_layers=layers, batch_size=batch, only=only
+  )
   for only in ('', ' , '):
-    with pytest.raises(
-      ConfigError, match=r'names no setting; give comma-separated label prefixes from: backprop, '
-    ):
-      bench.select_settings(2, only, 2)
-  assert bench.select_settings(2, None, 2) == bench.default_settings(2, 2)  # all 18
-  assert [s.label for s in bench.select_settings(2, 'backprop', 2)] == ['backprop']
+    with pytest.raises(ConfigError, match=r'names no setting; give comma-separated labels or '):
+      pick(only)
+  # A label picks that setting alone; a prefix of labels picks them all.
+  assert [s.label for s in pick('backprop')] == ['backprop']
+  assert [s.label for s in pick('gpipe')] == ['gpipe M=8', 'gpipe M=8 keep=nothing']
   # --only's own order (a bench cut short keeps the rows named first), and batch sizes that
-  # cannot be cut refused before anything is measured: M = 2G = 4 does not divide 2 rows.
-  chosen = bench.select_settings(2, 'zb_v,backprop', 4)
+  # cannot be cut refused before anything is measured: M = 4 does not divide 2 rows.
+  chosen = pick('zb_v M=8,backprop', layers=4)
   assert [s.label for s in chosen] == ['zb_v M=8', 'backprop']
+  four = Tries(microbatches=(4,), flows=('stream',))
   with pytest.raises(ConfigError, match=r'^--batch-size 2 cannot be cut .* gpipe M=4'):
-    bench.select_settings(2, 'backprop,gpipe M=4', 2, batch_size=2)
-  # Ouroboros' M resolves from the batch, as train's does: M = 2G = 4 on 2 rows is 2
-  chosen = bench.select_settings(2, 'backprop,ouroboros M=4 stream', 2, batch_size=2)
+    pick('backprop,gpipe M=4', batch=2, tries=four)
+  # Ouroboros' M resolves from the batch, as train's does: M = 4 on 2 rows is 2
+  chosen = pick('backprop,ouroboros M=4 stream pipelined/graph', batch=2, tries=four)
   assert [s.label for s in chosen] == ['backprop', 'ouroboros M=2 stream pipelined/graph']
-  fitting = bench.select_settings(2, None, 2, batch_size=2)
+  fitting = pick(None, batch=2, tries=four)
   assert fitting and all(2 % bench.micro_size(s) == 0 for s in fitting)
-  assert len(fitting) < len(bench.default_settings(2, 2))
-  # A prefix that matches nothing is named, not ignored.
+  assert len(fitting) < len(pick(None, tries=four))
+  # A name that matches nothing is named, not ignored.
   with pytest.raises(ConfigError, match=r"^--only 'bogus' matches no setting; labels are: "):
-    bench.select_settings(2, 'backprop,bogus', 2)
+    pick('backprop,bogus')
 
 
-def test_the_settings_are_schedule_configs_of_the_paper_s_method():
-  """Each setting is the ScheduleConfig the bench builds and times, every `auto` explicit: its
-  own micro-batches and flow, and no compensation unless asked (the paper's method); the labels
-  bench.csv and --only have always used come from ScheduleConfig.label."""
+def test_bench_times_the_settings_plan_tries():
+  """One list of settings for `bench` and `plan` (`settings.settings` of one `Tries`, its defaults
+  stated once): bench's at G = --stages are plan's at G = 2 on 2 devices (the two-chunk pipelines
+  where the model has their 2G layers), each resolved, no compensation unless asked (the paper's
+  method), the labels bench.csv and --only use from ScheduleConfig.label."""
   from ouroboros_jax.perf import bench
+  from ouroboros_jax.perf import settings as settings_lib
   from ouroboros_jax.schedules.compensation import Compensation
+  from ouroboros_jax.schedules.config import ResolvedSchedule, ScheduleConfig
 
-  settings = bench.default_settings(2, 4)
-  assert [s.label for s in settings] == [
+  chosen = bench.bench_settings(2, num_layers=4)
+  planned = settings_lib.settings(2, settings_lib.Tries(stages=(2,)))
+  assert [s.label for s in chosen] == [s.label for s in planned]
+  assert [s.label for s in chosen][:4] == [
     'backprop',
+    'backprop keep=nothing',
     'data_parallel',
-    'model_parallel',
-    'gpipe M=2',
-    'gpipe M=4',
-    'gpipe M=8',
-    '1f1b M=4',
-    '1f1b M=8',
-    'zb_h1 M=4',
-    'zb_h1 M=8',
-    'interleaved M=8',
-    'zb_v M=8',
-    'ouroboros locked/graph',
-    'ouroboros locked/replay',
-    'ouroboros pipelined/graph',
-    'ouroboros pipelined/replay',
-    'ouroboros M=8 locked/graph',
-    'ouroboros M=8 pipelined/graph',
-    'ouroboros M=2 stream locked/graph',
-    'ouroboros M=4 stream pipelined/graph',
+    'data_parallel keep=nothing',
   ]
-  assert [bench.num_devices(s) for s in settings[:3]] == [1, 2, 2]
-  for s in settings:
-    s.validate()
+  assert 'ouroboros M=8 pipelined/replay' in [s.label for s in chosen]
+  short = [s.label for s in bench.bench_settings(2, num_layers=2)]
+  assert 'zb_v M=8' not in short and 'zb_h1 M=8' in short  # 2 layers: no 2 x 2 chunks
+  assert [bench.num_devices(s) for s in chosen[::2][:3]] == [1, 2, 2]
+  for s in chosen:
+    assert isinstance(s, ResolvedSchedule)
     assert s.compensation == Compensation(), s.label
-    if s.name == 'ouroboros':
-      assert s.microbatches is not None and s.flow in ('batch', 'stream'), s.label
-  # --stash-policy and --compensation reach the Ouroboros settings (the graph stash's label
-  # names a policy that is not the default; the replay stash keeps only the input)
+  # The compensation reaches the Ouroboros settings (the replay stash without DC-ASGD).
   recipe = Compensation(predict=True, dc_lambda=1.0)
-  ring = {s.label: s for s in bench.default_settings(2, 4, 'all', recipe) if s.name == 'ouroboros'}
-  assert ring['ouroboros locked/graph/all'].compensation == recipe
-  assert ring['ouroboros locked/replay'].stash_label == 'replay'  # no policy: the input alone
-  others = [s for s in bench.default_settings(2, 4, 'all', recipe) if s.name != 'ouroboros']
-  assert {s.stash_policy for s in others} == {'all'}  # an explicit policy applies to every one
-  assert bench.select_settings(2, 'ouroboros locked/graph', 4, stash_policy='dots') == [
-    s for s in bench.default_settings(2, 4, 'dots') if s.label == 'ouroboros locked/graph/dots'
-  ]
+  base = ScheduleConfig(compensation=recipe)
+  ring = {s.label: s for s in bench.bench_settings(2, base=base, num_layers=4)}
+  assert ring['ouroboros M=8 stream locked/graph/all'].compensation == recipe
+  assert ring['ouroboros M=8 stream locked/replay'].compensation == Compensation(predict=True)
+  assert ring['gpipe M=8'].compensation == Compensation()
+  assert ring['ouroboros M=8 stream locked/replay'].stash_label == 'replay'  # the input alone
 
 
 def test_pieces_include_each_micro_batch_and_the_rows_carry_the_setting_s_own(tmp_path):
@@ -211,6 +203,8 @@ def test_two_process_bench_writes_every_row_with_its_ideal(tmp_path):
       '1',
       '--rounds',  # the settings interleaved, 2 steps then 1 each (the device check: one by one)
       '2',
+      '--try-microbatches',  # Ouroboros as one batch (the label without 'M=')
+      '1',
       '--only',
       only,
       '--out',
@@ -312,7 +306,7 @@ def test_the_stash_policy_has_one_default():
   import inspect
 
   from ouroboros_jax import choices
-  from ouroboros_jax.perf import bench, calibration
+  from ouroboros_jax.perf import calibration
   from ouroboros_jax.schedules import ScheduleConfig, stash
 
   default = choices.DEFAULT_STASH_POLICY
@@ -324,9 +318,6 @@ def test_the_stash_policy_has_one_default():
     (calibration.measure_pieces, 'stash_policy'),
   ):
     assert inspect.signature(fn).parameters[name].default == default, fn
-  for fn in (bench.default_settings, bench.select_settings):
-    assert inspect.signature(fn).parameters['stash_policy'].default == 'auto', fn
-  assert bench.BenchConfig(batch_size=4, stages=2, out_dir='-').stash_policy == 'auto'
   assert stash.GraphStash(None).policy is stash.STASH_POLICIES[default]
 
 
@@ -352,7 +343,7 @@ def test_a_bench_cut_short_keeps_the_rows_it_measured(tmp_path):
     out_dir=str(tmp_path),
     steps=1,
     warmup=0,
-    settings=bench.select_settings(2, 'backprop,model_parallel', 2),
+    settings=bench.bench_settings(2, only='backprop,model_parallel'),
   )
   with pytest.raises(Stop):
     bench.run(model, config, log=log)
@@ -430,7 +421,7 @@ def test_rounds_time_every_setting_in_turn_after_compiling_them_all(tmp_path, mo
     steps=5,
     warmup=0,
     rounds=2,
-    settings=bench.select_settings(2, 'backprop,model_parallel', 2),
+    settings=bench.bench_settings(2, only='backprop,model_parallel'),
   )
   rows = bench.run(model, config, log=lambda line: None)
 
@@ -513,7 +504,7 @@ def test_one_device_keeps_the_setting_but_its_stages():
   """The program a stage setting's devices each run, alone: one stage, everything else kept."""
   from ouroboros_jax.perf import bench, calibration
 
-  for setting in bench.default_settings(2, 4):
+  for setting in bench.bench_settings(2, num_layers=4):
     one = calibration.one_device(setting)
     if setting.name in ('backprop', 'data_parallel'):
       assert one is None

@@ -16,6 +16,7 @@ from ouroboros_jax import cli, cli_parsers, flag_help, optimizers
 from ouroboros_jax.models import attention
 from ouroboros_jax.models.model import ARCHS, DTYPES
 from ouroboros_jax.perf import plan
+from ouroboros_jax.perf import settings as settings_lib
 from ouroboros_jax.schedules.compensation import COMPENSATIONS
 from ouroboros_jax.schedules.stash import STASH_POLICIES
 from ouroboros_jax.training import config, field_flags, presets
@@ -39,7 +40,7 @@ CHOICES = {
   '--data-order': config.DATA_ORDERS,
   '--optimizer': optimizers.OPTIMIZERS,
   '--compensation': COMPENSATIONS,
-  '--try-stash': plan.STASH_SETTINGS,
+  '--try-stash': settings_lib.STASH_SETTINGS,
   '--try-stash-memory': named.STASH_MEMORIES,
   '--try-schedules': named.SCHEDULES,
   '--hardware': tuple(plan.HARDWARE),
@@ -120,7 +121,7 @@ def test_help_reads_defaults_from_where_they_are_defined(monkeypatch):
   assert '0.0123' in flag_help.field_help('muon_learning_rate')
   assert '0.987' in flag_help.field_help('momentum')
   assert 'backprop' in _help(COMMANDS['plan'], _by_flag('plan')['--try-schedules'])
-  assert f'default {",".join(plan.Tries().stashes)}' in _help(
+  assert f'default {",".join(settings_lib.Tries().stashes)}' in _help(
     COMMANDS['plan'], _by_flag('plan')['--try-stash']
   )
 

@@ -9,6 +9,7 @@ import pytest
 
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.perf import plan
+from ouroboros_jax.perf import settings as settings_lib
 from ouroboros_jax.schedules import ResolvedSchedule, ScheduleConfig
 from ouroboros_jax.schedules.compensation import Compensation
 
@@ -141,9 +142,9 @@ def test_ouroboros_cuts_the_batch_on_accelerators_only():
   )
   assert pipeline.resolve('cpu', 32) == pipeline.resolve('tpu', 32)  # any platform
   with pytest.raises(ConfigError, match='unknown stash setting'):
-    plan.settings(4, plan.Tries(stashes=('everything',)))
+    settings_lib.settings(4, settings_lib.Tries(stashes=('everything',)))
   with pytest.raises(ConfigError, match="unknown stash policy 'some'; choose --try-policy from"):
-    plan.settings(4, plan.Tries(policies=('some',)))
+    settings_lib.settings(4, settings_lib.Tries(policies=('some',)))
 
 
 def test_the_recipe_streams_with_enough_micro_batches_for_gaps_of_one_update():
@@ -174,8 +175,8 @@ def test_the_recipe_streams_with_enough_micro_batches_for_gaps_of_one_update():
 def test_stages_that_leave_devices_over_run_data_replicas():
   from ouroboros_jax.training import field_flags, presets
 
-  tries = plan.Tries((8,), ('graph/nothing',), ('all',), stages=(2, 4))
-  labels = [s.label for s in plan.settings(4, tries)]
+  tries = settings_lib.Tries((8,), ('graph/nothing',), ('all',), stages=(2, 4))
+  labels = [s.label for s in settings_lib.settings(4, tries)]
   assert labels[:3] == ['backprop', 'data_parallel', 'model_parallel G=2xR=2']
   assert 'ouroboros G=2xR=2 M=8 locked/graph' in labels
   assert 'ouroboros M=8 locked/graph' in labels  # G = 4: one ring of every device
@@ -201,8 +202,8 @@ def test_a_setting_is_the_schedule_config_its_train_flags_give():
   from ouroboros_jax.training import field_flags, presets
 
   cfg = field_flags.override(presets.get_preset('tiny'), {'clip_norm': 0.5})
-  tries = plan.Tries((4,), ('graph/all', 'replay'), schedules=('ouroboros',))
-  for setting in plan.settings(2, tries, cfg.schedule):
+  tries = settings_lib.Tries((4,), ('graph/all', 'replay'), schedules=('ouroboros',))
+  for setting in settings_lib.settings(2, tries, cfg.schedule):
     assert setting.clip_norm == 0.5 and setting.num_stages == 2 and setting.microbatches == 4
     assert (setting.stash, setting.stash_policy) in (('graph', 'all'), ('replay', 'auto'))
     run = field_flags.override(cfg, field_flags.train_flags(setting))
@@ -216,11 +217,11 @@ def test_a_model_with_fewer_layers_than_devices_plans_fewer_stages_with_data_rep
   zb_v cut 2 x 2 chunks = 4 groups) are skipped before compiling, for one reason, said once."""
   from ouroboros_jax.training import field_flags, presets
 
-  assert [plan.default_stages(4, n) for n in (1, 2, 3, 4, 12)] == [1, 2, 2, 4, 4]
-  assert plan.default_stages(6, 4) == 3 and plan.default_stages(8, None) == 8
+  assert [settings_lib.default_stages(4, n) for n in (1, 2, 3, 4, 12)] == [1, 2, 2, 4, 4]
+  assert settings_lib.default_stages(6, 4) == 3 and settings_lib.default_stages(8, None) == 8
   cfg = presets.get_preset('tiny')  # 2 layers
   assert cfg.model.num_layers == 2
-  tried = plan.settings(4, plan.Tries(), cfg.schedule, cfg.model.num_layers)
+  tried = settings_lib.settings(4, settings_lib.Tries(), cfg.schedule, cfg.model.num_layers)
   # every schedule at each policy, Ouroboros at each stash: 8 x 2 + 2 x 3, now at G = 2
   assert len(tried) == 22
   staged = [s for s in tried if s.name not in ('backprop', 'data_parallel')]
@@ -235,7 +236,9 @@ def test_a_model_with_fewer_layers_than_devices_plans_fewer_stages_with_data_rep
     + ['zb_v'] * 2
   }
   # --try-stages 4 asks for the ring of every device: each stage setting is skipped, saying why.
-  four = plan.settings(4, plan.Tries(stages=(4,)), cfg.schedule, cfg.model.num_layers)
+  four = settings_lib.settings(
+    4, settings_lib.Tries(stages=(4,)), cfg.schedule, cfg.model.num_layers
+  )
   skipped = [
     s.name
     for s in four
@@ -246,8 +249,10 @@ def test_a_model_with_fewer_layers_than_devices_plans_fewer_stages_with_data_rep
 
 def test_the_runs_ouroboros_settings_go_to_the_ouroboros_rows_alone():
   base = ScheduleConfig(flow='stream', tied_grad='mean', sync_warmup_steps=5, chunks=3)
-  tries = plan.Tries((4,), ('graph/nothing',), schedules=('1f1b', 'interleaved', 'ouroboros'))
-  for s in plan.settings(4, tries, base):
+  tries = settings_lib.Tries(
+    (4,), ('graph/nothing',), schedules=('1f1b', 'interleaved', 'ouroboros')
+  )
+  for s in settings_lib.settings(4, tries, base):
     ring = s.name == 'ouroboros'
     assert (s.flow, s.tied_grad, s.sync_warmup_steps) == (
       ('stream', 'mean', 5) if ring else ('auto', 'sum', 0)
@@ -291,7 +296,7 @@ def test_plan_compiles_only_the_settings_the_model_can_take():
   cfg = field_flags.override(
     presets.get_preset('tiny'), dict(zip(('d_model', 'seq_len', 'batch_size'), (32, 32, 8)))
   )
-  tries = plan.Tries((2,), policies=('all',), schedules=('backprop', 'interleaved', 'zb_v'))
+  tries = settings_lib.Tries((2,), policies=('all',), schedules=('backprop', 'interleaved', 'zb_v'))
   out = plan.plan(cfg, None, tries)
   assert [r['label'] for r in out['rows']] == ['backprop']
   assert not [r for r in out['rows'] if 'error' in r]

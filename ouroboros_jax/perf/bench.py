@@ -1,8 +1,10 @@
 """`ouroboros bench`: steady-state speed of every schedule, next to its ideal.
 
-For each setting (backprop on one device; data_parallel; model_parallel; gpipe with M in
-{2, 4, 8}; 1F1B and ZB-H1 with M in {4, 8}; interleaved 1F1B and ZB-V with M = 8 when the model
-has 2G layers for their 2G chunks; ouroboros locked and pipelined, graph and replay stashes) it
+For each setting `plan` would try at G = --stages (`settings.py`, the --try-* flags: by default
+backprop, data_parallel and model_parallel, gpipe and the exact pipelines at M = 8, each keeping
+every residual and keeping nothing; ouroboros locked and pipelined at M = 8 with the graph stash
+keeping nothing or all and the replay stash; interleaved 1F1B and ZB-V where the model has 2G
+layers for their 2G chunks; --only picks some by label) it
 compiles the step (timed separately, not counted), runs `warmup` steps, then times `steps` more
 one by one and reports the **median** step time and tokens/s. With `rounds` R > 1 (`--rounds`)
 every setting is compiled and warmed up first and the timed steps are dealt out in R rounds,
@@ -50,26 +52,28 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from ouroboros_jax import costs, placement
-from ouroboros_jax.choices import FORWARD_MODES, MICROBATCHED, STASH_MODES
+from ouroboros_jax.choices import MICROBATCHED
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.models import model as transformer
 from ouroboros_jax.models import partition
 from ouroboros_jax.perf import calibration, timing
+from ouroboros_jax.perf import settings as settings_lib
+from ouroboros_jax.perf.settings import Tries
 from ouroboros_jax.perf.timing import Workload, micro_size, num_devices
 from ouroboros_jax.runtime import host
 from ouroboros_jax.schedules import ScheduleConfig
 from ouroboros_jax.schedules.compensation import Compensation
-from ouroboros_jax.schedules.config import AUTO, ResolvedSchedule
+from ouroboros_jax.schedules.config import ResolvedSchedule
 
 
 @dataclasses.dataclass(frozen=True)
 class BenchConfig:
   """What `run` benchmarks (the `bench` flags): batches of `batch_size` rows, G = `stages`,
-  `steps` timed steps per setting after `warmup` untimed ones, each setting a ScheduleConfig
-  (`default_settings`, with `stash_policy` on every setting and `compensation` on its Ouroboros
-  settings; a setting's `label` names it). `stash_policy`, `optimizer` and `compensation` time a
-  training recipe's own costs: Muon's orthogonalisation, weight prediction's extra pass over the
-  weights."""
+  `steps` timed steps per setting after `warmup` untimed ones, each setting a ResolvedSchedule
+  (`bench_settings`: those `tries` gives, as `plan` tries them; a setting's `label` names it).
+  `optimizer` and `compensation` (on the Ouroboros settings) time a training recipe's own costs:
+  Muon's orthogonalisation, weight prediction's extra pass over the weights; by default the
+  paper's method, AdamW without compensation."""
 
   batch_size: int
   stages: int
@@ -82,118 +86,78 @@ class BenchConfig:
   # slowdown and the collective's wait) are re-timed in each round, their medians used, so that
   # the predictions drift too (docs/results/simulator_calibration.md).
   rounds: int = 1
-  settings: Sequence[ResolvedSchedule] | None = None  # None: default_settings
+  settings: Sequence[ResolvedSchedule] | None = None  # None: bench_settings of `tries`
+  tries: Tries = Tries()
   layers_per_stage: Sequence[int] | None = None  # None: balanced by FLOPs
-  stash_policy: str = AUTO  # every setting's ('auto': each schedule's own), replay's none
   optimizer: str = 'adamw'
   compensation: Compensation = Compensation()
 
 
-def default_settings(
+def bench_settings(
   devices: int,
-  num_layers: int | None = None,
-  stash_policy: str = AUTO,
-  compensation: Compensation = Compensation(),
-) -> list[ScheduleConfig]:
-  """Every setting on `devices` devices, each resolved (`ScheduleConfig.resolve`: its
-  own micro-batches and flow; `compensation`, by default none: the paper's method, on the
-  Ouroboros settings and none elsewhere; `stash_policy` on every setting but the replay stash,
-  by default each schedule's own, `ScheduleConfig.resolved_stash_policy`); the two-chunk
-  pipelines (interleaved, ZB-V) only when the model has `num_layers` >= 2 x devices layers to
-  cut into their chunks."""
-  g, none = devices, Compensation()
-  policy = lambda name: ScheduleConfig(name=name, stash_policy=stash_policy).resolved_stash_policy
-  stage = lambda name, **fields: ScheduleConfig(
-    name=name, num_stages=g, compensation=none, stash_policy=policy(name), **fields
-  )
-
-  def ring(microbatches: int, stash: str, forward: str, flow: str = 'batch') -> ScheduleConfig:
-    return ScheduleConfig(
-      name='ouroboros',
-      num_stages=g,
-      microbatches=microbatches,
-      stash=stash,
-      stash_policy=policy('ouroboros') if stash == 'graph' else AUTO,
-      forward=forward,
-      flow=flow,
-      # The replay stash cannot take DC-ASGD (no gradient at the forward's weights): the rest.
-      compensation=compensation
-      if stash == 'graph'
-      else dataclasses.replace(compensation, dc_lambda=0.0),
-    )
-
-  out = [
-    ScheduleConfig(name='backprop', compensation=none, stash_policy=policy('backprop')),
-    ScheduleConfig(
-      name='data_parallel', data_parallel=g, compensation=none, stash_policy=policy('backprop')
-    ),
-    stage('model_parallel'),
-  ]
-  out += [stage('gpipe', microbatches=m) for m in (2, 4, 8)]
-  out += [stage(name, microbatches=m) for name in ('1f1b', 'zb_h1') for m in (4, 8)]
-  if num_layers is None or num_layers >= 2 * g:
-    out += [stage(name, microbatches=8) for name in ('interleaved', 'zb_v')]
-  out += [ring(1, s, f) for f in FORWARD_MODES for s in STASH_MODES]
-  out += [ring(8, 'graph', f) for f in FORWARD_MODES]
-  # Streamed micro-batches at the smallest M that makes every gap one update (G locked, 2G
-  # pipelined)
-  out += [ring(g * (1 + (f == 'pipelined')), 'graph', f, flow='stream') for f in FORWARD_MODES]
-  platform = placement.platform()  # every count above is given: no batch is needed
-  return [s.resolve(platform) for s in out]
-
-
-def select_settings(
-  devices: int,
-  only: str | None,
+  tries: Tries = Tries(),
+  base: ScheduleConfig = ScheduleConfig(compensation=Compensation()),  # the paper's method
+  *,
   num_layers: int | None = None,
   batch_size: int | None = None,
-  stash_policy: str = AUTO,
-  compensation: Compensation = Compensation(),
-) -> list[ScheduleConfig]:
-  """The default settings whose label starts with one of the comma-separated prefixes in `only`,
-  in the order `only` names them; a prefix that matches none is a ConfigError. With
-  `batch_size`, an Ouroboros setting whose micro-batches do not divide a replica's batch cuts it
-  as `train` would, into the largest count that divides both (`resolved_for_batch`); another
-  setting that cannot cut the batch is a ConfigError before anything is measured (without
-  `only`, such settings are left out)."""
-  settings = default_settings(devices, num_layers, stash_policy, compensation)
+  only: str | None = None,
+) -> list[ResolvedSchedule]:
+  """The settings `plan` would try on `devices` devices at G = devices (`settings.settings` of
+  `tries` on `base`, the two-chunk pipelines only where the model has the 2G layers for their
+  chunks), those --only names (`settings.select`), each resolved on this platform for batches of
+  `batch_size` rows. `base`'s compensation applies to the Ouroboros settings (the replay stash
+  without DC-ASGD, which it cannot take) and none elsewhere. A setting that cannot cut the
+  batch (or, for Ouroboros, whose M does not divide a replica's rows: cut into gcd(M, rows), as
+  `train` would, `resolved_for_batch`) is left out, or, named by --only, refused in one line."""
+  tried = settings_lib.settings(devices, dataclasses.replace(tries, stages=(devices,)), base)
+  tried = [
+    _own_compensation(s) for s in tried if num_layers is None or s.stage_groups <= num_layers
+  ]
+  resolved = settings_lib.select(_resolvable(tried, batch_size), only)  # by the labels it prints
+  if batch_size is not None:
+    resolved = [resolved_for_batch(s, batch_size) for s in resolved]
   fits = lambda s: batch_size is None or batch_size % micro_size(s) == 0
-  resolved = lambda chosen: list(
-    dict.fromkeys(s if batch_size is None else resolved_for_batch(s, batch_size) for s in chosen)
-  )
-  if only is None:
-    return [s for s in resolved(settings) if fits(s)]
-  labels = ', '.join(s.label for s in settings)
-  prefixes = [p.strip() for p in only.split(',') if p.strip()]
-  if not prefixes:
-    raise ConfigError(
-      f'--only {only!r} names no setting; give comma-separated label prefixes from: {labels} '
-      '(or drop --only to run them all).'
-    )
-  unknown = [p for p in prefixes if not any(s.label.startswith(p) for s in settings)]
-  if unknown:
-    names = ', '.join(map(repr, unknown))
-    raise ConfigError(f'--only {names} matches no setting; labels are: {labels}.')
-  # In the order --only names them: a run cut short has measured the settings named first.
-  chosen = resolved(s for p in prefixes for s in settings if s.label.startswith(p))
-  unfit = [s.label for s in chosen if not fits(s)]
-  if unfit:
+  unfit = [s.label for s in resolved if not fits(s)]
+  if only is not None and unfit:
     raise ConfigError(
       f'--batch-size {batch_size} cannot be cut into the micro-batches (or replicas) of '
       f'{", ".join(unfit)}; use a --batch-size that they divide, or leave them out of --only.'
     )
-  return chosen
+  return list(dict.fromkeys(s for s in resolved if fits(s)))
 
 
-def resolved_for_batch(setting: ScheduleConfig, batch_size: int) -> ScheduleConfig:
+def _resolvable(tried: Sequence[ScheduleConfig], batch_size: int | None) -> list[ResolvedSchedule]:
+  """Each setting of `tried` resolved on this platform, those that cannot be (an exact pipeline
+  with fewer micro-batches than its table needs) left out."""
+  platform, out = placement.platform(), []
+  for setting in tried:
+    try:
+      out.append(setting.resolve(platform, batch_size))
+    except ConfigError:
+      continue
+  return out
+
+
+def _own_compensation(setting: ScheduleConfig) -> ScheduleConfig:
+  """`setting` with its compensation where it applies: Ouroboros' (the replay stash without
+  DC-ASGD, which needs the gradient at the forward's weights), none elsewhere."""
+  comp = setting.compensation
+  if setting.name != 'ouroboros':
+    comp = Compensation()
+  elif setting.stash == 'replay' and isinstance(comp, Compensation):
+    comp = dataclasses.replace(comp, dc_lambda=0.0)
+  return dataclasses.replace(setting, compensation=comp)
+
+
+def resolved_for_batch(setting: ResolvedSchedule, batch_size: int) -> ResolvedSchedule:
   """An Ouroboros setting whose M does not divide a replica's rows cut into gcd(M, rows)
   micro-batches, as `train` resolves Ouroboros' micro-batches from its batch
   (`ScheduleConfig.resolve`); any other setting as it is (an exact pipeline's M is what it
   is measured at)."""
   rows = max(batch_size // setting.data_parallel, 1)
-  if setting.name != 'ouroboros' or rows % setting.num_microbatches == 0:
+  if setting.name != 'ouroboros' or rows % setting.microbatches == 0:
     return setting
-  return dataclasses.replace(setting, microbatches=math.gcd(setting.num_microbatches, rows))
+  return dataclasses.replace(setting, microbatches=math.gcd(setting.microbatches, rows))
 
 
 def time_setting(setting: ScheduleConfig, work: Workload, bench: BenchConfig) -> dict | None:
@@ -276,8 +240,9 @@ def run(cfg: transformer.ModelConfig, bench: BenchConfig, log=print) -> list[dic
   work = _workload(cfg, bench)
   if jax.process_index() == 0:
     keep_earlier(bench.out_dir, log)
-  settings = bench.settings or default_settings(
-    bench.stages, cfg.num_layers, bench.stash_policy, bench.compensation
+  base = ScheduleConfig(compensation=bench.compensation)
+  settings = bench.settings or bench_settings(
+    bench.stages, bench.tries, base, num_layers=cfg.num_layers, batch_size=bench.batch_size
   )
   # Each stage setting's program on one device is timed here for one round, else in each round
   # beside the pieces.
@@ -407,7 +372,7 @@ def _meta(work: Workload, bench: BenchConfig) -> dict:
     'steps': bench.steps,
     'warmup': bench.warmup,
     'rounds': bench.rounds,
-    'stash_policy': bench.stash_policy,
+    'tries': dataclasses.asdict(bench.tries),
     'optimizer': bench.optimizer,
     'compensation': ','.join(bench.compensation.names()) or 'none',
   }

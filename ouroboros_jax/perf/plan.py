@@ -28,26 +28,17 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Callable, Sequence
+from typing import Callable
 
 from ouroboros_jax import errors
-from ouroboros_jax.choices import EXACT_PIPELINES, SCHEDULES, STASH_MEMORIES, STASH_POLICY_NAMES
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.perf import compile as compile_lib
 from ouroboros_jax.perf import cost_model, simulate
+from ouroboros_jax.perf.settings import Tries, settings
 from ouroboros_jax.schedules import ScheduleConfig
 from ouroboros_jax.schedules.config import AUTO, ResolvedSchedule
 from ouroboros_jax.training import field_flags
 from ouroboros_jax.training.config import TrainConfig
-
-# Every policy of the graph stash (as every other schedule may recompute), and the replay stash.
-STASH_SETTINGS = (*(f'graph/{p}' for p in STASH_POLICY_NAMES), 'replay')
-DEFAULT_STASH = ('graph/nothing', 'replay', 'graph/all')
-DEFAULT_MICROBATCHES = (8,)
-# What the other schedules' forward keeps (--stash-policy): every residual, or the group's (the
-# layer's, for backprop) input with the forward re-run in the backward. Like with like: each
-# schedule gets the recomputation Ouroboros' default stash has.
-DEFAULT_POLICIES = ('all', 'nothing')
 
 # Effective rates (40% of the bf16 peak, as cost_model.NVLINK) and one ICI link per direction.
 TPU_V5E = cost_model.Hardware('tpu-v5e', flops_per_s=0.4 * 197e12, bandwidth=50e9, latency=5e-6)
@@ -55,135 +46,6 @@ TPU_V4 = cost_model.Hardware('tpu-v4', flops_per_s=0.4 * 275e12, bandwidth=50e9,
 TPU_V5P = cost_model.Hardware('tpu-v5p', flops_per_s=0.4 * 459e12, bandwidth=100e9, latency=5e-6)
 TPU_V6E = cost_model.Hardware('tpu-v6e', flops_per_s=0.4 * 918e12, bandwidth=100e9, latency=5e-6)
 HARDWARE = {h.name: h for h in (TPU_V5E, TPU_V4, TPU_V5P, TPU_V6E, *cost_model.HARDWARE.values())}
-
-
-def _stash_fields(stash: str) -> dict[str, str]:
-  """A --try-stash setting ('graph/POLICY' or 'replay') as ScheduleConfig's stash fields."""
-  mode, _, policy = stash.partition('/')
-  return dict(stash=mode, stash_policy=policy or AUTO)
-
-
-@dataclasses.dataclass(frozen=True)
-class Tries:
-  """The settings to try (the --try-* flags): each count of `microbatches`, each of `stashes`
-  (STASH_SETTINGS, Ouroboros'), each of `policies` (staging.STASH_POLICIES, every other
-  schedule's), the `schedules` (None: all), each of `memories` (where Ouroboros' stash waits) and
-  each G of `stages` (None: G = every device)."""
-
-  microbatches: tuple[int, ...] = DEFAULT_MICROBATCHES
-  stashes: tuple[str, ...] = DEFAULT_STASH
-  policies: tuple[str, ...] = DEFAULT_POLICIES  # the other schedules' --stash-policy
-  schedules: tuple[str, ...] | None = None
-  memories: tuple[str, ...] = ('device',)
-  stages: tuple[int, ...] | None = None
-
-
-def default_stages(num_devices: int, num_layers: int | None = None) -> int:
-  """The G `plan` tries without --try-stages: every device in one ring, or, where the model has
-  fewer layers than devices, the most stages that divide the devices and hold a layer each (the
-  other devices data replicas)."""
-  if num_layers is None or num_layers >= num_devices:
-    return num_devices
-  return max(g for g in range(1, num_devices + 1) if num_devices % g == 0 and g <= num_layers)
-
-
-# ScheduleConfig's fields that Ouroboros alone reads: the other schedules' settings keep their
-# defaults, so a run's --flow or --tied-grad applies to the Ouroboros rows and refuses no other.
-_OUROBOROS_ONLY = ('stash', 'stash_memory', 'forward', 'flow', 'sync_warmup_steps', 'tied_grad')
-
-
-def _check_tries(tries: Tries, num_devices: int, stages: Sequence[int]) -> None:
-  """A ConfigError naming the --try-* flag of the first value of `tries` the plan cannot try."""
-  schedules, stashes, memories = tries.schedules, tries.stashes, tries.memories
-  for g in stages:
-    if g < 1 or num_devices % g:
-      raise ConfigError(
-        f'--try-stages {g} does not divide the {num_devices} devices into data replicas; '
-        f'choose divisors of {num_devices}.'
-      )
-  for memory in memories:
-    if memory not in STASH_MEMORIES:
-      raise ConfigError(
-        f'unknown stash memory {memory!r}; choose --try-stash-memory from '
-        f'{", ".join(STASH_MEMORIES)}.'
-      )
-  unknown = sorted(set(schedules or ()) - set(SCHEDULES))
-  if unknown:
-    raise ConfigError(
-      f'unknown schedule {unknown[0]!r}; choose --try-schedules from {", ".join(SCHEDULES)}.'
-    )
-  for stash in stashes:
-    if stash not in STASH_SETTINGS:
-      raise ConfigError(
-        f'unknown stash setting {stash!r}; choose --try-stash from {", ".join(STASH_SETTINGS)}.'
-      )
-  for policy in tries.policies:
-    if policy not in STASH_POLICY_NAMES:
-      raise ConfigError(
-        f'unknown stash policy {policy!r}; choose --try-policy from {", ".join(STASH_POLICY_NAMES)}.'
-      )
-
-
-def settings(
-  num_devices: int,
-  tries: Tries = Tries(),
-  base: ScheduleConfig = ScheduleConfig(),
-  num_layers: int | None = None,
-) -> list[ScheduleConfig]:
-  """Every setting of `tries` on `num_devices` devices, each the ScheduleConfig `base` (`plan`'s:
-  the run's own) with what the tries choose: the stage schedules at each G of tries.stages (None:
-  `default_stages` for a model of `num_layers`) with num_devices / G data replicas, gpipe and the
-  exact pipelines at each M, Ouroboros' at each M, forward, stash (and its policy) and each of
-  tries.memories. The Ouroboros-only fields of `base` go to the Ouroboros settings alone, its
-  --chunks to the interleaved ones."""
-  microbatches, stashes, memories = tries.microbatches, tries.stashes, tries.memories
-  schedules = tries.schedules
-  stages = tries.stages or (default_stages(num_devices, num_layers),)
-  _check_tries(tries, num_devices, stages)
-  defaults = ScheduleConfig()
-
-  def setting(name, stages=1, data_parallel=1, microbatches=None, **ring) -> ScheduleConfig:
-    own = {}
-    if name != 'ouroboros':
-      own = {f: getattr(defaults, f) for f in _OUROBOROS_ONLY}
-    if name != 'interleaved':
-      own['chunks'] = defaults.chunks
-    return dataclasses.replace(
-      base,
-      **own,
-      name=name,
-      num_stages=stages,
-      data_parallel=data_parallel,
-      microbatches=microbatches,
-      **ring,
-    )
-
-  policies = tries.policies
-  out = [setting('backprop', stash_policy=p) for p in policies]
-  if num_devices > 1:
-    out += [setting('data_parallel', data_parallel=num_devices, stash_policy=p) for p in policies]
-  for g in (g for g in stages if g > 1):
-    on = dict(stages=g, data_parallel=num_devices // g)
-    out += [setting('model_parallel', **on, stash_policy=p) for p in policies]
-    for name in ('gpipe', *EXACT_PIPELINES):
-      out += [
-        setting(name, **on, microbatches=m, stash_policy=p) for m in microbatches for p in policies
-      ]
-    for forward in ('locked', 'pipelined'):
-      for stash in stashes:
-        for memory in memories:
-          out += [
-            setting(
-              'ouroboros',
-              **on,
-              microbatches=m,
-              forward=forward,
-              stash_memory=memory,
-              **_stash_fields(stash),
-            )
-            for m in microbatches
-          ]
-  return [s for s in out if schedules is None or s.name in schedules]
 
 
 def hardware_for(topology: str | None, name: str | None = None) -> cost_model.Hardware:
