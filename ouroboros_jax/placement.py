@@ -29,10 +29,12 @@ def make_schedule(
   step: Callable,
   idle_fraction: float,
   settings: Callable,
+  shardings: Callable | None = None,
 ) -> Schedule:
   """A Schedule with its step and evaluation jitted the way every schedule's are; the step keeps
-  the state where `init_state` placed it. `settings(rows)`: the ResolvedSchedule it runs a batch
-  of `rows` rows with."""
+  the state where `init_state` placed it (`shardings(state, mesh)`, by default
+  `state_shardings`). `settings(rows)`: the ResolvedSchedule it runs a batch of `rows` rows
+  with."""
 
   def checked_init(params, example_batch=None, *args, **kwargs):
     if example_batch is not None:
@@ -41,7 +43,7 @@ def make_schedule(
 
   return Schedule(
     init=explain_sharding(checked_init),
-    step=explain_sharding(jit_step(keep_placement(step, mesh))),
+    step=explain_sharding(jit_step(keep_placement(step, mesh, shardings or state_shardings))),
     evaluate=jit_evaluate(model),
     mesh=mesh,
     idle_fraction=idle_fraction,
@@ -112,14 +114,16 @@ def explain_sharding(fn: Callable) -> Callable:
   return call
 
 
-def keep_placement(step_fn: Callable, mesh: Mesh) -> Callable:
-  """`step_fn` whose new state is laid out as `init_state` lays it out. Left to XLA, a leaf the
-  step rebuilds from a replicated value (a shared parameter written back to every stage's slots)
-  comes out replicated, and the next step compiles again for the new layout."""
+def keep_placement(step_fn: Callable, mesh: Mesh, shardings: Callable | None = None) -> Callable:
+  """`step_fn` whose new state is laid out as `init_state` lays it out (`shardings`, by default
+  `state_shardings`). Left to XLA, a leaf the step rebuilds from a replicated value (a shared
+  parameter written back to every stage's slots) comes out replicated, and the next step
+  compiles again for the new layout."""
+  shardings = shardings or state_shardings
 
   def step(state, batch):
     new_state, metrics = step_fn(state, batch)
-    return jax.lax.with_sharding_constraint(new_state, state_shardings(new_state, mesh)), metrics
+    return jax.lax.with_sharding_constraint(new_state, shardings(new_state, mesh)), metrics
 
   return step
 
@@ -232,12 +236,17 @@ def ring_specs(ring: PyTree) -> PyTree:
 
 
 def init_state(
-  optimizer: GroupedOptimizer, params: PyTree, mesh: Mesh, ring: Callable[[], PyTree] | None = None
+  optimizer: GroupedOptimizer,
+  params: PyTree,
+  mesh: Mesh,
+  ring: Callable[[], PyTree] | None = None,
+  shardings: Callable | None = None,
 ) -> TrainState:
   """The fresh TrainState of every schedule: step 0, the params, one optimizer state per group,
   and the schedule's ring buffers (`ring()`, leaves [G, R, ...] sharded over (stage, data)), on
-  `mesh` with the stage groups sharded over `stage`. Built under jit, so the state owns its
-  buffers (the step donates them; the caller's params stay)."""
+  `mesh` with the stage groups sharded over `stage` (or as `shardings(state, mesh)` lays it out:
+  FSDP's). Built under jit, so the state owns its buffers (the step donates them; the caller's
+  params stay)."""
 
   def fresh_state(params):
     return TrainState(
@@ -247,8 +256,8 @@ def init_state(
       ring=ring() if ring else {},
     )
 
-  shardings = state_shardings(jax.eval_shape(fresh_state, params), mesh)
-  return jax.jit(fresh_state, out_shardings=shardings)(params)
+  placed = (shardings or state_shardings)(jax.eval_shape(fresh_state, params), mesh)
+  return jax.jit(fresh_state, out_shardings=placed)(params)
 
 
 # Ring buffers under state.ring[HOST] live in the host's pinned memory (JAX memory kind

@@ -68,6 +68,8 @@ class ScheduleConfig:
   tied_grad: str = 'sum'  # ouroboros: 'sum' or 'mean' of the tied embedding's two grads
   compensation: Compensation | str = AUTO  # ouroboros: staleness compensation, a Compensation
   # record or 'auto', the recipe (`resolve_compensation`); Compensation(): none, the paper's method
+  fsdp: bool = False  # data_parallel: parameters, gradients and optimizer state sharded over the
+  # replicas, gathered where a layer runs (schedules/fsdp.py)
 
   def validate(self) -> None:
     """One-line ConfigError, naming the field, for a setting no schedule can run (checked once
@@ -91,6 +93,12 @@ class ScheduleConfig:
         f'{field_ref("stash_policy", self.stash_policy)} chooses what '
         f'{field_ref("stash", "graph")} keeps, and {field_ref("stash", "replay")} keeps only '
         f'the input; drop it or use {field_ref("stash", "graph")}.'
+      )
+    if self.fsdp and self.name != 'data_parallel':
+      raise ConfigError(
+        f"{field_ref('fsdp', True)} shards {field_ref('name', 'data_parallel')}'s replicas; "
+        f"{self.name} does not take it yet (FSDP inside a pipeline's stages is not built); "
+        f'drop it or use {field_ref("name", "data_parallel")}.'
       )
     if self.name not in MICROBATCHED and self.microbatches not in (None, 1):
       raise ConfigError(
@@ -315,6 +323,8 @@ class ScheduleConfig:
     parts = [self.name]
     if self.name not in ('backprop', 'data_parallel') and self.data_parallel > 1:
       parts.append(f'G={self.num_stages}xR={self.data_parallel}')
+    if self.fsdp:
+      parts.append('fsdp')
     if self.name == 'ouroboros':
       if self.microbatches not in (None, 1):
         parts.append(f'M={self.microbatches}')
