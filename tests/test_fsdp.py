@@ -9,10 +9,11 @@ from __future__ import annotations
 import jax
 import pytest
 
-from helpers import adam, max_abs_diff, random_batches, run_schedule, tiny_transformer
 from ouroboros_jax import ConfigError, ScheduleConfig, build_schedule, optimizers
 from ouroboros_jax.placement import DATA
 from ouroboros_jax.schedules.fsdp import fsdp_spec
+
+from helpers import adam, max_abs_diff, random_batches, run_schedule, tiny_transformer
 
 ATOL = 2e-5
 
