@@ -18,9 +18,10 @@ from ouroboros_jax.runtime import distributed, launch
 
 from helpers import assert_trees_equal
 
-# The same 5 Ouroboros steps with each stash of argv[1] (comma-separated), run either as 2
-# processes (1 CPU device each) or as 1 process with 2 simulated devices; the script writes the
-# final parameters of process 0 to argv[2] with the stash's name in place of STASH.
+# The same 5 Ouroboros steps with each stash of argv[1] (comma-separated; 'fsdp': FSDP over the
+# two devices instead), run either as 2 processes (1 CPU device each) or as 1 process with 2
+# simulated devices; the script writes the final parameters of process 0 to argv[2] with the
+# stash's name in place of STASH.
 SCRIPT = textwrap.dedent("""
     import sys
     import jax
@@ -39,6 +40,8 @@ SCRIPT = textwrap.dedent("""
     for stash in sys.argv[1].split(','):
       config = ScheduleConfig(name='ouroboros', num_stages=2, stash=stash,
                               compensation=Compensation())  # the paper's ring
+      if stash == 'fsdp':
+        config = ScheduleConfig(name='data_parallel', data_parallel=2, fsdp=True)
       schedule = build_schedule(config, partition.transformer_stages(cfg, (2, 2)),
                                 staged.adamw(1e-2))
       rng = np.random.default_rng(0)
@@ -58,8 +61,8 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_two_processes_equal_two_simulated_devices(tmp_path):
-  """Both stashes, one after the other in each run (one start-up of each run for both)."""
-  stashes = ('graph', 'replay')
+  """Both stashes and FSDP, one after the other in each run (one start-up of each run for all)."""
+  stashes = ('graph', 'replay', 'fsdp')
   script = tmp_path / 'run.py'
   script.write_text(SCRIPT)
   out = io.StringIO()
