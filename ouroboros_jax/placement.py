@@ -41,14 +41,16 @@ def make_schedule(
       check_batch_keys(example_batch)
     return init(params, example_batch, *args, **kwargs)
 
+  shardings = shardings or state_shardings
   return Schedule(
     init=explain_sharding(checked_init),
-    step=explain_sharding(jit_step(keep_placement(step, mesh, shardings or state_shardings))),
+    step=explain_sharding(jit_step(keep_placement(step, mesh, shardings))),
     evaluate=jit_evaluate(model),
     mesh=mesh,
     idle_fraction=idle_fraction,
     name=name,
     settings=settings,
+    layout=lambda state: shardings(state, mesh),
   )
 
 

@@ -207,6 +207,8 @@ class Schedule(NamedTuple):
   idle_fraction: the fraction of device-steps doing no work, from the schedule itself.
   settings(rows) -> ResolvedSchedule       what it runs a batch of `rows` rows with, every
     default resolved (Ouroboros' micro-batches may depend on the batch).
+  layout(state) -> shardings               where `init` puts each leaf of a state (a TrainState
+    of NamedShardings on `mesh`): for an abstract state, as `ouroboros compile` builds one.
   """
 
   init: Callable[..., TrainState]
@@ -216,6 +218,7 @@ class Schedule(NamedTuple):
   idle_fraction: float
   name: str
   settings: Callable[[int], Any]
+  layout: Callable[[Any], Any]
 
 
 EMBED_PIECE = -1

@@ -72,6 +72,33 @@ def test_fsdp_state_per_device_falls_as_one_over_d():
     assert four_args < two_args < one_args
 
 
+def test_fsdp_refuses_the_pallas_kernel_and_auto_runs_blockwise_there():
+  """XLA partitions FSDP's step and cannot split a Pallas kernel: `auto` on a TPU runs XLA's
+  blockwise attention there, and --attention pallas is one line."""
+  from ouroboros_jax.training import field_flags, presets
+
+  flags = {'schedule': 'data_parallel', 'data_parallel': 2, 'fsdp': True}
+  cfg = field_flags.override(presets.get_preset('tiny'), flags)
+  assert cfg.attention_kind('tpu') == 'blockwise' and cfg.attention_kind('cpu') != 'pallas'
+  assert field_flags.override(cfg, {'fsdp': False}).attention_kind('tpu') == 'pallas'
+  with pytest.raises(ConfigError, match=r'attention=.pallas. is a kernel XLA cannot split'):
+    field_flags.override(cfg, {'attention': 'pallas'}).attention_kind('tpu')
+
+
+def test_compile_reports_fsdps_own_layout():
+  """`ouroboros compile` places the abstract state as the schedule's `layout` says: FSDP's
+  parameters per device are 1/D of data_parallel's (where the old code laid every state out
+  as the stage schedules do, replicated over `data`)."""
+  from ouroboros_jax.perf import compile as compile_lib
+  from ouroboros_jax.training import field_flags, presets
+
+  flags = {'schedule': 'data_parallel', 'data_parallel': 4, 'batch_size': 8}
+  plain = field_flags.override(presets.get_preset('tiny'), flags)
+  sharded = compile_lib.compile_step(field_flags.override(plain, {'fsdp': True}))
+  whole = compile_lib.compile_step(plain)
+  assert 0.25 <= sharded['params_bytes'] / whole['params_bytes'] < 0.3, (sharded, whole)
+
+
 def test_fsdp_splits_the_largest_axis_d_divides():
   assert fsdp_spec((8, 64, 32), 4) == jax.sharding.PartitionSpec(None, DATA, None)
   assert fsdp_spec((6, 6), 4) == jax.sharding.PartitionSpec()  # nothing 4 divides: replicated

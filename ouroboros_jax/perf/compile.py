@@ -125,7 +125,7 @@ def compile_step(cfg: TrainConfig, topology: str | None = None) -> dict:
   devices = _target_devices(cfg, topology)
   # The step is traced here, maybe for another platform: pin the attention kernel the target's
   # run would pick ('auto' would look at this machine's backend).
-  cfg = field_flags.override(cfg, {'attention': cfg.model.attention_kind(devices[0].platform)})
+  cfg = field_flags.override(cfg, {'attention': cfg.attention_kind(devices[0].platform)})
   run = cfg.schedule_config(devices[0].platform)
   schedule, state, batch = _abstract_step(cfg, run, devices)
 
@@ -192,7 +192,7 @@ def _abstract_step(cfg: TrainConfig, run, devices: list) -> tuple:
   example = assemble.example_batch_shapes(cfg)  # a huge batch is a verdict, not an allocation
   batch = _placed(example, placement.named(placement.batch_spec(example), schedule.mesh))
   state = jax.eval_shape(schedule.init, params, batch)
-  state = _placed(state, placement.state_shardings(state, schedule.mesh))
+  state = _placed(state, schedule.layout(state))
   return schedule, state, batch
 
 

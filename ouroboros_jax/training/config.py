@@ -305,11 +305,26 @@ class TrainConfig:
       state_dtype=self.resolved_state_dtype(),
       model=dataclasses.replace(
         self.model,
-        attention=self.model.attention_kind(platform),
+        attention=self.attention_kind(platform),
         layer_unroll=self.model.unroll_for(platform),
       ),
       data_order='segments' if self.segment_order else 'windows',
     )
+
+  def attention_kind(self, platform: str) -> str:
+    """The model's attention on `platform` (`ModelConfig.attention_kind`), but that FSDP's step
+    is partitioned by XLA, which cannot split the Pallas kernel: 'auto' there runs XLA's
+    blockwise attention, and an explicit --attention pallas is refused in one line."""
+    kind = self.model.attention_kind(platform)
+    if kind != 'pallas' or not self.schedule.fsdp:
+      return kind
+    if self.model.attention != 'auto':
+      raise ConfigError(
+        f'{field_ref("attention", "pallas")} is a kernel XLA cannot split over '
+        f"{field_ref('fsdp', True)}'s data axis; use {field_ref('attention', 'blockwise')} or "
+        f'{field_ref("attention", "auto")} with it.'
+      )
+    return 'blockwise'
 
   def check_accelerators(self) -> None:
     """The accelerator flags parse, fit the model, and combine with the schedule (one-line
