@@ -20,7 +20,7 @@ def test_the_device_check_runs_its_cpu_part_on_two_processes_and_packs_a_summary
     QUICK='1',
     PROCESSES='2',
     PARTS='cpu',
-    ONLY='ouroboros M=4 stream',
+    ONLY='ouroboros M=4 stream pipelined',
     OUT=str(out),
     WORK=str(work),
   )
