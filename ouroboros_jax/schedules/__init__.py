@@ -10,7 +10,8 @@ parameters can be compared number for number. The schedules, what each computes 
 time: docs/design.md; Ouroboros: docs/algorithm.md.
 
 The modules: `config` (ScheduleConfig), `synchronous` (backprop, data_parallel, model_parallel),
-`tables` (the exact pipelines, GPipe to ZB-V, as data) and `pipeline` (their one executor),
+`fsdp` (data_parallel with its state sharded), `tables` (the exact pipelines, GPipe to ZB-V, as
+data) and `pipeline` (their one executor),
 `ouroboros` (the delayed ring), `ring` (the ring's pieces), `delays` (which batch each piece works
 on), `compensation` (staleness compensation and the optimizers), `reference` (a slow Ouroboros
 written from the equations).
@@ -26,6 +27,7 @@ from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.placement import check_batch
 from ouroboros_jax.schedules import tables
 from ouroboros_jax.schedules.config import ResolvedSchedule, ScheduleConfig
+from ouroboros_jax.schedules.fsdp import build_fsdp
 from ouroboros_jax.schedules.pipeline import build_gpipe, build_pipeline, gpipe_idle_fraction
 from ouroboros_jax.schedules.synchronous import (
   build_backprop,
@@ -74,6 +76,8 @@ def build_schedule(
 
     return ouroboros.build(config, model, tx, devices=devices)
   config = config.resolve(placement.platform(devices))
+  if config.fsdp:  # data_parallel with its state sharded (validate refuses it elsewhere)
+    return build_fsdp(config, model, tx, devices=devices)
   builders = {
     'backprop': build_backprop,
     'data_parallel': build_data_parallel,

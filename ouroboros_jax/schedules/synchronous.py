@@ -180,10 +180,6 @@ def build_data_parallel(
   is not counted).
   """
   replicas = require_resolved(config, 'build_data_parallel').data_parallel
-  if config.fsdp:
-    from ouroboros_jax.schedules.fsdp import build_fsdp  # it builds on this module
-
-    return build_fsdp(config, model, tx, devices=devices)
   mesh = placement.make_mesh(1, replicas, devices)
 
   def device_grads(params, batch, t, buffers):
