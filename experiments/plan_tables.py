@@ -3,12 +3,14 @@
 Each unit (a schedule at one --try-microbatches; backprop, data_parallel and model_parallel
 once) is one `ouroboros plan ... --try-schedules S --json` process, its rows appended to one JSON
 per shape, with the commit they were compiled at (`measured_at`). A re-run skips the units the
-file holds, so a cut-off loses one unit at most. 'fastest' and 'fastest_by_schedule' are derived
-again over all rows (`plan.mark_fastest`), so the file is a saved plan: `ouroboros plan --render
-FILE` prints it too.
+file holds, so a cut-off loses one unit at most; `--redo` compiles them again. A unit's rows
+replace the file's rows of the same label (compiled before) and leave the others. 'fastest' and
+'fastest_by_schedule' are derived again over all rows (`plan.mark_fastest`), so the file is a
+saved plan: `ouroboros plan --render FILE` prints it too.
 
     python experiments/plan_tables.py 1b             # docs/results/plan_1b_v5e_2x4_remat.json
     python experiments/plan_tables.py gpt2-small --microbatches 8
+    python experiments/plan_tables.py 7b-v5p --microbatches 16 --schedules zb_v --redo  # again
     python experiments/plan_tables.py --render docs/results/plan_1b_v5e_2x4_remat.json  # markdown
 """
 
@@ -50,7 +52,7 @@ UNBATCHED = ('backprop', 'data_parallel', 'model_parallel')
 SCHEDULES = (*UNBATCHED, 'gpipe', '1f1b', 'interleaved', 'zb_h1', 'zb_v', 'ouroboros')
 
 
-def run(shape, microbatches, schedules, policies=POLICIES, stashes=STASHES) -> None:
+def run(shape, microbatches, schedules, policies=POLICIES, stashes=STASHES, redo=False) -> None:
   from ouroboros_jax.perf import plan
 
   flags, path = SHAPES[shape]
@@ -61,7 +63,7 @@ def run(shape, microbatches, schedules, policies=POLICIES, stashes=STASHES) -> N
       unit = name if name in UNBATCHED else f'{name} M={m}'
       unit += f' ({policies})' if policies != POLICIES and name != 'ouroboros' else ''
       unit += f' ({stashes})' if stashes != STASHES and name == 'ouroboros' else ''
-      if unit in out['done']:
+      if unit in out['done'] and not redo:
         continue
       cmd = (
         f'ouroboros plan {flags} --try-policy {policies} --try-stash {stashes} '
@@ -76,9 +78,11 @@ def run(shape, microbatches, schedules, policies=POLICIES, stashes=STASHES) -> N
       for row in result['rows']:
         row.update(measured_at=commit, unit_seconds=round(seconds, 1))
       out.update({k: result[k] for k in ('topology', 'devices', 'hardware', 'stages')})
-      out['rows'] += result['rows']
-      out['skipped'] += result['skipped']
-      out['done'].append(unit)
+      # a label compiled again replaces its older row (and its older skip)
+      labels = {r['label'] for r in result['rows'] + result['skipped']}
+      out['rows'] = [r for r in out['rows'] if r['label'] not in labels] + result['rows']
+      out['skipped'] = [s for s in out['skipped'] if s['label'] not in labels] + result['skipped']
+      out['done'] += [] if unit in out['done'] else [unit]
       out['fastest'], out['fastest_by_schedule'] = plan.mark_fastest(out['rows'])
       with open(path + '.tmp', 'w') as f:
         json.dump(out, f, indent=1)
@@ -126,13 +130,16 @@ def main(argv=None):
   parser.add_argument('--schedules', default=','.join(SCHEDULES), help='in this order')
   parser.add_argument('--policies', default=POLICIES, help=f'--try-policy (default {POLICIES})')
   parser.add_argument('--stashes', default=STASHES, help=f'--try-stash (default {STASHES})')
+  parser.add_argument(
+    '--redo', action='store_true', help='compile the units the file holds again (it skips them)'
+  )
   parser.add_argument('--render', metavar='FILE', help='print FILE as a markdown table and stop')
   args = parser.parse_args(argv)
   if args.render:
     print(render(args.render))
   elif args.shape:
     counts = [int(m) for m in args.microbatches.split(',')]
-    run(args.shape, counts, args.schedules.split(','), args.policies, args.stashes)
+    run(args.shape, counts, args.schedules.split(','), args.policies, args.stashes, args.redo)
   else:
     parser.error('give a shape or --render FILE')
 
