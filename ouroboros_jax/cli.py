@@ -193,6 +193,7 @@ def _tries(args):
     memories=words(args.try_stash_memory),
     flows=args.try_flow and words(args.try_flow),
     stages=stages and _int_list(stages, '--try-stages'),
+    shardings=words(args.try_sharding),
   )
 
 

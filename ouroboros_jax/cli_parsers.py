@@ -108,6 +108,8 @@ _TRIED = {
   'stash_policy': 'it tries each of --try-policy, and of --try-stash (graph/POLICY) on ouroboros',
   'stash_memory': 'it tries each of --try-stash-memory',
   'forward': 'it tries both Ouroboros forwards, locked and pipelined',
+  'fsdp': 'it tries data_parallel with its state on every replica and split over them '
+  '(--try-sharding)',
 }
 _PLAN_OMITS = {
   **_COMPILE_OMITS,
@@ -476,6 +478,13 @@ def _try_flags(parser, stages: bool = True) -> None:
       None,
       'F,F',
       "ouroboros flows to try, of batch, stream (default: the run's --flow)",
+    ),
+    (
+      '--try-sharding',
+      joined(tries.shardings),
+      'S,S',
+      'how data_parallel keeps its parameters and optimizer state, of '
+      f'{joined(settings_lib.SHARDINGS)} (fsdp: split over the replicas; default %(default)s)',
     ),
     (
       '--try-schedules',

@@ -3,7 +3,9 @@ fits marked (here on simulated CPU devices; the TPU topologies compile as in tes
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 
 import pytest
 
@@ -177,7 +179,7 @@ def test_stages_that_leave_devices_over_run_data_replicas():
 
   tries = settings_lib.Tries((8,), ('graph/nothing',), ('all',), stages=(2, 4))
   labels = [s.label for s in settings_lib.settings(4, tries)]
-  assert labels[:3] == ['backprop', 'data_parallel', 'model_parallel G=2xR=2']
+  assert labels[:4] == ['backprop', 'data_parallel', 'data_parallel fsdp', 'model_parallel G=2xR=2']
   assert 'ouroboros G=2xR=2 M=8 locked/graph' in labels
   assert 'ouroboros M=8 locked/graph' in labels  # G = 4: one ring of every device
   hybrid = ScheduleConfig(name='1f1b', num_stages=2, data_parallel=2, microbatches=4)
@@ -193,6 +195,32 @@ def test_stages_that_leave_devices_over_run_data_replicas():
     < plan.predicted_step_s(cfg, hybrid.resolve('tpu'), plan.TPU_V5E)
     < plan.predicted_step_s(cfg, ring.resolve('tpu'), plan.TPU_V5E)
   )
+
+
+def test_fsdp_is_predicted_as_data_parallel_plus_what_its_gathers_leave_exposed():
+  """On free links FSDP's step is data_parallel's (both compute B / D rows and the all-reduce
+  costs nothing); on v5e's links it pays what its gathers and reductions do not hide, more than
+  nothing and less than all of them."""
+  from ouroboros_jax.perf import cost_model
+  from ouroboros_jax.training import presets
+
+  cfg = presets.get_preset('gpt2-small')
+  plain = ScheduleConfig(name='data_parallel', data_parallel=4).resolve('tpu')
+  fsdp = dataclasses.replace(plain, fsdp=True)
+  free = cost_model.Hardware(
+    'free', flops_per_s=plan.TPU_V5E.flops_per_s, bandwidth=math.inf, latency=0.0
+  )
+  assert plan.predicted_step_s(cfg, fsdp, free) == pytest.approx(
+    plan.predicted_step_s(cfg, plain, free), rel=1e-9
+  )
+  compute = plan.predicted_step_s(cfg, fsdp, free)
+  m = cfg.model
+  params = m.num_layers * (4 * m.d_model**2 + 2 * m.d_model * m.d_ff) + m.padded_vocab * m.d_model
+  params *= 2 if m.dtype == 'bfloat16' else 4
+  # every weight gathered twice and its gradient reduced once, 3/4 of it each time, none hidden
+  latencies = 3 * (m.num_layers + 1) * 3 * plan.TPU_V5E.latency
+  every_collective = latencies + 3 * 3 / 4 * params / plan.TPU_V5E.collective_bandwidth
+  assert compute < plan.predicted_step_s(cfg, fsdp, plan.TPU_V5E) < compute + every_collective
 
 
 def test_a_setting_is_the_schedule_config_its_train_flags_give():
@@ -222,8 +250,9 @@ def test_a_model_with_fewer_layers_than_devices_plans_fewer_stages_with_data_rep
   cfg = presets.get_preset('tiny')  # 2 layers
   assert cfg.model.num_layers == 2
   tried = settings_lib.settings(4, settings_lib.Tries(), cfg.schedule, cfg.model.num_layers)
-  # every schedule at each policy, Ouroboros at each stash: 8 x 2 + 2 x 3, now at G = 2
-  assert len(tried) == 22
+  # every schedule at each policy (data_parallel with and without fsdp), Ouroboros at each
+  # stash: 9 x 2 + 2 x 3, now at G = 2
+  assert len(tried) == 24
   staged = [s for s in tried if s.name not in ('backprop', 'data_parallel')]
   assert {(s.num_stages, s.data_parallel) for s in staged} == {(2, 2)}
   reasons = {}

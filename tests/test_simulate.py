@@ -755,3 +755,70 @@ def test_costs_from_one_measured_layer_scale_by_each_stage_s_layers(experiment):
   assert costs.head_s == 3.0 and costs.bandwidth == sim_costs.NVLINK.bandwidth
   assert costs.microbatch_forward_s == {8: tuple(0.2 * n for n in layers)}
   assert costs.microbatch_backward_s == {8: tuple(0.3 * n for n in layers)}
+
+
+# ----------------------------------------------------------------------------- FSDP
+
+
+def _fsdp_costs(G, D, f, h, a, **extra):
+  """G groups whose forward on one replica's B / D rows takes f (backward 2f), a head of h, no
+  embedding, and weights whose ring gather over D chips takes a (no latency)."""
+  nbytes = a * 1e9 * D / (D - 1)  # (D - 1) / D of it at 1e9 B/s: a seconds
+  return sim_costs.StageCosts(
+    forward_s=[D * f] * G,
+    backward_s=[2 * D * f] * G,
+    head_s=D * h,
+    param_bytes=[nbytes] * G,
+    grad_bytes=G * nbytes,
+    bandwidth=1e9,
+    batch_size=8,
+    **extra,
+  )
+
+
+@pytest.mark.parametrize('G,D', [(4, 2), (6, 4)])
+def test_fsdp_hides_its_gathers_behind_compute_and_is_bound_by_them_when_slower(G, D):
+  """FSDP's closed forms, one group's gather prefetched. Compute-bound (a <= f, a <= h): only the
+  first gather and the last reduction show, 3Gf + h + 2a. Network-bound (a >= 2f, h <= a): the
+  network is never idle but while the last group's forward runs, 3Ga + f (G gathers forward, G
+  gathers and G reductions backward)."""
+  fsdp = _run(name='data_parallel', data_parallel=D, fsdp=True)
+  f, h = 1.0, 1.5
+  for a in (0.3, 1.0):  # compute-bound
+    step = sim.simulate(fsdp, _fsdp_costs(G, D, f, h, a)).step_time
+    assert step == pytest.approx(3 * G * f + h + 2 * a, abs=TOL)
+  for a in (2.0, 3.5):  # network-bound
+    step = sim.simulate(fsdp, _fsdp_costs(G, D, f, h, a)).step_time
+    assert step == pytest.approx(3 * G * a + f, abs=TOL)
+  # Beside plain data parallelism on the same costs: its all-reduce (2 (D-1)/D of every byte)
+  # after the backward, none of it hidden.
+  c = _fsdp_costs(G, D, f, h, 0.3)
+  plain = sim.simulate(_run(name='data_parallel', data_parallel=D), c).step_time
+  assert plain == pytest.approx(3 * G * f + h + 2 * G * 0.3, abs=TOL)
+  no_weights = dataclasses.replace(c, param_bytes=())
+  with pytest.raises(ValueError, match='param_bytes'):
+    sim.simulate(fsdp, no_weights)
+
+
+def test_a_collective_across_slices_crosses_the_slow_network_once_per_shard():
+  """Two levels: D = 16 chips in 2 slices of 8. The chips of one index gather across the slices
+  (1/2 of n / 8 each at the data-centre rate), then each slice gathers inside (7/8 of n)."""
+  n, inside, dcn = 8e9, 100e9, 5e9
+  c = sim_costs.StageCosts(
+    forward_s=[1.0],
+    backward_s=[2.0],
+    bandwidth=50e9,
+    collective_bandwidth=inside,
+    dcn_bandwidth=dcn,
+    slice_chips=8,
+    latency=1e-5,
+    grad_bytes=n,
+  )
+  two_slices = 7 / 8 * n / inside + 7e-5 + 1 / 2 * n / 8 / dcn + 1e-5
+  assert c.collective_s(n, 16) == pytest.approx(two_slices, rel=1e-12)
+  assert c.collective_s(n, 8) == pytest.approx(7 / 8 * n / inside + 7e-5, rel=1e-12)
+  one_link = dataclasses.replace(c, collective_bandwidth=None, slice_chips=0)
+  assert one_link.collective_s(n, 16) == pytest.approx(15 / 16 * n / 50e9 + 15e-5, rel=1e-12)
+  assert c.allreduce_time(16) == pytest.approx(2 * two_slices, rel=1e-12)
+  with pytest.raises(ValueError, match='slices of 8'):
+    c.collective_s(n, 12)

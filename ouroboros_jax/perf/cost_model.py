@@ -61,11 +61,21 @@ class StageCosts:
   # (docs/results/simulator_calibration.md); measured per micro-batch by
   # `calibration.measure_pieces`
   input_grad_share: float = 0.5
+  # The collectives' network (FSDP's gathers and reductions, the data-parallel all-reduce):
+  # per stage s, its layer group's parameters in bytes (what FSDP gathers; () = not known); the
+  # rate at which a chip sends to its ring's next chip in a collective, over every link it drives
+  # (None: `bandwidth`, one link); and where the chips span slices of `slice_chips` each (0: one
+  # slice holds them all), the data-centre network's rate a chip, between slices.
+  param_bytes: Sequence[float] = ()
+  collective_bandwidth: float | None = None
+  dcn_bandwidth: float = math.inf
+  slice_chips: int = 0
 
   def __post_init__(self):
     object.__setattr__(self, 'forward_s', tuple(float(f) for f in self.forward_s))
     object.__setattr__(self, 'backward_s', tuple(float(b) for b in self.backward_s))
     object.__setattr__(self, 'update_s', tuple(float(u) for u in self.update_s))
+    object.__setattr__(self, 'param_bytes', tuple(float(p) for p in self.param_bytes))
     for name in ('microbatch_forward_s', 'microbatch_backward_s'):
       table = {int(m): tuple(float(v) for v in values) for m, values in getattr(self, name).items()}
       for m, values in table.items():
@@ -75,8 +85,9 @@ class StageCosts:
             f'got {values}.'
           )
       object.__setattr__(self, name, table)
-    if self.update_s and len(self.update_s) != len(self.forward_s):
-      raise ValueError(f'update_s needs one entry per stage; got {len(self.update_s)}.')
+    for name in ('update_s', 'param_bytes'):
+      if getattr(self, name) and len(getattr(self, name)) != len(self.forward_s):
+        raise ValueError(f'{name} needs one entry per stage; got {len(getattr(self, name))}.')
     if not self.forward_s or len(self.forward_s) != len(self.backward_s):
       raise ValueError(
         f'forward_s and backward_s need one entry per stage; got '
@@ -90,9 +101,12 @@ class StageCosts:
       self.grad_bytes,
       self.latency,
       self.microbatch_overhead_s,
+      self.slice_chips,
+      *self.param_bytes,
     )
-    if min(*self.forward_s, *self.backward_s, *self.update_s, *scalars) < 0 or self.bandwidth <= 0:
-      raise ValueError('costs must be >= 0 and the bandwidth > 0.')
+    rates = (self.bandwidth, self.collective_bandwidth or 1.0, self.dcn_bandwidth)
+    if min(*self.forward_s, *self.backward_s, *self.update_s, *scalars) < 0 or min(rates) <= 0:
+      raise ValueError('costs must be >= 0 and the bandwidths > 0.')
     if not self.concurrent_slowdown > 0:
       raise ValueError(f'concurrent_slowdown must be > 0, got {self.concurrent_slowdown}.')
     if not 0 < self.input_grad_share < 1:
@@ -121,15 +135,34 @@ class StageCosts:
     return self.latency + nbytes / self.bandwidth
 
   def allreduce_time(self, replicas: int) -> float:
-    """Ring all-reduce of every gradient over `replicas` devices (0 for one)."""
+    """Ring all-reduce of every gradient over `replicas` devices (0 for one): a reduce-scatter
+    and an all-gather (`collective_s`), unless measured (`allreduce_s`)."""
     if replicas == 1:
       return 0.0
     if self.allreduce_s is not None:
       return self.allreduce_s
-    return (
-      2 * (replicas - 1) / replicas * self.grad_bytes / self.bandwidth
-      + 2 * (replicas - 1) * self.latency
-    )
+    return 2 * self.collective_s(self.grad_bytes, replicas)
+
+  def collective_s(self, nbytes: float, replicas: int) -> float:
+    """One ring all-gather of `nbytes`, each of `replicas` chips holding 1 / D of it (a
+    reduce-scatter takes the same): each chip receives (D - 1) / D of it. Within a slice at
+    `collective_bandwidth`; across k slices of D_s = `slice_chips` chips, first the chips of one
+    index in every slice gather their shards ((k - 1) / k of nbytes / D_s each, at
+    `dcn_bandwidth`), then each slice gathers its D_s chunks over its own links."""
+    inside = min(self.slice_chips or replicas, replicas)
+    if replicas % inside:
+      raise ValueError(f'{replicas} chips do not fill slices of {inside}.')
+    slices, rate = replicas // inside, self.collective_bandwidth or self.bandwidth
+    seconds = (inside - 1) / inside * nbytes / rate + (inside - 1) * self.latency
+    if slices > 1:
+      seconds += (slices - 1) / slices * nbytes / inside / self.dcn_bandwidth
+      seconds += (slices - 1) * self.latency
+    return seconds
+
+  @property
+  def embedding_bytes(self) -> float:
+    """The parameters outside the stages' layer groups (embedding, head, final norm)."""
+    return max(self.grad_bytes - sum(self.param_bytes), 0.0)
 
   def total_compute_s(self) -> float:
     """One device doing everything: the backprop step."""
@@ -234,6 +267,7 @@ def transformer_costs(
       f'summing to {num_layers} layers.'
     )
   embed = 2 * d_model * tokens / flops_per_s
+  layer_bytes = (model.params - model.vocab * d_model) / num_layers * bytes_per_value
   return StageCosts(
     forward_s=[n * per_layer for n in layers_per_stage],
     backward_s=[2 * n * per_layer for n in layers_per_stage],
@@ -245,6 +279,9 @@ def transformer_costs(
     bandwidth=hardware.bandwidth,
     latency=hardware.latency,
     batch_size=model.batch,
+    param_bytes=[n * layer_bytes for n in layers_per_stage],
+    collective_bandwidth=hardware.collective_bandwidth,
+    dcn_bandwidth=hardware.dcn_bandwidth,
   )
 
 
@@ -271,6 +308,9 @@ class Hardware:
   flops_per_s: float  # effective: peak x utilisation
   bandwidth: float  # bytes / s per link direction
   latency: float  # seconds per message
+  collective_bandwidth: float | None = None  # bytes / s a chip sends in a collective, every
+  # link it has (None: one link's `bandwidth`)
+  dcn_bandwidth: float = math.inf  # bytes / s a chip, between slices (the data-centre network)
 
 
 GPT2_SMALL = ModelShape(

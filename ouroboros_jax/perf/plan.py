@@ -41,9 +41,29 @@ from ouroboros_jax.training import field_flags
 from ouroboros_jax.training.config import TrainConfig
 
 # Effective rates (40% of the bf16 peak, as cost_model.NVLINK) and one ICI link per direction.
-TPU_V5E = cost_model.Hardware('tpu-v5e', flops_per_s=0.4 * 197e12, bandwidth=50e9, latency=5e-6)
+# A collective (FSDP's gathers, the all-reduce) runs on a bidirectional ring: two links a chip,
+# which every slice of the shapes compiled here has (a full torus would drive 4 on v5e, 6 on
+# v5p). Between slices, the data-centre network's rate a chip: v5e's host has 2 x 100 Gbps NICs
+# for its 8 chips, 3.125 GB/s a chip; v5p's is 50 Gbps a chip, 6.25 GB/s. Sources: Cloud TPU's
+# v5e and v5p system architecture pages (cloud.google.com/tpu/docs/v5e, /v5p): ICI 400 and
+# 1200 GB/s a chip both ways over 4 and 6 ports, i.e. 50 and 100 GB/s a link per direction.
+TPU_V5E = cost_model.Hardware(
+  'tpu-v5e',
+  flops_per_s=0.4 * 197e12,
+  bandwidth=50e9,
+  latency=5e-6,
+  collective_bandwidth=2 * 50e9,
+  dcn_bandwidth=2 * 100e9 / 8 / 8,
+)
 TPU_V4 = cost_model.Hardware('tpu-v4', flops_per_s=0.4 * 275e12, bandwidth=50e9, latency=5e-6)
-TPU_V5P = cost_model.Hardware('tpu-v5p', flops_per_s=0.4 * 459e12, bandwidth=100e9, latency=5e-6)
+TPU_V5P = cost_model.Hardware(
+  'tpu-v5p',
+  flops_per_s=0.4 * 459e12,
+  bandwidth=100e9,
+  latency=5e-6,
+  collective_bandwidth=2 * 100e9,
+  dcn_bandwidth=50e9 / 8,
+)
 TPU_V6E = cost_model.Hardware('tpu-v6e', flops_per_s=0.4 * 918e12, bandwidth=100e9, latency=5e-6)
 HARDWARE = {h.name: h for h in (TPU_V5E, TPU_V4, TPU_V5P, TPU_V6E, *cost_model.HARDWARE.values())}
 
@@ -69,7 +89,7 @@ def predicted_step_s(
   model = cfg.model
   data = setting.name == 'data_parallel'
   replicas = 1 if data else setting.data_parallel
-  stages = setting.num_stages
+  stages = model.num_layers if setting.fsdp else setting.num_stages  # FSDP gathers each layer
   shape = cost_model.ModelShape(
     cfg.preset,
     num_layers=model.num_layers,

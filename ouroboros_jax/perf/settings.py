@@ -36,6 +36,8 @@ DEFAULT_MICROBATCHES = (8,)
 # layer's, for backprop) input with the forward re-run in the backward. Like with like: each
 # schedule gets the recomputation Ouroboros' default stash has.
 DEFAULT_POLICIES = ('all', 'nothing')
+# How data_parallel keeps its state: whole on every replica, or split over them (--fsdp).
+SHARDINGS = ('replicated', 'fsdp')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +46,8 @@ class Tries:
   `microbatches`, each of `stashes` (STASH_SETTINGS, Ouroboros'), each of `policies`
   (staging.STASH_POLICIES, every other schedule's), the `schedules` (None: all), each of
   `memories` (where Ouroboros' stash waits), each of Ouroboros' `flows` (None: the run's own
-  --flow) and each G of `stages` (None: `default_stages`)."""
+  --flow), each G of `stages` (None: `default_stages`) and each of data_parallel's
+  `shardings` (SHARDINGS)."""
 
   microbatches: tuple[int, ...] = DEFAULT_MICROBATCHES
   stashes: tuple[str, ...] = DEFAULT_STASH
@@ -53,6 +56,7 @@ class Tries:
   memories: tuple[str, ...] = ('device',)
   flows: tuple[str, ...] | None = None
   stages: tuple[int, ...] | None = None
+  shardings: tuple[str, ...] = SHARDINGS
 
 
 def default_stages(num_devices: int, num_layers: int | None = None) -> int:
@@ -91,6 +95,7 @@ def _check_tries(tries: Tries, num_devices: int, stages: Sequence[int]) -> None:
   _check_choices('--try-stash', tries.stashes, STASH_SETTINGS, 'stash setting')
   _check_choices('--try-policy', tries.policies, STASH_POLICY_NAMES, 'stash policy')
   _check_choices('--try-flow', tries.flows or (), FLOW_MODES, 'flow')
+  _check_choices('--try-sharding', tries.shardings, SHARDINGS, 'sharding')
 
 
 def _stash_fields(stash: str) -> dict[str, str]:
@@ -119,13 +124,17 @@ def settings(
     own = {} if name == 'ouroboros' else {f: getattr(defaults, f) for f in _OUROBOROS_ONLY}
     if name != 'interleaved':
       own['chunks'] = defaults.chunks
-    fields = {'num_stages': 1, 'data_parallel': 1, 'microbatches': None, **fields}
+    fields = {'num_stages': 1, 'data_parallel': 1, 'microbatches': None, 'fsdp': False, **fields}
     return dataclasses.replace(base, **own, name=name, **fields)
 
   policies = tries.policies
   out = [setting('backprop', stash_policy=p) for p in policies]
   if num_devices > 1:
-    out += [setting('data_parallel', data_parallel=num_devices, stash_policy=p) for p in policies]
+    out += [
+      setting('data_parallel', data_parallel=num_devices, stash_policy=p, fsdp=sharded == 'fsdp')
+      for sharded in tries.shardings
+      for p in policies
+    ]
   for g in (g for g in stages if g > 1):
     on = dict(num_stages=g, data_parallel=num_devices // g)
     out += [setting('model_parallel', **on, stash_policy=p) for p in policies]

@@ -238,6 +238,43 @@ def emit_data_parallel(g: Graph, t: int, state: dict, *, replicas: int, **_) -> 
   g.end_step(t)
 
 
+def emit_fsdp(g: Graph, t: int, state: dict, *, replicas: int, **_) -> None:
+  """FSDP (ZeRO-3) on D = `replicas` chips, each backprop on B / D rows with 1 / D of the
+  parameters: every layer group's weights gathered before its forward and again before its
+  backward, its gradient reduced and scattered after. The chips are alike, so each runs the
+  same program; the update (of 1 / D of the parameters) ends the step."""
+  for d in range(replicas):
+    _fsdp_replica(g, t, d, replicas)
+  g.end_step(t)
+
+
+def _fsdp_replica(g: Graph, t: int, d: int, replicas: int) -> None:
+  """One chip's FSDP step. Its network runs the collectives in program order beside its
+  compute: a group's gather may start once the compute two before it has ended (one group
+  prefetched, as XLA's scheduler overlaps it), its reduction as soon as its backward ends."""
+  c, G, parts = g.costs, g.costs.num_stages, replicas
+  net = lambda kind, nbytes, after: g.collective(
+    d, kind, t, c.collective_s(nbytes, replicas), [a for a in after if a is not None]
+  )
+  gathered = net('gather', c.embedding_bytes, [g.barrier])  # the tied embedding and the head
+  done = [g.compute(d, 'embed_fwd', t, t, c.embed_forward_s / parts, [gathered])]
+  before = lambda: done[-2] if len(done) > 1 else g.barrier  # two computes back
+  for s in range(G):
+    weights = net('gather', c.param_bytes[s], [before()])
+    done.append(g.compute(d, 'fwd', t, t, c.forward_of(s, parts), [done[-1], weights]))
+  done.append(g.compute(d, 'head', t, t, c.head_s / parts, [done[-1]]))
+  reduce = lambda s, after: net('reduce_scatter', c.param_bytes[s], [after])
+  for s in reversed(range(G)):
+    weights = net('gather', c.param_bytes[s], [before()])
+    if s < G - 1:  # the group after's gradient, reduced while this group computes
+      reduce(s + 1, done[-1])
+    backward = c.backward_of(s, parts) + c.recompute_of(s, parts)
+    done.append(g.compute(d, 'bwd', t, t, backward, [done[-1], weights]))
+  done.append(g.compute(d, 'embed_bwd', t, t, c.embed_backward_s / parts, [done[-1]]))
+  reduce(0, done[-2])
+  net('reduce_scatter', c.embedding_bytes, [done[-1]])
+
+
 def _locked_forward(g: Graph, t: int) -> int:
   """Batch t round the ring, one device computing per round: device s waits for s-1, and the
   last output goes back to device 0. Returns that arrival."""
@@ -528,8 +565,8 @@ def task_graph(
   emit, table = _emitter(run, costs)
   devices = {'backprop': 1, 'data_parallel': run.data_parallel}.get(run.name, G)
   graph, state = Graph(costs), {}
-  if costs.update_s:  # one device updates every parameter; a ring device, its own stage's
-    whole = sum(costs.update_s)
+  if costs.update_s:  # one device updates every parameter (FSDP: 1 / D); a ring device, its
+    whole = sum(costs.update_s) / (run.data_parallel if run.fsdp else 1)  # own stage's
     graph.update_s = (
       [whole] * devices
       if run.name in ('backprop', 'data_parallel') or G == 1
@@ -559,6 +596,10 @@ def _emitter(
     if G == 1:
       return (emit_backprop if run.microbatches == 1 else emit_ring_one_device), None
     return (emit_ouroboros_locked if run.forward == 'locked' else emit_ouroboros_pipelined), None
+  if run.fsdp:
+    if not costs.param_bytes:
+      raise ValueError("FSDP gathers each group's weights: give the costs' param_bytes.")
+    return emit_fsdp, None
   emit = {
     'backprop': emit_backprop,
     'data_parallel': emit_data_parallel,
