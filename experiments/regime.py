@@ -122,8 +122,11 @@ def policy_of(setting: ScheduleConfig) -> str:
 
 
 def settings_at(G: int, M: int) -> list[ScheduleConfig]:
-  """Every setting `ouroboros plan` would try on G devices at M micro-batches, but backprop."""
-  tries = settings_lib.Tries(microbatches=(M,), stashes=STASHES, policies=POLICIES)
+  """Every setting `ouroboros plan` would try on G devices at M micro-batches, but backprop and
+  FSDP (its temporaries have no reference rows to extrapolate from; the layouts' own map has it)."""
+  tries = settings_lib.Tries(
+    microbatches=(M,), stashes=STASHES, policies=POLICIES, shardings=('replicated',)
+  )
   return [
     s
     for s in settings_lib.settings(G, tries, num_layers=MODEL_FLAGS['num_layers'])

@@ -306,7 +306,7 @@ def test_bad_settings_are_refused():
     sim.simulate(_run(name='ouroboros', forward='eager'), c)
   with pytest.raises(ValueError, match='microbatches=4'):
     sim.simulate(_run(name='gpipe', microbatches=4), c)
-  with pytest.raises(ValueError, match='hybrid'):
+  with pytest.raises(ValueError, match='param_bytes'):
     sim.simulate(_run(name='gpipe', data_parallel=2), c)
   with pytest.raises(ValueError, match='num_stages=4 but the costs have 2 stages'):
     sim.simulate(_run(name='model_parallel', num_stages=4), c)
@@ -822,3 +822,31 @@ def test_a_collective_across_slices_crosses_the_slow_network_once_per_shard():
   assert c.allreduce_time(16) == pytest.approx(2 * two_slices, rel=1e-12)
   with pytest.raises(ValueError, match='slices of 8'):
     c.collective_s(n, 12)
+
+
+def test_a_stage_schedule_on_data_replicas_all_reduces_each_stage_after_its_last_compute():
+  """model_parallel, G = 2, on R = 2 replicas, free links between stages: device 1's backward
+  ends at T1 = E + f0 + f1 + h + b1, device 0's at T0 = T1 + b0 + E'; each all-reduces its own
+  stage's gradient (device 0's with the embedding) then, 2 (R - 1) / R of it, device 1's while
+  device 0 still computes. The step is the later of the two."""
+  E, f0, f1, h, b1, b0, Eb = 0.1, 1.0, 1.5, 0.5, 3.0, 2.0, 0.2
+  T1 = E + f0 + f1 + h + b1
+  T0 = T1 + b0 + Eb
+  hybrid = _run(name='model_parallel', num_stages=2, data_parallel=2)
+  for p0, p1, embedding in ((1e9, 2e9, 0.5e9), (1e9, 9e9, 0.0)):
+    c = costs(
+      [f0, f1],
+      [b0, b1],
+      head_s=h,
+      embed_forward_s=E,
+      embed_backward_s=Eb,
+      param_bytes=[p0, p1],
+      grad_bytes=p0 + p1 + embedding,
+      collective_bandwidth=1e9,
+    )
+    expected = max(T1 + (p1 / 1e9), T0 + (p0 + embedding) / 1e9)  # 2 x 1/2 of the bytes
+    assert sim.simulate(hybrid, c).step_time == pytest.approx(expected, abs=TOL)
+    one = sim.simulate(_run(name='model_parallel', num_stages=2), c).step_time
+    assert one == pytest.approx(T0, abs=TOL)
+  with pytest.raises(ValueError, match='param_bytes'):
+    sim.simulate(hybrid, costs([f0, f1], [b0, b1]))

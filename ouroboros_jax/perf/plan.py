@@ -84,8 +84,8 @@ def predicted_step_s(
 ) -> float:
   """The simulator's steady-state step time of the resolved `setting` (as cfg's run resolves it
   on the target: `TrainConfig.schedule_config`) for cfg's model and batch. On a stage x
-  data mesh, one replica's step on its share of the batch (the gradient all-reduce between the
-  replicas is not modelled)."""
+  data mesh, one replica's step on its share of the batch, each stage's gradient then
+  all-reduced over the replicas."""
   model = cfg.model
   data = setting.name == 'data_parallel'
   replicas = 1 if data else setting.data_parallel
@@ -106,8 +106,7 @@ def predicted_step_s(
   # which the simulator adds itself).
   fraction = recompute_fraction(setting, model)
   costs = dataclasses.replace(costs, recompute=0.0 if setting.replays else fraction)
-  run = dataclasses.replace(setting, data_parallel=setting.data_parallel if data else 1)
-  return simulate.simulate(run, costs).step_time
+  return simulate.simulate(setting, costs).step_time
 
 
 def recompute_fraction(setting: ScheduleConfig, model) -> float:

@@ -64,6 +64,7 @@ class Graph:
     self.step_tasks: list[int] = []  # sync tasks of the step being emitted
     self.step_end: dict[int, int] = {}
     self.update_s: Sequence[float] = ()  # per device: its optimizer update, ending every step
+    self.data_replicas = 1  # a stage schedule's R: each device's gradient all-reduced over R
 
   def _add(self, task: Task) -> int:
     self.tasks.append(task)
@@ -105,6 +106,8 @@ class Graph:
   def end_step(self, step: int) -> None:
     """Each device's optimizer update (after the step's global-norm clip, i.e. after every sync
     task of the step), then: nobody starts step + 1 before every sync task has ended."""
+    if self.data_replicas > 1:
+      self._allreduce_stages(step)
     clipped = tuple(self.step_tasks)
     for device, seconds in enumerate(self.update_s):
       if seconds:
@@ -113,6 +116,20 @@ class Graph:
       Task(None, 'barrier', step, step, 0.0, tuple(self.step_tasks), sync=False)
     )
     self.step_end[step], self.step_tasks = self.barrier, []
+
+  def _allreduce_stages(self, step: int) -> None:
+    """A stage schedule on R data replicas: each device's gradient (its stage's parameters; device
+    0's with the embedding) all-reduced over the R devices of its stage once the device's last
+    compute of the step has ended, while the other devices compute on."""
+    c, last = self.costs, {}
+    for i in self.step_tasks:
+      kind, *where = self.tasks[i].resource
+      if kind == 'device':
+        last[where[0]] = i
+    for d, i in sorted(last.items()):
+      nbytes = c.param_bytes[d] + (c.embedding_bytes if d == 0 else 0.0)
+      seconds = 2 * c.collective_s(nbytes, self.data_replicas)
+      self.collective(d, 'allreduce', step, seconds, [i])
 
 
 def execute(tasks: Sequence[Task], slowdown: float = 1.0) -> list[tuple[float, float]]:
@@ -512,8 +529,9 @@ def simulate(
   defaults) on `costs` for `steps` steps (default 3G + 10) and measure its steady state.
 
   G is costs.num_stages (a config's num_stages, where it is not 1, must equal it). The config
-  gives the name, M (its micro-batches), data_parallel's replica
-  count R (the stage schedules run on G devices), Ouroboros' `stash` and `forward` (the other
+  gives the name, M (its micro-batches), the replica count R (data_parallel's devices; a stage
+  schedule's data replicas: `costs` are then one replica's, on its B / R rows, and each device's
+  gradient is all-reduced over the R replicas after its last compute of the step), Ouroboros' `stash` and `forward` (the other
   schedules keep no stash and ignore them) and the interleaved pipeline's `chunks`; what else it
   says (the flow, the compensation) does not change the step's tasks.
   The exact pipelines of `schedules.tables` ('1f1b', 'interleaved', 'zb_h1', 'zb_v') run from the
@@ -565,6 +583,8 @@ def task_graph(
   emit, table = _emitter(run, costs)
   devices = {'backprop': 1, 'data_parallel': run.data_parallel}.get(run.name, G)
   graph, state = Graph(costs), {}
+  if run.name not in ('backprop', 'data_parallel'):
+    graph.data_replicas = run.data_parallel
   if costs.update_s:  # one device updates every parameter (FSDP: 1 / D); a ring device, its
     whole = sum(costs.update_s) / (run.data_parallel if run.fsdp else 1)  # own stage's
     graph.update_s = (
@@ -654,8 +674,11 @@ def _check(run: ResolvedSchedule, costs: StageCosts) -> None:
       f'num_stages={run.num_stages} but the costs have {costs.num_stages} stages; give the '
       'costs of one layer group per stage.'
     )
-  if data_parallel > 1 and schedule != 'data_parallel':
-    raise ValueError('hybrid stage x data meshes are not modelled; use data_parallel alone.')
+  if data_parallel > 1 and schedule not in ('backprop', 'data_parallel') and not costs.param_bytes:
+    raise ValueError(
+      f"{schedule} on {data_parallel} data replicas all-reduces each stage's gradient: give the "
+      "costs' param_bytes (one replica's costs, its B / R rows)."
+    )
   batch = costs.batch_size
   for name, parts, applies in (
     ('data_parallel', data_parallel, schedule == 'data_parallel'),
