@@ -192,18 +192,20 @@ def _tries(args):
     schedules=args.try_schedules and words(args.try_schedules),
     memories=words(args.try_stash_memory),
     flows=args.try_flow and words(args.try_flow),
-    stages=stages and _int_list(stages, '--try-stages'),
+    stages=stages and ('all' if stages == 'all' else _int_list(stages, '--try-stages', ', or all')),
     shardings=words(args.try_sharding),
   )
 
 
-def _int_list(text: str, flag: str) -> tuple[int, ...]:
+def _int_list(text: str, flag: str, other: str = '') -> tuple[int, ...]:
   try:
     values = tuple(int(v) for v in text.split(','))
   except ValueError:
     values = ()
   if not values or min(values) < 1:
-    raise errors.ConfigError(f'{flag} takes positive integers separated by commas, got {text!r}.')
+    raise errors.ConfigError(
+      f'{flag} takes positive integers separated by commas{other}, got {text!r}.'
+    )
   return values
 
 

@@ -499,8 +499,9 @@ def _try_flags(parser, stages: bool = True) -> None:
         '--try-stages',
         None,
         'G,G',
-        'stage counts to try, each with the other devices as data replicas (default: '
-        'all devices in one ring, or the most stages the layers allow)',
+        'stage counts to try, each with the other devices as data replicas, or all (every '
+        'factorisation G x D of the devices; default: all devices in one ring, or the most '
+        'stages the layers allow)',
       )
     )
   for flag, default, metavar, help_text in flags:

@@ -347,3 +347,47 @@ def test_a_hand_edited_plan_is_refused_in_one_line(tmp_path, row, words):
   path.write_text(json.dumps({'rows': [row], 'fastest': None}))
   with pytest.raises(ConfigError, match=rf'^--render {path}: not a saved plan \({words}\)'):
     plan.load(str(path))
+
+
+def test_every_factorisation_is_tried_and_a_count_with_none_is_refused_in_one_line():
+  """--try-stages all: every G >= 2 dividing the devices that the layers fill, each with the
+  other devices as data replicas; none (one device, or a one-layer model on a prime count) is
+  one ConfigError naming the way out."""
+  assert settings_lib.factorisations(8) == (2, 4, 8)
+  assert settings_lib.factorisations(12, num_layers=4) == (2, 3, 4)
+  tries = settings_lib.Tries((4,), ('graph/nothing',), ('all',), ('ouroboros',), stages='all')
+  labels = [s.label for s in settings_lib.settings(8, tries, num_layers=24)]
+  assert [label.split(' M=')[0] for label in labels[::2]] == [
+    'ouroboros G=2xR=4',
+    'ouroboros G=4xR=2',
+    'ouroboros',
+  ]
+  with pytest.raises(ConfigError, match='7 devices cannot be cut into stages') as e:
+    settings_lib.factorisations(7, num_layers=6)
+  assert '\n' not in str(e.value)
+
+
+def test_replicas_across_slices_pay_the_data_centre_network():
+  """The same layout on 2 slices of v5e: FSDP's gathers and a hybrid's all-reduce cross the
+  data-centre network (3.125 GB/s a chip against the ring's 100), so its step is slower; a
+  hybrid whose replicas cannot spread over the slices is refused."""
+  from ouroboros_jax.training import presets
+
+  cfg = field_flags_override(presets.get_preset('gpt2-small'), batch_size=64)
+  for setting in (
+    ScheduleConfig(name='data_parallel', data_parallel=16, fsdp=True),
+    ScheduleConfig(name='1f1b', num_stages=4, data_parallel=4, microbatches=4),
+  ):
+    resolved = setting.resolve('tpu', 64)
+    one = plan.predicted_step_s(cfg, resolved, plan.TPU_V5E)
+    two = plan.predicted_step_s(cfg, resolved, plan.TPU_V5E, slices=2)
+    assert two > one * 1.01
+  hybrid = ScheduleConfig(name='1f1b', num_stages=4, data_parallel=2, microbatches=4)
+  with pytest.raises(ConfigError, match='do not spread over 4 slices'):
+    plan.predicted_step_s(cfg, hybrid.resolve('tpu', 64), plan.TPU_V5E, slices=4)
+
+
+def field_flags_override(cfg, **fields):
+  from ouroboros_jax.training import field_flags
+
+  return field_flags.override(cfg, fields)

@@ -80,15 +80,17 @@ def hardware_for(topology: str | None, name: str | None = None) -> cost_model.Ha
 
 
 def predicted_step_s(
-  cfg: TrainConfig, setting: ResolvedSchedule, hardware: cost_model.Hardware
+  cfg: TrainConfig, setting: ResolvedSchedule, hardware: cost_model.Hardware, *, slices: int = 1
 ) -> float:
   """The simulator's steady-state step time of the resolved `setting` (as cfg's run resolves it
   on the target: `TrainConfig.schedule_config`) for cfg's model and batch. On a stage x
   data mesh, one replica's step on its share of the batch, each stage's gradient then
-  all-reduced over the replicas."""
+  all-reduced over the replicas. On `slices` slices joined by the data-centre network
+  (`hardware.dcn_bandwidth`), the replicas spread evenly over them: a collective's chips in one
+  slice are its replicas / slices (a stage schedule's stages stay inside a slice)."""
   model = cfg.model
-  data = setting.name == 'data_parallel'
-  replicas = 1 if data else setting.data_parallel
+  # one replica's rows (data_parallel's costs are the whole batch's: it splits them itself)
+  split = 1 if setting.name == 'data_parallel' else setting.data_parallel
   stages = model.num_layers if setting.fsdp else setting.num_stages  # FSDP gathers each layer
   shape = cost_model.ModelShape(
     cfg.preset,
@@ -97,7 +99,7 @@ def predicted_step_s(
     d_ff=model.d_ff,
     seq_len=model.seq_len,
     vocab=model.padded_vocab,  # the rows the head computes
-    batch=cfg.batch_size // replicas,
+    batch=cfg.batch_size // split,
   )
   costs = cost_model.transformer_costs(
     shape, hardware, stages, bytes_per_value=2 if model.dtype == 'bfloat16' else 4
@@ -105,7 +107,17 @@ def predicted_step_s(
   # What the backward re-runs of the forward: the policy's share (the replay stash: all of it,
   # which the simulator adds itself).
   fraction = recompute_fraction(setting, model)
-  costs = dataclasses.replace(costs, recompute=0.0 if setting.replays else fraction)
+  replicas = setting.data_parallel
+  if replicas % slices:
+    raise ConfigError(
+      f'{setting.label}: {replicas} data replicas do not spread over {slices} slices; the '
+      'stages would cross the data-centre network, which the simulator does not model.'
+    )
+  costs = dataclasses.replace(
+    costs,
+    recompute=0.0 if setting.replays else fraction,
+    slice_chips=replicas // slices if slices > 1 else 0,
+  )
   return simulate.simulate(setting, costs).step_time
 
 

@@ -55,7 +55,7 @@ class Tries:
   schedules: tuple[str, ...] | None = None
   memories: tuple[str, ...] = ('device',)
   flows: tuple[str, ...] | None = None
-  stages: tuple[int, ...] | None = None
+  stages: tuple[int, ...] | str | None = None  # 'all': every factorisation (`factorisations`)
   shardings: tuple[str, ...] = SHARDINGS
 
 
@@ -66,6 +66,23 @@ def default_stages(num_devices: int, num_layers: int | None = None) -> int:
   if num_layers is None or num_layers >= num_devices:
     return num_devices
   return max(g for g in range(1, num_devices + 1) if num_devices % g == 0 and g <= num_layers)
+
+
+def factorisations(num_devices: int, num_layers: int | None = None) -> tuple[int, ...]:
+  """Every G of a D x G layout of `num_devices` (G stages, D = num_devices / G data replicas)
+  whose G stages a model of `num_layers` fills, G >= 2; a ConfigError where there is none."""
+  found = tuple(
+    g
+    for g in range(2, num_devices + 1)
+    if num_devices % g == 0 and (num_layers is None or g <= num_layers)
+  )
+  if not found:
+    layers = f' with {num_layers} layers' if num_layers is not None else ''
+    raise ConfigError(
+      f'{num_devices} devices cannot be cut into stages of a model{layers}: no G >= 2 divides '
+      'them that the layers fill; try data_parallel (--try-schedules) or other devices.'
+    )
+  return found
 
 
 # ScheduleConfig's fields that Ouroboros alone reads: the other schedules' settings keep their
@@ -112,11 +129,15 @@ def settings(
 ) -> list[ScheduleConfig]:
   """Every setting of `tries` on `num_devices` devices, each the ScheduleConfig `base` (the run's
   own) with what the tries choose: backprop, data_parallel over every device, and at each G of
-  tries.stages (None: `default_stages` for a model of `num_layers`), with num_devices / G data
+  tries.stages (None: `default_stages` for a model of `num_layers`; 'all': every
+  factorisation), with num_devices / G data
   replicas, model_parallel, gpipe and the exact pipelines at each M and policy, Ouroboros at
   each M, forward, stash (and its policy), memory and flow. The Ouroboros-only fields of `base`
   go to the Ouroboros settings alone, its --chunks to the interleaved ones."""
-  stages = tries.stages or (default_stages(num_devices, num_layers),)
+  if tries.stages == 'all':
+    stages = factorisations(num_devices, num_layers)
+  else:
+    stages = tries.stages or (default_stages(num_devices, num_layers),)
   _check_tries(tries, num_devices, stages)
   defaults = ScheduleConfig()
 
