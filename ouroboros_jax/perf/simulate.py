@@ -526,13 +526,14 @@ def simulate(
   lockstep: bool = False,
 ) -> SimResult:
   """Run the schedule `run` (a `ResolvedSchedule`, or a schedule's name with ScheduleConfig's
-  defaults) on `costs` for `steps` steps (default 3G + 10) and measure its steady state.
+  defaults) on `costs` for `steps` steps (default 3G + 10; 13 for a whole-model step) and
+  measure its steady state.
 
   G is costs.num_stages (a config's num_stages, where it is not 1, must equal it). The config
   gives the name, M (its micro-batches), the replica count R (data_parallel's devices; a stage
   schedule's data replicas: `costs` are then one replica's, on its B / R rows, and each device's
-  gradient is all-reduced over the R replicas after its last compute of the step), Ouroboros' `stash` and `forward` (the other
-  schedules keep no stash and ignore them) and the interleaved pipeline's `chunks`; what else it
+  gradient is all-reduced over the R replicas after its last compute of the step), Ouroboros'
+  `stash` and `forward` (the other schedules keep no stash and ignore them) and the interleaved pipeline's `chunks`; what else it
   says (the flow, the compensation) does not change the step's tasks.
   The exact pipelines of `schedules.tables` ('1f1b', 'interleaved', 'zb_h1', 'zb_v') run from the
   same tables the executor runs, with M micro-batches. `lockstep` runs them tick by tick as the
@@ -543,8 +544,11 @@ def simulate(
   run = _config(run)
   G = costs.num_stages
   devices = {'backprop': 1, 'data_parallel': run.data_parallel}.get(run.name, G)
-  warmup = 2 * max(G, devices) + 2  # the pipelined forward fills in 2G steps
-  steps = steps if steps is not None else 3 * max(G, devices) + 10
+  # The pipelined forward fills in 2G steps; a whole-model step (backprop, data_parallel, FSDP)
+  # ends at its barrier, so its second step is already the steady state.
+  fill = 1 if run.name in ('backprop', 'data_parallel') else max(G, devices)
+  warmup = 2 * fill + 2
+  steps = steps if steps is not None else 3 * fill + 10
   if steps < warmup + 3:
     raise ValueError(f'steps={steps} leaves no steady state; use at least {warmup + 3}.')
   graph = task_graph(run, costs, steps, lockstep=lockstep)
