@@ -99,6 +99,14 @@ class PeerLostError(UserError, RuntimeError):
   cannot go on. The message names the process, the step and the checkpoint to resume from."""
 
 
+class CompilerError(UserError, RuntimeError):
+  """The XLA compiler refused a setting for another reason than memory (an operation it does
+  not implement for that layout); the message gives its first line and the way round."""
+
+  def __init__(self, message: str):
+    super().__init__(_one_line(message))
+
+
 class NonFiniteLossError(UserError, RuntimeError):
   """The loss became NaN/Inf; the message names the step and the last good checkpoint."""
 

@@ -251,6 +251,11 @@ for micro, memory in ((1, 'device'), (None, 'device'), (None, 'pinned_host')):
   ring['flow'] = 'batch'
   cfg = field_flags.override(presets.get_preset('tiny'), {**small, **ring, 'dtype': 'bfloat16'})
   print(json.dumps(compile_lib.compile_step(cfg, sys.argv[2])), flush=True)
+# streamed and pipelined, the stash in host memory (bf16 weights' versions there did not compile)
+ring = {'schedule': 'ouroboros', 'stages': 2, 'microbatches': 4, 'stash_memory': 'pinned_host'}
+ring.update(forward='pipelined', flow='stream', dtype='bfloat16')
+cfg = field_flags.override(presets.get_preset('tiny'), {**small, **ring})
+print(json.dumps(compile_lib.compile_step(cfg, sys.argv[2])), flush=True)
 # G = 4 pipelined, streamed, keeping every residual, at M = G and 2G (16 rows)
 for micro in (4, 8):
   ring = {'schedule': 'ouroboros', 'stages': 4, 'microbatches': micro, 'forward': 'pipelined'}
@@ -269,21 +274,24 @@ def test_the_microbatched_ring_and_a_host_stash_need_less_memory_on_a_tpu():
   as M = G, each half the rows: the ring's bytes halve (with the stash in whole steps they fell
   to 0.67x: two steps of 8 items against three of 4) and the chip's peak falls. (One test: one
   libtpu start-up and one run of the script for the five compiles.)"""
-  whole, chunked, in_host, at_g, at_2g = _reports(MICROBATCHED_RING)
+  whole, chunked, in_host, streamed_in_host, at_g, at_2g = _reports(MICROBATCHED_RING)
   assert (whole['microbatches'], chunked['microbatches']) == (1, 8)
   assert whole['stash'] == chunked['stash'] == 'graph/nothing'  # the default stash
   assert chunked['temp_bytes'] < 0.75 * whole['temp_bytes'], (chunked, whole)
   assert chunked['peak_bytes'] < whole['peak_bytes'], (chunked, whole)
-  # The stash and the forward's weights wait in host memory: the chip's arguments lose them, and
-  # what it holds besides its temporaries falls. (Whether its peak falls depends on the shape:
+  # The stash waits in host memory (the forward's weights' versions stay on the chip: XLA's TPU
+  # compiler could not squeeze them there in bf16, 'Bitcast changes dimensionality', which the
+  # streamed pipelined ring below hit): the chip's arguments lose it, and what it holds besides
+  # its temporaries falls. (Whether its peak falls depends on the shape:
   # XLA stages each round's slot through device temporaries, more than the stash at this tiny
   # size since the stash holds micro-batch slots.)
   assert in_host['host_ring_bytes'] > 0 and chunked['host_ring_bytes'] == 0
   assert in_host['ring_bytes'] + in_host['host_ring_bytes'] == chunked['ring_bytes']
-  moved = chunked['argument_bytes'] - in_host['argument_bytes']
-  assert moved >= in_host['host_ring_bytes'], (in_host, chunked)
+  moved = chunked['argument_bytes'] - in_host['argument_bytes']  # the chip's bytes, laid out
+  assert moved >= 0.9 * in_host['host_ring_bytes'], (in_host, chunked)  # in tiles: not exact
   held = lambda report: report['peak_bytes'] - report['temp_bytes']
   assert held(in_host) < held(chunked), (in_host, chunked)
+  assert streamed_in_host['host_ring_bytes'] > 0 and streamed_in_host['fits']
   assert at_2g['ring_bytes'] < 0.55 * at_g['ring_bytes'], (at_2g, at_g)
   assert at_2g['peak_bytes'] < 0.75 * at_g['peak_bytes'], (at_2g, at_g)
 

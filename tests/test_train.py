@@ -311,6 +311,14 @@ def test_resume_compares_what_the_settings_resolve_to_not_their_spelling():
   steps = {k: v for k, v in saved.items() if k != 'ring_layout'}
   with pytest.raises(checkpoint.CheckpointError, match='kept whole steps.*another --out'):
     resume.check_resumable(steps, auto, (1, 1), 'OUT')
+  # ... and one whose host memory held the forward's weights beside the stash (before they moved
+  # to the device: XLA's TPU compiler could not squeeze them there in bf16)
+  host = field_flags.override(auto, {'stash_memory': 'pinned_host'})
+  before = {k: v for k, v in resume.run_meta(host, (1, 1)).items() if k != 'host_layout'}
+  with pytest.raises(checkpoint.CheckpointError, match="held the forward's weights.*another --out"):
+    resume.check_resumable(before, host, (1, 1), 'OUT')
+  assert resume.check_resumable(resume.run_meta(host, (1, 1)), host, (1, 1), 'OUT') == []
+  assert resume.check_resumable(before | {'config': saved['config']}, auto, (1, 1), 'OUT') == []
   backprop = field_flags.override(presets.get_preset('tiny'), {})  # no ring: nothing to refuse
   assert (
     resume.check_resumable(

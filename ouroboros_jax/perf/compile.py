@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ouroboros_jax import placement
+from ouroboros_jax import errors, placement
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.models import model as transformer
 from ouroboros_jax.models import partition
@@ -147,7 +147,10 @@ def compile_step(cfg: TrainConfig, topology: str | None = None) -> dict:
   except Exception as e:  # pylint: disable=broad-exception-caught
     oom = parse_out_of_memory(str(e))
     if oom is None:
-      raise
+      raise errors.CompilerError(
+        f'the compiler failed on {cfg.schedule.label}: {_one_line(e)} (other settings may '
+        'compile: `ouroboros plan` tries them; with --stash-memory pinned_host, try device)'
+      ) from e
     report['compile_s'] = time.perf_counter() - start
     return _out_of_memory_report(report, shard_bytes(state) + report['batch_bytes'], *oom, e)
   report['compile_s'] = time.perf_counter() - start

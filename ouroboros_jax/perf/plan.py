@@ -179,7 +179,7 @@ def _compiled(run: TrainConfig, topology: str | None) -> dict:
   """compile_step's report of one setting's run, or its error as a row that does not fit."""
   try:
     return compile_lib.compile_step(run, topology)
-  except ConfigError as e:  # a setting this model cannot take (e.g. more stages than layers)
+  except (ConfigError, errors.CompilerError) as e:  # a setting this model cannot take, or XLA
     return {'error': str(e), 'fits': False, 'peak_bytes': None}
   except Exception as e:  # pylint: disable=broad-exception-caught
     # A compiler that fails on one setting says nothing about the others: report it, go on.

@@ -202,7 +202,7 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t):
   """Step t of the ring on device s (inside the shard_map): (grads, new buffers, loss)."""
   s, timing, num_micro = jax.lax.axis_index(STAGE), ring.timing, ring.num_microbatches
   kept_buffers = buffers.get(placement.HOST, buffers)  # offloaded, or beside the others
-  weights_W = _local(kept_buffers.get('weights'))
+  weights_W = _local(buffers.get('weights'))  # on the device, wherever the stash waits
   batches_S = ring_lib.write_slot(_local(buffers['batches']), batch, t, ring.depth)
   by_item = lambda tree: ring_lib.slots_by_microbatch(tree, num_micro)
   read = lambda tree, items: ring_lib.read_items(by_item(tree), items[0], ring.depth, ring.aligned)
@@ -248,9 +248,8 @@ def _new_buffers(ring: _Ring, buffers, kept, batches_S, out: _Carry):
   the host's memory), the messages in flight and a model's memory."""
   new_buffers = {'batches': batches_S, 'delta': ring_lib.whole_batch(out.delta_fifo)}
   if placement.HOST in buffers:
-    new_buffers[placement.HOST] = kept
-  else:
-    new_buffers.update(kept)
+    new_buffers[placement.HOST] = {'stash': kept.pop('stash')}
+  new_buffers.update(kept)
   if ring.pipelined:
     new_buffers['act'] = ring_lib.whole_batch(out.act_fifo)
   if out.memory_M is not None:
@@ -515,10 +514,9 @@ def _init(ring: _Ring, params, example_batch):
       'batches': jax.tree.map(lambda a: buffer(a, ring.depth), shapes.local),
       'delta': jax.tree.map(buffer, in_flight),
     }
-    if ring.config.stash_memory == 'pinned_host':  # waits in host memory (placement.HOST)
-      buffers[placement.HOST] = stash
-    else:
-      buffers.update(stash)
+    if ring.config.stash_memory == 'pinned_host':  # waits in host memory (placement.HOST),
+      buffers[placement.HOST] = {'stash': stash.pop('stash')}  # the weights' versions on the
+    buffers.update(stash)  # device (XLA's TPU compiler cannot squeeze bf16 weights in host memory)
     if ring.pipelined:  # the activation in flight to each device
       buffers['act'] = jax.tree.map(buffer, in_flight)
     return buffers

@@ -42,6 +42,9 @@ RESUME_FIELDS = (
 # The layout of Ouroboros' ring buffers, recorded with every checkpoint: the stash in micro-batch
 # slots (delays.Timing.stash_slots; issue 58). A checkpoint without it kept whole steps.
 RING_LAYOUT = 'micro-batch slots'
+# What a stash in host memory holds (--stash-memory pinned_host): the stash alone, the forward's
+# weights' versions on the device. A checkpoint without it kept both in host memory.
+HOST_LAYOUT = 'stash only'
 
 
 def run_meta(cfg: TrainConfig, layers_per_stage) -> dict:
@@ -51,8 +54,23 @@ def run_meta(cfg: TrainConfig, layers_per_stage) -> dict:
     'stages': cfg.schedule.num_stages,
     'layers_per_stage': list(layers_per_stage),
     'ring_layout': RING_LAYOUT,
+    'host_layout': HOST_LAYOUT,
     'config': cfg.to_dict(),
   }
+
+
+def _check_host_layout(saved: dict, saved_cfg: TrainConfig, where: str) -> None:
+  """A CheckpointError for an Ouroboros checkpoint whose host memory held the weights too."""
+  in_host = (
+    saved_cfg.schedule.name == 'ouroboros' and saved_cfg.schedule.stash_memory == 'pinned_host'
+  )
+  if in_host and saved.get('host_layout') != HOST_LAYOUT:
+    raise CheckpointError(
+      f"the checkpoint in {where} was made by an Ouroboros whose host memory held the forward's "
+      "weights' versions beside the stash (before they moved to the device): its ring buffers "
+      'have another layout and cannot be resumed; finish that run with the version that made '
+      'it, or choose another --out.'
+    )
 
 
 def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str) -> list[str]:
@@ -75,6 +93,7 @@ def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str)
       'resumed; finish that run with the version that made it, or choose another --out.'
     )
   saved_cfg = TrainConfig.from_dict(saved['config'])
+  _check_host_layout(saved, saved_cfg, where)
   # The resolved runs (`TrainConfig.resolved`), not the spellings: --optimizer auto of a recipe
   # run is muon, --compensation auto predict,dc, --flow auto stream, --attention auto xla here.
   want, have = config.flat(saved_cfg.resolved()), config.flat(cfg.resolved())
