@@ -18,8 +18,8 @@ collectives on a 2-link ring inside a slice and the data-centre network between 
 compiler's, and only the N = 8 cells are compiled (docs/results/memory.md, `m-fsdp-1b`,
 `m-stash-slots`).
 
-    python experiments/layouts.py                       # docs/results/layouts.csv (~10 min)
-    python experiments/layouts.py --render docs/results/layouts.csv
+    python experiments/layouts.py                       # docs/results/layouts/layouts.csv (~10 min)
+    python experiments/layouts.py --render docs/results/layouts/layouts.csv
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import sys
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.perf import plan
 from ouroboros_jax.perf import settings as settings_lib
-from ouroboros_jax.schedules import ScheduleConfig
+from ouroboros_jax.schedules import ScheduleConfig, delays
 from ouroboros_jax.training import field_flags, presets
 
 # name: (the model's flags, the hardware, chips in one slice)
@@ -126,7 +126,8 @@ def render(rows: list[dict]) -> str:
     first = next(r for r in rows if r['model'] == model)
     out += [
       f'\n**{model}** ({first["hardware"]}, keeping `{first["policy"]}`; step ms, the fastest '
-      'setting of each line; "-": the line cannot take the batch):\n',
+      'setting of each line, Ouroboros\' with its oldest gradient\'s age in updates; "-": the '
+      'line cannot take the batch):\n',
       '| chips | slices | batch | FSDP | Ouroboros | best exact pipeline | fastest | Ouroboros '
       'vs the best other |',
       '|---|---|---|---|---|---|---|---|',
@@ -155,10 +156,14 @@ def _cell_line(chips: int, batch: int, cell: list[dict]) -> str:
 
 
 def _short(row: dict) -> str:
+  """The setting in a few words; Ouroboros' with the age of its oldest gradient in updates."""
   if row['line'] == 'fsdp':
     return f'D={row["chips"]}'
   head = row['line'].replace('ouroboros ', '')
-  return f'{head} G={row["G"]} M={row["M"]}'
+  if not row['line'].startswith('ouroboros'):
+    return f'{head} G={row["G"]} M={row["M"]}'
+  age, _ = delays.version_gaps(int(row['G']), head, int(row['M']), 'stream')
+  return f'{head} G={row["G"]} M={row["M"]}, {age} old'
 
 
 def write_csv(path: str, rows: list[dict]) -> None:
@@ -171,7 +176,7 @@ def write_csv(path: str, rows: list[dict]) -> None:
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  p.add_argument('--out', default='docs/results/layouts.csv')
+  p.add_argument('--out', default='docs/results/layouts/layouts.csv')
   p.add_argument('--policy', default='dots', help='what every layout keeps (default dots)')
   p.add_argument('--models', default=','.join(MODELS))
   p.add_argument('--render', metavar='CSV', help='print the markdown tables of a saved CSV')

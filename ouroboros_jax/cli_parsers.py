@@ -443,11 +443,29 @@ def _plan_parser(sub) -> argparse.ArgumentParser:
 def _try_flags(parser, stages: bool = True) -> None:
   """The --try-* flags of `plan` and `bench`: the settings they try, by default
   `settings.Tries()`'s (--try-stages: `plan`'s alone; `bench` runs G = --stages)."""
+  flags = _try_flag_table()
+  if stages:
+    flags.append(
+      (
+        '--try-stages',
+        None,
+        'G,G',
+        'stage counts to try, each with the other devices as data replicas, or all (every '
+        'factorisation G x D of the devices; default: all devices in one ring, or the most '
+        'stages the layers allow)',
+      )
+    )
+  for flag, default, metavar, help_text in flags:
+    parser.add_argument(flag, default=default, metavar=metavar, help=help_text)
+
+
+def _try_flag_table() -> list[tuple]:
+  """(flag, default, metavar, help) of each --try-* flag both `plan` and `bench` take."""
   from ouroboros_jax.perf import settings as settings_lib
 
   tries = settings_lib.Tries()  # the defaults of the --try-* flags
   joined = lambda values: ','.join(map(str, values))
-  flags = [
+  return [
     (
       '--try-microbatches',
       joined(tries.microbatches),
@@ -493,19 +511,6 @@ def _try_flags(parser, stages: bool = True) -> None:
       f'only these schedules, of {joined(SCHEDULES)} (default: every one)',
     ),
   ]
-  if stages:
-    flags.append(
-      (
-        '--try-stages',
-        None,
-        'G,G',
-        'stage counts to try, each with the other devices as data replicas, or all (every '
-        'factorisation G x D of the devices; default: all devices in one ring, or the most '
-        'stages the layers allow)',
-      )
-    )
-  for flag, default, metavar, help_text in flags:
-    parser.add_argument(flag, default=default, metavar=metavar, help=help_text)
 
 
 def _launch_parser(sub) -> argparse.ArgumentParser:
