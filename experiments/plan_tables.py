@@ -77,7 +77,9 @@ def run(shape, microbatches, schedules, policies=POLICIES, stashes=STASHES, redo
       seconds = time.time() - start
       for row in result['rows']:
         row.update(measured_at=commit, unit_seconds=round(seconds, 1))
-      out.update({k: result[k] for k in ('topology', 'devices', 'hardware', 'stages')})
+      out.update({k: result[k] for k in ('topology', 'devices', 'hardware')})
+      # every unit's G (an unbatched schedule's unit tries none: data_parallel's [])
+      out['stages'] = sorted({*out.get('stages', []), *result['stages']})
       # a label compiled again replaces its older row (and its older skip)
       labels = {r['label'] for r in result['rows'] + result['skipped']}
       out['rows'] = [r for r in out['rows'] if r['label'] not in labels] + result['rows']
