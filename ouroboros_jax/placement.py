@@ -303,6 +303,49 @@ def state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
   return shardings.replace(ring=ring)
 
 
+def split_axis(shape: tuple[int, ...], replicas: int, taken=()) -> int | None:
+  """The axis FSDP splits a leaf of `shape` on over `replicas` data replicas: its largest
+  axis not in `taken` that `replicas` divides (the first where sizes tie); None: none does, or
+  one replica (the leaf stays whole on each)."""
+  axes = [
+    a
+    for a, size in enumerate(shape)
+    if a not in taken and size >= replicas and size % replicas == 0
+  ]
+  if replicas == 1 or not axes:
+    return None
+  return max(axes, key=lambda a: (shape[a], -a))
+
+
+def fsdp_stage_shardings(state: TrainState, mesh: Mesh) -> TrainState:
+  """`state_shardings` with FSDP over the mesh's data replicas (a stage schedule's --fsdp):
+  every parameter and optimizer state leaf also split over `data` on its largest free axis
+  (`split_axis`), the stage axis kept; the ring as before. The step's shard_map takes each
+  stage's parameters whole, so XLA gathers them as it enters and the optimizer updates each
+  device's share."""
+  base = state_shardings(state, mesh)
+  replicas = mesh.shape[DATA]
+
+  def split(a, sharding):
+    spec = (*sharding.spec, *(None,) * (len(a.shape) - len(sharding.spec)))
+    axis = split_axis(a.shape, replicas, taken=[i for i, s in enumerate(spec) if s is not None])
+    if axis is None:
+      return sharding
+    spec = P(*(DATA if i == axis else s for i, s in enumerate(spec)))
+    return NamedSharding(mesh, spec, memory_kind=sharding.memory_kind)
+
+  return base.replace(
+    params=jax.tree.map(split, state.params, base.params),
+    opt_state=jax.tree.map(split, state.opt_state, base.opt_state),
+  )
+
+
+def layout_for(config) -> Callable | None:
+  """The state layout of a stage schedule's `config` (ResolvedSchedule): FSDP's over its data
+  replicas where it asks for it, else None (`state_shardings`)."""
+  return fsdp_stage_shardings if config.fsdp else None
+
+
 def check_pinned_host(mesh: Mesh) -> None:
   """One-line ConfigError when the mesh's devices have no pinned host memory."""
   device = mesh.devices.flat[0]

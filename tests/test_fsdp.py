@@ -6,11 +6,13 @@ wrong gradient (a replica's mean, another key) moves parameters by ~1e-2."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import pytest
 
 from ouroboros_jax import ConfigError, ScheduleConfig, build_schedule, optimizers
-from ouroboros_jax.placement import DATA
+from ouroboros_jax.placement import DATA, STAGE
 from ouroboros_jax.schedules.fsdp import fsdp_spec
 
 from helpers import adam, max_abs_diff, random_batches, run_schedule, tiny_transformer
@@ -107,8 +109,57 @@ def test_fsdp_splits_the_largest_axis_d_divides():
   assert fsdp_spec((16,), 1) == jax.sharding.PartitionSpec()
 
 
-def test_fsdp_is_a_data_parallel_setting():
-  with pytest.raises(ConfigError, match=r"fsdp=True shards name='data_parallel'.s replicas"):
-    ScheduleConfig(name='1f1b', num_stages=2, fsdp=True).validate()
+def test_fsdp_labels_its_setting():
   label = ScheduleConfig(name='data_parallel', data_parallel=2, fsdp=True).label
   assert label == 'data_parallel fsdp'
+
+
+@pytest.mark.parametrize(
+  'config',
+  [
+    ScheduleConfig(name='1f1b', num_stages=2, data_parallel=2, microbatches=2, fsdp=True),
+    ScheduleConfig(name='ouroboros', num_stages=1, data_parallel=2, fsdp=True),
+  ],
+  ids=['1f1b G=2 D=2', 'ouroboros G=1 D=2'],
+)
+def test_fsdp_inside_a_stage_schedule_gives_backprops_parameters_on_half_the_state(config):
+  """--fsdp on a stage schedule with D data replicas: each stage's parameters and optimizer
+  state split over its replicas too (1/D of a stage's state a device), and three steps equal
+  backprop's (Ouroboros at G = 1 has no delay)."""
+  model, params = tiny_transformer(config.num_stages, num_layers=4)
+  batches = random_batches(3, seed=7)
+  got, got_losses = run_schedule(config, model, adam(), params, batches)
+  want, want_losses = run_schedule(ScheduleConfig(name='backprop'), model, adam(), params, batches)
+  assert max_abs_diff(want.params, params) > 1e-2
+  assert max_abs_diff(got.params, want.params) < ATOL
+  assert got_losses == pytest.approx(want_losses, abs=ATOL)
+  kernel = got.params['stages']['mlp_in']['kernel']  # [G, layers, d, d_ff]
+  assert DATA in kernel.sharding.spec
+  assert config.num_stages == 1 or kernel.sharding.spec[0] == STAGE
+  assert kernel.addressable_shards[0].data.size == kernel.size // (config.num_stages * 2)
+  moment = [
+    leaf for leaf in jax.tree.leaves(got.opt_state['stages']) if leaf.shape == kernel.shape
+  ][0]
+  assert moment.addressable_shards[0].data.size == kernel.size // (config.num_stages * 2)
+
+
+def test_fsdp_on_a_stage_schedule_needs_data_replicas():
+  with pytest.raises(ConfigError, match='1f1b has one; give it data_parallel=2 or more'):
+    ScheduleConfig(name='1f1b', num_stages=2, fsdp=True).validate()
+
+
+def test_fsdp_leaves_a_delayed_ring_where_it_was():
+  """Ouroboros at G = 2 on 2 data replicas, pipelined and streamed: the same parameters with its
+  state split over the replicas as without (only the layout changes)."""
+  model, params = tiny_transformer(2, num_layers=4)
+  batches = random_batches(4, seed=9)
+  ring = ScheduleConfig(
+    name='ouroboros', num_stages=2, data_parallel=2, forward='pipelined', microbatches=2
+  )
+  got, got_losses = run_schedule(
+    dataclasses.replace(ring, fsdp=True), model, adam(), params, batches
+  )
+  want, want_losses = run_schedule(ring, model, adam(), params, batches)
+  assert max_abs_diff(want.params, params) > 1e-2
+  assert max_abs_diff(got.params, want.params) < 1e-6
+  assert got_losses == pytest.approx(want_losses, abs=1e-6)

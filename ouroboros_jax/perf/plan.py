@@ -91,7 +91,8 @@ def predicted_step_s(
   model = cfg.model
   # one replica's rows (data_parallel's costs are the whole batch's: it splits them itself)
   split = 1 if setting.name == 'data_parallel' else setting.data_parallel
-  stages = model.num_layers if setting.fsdp else setting.num_stages  # FSDP gathers each layer
+  gathers_layers = setting.fsdp and setting.name == 'data_parallel'  # FSDP gathers each layer;
+  stages = model.num_layers if gathers_layers else setting.num_stages  # a stage's, per step
   shape = cost_model.ModelShape(
     cfg.preset,
     num_layers=model.num_layers,

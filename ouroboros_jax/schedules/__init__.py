@@ -76,7 +76,7 @@ def build_schedule(
 
     return ouroboros.build(config, model, tx, devices=devices)
   config = config.resolve(placement.platform(devices))
-  if config.fsdp:  # data_parallel with its state sharded (validate refuses it elsewhere)
+  if config.fsdp and config.name == 'data_parallel':  # the stage schedules: their own layout
     return build_fsdp(config, model, tx, devices=devices)
   builders = {
     'backprop': build_backprop,

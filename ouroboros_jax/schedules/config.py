@@ -94,11 +94,10 @@ class ScheduleConfig:
         f'{field_ref("stash", "graph")} keeps, and {field_ref("stash", "replay")} keeps only '
         f'the input; drop it or use {field_ref("stash", "graph")}.'
       )
-    if self.fsdp and self.name != 'data_parallel':
+    if self.fsdp and self.name != 'data_parallel' and self.data_parallel == 1:
       raise ConfigError(
-        f"{field_ref('fsdp', True)} shards {field_ref('name', 'data_parallel')}'s replicas; "
-        f"{self.name} does not take it yet (FSDP inside a pipeline's stages is not built); "
-        f'drop it or use {field_ref("name", "data_parallel")}.'
+        f'{field_ref("fsdp", True)} splits the state over data replicas, and {self.name} has '
+        f'one; give it {field_ref("data_parallel", 2)} or more, or drop it.'
       )
     if self.name not in MICROBATCHED and self.microbatches not in (None, 1):
       raise ConfigError(

@@ -38,10 +38,9 @@ from ouroboros_jax.staged import Schedule, StagedModel, TrainState
 def fsdp_spec(shape: tuple[int, ...], replicas: int) -> P:
   """Where FSDP keeps a leaf of `shape` on D = `replicas` devices: split over `data` on its
   largest axis that D divides (the first such axis where sizes tie), else replicated."""
-  axes = [a for a, size in enumerate(shape) if size >= replicas and size % replicas == 0]
-  if replicas == 1 or not axes:
+  axis = placement.split_axis(shape, replicas)
+  if axis is None:
     return P()
-  axis = max(axes, key=lambda a: (shape[a], -a))
   return P(*(DATA if a == axis else None for a in range(len(shape))))
 
 

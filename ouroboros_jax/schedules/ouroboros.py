@@ -155,6 +155,7 @@ def build(
     lambda state, batch: _step(ring(rows(batch)), state, batch),
     idle_fraction(num_stages, forward=config.forward),
     lambda rows: ring(rows).config,
+    placement.layout_for(config),
   )
 
 
@@ -521,7 +522,8 @@ def _init(ring: _Ring, params, example_batch):
       buffers['act'] = jax.tree.map(buffer, in_flight)
     return buffers
 
-  return placement.init_state(ring.optimizer, params, ring.mesh, fresh_buffers)
+  layout = placement.layout_for(ring.config)
+  return placement.init_state(ring.optimizer, params, ring.mesh, fresh_buffers, layout)
 
 
 def _kept_weights(ring: _Ring, params_s, x_micro, memory_micro):

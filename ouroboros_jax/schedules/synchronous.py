@@ -113,8 +113,7 @@ def synchronous_schedule(
   its replica's share of the batch, the step index t and its share of `TrainState.ring` (a
   model's memory, if it has one; else {}), and returns gradients laid out as the parameters
   (stage gradients on their own device, embed and head gradients replicated) and the batch's
-  loss, both already averaged over `data`, and the renewed buffers. The optimizer step is
-  `synchronous_update`, as for every schedule.
+  loss, both averaged over `data`, and the renewed buffers; then `synchronous_update`.
 
   `grads.stage_order` (v chunks per device): the parameters' stage groups in the order the
   devices hold them, v consecutive per device; the step gathers them so (and their gradients
@@ -133,7 +132,7 @@ def synchronous_schedule(
       placement.check_batch(example_batch, replicas, microbatches)
     placement.check_stage_params(params, config)
     memory = lambda: placement.empty_memory(model, params, example_batch, replicas)
-    return placement.init_state(optimizer, params, mesh, memory)
+    return placement.init_state(optimizer, params, mesh, memory, placement.layout_for(config))
 
   def step(state: TrainState, batch: dict):
     placement.check_batch(batch, replicas, microbatches)
@@ -161,7 +160,8 @@ def synchronous_schedule(
     new_state, metrics = synchronous_update(optimizer, state, grads, loss)
     return new_state.replace(ring=buffers), metrics
 
-  return placement.make_schedule(name, model, mesh, init, step, idle_fraction, lambda rows: config)
+  settings, layout = (lambda rows: config), placement.layout_for(config)
+  return placement.make_schedule(name, model, mesh, init, step, idle_fraction, settings, layout)
 
 
 # ----------------------------------------------------------------------------- data parallel
