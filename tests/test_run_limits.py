@@ -101,7 +101,11 @@ def test_a_signal_ends_a_set_up_xla_holds_within_seconds(tmp_path, text_corpus, 
   assert took < 10, took
   lines = stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith('error: '), stderr
-  assert 'during set-up' in lines[0] and f'no checkpoint in {out}/checkpoints' in lines[0]
+  # On a loaded machine the signal can still land in Python's tracing, whose handler says the
+  # same in its own words (CI once did); either way one line, nothing to resume, run it again.
+  held = 'during set-up' in lines[0] and f'no checkpoint in {out}/checkpoints' in lines[0]
+  traced = 'before the first checkpoint' in lines[0] and f'nothing to resume in {out}/' in lines[0]
+  assert (held or traced) and 'run it again' in lines[0], lines[0]
 
 
 # Two processes, one device each: steps of a few milliseconds, a checkpoint every 5.
