@@ -5,11 +5,13 @@ micro-batches M ticks per step (reference.py)."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import numpy as np
 import pytest
 
-from ouroboros_jax.schedules import ScheduleConfig, build_schedule, reference
+from ouroboros_jax.schedules import ScheduleConfig, build_schedule, delays, reference
 from ouroboros_jax.schedules.compensation import Compensation
 from ouroboros_jax.schedules.delays import Timing
 
@@ -36,6 +38,21 @@ def test_streamed_gaps_are_one_update_once_M_covers_the_lag():
   # as one batch the gaps stay the paper's, whatever M
   assert Timing(4, 'locked', 4, 'batch').stage_gaps == [4, 3, 2, 1]
   assert Timing(4, 'pipelined', 4, 'batch').stage_gaps == [8, 6, 4, 2]
+
+
+# Issue 62's table: (G, M) -> (pipelined age, locked age), in updates.
+AGES = {(16, 8): (4, 2), (16, 16): (2, 1), (16, 32): (1, 1), (8, 4): (4, 2), (8, 8): (2, 1)}
+
+
+@pytest.mark.parametrize('G, M', list(AGES))
+def test_the_gradient_age_is_the_lag_over_M_rounded_up(G, M):
+  """The oldest gradient (the embedding's) is ceil(lag / M) updates old, lag G locked, 2G
+  pipelined; as one batch it is the lag in whole steps, whatever M."""
+  ages = tuple(delays.gradient_age(G, forward, M) for forward in ('pipelined', 'locked'))
+  assert ages == AGES[(G, M)] == (math.ceil(2 * G / M), math.ceil(G / M))
+  assert delays.gradient_age(G, 'pipelined', M, 'batch') == 2 * G
+  assert delays.gradient_age(G, 'locked', M, 'batch') == G
+  assert delays.gradient_age(1, 'locked', M) == 0
 
 
 @pytest.mark.parametrize(

@@ -138,6 +138,17 @@ def unit_gap_microbatches(num_stages: int, forward: str = 'locked') -> int:
   return max(Timing(num_stages, forward, 1, 'stream').embed_gap, 1)
 
 
+def gradient_age(
+  num_stages: int, forward: str = 'locked', microbatches: int = 1, flow: str = 'stream'
+) -> int:
+  """Updates between the weights the oldest gradient of a step was computed at and the weights it
+  is applied to: the embedding's, ceil(lag / M) streamed, with lag G ticks locked and 2G
+  pipelined (G and 2G whole batches as one batch). 0 when G = 1."""
+  if num_stages == 1:
+    return 0
+  return Timing(num_stages, forward, microbatches, flow).embed_gap
+
+
 def staleness(num_stages: int) -> list[int]:
   """Steps between the forward and the backward of each layer group in the locked forward: G - s
   (0 when G = 1)."""
