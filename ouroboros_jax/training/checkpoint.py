@@ -396,13 +396,18 @@ def restore_newest(
   reads back whole, or of `step` (`newest_readable`).
 
   check_meta(meta) raises for a checkpoint that does not fit the run (a user error: no
-  fallback). Each unreadable checkpoint is reported with `say` and the one before it is tried.
+  fallback), or returns a `relayout.Move` for one saved on another layout (restored as saved,
+  then re-staged and placed as abstract_state says; None: restored as it is). Each unreadable
+  checkpoint is reported with `say` and the one before it is tried.
   """
 
   def read(candidate):
-    check_meta(read_meta(manager, candidate))
-    state, data_state, _ = restore(manager, abstract_state, candidate)
-    return state, data_state
+    move = check_meta(read_meta(manager, candidate))
+    if move is None:
+      state, data_state, _ = restore(manager, abstract_state, candidate)
+      return state, data_state
+    state, data_state, _ = restore(manager, move.abstract(abstract_state), candidate)
+    return move.apply(state, abstract_state), data_state
 
   (state, data_state), step, unreadable = newest_readable(manager, read, step=step, say=say)
   return state, data_state, step, unreadable

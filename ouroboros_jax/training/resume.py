@@ -11,7 +11,7 @@ import jax
 
 from ouroboros_jax.errors import CheckpointError
 from ouroboros_jax.models import model as transformer
-from ouroboros_jax.training import checkpoint, config, field_flags, metrics
+from ouroboros_jax.training import checkpoint, config, field_flags, metrics, relayout
 from ouroboros_jax.training.config import TrainConfig
 
 # Settings that fix the shape of the TrainState or the data stream (with every ModelConfig
@@ -102,10 +102,13 @@ def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str)
   shaping = [n for n in RESUME_FIELDS if n != 'stash_policy' or have['schedule'] == 'ouroboros']
   names = model_fields + shaping
   wrong = [n for n in names if want[n] != have[n]]
-  if tuple(saved['layers_per_stage']) != tuple(layers_per_stage) and not wrong:
-    wrong = ['layers_per_stage']
+  if tuple(saved['layers_per_stage']) != tuple(layers_per_stage):
+    wrong.append('layers_per_stage')
     want['layers_per_stage'] = ','.join(map(str, saved['layers_per_stage']))
     have['layers_per_stage'] = ','.join(map(str, layers_per_stage))
+  moving = 'ouroboros' not in (want['schedule'], have['schedule'])  # exact schedules move
+  moved = [n for n in wrong if moving and n in relayout.LAYOUT_FIELDS]
+  wrong = [n for n in wrong if n not in moved]
 
   def flags(values):
     return ' '.join(
@@ -113,12 +116,19 @@ def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str)
     )
 
   if wrong:
+    ring = any(n in relayout.LAYOUT_FIELDS for n in wrong)  # Ouroboros on another layout
     raise CheckpointError(
       f'the checkpoint in {where} was made with {flags(want)} but the flags '
       f"give {flags(have)}; resume with the checkpoint's flags or choose "
-      'another --out.'
+      'another --out'
+      + (
+        " (Ouroboros' ring holds work in flight, shaped by its layout: moving it needs a drain "
+        'that is not written yet).'
+        if ring
+        else '.'
+      )
     )
-  ignored = set(names) | {'out', 'layers_per_stage'}
+  ignored = (set(names) | {'out', 'layers_per_stage'}) - set(moved)
   spell = lambda v: 'none' if v is None else v  # as the flag takes it (--momentum none)
   return [
     f'{field_flags.flag(n)} {spell(want[n])} -> {spell(have[n])}'
@@ -145,10 +155,15 @@ def resume_state(cfg: TrainConfig, manager, target, layers_per_stage, resume_fro
   unreadable checkpoints go to stderr.
   """
   ckpt_dir = checkpoint.checkpoint_dir(cfg.out_dir)
-  changed = []
+  changed, moves = [], []
 
   def check(meta):
     changed[:] = check_resumable(meta, cfg, layers_per_stage, ckpt_dir)
+    saved = tuple(meta['layers_per_stage'])
+    moves[:] = (
+      [relayout.Move(saved, tuple(layers_per_stage))] if saved != tuple(layers_per_stage) else []
+    )
+    return moves[0] if moves else None
 
   state, data_state, step, unreadable = checkpoint.restore_newest(
     manager, target, check, step=resume_from
@@ -163,9 +178,11 @@ def resume_state(cfg: TrainConfig, manager, target, layers_per_stage, resume_fro
       flush=True,
     )
     manager = checkpoint.make_manager(cfg.out_dir, keep=cfg.keep_checkpoints)
-  print(
-    resuming_line(step, ckpt_dir, newest_readable=bool(unreadable), changed=changed), flush=True
+  moved = moves[0].describe() if moves else ''
+  line = resuming_line(
+    step, ckpt_dir, newest_readable=bool(unreadable), changed=changed, moved=moved
   )
+  print(line, flush=True)
   return state, data_state, manager
 
 
@@ -187,15 +204,17 @@ def _set_aside_logs(out_dir: str, where: str, newest: int) -> str:
   return f', and the {" and ".join(kept)} they belong to,' if kept else ''
 
 
-def resuming_line(step: int, ckpt_dir: str, *, newest_readable: bool, changed: list[str]) -> str:
+def resuming_line(
+  step: int, ckpt_dir: str, *, newest_readable: bool, changed: list[str], moved: str = ''
+) -> str:
   """'resuming from step 20 in OUT/checkpoints[, the newest readable checkpoint][, with changed
-  settings: --steps 30 -> 40].'"""
+  settings: --steps 30 -> 40][; what a move to another layout did].'"""
   line = f'resuming from step {step} in {ckpt_dir}'
   if newest_readable:
     line += ', the newest readable checkpoint'
   if changed:
     line += f', with changed settings: {"; ".join(changed)}'
-  return line + '.'
+  return line + (f'; {moved}.' if moved else '.')
 
 
 def finished_summary(cfg: TrainConfig, resume_from: int | None) -> dict | None:

@@ -1,0 +1,96 @@
+"""Resuming on another layout (issue 63): an exact schedule's checkpoint continues on another
+schedule or another number of stages as if it never moved; Ouroboros' is refused in one line."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from ouroboros_jax import staging
+from ouroboros_jax.errors import CheckpointError
+from ouroboros_jax.training import checkpoint, field_flags, loop
+
+from helpers import host_tree, tiny_config
+
+# 4 layers, so 4 stages hold one each; a checkpoint at step 3, then 3 steps more.
+LAYOUT = dict(num_layers=4, checkpoint_every=3, steps=6, eval_every=1000, optimizer='adamw')
+# Float32: the schedules sum a batch's gradient in another order (micro-batches, stages), so a
+# moved run and an unmoved one differ in the last bits. Measured: at most 3.2e-7 after six AdamW
+# steps at 1e-2; the bound leaves a factor of 6.
+ATOL = 2e-6
+
+
+def layers_of(out) -> dict:
+  """The saved run's parameters as the model's layers, {'embed', 'layers' [L, ...], 'head'}."""
+  manager = checkpoint.make_manager(str(out), read_only=True)
+  try:
+    meta, step = checkpoint.read_meta(manager), manager.latest_step()
+    params = host_tree(checkpoint.restore_single_device(manager))['params']
+  finally:
+    manager.close()
+  return step, staging.from_staged(params, meta['layers_per_stage'])
+
+
+def moved_and_unmoved(tmp_path, prepared_data_dir, first: dict, then: dict, capsys):
+  """(the parameters after 6 steps of `first`; after 3 of `first`, stopped there, and 3 of
+  `then`, resumed from the first's checkpoint; what the resume printed)."""
+  unmoved = tiny_config(tmp_path / 'unmoved', prepared_data_dir, **LAYOUT, **first)
+  loop.train(unmoved, quiet=True)
+  start = field_flags.override(unmoved, {'out': str(tmp_path / 'moved')})
+
+  def stop(step, _state):  # after step 3's checkpoint, as a preemption would
+    if step == 4:
+      raise KeyboardInterrupt
+
+  with pytest.raises(KeyboardInterrupt):
+    loop.train(start, quiet=True, on_step=stop)
+  capsys.readouterr()
+  loop.train(field_flags.override(start, then), quiet=True, resume=True)
+  return layers_of(unmoved.out_dir), layers_of(start.out_dir), capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+  'first, then',
+  [
+    (dict(schedule='1f1b', stages=2, microbatches=4), dict(schedule='1f1b', stages=4)),
+    (dict(schedule='1f1b', stages=2, microbatches=4), dict(schedule='backprop', stages=1, microbatches=None)),
+    (dict(schedule='backprop'), dict(schedule='zb_h1', stages=4, microbatches=4)),
+    (dict(schedule='interleaved', stages=2, microbatches=4), dict(schedule='data_parallel', stages=1, microbatches=None, data_parallel=2, fsdp=True)),
+  ],
+  ids=['1f1b-2to4', '1f1b-to-backprop', 'backprop-to-zb_h1', 'interleaved-to-fsdp'],
+)  # fmt: skip
+def test_an_exact_schedule_moves_exactly(tmp_path, prepared_data_dir, capsys, first, then):
+  (steps_a, unmoved), (steps_b, moved), said = moved_and_unmoved(
+    tmp_path, prepared_data_dir, first, then, capsys
+  )
+  assert steps_a == steps_b == 6
+  worst = max(
+    float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+    for a, b in zip(jax.tree.leaves(unmoved), jax.tree.leaves(moved))
+  )
+  assert worst < ATOL, worst
+  line = [s for s in said.splitlines() if s.startswith('resuming from step 3')]
+  assert len(line) == 1 and 're-staged from' in line[0], said
+  assert '--schedule ' in line[0] or '--stages ' in line[0], line
+
+
+def test_moving_ouroboros_is_refused_in_one_line(tmp_path, prepared_data_dir):
+  ring = tiny_config(
+    tmp_path / 'ring', prepared_data_dir, **dict(LAYOUT, steps=3), schedule='ouroboros', stages=2
+  )
+  loop.train(ring, quiet=True)
+  for then in (dict(stages=4), dict(schedule='1f1b', stages=2)):
+    with pytest.raises(CheckpointError, match='drain') as caught:
+      loop.train(field_flags.override(ring, dict(then, steps=6)), quiet=True, resume=True)
+    assert '\n' not in str(caught.value)
+
+
+def test_a_changed_model_is_refused_even_between_exact_schedules(tmp_path, prepared_data_dir):
+  run = tiny_config(
+    tmp_path / 'run', prepared_data_dir, **dict(LAYOUT, steps=3), schedule='1f1b', stages=2
+  )
+  loop.train(run, quiet=True)
+  wider = field_flags.override(run, dict(schedule='backprop', stages=1, d_model=64, steps=6))
+  with pytest.raises(CheckpointError, match='--d-model 32.*--d-model 64'):
+    loop.train(wider, quiet=True, resume=True)
