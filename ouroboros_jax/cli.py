@@ -3,6 +3,7 @@
     ouroboros train [--preset tiny] [--FIELD VALUE ...] [--out DIR] [--resume] [--quiet]
                     [--cpu-devices N]
     ouroboros sample --ckpt OUT [--prompt TEXT] [--length N] [--temperature T] [--seed S]
+    ouroboros export --ckpt OUT --to DIR [--step S]
     ouroboros bench [--preset tiny] [--FIELD VALUE ...] [--bench-steps 20] [--warmup 3]
     ouroboros compile [--preset tiny] [--FIELD VALUE ...] [--topology v5e:2x2] [--json]
                       [--cpu-devices N]
@@ -104,6 +105,12 @@ def _run_sample(args) -> None:
   )
   sys.stdout.buffer.write(b'\n')
   sys.stdout.buffer.flush()
+
+
+def _run_export(args) -> None:
+  from ouroboros_jax.training import export
+
+  print(export.export(args.ckpt, args.to, step=args.step), flush=True)
 
 
 def _run_bench(args) -> None:
@@ -316,6 +323,7 @@ def _command(name: str):
   return {
     'train': _run_train,
     'sample': _run_sample,
+    'export': _run_export,
     'bench': _run_bench,
     'compile': _run_compile,
     'plan': _run_plan,

@@ -255,12 +255,13 @@ def make_parser() -> argparse.ArgumentParser:
     description='Ouroboros delayed-gradient model parallelism for Transformer LMs.',
   )
   sub = parser.add_subparsers(
-    dest='command', metavar='{train,sample,bench,compile,plan,launch}', parser_class=_Parser
+    dest='command', metavar='{train,sample,export,bench,compile,plan,launch}', parser_class=_Parser
   )
   sub.required = True
   parser.commands = {  # added in this order, listed in this order by --help
     'train': _train_parser(sub),
     'sample': _sample_parser(sub),
+    'export': _export_parser(sub),
     'bench': _bench_parser(sub),
     'compile': _compile_parser(sub),
     'plan': _plan_parser(sub),
@@ -299,6 +300,31 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     '--quiet', action='store_true', help='no progress bar or eval lines (default off)'
   )
   return _run_flags(train, processes=True)
+
+
+def _export_parser(sub) -> argparse.ArgumentParser:
+  export = _subcommand(
+    sub,
+    'export',
+    "write a run's trained model as one plain parameter tree",
+    "Write a checkpoint's model, whatever schedule and mesh trained it, as the model's own "
+    "parameter tree ({'embed', 'layers', 'head'}, Orbax's standard format) with its config; "
+    '`ouroboros sample --ckpt DIR` reads it.',
+  )
+  export.add_argument(
+    '--ckpt', required=True, metavar='OUT', help='the OUT directory of a training run (required)'
+  )
+  export.add_argument(
+    '--to', required=True, metavar='DIR', help='a new or empty directory to write (required)'
+  )
+  export.add_argument(
+    '--step',
+    type=int,
+    default=None,
+    help='the checkpoint of this step (default: the newest readable)',
+  )
+  _cpu_devices_flag(export)
+  return export
 
 
 def _sample_parser(sub) -> argparse.ArgumentParser:

@@ -44,7 +44,26 @@ DEFAULT_CHUNK = 256
 
 
 def load(out_dir: str, step: int | None = None) -> tuple[ModelConfig, dict, int]:
-  """(model config, unstaged params {'embed','layers','head'}, step) of a run's checkpoint."""
+  """(model config, unstaged params {'embed','layers','head'}, step) of a run's checkpoint, or
+  of what `ouroboros export` wrote (training/export.py)."""
+  from ouroboros_jax.training import export
+
+  if export.is_export(out_dir):
+    if step is not None:
+      raise ConfigError(f'{out_dir} is an export of one step; drop --step.')
+    model, params, step = export.load(out_dir)
+  else:
+    model, params, step = load_run(out_dir, step)
+  if model.arch != 'gpt':
+    raise ConfigError(
+      f'{out_dir} holds a {model.arch} model; ouroboros sample generates from GPT runs only '
+      '(sampling with a Transformer-XL memory is not written yet).'
+    )
+  return model, params, step
+
+
+def load_run(out_dir: str, step: int | None = None) -> tuple[ModelConfig, dict, int]:
+  """`load` of a run's checkpoint (the step asked for, or the newest readable one), any model."""
   if checkpoint.latest_step(out_dir) is None:
     raise checkpoint.CheckpointError(
       f'no checkpoint in {checkpoint.checkpoint_dir(out_dir)}; pass --ckpt the OUT directory '
@@ -68,11 +87,6 @@ def load(out_dir: str, step: int | None = None) -> tuple[ModelConfig, dict, int]
   finally:
     manager.close()
   cfg = config.TrainConfig.from_dict(meta['config'])
-  if cfg.model.arch != 'gpt':
-    raise ConfigError(
-      f'{out_dir} holds a {cfg.model.arch} model; ouroboros sample generates from GPT runs only '
-      '(sampling with a Transformer-XL memory is not written yet).'
-    )
   return cfg.model, partition.from_staged(staged_params, meta['layers_per_stage']), step
 
 
