@@ -15,8 +15,9 @@ parameters, so a state moves between any two of them by restacking its layers:
     saved counter [G_old']                 -> [G_new'], every stage's the same (one update a step)
 
 Orbax restores the saved state as it was saved (its shapes, whole on this process's first
-device); one jitted function restacks it there, and `jax.device_put` places it with the new
-run's shardings. (So a move needs one device's memory for the whole state: fine at the sizes
+device); one jitted function restacks it there, and every device of the new run takes its shard
+of the result from its own process's host copy (`jax.make_array_from_callback`), so a run moves
+between process counts too. (So a move needs one device's memory for the whole state: fine at the sizes
 that train on one host, not yet for a state that only fits sharded.) Ouroboros' state holds what is in flight (the
 stash, the error gradients, the weight versions, the compensations' history), shaped by G and
 M: moving it needs the ring drained first, which is not written yet, and is refused in one line.
@@ -72,8 +73,13 @@ class Move:
         "does: it cannot move to another layout; resume with the checkpoint's flags."
       )
     move = lambda path, a: _restage(path, a, self.old_layers, self.new_layers)
-    moved = jax.jit(lambda s: jax.tree_util.tree_map_with_path(move, s))(state)
-    return jax.device_put(moved, jax.tree.map(lambda leaf: leaf.sharding, target))
+    moved = jax.device_get(jax.jit(lambda s: jax.tree_util.tree_map_with_path(move, s))(state))
+    # Each process holds the whole moved state: every device takes its shard from it, whichever
+    # process it belongs to (a 2-process run resumed in 1, or the reverse).
+    place = lambda host, leaf: jax.make_array_from_callback(
+      np.shape(host), leaf.sharding, lambda index: np.asarray(host)[index]
+    )
+    return jax.tree.map(place, moved, target)
 
 
 def _in_stage_group(path) -> bool:
