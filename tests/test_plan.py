@@ -251,8 +251,10 @@ def test_a_model_with_fewer_layers_than_devices_plans_fewer_stages_with_data_rep
   assert cfg.model.num_layers == 2
   tried = settings_lib.settings(4, settings_lib.Tries(), cfg.schedule, cfg.model.num_layers)
   # every schedule at each policy (data_parallel with and without fsdp), Ouroboros at each
-  # stash: 9 x 2 + 2 x 3, now at G = 2
-  assert len(tried) == 24
+  # stash: 9 x 2 + 2 x 3, now at G = 2; and again with each stage split over its 2 replicas
+  # (--fsdp): 6 x 2 + 2 x 3
+  assert len(tried) == 24 + 18
+  assert sum(s.fsdp for s in tried if s.name not in ('backprop', 'data_parallel')) == 18
   staged = [s for s in tried if s.name not in ('backprop', 'data_parallel')]
   assert {(s.num_stages, s.data_parallel) for s in staged} == {(2, 2)}
   reasons = {}
@@ -261,8 +263,10 @@ def test_a_model_with_fewer_layers_than_devices_plans_fewer_stages_with_data_rep
     if reason is not None:
       reasons.setdefault(reason, []).append(s.name)
   assert reasons == {
-    "2 stages x 2 chunks = 4 groups, more than the model's 2 layers": ['interleaved'] * 2
-    + ['zb_v'] * 2
+    "2 stages x 2 chunks = 4 groups, more than the model's 2 layers": (
+      ['interleaved'] * 2 + ['zb_v'] * 2
+    )
+    * 2
   }
   # --try-stages 4 asks for the ring of every device: each stage setting is skipped, saying why.
   four = settings_lib.settings(
@@ -325,7 +329,12 @@ def test_plan_compiles_only_the_settings_the_model_can_take():
   cfg = field_flags.override(
     presets.get_preset('tiny'), dict(zip(('d_model', 'seq_len', 'batch_size'), (32, 32, 8)))
   )
-  tries = settings_lib.Tries((2,), policies=('all',), schedules=('backprop', 'interleaved', 'zb_v'))
+  tries = settings_lib.Tries(
+    (2,),
+    policies=('all',),
+    schedules=('backprop', 'interleaved', 'zb_v'),
+    shardings=('replicated',),
+  )
   out = plan.plan(cfg, None, tries)
   assert [r['label'] for r in out['rows']] == ['backprop']
   assert not [r for r in out['rows'] if 'error' in r]
@@ -355,7 +364,9 @@ def test_every_factorisation_is_tried_and_a_count_with_none_is_refused_in_one_li
   one ConfigError naming the way out."""
   assert settings_lib.factorisations(8) == (2, 4, 8)
   assert settings_lib.factorisations(12, num_layers=4) == (2, 3, 4)
-  tries = settings_lib.Tries((4,), ('graph/nothing',), ('all',), ('ouroboros',), stages='all')
+  tries = settings_lib.Tries(
+    (4,), ('graph/nothing',), ('all',), ('ouroboros',), stages='all', shardings=('replicated',)
+  )
   labels = [s.label for s in settings_lib.settings(8, tries, num_layers=24)]
   assert [label.split(' M=')[0] for label in labels[::2]] == [
     'ouroboros G=2xR=4',

@@ -850,3 +850,21 @@ def test_a_stage_schedule_on_data_replicas_all_reduces_each_stage_after_its_last
     assert one == pytest.approx(T0, abs=TOL)
   with pytest.raises(ValueError, match='param_bytes'):
     sim.simulate(hybrid, costs([f0, f1], [b0, b1]))
+
+
+def test_fsdp_in_a_stage_schedule_gathers_each_stage_first_and_reduce_scatters_it_last():
+  """The same, with --fsdp: each device first gathers its stage over the R = 2 replicas (1/2 of
+  its bytes), its first compute waiting for it, and reduce-scatters its gradient at the end (one
+  pass, 1/2 of the bytes, where the all-reduce takes two)."""
+  E, f0, f1, h, b1, b0, Eb = 0.1, 1.0, 1.5, 0.5, 3.0, 2.0, 0.2
+  sharded = _run(name='model_parallel', num_stages=2, data_parallel=2, fsdp=True)
+  for p0, p1, embedding in ((1e9, 2e9, 0.5e9), (1e9, 9e9, 0.0)):  # the second: device 1 waits
+    c = costs(
+      [f0, f1], [b0, b1], head_s=h, embed_forward_s=E, embed_backward_s=Eb,
+      param_bytes=[p0, p1], grad_bytes=p0 + p1 + embedding, collective_bandwidth=1e9,
+    )  # fmt: skip
+    half0, half1 = (p0 + embedding) / 2e9, p1 / 2e9
+    T1 = max(half1, half0 + E + f0) + f1 + h + b1
+    T0 = T1 + b0 + Eb
+    expected = max(T1 + half1, T0 + half0)
+    assert sim.simulate(sharded, c).step_time == pytest.approx(expected, abs=TOL)

@@ -36,7 +36,8 @@ DEFAULT_MICROBATCHES = (8,)
 # layer's, for backprop) input with the forward re-run in the backward. Like with like: each
 # schedule gets the recomputation Ouroboros' default stash has.
 DEFAULT_POLICIES = ('all', 'nothing')
-# How data_parallel keeps its state: whole on every replica, or split over them (--fsdp).
+# How data_parallel, and a stage schedule on several replicas, keep their state: whole on every
+# replica, or split over them (--fsdp).
 SHARDINGS = ('replicated', 'fsdp')
 
 
@@ -157,15 +158,17 @@ def settings(
       for p in policies
     ]
   for g in (g for g in stages if g > 1):
-    on = dict(num_stages=g, data_parallel=num_devices // g)
-    out += [setting('model_parallel', **on, stash_policy=p) for p in policies]
-    for name in ('gpipe', *EXACT_PIPELINES):
-      out += [
-        setting(name, **on, microbatches=m, stash_policy=p)
-        for m in tries.microbatches
-        for p in policies
-      ]
-    out += [setting('ouroboros', **on, **ring) for ring in _ring_fields(tries, base)]
+    replicas = num_devices // g  # FSDP splits a stage over its replicas: only where there are
+    for sharded in [s for s in tries.shardings if s == 'replicated' or replicas > 1]:
+      on = dict(num_stages=g, data_parallel=replicas, fsdp=sharded == 'fsdp')
+      out += [setting('model_parallel', **on, stash_policy=p) for p in policies]
+      for name in ('gpipe', *EXACT_PIPELINES):
+        out += [
+          setting(name, **on, microbatches=m, stash_policy=p)
+          for m in tries.microbatches
+          for p in policies
+        ]
+      out += [setting('ouroboros', **on, **ring) for ring in _ring_fields(tries, base)]
   return [s for s in out if tries.schedules is None or s.name in tries.schedules]
 
 

@@ -65,6 +65,8 @@ class Graph:
     self.step_end: dict[int, int] = {}
     self.update_s: Sequence[float] = ()  # per device: its optimizer update, ending every step
     self.data_replicas = 1  # a stage schedule's R: each device's gradient all-reduced over R
+    self.fsdp = False  # ... or (--fsdp) its stage gathered over R before its first compute of a
+    self._gathered: dict[int, int] = {}  # step, and its gradient reduce-scattered after
 
   def _add(self, task: Task) -> int:
     self.tasks.append(task)
@@ -79,7 +81,7 @@ class Graph:
     duration: float,
     deps: Sequence[int | None] = (),
   ) -> int:
-    deps = tuple(d for d in (*deps, self.barrier) if d is not None)
+    deps = tuple(d for d in (*deps, self.barrier, self._gather(device, step)) if d is not None)
     index = self._add(Task(('device', device), kind, step, batch, duration, deps, sync=True))
     self.step_tasks.append(index)
     return index
@@ -103,6 +105,21 @@ class Graph:
     self.step_tasks.append(index)
     return index
 
+  def _stage_bytes(self, device: int) -> float:
+    """The bytes of a device's stage (device 0's with the embedding)."""
+    return self.costs.param_bytes[device] + (self.costs.embedding_bytes if device == 0 else 0.0)
+
+  def _gather(self, device: int, step: int) -> int | None:
+    """FSDP in a stage schedule: the all-gather of the device's stage over its R replicas, once
+    a step, after the previous step's update (the schedule's shard_map takes the stage whole)."""
+    if not self.fsdp or self.data_replicas == 1:
+      return None
+    if device not in self._gathered:
+      seconds = self.costs.collective_s(self._stage_bytes(device), self.data_replicas)
+      deps = () if self.barrier is None else (self.barrier,)
+      self._gathered[device] = self.collective(device, 'gather', step, seconds, deps)
+    return self._gathered[device]
+
   def end_step(self, step: int) -> None:
     """Each device's optimizer update (after the step's global-norm clip, i.e. after every sync
     task of the step), then: nobody starts step + 1 before every sync task has ended."""
@@ -115,21 +132,22 @@ class Graph:
     self.barrier = self._add(
       Task(None, 'barrier', step, step, 0.0, tuple(self.step_tasks), sync=False)
     )
-    self.step_end[step], self.step_tasks = self.barrier, []
+    self.step_end[step], self.step_tasks, self._gathered = self.barrier, [], {}
 
   def _allreduce_stages(self, step: int) -> None:
     """A stage schedule on R data replicas: each device's gradient (its stage's parameters; device
     0's with the embedding) all-reduced over the R devices of its stage once the device's last
-    compute of the step has ended, while the other devices compute on."""
-    c, last = self.costs, {}
+    compute of the step has ended, while the other devices compute on (FSDP: reduce-scattered,
+    one pass instead of two)."""
+    last = {}
     for i in self.step_tasks:
       kind, *where = self.tasks[i].resource
       if kind == 'device':
         last[where[0]] = i
+    passes = 1 if self.fsdp else 2
     for d, i in sorted(last.items()):
-      nbytes = c.param_bytes[d] + (c.embedding_bytes if d == 0 else 0.0)
-      seconds = 2 * c.collective_s(nbytes, self.data_replicas)
-      self.collective(d, 'allreduce', step, seconds, [i])
+      seconds = passes * self.costs.collective_s(self._stage_bytes(d), self.data_replicas)
+      self.collective(d, 'reduce_scatter' if self.fsdp else 'allreduce', step, seconds, [i])
 
 
 def execute(tasks: Sequence[Task], slowdown: float = 1.0) -> list[tuple[float, float]]:
@@ -588,13 +606,13 @@ def task_graph(
   devices = {'backprop': 1, 'data_parallel': run.data_parallel}.get(run.name, G)
   graph, state = Graph(costs), {}
   if run.name not in ('backprop', 'data_parallel'):
-    graph.data_replicas = run.data_parallel
-  if costs.update_s:  # one device updates every parameter (FSDP: 1 / D); a ring device, its
-    whole = sum(costs.update_s) / (run.data_parallel if run.fsdp else 1)  # own stage's
+    graph.data_replicas, graph.fsdp = run.data_parallel, run.fsdp
+  if costs.update_s:  # one device updates every parameter, a ring device its own stage's;
+    share = run.data_parallel if run.fsdp else 1  # FSDP: 1 / D of them
     graph.update_s = (
-      [whole] * devices
+      [sum(costs.update_s) / share] * devices
       if run.name in ('backprop', 'data_parallel') or G == 1
-      else list(costs.update_s)
+      else [seconds / share for seconds in costs.update_s]
     )
   options = dict(
     microbatches=run.microbatches,
@@ -620,7 +638,7 @@ def _emitter(
     if G == 1:
       return (emit_backprop if run.microbatches == 1 else emit_ring_one_device), None
     return (emit_ouroboros_locked if run.forward == 'locked' else emit_ouroboros_pipelined), None
-  if run.fsdp:
+  if run.fsdp and run.name == 'data_parallel':
     if not costs.param_bytes:
       raise ValueError("FSDP gathers each group's weights: give the costs' param_bytes.")
     return emit_fsdp, None
