@@ -4,6 +4,7 @@ the CLI in a subprocess, a tiny training config."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import pathlib
@@ -103,6 +104,20 @@ def assert_trees_equal(a, b):
   chex.assert_trees_all_equal_structs(a, b)
   chex.assert_trees_all_equal_shapes_and_dtypes(a, b)
   chex.assert_trees_all_equal(a, b)
+
+
+# ----------------------------------------------------------------------------- experiments
+
+
+def experiment(name: str):
+  """experiments/NAME.py as the module NAME, loaded once (a script's own `import NAME` of another
+  finds it; dataclasses look their module up while the file runs)."""
+  if name not in sys.modules:
+    spec = importlib.util.spec_from_file_location(name, REPO_ROOT / 'experiments' / f'{name}.py')
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+  return sys.modules[name]
 
 
 # ----------------------------------------------------------------------------- the CLI

@@ -3,30 +3,21 @@ verdict per cell, on cells of 8 and 64 chips (a few seconds)."""
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
-import sys
 
 import pytest
 
 from ouroboros_jax.perf import plan
 
+from helpers import experiment
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def _layouts():
-  if 'layouts' not in sys.modules:
-    spec = importlib.util.spec_from_file_location('layouts', ROOT / 'experiments' / 'layouts.py')
-    module = importlib.util.module_from_spec(spec)
-    sys.modules['layouts'] = module
-    spec.loader.exec_module(module)
-  return sys.modules['layouts']
 
 
 def test_the_layouts_of_a_cell_split_every_chip_and_no_sequence():
   """FSDP only where every chip gets a whole sequence (B >= N); a pipeline at each G of the
   factorisations whose R replicas split the batch, M = B / R one-sequence micro-batches."""
-  layouts = _layouts()
+  layouts = experiment('layouts')
   few = layouts.layouts(64, 16, num_layers=24, policy='dots')
   assert not [s for s in few if s.name == 'data_parallel']  # 16 sequences on 64 chips
   assert {(s.num_stages, s.data_parallel, s.num_microbatches) for s in few} == {
@@ -43,7 +34,7 @@ def test_a_cell_is_the_plans_prediction_and_the_map_names_its_fastest():
   """The 1B cell at N = 8, B = 32 is `plan`'s prediction for each layout (FSDP 873.5 ms, the
   ring at G = 8 873.3 ms, m-fsdp-1b); the rendered map names the fastest line and Ouroboros'
   ratio to the best other line."""
-  layouts = _layouts()
+  layouts = experiment('layouts')
   rows = layouts.cell_rows('1b', 8, 32, 'dots')
   by_label = {r['setting']: r for r in rows}
   fsdp = by_label['data_parallel fsdp keep=dots']['step_s']

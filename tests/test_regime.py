@@ -3,29 +3,20 @@ tables, on a small grid (G = 4, M in {2, 4, 8}; a few seconds)."""
 
 from __future__ import annotations
 
-import importlib.util
 import pathlib
-import sys
 
 import pytest
 
 from ouroboros_jax.schedules import ScheduleConfig
 
+from helpers import experiment
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def _regime():
-  if 'regime' not in sys.modules:
-    spec = importlib.util.spec_from_file_location('regime', ROOT / 'experiments' / 'regime.py')
-    module = importlib.util.module_from_spec(spec)
-    sys.modules['regime'] = module
-    spec.loader.exec_module(module)
-  return sys.modules['regime']
 
 
 @pytest.fixture(scope='module')
 def rows():
-  regime = _regime()
+  regime = experiment('regime')
   out = regime.time_rows(regime.base_config(), ('tpu-v5e',), (4,), (0.5, 1, 2))
   for row in out:
     row.update(fits=None, memory='not estimated')
@@ -75,7 +66,7 @@ def test_the_fastest_of_each_line_is_marked_once(rows):
 
 
 def test_render_reads_back_the_csv(rows, tmp_path):
-  regime = _regime()
+  regime = experiment('regime')
   path = tmp_path / 'regime.csv'
   regime.write_csv(path, rows)
   text = regime.render(regime.read_csv(path))
@@ -87,7 +78,7 @@ def test_the_temporaries_line_through_two_compiled_rows():
   """temps = a x params + c x activation units: two reference rows at two M give a and c back
   exactly; one row gives a = 1 (one float32 gradient) and c through it. A table pipeline keeping
   every residual scales with its stash slots, one that recomputes with one chunk (but ZB's)."""
-  regime = _regime()
+  regime = experiment('regime')
   a, c, params = 2.0, 1000.0, 50
 
   def ref(M):

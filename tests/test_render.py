@@ -6,23 +6,13 @@ trains nothing."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import pathlib
-import sys
 
 import pytest
 
+from helpers import experiment
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def _script(name):
-  key = f'_test_render_{name}'
-  if key not in sys.modules:
-    spec = importlib.util.spec_from_file_location(key, ROOT / 'experiments' / f'{name}.py')
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[key] = module
-    spec.loader.exec_module(module)
-  return sys.modules[key]
 
 
 def _rows(table: str):
@@ -52,7 +42,7 @@ def fixture_csv(tmp_path):
 
 
 def test_lr_sweep_render_a_fixture(fixture_csv, capsys):
-  _script('lr_sweep').main(
+  experiment('lr_sweep').main(
     ['--render', str(fixture_csv), '--versus', 'backprop-muon', '--at', '100']
   )
   rows = _rows(capsys.readouterr().out)
@@ -73,7 +63,7 @@ def test_lr_sweep_render_a_fixture(fixture_csv, capsys):
 
 
 def test_lr_sweep_render_picks_rows_in_order(fixture_csv):
-  text = _script('lr_sweep').render(
+  text = experiment('lr_sweep').render(
     str(fixture_csv), ['g4-stream4-muon-predict-dc@0.02', 'backprop-muon'], 'backprop-muon'
   )
   assert [(r['recipe'], r['rate']) for r in _rows(text)] == [
@@ -81,7 +71,7 @@ def test_lr_sweep_render_picks_rows_in_order(fixture_csv):
     ('backprop-muon', '0.04'),
   ]
   with pytest.raises(SystemExit, match='2 runs match'):
-    _script('lr_sweep').render(str(fixture_csv), None, 'g4-stream4-muon-predict-dc')
+    experiment('lr_sweep').render(str(fixture_csv), None, 'g4-stream4-muon-predict-dc')
 
 
 @pytest.mark.parametrize(
@@ -95,7 +85,7 @@ def test_lr_sweep_render_picks_rows_in_order(fixture_csv):
 )
 def test_render_of_a_committed_csv_gives_its_last_evaluations(script, name, csv_name, capsys):
   path = ROOT / 'docs' / 'results' / csv_name
-  _script(script).main(['--render', str(path)])
+  experiment(script).main(['--render', str(path)])
   table = _rows(capsys.readouterr().out)
   last = {}
   with open(path) as f:
@@ -122,7 +112,7 @@ def test_render_of_a_committed_csv_gives_its_last_evaluations(script, name, csv_
 
 def test_simulate_render_gives_a_bench_csvs_own_columns(capsys):
   path = ROOT / 'docs' / 'results' / 'archive' / 'bench_2proc_cpu_pipelines.csv'
-  _script('simulate').main(['--render', str(path), '--versus', 'backprop,gpipe M=4'])
+  experiment('simulate').main(['--render', str(path), '--versus', 'backprop,gpipe M=4'])
   table = {r['setting']: r for r in _rows(capsys.readouterr().out)}
   with open(path) as f:
     rows = list(csv.DictReader(f))
@@ -137,13 +127,13 @@ def test_simulate_render_gives_a_bench_csvs_own_columns(capsys):
     assert out['simulator error'] == f'{error:+.1%}'
   assert table['gpipe M=4']['vs gpipe M=4'] == '1.00x'
   with pytest.raises(SystemExit, match='no row labelled'):
-    _script('simulate').render_bench(str(path), ['zb_v M=8'])
+    experiment('simulate').render_bench(str(path), ['zb_v M=8'])
 
 
 def test_every_page_table_is_what_its_csv_gives():
   """Nothing in a generated table of docs/results was edited by hand (or its CSV changed since):
   `python experiments/render_results.py` rewrites them."""
-  render_results = _script('render_results')
+  render_results = experiment('render_results')
   blocks = 0
   for page in render_results.pages():
     text = page.read_text()

@@ -1,0 +1,292 @@
+"""Where Ouroboros is fast, does it train? (issue 62): quality in the regime of few micro-batches.
+
+The regime table (docs/results/regime.md) puts Ouroboros ahead of every exact pipeline at G = 16
+with M / G = 0.5-2 and at G = 8 with M / G = 2-4. There the streamed ring's gradients are
+ceil(lag / M) updates old (`delays.gradient_age`: lag G locked, 2G pipelined), older than any
+measured before. This trains every setting of that region on the `tiny` preset made G layers
+deep (a layer per stage), G in {8, 16}, M in {G/2, G, 2G}, locked and pipelined, with the
+library's Ouroboros recipe (Muon at 0.02 + weight prediction + DC-ASGD, `--optimizer auto
+--compensation auto`), against backprop with Muon at the same depth, on the same batches from the
+same initialisation; stage devices simulated on the CPU (proven equal to the slow reference in
+tests/test_stream_ring.py).
+
+Writes one row per evaluation to --csv (setting, corpus, seed, rate, step, bpb; appended as each
+run ends, so an interrupted campaign continues with the same command) and prints the tables:
+
+    python experiments/regime_quality.py                             # every setting, seed 0
+    python experiments/regime_quality.py --settings pipelined-g16-m8,backprop-16l --seeds 0,1 \
+        --data text:experiments/corpora/austen_shelley.txt.gz
+    python experiments/regime_quality.py --render docs/results/regime_quality.csv
+
+Time to quality (the render): the steps a setting needs to reach backprop's final validation bpb
+on the same corpus and seed (interpolated between evaluations), times the step `ouroboros plan`
+predicts for it at the regime's 1.61B shape (docs/results/regime.csv, its fastest stash that
+fits), beside the best exact pipeline's 1000 steps at its fastest setting that fits there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import lr_sweep  # noqa: E402  (experiments/ is not a package)
+
+from ouroboros_jax.schedules import delays  # noqa: E402
+
+RECIPE = dict(optimizer='muon', compensation='predict,dc')  # the library's Ouroboros recipe
+BACKPROP_RATE, OUROBOROS_RATE = 0.04, 0.02  # each one's best at 1000 steps (q-stream, q-stream-g8)
+STAGES = (16, 8)
+FIELDS = ['setting', 'corpus', 'seed', 'rate', 'step', 'bpb']
+
+
+def settings() -> dict[str, dict]:
+  """name -> config overrides: backprop at each depth, then the region's ring settings."""
+  table = {}
+  for G in STAGES:
+    table[f'backprop-{G}l'] = dict(schedule='backprop', optimizer='muon', num_layers=G)
+  for G in STAGES:
+    for forward in ('pipelined', 'locked'):
+      for M in (G // 2, G, 2 * G):
+        table[f'{forward}-g{G}-m{M}'] = dict(
+          RECIPE, schedule='ouroboros', stages=G, num_layers=G, forward=forward,
+          microbatches=M, flow='stream',
+        )  # fmt: skip
+  return table
+
+
+SETTINGS = settings()
+
+
+def age(overrides: dict) -> int:
+  """Updates between a gradient's forward weights and the weights it is applied to, oldest group."""
+  if overrides['schedule'] != 'ouroboros':
+    return 0
+  return delays.gradient_age(
+    overrides['stages'], overrides['forward'], overrides['microbatches'], overrides['flow']
+  )
+
+
+def corpus_name(data: str) -> str:
+  return 'default' if data == 'default' else os.path.basename(data.split(':', 1)[1]).split('.')[0]
+
+
+def run(names, seeds, data, args) -> None:
+  """Train each (setting, seed) not yet in --csv; append its evaluations as it ends."""
+  import jax
+
+  from ouroboros_jax.runtime import host
+  from ouroboros_jax.training import presets
+
+  host.configure_cpu_runtime()
+  jax.config.update('jax_num_cpu_devices', max(STAGES))
+  base = presets.get_preset('tiny')
+  corpus = corpus_name(data)
+  done = {(r['setting'], r['corpus'], r['seed']) for r in read_csv(args.csv)}
+  for seed in seeds:
+    for name in names:
+      if (name, corpus, seed) in done:
+        continue
+      overrides = dict(SETTINGS[name], data=data, test_batches=1)
+      rate = BACKPROP_RATE if overrides['schedule'] == 'backprop' else OUROBOROS_RATE
+      out = os.path.join(args.out, corpus, f'{name}@{rate:g}-seed{seed}')
+      print(f'== {name} on {corpus}, seed {seed}, rate {rate:g}', flush=True)
+      curve = lr_sweep.train_one(
+        base, overrides, rate, args.steps, args.eval_every, args.eval_batches, out, True, seed
+      )
+      append_rows(args.csv, [
+        dict(setting=name, corpus=corpus, seed=seed, rate=rate, step=step, bpb=bpb)
+        for step, bpb in curve
+      ])  # fmt: skip
+
+
+def append_rows(path: str, rows: list[dict]) -> None:
+  new = not os.path.exists(path)
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, 'a', newline='') as f:
+    writer = csv.DictWriter(f, fieldnames=FIELDS)
+    if new:
+      writer.writeheader()
+    writer.writerows(rows)
+
+
+def read_csv(path: str) -> list[dict]:
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [
+      dict(r, seed=int(r['seed']), rate=float(r['rate']), step=int(r['step']), bpb=float(r['bpb']))
+      for r in csv.DictReader(f)
+    ]
+
+
+# ----------------------------------------------------------------------------- the tables
+
+
+def curves(rows) -> dict[tuple, list[tuple[int, float]]]:
+  """(setting, corpus, seed) -> [(step, validation bpb)] in step order."""
+  out: dict[tuple, list] = {}
+  for r in rows:
+    out.setdefault((r['setting'], r['corpus'], r['seed']), []).append((r['step'], r['bpb']))
+  return {k: sorted(v) for k, v in out.items()}
+
+
+def fastest_steps(regime_csv: str) -> dict[tuple, float]:
+  """(hardware, G, M, line) -> the fastest predicted step (s) that fits, from regime.csv; line is
+  'ouroboros locked', 'ouroboros pipelined', 'exact' (the best exact pipeline) or 'data_parallel'."""
+  best: dict[tuple, float] = {}
+  with open(regime_csv) as f:
+    for r in csv.DictReader(f):
+      if r['fits'] != 'True' or not r['step_s'] or r['G'] == '1':
+        continue
+      line = r['line'] if r['line'].startswith(('ouroboros', 'data_parallel')) else 'exact'
+      if line == 'exact' and r['line'] == 'model_parallel':
+        continue
+      key = (r['hardware'], int(r['G']), int(r['M']), line)
+      best[key] = min(best.get(key, math.inf), float(r['step_s']))
+  return best
+
+
+def final_gap(curve, reference) -> float:
+  """A run's last validation bpb over the reference's, minus 1."""
+  return curve[-1][1] / reference[-1][1] - 1
+
+
+def reference_of(name: str) -> str:
+  return f'backprop-{SETTINGS[name]["num_layers"]}l'
+
+
+def quality_table(rows, corpus: str) -> list[str]:
+  """Per setting: gradient age, each seed's last validation bpb, its gap to backprop at the same
+  depth, and the steps it needs to reach backprop's last bpb."""
+  runs = curves(rows)
+  seeds = sorted({r['seed'] for r in rows if r['corpus'] == corpus})
+  head = ['setting', 'age (updates)'] + [
+    f'seed {s}: {what}' for s in seeds for what in ('val bpb', 'vs backprop', "steps to backprop's")
+  ]
+  lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
+  for name in SETTINGS:
+    cells = [name, str(age(SETTINGS[name]))]
+    for seed in seeds:
+      curve, ref = runs.get((name, corpus, seed)), runs.get((reference_of(name), corpus, seed))
+      if not curve:
+        cells += ['', '', '']
+        continue
+      steps = lr_sweep.steps_to_reach(curve, ref[-1][1]) if ref else None
+      cells += [
+        f'{curve[-1][1]:.4f}',
+        f'{final_gap(curve, ref):+.2%}' if ref else '',
+        '' if not ref else f'{steps:.0f}' if steps is not None else 'not reached',
+      ]
+    if any(cells[2:]):
+      lines.append('| ' + ' | '.join(cells) + ' |')
+  return lines
+
+
+def steps_to_quality(rows, name: str, corpus: str) -> float | None:
+  """The most steps any seed of `name` needs to reach its backprop's last bpb (None: a seed never
+  does, or nothing ran)."""
+  runs, worst = curves(rows), 0.0
+  seeds = sorted({s for (n, c, s) in runs if n == name and c == corpus})
+  for seed in seeds:
+    ref = runs.get((reference_of(name), corpus, seed))
+    steps = ref and lr_sweep.steps_to_reach(runs[(name, corpus, seed)], ref[-1][1])
+    if not steps:
+      return None
+    worst = max(worst, steps)
+  return worst or None
+
+
+def fsdp_step_s(hardware: str, G: int) -> float:
+  """The predicted step of FSDP over the same G chips at the regime's shape, keeping nothing
+  (its state is 1/G a chip; the compiler has not judged its memory at this shape)."""
+  import regime
+
+  from ouroboros_jax.perf import plan
+  from ouroboros_jax.schedules import ScheduleConfig
+
+  setting = ScheduleConfig(name='data_parallel', data_parallel=G, fsdp=True, stash_policy='nothing')
+  return regime._predicted(regime.base_config(), setting, plan.hardware_for(None, hardware))  # pylint: disable=protected-access
+
+
+def time_table(rows, corpus: str, steps_s, hardware: str) -> list[str]:
+  """Time to backprop's quality at the regime's 1.61B shape: the steps the ring needs x its
+  predicted step, against the best exact pipeline's 1000 steps and FSDP's (both train as
+  backprop does) on the same G chips."""
+  lines = [
+    '| setting | steps to quality | ring step (s) | ring time (s) | best exact: 1000 steps (s) '
+    '| exact / ring | FSDP: 1000 steps (s) | FSDP / ring |',
+    '|---|---|---|---|---|---|---|---|',
+  ]
+  for name, o in SETTINGS.items():
+    if o['schedule'] == 'backprop' or not any(r['setting'] == name for r in rows):
+      continue
+    G, M = o['stages'], o['microbatches']
+    ring = steps_s.get((hardware, G, M, f'ouroboros {o["forward"]}'))
+    exact = steps_s.get((hardware, G, M, 'exact'))
+    if ring is None or exact is None:
+      continue  # nothing fits at this G and M (docs/results/regime.md)
+    steps = steps_to_quality(rows, name, corpus)
+    ring_time = steps * ring if steps else None
+    fsdp = 1000 * fsdp_step_s(hardware, G)
+    ratio = lambda other: f'{other / ring_time:.2f}x' if ring_time else 'not reached'
+    lines.append(
+      f'| {name} | {f"{steps:.0f}" if steps else "not reached"} | {ring:.3f} '
+      f'| {f"{ring_time:.1f}" if ring_time else "-"} | {1000 * exact:.1f} | {ratio(1000 * exact)} '
+      f'| {fsdp:.1f} | {ratio(fsdp)} |'
+    )
+  return lines
+
+
+def render(rows, steps_s) -> str:
+  out = []
+  for corpus in sorted({r['corpus'] for r in rows}):
+    out += [f'Validation bpb at the last step, corpus {corpus}:', '', *quality_table(rows, corpus)]
+    for hardware in sorted({k[0] for k in steps_s}):
+      out += ['', f'Time to quality, corpus {corpus}, `{hardware}`:', '']
+      out += time_table(rows, corpus, steps_s, hardware)
+    out.append('')
+  return '\n'.join(out)
+
+
+def parse_args(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  parser.add_argument(
+    '--settings',
+    default=','.join(SETTINGS),
+    help=f'comma-separated subset of {", ".join(SETTINGS)}',
+  )
+  parser.add_argument('--seeds', default='0', help='comma-separated seeds (initialisation, order)')
+  parser.add_argument('--data', default='default', help='the corpus, as `train --data` takes it')
+  parser.add_argument('--steps', type=int, default=1000)
+  parser.add_argument('--eval-every', type=int, default=100)
+  parser.add_argument(
+    '--eval-batches', type=int, default=20, help='validation batches per evaluation (20: a '
+    'second corpus of 1 MB has 28)',
+  )  # fmt: skip
+  parser.add_argument('--csv', default='docs/results/regime_quality.csv')
+  parser.add_argument('--out', default='experiments/results/regime_quality')
+  parser.add_argument('--regime', default='docs/results/regime.csv', help='predicted step times')
+  parser.add_argument('--render', metavar='CSV', help='print the tables of a written CSV and stop')
+  return parser.parse_args(argv)
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  if args.render:
+    print(render(read_csv(args.render), fastest_steps(args.regime)))
+    return
+  names = [n for n in args.settings.split(',') if n]
+  unknown = [n for n in names if n not in SETTINGS]
+  if unknown:
+    sys.exit(f'error: unknown setting(s) {unknown}; choose from {", ".join(SETTINGS)}.')
+  run(names, [int(s) for s in args.seeds.split(',')], args.data, args)
+  print(render(read_csv(args.csv), fastest_steps(args.regime)))
+
+
+if __name__ == '__main__':
+  main()
