@@ -17,7 +17,7 @@ every --eval-every steps, and compares validation bits per byte against training
 `--run LABEL=PRESET[,FIELD=VALUE...]` (repeated) chooses the runs; the first one sets the time
 budget every other run is read at (default: tiny, then txl-tiny).
 
-    python experiments/txl_tiny.py --render docs/results/txl_tiny.csv
+    python experiments/txl_tiny.py --render docs/results/transformer_xl/txl_tiny.csv
 
 prints the table of a written txl_tiny.csv (each run's last evaluation, and its validation bpb at
 the first run's final time) and trains nothing; docs/results/transformer_xl.md's tables are its.

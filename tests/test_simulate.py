@@ -20,6 +20,7 @@ from ouroboros_jax import costs as cost_model
 from ouroboros_jax.choices import FORWARD_MODES
 from ouroboros_jax.perf import cost_model as sim_costs
 from ouroboros_jax.perf import simulate as sim
+from ouroboros_jax.perf import task_graph
 from ouroboros_jax.schedules import ScheduleConfig, tables
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -222,6 +223,7 @@ def test_the_simulator_needs_only_the_standard_library():
     todo += sorted(own - seen)
   assert seen == {
     'perf.simulate',
+    'perf.task_graph',
     'perf.cost_model',
     'schedules.delays',
     'schedules.tables',
@@ -659,7 +661,7 @@ def test_shared_execution_at_no_slowdown_is_the_one_pass_execution(num_stages):
       _run(name=schedule, **fields), c, steps=8, lockstep=kwargs.get('lockstep', False)
     ).tasks
     one_pass = [t for span in sim.execute(tasks) for t in span]
-    shared = [t for span in sim._execute_shared(tasks, 1.0) for t in span]
+    shared = [t for span in task_graph._execute_shared(tasks, 1.0) for t in span]
     assert shared == pytest.approx(one_pass, abs=TOL), (schedule, kwargs)
 
 

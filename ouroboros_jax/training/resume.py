@@ -73,12 +73,8 @@ def _check_host_layout(saved: dict, saved_cfg: TrainConfig, where: str) -> None:
     )
 
 
-def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str) -> list[str]:
-  """One-line CheckpointError naming the flags to use when the checkpoint does not fit cfg.
-
-  Returns the other settings that differ from the checkpoint's ('--steps 100 -> 200', ...): they
-  are allowed (a longer run, another rate) but worth saying.
-  """
+def _check_format(saved: dict, where: str) -> None:
+  """A CheckpointError for an Ouroboros checkpoint whose ring buffers have an older layout."""
   if _ring_predates_microbatches(saved['config']):
     raise CheckpointError(
       f'the checkpoint in {where} was made by an Ouroboros whose ring stepped on the whole batch '
@@ -92,6 +88,15 @@ def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str)
       'its stash held micro-batch slots): its ring buffers have another layout and cannot be '
       'resumed; finish that run with the version that made it, or choose another --out.'
     )
+
+
+def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str) -> list[str]:
+  """One-line CheckpointError naming the flags to use when the checkpoint does not fit cfg.
+
+  Returns the other settings that differ from the checkpoint's ('--steps 100 -> 200', ...): they
+  are allowed (a longer run, another rate) but worth saying.
+  """
+  _check_format(saved, where)
   saved_cfg = TrainConfig.from_dict(saved['config'])
   _check_host_layout(saved, saved_cfg, where)
   # The resolved runs (`TrainConfig.resolved`), not the spellings: --optimizer auto of a recipe

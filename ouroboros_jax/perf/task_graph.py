@@ -1,0 +1,214 @@
+"""The simulator's engine: a step's tasks as a graph, and when each runs (`simulate.py` emits
+every schedule's tasks; `execute` times them).
+
+A task runs on one resource (a device, a link between two, a device's network port) for its
+duration once its dependencies have ended, each resource one task at a time in emission order.
+Standard library only at import, as `simulate.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple, Sequence
+
+from ouroboros_jax.perf.cost_model import StageCosts
+
+
+@dataclasses.dataclass
+class Task:
+  resource: tuple | None  # ('device', s), ('link', src, dst), ('net', d); None: a barrier
+  kind: str  # fwd, bwd, head, embed_fwd, embed_bwd, act, grad, allreduce, barrier
+  step: int  # the training step whose program runs it
+  batch: int  # the batch (or micro-batch index, for gpipe) it works on
+  duration: float
+  deps: tuple[int, ...]  # tasks that must have ended first (indices into the graph)
+  sync: bool  # the end-of-step barrier waits for it (compute and all-reduce)
+
+
+class Span(NamedTuple):
+  """One row of a Gantt chart. `device` is an int for compute, 'src->dst' for a link."""
+
+  device: int | str
+  kind: str
+  batch: int
+  start: float
+  end: float
+
+
+class Graph:
+  """The tasks of a schedule in emission order, which is each resource's program order."""
+
+  def __init__(self, costs: StageCosts):
+    self.costs, self.tasks = costs, []
+    self.barrier: int | None = None  # the previous step's barrier, a dep of every compute task
+    self.step_tasks: list[int] = []  # sync tasks of the step being emitted
+    self.step_end: dict[int, int] = {}
+    self.update_s: Sequence[float] = ()  # per device: its optimizer update, ending every step
+    self.data_replicas = 1  # a stage schedule's R: each device's gradient all-reduced over R
+    self.fsdp = False  # ... or (--fsdp) its stage gathered over R before its first compute of a
+    self._gathered: dict[int, int] = {}  # step, and its gradient reduce-scattered after
+
+  def _add(self, task: Task) -> int:
+    self.tasks.append(task)
+    return len(self.tasks) - 1
+
+  def compute(
+    self,
+    device: int,
+    kind: str,
+    step: int,
+    batch: int,
+    duration: float,
+    deps: Sequence[int | None] = (),
+  ) -> int:
+    deps = tuple(d for d in (*deps, self.barrier, self._gather(device, step)) if d is not None)
+    index = self._add(Task(('device', device), kind, step, batch, duration, deps, sync=True))
+    self.step_tasks.append(index)
+    return index
+
+  def send(self, after: int, dst: int, kind: str, step: int, batch: int, nbytes: float) -> int:
+    """A transfer of `after`'s output from the device that computed it to `dst`; a device
+    sending to itself costs nothing."""
+    src = self.tasks[after].resource[1]  # ('device', src)
+    if src == dst:
+      return after
+    return self._add(
+      Task(
+        ('link', src, dst), kind, step, batch, self.costs.transfer_s(nbytes), (after,), sync=False
+      )
+    )
+
+  def collective(
+    self, device: int, kind: str, step: int, duration: float, deps: Sequence[int]
+  ) -> int:
+    index = self._add(Task(('net', device), kind, step, step, duration, tuple(deps), sync=True))
+    self.step_tasks.append(index)
+    return index
+
+  def _stage_bytes(self, device: int) -> float:
+    """The bytes of a device's stage (device 0's with the embedding)."""
+    return self.costs.param_bytes[device] + (self.costs.embedding_bytes if device == 0 else 0.0)
+
+  def _gather(self, device: int, step: int) -> int | None:
+    """FSDP in a stage schedule: the all-gather of the device's stage over its R replicas, once
+    a step, after the previous step's update (the schedule's shard_map takes the stage whole)."""
+    if not self.fsdp or self.data_replicas == 1:
+      return None
+    if device not in self._gathered:
+      seconds = self.costs.collective_s(self._stage_bytes(device), self.data_replicas)
+      deps = () if self.barrier is None else (self.barrier,)
+      self._gathered[device] = self.collective(device, 'gather', step, seconds, deps)
+    return self._gathered[device]
+
+  def end_step(self, step: int) -> None:
+    """Each device's optimizer update (after the step's global-norm clip, i.e. after every sync
+    task of the step), then: nobody starts step + 1 before every sync task has ended."""
+    if self.data_replicas > 1:
+      self._allreduce_stages(step)
+    clipped = tuple(self.step_tasks)
+    for device, seconds in enumerate(self.update_s):
+      if seconds:
+        self.compute(device, 'update', step, step, seconds, clipped)
+    self.barrier = self._add(
+      Task(None, 'barrier', step, step, 0.0, tuple(self.step_tasks), sync=False)
+    )
+    self.step_end[step], self.step_tasks, self._gathered = self.barrier, [], {}
+
+  def _allreduce_stages(self, step: int) -> None:
+    """A stage schedule on R data replicas: each device's gradient (its stage's parameters; device
+    0's with the embedding) all-reduced over the R devices of its stage once the device's last
+    compute of the step has ended, while the other devices compute on (FSDP: reduce-scattered,
+    one pass instead of two)."""
+    last = {}
+    for i in self.step_tasks:
+      kind, *where = self.tasks[i].resource
+      if kind == 'device':
+        last[where[0]] = i
+    passes = 1 if self.fsdp else 2
+    for d, i in sorted(last.items()):
+      seconds = passes * self.costs.collective_s(self._stage_bytes(d), self.data_replicas)
+      self.collective(d, 'reduce_scatter' if self.fsdp else 'allreduce', step, seconds, [i])
+
+
+def execute(tasks: Sequence[Task], slowdown: float = 1.0) -> list[tuple[float, float]]:
+  """(start, end) of every task: as early as its dependencies and its resource allow.
+
+  `slowdown` (`StageCosts.concurrent_slowdown`) > 1: a compute task runs that many times slower
+  for as long as another device computes (`_execute_shared`); 1: every task takes its duration.
+
+  This is the whole event loop. Every resource runs its tasks in a fixed order (a device's
+  compiled program, a link's send order) and never pre-empts, so a task starts when both its
+  dependencies and its resource's previous task have ended. Dependencies always point to tasks
+  emitted earlier, so one pass in emission order settles every start time: the same answer as a
+  time-ordered event queue, without the queue.
+  """
+  if slowdown != 1.0:
+    return _execute_shared(tasks, slowdown)
+  times: list[tuple[float, float]] = []
+  free_at: dict[tuple, float] = {}
+  for task in tasks:
+    start = max((times[d][1] for d in task.deps), default=0.0)
+    if task.resource is not None:
+      start = max(start, free_at.get(task.resource, 0.0))
+      free_at[task.resource] = start + task.duration
+    times.append((start, start + task.duration))
+  return times
+
+
+def _execute_shared(tasks: Sequence[Task], slowdown: float) -> list[tuple[float, float]]:
+  """`execute` where devices share something (a CPU's memory bus and caches): a compute task
+  does `duration` seconds of work, at rate 1 while it is the only device computing and at rate
+  1 / slowdown while another device computes too. Links, the network and barriers are not
+  slowed. An event loop: each resource still runs its tasks in program order, a task starts when
+  its dependencies have ended, and the rates change whenever a compute task starts or ends."""
+  queues: dict[tuple, list[int]] = {}
+  for index, task in enumerate(tasks):
+    if task.resource is not None:
+      queues.setdefault(task.resource, []).append(index)
+  heads = {resource: 0 for resource in queues}  # position of each resource's next task
+  barriers = [i for i, task in enumerate(tasks) if task.resource is None]
+  start, end = [math.nan] * len(tasks), [math.nan] * len(tasks)
+  running: dict[int, float] = {}  # task -> work left (seconds at rate 1)
+  ended = lambda i: not math.isnan(end[i])
+  now, left = 0.0, len(tasks)
+  while left:
+    changed = True
+    while changed:  # start all that can start now (zero-length tasks end at once)
+      changed = False
+      for i in [b for b in barriers if not ended(b) and all(ended(d) for d in tasks[b].deps)]:
+        start[i] = end[i] = max((end[d] for d in tasks[i].deps), default=0.0)
+        left, changed = left - 1, True
+      barriers = [b for b in barriers if not ended(b)]
+      for resource, queue in queues.items():
+        position = heads[resource]
+        if position == len(queue) or queue[position] in running:
+          continue
+        i = queue[position]
+        if all(ended(d) for d in tasks[i].deps):
+          start[i] = now
+          if tasks[i].duration > 0:
+            running[i] = tasks[i].duration
+          else:
+            end[i], heads[resource], left = now, position + 1, left - 1
+          changed = True
+    if not running:
+      if left:
+        raise RuntimeError('the task graph deadlocks (a dependency never ends).')
+      break
+    computing = {tasks[i].resource[1] for i in running if tasks[i].resource[0] == 'device'}
+
+    def rate(i):
+      kind, *where = tasks[i].resource
+      return 1.0 / slowdown if kind == 'device' and len(computing - {where[0]}) else 1.0
+
+    rates = {i: rate(i) for i in running}
+    step = min(work / rates[i] for i, work in running.items())
+    now += step
+    for i in list(running):
+      running[i] -= step * rates[i]
+      if running[i] <= 1e-12 * max(1.0, tasks[i].duration):
+        del running[i]
+        end[i], left = now, left - 1
+        heads[tasks[i].resource] += 1
+  return list(zip(start, end))
