@@ -196,18 +196,20 @@ def quality_table(rows, corpus: str) -> list[str]:
   return lines
 
 
-def steps_to_quality(rows, name: str, corpus: str) -> float | None:
-  """The most steps any seed of `name` needs to reach its backprop's last bpb (None: a seed never
-  does, or nothing ran)."""
-  runs, worst = curves(rows), 0.0
-  seeds = sorted({s for (n, c, s) in runs if n == name and c == corpus})
-  for seed in seeds:
+def to_common_quality(rows, name: str, corpus: str) -> tuple[float, float, float] | None:
+  """(target bpb, the ring's steps to it, backprop's steps to it) for the seed least favourable
+  to the ring: the target is the worse of the two runs' last validation bpb, so both reach it;
+  None if nothing ran. The ring's cost ratio is its steps over backprop's."""
+  runs, worst = curves(rows), None
+  for (n, c, seed), curve in runs.items():
     ref = runs.get((reference_of(name), corpus, seed))
-    steps = ref and lr_sweep.steps_to_reach(runs[(name, corpus, seed)], ref[-1][1])
-    if not steps:
-      return None
-    worst = max(worst, steps)
-  return worst or None
+    if n != name or c != corpus or not ref:
+      continue
+    target = max(curve[-1][1], ref[-1][1])
+    found = (target, lr_sweep.steps_to_reach(curve, target), lr_sweep.steps_to_reach(ref, target))
+    if worst is None or found[1] / found[2] > worst[1] / worst[2]:
+      worst = found
+  return worst
 
 
 def fsdp_step_s(hardware: str, G: int) -> float:
@@ -223,30 +225,29 @@ def fsdp_step_s(hardware: str, G: int) -> float:
 
 
 def time_table(rows, corpus: str, steps_s, hardware: str) -> list[str]:
-  """Time to backprop's quality at the regime's 1.61B shape: the steps the ring needs x its
-  predicted step, against the best exact pipeline's 1000 steps and FSDP's (both train as
-  backprop does) on the same G chips."""
+  """Time to the same quality at the regime's 1.61B shape: the steps the ring and backprop need
+  to reach the worse of their two last bpb (`to_common_quality`), each times its predicted step;
+  the best exact pipeline and FSDP on the same G chips train as backprop does."""
   lines = [
-    '| setting | steps to quality | ring step (s) | ring time (s) | best exact: 1000 steps (s) '
-    '| exact / ring | FSDP: 1000 steps (s) | FSDP / ring |',
-    '|---|---|---|---|---|---|---|---|',
+    '| setting | target bpb | ring steps | backprop steps | ring time (s) | best exact (s) '
+    '| exact / ring | FSDP (s) | FSDP / ring |',
+    '|---|---|---|---|---|---|---|---|---|',
   ]
   for name, o in SETTINGS.items():
-    if o['schedule'] == 'backprop' or not any(r['setting'] == name for r in rows):
-      continue
-    G, M = o['stages'], o['microbatches']
-    ring = steps_s.get((hardware, G, M, f'ouroboros {o["forward"]}'))
-    exact = steps_s.get((hardware, G, M, 'exact'))
-    if ring is None or exact is None:
-      continue  # nothing fits at this G and M (docs/results/regime.md)
-    steps = steps_to_quality(rows, name, corpus)
-    ring_time = steps * ring if steps else None
-    fsdp = 1000 * fsdp_step_s(hardware, G)
-    ratio = lambda other: f'{other / ring_time:.2f}x' if ring_time else 'not reached'
+    common = to_common_quality(rows, name, corpus) if o['schedule'] != 'backprop' else None
+    ring = steps_s.get(
+      (hardware, o.get('stages'), o.get('microbatches'), f'ouroboros {o.get("forward")}')
+    )
+    exact = steps_s.get((hardware, o.get('stages'), o.get('microbatches'), 'exact'))
+    if common is None or ring is None or exact is None:
+      continue  # not run, or nothing fits at this G and M (docs/results/regime.md)
+    target, ring_steps, steps = common
+    ring_time, exact_time = ring_steps * ring, steps * exact
+    fsdp_time = steps * fsdp_step_s(hardware, o['stages'])
     lines.append(
-      f'| {name} | {f"{steps:.0f}" if steps else "not reached"} | {ring:.3f} '
-      f'| {f"{ring_time:.1f}" if ring_time else "-"} | {1000 * exact:.1f} | {ratio(1000 * exact)} '
-      f'| {fsdp:.1f} | {ratio(fsdp)} |'
+      f'| {name} | {target:.4f} | {ring_steps:.0f} | {steps:.0f} | {ring_time:.1f} '
+      f'| {exact_time:.1f} | {exact_time / ring_time:.2f}x | {fsdp_time:.1f} '
+      f'| {fsdp_time / ring_time:.2f}x |'
     )
   return lines
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import math
 
-import pytest
-
 from helpers import experiment
 
 
@@ -32,15 +30,13 @@ def _rows(curves):
   ]
 
 
-def test_time_to_quality_takes_the_slowest_seed_and_none_if_one_never_arrives():
+def test_time_to_quality_is_to_the_worse_of_the_two_and_takes_the_seed_worst_for_the_ring():
   rq = experiment('regime_quality')
   backprop = {('backprop-16l', s): [(500, 2.6), (1000, 2.4)] for s in (0, 1)}
-  early = [(500, 2.5), (1000, 2.3)]  # reaches 2.4 half-way between 500 and 1000
-  late = [(500, 2.7), (1000, 2.35)]  # reaches 2.4 at 500 + 500 * 0.3 / 0.35
-  rows = _rows({**backprop, ('locked-g16-m16', 0): early, ('locked-g16-m16', 1): late})
-  assert rq.steps_to_quality(rows, 'locked-g16-m16', 'default') == pytest.approx(
-    500 + 500 * 0.3 / 0.35
-  )
-  never = [(500, 2.7), (1000, 2.45)]
-  rows = _rows({**backprop, ('locked-g16-m16', 0): early, ('locked-g16-m16', 1): never})
-  assert rq.steps_to_quality(rows, 'locked-g16-m16', 'default') is None
+  ahead = [(500, 2.5), (1000, 2.3)]  # reaches backprop's 2.4 half-way between 500 and 1000
+  behind = [(500, 2.7), (1000, 2.5)]  # backprop reaches its 2.5 at 750
+  rows = _rows({**backprop, ('locked-g16-m16', 0): ahead})
+  assert rq.to_common_quality(rows, 'locked-g16-m16', 'default') == (2.4, 750, 1000)
+  rows = _rows({**backprop, ('locked-g16-m16', 0): ahead, ('locked-g16-m16', 1): behind})
+  assert rq.to_common_quality(rows, 'locked-g16-m16', 'default') == (2.5, 1000, 750)
+  assert rq.to_common_quality(rows, 'pipelined-g16-m8', 'default') is None
