@@ -39,11 +39,9 @@ def export(out_dir: str, to: str, step: int | None = None) -> str:
   that says what was written. Refuses a `to` that is not empty, so nothing is overwritten."""
   import orbax.checkpoint as ocp
 
-  from ouroboros_jax.training import sample
-
   if os.path.exists(to) and (not os.path.isdir(to) or os.listdir(to)):
     raise CheckpointError(f'--to {to} exists and is not an empty directory; name a new one.')
-  model, params, step = sample.load_run(out_dir, step)
+  model, params, step = load_run(out_dir, step, 'exporting')
   os.makedirs(to, exist_ok=True)
   with ocp.StandardCheckpointer() as writer:
     writer.save(os.path.abspath(os.path.join(to, PARAMS)), params)
@@ -73,6 +71,40 @@ def load(path: str) -> tuple[ModelConfig, dict, int]:
   with ocp.StandardCheckpointer() as reader:
     params = reader.restore(os.path.abspath(os.path.join(path, PARAMS)))
   return ModelConfig(**meta['model']), params, meta['step']
+
+
+def load_run(
+  out_dir: str, step: int | None = None, doing: str = 'sampling'
+) -> tuple[ModelConfig, dict, int]:
+  """(model config, unstaged params {'embed','layers','head'}, step) of a run's checkpoint (the
+  step asked for, or the newest readable one), any model, whatever schedule trained it."""
+  from ouroboros_jax.models import partition
+  from ouroboros_jax.training import checkpoint, config
+
+  if checkpoint.latest_step(out_dir) is None:
+    raise checkpoint.CheckpointError(
+      f'no checkpoint in {checkpoint.checkpoint_dir(out_dir)}; pass --ckpt the OUT directory '
+      'of a training run.'
+    )
+  manager = checkpoint.make_manager(out_dir, read_only=True)
+  try:
+    # The step asked for, or the newest checkpoint that reads back whole, found and reported
+    # as `train --resume` finds it (warnings on stderr, the same error when none reads).
+    (meta, staged_params), step, unreadable = checkpoint.newest_readable(
+      manager,
+      lambda s: (
+        checkpoint.read_meta(manager, s),
+        checkpoint.restore_params_single_device(manager, s),
+      ),
+      step=step,
+      step_flag='--step',
+    )
+    if unreadable:
+      checkpoint.warn(f'{doing} from step {step}, the newest readable checkpoint.')
+  finally:
+    manager.close()
+  cfg = config.TrainConfig.from_dict(meta['config'])
+  return cfg.model, partition.from_staged(staged_params, meta['layers_per_stage']), step
 
 
 def _leaves(tree):

@@ -31,9 +31,7 @@ import numpy as np
 
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.models import model as transformer
-from ouroboros_jax.models import partition
 from ouroboros_jax.models.model import ModelConfig
-from ouroboros_jax.training import checkpoint, config
 
 # The generation index i (the `fold_in` data) is an int32 inside jit. The prompt never enters it
 # (the window carries the prompt), so every length up to the largest int32 is exact.
@@ -53,41 +51,13 @@ def load(out_dir: str, step: int | None = None) -> tuple[ModelConfig, dict, int]
       raise ConfigError(f'{out_dir} is an export of one step; drop --step.')
     model, params, step = export.load(out_dir)
   else:
-    model, params, step = load_run(out_dir, step)
+    model, params, step = export.load_run(out_dir, step)
   if model.arch != 'gpt':
     raise ConfigError(
       f'{out_dir} holds a {model.arch} model; ouroboros sample generates from GPT runs only '
       '(sampling with a Transformer-XL memory is not written yet).'
     )
   return model, params, step
-
-
-def load_run(out_dir: str, step: int | None = None) -> tuple[ModelConfig, dict, int]:
-  """`load` of a run's checkpoint (the step asked for, or the newest readable one), any model."""
-  if checkpoint.latest_step(out_dir) is None:
-    raise checkpoint.CheckpointError(
-      f'no checkpoint in {checkpoint.checkpoint_dir(out_dir)}; pass --ckpt the OUT directory '
-      'of a training run.'
-    )
-  manager = checkpoint.make_manager(out_dir, read_only=True)
-  try:
-    # The step asked for, or the newest checkpoint that reads back whole, found and reported
-    # as `train --resume` finds it (warnings on stderr, the same error when none reads).
-    (meta, staged_params), step, unreadable = checkpoint.newest_readable(
-      manager,
-      lambda s: (
-        checkpoint.read_meta(manager, s),
-        checkpoint.restore_params_single_device(manager, s),
-      ),
-      step=step,
-      step_flag='--step',
-    )
-    if unreadable:
-      checkpoint.warn(f'sampling from step {step}, the newest readable checkpoint.')
-  finally:
-    manager.close()
-  cfg = config.TrainConfig.from_dict(meta['config'])
-  return cfg.model, partition.from_staged(staged_params, meta['layers_per_stage']), step
 
 
 def check_args(*, length, temperature, seed) -> None:
