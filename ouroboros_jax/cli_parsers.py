@@ -88,6 +88,7 @@ _LOOP_FIELDS = (
   'eval_mem_len',
   'checkpoint_every',
   'keep_checkpoints',
+  'drain',
 )
 _COMPILE_OMITS = {
   **dict.fromkeys(

@@ -100,6 +100,9 @@ DESCRIPTIONS = {
   'Transformer-XL trains)',
   'checkpoint_every': 'steps between checkpoints (the last step always saves)',
   'keep_checkpoints': 'checkpoints kept in OUT (the oldest are removed)',
+  'drain': "ouroboros: before the run's last checkpoint (at --steps or a stop signal) the ring "
+  'applies every gradient in flight, so that --resume may change the layout (G, D, M, the '
+  "schedule, the forward, the stash); --steps at a checkpoint's step drains it at once",
   'seed': 'seed of the parameters, the data order and dropout',
   'out': 'output directory: metrics, TensorBoard logs, checkpoints',
   'layers_per_stage': "layers of each stage (or group), e.g. '2,4,4,4'",

@@ -209,6 +209,8 @@ class Schedule(NamedTuple):
     default resolved (Ouroboros' micro-batches may depend on the batch).
   layout(state) -> shardings               where `init` puts each leaf of a state (a TrainState
     of NamedShardings on `mesh`): for an abstract state, as `ouroboros compile` builds one.
+  drain(state) -> state                    the state with nothing in flight: Ouroboros applies
+    every gradient its ring holds (`ouroboros.drain`); an exact schedule's state as it is.
   """
 
   init: Callable[..., TrainState]
@@ -219,6 +221,7 @@ class Schedule(NamedTuple):
   name: str
   settings: Callable[[int], Any]
   layout: Callable[[Any], Any]
+  drain: Callable[[TrainState], TrainState] = lambda state: state
 
 
 EMBED_PIECE = -1

@@ -1,5 +1,6 @@
 """Resuming on another layout (issue 63): an exact schedule's checkpoint continues on another
-schedule or another number of stages as if it never moved; Ouroboros' is refused in one line."""
+schedule or another number of stages as if it never moved; Ouroboros' moves once drained
+(--drain), and is refused in one line before."""
 
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def test_an_exact_schedule_moves_exactly(tmp_path, prepared_data_dir, capsys, fi
   assert '--schedule ' in line[0] or '--stages ' in line[0], line
 
 
-def test_moving_ouroboros_is_refused_in_one_line(tmp_path, prepared_data_dir):
+def test_moving_an_undrained_ring_is_refused_in_one_line(tmp_path, prepared_data_dir):
   ring = tiny_config(
     tmp_path / 'ring', prepared_data_dir, **dict(LAYOUT, steps=3), schedule='ouroboros', stages=2
   )
@@ -84,6 +85,41 @@ def test_moving_ouroboros_is_refused_in_one_line(tmp_path, prepared_data_dir):
     with pytest.raises(CheckpointError, match='drain') as caught:
       loop.train(field_flags.override(ring, dict(then, steps=6)), quiet=True, resume=True)
     assert '\n' not in str(caught.value)
+  # As the line says: resumed with its own flags and --drain at its step, it drains at once (the
+  # undrained checkpoint set aside), and then it moves.
+  loop.train(field_flags.override(ring, dict(drain=True)), quiet=True, resume=True)
+  assert (tmp_path / 'ring' / checkpoint.SET_ASIDE / '3').is_dir()
+  loop.train(field_flags.override(ring, dict(stages=4, steps=4)), quiet=True, resume=True)
+  assert layers_of(ring.out_dir)[0] == 4
+
+
+@pytest.mark.parametrize(
+  'first, then',
+  [
+    (dict(), dict(stages=4)),  # the default recipe's compensations on both sides
+    (dict(compensation='none'), dict(schedule='backprop', stages=1)),
+  ],
+  ids=['ouroboros-2to4', 'ouroboros-to-backprop'],
+)
+def test_a_drained_ring_moves(tmp_path, prepared_data_dir, capsys, first, then):
+  """--drain applies what the ring holds before the last checkpoint; that checkpoint resumes on
+  another layout, the ring restarting empty, and the run trains on from the moved weights."""
+  ring = tiny_config(
+    tmp_path / 'ring', prepared_data_dir, **dict(LAYOUT, steps=3), schedule='ouroboros', stages=2,
+    drain=True, **first,
+  )  # fmt: skip
+  loop.train(ring, quiet=False)
+  said = capsys.readouterr().out
+  assert 'drained the ring at step 3' in said, said
+  step, drained = layers_of(ring.out_dir)
+  summary = loop.train(field_flags.override(ring, dict(then, steps=6)), quiet=False, resume=True)
+  said = capsys.readouterr().out
+  line = [s for s in said.splitlines() if s.startswith('resuming from step 3')]
+  assert len(line) == 1 and 're-staged from 2 stage(s) to' in line[0], said
+  assert 'the ring drained before' in line[0], line
+  assert step == 3 and layers_of(ring.out_dir)[0] == 6
+  assert np.isfinite(summary['val_bpb'])
+  assert summary['val_bpb'] < 8.0  # bytes: a uniform guess is 8 bits
 
 
 def test_a_changed_model_is_refused_even_between_exact_schedules(tmp_path, prepared_data_dir):

@@ -82,6 +82,13 @@ class Timing:
     return self.embed_gap + 1
 
   @property
+  def drain_steps(self) -> int:
+    """Steps of a drain (`ouroboros.drain`): the ring takes no new item and back-propagates what
+    it holds, the last item entered reaching the embedding's backward ceil(largest lag / M)
+    steps later (0 when G = 1: nothing waits)."""
+    return self.embed_gap
+
+  @property
   def weight_slots(self) -> int:
     """Slots of a graph stash's forward weights, one per update's version: the current version
     is the step's own forward weights, so only the older ones wait, as many as the largest

@@ -27,18 +27,21 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
 from ouroboros_jax import placement, staged
 from ouroboros_jax.errors import ConfigError
-from ouroboros_jax.schedules import compensation
+from ouroboros_jax.schedules import compensation, ring_shapes
 from ouroboros_jax.schedules import ring as ring_lib
-from ouroboros_jax.schedules import stash as stash_lib
 from ouroboros_jax.schedules.delays import Timing
 from ouroboros_jax.schedules.stash import Stash, make_stash
 from ouroboros_jax.staged import STAGE, Schedule, StagedModel, TrainState
 from ouroboros_jax.update import GroupedOptimizer
+
+# The end of the window of items a running ring takes: none (a drain sets it; `_Ring.real`).
+OPEN_END = jnp.iinfo(jnp.int32).max
 
 
 def idle_fraction(
@@ -93,9 +96,18 @@ class _Ring:
     to during step t, in tick order."""
     return t * self.num_microbatches + jnp.arange(self.num_microbatches) - ticks
 
-  def real(self, items):
-    """Which items entered the ring (none do during the synchronous warm-up)."""
-    return items >= self.config.sync_warmup_steps * self.num_microbatches
+  def real(self, items, window):
+    """Which items entered the ring: those in the ring's `window` [first, end) of items (none
+    during the synchronous warm-up, none from a drain's start: `fresh_window`)."""
+    return (items >= window[0]) & (items < window[1])
+
+  def any_real(self, items, window):
+    """Whether any of a step's items (ascending) is real: whether its event updates a module."""
+    return (items[-1] >= window[0]) & (items[0] < window[1])
+
+  def fresh_window(self, first_step: int):
+    """The window of a ring that starts empty at `first_step`, every later item entering."""
+    return jnp.asarray([first_step * self.num_microbatches, OPEN_END], jnp.int32)
 
   def item_key(self, item):
     """Item u's dropout key: micro-batch u % M of batch u // M."""
@@ -147,7 +159,7 @@ def build(
     )
 
   rows = lambda batch: staged.batch_rows(batch['inputs'])
-  return placement.make_schedule(
+  schedule = placement.make_schedule(
     'ouroboros',
     model,
     mesh,
@@ -157,6 +169,44 @@ def build(
     lambda rows: ring(rows).config,
     placement.layout_for(config),
   )
+  held_rows = lambda state: rows({'inputs': _no_batch(state, mesh)['inputs']})
+  return schedule._replace(drain=lambda state: drain(ring(held_rows(state)), schedule, state))
+
+
+def drain(ring: _Ring, schedule: Schedule, state: TrainState) -> TrainState:
+  """The state at step T with nothing in flight, as a pipeline's flush leaves it: from T on the
+  ring takes no new item (its window ends at T's first) and runs `Timing.drain_steps` more
+  steps, each as any step runs. So every item of batches 0 .. T - 1 is back-propagated by
+  every group with the error gradient that comes round, at the weights its stash kept (graph;
+  replay: the current ones), and applied by each module's own update with its compensations, a
+  module updating only in a step that reaches a real item (the slow reference's `drain`).
+  Then the ring starts again empty at step T: its buffers fresh (a model's memory too), its
+  window from T's first item; the parameters and the optimizer state keep every update."""
+  steps = int(jax.device_get(state.step))
+  first_step = max(steps, ring.config.sync_warmup_steps)  # (nothing in flight before that)
+  end = first_step * ring.num_microbatches
+  window = state.ring['window']
+  close = jax.jit(lambda w: w.at[..., 1].set(end), out_shardings=window.sharding)
+  no_batch = _no_batch(state, ring.mesh)
+  state = state.replace(ring={**state.ring, 'window': close(window)})
+  for _ in range(ring.timing.drain_steps):
+    state, _ = schedule.step(state, no_batch)
+  fresh = _init(ring, state.params, no_batch, first_step)
+  return state.replace(step=jax.device_put(jnp.int32(steps), state.step.sharding), ring=fresh.ring)
+
+
+def _no_batch(state: TrainState, mesh) -> dict:
+  """A batch of zeros shaped like those the ring holds, split over the data replicas as a batch
+  is: what a drain's steps are given (no item of it enters the ring)."""
+  sharding = jax.sharding.NamedSharding(mesh, P(staged.DATA))
+
+  def zeros(held):  # [G, R, depth, rows, ...] -> [R x rows, ...]
+    shape = (held.shape[1] * held.shape[3], *held.shape[4:])
+    return jax.make_array_from_callback(
+      shape, sharding, lambda index: np.zeros(shape, held.dtype)[index]
+    )
+
+  return jax.tree.map(zeros, state.ring['batches'])
 
 
 # -- one step on one device of the ring: the four steps of the algorithm ---------------------------
@@ -184,6 +234,7 @@ class _StepInputs(NamedTuple):
   backward_weights: Any  # graph: m -> the weights item m was forwarded with; None: replay
   items_b: jax.Array  # the items group s back-propagates this step, in order
   t: jax.Array
+  window: jax.Array  # [first, end): the items that entered the ring (`_Ring.real`)
 
 
 class _Carry(NamedTuple):
@@ -224,6 +275,7 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t):
     backward_weights=_backward_weights(ring, weights_W, forward_s, version_now, items_b),
     items_b=items_b,
     t=t,
+    window=_local(buffers['window']),
   )
   carry = _first_carry(ring, step, buffers, _local(kept_buffers['stash']))
   # Locked, the first G - 1 rounds only fill the wave: no backward reaches a group before the
@@ -238,7 +290,8 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t):
   loss, g_head, g_embed = out.head_sum
   g_embed = jax.tree.map(jnp.add, g_embed, out.g_embed)  # the head's fresh one, module 1's stale
   if ring.config.tied_grad == 'mean' and ring.model.tied_embedding:
-    both = ring.real(ring.items(t, timing.backward_ticks(0))[-1])  # module 1's stale one too
+    module_1 = ring.items(t, timing.backward_ticks(0))  # module 1's stale one, and the head's
+    both = ring.any_real(module_1, step.window) & ring.any_real(items_h, step.window)
     g_embed = jax.tree.map(lambda g: jnp.where(both, 0.5 * g, g), g_embed)
   grads, loss = ring_lib.gather_grads(g_embed, g_head, out.g_stage, loss)
   return grads, _new_buffers(ring, buffers, kept, batches_S, out), loss
@@ -247,7 +300,11 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t):
 def _new_buffers(ring: _Ring, buffers, kept, batches_S, out: _Carry):
   """The ring buffers [G, R, ...] the step leaves: the batches, the stash (on the device or in
   the host's memory), the messages in flight and a model's memory."""
-  new_buffers = {'batches': batches_S, 'delta': ring_lib.whole_batch(out.delta_fifo)}
+  new_buffers = {
+    'batches': batches_S,
+    'delta': ring_lib.whole_batch(out.delta_fifo),
+    'window': _local(buffers['window']),
+  }
   if placement.HOST in buffers:
     new_buffers[placement.HOST] = {'stash': kept.pop('stash')}
   new_buffers.update(kept)
@@ -331,7 +388,9 @@ def _forward_round(ring: _Ring, step: _StepInputs, r, carry: _Carry):
   )
   stash_N = ring_lib.write_slot_where(carry.stash_N, kept, item, timing.stash_slots, active)
   # Only a real item renews the memory (while a pipe fills, a group forwards zeros).
-  memory_M = ring_lib.set_where(carry.memory_M, item % num_micro, new_memory, ring.real(item))
+  memory_M = ring_lib.set_where(
+    carry.memory_M, item % num_micro, new_memory, ring.real(item, step.window)
+  )
   sent = ring_lib.send_forward(y, ring.num_stages)
   if ring.pipelined:
     act_fifo = ring_lib.set_at(act_fifo, r % hop, sent)
@@ -347,7 +406,7 @@ def _head_round(ring: _Ring, step: _StepInputs, r, x_head, carry: _Carry):
   num_micro = ring.num_microbatches
   k = r - ring.timing.backward_round(0)
   items_h = ring.items(step.t, ring.timing.head_ticks)
-  head_on = (k >= 0) & ring.real(items_h[jnp.clip(k, 0, num_micro - 1)])
+  head_on = (k >= 0) & ring.real(items_h[jnp.clip(k, 0, num_micro - 1)], step.window)
   k = jnp.clip(k, 0, num_micro - 1)
   targets = ring_lib.at(step.head_targets_M, k)
   loss, g_head, g_embed, delta = ring_lib.head(
@@ -379,7 +438,7 @@ def _backward_round(ring: _Ring, step: _StepInputs, r, delta_head, carry: _Carry
   # A select, not a cond: an item that has not entered the ring (the pipe filling) is computed
   # and dropped, which costs no memory a cond's two branches would.
   backward = stash.backward(at_weights, kept, delta, s, key, item // num_micro)
-  g_m, dx = ring_lib.mask(ring.real(item), backward)
+  g_m, dx = ring_lib.mask(ring.real(item, step.window), backward)
   inputs = ring_lib.at(step.backward_inputs_M, m)
   g_embed_m = ring_lib.embed_backward(model, step.params['embed'], inputs, key, dx)
   sent = ring_lib.send_backward(ring_lib.select(s == 0, delta_head, dx), ring.num_stages)
@@ -419,7 +478,9 @@ def _backward_weights(ring: _Ring, weights_W, forward_s, version_now, items_b):
   forward_ticks = jax.lax.axis_index(STAGE) * timing.forward_hop
   version = (items_b + forward_ticks) // num_micro  # the step each item was forwarded in
 
-  def read(v):  # kept narrow where the forward reads only the cast (_kept_weights): widened back
+  def read(
+    v,
+  ):  # kept narrow where the forward reads only the cast (ring_shapes.kept_weights): widened back
     older = jax.tree.map(
       lambda a, w: a.astype(w.dtype),
       ring_lib.read_slot(weights_W, v, timing.weight_slots),
@@ -448,59 +509,16 @@ def _local(buffer):
 # -- the state and the step --------------------------------------------------------------------
 
 
-def _device_shapes(ring: _Ring, fn, *args):
-  """`jax.eval_shape(fn, *args)` as one device runs fn inside the step's shard_map (the ring's
-  axes manual), so the model is traced here as the step traces it (its own sharding annotations
-  meet the same mesh: placement.sharding_error)."""
-  on_device = jax.shard_map(fn, mesh=ring.mesh, in_specs=P(), out_specs=P(), check_vma=False)
-  return jax.eval_shape(on_device, *args)
-
-
-class _ItemShapes(NamedTuple):
-  """The shapes one device's ring buffers are made of."""
-
-  local: Any  # a data replica's batch
-  x_micro: Any  # one micro-batch's activation
-  kept: Any  # what the stash keeps of one micro-batch
-  weights_s: Any  # graph: the forward's weights as the ring keeps them; None: replay
-
-
-def _item_shapes(ring: _Ring, params, example_batch) -> _ItemShapes:
-  """What one device keeps per micro-batch in flight, traced as the step traces it."""
-  replicas, num_micro = ring.config.data_parallel, ring.num_microbatches
-  divided = lambda tree, n: jax.tree.map(
-    lambda a: jax.ShapeDtypeStruct((a.shape[0] // n, *a.shape[1:]), a.dtype), tree
-  )
-  local = divided(example_batch, replicas)
-  micro = divided(local, num_micro)
-  params_s = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params['stages'])
-  x_micro = _device_shapes(ring, ring.model.embed, params['embed'], micro['inputs'], None)
-  memory = jax.eval_shape(
-    lambda: placement.empty_memory(ring.model, params, example_batch, replicas)
-  )
-  memory_micro = jax.tree.map(  # one micro-batch's rows of one device's memory, for the shapes
-    lambda a: jax.ShapeDtypeStruct((a.shape[2] // num_micro, *a.shape[3:]), a.dtype),
-    memory.get('memory'),
-  )
-  # Stage index and key traced, as in the step: what a graph stash keeps can depend on it.
-  index, key = jnp.int32(0), jax.random.key(0)
-  forward = ring.stash.forward
-  _, kept, _ = _device_shapes(ring, forward, params_s, x_micro, index, key, memory_micro, index)
-  weights_s = None
-  if ring.stash.at_forward_weights:  # the weights each item in flight was forwarded with
-    weights_s = _kept_weights(ring, params_s, x_micro, memory_micro)
-  return _ItemShapes(local, x_micro, kept, weights_s)
-
-
-def _init(ring: _Ring, params, example_batch):
+def _init(ring: _Ring, params, example_batch, first_step: int | None = None):
   """The fresh TrainState, with zeroed ring buffers [G, R, ...]: the stash, a micro-batch per
   slot [Timing.stash_slots, ...], and, graph, the forward's weights [Timing.weight_slots, ...];
-  the batches in flight [Timing.depth, ...]; the error gradient (and, pipelined, the
+  the batches in flight [Timing.depth, ...]; the window of items that enter, [first, end) (from
+  `first_step`, by default the warm-up's end); the error gradient (and, pipelined, the
   activation) in flight, `hop` micro-batches each; and a model's empty memory, if any."""
   replicas, timing = ring.config.data_parallel, ring.timing
   placement.check_batch(example_batch, replicas, ring.num_microbatches)
   placement.check_stage_params(params, ring.config)  # before anything is traced
-  shapes = _item_shapes(ring, params, example_batch)
+  shapes = ring_shapes.item_shapes(ring, params, example_batch)
   in_flight = jax.tree.map(  # a FIFO of `hop` micro-batches in flight to each device
     lambda a: jax.ShapeDtypeStruct((timing.hop * a.shape[0], *a.shape[1:]), a.dtype), shapes.x_micro
   )
@@ -514,6 +532,10 @@ def _init(ring: _Ring, params, example_batch):
       **placement.empty_memory(ring.model, params, example_batch, replicas),
       'batches': jax.tree.map(lambda a: buffer(a, ring.depth), shapes.local),
       'delta': jax.tree.map(buffer, in_flight),
+      'window': jnp.broadcast_to(
+        ring.fresh_window(ring.config.sync_warmup_steps if first_step is None else first_step),
+        (ring.num_stages, replicas, 2),
+      ),
     }
     if ring.config.stash_memory == 'pinned_host':  # waits in host memory (placement.HOST),
       buffers[placement.HOST] = {'stash': stash.pop('stash')}  # the weights' versions on the
@@ -524,27 +546,6 @@ def _init(ring: _Ring, params, example_batch):
 
   layout = placement.layout_for(ring.config)
   return placement.init_state(ring.optimizer, params, ring.mesh, fresh_buffers, layout)
-
-
-def _kept_weights(ring: _Ring, params_s, x_micro, memory_micro):
-  """The shapes of the forward's weights as the ring keeps them: each leaf the group's forward
-  only reads as a narrower cast (a bf16 forward's kernels) is kept as that cast, which the
-  backward widens again without loss (`stash.read_dtypes`); the others as they are."""
-
-  def stage_forward(p, x, stage_index, key, memory, batch_index):
-    rng = staged.piece_rng(key, stage_index)
-    return ring.model.run_stage(p, x, stage_index, rng, memory, batch_index)
-
-  on_device = jax.shard_map(
-    stage_forward, mesh=ring.mesh, in_specs=P(), out_specs=P(), check_vma=False
-  )
-  narrow = stash_lib.read_dtypes(
-    on_device, params_s, x_micro, jnp.int32(0), jax.random.key(0), memory_micro, jnp.int32(0)
-  )
-  leaves, treedef = jax.tree.flatten(params_s)
-  return jax.tree.unflatten(
-    treedef, [jax.ShapeDtypeStruct(a.shape, d or a.dtype) for a, d in zip(leaves, narrow)]
-  )
 
 
 def _grads(ring: _Ring, state: TrainState, forward_params, batch, t, t_async):
@@ -645,13 +646,14 @@ def _step(ring: _Ring, state: TrainState, batch: dict):
     )
   grads, buffers, loss = _grads(ring, state, forward_params, batch, t, t_async)
 
-  # A module starts updating in the first step in which a real item reaches it.
-  first = lambda ticks: timing.first_step(ticks)
-  head_ready = warm | (t_async >= first(timing.head_ticks))
+  # A module updates in a step in which a real item reaches it (the ring's window).
+  window = state.ring['window'][0, 0]
+  reached = lambda ticks: ring.any_real(ring.items(t, ticks), window)
+  head_ready = warm | reached(timing.head_ticks)
   backward_G = [timing.backward_ticks(s) for s in range(ring.num_stages)]
   ready = {
-    'embed': (head_ready & model.tied_embedding) | warm | (t_async >= first(backward_G[0])),
-    'stages': warm | (t_async >= jnp.asarray([first(ticks) for ticks in backward_G])),
+    'embed': (head_ready & model.tied_embedding) | warm | reached(backward_G[0]),
+    'stages': warm | jnp.stack([reached(ticks) for ticks in backward_G]),
     'head': head_ready,
   }
   params, opt_state, grad_norm = ring.optimizer.apply(

@@ -106,9 +106,19 @@ class SlowCompensation:
 
 
 def run(
-  model: staged.StagedModel, tx, params, batches, config: ScheduleConfig | None = None, **fields
+  model: staged.StagedModel,
+  tx,
+  params,
+  batches,
+  config: ScheduleConfig | None = None,
+  *,
+  drain: bool = False,
+  **fields,
 ):
   """Trains on `batches` in order; returns (params, losses, updated).
+
+  drain=True: then steps on with no new item entering until no stash, inbox or message holds
+  anything (a pipeline's flush: the schedule's `drain`), each step as any step.
 
   `config`: the Ouroboros settings as `build_schedule` takes them, the one record of a schedule's
   settings (or its fields as keywords: `ScheduleConfig(name='ouroboros', num_stages=G, **fields)`
@@ -150,6 +160,10 @@ def run(
   ring = SlowRing(model, tx, params, config.resolve(jax.default_backend(), rows))
   for t in range(len(batches)):
     ring.step(t, batches)
+  t = len(batches)
+  while drain and ring.holds_anything():
+    ring.step(t, batches)
+    t += 1
   return ring.params, ring.losses, ring.updated
 
 
@@ -222,6 +236,14 @@ class SlowRing:
     # In its own clock every stream's delays are those of one batch per tick.
     self.timing = Timing(self.num_stages, config.forward)
     self.losses, self.updated = [], []
+
+  def holds_anything(self) -> bool:
+    """Whether an item is still in flight: in a stash, or as a message to a group or the head."""
+    return any(
+      any(stream.stashes)
+      or any(x is not None for x in (*stream.delta_inbox, *stream.act_inbox, stream.head_inbox))
+      for stream in self.streams
+    )
 
   def key(self, batch_index, m=0):
     key = staged.batch_key(self.config.seed, batch_index)
@@ -357,10 +379,10 @@ class SlowRing:
     (clock of the item, activation), or None."""
     num_stages, model = self.num_stages, self.model
     b, m = stream.item(clock)
-    embedded = model.embed(
-      forward_params['embed'], items[clock]['inputs'], staged.piece_rng(self.key(b, m), EMBED_PIECE)
-    )
-    new_act, carried = [None] * num_stages, (clock, embedded)
+    new_act, carried = [None] * num_stages, None
+    if b < len(items.batches):  # else a drain: no new item enters
+      key = staged.piece_rng(self.key(b, m), EMBED_PIECE)
+      carried = (clock, model.embed(forward_params['embed'], items[clock]['inputs'], key))
     for s in range(num_stages):
       if self.pipelined and s > 0:
         carried = stream.act_inbox[s]

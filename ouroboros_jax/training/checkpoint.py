@@ -406,7 +406,8 @@ def restore_newest(
     if move is None:
       state, data_state, _ = restore(manager, abstract_state, candidate)
       return state, data_state
-    state, data_state, _ = restore(manager, move.abstract(abstract_state), candidate)
+    saved = manager.item_metadata(candidate)['state'].tree  # the saved shapes, for the ring
+    state, data_state, _ = restore(manager, move.abstract(abstract_state, saved), candidate)
     return move.apply(state, abstract_state), data_state
 
   (state, data_state), step, unreadable = newest_readable(manager, read, step=step, say=say)

@@ -75,6 +75,9 @@ class TrainConfig:
   # continuing the previous batch's), auto: segments for a model with a memory
   checkpoint_every: int = 1000
   keep_checkpoints: int = 3
+  # Ouroboros: the ring finishes what it holds before the run's last checkpoint (at --steps or a
+  # stop signal), so that the checkpoint resumes on another layout (Schedule.drain).
+  drain: bool = False
   seed: int = 0  # parameters, data order and dropout
   out: str | None = None  # None: runs/<preset>-<schedule>
   # How the model is cut and run: `ouroboros_jax.schedules.ScheduleConfig` (its flags are

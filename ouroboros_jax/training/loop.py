@@ -405,9 +405,11 @@ def _loop(run: _Run, step: int) -> dict:
     if do_eval:
       val_bpb = _evaluate(run, step, 'validation', cfg.eval_batches)
     if do_save:
-      _save(run, step, saved)
+      _save(run, step, saved, last=is_last)
     report.mark()  # evaluation and saving are not training time
-  if not compiled:  # resumed a finished run: nothing left to train
+  if not compiled:  # resumed a finished run: nothing left to train (but perhaps a drain)
+    if cfg.drain and not run.meta.get('drained'):
+      _save(run, step, saved, last=True)
     val_bpb = _evaluate(run, step, 'validation', cfg.eval_batches)
   test_bpb = _evaluate(run, step, 'test', cfg.test_batches)
   _land(run)
@@ -439,8 +441,8 @@ def _stop_if_asked(run: _Run, step: int, pending: list, saved: _Saved) -> None:
     if signum is not None:
       if pending:  # checks their losses: a non-finite state is never saved
         _sync(run, pending, saved, compiling=False)
-      if saved.latest != step:
-        _save(run, step, saved)
+      if saved.latest != step or run.cfg.drain:
+        _save(run, step, saved, last=True)
       raise rundir.Terminated(signum)
     rundir.check_stop()
   except rundir.Terminated:
@@ -495,6 +497,26 @@ def _evaluate(run: _Run, step: int, split: str, max_batches: int | None) -> floa
   return run.report.evaluated(step, split, loss)
 
 
+def _drain(run: _Run, step: int, saved: _Saved) -> None:
+  """--drain: the ring applies every gradient it holds (`Schedule.drain`), and the checkpoint
+  says so (meta 'drained': it may resume on another layout). An undrained checkpoint of the
+  same step is set aside first (checkpoints-set-aside/: nothing is deleted)."""
+  started = time.perf_counter()
+  run.state = jax.block_until_ready(run.schedule.drain(run.state))
+  run.meta = {**run.meta, 'drained': True}
+  if step in run.manager.all_steps():
+    where = checkpoint.set_aside(run.cfg.out_dir, [step])
+    # Not a new manager: its clean-up of unfinished saves runs in the background, and would
+    # race the save that follows.
+    run.manager.reload()
+    saved.latest = run.manager.latest_step()
+    run.report.say(f'moved the undrained checkpoint of step {step} to {where}.')
+  run.report.say(
+    f'drained the ring at step {step} in {time.perf_counter() - started:.1f} s: every gradient '
+    'in flight applied; this checkpoint may resume on another layout.'
+  )
+
+
 def _land(run: _Run) -> None:
   """Waits for the save in flight to land, whatever signals come meanwhile (`rundir.shielded`),
   then removes what Orbax set aside (old checkpoints renamed for deletion)."""
@@ -503,11 +525,14 @@ def _land(run: _Run) -> None:
   checkpoint.remove_unfinished(run.cfg.out_dir)
 
 
-def _save(run: _Run, step: int, saved: _Saved) -> None:
+def _save(run: _Run, step: int, saved: _Saved, *, last: bool = False) -> None:
+  """Saves the state of `step`; the run's last checkpoint, with --drain, drained first."""
   if not all_finite(run.state.params):  # a finite loss, but the update overflowed
     raise _non_finite(run, saved, f'parameters became non-finite at step {step}')
   _land(run)  # Orbax would wait for the previous save here anyway
   saved.report(run)
+  if last and run.cfg.drain:
+    _drain(run, step, saved)
   # Before Orbax's threads start: a save that fails in them hangs (read-only) or races the
   # clean-up (a disk that fills half-way); a checkpoint needs about what the last one took.
   latest = checkpoint.latest_step(run.cfg.out_dir)

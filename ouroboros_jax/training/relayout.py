@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ouroboros_jax import staging
@@ -36,50 +35,89 @@ from ouroboros_jax.errors import CheckpointError
 
 # The settings a move may change between exact schedules (flat names, as the flags spell them).
 LAYOUT_FIELDS = ('schedule', 'stages', 'data_parallel', 'microbatches', 'layers_per_stage')
+# The settings that shape only Ouroboros' ring: a drained ring moves across them too.
+RING_FIELDS = ('forward', 'flow', 'stash', 'stash_policy', 'stash_memory')
 # The groups whose leaves lead with the stage axis (params and optimizer state alike).
 STAGED_GROUPS = ('stages',)
 
 
 @dataclasses.dataclass(frozen=True)
 class Move:
-  """A saved state's layout and the run's: `abstract` is what to restore, `apply` re-stages."""
+  """A saved state's layout and the run's: `abstract` is what to restore, `apply` re-stages.
+
+  The saved ring is restored as it is, or, where the run's cannot take it, as the checkpoint's
+  tree metadata has it and then: `fresh`, the run's ring starts empty at the saved step (every
+  buffer zero, its window from the step's first item); `add_window`, the saved ring with the
+  window a running ring has (one saved before the ring kept its window)."""
 
   old_layers: tuple[int, ...]  # layers per (virtual) stage of the saved run
   new_layers: tuple[int, ...]
+  fresh: bool = False  # nothing in flight (drained, or exact): the run's ring starts empty
+  from_ring: bool = False  # the saved run is Ouroboros (drained)
+  to_ring: bool = False  # the run is Ouroboros
+  add_window: bool = False  # the ring as saved, before it kept its window: the window added
+  microbatches: int = 1  # the run's (its ring's window counts items)
+  warmup_steps: int = 0  # the run's synchronous warm-up (no item enters before its end)
 
   def describe(self) -> str:
-    return (
+    text = (
       f'the parameters and optimizer state re-staged from {len(self.old_layers)} stage(s) to '
-      f'{len(self.new_layers)} (an exact schedule holds nothing in flight: nothing was drained '
-      'or reset)'
+      f'{len(self.new_layers)}'
     )
+    if not self.fresh:
+      return f'{text} (an exact schedule holds nothing in flight: nothing was drained or reset)'
+    if self.from_ring:  # Ouroboros' stages take their first updates at different steps
+      text += " (the ring drained before; each stage counts its first layer's updates)"
+    if self.to_ring:
+      text += "; the ring restarts empty at this step (a model's memory too)"
+    return text
 
-  def abstract(self, target):
-    """The saved state's abstract tree: the run's, with the saved layout's stage shapes, placed
-    whole on this process's first device (Orbax restores it there)."""
+  def abstract(self, target, saved):
+    """The saved state's abstract tree, placed whole on this process's first device (Orbax
+    restores it there): the run's, with the saved layout's stage shapes, and the ring as
+    `saved` (the checkpoint's tree metadata) has it when the run's cannot be restored."""
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
     def old(path, leaf):
       shape = _old_shape(path, leaf.shape, self.old_layers, self.new_layers)
       return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=device)
 
-    return jax.tree_util.tree_map_with_path(old, target)
+    abstract = jax.tree_util.tree_map_with_path(old, target)
+    if not (self.fresh or self.add_window):
+      return abstract
+    as_saved = lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device)
+    ring = jax.tree.map(as_saved, saved['ring'], is_leaf=lambda m: hasattr(m, 'shape'))
+    return abstract.replace(ring=ring)
 
   def apply(self, state, target):
     """The restored state re-staged for the run, placed with the target's shardings."""
-    if not counters_agree(state):
+    if not self.fresh and self.old_layers != self.new_layers and not counters_agree(state):
       raise CheckpointError(
         "the checkpoint's stages took different numbers of updates, which no exact schedule "
         "does: it cannot move to another layout; resume with the checkpoint's flags."
       )
     move = lambda path, a: _restage(path, a, self.old_layers, self.new_layers)
-    moved = jax.device_get(jax.jit(lambda s: jax.tree_util.tree_map_with_path(move, s))(state))
+    restage = jax.jit(lambda s: jax.tree_util.tree_map_with_path(move, s))
+    moved = jax.device_get(restage(state.replace(ring={})))
+    moved = moved.replace(ring=self._ring(jax.device_get(state.ring), target.ring, moved.step))
     # Each process holds the whole moved state: every device takes its shard from it, whichever
     # process it belongs to (a 2-process run resumed in 1, or the reverse).
     place = lambda host, leaf: jax.make_array_from_callback(
       np.shape(host), leaf.sharding, lambda index: np.asarray(host)[index]
     )
     return jax.tree.map(place, moved, target)
+
+  def _ring(self, saved, target, step):
+    """The run's ring buffers on the host: as saved, fresh zeros, and the window where asked."""
+    if not (self.fresh or self.add_window):
+      return saved
+    ring = jax.tree.map(lambda leaf: np.zeros(leaf.shape, leaf.dtype), target)
+    ring = ring if self.fresh else dict(saved)
+    if 'window' in target:  # [first, end) items: from the step the ring (re)starts at, open
+      first = max(int(step), self.warmup_steps) if self.fresh else self.warmup_steps
+      window = (first * self.microbatches, np.iinfo(np.int32).max)
+      ring['window'] = np.broadcast_to(np.asarray(window, np.int32), target['window'].shape)
+    return ring
 
 
 def _in_stage_group(path) -> bool:
@@ -91,6 +129,12 @@ def _kind(path, shape, layers: tuple[int, ...]) -> str:
   """'layer' for a [G', N, ...] stage leaf, 'counter' for a [G'] one, else 'whole'."""
   if not _in_stage_group(path):
     return 'whole'
+  if any(getattr(k, 'name', None) == 'history' for k in path):
+    raise CheckpointError(
+      "the checkpoint's DC-ASGD history of past weights (kept where gradients are more than one "
+      'update old: --flow batch, or fewer micro-batches than the lag) is shaped by its layout '
+      "and cannot move; resume with the checkpoint's flags."
+    )
   stages, width = len(layers), max(layers)
   if len(shape) >= 2 and tuple(shape[:2]) == (stages, width):
     return 'layer'
@@ -104,6 +148,8 @@ def _kind(path, shape, layers: tuple[int, ...]) -> str:
 
 
 def _old_shape(path, shape, old_layers, new_layers) -> tuple:
+  if old_layers == new_layers:
+    return tuple(shape)
   kind = _kind(path, shape, new_layers)
   if kind == 'layer':
     return (len(old_layers), max(old_layers), *shape[2:])
@@ -111,12 +157,15 @@ def _old_shape(path, shape, old_layers, new_layers) -> tuple:
 
 
 def _restage(path, a, old_layers, new_layers):
+  if old_layers == new_layers:
+    return a
   kind = _kind(path, a.shape, old_layers)
   if kind == 'layer':  # the staging functions' own tree, one leaf at a time
     layers = staging.from_staged({'embed': 0, 'stages': a, 'head': 0}, old_layers)['layers']
     return staging.to_staged({'embed': 0, 'layers': layers, 'head': 0}, new_layers)['stages']
-  if kind == 'counter':  # every stage took the same updates: the first stage's count is all's
-    return jnp.full((len(new_layers),), a[0], a.dtype)
+  if kind == 'counter':  # each new stage counts the updates of the old one of its first layer
+    owner = np.repeat(np.arange(len(old_layers)), old_layers)
+    return a[owner[np.cumsum([0, *new_layers[:-1]])]]
   return a
 
 

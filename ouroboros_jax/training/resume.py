@@ -41,7 +41,9 @@ RESUME_FIELDS = (
 
 # The layout of Ouroboros' ring buffers, recorded with every checkpoint: the stash in micro-batch
 # slots (delays.Timing.stash_slots; issue 58). A checkpoint without it kept whole steps.
-RING_LAYOUT = 'micro-batch slots'
+RING_LAYOUT = 'micro-batch slots, window'
+# The layout before the ring kept the window of items it takes (issue 63's drain): converted.
+RING_LAYOUT_WITHOUT_WINDOW = 'micro-batch slots'
 # What a stash in host memory holds (--stash-memory pinned_host): the stash alone, the forward's
 # weights' versions on the device. A checkpoint without it kept both in host memory.
 HOST_LAYOUT = 'stash only'
@@ -82,7 +84,8 @@ def _check_format(saved: dict, where: str) -> None:
       'and cannot be resumed; finish that run with the version that made it, or choose another '
       '--out.'
     )
-  if saved['schedule'] == 'ouroboros' and saved.get('ring_layout') != RING_LAYOUT:
+  layouts = (RING_LAYOUT, RING_LAYOUT_WITHOUT_WINDOW)
+  if saved['schedule'] == 'ouroboros' and saved.get('ring_layout') not in layouts:
     raise CheckpointError(
       f'the checkpoint in {where} was made by an Ouroboros whose stash kept whole steps (before '
       'its stash held micro-batch slots): its ring buffers have another layout and cannot be '
@@ -111,8 +114,7 @@ def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str)
     wrong.append('layers_per_stage')
     want['layers_per_stage'] = ','.join(map(str, saved['layers_per_stage']))
     have['layers_per_stage'] = ','.join(map(str, layers_per_stage))
-  moving = 'ouroboros' not in (want['schedule'], have['schedule'])  # exact schedules move
-  moved = [n for n in wrong if moving and n in relayout.LAYOUT_FIELDS]
+  moved = [n for n in wrong if n in _movable(saved, want, have)]
   wrong = [n for n in wrong if n not in moved]
 
   def flags(values):
@@ -121,17 +123,10 @@ def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str)
     )
 
   if wrong:
-    ring = any(n in relayout.LAYOUT_FIELDS for n in wrong)  # Ouroboros on another layout
     raise CheckpointError(
       f'the checkpoint in {where} was made with {flags(want)} but the flags '
-      f"give {flags(have)}; resume with the checkpoint's flags or choose "
-      'another --out'
-      + (
-        " (Ouroboros' ring holds work in flight, shaped by its layout: moving it needs a drain "
-        'that is not written yet).'
-        if ring
-        else '.'
-      )
+      f"give {flags(have)}; resume with the checkpoint's flags or choose another --out"
+      + _why_not_moved(saved, want, wrong)
     )
   ignored = (set(names) | {'out', 'layers_per_stage'}) - set(moved)
   spell = lambda v: 'none' if v is None else v  # as the flag takes it (--momentum none)
@@ -140,6 +135,61 @@ def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str)
     for n in have
     if n not in ignored and n in want and want[n] != have[n]
   ]
+
+
+def _move(saved: dict, cfg: TrainConfig, layers_per_stage: tuple) -> relayout.Move | None:
+  """How the saved state becomes the run's (`check_resumable` has allowed it): None as it is;
+  re-staged where the layers per stage differ; an Ouroboros' ring restarted empty where its
+  shape changes (nothing is in flight: drained, or an exact schedule's), or given the window it
+  lacks (saved before the ring kept one)."""
+  saved_cfg = TrainConfig.from_dict(saved['config'])
+  old_layers = tuple(saved['layers_per_stage'])
+  want, have = config.flat(saved_cfg.resolved()), config.flat(cfg.resolved())
+  shaping = [n for n in relayout.LAYOUT_FIELDS + relayout.RING_FIELDS if n in have]
+  ring = 'ouroboros' in (want['schedule'], have['schedule'])
+  changed = old_layers != layers_per_stage or any(want[n] != have[n] for n in shaping)
+  fresh = ring and changed
+  add_window = not fresh and saved.get('ring_layout') == RING_LAYOUT_WITHOUT_WINDOW
+  if not (changed or add_window):
+    return None
+  return relayout.Move(
+    old_layers,
+    layers_per_stage,
+    fresh=fresh,
+    from_ring=want['schedule'] == 'ouroboros',
+    to_ring=have['schedule'] == 'ouroboros',
+    add_window=add_window,
+    microbatches=cfg.resolved().schedule.microbatches or 1,
+    warmup_steps=cfg.schedule.sync_warmup_steps,
+  )
+
+
+def _movable(saved: dict, want: dict, have: dict) -> tuple[str, ...]:
+  """The settings a resume may change: the layout's where nothing is in flight (an exact
+  schedule's state, or a drained ring: `--drain`) and the optimizer states have one structure
+  (no compensation, or the same on both sides); a drained ring's own settings too."""
+  names = (want['schedule'], have['schedule'])
+  if 'ouroboros' not in names:
+    return relayout.LAYOUT_FIELDS
+  same_state = want['compensation'] == have['compensation']
+  if not (same_state and (saved.get('drained') or want['schedule'] != 'ouroboros')):
+    return ()
+  return relayout.LAYOUT_FIELDS + relayout.RING_FIELDS
+
+
+def _why_not_moved(saved: dict, want: dict, wrong: list[str]) -> str:
+  """The end of the refusal's line where a layout setting could not move."""
+  if not any(n in relayout.LAYOUT_FIELDS + relayout.RING_FIELDS for n in wrong):
+    return '.'
+  if want['schedule'] == 'ouroboros' and not saved.get('drained'):
+    return (
+      " (Ouroboros' ring holds work in flight, shaped by its layout: drain it first, resuming "
+      'with its flags, --drain and --steps at its step, then move).'
+    )
+  return (
+    ' (the optimizer states differ: their compensations; a move keeps the optimizer state, so '
+    'both sides need the same --compensation).'
+  )
 
 
 def _ring_predates_microbatches(saved_config: dict) -> bool:
@@ -164,10 +214,7 @@ def resume_state(cfg: TrainConfig, manager, target, layers_per_stage, resume_fro
 
   def check(meta):
     changed[:] = check_resumable(meta, cfg, layers_per_stage, ckpt_dir)
-    saved = tuple(meta['layers_per_stage'])
-    moves[:] = (
-      [relayout.Move(saved, tuple(layers_per_stage))] if saved != tuple(layers_per_stage) else []
-    )
+    moves[:] = [m for m in [_move(meta, cfg, tuple(layers_per_stage))] if m is not None]
     return moves[0] if moves else None
 
   state, data_state, step, unreadable = checkpoint.restore_newest(
@@ -241,6 +288,8 @@ def finished_summary(cfg: TrainConfig, resume_from: int | None) -> dict | None:
     return None
   if resume_from is not None and resume_from != step:
     return None
+  if cfg.drain and not _drained(cfg.out_dir, step):  # --drain on a finished run: drain it
+    return None
   if summary is None:
     raise CheckpointError(
       f'{cfg.out_dir} holds a run finished at step {step} (metrics.jsonl holds its test row), '
@@ -254,6 +303,17 @@ def finished_summary(cfg: TrainConfig, resume_from: int | None) -> dict | None:
   )
   _warn_if_unreadable(cfg.out_dir, step)
   return summary
+
+
+def _drained(out_dir: str, step: int) -> bool:
+  """Whether the checkpoint of `step` was saved drained (--drain); False if it does not read."""
+  manager = checkpoint.make_manager(out_dir, read_only=True)
+  try:
+    return bool(checkpoint.read_meta(manager, step).get('drained'))
+  except Exception:  # pylint: disable=broad-exception-caught  (the resume reports it)
+    return False
+  finally:
+    manager.close()
 
 
 def _tested_step(out_dir: str) -> int | None:
