@@ -76,6 +76,6 @@ def test_a_drain_applies_what_is_in_flight_as_the_reference_does(
 
 def test_an_exact_schedule_has_nothing_to_drain():
   model, params = tiny_transformer(2)
-  config = ScheduleConfig(name='1f1b', num_stages=2, microbatches=2)
+  config = ScheduleConfig(name='model_parallel', num_stages=2)
   state, _ = run_schedule(config, model, adam(), params, random_batches(2))
   assert build_schedule(config, model, adam()).drain(state) is state

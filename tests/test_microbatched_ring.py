@@ -63,7 +63,7 @@ def test_microbatched_ring_matches_slow_reference(num_stages, stash, forward, mi
 @pytest.mark.parametrize('stash', ['graph', 'replay'])
 def test_microbatched_transformer_xl_warmup_and_data_parallel_match_reference(stash):
   """The memory cut into micro-batch rows, the synchronous warm-up in micro-batches, a mean tie
-  and two data replicas, each running its own M = 2 streams."""
+  and (with the graph stash) two data replicas, each running its own M = 2 streams."""
   model, params = tiny_transformer(2, num_layers=4, **TXL)
   batches = random_batches(7, seed=1, batch=8)
   options = dict(stash=stash, microbatches=2, sync_warmup_steps=2, tied_grad='mean', seed=5)
@@ -71,6 +71,8 @@ def test_microbatched_transformer_xl_warmup_and_data_parallel_match_reference(st
   state, _ = run_schedule(config, model, adam(), params, batches)
   want, _, _ = reference.run(model, adam(), params, batches, config)
   assert max_abs_diff(state.params, want) < 2e-5
+  if stash == 'replay':  # the replicas' streams are the stash's business only once: graph's
+    return
   replicas = ScheduleConfig(
     name='ouroboros', compensation=Compensation(), num_stages=2, data_parallel=2, **options
   )

@@ -96,7 +96,7 @@ def test_moving_an_undrained_ring_is_refused_in_one_line(tmp_path, prepared_data
 @pytest.mark.parametrize(
   'first, then',
   [
-    (dict(), dict(stages=4)),  # the default recipe's compensations on both sides
+    (dict(optimizer='auto'), dict(stages=4)),  # the defaults: Muon, the recipe's compensations
     (dict(compensation='none'), dict(schedule='backprop', stages=1)),
   ],
   ids=['ouroboros-2to4', 'ouroboros-to-backprop'],
@@ -105,8 +105,8 @@ def test_a_drained_ring_moves(tmp_path, prepared_data_dir, capsys, first, then):
   """--drain applies what the ring holds before the last checkpoint; that checkpoint resumes on
   another layout, the ring restarting empty, and the run trains on from the moved weights."""
   ring = tiny_config(
-    tmp_path / 'ring', prepared_data_dir, **dict(LAYOUT, steps=3), schedule='ouroboros', stages=2,
-    drain=True, **first,
+    tmp_path / 'ring', prepared_data_dir, **{**LAYOUT, 'steps': 3, **first}, schedule='ouroboros',
+    stages=2, drain=True,
   )  # fmt: skip
   loop.train(ring, quiet=False)
   said = capsys.readouterr().out

@@ -435,8 +435,11 @@ class _Saved:
 
 def _stop_if_asked(run: _Run, step: int, pending: list, saved: _Saved) -> None:
   """A SIGTERM / Ctrl-C stops here, between steps (`rundir`); the save in flight lands first.
-  The processes of a multi-process run stop at one step they agreed on, and save it first."""
+  The processes of a multi-process run stop at one step they agreed on, and save it first; with
+  --drain a single process saves its drained state too."""
   signum = rundir.stop_agreed(step)
+  if signum is None and run.cfg.drain:
+    signum = rundir.requested_stop()
   try:
     if signum is not None:
       if pending:  # checks their losses: a non-finite state is never saved

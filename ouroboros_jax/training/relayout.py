@@ -12,15 +12,21 @@ parameters, so a state moves between any two of them by restacking its layers:
 
     saved stage leaf [G_old', N_old, ...]  -> the model's L layers [L, ...] (`staging.from_staged`)
                                            -> [G_new', N_new, ...]          (`staging.to_staged`)
-    saved counter [G_old']                 -> [G_new'], every stage's the same (one update a step)
+    saved per-stage leaf [G_old', ...]     -> [G_new', ...], each stage the value of the old stage
+                                              of its first layer (Optax's counters, Muon's
+                                              Newton-Schulz coefficients: the same in every stage
+                                              of an exact schedule, one update a step)
 
 Orbax restores the saved state as it was saved (its shapes, whole on this process's first
 device); one jitted function restacks it there, and every device of the new run takes its shard
 of the result from its own process's host copy (`jax.make_array_from_callback`), so a run moves
 between process counts too. (So a move needs one device's memory for the whole state: fine at the sizes
 that train on one host, not yet for a state that only fits sharded.) Ouroboros' state holds what is in flight (the
-stash, the error gradients, the weight versions, the compensations' history), shaped by G and
-M: moving it needs the ring drained first, which is not written yet, and is refused in one line.
+stash, the error gradients, the weight versions), shaped by G and M: it moves once drained
+(`Schedule.drain`, `--drain`), its parameters and optimizer state as an exact schedule's and its
+ring restarted empty at the saved step (`Move.fresh`); an undrained one is refused in one line
+(training/resume.py). DC-ASGD's history of past weights, kept only where gradients are more than
+one update old, cannot move.
 """
 
 from __future__ import annotations
@@ -77,9 +83,10 @@ class Move:
     restores it there): the run's, with the saved layout's stage shapes, and the ring as
     `saved` (the checkpoint's tree metadata) has it when the run's cannot be restored."""
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    per_layer = per_layer_shapes(target)
 
     def old(path, leaf):
-      shape = _old_shape(path, leaf.shape, self.old_layers, self.new_layers)
+      shape = _old_shape(path, leaf.shape, self.old_layers, self.new_layers, per_layer)
       return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=device)
 
     abstract = jax.tree_util.tree_map_with_path(old, target)
@@ -96,7 +103,8 @@ class Move:
         "the checkpoint's stages took different numbers of updates, which no exact schedule "
         "does: it cannot move to another layout; resume with the checkpoint's flags."
       )
-    move = lambda path, a: _restage(path, a, self.old_layers, self.new_layers)
+    per_layer = per_layer_shapes(target)
+    move = lambda path, a: _restage(path, a, self.old_layers, self.new_layers, per_layer)
     restage = jax.jit(lambda s: jax.tree_util.tree_map_with_path(move, s))
     moved = jax.device_get(restage(state.replace(ring={})))
     moved = moved.replace(ring=self._ring(jax.device_get(state.ring), target.ring, moved.step))
@@ -125,8 +133,10 @@ def _in_stage_group(path) -> bool:
   return any(group in names for group in STAGED_GROUPS) and names[0] in ('params', 'opt_state')
 
 
-def _kind(path, shape, layers: tuple[int, ...]) -> str:
-  """'layer' for a [G', N, ...] stage leaf, 'counter' for a [G'] one, else 'whole'."""
+def _kind(path, shape, layers: tuple[int, ...], per_layer) -> str:
+  """'layer' for a [G', N, ...] stage leaf whose rest is a layer parameter's shape (`per_layer`:
+  those shapes), 'stage' for another [G', ...] one (a counter, Muon's Newton-Schulz
+  coefficients), else 'whole'."""
   if not _in_stage_group(path):
     return 'whole'
   if any(getattr(k, 'name', None) == 'history' for k in path):
@@ -136,34 +146,39 @@ def _kind(path, shape, layers: tuple[int, ...]) -> str:
       "and cannot move; resume with the checkpoint's flags."
     )
   stages, width = len(layers), max(layers)
-  if len(shape) >= 2 and tuple(shape[:2]) == (stages, width):
+  if len(shape) >= 2 and tuple(shape[:2]) == (stages, width) and tuple(shape[2:]) in per_layer:
     return 'layer'
-  if tuple(shape) == (stages,):
-    return 'counter'
+  if len(shape) >= 1 and shape[0] == stages:
+    return 'stage'
   raise CheckpointError(
     f'cannot move the state leaf {jax.tree_util.keystr(path)} of shape {tuple(shape)} to another '
-    f'layout: it neither leads with [stages, layers] ({stages}, {width}) nor is a per-stage '
-    "counter; resume with the checkpoint's flags."
+    f'layout: it leads with neither [stages, layers] ({stages}, {width}) nor [stages]; resume '
+    "with the checkpoint's flags."
   )
 
 
-def _old_shape(path, shape, old_layers, new_layers) -> tuple:
+def per_layer_shapes(state) -> set[tuple[int, ...]]:
+  """The shapes of one layer's parameters ([G', N, ...] stage leaves without [G', N])."""
+  return {tuple(a.shape[2:]) for a in jax.tree.leaves(state.params['stages'])}
+
+
+def _old_shape(path, shape, old_layers, new_layers, per_layer) -> tuple:
   if old_layers == new_layers:
     return tuple(shape)
-  kind = _kind(path, shape, new_layers)
+  kind = _kind(path, shape, new_layers, per_layer)
   if kind == 'layer':
     return (len(old_layers), max(old_layers), *shape[2:])
-  return (len(old_layers),) if kind == 'counter' else tuple(shape)
+  return (len(old_layers), *shape[1:]) if kind == 'stage' else tuple(shape)
 
 
-def _restage(path, a, old_layers, new_layers):
+def _restage(path, a, old_layers, new_layers, per_layer):
   if old_layers == new_layers:
     return a
-  kind = _kind(path, a.shape, old_layers)
+  kind = _kind(path, a.shape, old_layers, per_layer)
   if kind == 'layer':  # the staging functions' own tree, one leaf at a time
     layers = staging.from_staged({'embed': 0, 'stages': a, 'head': 0}, old_layers)['layers']
     return staging.to_staged({'embed': 0, 'layers': layers, 'head': 0}, new_layers)['stages']
-  if kind == 'counter':  # each new stage counts the updates of the old one of its first layer
+  if kind == 'stage':  # each new stage takes the value of the old one of its first layer
     owner = np.repeat(np.arange(len(old_layers)), old_layers)
     return a[owner[np.cumsum([0, *new_layers[:-1]])]]
   return a

@@ -171,6 +171,12 @@ def shielded(then_stop: bool = True) -> Iterator[None]:
     raise Terminated(_STOP['signum'])
 
 
+def requested_stop() -> int | None:
+  """The signal a single-process loop was asked to stop with (None: none, or a multi-process
+  loop, which stops where its processes agree: `stop_agreed`)."""
+  return None if _STOP['agreed'] else _STOP['signum']
+
+
 def check_stop() -> None:
   """Called by a single-process loop between steps: raises Terminated once a stop was
   requested."""
