@@ -22,7 +22,7 @@ import jax  # noqa: E402
 
 jax.config.update('jax_num_cpu_devices', 4)
 
-from ouroboros_jax.training import checkpoint, field_flags, loop, presets, rundir  # noqa: E402
+from ouroboros_jax.training import checkpoint, field_flags, loop, presets, resume, rundir  # noqa: E402
 
 
 def _config(out: str, steps: int, layers: int, **flags):
@@ -33,6 +33,20 @@ def _config(out: str, steps: int, layers: int, **flags):
 
 def _size(out: str, step: int) -> float:
   return checkpoint.checkpoint_size(out, step) / 2**20
+
+
+def _restore_seconds(cfg) -> float:
+  """Seconds `--resume` takes to restore the drained checkpoint onto cfg's layout: restored as
+  saved, re-staged and placed (`resume.resume_state`), the run's fresh state built before."""
+  schedule, params, layers_per_stage = loop.build(cfg)
+  target = checkpoint.abstract_like(schedule.init(params, loop.example_batch(cfg)))
+  manager = checkpoint.make_manager(cfg.out_dir, keep=cfg.keep_checkpoints)
+  started = time.perf_counter()
+  state, _, manager = resume.resume_state(cfg, manager, target, layers_per_stage, None)
+  jax.block_until_ready(state)
+  seconds = time.perf_counter() - started
+  manager.close()
+  return seconds
 
 
 def main() -> None:
@@ -57,9 +71,14 @@ def main() -> None:
     pass
   first_leg = time.perf_counter() - started
   drained_mib = _size(moved.out_dir, half)
+  on_four = field_flags.override(moved, {'stages': 4, 'drain': False})  # no drain at its end
+  restore_s = _restore_seconds(on_four)
   started = time.perf_counter()
-  resumed = loop.train(field_flags.override(moved, {'stages': 4}), quiet=False, resume=True)
-  print(f'first leg {first_leg:.1f} s; resumed leg {time.perf_counter() - started:.1f} s')
+  resumed = loop.train(on_four, quiet=False, resume=True)
+  print(
+    f'first leg {first_leg:.1f} s; restore on 4 stages {restore_s:.2f} s; resumed leg '
+    f'{time.perf_counter() - started:.1f} s (the drain: its own line above)'
+  )
   print('| run | final val bpb | checkpoint MiB |')
   print('|---|---|---|')
   print(
