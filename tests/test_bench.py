@@ -274,6 +274,26 @@ def test_every_tick_of_a_table_pays_the_collective_wait():
   assert ideal == calibration.simulated(zb, pieces, 0.0, 0.0, ideal=True) < without
 
 
+def test_the_ideal_and_the_prediction_of_fsdp_price_its_gathers():
+  """bench's FSDP rows: the gathers and the reduce-scatter move the gradient's bytes once each,
+  as the replicated all-reduce's two passes do (timed as `allreduce_s`), so the prediction pays
+  about one all-reduce over the ideal, which has free links."""
+  import pytest
+
+  from ouroboros_jax.perf import calibration
+  from ouroboros_jax.schedules import ScheduleConfig
+
+  pieces = {'fwd': [1.0], 'bwd': [2.0], 'head': 0.05, 'update': [0.1]}
+  fsdp, replicated = (
+    ScheduleConfig(name='data_parallel', data_parallel=2, fsdp=sharded).resolve('cpu')
+    for sharded in (True, False)
+  )
+  ideal = calibration.simulated(fsdp, pieces, 0.0, 0.0, ideal=True)
+  predicted = calibration.simulated(fsdp, pieces, 0.01, 0.4)
+  assert ideal < predicted <= ideal + 0.4 + 1e-9
+  assert predicted == pytest.approx(calibration.simulated(replicated, pieces, 0.01, 0.4), abs=0.25)
+
+
 def test_collective_wait_is_nothing_on_one_device_and_never_negative():
   from ouroboros_jax.perf import calibration
 

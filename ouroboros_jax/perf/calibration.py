@@ -684,4 +684,16 @@ def stage_costs(
     input_grad_share=pieces.get('input_grad_share', {}).get(
       str(m), cost_model.StageCosts.input_grad_share
     ),
+    param_bytes=_gathered(update, link_s, allreduce_s) if setting.fsdp else (),
   )
+
+
+def _gathered(update_s, link_s: float, allreduce_s: float) -> list[float]:
+  """FSDP's weights gathered per stage, in the links' timed units (one hop of the whole batch's
+  activation is 1, `link_s` seconds): the all-reduce moves every gradient twice, so a stage's
+  gather moves its share of them once, allreduce_s / 2 times that share (by its update's time,
+  which is its parameters'). Free links (the ideal): any size, which costs nothing."""
+  if not link_s:
+    return [1.0] * len(update_s)
+  total = sum(update_s) or 1.0
+  return [allreduce_s / 2 * u / total / link_s for u in update_s]

@@ -506,7 +506,8 @@ def _drain(run: _Run, step: int, saved: _Saved) -> None:
   same step is set aside first (checkpoints-set-aside/: nothing is deleted)."""
   started = time.perf_counter()
   run.state = jax.block_until_ready(run.schedule.drain(run.state))
-  run.meta = {**run.meta, 'drained': True}
+  seconds = time.perf_counter() - started
+  run.meta = {**run.meta, 'drained': True, 'drain_seconds': seconds}
   if step in run.manager.all_steps():
     where = checkpoint.set_aside(run.cfg.out_dir, [step])
     # Not a new manager: its clean-up of unfinished saves runs in the background, and would
@@ -515,8 +516,8 @@ def _drain(run: _Run, step: int, saved: _Saved) -> None:
     saved.latest = run.manager.latest_step()
     run.report.say(f'moved the undrained checkpoint of step {step} to {where}.')
   run.report.say(
-    f'drained the ring at step {step} in {time.perf_counter() - started:.1f} s: every gradient '
-    'in flight applied; this checkpoint may resume on another layout.'
+    f'drained the ring at step {step} in {seconds:.1f} s: every gradient in flight applied; '
+    'this checkpoint may resume on another layout.'
   )
 
 
