@@ -12,7 +12,14 @@ from ouroboros_jax.schedules import ScheduleConfig, build_schedule, reference
 from ouroboros_jax.schedules.compensation import Compensation
 from ouroboros_jax.schedules.delays import Timing
 
-from helpers import adam, max_abs_diff, random_batches, run_schedule, tiny_transformer
+from helpers import (
+  adam,
+  assert_trees_equal,
+  max_abs_diff,
+  random_batches,
+  run_schedule,
+  tiny_transformer,
+)
 
 RECIPE = Compensation(predict=True, dc_lambda=0.5)  # the default recipe's compensations
 STEPS = 4  # batches before the drain
@@ -79,3 +86,31 @@ def test_an_exact_schedule_has_nothing_to_drain():
   config = ScheduleConfig(name='model_parallel', num_stages=2)
   state, _ = run_schedule(config, model, adam(), params, random_batches(2))
   assert build_schedule(config, model, adam()).drain(state) is state
+
+
+def test_a_ring_saved_before_its_window_resumes_with_the_window_added(tmp_path):
+  """A checkpoint of a ring from before the window (ring_layout 'micro-batch slots', no window
+  leaf) is restored as saved and given the window its ring had then, [the warm-up's end, open):
+  the state restored is the state saved, bit for bit, and steps on as it would have."""
+  from ouroboros_jax.training import checkpoint, relayout, resume
+
+  model, params = tiny_transformer(2)
+  batches = random_batches(4, seed=1)
+  config = ScheduleConfig(name='ouroboros', num_stages=2, microbatches=2, flow='stream')
+  schedule = build_schedule(config, model, adam())
+  state, _ = run_schedule(config, model, adam(), params, batches[:3])
+  saved = jax.device_get(state)  # (a step donates the state it is given)
+  manager = checkpoint.make_manager(str(tmp_path))
+  old = state.replace(ring={k: v for k, v in state.ring.items() if k != 'window'})
+  meta = {'schedule': 'ouroboros', 'ring_layout': resume.RING_LAYOUT_WITHOUT_WINDOW}
+  checkpoint.save(manager, old, {}, meta)
+  manager.wait_until_finished()
+  target = checkpoint.abstract_like(schedule.init(params, batches[0]))
+  move = relayout.Move((1, 1), (1, 1), add_window=True, microbatches=2)
+  restored, _, step, _ = checkpoint.restore_newest(manager, target, lambda meta: move)
+  manager.close()
+  assert step == 3
+  assert_trees_equal(restored, saved)
+  want, _ = schedule.step(state, batches[3])
+  got, _ = schedule.step(restored, batches[3])
+  assert max_abs_diff(got.params, want.params) == 0.0
