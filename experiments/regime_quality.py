@@ -95,13 +95,13 @@ def run(names, seeds, data, args) -> None:
   jax.config.update('jax_num_cpu_devices', max(STAGES))
   base = presets.get_preset('tiny')
   corpus = corpus_name(data)
-  done = {(r['setting'], r['corpus'], r['seed']) for r in read_csv(args.csv)}
+  done = {(r['setting'], r['corpus'], r['seed'], r['rate']) for r in read_csv(args.csv)}
   for seed in seeds:
     for name in names:
-      if (name, corpus, seed) in done:
-        continue
       overrides = dict(SETTINGS[name], data=data, test_batches=1)
-      rate = BACKPROP_RATE if overrides['schedule'] == 'backprop' else OUROBOROS_RATE
+      rate = BACKPROP_RATE if overrides['schedule'] == 'backprop' else args.rate
+      if (name, corpus, seed, rate) in done:
+        continue
       out = os.path.join(args.out, corpus, f'{name}@{rate:g}-seed{seed}')
       print(f'== {name} on {corpus}, seed {seed}, rate {rate:g}', flush=True)
       curve = lr_sweep.train_one(
@@ -136,12 +136,39 @@ def read_csv(path: str) -> list[dict]:
 # ----------------------------------------------------------------------------- the tables
 
 
-def curves(rows) -> dict[tuple, list[tuple[int, float]]]:
-  """(setting, corpus, seed) -> [(step, validation bpb)] in step order."""
+def _by_rate(rows) -> dict[tuple, list[tuple[int, float]]]:
+  """(setting, corpus, seed, rate) -> [(step, validation bpb)] in step order."""
   out: dict[tuple, list] = {}
   for r in rows:
-    out.setdefault((r['setting'], r['corpus'], r['seed']), []).append((r['step'], r['bpb']))
+    key = (r['setting'], r['corpus'], r['seed'], r['rate'])
+    out.setdefault(key, []).append((r['step'], r['bpb']))
   return {k: sorted(v) for k, v in out.items()}
+
+
+def best_rates(rows) -> dict[tuple, float]:
+  """(setting, corpus, seed) -> the rate of those run whose last validation bpb is lowest."""
+  best: dict[tuple, tuple[float, float]] = {}
+  for (name, corpus, seed, rate), curve in _by_rate(rows).items():
+    key = (name, corpus, seed)
+    if key not in best or curve[-1][1] < best[key][1]:
+      best[key] = (rate, curve[-1][1])
+  return {k: rate for k, (rate, _) in best.items()}
+
+
+def curves(rows) -> dict[tuple, list[tuple[int, float]]]:
+  """(setting, corpus, seed) -> [(step, validation bpb)] at the setting's best rate of those run
+  (`best_rates`): each setting at its own best rate."""
+  by_rate = _by_rate(rows)
+  return {k: by_rate[(*k, rate)] for k, rate in best_rates(rows).items()}
+
+
+def rates(rows, name: str, corpus: str, seed: int) -> str:
+  """The rates a setting ran at, the best marked with * where there are several."""
+  tried = sorted(
+    {r['rate'] for r in rows if (r['setting'], r['corpus'], r['seed']) == (name, corpus, seed)}
+  )
+  best = best_rates(rows).get((name, corpus, seed))
+  return ', '.join(f'{t:g}*' if t == best and len(tried) > 1 else f'{t:g}' for t in tried)
 
 
 def fastest_steps(regime_csv: str) -> dict[tuple, float]:
@@ -175,7 +202,9 @@ def quality_table(rows, corpus: str) -> list[str]:
   runs = curves(rows)
   seeds = sorted({r['seed'] for r in rows if r['corpus'] == corpus})
   head = ['setting', 'age (updates)'] + [
-    f'seed {s}: {what}' for s in seeds for what in ('val bpb', 'vs backprop', "steps to backprop's")
+    f'seed {s}: {what}'
+    for s in seeds
+    for what in ('rate', 'val bpb', 'vs backprop', "steps to backprop's")
   ]
   lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
   for name in SETTINGS:
@@ -183,10 +212,11 @@ def quality_table(rows, corpus: str) -> list[str]:
     for seed in seeds:
       curve, ref = runs.get((name, corpus, seed)), runs.get((reference_of(name), corpus, seed))
       if not curve:
-        cells += ['', '', '']
+        cells += ['', '', '', '']
         continue
       steps = lr_sweep.steps_to_reach(curve, ref[-1][1]) if ref else None
       cells += [
+        rates(rows, name, corpus, seed),
         f'{curve[-1][1]:.4f}',
         f'{final_gap(curve, ref):+.2%}' if ref else '',
         '' if not ref else f'{steps:.0f}' if steps is not None else 'not reached',
@@ -271,6 +301,9 @@ def parse_args(argv=None):
     help=f'comma-separated subset of {", ".join(SETTINGS)}',
   )
   parser.add_argument('--seeds', default='0', help='comma-separated seeds (initialisation, order)')
+  parser.add_argument(
+    '--rate', type=float, default=OUROBOROS_RATE, help="the ring settings' rate (backprop: its own)"
+  )
   parser.add_argument('--data', default='default', help='the corpus, as `train --data` takes it')
   parser.add_argument('--steps', type=int, default=1000)
   parser.add_argument('--eval-every', type=int, default=100)
