@@ -34,8 +34,9 @@ def test_replay_ring_is_inputs_only_and_graph_ring_is_larger():
   depth = stages + 1
   activation = batch * cfg.seq_len * cfg.d_model * 4
   tokens = batch * cfg.seq_len * 4
+  window = 2 * 4  # [first, end): the items the ring takes, two int32
   # replay keeps G+1 inputs, token ids and targets per device, plus the in-flight error gradient
-  assert replay['ring_bytes'] == depth * (activation + 2 * tokens) + activation
+  assert replay['ring_bytes'] == depth * (activation + 2 * tokens) + activation + window
   # graph keeps every residual of two layers per slot: many activations' worth
   assert graph['ring_bytes'] > 5 * replay['ring_bytes']
   assert replay['params_bytes'] == graph['params_bytes']

@@ -34,9 +34,12 @@ def _plan(*flags):
 
 
 def test_plan_lists_every_setting_with_memory_and_step_time(tmp_path):
+  """Every schedule x policy x stash, and (--try-stash-memory) each Ouroboros setting twice, the
+  second with its stash out of the device's ring, in the host's memory."""
   result, out = _plan(
-    '--try-schedules', 'backprop,1f1b,ouroboros', '--try-stash', 'graph/nothing,graph/all'
-  )
+    '--try-schedules', 'backprop,1f1b,ouroboros', '--try-stash', 'graph/nothing,graph/all',
+    '--try-stash-memory', 'device,pinned_host',
+  )  # fmt: skip
   labels = [r['label'] for r in out['rows']]
   assert labels == [
     'backprop',
@@ -44,9 +47,10 @@ def test_plan_lists_every_setting_with_memory_and_step_time(tmp_path):
     '1f1b M=2',
     '1f1b M=2 keep=nothing',
     *[
-      f'ouroboros M=2 {forward}/{stash}'
+      f'ouroboros M=2 {forward}/{stash}{host}'
       for forward in ('locked', 'pipelined')
       for stash in ('graph', 'graph/all')  # the default policy (nothing) goes unnamed
+      for host in ('', ' host')
     ],
   ]
   rows = {r['label']: r for r in out['rows']}
@@ -56,6 +60,8 @@ def test_plan_lists_every_setting_with_memory_and_step_time(tmp_path):
   # Keeping nothing of the forward holds less than keeping all of it.
   nothing, everything = (rows[f'ouroboros M=2 locked/{s}'] for s in ('graph', 'graph/all'))
   assert nothing['ring_bytes'] < everything['ring_bytes']
+  in_host = rows['ouroboros M=2 locked/graph/all host']
+  assert in_host['host_ring_bytes'] > 0 and in_host['ring_bytes'] < everything['ring_bytes']
   # Recomputing costs one more forward in the simulator and keeps less in the compiler.
   assert [rows[f'1f1b M=2{k}']['recompute'] for k in ('', ' keep=nothing')] == [0.0, 1.0]
   assert rows['1f1b M=2 keep=nothing']['step_s'] > rows['1f1b M=2']['step_s']
@@ -74,29 +80,6 @@ def test_plan_lists_every_setting_with_memory_and_step_time(tmp_path):
   saved.write_text(result.stdout)
   rendered = run_cli('plan', '--render', saved)
   assert rendered.returncode == 0 and rendered.stdout.strip() == table, rendered.stderr
-
-
-def test_plan_tries_the_stash_in_host_memory():
-  """--try-stash-memory device,pinned_host: each Ouroboros setting twice, the host one with its
-  stash out of the device's ring."""
-  _, out = _plan(
-    '--try-schedules',
-    'ouroboros',
-    '--try-stash',
-    'graph/all',
-    '--try-stash-memory',
-    'device,pinned_host',
-  )
-  labels = [r['label'] for r in out['rows']]
-  assert labels == [
-    f'ouroboros M=2 {forward}/graph/all{host}'
-    for forward in ('locked', 'pipelined')
-    for host in ('', ' host')
-  ]
-  rows = {r['label']: r for r in out['rows']}
-  everything = rows['ouroboros M=2 locked/graph/all']
-  in_host = rows['ouroboros M=2 locked/graph/all host']
-  assert in_host['host_ring_bytes'] > 0 and in_host['ring_bytes'] < everything['ring_bytes']
 
 
 def test_plan_marks_the_fastest_setting_that_fits():
