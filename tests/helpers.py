@@ -248,6 +248,29 @@ def save_and_restore(schedule, state, params, example_batch, directory, data_sta
   return restored, restored_data
 
 
+def restore_run(cfg, step=None):
+  """(state, data_state, meta) of a run's checkpoint (the newest, or `step`), restored as a
+  resume restores it: from the per-layer form onto the run's own layout and shardings."""
+  from ouroboros_jax import placement
+  from ouroboros_jax.training import checkpoint, loop, resume
+
+  schedule, params, layers = loop.build(cfg)
+  fresh = placement.onto_mesh(schedule.init(params, loop.example_batch(cfg)), schedule.mesh)
+  manager = checkpoint.make_manager(cfg.out_dir, read_only=True)
+  metas = []
+
+  def move(meta):
+    metas.append(meta)
+    return resume.move_for(meta, cfg, tuple(layers))
+
+  try:
+    target = checkpoint.abstract_like(fresh)
+    state, data_state, _, _ = checkpoint.restore_newest(manager, target, move, step=step)
+  finally:
+    manager.close()
+  return state, data_state, metas[-1]
+
+
 def straight_and_resumed(straight, out, stop_at: int):
   """Trains `straight`, then the same config into `out`, stopped after step `stop_at` (as a
   crash) and resumed to the end; returns (the config of the stopped run, the final saved states

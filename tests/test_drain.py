@@ -92,6 +92,8 @@ def test_a_ring_saved_before_its_window_resumes_with_the_window_added(tmp_path):
   """A checkpoint of a ring from before the window (ring_layout 'micro-batch slots', no window
   leaf) is restored as saved and given the window its ring had then, [the warm-up's end, open):
   the state restored is the state saved, bit for bit, and steps on as it would have."""
+  import orbax.checkpoint as ocp
+
   from ouroboros_jax.training import checkpoint, relayout, resume
 
   model, params = tiny_transformer(2)
@@ -103,7 +105,9 @@ def test_a_ring_saved_before_its_window_resumes_with_the_window_added(tmp_path):
   manager = checkpoint.make_manager(str(tmp_path))
   old = state.replace(ring={k: v for k, v in state.ring.items() if k != 'window'})
   meta = {'schedule': 'ouroboros', 'ring_layout': resume.RING_LAYOUT_WITHOUT_WINDOW}
-  checkpoint.save(manager, old, {}, meta)
+  # As that version wrote it: the ring inside the state item, stage-shaped.
+  items = dict(state=ocp.args.StandardSave(old), data=ocp.args.JsonSave({}))
+  manager.save(3, args=ocp.args.Composite(**items, meta=ocp.args.JsonSave(meta)))
   manager.wait_until_finished()
   target = checkpoint.abstract_like(schedule.init(params, batches[0]))
   move = relayout.Move((1, 1), (1, 1), add_window=True, microbatches=2)

@@ -13,9 +13,16 @@ import orbax.checkpoint as ocp
 import pytest
 
 from ouroboros_jax.models import model as transformer
-from ouroboros_jax.training import assemble, checkpoint, loop
+from ouroboros_jax.training import assemble, loop
 
-from helpers import REPO_ROOT, assert_one_line_error, random_batches, run_cli, tiny_config
+from helpers import (
+  REPO_ROOT,
+  assert_one_line_error,
+  random_batches,
+  restore_run,
+  run_cli,
+  tiny_config,
+)
 
 
 @pytest.fixture(scope='module')
@@ -41,9 +48,7 @@ def test_the_models_own_forward_gives_the_librarys_evaluation(pipelined_run, tmp
     model_cfg = transformer.ModelConfig(**json.load(f)['model'])
   assert jax.tree.leaves(params['layers'])[0].shape[0] == 3  # every layer once, no padding
   schedule, _, _ = assemble.build(pipelined_run)
-  manager = checkpoint.make_manager(pipelined_run.out_dir, read_only=True)
-  staged_params = checkpoint.restore_params_single_device(manager)
-  manager.close()
+  staged_params = restore_run(pipelined_run)[0].params  # as the run lays it out
   batch = random_batches(1, batch=4, seq=model_cfg.seq_len)[0]
   library = float(schedule.evaluate(staged_params, batch))
   own, _ = transformer.loss_fn(model_cfg, params, batch)

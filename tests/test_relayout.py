@@ -8,11 +8,11 @@ import jax
 import numpy as np
 import pytest
 
-from ouroboros_jax import staging
+from ouroboros_jax import placement, staging
 from ouroboros_jax.errors import CheckpointError
-from ouroboros_jax.training import checkpoint, field_flags, loop
+from ouroboros_jax.training import checkpoint, field_flags, loop, relayout
 
-from helpers import SMALL_CLI, host_tree, run_cli, tiny_config
+from helpers import SMALL_CLI, assert_trees_equal, host_tree, run_cli, tiny_config
 
 # 4 layers, so 4 stages hold one each; a checkpoint at step 3, then 3 steps more.
 LAYOUT = dict(num_layers=4, checkpoint_every=3, steps=6, eval_every=1000, optimizer='adamw')
@@ -32,7 +32,17 @@ def layers_of(out) -> dict:
     params = host_tree(checkpoint.restore_single_device(manager))['params']
   finally:
     manager.close()
-  return step, staging.from_staged(params, meta['layers_per_stage'])
+  return step, staging.from_staged(params, relayout.stored_layers(meta))
+
+
+def stored(out) -> dict:
+  """The params and optimizer state a run's newest checkpoint holds, as it holds them."""
+  manager = checkpoint.make_manager(str(out), read_only=True)
+  try:
+    saved = host_tree(checkpoint.restore_single_device(manager))
+  finally:
+    manager.close()
+  return {'params': saved['params'], 'opt_state': saved['opt_state']}
 
 
 def moved_and_unmoved(tmp_path, prepared_data_dir, first: dict, then: dict, capsys):
@@ -66,6 +76,10 @@ def test_an_exact_schedule_moves_exactly(tmp_path, prepared_data_dir, capsys, fi
     tmp_path, prepared_data_dir, first, then, capsys
   )
   assert steps_a == steps_b == 6
+  # The checkpoints of both layouts hold one form: the same shapes, whatever G, D or schedule.
+  assert jax.tree.map(np.shape, stored(tmp_path / 'unmoved')) == jax.tree.map(
+    np.shape, stored(tmp_path / 'moved')
+  )
   worst = max(
     float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
     for a, b in zip(jax.tree.leaves(unmoved), jax.tree.leaves(moved))
@@ -74,6 +88,31 @@ def test_an_exact_schedule_moves_exactly(tmp_path, prepared_data_dir, capsys, fi
   line = [s for s in said.splitlines() if s.startswith('resuming from step 3')]
   assert len(line) == 1 and 're-staged from' in line[0], said
   assert '--schedule ' in line[0] or '--stages ' in line[0], line
+
+
+@pytest.mark.parametrize('layers_per_stage', ['2,2', '3,1'])
+def test_the_per_layer_form_keeps_each_stage_on_its_devices(
+  tmp_path, prepared_data_dir, layers_per_stage
+):
+  """What a checkpoint holds: every layer its own stage ([L, 1, ...]), sharded as the run's
+  stages were where L divides evenly (each device its own layers' rows), and back to the run's
+  layout and shardings bit for bit, padding (3 layers and 1) included."""
+  cfg = tiny_config(
+    tmp_path, prepared_data_dir, **LAYOUT, schedule='1f1b', stages=2, microbatches=2,
+    layers_per_stage=layers_per_stage,
+  )  # fmt: skip
+  schedule, params, layers = loop.build(cfg)
+  state = placement.onto_mesh(schedule.init(params, loop.example_batch(cfg)), schedule.mesh)
+  form = relayout.stored(state, layers)
+  for leaf in jax.tree.leaves((form.params['stages'], form.opt_state)):
+    if leaf.ndim >= 2 and leaf.shape[:2] == (4, 1):  # a layer's leaf: two layers a device
+      assert {s.data.shape[0] for s in leaf.addressable_shards} == {2}, leaf.sharding
+  shapes = {leaf.shape[:2] for leaf in jax.tree.leaves(form.params['stages'])}
+  assert shapes == {(4, 1)}
+  back = relayout.Move(layers, layers, per_layer=True).apply(form, checkpoint.abstract_like(state))
+  assert_trees_equal(host_tree(back), host_tree(state))
+  for moved, leaf in zip(jax.tree.leaves(back), jax.tree.leaves(state)):
+    assert moved.sharding.is_equivalent_to(leaf.sharding, leaf.ndim)
 
 
 def test_moving_an_undrained_ring_is_refused_in_one_line(tmp_path, prepared_data_dir):

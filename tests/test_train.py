@@ -27,7 +27,7 @@ from ouroboros_jax.training import (
   sample,
 )
 
-from helpers import assert_trees_equal, host_tree, tiny_config, unfinish
+from helpers import assert_trees_equal, host_tree, restore_run, tiny_config, unfinish
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -118,9 +118,9 @@ def test_checkpoint_round_trip(short_run):
   manager = checkpoint.make_manager(cfg.out_dir, read_only=True)
   try:
     assert manager.all_steps() == [50, 100]
-    state, data_state, meta = checkpoint.restore(manager, checkpoint.abstract_like(fresh))
   finally:
     manager.close()
+  state, data_state, meta = restore_run(cfg)
   assert isinstance(state, staged.TrainState)
   assert int(state.step) == 100
   assert_trees_equal(host_tree(state), final_state)
@@ -403,11 +403,7 @@ def test_ouroboros_state_round_trips_sharded(tmp_path, prepared_data_dir):
   loop.train(cfg, quiet=True, on_step=lambda s, st: final.update(state=host_tree(st)))
   schedule, params, _ = loop.build(cfg)
   fresh = placement.onto_mesh(schedule.init(params, loop.example_batch(cfg)), schedule.mesh)
-  manager = checkpoint.make_manager(cfg.out_dir, read_only=True)
-  try:
-    state, _, _ = checkpoint.restore(manager, checkpoint.abstract_like(fresh))
-  finally:
-    manager.close()
+  state, _, _ = restore_run(cfg)
   assert jax.tree.leaves(state.ring)
   assert_trees_equal(host_tree(state), final['state'])
   for restored, new in zip(jax.tree.leaves(state), jax.tree.leaves(fresh)):

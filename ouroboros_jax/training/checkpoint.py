@@ -2,7 +2,12 @@
 
 Layout (Orbax `CheckpointManager`, one directory per step):
 
-    OUT/checkpoints/<step>/state/   TrainState: step, params, opt_state, ring (Orbax StandardSave)
+    OUT/checkpoints/<step>/state/   TrainState: step, params, opt_state (Orbax StandardSave); a
+                                    run's in the per-layer form (training/relayout.py: no
+                                    layout shapes it), its ring empty
+    OUT/checkpoints/<step>/ring/    what an Ouroboros ring holds in flight, as its layout made it
+                                    (none where the ring holds nothing; before the per-layer
+                                    form the ring was part of state/)
     OUT/checkpoints/<step>/data/    {'iterator': Grain iterator state, 'crc32': fingerprint of
                                      every batch consumed so far}
     OUT/checkpoints/<step>/meta/    {'schedule', 'stages', 'layers_per_stage', 'config': {...}}
@@ -166,6 +171,7 @@ def checkpoint_dir(out_dir: str) -> str:
 def _handlers():
   return {
     'state': ocp.StandardCheckpointHandler(),
+    'ring': ocp.StandardCheckpointHandler(),
     'data': ocp.JsonCheckpointHandler(),
     'meta': ocp.JsonCheckpointHandler(),
   }
@@ -276,17 +282,31 @@ def quiet_own_wait() -> None:
     absl_logger.addFilter(_OWN_WAIT_RECORDS)
 
 
+def _ring_of(state):
+  """A TrainState's ring when it holds anything (else None): saved as its own item."""
+  ring = getattr(state, 'ring', None)
+  return ring if jax.tree.leaves(without_empty(ring)) else None
+
+
 def save(manager: ocp.CheckpointManager, state, data_state: dict, meta: dict) -> None:
   """Starts an asynchronous save of step int(state.step); `manager.wait_until_finished()` joins.
-  The state's `fingerprint` is saved with the data state and checked by `restore`."""
+  What a ring holds in flight is its own item, 'ring'. The fingerprints of both are saved with
+  the data state and checked by `restore`."""
   quiet_own_wait()
   step = int(jax.device_get(state.step))
+  ring = _ring_of(state)
+  items = {}
+  if ring is not None:
+    state, ring = state.replace(ring={}), without_empty(ring)
+    items['ring'] = ocp.args.StandardSave(ring)
+    data_state = dict(data_state, ring_fingerprint=fingerprint(ring))
   state = without_empty(state)
   data_state = dict(data_state, fingerprint=fingerprint(state))
   manager.save(
     step,
     args=ocp.args.Composite(
       state=ocp.args.StandardSave(state),
+      **items,
       data=ocp.args.JsonSave(data_state),
       meta=ocp.args.JsonSave(meta),
     ),
@@ -294,8 +314,14 @@ def save(manager: ocp.CheckpointManager, state, data_state: dict, meta: dict) ->
   )
 
 
+def _has_ring_item(manager: ocp.CheckpointManager, step: int) -> bool:
+  return os.path.isdir(os.path.join(str(manager.directory), str(step), 'ring'))
+
+
 def restore(manager: ocp.CheckpointManager, abstract_state, step: int | None = None):
   """(state, data_state, meta) of `step` (default: the latest), placed as abstract_state says.
+  A ring saved as its own item is read where abstract_state's ring holds anything (else the
+  state comes back with the ring it asked for, empty).
 
   Raises CorruptCheckpointError when Orbax cannot read it or its bits do not match the
   fingerprint saved with it.
@@ -303,12 +329,17 @@ def restore(manager: ocp.CheckpointManager, abstract_state, step: int | None = N
   step = manager.latest_step() if step is None else step
   if step is None:
     raise CheckpointError(f'no checkpoint in {manager.directory}.')
+  split = _has_ring_item(manager, step)  # else the ring, if any, is inside the state item
+  abstract_ring = _ring_of(abstract_state) if split else None
+  whole = abstract_state.replace(ring={}) if split else abstract_state
+  items = {'ring': ocp.args.StandardRestore(without_empty(abstract_ring))} if abstract_ring else {}
   try:
     with _quiet_reads():
       restored = manager.restore(
         step,
         args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(without_empty(abstract_state)),
+          state=ocp.args.StandardRestore(without_empty(whole)),
+          **items,
           data=ocp.args.JsonRestore(),
           meta=ocp.args.JsonRestore(),
         ),
@@ -316,13 +347,32 @@ def restore(manager: ocp.CheckpointManager, abstract_state, step: int | None = N
   except Exception as e:  # pylint: disable=broad-exception-caught
     raise _unreadable(manager, step, e) from e
   data_state = dict(restored['data'])
-  saved = data_state.pop('fingerprint', None)  # checkpoints from before checksums have none
-  if saved is not None and fingerprint(restored['state']) != saved:
+  _check(manager, step, restored['state'], data_state.pop('fingerprint', None))
+  state = _with_empty(restored['state'], whole)
+  ring_fingerprint = data_state.pop('ring_fingerprint', None)
+  if abstract_ring is not None:
+    _check(manager, step, restored['ring'], ring_fingerprint)
+    state = state.replace(ring=_with_empty(restored['ring'], abstract_ring))
+  return state, data_state, restored['meta']
+
+
+def _check(manager, step: int, tree, saved: list[int] | None) -> None:
+  """A CorruptCheckpointError where a restored tree's bits do not match its saved fingerprint
+  (checkpoints from before checksums have none)."""
+  if saved is not None and fingerprint(tree) != saved:
     raise CorruptCheckpointError(
       f'checkpoint step {step} in {manager.directory} is damaged (its '
       'arrays do not match the checksum saved with them)'
     )
-  return _with_empty(restored['state'], abstract_state), data_state, restored['meta']
+
+
+def saved_tree(manager: ocp.CheckpointManager, step: int, item: str = 'state') -> Any:
+  """An item's tree of array metadata (shapes, dtypes) as the checkpoint holds it."""
+  try:
+    with _quiet_reads():
+      return manager.item_metadata(step)[item].tree
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    raise _unreadable(manager, step, e) from e
 
 
 def read_meta(manager: ocp.CheckpointManager, step: int | None = None) -> dict:
@@ -396,7 +446,7 @@ def restore_newest(
   reads back whole, or of `step` (`newest_readable`).
 
   check_meta(meta) raises for a checkpoint that does not fit the run (a user error: no
-  fallback), or returns a `relayout.Move` for one saved on another layout (restored as saved,
+  fallback), or returns a `relayout.Move` (the state restored in the form the checkpoint holds,
   then re-staged and placed as abstract_state says; None: restored as it is). Each unreadable
   checkpoint is reported with `say` and the one before it is tried.
   """
@@ -406,7 +456,7 @@ def restore_newest(
     if move is None:
       state, data_state, _ = restore(manager, abstract_state, candidate)
       return state, data_state
-    saved = manager.item_metadata(candidate)['state'].tree  # the saved shapes, for the ring
+    saved = saved_tree(manager, candidate)  # the saved shapes (a ring inside the state's)
     state, data_state, _ = restore(manager, move.abstract(abstract_state, saved), candidate)
     return move.apply(state, abstract_state), data_state
 
@@ -538,32 +588,37 @@ def restore_params_single_device(
 def restore_single_device(
   manager: ocp.CheckpointManager, step: int | None = None, device=None
 ) -> dict:
-  """The whole saved TrainState as a dict tree on one device (for inspection and tests).
+  """The whole saved TrainState as a dict tree on one device (for inspection and tests), as the
+  checkpoint holds it (the per-layer form: training/relayout.py), its ring under 'ring'.
   Raises CorruptCheckpointError like `restore`."""
   step = manager.latest_step() if step is None else step
   sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+  names = ['state'] + (['ring'] if _has_ring_item(manager, step) else [])
   try:
     with _quiet_reads():
-      tree = manager.item_metadata(step)['state'].tree
-      target = jax.tree.map(
-        lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding),
-        tree,
-        is_leaf=lambda m: hasattr(m, 'shape'),
-      )
-      restored = manager.restore(
-        step,
-        args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()
-        ),
-      )
+      metadata = manager.item_metadata(step)
+      targets = {
+        name: jax.tree.map(
+          lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding),
+          metadata[name].tree,
+          is_leaf=lambda m: hasattr(m, 'shape'),
+        )
+        for name in names
+      }
+      args = {name: ocp.args.StandardRestore(target) for name, target in targets.items()}
+      restored = manager.restore(step, args=ocp.args.Composite(**args, data=ocp.args.JsonRestore()))
   except Exception as e:  # pylint: disable=broad-exception-caught
     raise _unreadable(manager, step, e) from e
-  saved = restored['data'].get('fingerprint')
   # The dict's leaves come in another order than the TrainState's: compare the per-leaf sums.
-  pairs = lambda flat: sorted(zip(flat[::2], flat[1::2]))
-  if saved is not None and pairs(fingerprint(restored['state'])) != pairs(saved):
-    raise CorruptCheckpointError(
-      f'checkpoint step {step} in {manager.directory} is damaged (its '
-      'arrays do not match the checksum saved with them)'
-    )
-  return restored['state']
+  for name, key in (('state', 'fingerprint'), ('ring', 'ring_fingerprint')):
+    saved = restored['data'].get(key)
+    pairs = lambda flat: sorted(zip(flat[::2], flat[1::2]))
+    if name in names and saved is not None and pairs(fingerprint(restored[name])) != pairs(saved):
+      raise CorruptCheckpointError(
+        f'checkpoint step {step} in {manager.directory} is damaged (its '
+        'arrays do not match the checksum saved with them)'
+      )
+  state = dict(restored['state'])
+  if 'ring' in names:
+    state['ring'] = restored['ring']
+  return state

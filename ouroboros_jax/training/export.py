@@ -79,7 +79,7 @@ def load_run(
   """(model config, unstaged params {'embed','layers','head'}, step) of a run's checkpoint (the
   step asked for, or the newest readable one), any model, whatever schedule trained it."""
   from ouroboros_jax.models import partition
-  from ouroboros_jax.training import checkpoint, config
+  from ouroboros_jax.training import checkpoint, config, relayout
 
   if checkpoint.latest_step(out_dir) is None:
     raise checkpoint.CheckpointError(
@@ -104,7 +104,7 @@ def load_run(
   finally:
     manager.close()
   cfg = config.TrainConfig.from_dict(meta['config'])
-  return cfg.model, partition.from_staged(staged_params, meta['layers_per_stage']), step
+  return cfg.model, partition.from_staged(staged_params, relayout.stored_layers(meta)), step
 
 
 def _leaves(tree):

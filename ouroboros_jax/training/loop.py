@@ -61,7 +61,7 @@ from ouroboros_jax.errors import (
 )
 from ouroboros_jax.models import partition
 from ouroboros_jax.runtime import distributed, watchdog
-from ouroboros_jax.training import checkpoint, phased, resume, rundir, sizing
+from ouroboros_jax.training import checkpoint, phased, relayout, resume, rundir, sizing
 from ouroboros_jax.training.assemble import build, example_batch, staged_model  # noqa: F401
 from ouroboros_jax.training.config import TrainConfig
 from ouroboros_jax.training.metrics import MetricsLog, Report, batch_crc32
@@ -545,7 +545,7 @@ def _save(run: _Run, step: int, saved: _Saved, *, last: bool = False) -> None:
   with rundir.shielded():  # a second signal waits for the save to be under way
     checkpoint.save(
       run.manager,
-      run.state,
+      relayout.stored(run.state, tuple(run.meta['layers_per_stage'])),
       {'iterator': run.train_it.get_state(), 'crc32': run.report.crc},
       run.meta,
     )

@@ -1,4 +1,4 @@
-"""Resuming a checkpoint on another layout (issue 63): an exact schedule's state, re-staged.
+"""A run's state in a form no layout shapes, and resuming it on another layout (issue 63).
 
 A run's state is laid out by its schedule: every stage leaf of the parameters and of the
 optimizer state leads with [G', N] (G' stages, or G x chunks virtual stages for interleaved; N
@@ -6,32 +6,43 @@ layers a stage holds at most, zero padding where a stage holds fewer), and the O
 of the stage group lead with [G'] (`update.GroupedOptimizer` vmaps the update over stages).
 Nothing else in an exact schedule's state depends on the layout: the embedding's and the head's
 groups, the step, the data position and the dropout keys (from the seed and the batch index) are
-the same whatever G, D, M or the schedule. The exact schedules (backprop, data_parallel with or
-without FSDP, model_parallel, GPipe, 1F1B, interleaved, ZB-H1, ZB-V) all give backprop's
-parameters, so a state moves between any two of them by restacking its layers:
+the same whatever G, D, M or the schedule.
 
-    saved stage leaf [G_old', N_old, ...]  -> the model's L layers [L, ...] (`staging.from_staged`)
-                                           -> [G_new', N_new, ...]          (`staging.to_staged`)
-    saved per-stage leaf [G_old', ...]     -> [G_new', ...], each stage the value of the old stage
-                                              of its first layer (Optax's counters, Muon's
-                                              Newton-Schulz coefficients: the same in every stage
-                                              of an exact schedule, one update a step)
+**The per-layer form** (`PER_LAYER`, what every checkpoint holds): the state as L stages of one
+layer each, whatever layout trained it.
 
-Orbax restores the saved state as it was saved (its shapes, whole on this process's first
-device); one jitted function restacks it there, and every device of the new run takes its shard
-of the result from its own process's host copy (`jax.make_array_from_callback`), so a run moves
-between process counts too. (So a move needs one device's memory for the whole state: fine at the sizes
-that train on one host, not yet for a state that only fits sharded.) Ouroboros' state holds what is in flight (the
-stash, the error gradients, the weight versions), shaped by G and M: it moves once drained
-(`Schedule.drain`, `--drain`), its parameters and optimizer state as an exact schedule's and its
-ring restarted empty at the saved step (`Move.fresh`); an undrained one is refused in one line
-(training/resume.py). DC-ASGD's history of past weights, kept only where gradients are more than
-one update old, cannot move.
+    stage leaf      [G', N, ...] -> [L, 1, ...]  each layer its own stage, no padding
+    per-stage leaf  [G', ...]    -> [L, ...]     each layer the value of the stage holding it
+                                                 (Optax's counters, Muon's Newton-Schulz
+                                                 coefficients)
+
+Only L shapes it, not G, D, M or the schedule; a stage leaf's own axes keep their sharding (a
+data-parallel run's FSDP shards stay where they were). `stored` writes it on the devices, each
+layer axis sharded over the stages where L divides evenly (else whole on each stage), so no
+device holds more than a stage's share. What is in flight stays as the layout made it: an
+Ouroboros ring is its own checkpoint item (checkpoint.py), and DC-ASGD's history of past weights
+(kept only where gradients are more than one update old) stays [G', depth, N, ...].
+
+**A resume** (`Move`) restores the per-layer form with Orbax's restore-with-sharding straight
+onto the run's mesh (each process reads its own shards), and one jitted function re-stages it
+with the run's shardings:
+
+    stored leaf [L, 1, ...] -> [G_new', N_new, ...] (`staging.from_staged`, `staging.to_staged`)
+    per-layer leaf [L, ...]  -> [G_new', ...], each stage the value of its first layer
+
+The exact schedules (backprop, data_parallel with or without FSDP, model_parallel, GPipe, 1F1B,
+interleaved, ZB-H1, ZB-V) all give backprop's parameters, so a state moves between any two of
+them exactly. Ouroboros' ring moves once drained (`Schedule.drain`, `--drain`): its parameters
+and optimizer state as an exact schedule's, its ring restarted empty at the saved step
+(`Move.fresh`); an undrained one is refused in one line (training/resume.py), and so is DC-ASGD's
+history. A checkpoint saved before the per-layer form (stage-shaped, its ring inside the state)
+is restored as saved on one device, re-staged there, and placed with `make_array_from_callback`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -45,16 +56,53 @@ LAYOUT_FIELDS = ('schedule', 'stages', 'data_parallel', 'microbatches', 'layers_
 RING_FIELDS = ('forward', 'flow', 'stash', 'stash_policy', 'stash_memory')
 # The groups whose leaves lead with the stage axis (params and optimizer state alike).
 STAGED_GROUPS = ('stages',)
+# A checkpoint's meta 'state_form' when it holds the per-layer form (none before it).
+PER_LAYER = 'per layer'
+
+
+def stored_layers(meta: dict) -> tuple[int, ...]:
+  """The layers per stage of the state a checkpoint holds: one per stage in the per-layer form,
+  the run's layout before it."""
+  layers = tuple(meta['layers_per_stage'])
+  return (1,) * sum(layers) if meta.get('state_form') == PER_LAYER else layers
+
+
+def stored(state, layers: tuple[int, ...]):
+  """The state in the per-layer form, on the devices (its ring as it is): what is saved."""
+  to = (1,) * sum(layers)
+  run = state.replace(ring={})
+  if tuple(layers) == to:
+    return state
+  kinds = kinds_of(run, layers)
+  sharding = lambda k, a: _stored_sharding(k, a.sharding, _shape_as(k, a.shape, layers, to))
+  shardings = jax.tree.map(sharding, kinds, run)
+  return _restager(run, kinds, tuple(layers), to, shardings)(run).replace(ring=state.ring)
+
+
+def _restager(run, kinds, frm, to, shardings):
+  """The jitted re-staging of a state of `run`'s tree from `frm` to `to`, with `shardings`."""
+  flat_kinds, treedef = jax.tree.flatten(kinds)
+  flat_shardings = tuple(jax.tree.leaves(shardings))
+  return _restager_of(treedef, tuple(flat_kinds), frm, to, flat_shardings)
+
+
+@functools.lru_cache(maxsize=32)
+def _restager_of(treedef, kinds, frm, to, shardings):
+  def restage(state):
+    leaves = jax.tree.leaves(state)
+    return jax.tree.unflatten(treedef, [_restage(k, a, frm, to) for k, a in zip(kinds, leaves)])
+
+  return jax.jit(restage, out_shardings=jax.tree.unflatten(treedef, list(shardings)))
 
 
 @dataclasses.dataclass(frozen=True)
 class Move:
   """A saved state's layout and the run's: `abstract` is what to restore, `apply` re-stages.
 
-  The saved ring is restored as it is, or, where the run's cannot take it, as the checkpoint's
-  tree metadata has it and then: `fresh`, the run's ring starts empty at the saved step (every
-  buffer zero, its window from the step's first item); `add_window`, the saved ring with the
-  window a running ring has (one saved before the ring kept its window)."""
+  The saved ring is restored as it is, or, where the run's cannot take it: `fresh`, the run's
+  ring starts empty at the saved step (every buffer zero, its window from the step's first
+  item); `add_window`, the saved ring with the window a running ring has (one saved before the
+  ring kept its window)."""
 
   old_layers: tuple[int, ...]  # layers per (virtual) stage of the saved run
   new_layers: tuple[int, ...]
@@ -64,6 +112,16 @@ class Move:
   add_window: bool = False  # the ring as saved, before it kept its window: the window added
   microbatches: int = 1  # the run's (its ring's window counts items)
   warmup_steps: int = 0  # the run's synchronous warm-up (no item enters before its end)
+  per_layer: bool = False  # the checkpoint holds the per-layer form (else the saved layout's)
+
+  @property
+  def stored_layers(self) -> tuple[int, ...]:
+    return (1,) * sum(self.old_layers) if self.per_layer else self.old_layers
+
+  @property
+  def changed(self) -> bool:
+    """Whether the run's layout differs from the saved run's (else the state is as it was)."""
+    return self.fresh or self.add_window or self.old_layers != self.new_layers
 
   def describe(self) -> str:
     text = (
@@ -79,41 +137,67 @@ class Move:
     return text
 
   def abstract(self, target, saved):
-    """The saved state's abstract tree, placed whole on this process's first device (Orbax
-    restores it there): the run's, with the saved layout's stage shapes, and the ring as
-    `saved` (the checkpoint's tree metadata) has it when the run's cannot be restored."""
+    """What to restore: the run's tree with the stored form's shapes. Per-layer: with shardings
+    from the run's, its ring as the run's (none where it restarts empty). Before it: whole on
+    this process's first device, the ring as `saved` (the checkpoint's tree metadata) has it
+    when the run's cannot take it."""
+    if self.fresh or self.old_layers != self.new_layers:
+      _refuse_history(target, saved)
+    if not self.per_layer:
+      return self._abstract_as_saved(target, saved)
+    run = target.replace(ring={})
+    kinds = kinds_of(run, self.new_layers)
+
+    def leaf(kind, a):
+      shape = _shape_as(kind, a.shape, self.new_layers, self.stored_layers)
+      return jax.ShapeDtypeStruct(
+        shape, a.dtype, sharding=_stored_sharding(kind, a.sharding, shape)
+      )
+
+    return jax.tree.map(leaf, kinds, run).replace(ring={} if self.fresh else target.ring)
+
+  def apply(self, state, target):
+    """The restored state re-staged for the run, placed with the target's shardings."""
+    if self.changed and self.old_layers != self.new_layers and not self.fresh:
+      _check_counters(state)
+    if not self.per_layer:
+      return self._apply_as_saved(state, target)
+    run = target.replace(ring={})
+    kinds = kinds_of(run, self.new_layers)
+    shardings = jax.tree.map(lambda a: a.sharding, run)
+    restage = _restager(run, kinds, self.stored_layers, self.new_layers, shardings)
+    moved = restage(state.replace(ring={}))
+    if not self.fresh:
+      return moved.replace(ring=state.ring)
+    ring = self._ring(None, target.ring, int(moved.step))
+    return moved.replace(ring=_placed(ring, target.ring))
+
+  def _abstract_as_saved(self, target, saved):
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-    per_layer = per_layer_shapes(target)
-
-    def old(path, leaf):
-      shape = _old_shape(path, leaf.shape, self.old_layers, self.new_layers, per_layer)
-      return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=device)
-
-    abstract = jax.tree_util.tree_map_with_path(old, target)
+    run = target.replace(ring={})
+    kinds = kinds_of(run, self.new_layers)
+    old = lambda k, a: jax.ShapeDtypeStruct(
+      _shape_as(k, a.shape, self.new_layers, self.old_layers), a.dtype, sharding=device
+    )
+    abstract = jax.tree.map(old, kinds, run)
     if not (self.fresh or self.add_window):
-      return abstract
+      return abstract.replace(ring=jax.tree.map(lambda a: old('whole', a), target.ring))
     as_saved = lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device)
     ring = jax.tree.map(as_saved, saved['ring'], is_leaf=lambda m: hasattr(m, 'shape'))
     return abstract.replace(ring=ring)
 
-  def apply(self, state, target):
-    """The restored state re-staged for the run, placed with the target's shardings."""
-    if not self.fresh and self.old_layers != self.new_layers and not counters_agree(state):
-      raise CheckpointError(
-        "the checkpoint's stages took different numbers of updates, which no exact schedule "
-        "does: it cannot move to another layout; resume with the checkpoint's flags."
-      )
-    per_layer = per_layer_shapes(target)
-    move = lambda path, a: _restage(path, a, self.old_layers, self.new_layers, per_layer)
-    restage = jax.jit(lambda s: jax.tree_util.tree_map_with_path(move, s))
+  def _apply_as_saved(self, state, target):
+    """A stage-shaped checkpoint's move: re-staged on one device, placed from the host."""
+    run = target.replace(ring={})
+    kinds = kinds_of(run, self.new_layers)
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    shardings = jax.tree.map(lambda a: device, run)
+    restage = _restager(run, kinds, self.old_layers, self.new_layers, shardings)
     moved = jax.device_get(restage(state.replace(ring={})))
-    moved = moved.replace(ring=self._ring(jax.device_get(state.ring), target.ring, moved.step))
+    ring = self._ring(jax.device_get(state.ring), target.ring, moved.step)
     # Each process holds the whole moved state: every device takes its shard from it, whichever
     # process it belongs to (a 2-process run resumed in 1, or the reverse).
-    place = lambda host, leaf: jax.make_array_from_callback(
-      np.shape(host), leaf.sharding, lambda index: np.asarray(host)[index]
-    )
-    return jax.tree.map(place, moved, target)
+    return _placed(moved.replace(ring=ring), target)
 
   def _ring(self, saved, target, step):
     """The run's ring buffers on the host: as saved, fresh zeros, and the window where asked."""
@@ -128,72 +212,105 @@ class Move:
     return ring
 
 
-def _in_stage_group(path) -> bool:
-  names = [getattr(k, 'key', getattr(k, 'name', None)) for k in path]
-  return any(group in names for group in STAGED_GROUPS) and names[0] in ('params', 'opt_state')
+def _placed(host, target):
+  """Host arrays placed as `target` says, every device taking its shard from its own process's
+  copy (`jax.make_array_from_callback`)."""
+  place = lambda h, leaf: jax.make_array_from_callback(
+    np.shape(h), leaf.sharding, lambda index: np.asarray(h)[index], dtype=leaf.dtype
+  )
+  return jax.tree.map(place, host, target)
+
+
+def _names(path) -> list:
+  return [getattr(k, 'key', getattr(k, 'name', None)) for k in path]
+
+
+def kinds_of(run, layers: tuple[int, ...]):
+  """Each leaf's kind in a run's state laid out as `layers` (its ring left out): 'layer' for a
+  [G', N, ...] stage leaf whose rest is a layer parameter's shape, 'stage' for another [G', ...]
+  one (a counter, Muon's Newton-Schulz coefficients), 'history' for DC-ASGD's past weights,
+  else 'whole'."""
+  per_layer = {tuple(a.shape[2:]) for a in jax.tree.leaves(run.params['stages'])}
+  return jax.tree_util.tree_map_with_path(
+    lambda path, a: _kind(path, a.shape, tuple(layers), per_layer), run
+  )
 
 
 def _kind(path, shape, layers: tuple[int, ...], per_layer) -> str:
-  """'layer' for a [G', N, ...] stage leaf whose rest is a layer parameter's shape (`per_layer`:
-  those shapes), 'stage' for another [G', ...] one (a counter, Muon's Newton-Schulz
-  coefficients), else 'whole'."""
-  if not _in_stage_group(path):
+  names = _names(path)
+  if not (any(g in names for g in STAGED_GROUPS) and names[0] in ('params', 'opt_state')):
     return 'whole'
-  if any(getattr(k, 'name', None) == 'history' for k in path):
-    raise CheckpointError(
-      "the checkpoint's DC-ASGD history of past weights (kept where gradients are more than one "
-      'update old: --flow batch, or fewer micro-batches than the lag) is shaped by its layout '
-      "and cannot move; resume with the checkpoint's flags."
-    )
+  if 'history' in names:
+    return 'history'
   stages, width = len(layers), max(layers)
   if len(shape) >= 2 and tuple(shape[:2]) == (stages, width) and tuple(shape[2:]) in per_layer:
     return 'layer'
   if len(shape) >= 1 and shape[0] == stages:
     return 'stage'
   raise CheckpointError(
-    f'cannot move the state leaf {jax.tree_util.keystr(path)} of shape {tuple(shape)} to another '
-    f'layout: it leads with neither [stages, layers] ({stages}, {width}) nor [stages]; resume '
-    "with the checkpoint's flags."
+    f'cannot lay out the state leaf {jax.tree_util.keystr(path)} of shape {tuple(shape)} by '
+    f'layer: it leads with neither [stages, layers] ({stages}, {width}) nor [stages].'
   )
 
 
-def per_layer_shapes(state) -> set[tuple[int, ...]]:
-  """The shapes of one layer's parameters ([G', N, ...] stage leaves without [G', N])."""
-  return {tuple(a.shape[2:]) for a in jax.tree.leaves(state.params['stages'])}
-
-
-def _old_shape(path, shape, old_layers, new_layers, per_layer) -> tuple:
-  if old_layers == new_layers:
-    return tuple(shape)
-  kind = _kind(path, shape, new_layers, per_layer)
+def _shape_as(kind: str, shape, frm, to) -> tuple:
+  """A leaf's shape laid out as `frm`, laid out as `to`."""
   if kind == 'layer':
-    return (len(old_layers), max(old_layers), *shape[2:])
-  return (len(old_layers), *shape[1:]) if kind == 'stage' else tuple(shape)
+    return (len(to), max(to), *shape[2:])
+  return (len(to), *shape[1:]) if kind == 'stage' else tuple(shape)
 
 
-def _restage(path, a, old_layers, new_layers, per_layer):
-  if old_layers == new_layers:
+def _stored_sharding(kind: str, sharding, shape):
+  """The sharding of a leaf of the stored form, from the run's: a layer axis keeps the run's
+  stage axis where it divides evenly, a per-layer value is whole on every device, the rest of a
+  leaf keeps its own."""
+  if kind in ('whole', 'history') or not isinstance(sharding, jax.sharding.NamedSharding):
+    return sharding
+  spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+  axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],)
+  size = int(np.prod([sharding.mesh.shape[a] for a in axes if a is not None]))
+  lead = spec[0] if kind == 'layer' and shape[0] % size == 0 else None
+  rest = (None, *spec[2:]) if kind == 'layer' else spec[1:]
+  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(lead, *rest))
+
+
+def _restage(kind: str, a, frm, to):
+  """One leaf laid out as `frm`, laid out as `to` (traced)."""
+  if frm == to or kind in ('whole', 'history'):
     return a
-  kind = _kind(path, a.shape, old_layers, per_layer)
   if kind == 'layer':  # the staging functions' own tree, one leaf at a time
-    layers = staging.from_staged({'embed': 0, 'stages': a, 'head': 0}, old_layers)['layers']
-    return staging.to_staged({'embed': 0, 'layers': layers, 'head': 0}, new_layers)['stages']
-  if kind == 'stage':  # each new stage takes the value of the old one of its first layer
-    owner = np.repeat(np.arange(len(old_layers)), old_layers)
-    return a[owner[np.cumsum([0, *new_layers[:-1]])]]
-  return a
+    layers = staging.from_staged({'embed': 0, 'stages': a, 'head': 0}, frm)['layers']
+    return staging.to_staged({'embed': 0, 'layers': layers, 'head': 0}, to)['stages']
+  owner = np.repeat(np.arange(len(frm)), frm)  # each new stage: the old one of its first layer
+  return a[owner[np.cumsum([0, *to[:-1]])]]
 
 
-def counters_agree(state) -> bool:
-  """Whether every per-stage counter of a restored state is the same across stages (an exact
-  schedule's always is); checked before a move, on the host."""
+def _refuse_history(target, saved) -> None:
+  """A CheckpointError where either side keeps DC-ASGD's history of past weights: shaped by its
+  layout and its lag, it cannot move."""
+  trees = [target, saved.get('opt_state', {}) if isinstance(saved, dict) else {}]
+  found = lambda tree: any(
+    'history' in _names(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)
+  )
+  if any(found(tree) for tree in trees):
+    raise CheckpointError(
+      "the checkpoint's DC-ASGD history of past weights (kept where gradients are more than one "
+      'update old: --flow batch, or fewer micro-batches than the lag) is shaped by its layout '
+      "and cannot move; resume with the checkpoint's flags."
+    )
+
+
+def _check_counters(state) -> None:
+  """A CheckpointError where the restored per-stage counters differ across stages (no exact
+  schedule's do: each takes one update a step), checked on the host."""
   agree = True
-
-  def check(path, leaf):
-    nonlocal agree
-    if _in_stage_group(path) and np.ndim(leaf) == 1:
+  for path, leaf in jax.tree_util.tree_leaves_with_path(state.replace(ring={})):
+    names = _names(path)
+    if any(g in names for g in STAGED_GROUPS) and names[0] == 'opt_state' and np.ndim(leaf) == 1:
       values = np.asarray(leaf)
       agree = agree and bool((values == values[0]).all())
-
-  jax.tree_util.tree_map_with_path(check, state)
-  return agree
+  if not agree:
+    raise CheckpointError(
+      "the checkpoint's stages took different numbers of updates, which no exact schedule "
+      "does: it cannot move to another layout; resume with the checkpoint's flags."
+    )

@@ -56,6 +56,7 @@ def run_meta(cfg: TrainConfig, layers_per_stage) -> dict:
     'stages': cfg.schedule.num_stages,
     'layers_per_stage': list(layers_per_stage),
     'ring_layout': RING_LAYOUT,
+    'state_form': relayout.PER_LAYER,
     'host_layout': HOST_LAYOUT,
     'config': cfg.to_dict(),
   }
@@ -137,20 +138,24 @@ def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str)
   ]
 
 
-def _move(saved: dict, cfg: TrainConfig, layers_per_stage: tuple) -> relayout.Move | None:
-  """How the saved state becomes the run's (`check_resumable` has allowed it): None as it is;
-  re-staged where the layers per stage differ; an Ouroboros' ring restarted empty where its
+def move_for(saved: dict, cfg: TrainConfig, layers_per_stage: tuple) -> relayout.Move | None:
+  """How the saved state becomes the run's (`check_resumable` has allowed it): from the
+  per-layer form, re-staged as the run lays it out; an Ouroboros' ring restarted empty where its
   shape changes (nothing is in flight: drained, or an exact schedule's), or given the window it
-  lacks (saved before the ring kept one)."""
+  lacks (saved before the ring kept one). None: a checkpoint from before the per-layer form,
+  restored as it is."""
   saved_cfg = TrainConfig.from_dict(saved['config'])
   old_layers = tuple(saved['layers_per_stage'])
   want, have = config.flat(saved_cfg.resolved()), config.flat(cfg.resolved())
-  shaping = [n for n in relayout.LAYOUT_FIELDS + relayout.RING_FIELDS if n in have]
+  # The layers per stage as the run splits them (the config may leave them to the split).
+  fields = relayout.LAYOUT_FIELDS + relayout.RING_FIELDS
+  shaping = [n for n in fields if n in have and n != 'layers_per_stage']
   ring = 'ouroboros' in (want['schedule'], have['schedule'])
   changed = old_layers != layers_per_stage or any(want[n] != have[n] for n in shaping)
   fresh = ring and changed
   add_window = not fresh and saved.get('ring_layout') == RING_LAYOUT_WITHOUT_WINDOW
-  if not (changed or add_window):
+  per_layer = saved.get('state_form') == relayout.PER_LAYER
+  if not (changed or add_window or per_layer):
     return None
   return relayout.Move(
     old_layers,
@@ -161,6 +166,7 @@ def _move(saved: dict, cfg: TrainConfig, layers_per_stage: tuple) -> relayout.Mo
     add_window=add_window,
     microbatches=cfg.resolved().schedule.microbatches or 1,
     warmup_steps=cfg.schedule.sync_warmup_steps,
+    per_layer=per_layer,
   )
 
 
@@ -214,7 +220,7 @@ def resume_state(cfg: TrainConfig, manager, target, layers_per_stage, resume_fro
 
   def check(meta):
     changed[:] = check_resumable(meta, cfg, layers_per_stage, ckpt_dir)
-    moves[:] = [m for m in [_move(meta, cfg, tuple(layers_per_stage))] if m is not None]
+    moves[:] = [m for m in [move_for(meta, cfg, tuple(layers_per_stage))] if m is not None]
     return moves[0] if moves else None
 
   state, data_state, step, unreadable = checkpoint.restore_newest(
@@ -230,7 +236,7 @@ def resume_state(cfg: TrainConfig, manager, target, layers_per_stage, resume_fro
       flush=True,
     )
     manager = checkpoint.make_manager(cfg.out_dir, keep=cfg.keep_checkpoints)
-  moved = moves[0].describe() if moves else ''
+  moved = moves[0].describe() if moves and moves[0].changed else ''
   line = resuming_line(
     step, ckpt_dir, newest_readable=bool(unreadable), changed=changed, moved=moved
   )
