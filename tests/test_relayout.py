@@ -4,17 +4,21 @@ schedule or another number of stages as if it never moved; Ouroboros' moves once
 
 from __future__ import annotations
 
+import functools
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from ouroboros_jax import placement, staging
 from ouroboros_jax.errors import CheckpointError
+from ouroboros_jax.schedules import compensation
 from ouroboros_jax.training import checkpoint, field_flags, loop, relayout
 
-from helpers import SMALL_CLI, assert_trees_equal, host_tree, run_cli, tiny_config
+from helpers import SMALL_CLI, assert_trees_equal, host_tree, restore_run, run_cli, tiny_config
 
 # 4 layers, so 4 stages hold one each; a checkpoint at step 3, then 3 steps more.
 LAYOUT = dict(num_layers=4, checkpoint_every=3, steps=6, eval_every=1000, optimizer='adamw')
@@ -132,17 +136,17 @@ def test_moving_an_undrained_ring_is_refused_in_one_line(tmp_path, prepared_data
   'first, then',
   [
     (dict(optimizer='auto'), dict(stages=4)),  # the defaults: Muon, the recipe's compensations
-    (
-      dict(compensation='none', schedule='backprop', stages=1),
-      dict(schedule='ouroboros', stages=2),
-    ),
+    (dict(optimizer='auto'), dict(schedule='1f1b', stages=2, microbatches=2)),  # none after
+    (dict(schedule='backprop', stages=1), dict(schedule='ouroboros', stages=2)),  # none before
   ],
-  ids=['ouroboros-2to4', 'backprop-to-ouroboros'],  # to backprop: the 2to4 path, to_ring off
+  ids=['ouroboros-2to4', 'ouroboros-to-1f1b', 'backprop-to-ouroboros'],
 )
 def test_a_drained_ring_moves(tmp_path, prepared_data_dir, capsys, first, then):
   """--drain applies what the ring holds before the last checkpoint; that checkpoint resumes on
   another layout, the ring restarting empty, and the run trains on from the moved weights. An
-  exact schedule's checkpoint moves onto the ring the same way (nothing of it is in flight)."""
+  exact schedule's checkpoint moves onto the ring the same way (nothing of it is in flight).
+  Between the ring (the recipe's compensations) and an exact schedule (none) the optimizer's own
+  state moves as it is, and the compensations' start from zero."""
   ring = tiny_config(
     tmp_path / 'ring', prepared_data_dir,
     **{**LAYOUT, 'steps': 3, 'schedule': 'ouroboros', 'stages': 2, 'drain': True, **first},
@@ -151,16 +155,36 @@ def test_a_drained_ring_moves(tmp_path, prepared_data_dir, capsys, first, then):
   said = capsys.readouterr().out
   assert 'drained the ring at step 3' in said or ring.schedule.name != 'ouroboros', said
   step, drained = layers_of(ring.out_dir)
-  summary = loop.train(field_flags.override(ring, dict(then, steps=6)), quiet=False, resume=True)
+  moved = field_flags.override(ring, dict(then, steps=6))
+  summary = loop.train(moved, quiet=False, resume=True)
   said = capsys.readouterr().out
   line = [s for s in said.splitlines() if s.startswith('resuming from step 3')]
   assert len(line) == 1 and 're-staged from ' in line[0], said
-  ring_before = ring.schedule.name == 'ouroboros'
-  assert ('the ring drained before' in line[0]) == ring_before, line
-  assert ('the ring restarts empty' in line[0]) == (then.get('schedule') != 'backprop'), line
+  assert ('the ring drained before' in line[0]) == (ring.schedule.name == 'ouroboros'), line
+  to_ring = moved.schedule.name == 'ouroboros'
+  assert ('the ring restarts empty' in line[0]) == to_ring, line
+  comps = [c.resolved_compensation() for c in (ring, moved)]
+  assert ("the compensations' (" in line[0]) == (comps[0] != comps[1]), line
   assert step == 3 and layers_of(ring.out_dir)[0] == 6
   assert np.isfinite(summary['val_bpb'])
   assert summary['val_bpb'] < 8.0  # bytes: a uniform guess is 8 bits
+  # The optimizer's own state (the embedding's group: no stage axis) moved as it was saved.
+  own = lambda tree, comp: functools.reduce(
+    lambda node, key: getattr(node, key) if hasattr(node, '_fields') else node[key],
+    compensation.inner_path(comp),
+    tree,
+  )
+  manager = checkpoint.make_manager(str(ring.out_dir), read_only=True)
+  try:
+    saved = host_tree(checkpoint.restore_single_device(manager, 3))['opt_state']['embed']
+  finally:
+    manager.close()
+  restored = host_tree(restore_run(moved, step=3)[0].opt_state['embed'])
+  sums = lambda tree: sorted(
+    float(np.sum(np.asarray(a, np.float64))) for a in jax.tree.leaves(tree)
+  )
+  assert sums(own(restored, comps[1])) == sums(own(saved, comps[0]))
+  assert any(sums(own(saved, comps[0])))  # (not all zero: a state trained for 3 steps)
 
 
 def test_a_changed_model_is_refused_even_between_exact_schedules(tmp_path, prepared_data_dir):
@@ -196,3 +220,30 @@ def test_a_run_moves_between_process_counts(tmp_path, prepared_data_dir):
     for a, b in zip(jax.tree.leaves(unmoved), jax.tree.leaves(moved))
   )
   assert steps == 9 and worst < PROCESS_ATOL, worst
+
+
+@pytest.mark.parametrize(
+  'comp',
+  [
+    compensation.Compensation(predict=True, dc_lambda=1.0),  # the recipe's
+    compensation.Compensation(predict=True),
+    # every part (DC-ASGD without prediction keeps past weights: refused on a move)
+    compensation.Compensation(shrink=0.5, predict=True, dc_lambda=1.0, pipemare_steps=10),
+  ],
+  ids=['predict-dc', 'predict', 'every-part'],
+)
+def test_the_optimizers_own_state_is_where_inner_path_says_and_the_rest_starts_at_zero(comp):
+  """What a move between compensations relies on: `wrap`'s state holds tx's own state, as tx
+  makes it, at `inner_path`, and every other leaf (each compensation's) is zero at its init."""
+  tx, params = optax.adam(1e-3), {'w': jnp.ones((3, 2)), 'b': jnp.ones((2,))}
+  wrapped = compensation.wrap(comp, tx, max_gap=1).init(params)
+  path = compensation.inner_path(comp)
+  own = functools.reduce(
+    lambda node, key: getattr(node, key) if hasattr(node, '_fields') else node[key], path, wrapped
+  )
+  assert_trees_equal(own, tx.init(params))
+  keys = lambda p: tuple(getattr(k, 'name', getattr(k, 'idx', None)) for k in p)
+  others = [
+    leaf for p, leaf in jax.tree_util.tree_leaves_with_path(wrapped) if keys(p)[: len(path)] != path
+  ]
+  assert others and all(not np.any(np.asarray(leaf)) for leaf in others)

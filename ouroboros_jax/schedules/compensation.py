@@ -413,6 +413,15 @@ def last_update(state) -> PyTree:
 # ----------------------------------------------------------------------------- the whole recipe
 
 
+def inner_path(compensation: Compensation) -> tuple:
+  """Where the state of `wrap(compensation, tx, ...)` keeps tx's own state: the keys from it down
+  to tx's (() where nothing wraps tx); every other leaf is a compensation's, zero at its init."""
+  if not compensation.active:
+    return ()
+  index = int(compensation.shrink != 1.0) + int(compensation.dc_lambda > 0)  # `wrap`'s order
+  return (('inner',) if compensation.predict else ()) + (index,)
+
+
 def wrap(
   compensation: Compensation, tx: optax.GradientTransformation, max_gap: int
 ) -> optax.GradientTransformation:

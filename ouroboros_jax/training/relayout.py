@@ -35,7 +35,10 @@ interleaved, ZB-H1, ZB-V) all give backprop's parameters, so a state moves betwe
 them exactly. Ouroboros' ring moves once drained (`Schedule.drain`, `--drain`): its parameters
 and optimizer state as an exact schedule's, its ring restarted empty at the saved step
 (`Move.fresh`); an undrained one is refused in one line (training/resume.py), and so is DC-ASGD's
-history. A checkpoint saved before the per-layer form (stage-shaped, its ring inside the state)
+history. Between the ring's compensations and an exact schedule's none (or any two), the
+optimizer's own state moves from where one keeps it to where the other does
+(`compensation.inner_path`), and each compensation's state starts from its init, zero
+(`Move.inner_paths`). A checkpoint saved before the per-layer form (stage-shaped, its ring inside the state)
 is restored as saved on one device, re-staged there, and placed with `make_array_from_callback`.
 """
 
@@ -113,6 +116,9 @@ class Move:
   microbatches: int = 1  # the run's (its ring's window counts items)
   warmup_steps: int = 0  # the run's synchronous warm-up (no item enters before its end)
   per_layer: bool = False  # the checkpoint holds the per-layer form (else the saved layout's)
+  # Where the optimizer's own state sits in the saved run's state and in the run's
+  # (`compensation.inner_path`) when their compensations differ, else None.
+  inner_paths: tuple | None = None
 
   @property
   def stored_layers(self) -> tuple[int, ...]:
@@ -121,7 +127,8 @@ class Move:
   @property
   def changed(self) -> bool:
     """Whether the run's layout differs from the saved run's (else the state is as it was)."""
-    return self.fresh or self.add_window or self.old_layers != self.new_layers
+    moved = self.fresh or self.add_window or self.inner_paths is not None
+    return moved or self.old_layers != self.new_layers
 
   def describe(self) -> str:
     text = (
@@ -129,11 +136,16 @@ class Move:
       f'{len(self.new_layers)}'
     )
     if not self.fresh:
-      return f'{text} (an exact schedule holds nothing in flight: nothing was drained or reset)'
-    if self.from_ring:  # Ouroboros' stages take their first updates at different steps
+      text += ' (an exact schedule holds nothing in flight: nothing was drained or reset)'
+    if self.fresh and self.from_ring:  # Ouroboros' stages take their first updates apart
       text += " (the ring drained before; each stage counts its first layer's updates)"
-    if self.to_ring:
+    if self.fresh and self.to_ring:
       text += "; the ring restarts empty at this step (a model's memory too)"
+    if self.inner_paths is not None:
+      text += (
+        "; the optimizer's own state moved, the compensations' (weight prediction's last "
+        "update, DC-ASGD's mean g * g) start again from zero"
+      )
     return text
 
   def abstract(self, target, saved):
@@ -144,7 +156,20 @@ class Move:
     if self.fresh or self.old_layers != self.new_layers:
       _refuse_history(target, saved)
     if not self.per_layer:
+      if self.inner_paths is not None:
+        raise CheckpointError(
+          'the checkpoint was saved before the per-layer form, and its optimizer state has '
+          "other compensations than the run's: resume with the checkpoint's --compensation."
+        )
       return self._abstract_as_saved(target, saved)
+    abstract = self._stored_abstract(target).replace(ring={} if self.fresh else target.ring)
+    if self.inner_paths is None:
+      return abstract
+    where = jax.tree.leaves(target.params['stages'])[0].sharding
+    return abstract.replace(opt_state=_saved_opt_state(saved['opt_state'], where))
+
+  def _stored_abstract(self, target):
+    """The run's state (its ring left out) in the stored form, placed as `_stored_sharding`."""
     run = target.replace(ring={})
     kinds = kinds_of(run, self.new_layers)
 
@@ -154,7 +179,7 @@ class Move:
         shape, a.dtype, sharding=_stored_sharding(kind, a.sharding, shape)
       )
 
-    return jax.tree.map(leaf, kinds, run).replace(ring={} if self.fresh else target.ring)
+    return jax.tree.map(leaf, kinds, run)
 
   def apply(self, state, target):
     """The restored state re-staged for the run, placed with the target's shardings."""
@@ -166,6 +191,9 @@ class Move:
     kinds = kinds_of(run, self.new_layers)
     shardings = jax.tree.map(lambda a: a.sharding, run)
     restage = _restager(run, kinds, self.stored_layers, self.new_layers, shardings)
+    if self.inner_paths is not None:
+      stored_opt = self._stored_abstract(target).opt_state
+      state = state.replace(opt_state=_remapped(state.opt_state, stored_opt, *self.inner_paths))
     moved = restage(state.replace(ring={}))
     if not self.fresh:
       return moved.replace(ring=state.ring)
@@ -219,6 +247,57 @@ def _placed(host, target):
     np.shape(h), leaf.sharding, lambda index: np.asarray(h)[index], dtype=leaf.dtype
   )
   return jax.tree.map(place, host, target)
+
+
+def _saved_opt_state(metadata, where):
+  """The abstract of a saved optimizer state of other compensations, as its own tree (Orbax's
+  metadata: dicts and lists): a layer leaf ([L, 1, ...]) sharded over the run's stages where L
+  divides (`where`: a stage leaf's sharding), the rest whole on every device."""
+
+  def leaf(path, m):
+    sharding = where
+    if isinstance(where, jax.sharding.NamedSharding):
+      layer = _names(path)[0] in STAGED_GROUPS and len(m.shape) >= 2 and m.shape[1] == 1
+      stages = jax.sharding.PartitionSpec(*where.spec[:1]) if layer else None
+      whole = jax.sharding.PartitionSpec()
+      sharding = jax.sharding.NamedSharding(where.mesh, whole)
+      if stages is not None:
+        sharding = _stored_sharding('layer', sharding.update(spec=stages), m.shape)
+    return jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding)
+
+  is_leaf = lambda m: hasattr(m, 'shape')
+  return jax.tree_util.tree_map_with_path(leaf, metadata, is_leaf=is_leaf)
+
+
+def _remapped(saved, stored, saved_inner: tuple, run_inner: tuple):
+  """The run's optimizer state (`stored`: its abstract, stored form) from a saved one of other
+  compensations (a tree of dicts and lists): in each group, the optimizer's own state taken from
+  where the saved one keeps it, every compensation's leaf zero (as its init makes it)."""
+
+  def leaf(path, a):
+    keys = [_key(k) for k in path]
+    group, rest = keys[0], tuple(keys[1:])
+    if rest[: len(run_inner)] != tuple(run_inner):
+      return jax.jit(lambda: jax.numpy.zeros(a.shape, a.dtype), out_shardings=a.sharding)()
+    node = saved[group]
+    for key in (*saved_inner, *rest[len(run_inner) :]):
+      node = node[key]
+    if tuple(node.shape) != tuple(a.shape):
+      raise CheckpointError(
+        f"the checkpoint's optimizer state {jax.tree_util.keystr(path)} has shape "
+        f"{tuple(node.shape)}, the run's {tuple(a.shape)}: resume with the checkpoint's flags."
+      )
+    return node
+
+  return jax.tree_util.tree_map_with_path(leaf, stored)
+
+
+def _key(k):
+  """A path entry as Orbax's metadata spells it: a dict key or field name, or a list index."""
+  for name in ('key', 'name', 'idx'):
+    if hasattr(k, name):
+      return getattr(k, name)
+  raise TypeError(f'unknown path entry {k!r}')
 
 
 def _names(path) -> list:

@@ -11,6 +11,7 @@ import jax
 
 from ouroboros_jax.errors import CheckpointError
 from ouroboros_jax.models import model as transformer
+from ouroboros_jax.schedules import compensation
 from ouroboros_jax.training import checkpoint, config, field_flags, metrics, relayout
 from ouroboros_jax.training.config import TrainConfig
 
@@ -151,7 +152,9 @@ def move_for(saved: dict, cfg: TrainConfig, layers_per_stage: tuple) -> relayout
   fields = relayout.LAYOUT_FIELDS + relayout.RING_FIELDS
   shaping = [n for n in fields if n in have and n != 'layers_per_stage']
   ring = 'ouroboros' in (want['schedule'], have['schedule'])
-  changed = old_layers != layers_per_stage or any(want[n] != have[n] for n in shaping)
+  compensations = saved_cfg.resolved_compensation(), cfg.resolved_compensation()
+  remap = compensations[0] != compensations[1]  # the optimizer states' structures differ
+  changed = old_layers != layers_per_stage or any(want[n] != have[n] for n in shaping) or remap
   fresh = ring and changed
   add_window = not fresh and saved.get('ring_layout') == RING_LAYOUT_WITHOUT_WINDOW
   per_layer = saved.get('state_form') == relayout.PER_LAYER
@@ -167,34 +170,31 @@ def move_for(saved: dict, cfg: TrainConfig, layers_per_stage: tuple) -> relayout
     microbatches=cfg.resolved().schedule.microbatches or 1,
     warmup_steps=cfg.schedule.sync_warmup_steps,
     per_layer=per_layer,
+    inner_paths=tuple(map(compensation.inner_path, compensations)) if remap else None,
   )
 
 
 def _movable(saved: dict, want: dict, have: dict) -> tuple[str, ...]:
   """The settings a resume may change: the layout's where nothing is in flight (an exact
-  schedule's state, or a drained ring: `--drain`) and the optimizer states have one structure
-  (no compensation, or the same on both sides); a drained ring's own settings too."""
+  schedule's state, or a drained ring: `--drain`); a drained ring's own settings and its
+  compensations too (the optimizer's own state moves, the compensations' start again)."""
   names = (want['schedule'], have['schedule'])
   if 'ouroboros' not in names:
     return relayout.LAYOUT_FIELDS
-  same_state = want['compensation'] == have['compensation']
-  if not (same_state and (saved.get('drained') or want['schedule'] != 'ouroboros')):
+  if not (saved.get('drained') or want['schedule'] != 'ouroboros'):
     return ()
-  return relayout.LAYOUT_FIELDS + relayout.RING_FIELDS
+  return relayout.LAYOUT_FIELDS + relayout.RING_FIELDS + ('compensation',)
 
 
 def _why_not_moved(saved: dict, want: dict, wrong: list[str]) -> str:
-  """The end of the refusal's line where a layout setting could not move."""
-  if not any(n in relayout.LAYOUT_FIELDS + relayout.RING_FIELDS for n in wrong):
+  """The end of the refusal's line where a layout setting could not move: an undrained ring."""
+  movable = relayout.LAYOUT_FIELDS + relayout.RING_FIELDS + ('compensation',)
+  undrained = want['schedule'] == 'ouroboros' and not saved.get('drained')
+  if not (undrained and any(n in movable for n in wrong)):
     return '.'
-  if want['schedule'] == 'ouroboros' and not saved.get('drained'):
-    return (
-      " (Ouroboros' ring holds work in flight, shaped by its layout: drain it first, resuming "
-      'with its flags, --drain and --steps at its step, then move).'
-    )
   return (
-    ' (the optimizer states differ: their compensations; a move keeps the optimizer state, so '
-    'both sides need the same --compensation).'
+    " (Ouroboros' ring holds work in flight, shaped by its layout: drain it first, resuming "
+    'with its flags, --drain and --steps at its step, then move).'
   )
 
 
