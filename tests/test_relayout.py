@@ -16,7 +16,7 @@ import pytest
 from ouroboros_jax import placement, staging
 from ouroboros_jax.errors import CheckpointError
 from ouroboros_jax.schedules import compensation
-from ouroboros_jax.training import checkpoint, field_flags, loop, relayout
+from ouroboros_jax.training import checkpoint, field_flags, loop, relayout, resume
 
 from helpers import SMALL_CLI, assert_trees_equal, host_tree, restore_run, run_cli, tiny_config
 
@@ -247,3 +247,28 @@ def test_the_optimizers_own_state_is_where_inner_path_says_and_the_rest_starts_a
     leaf for p, leaf in jax.tree_util.tree_leaves_with_path(wrapped) if keys(p)[: len(path)] != path
   ]
   assert others and all(not np.any(np.asarray(leaf)) for leaf in others)
+
+
+def test_a_moved_dc_asgd_history_restarts_as_copies_of_the_weights(tmp_path, prepared_data_dir):
+  """As one batch the ring's gradients are more than one update old, and DC-ASGD keeps a
+  history of past weights, shaped by G and the lag. Moved (drained, G = 2 -> 4) it restarts as
+  its init makes it: copies of the current weights; the resume line says so."""
+  ring = tiny_config(
+    tmp_path / 'ring', prepared_data_dir,
+    **{**LAYOUT, 'steps': 3}, schedule='ouroboros', stages=2, flow='batch',
+    compensation='predict,dc', drain=True,
+  )  # fmt: skip
+  loop.train(ring, quiet=True)
+  moved = field_flags.override(ring, dict(stages=4, steps=6))
+  state, _, meta = restore_run(moved, step=3)
+  for group, axis in (('embed', 0), ('stages', 1)):  # a stage's [G', depth, N, ...]
+    history = state.opt_state[group].inner[0].history  # DC-ASGD's state: the chain's first
+    copies = jax.tree.map(
+      lambda h, w: np.asarray(h) - np.expand_dims(np.asarray(w), axis), history,
+      state.params[group],
+    )  # fmt: skip
+    assert jax.tree.leaves(history) and not any(np.any(d) for d in jax.tree.leaves(copies))
+  schedule, params, layers = loop.build(moved)
+  target = checkpoint.abstract_like(schedule.init(params, loop.example_batch(moved)))
+  line = resume.move_for(meta, moved, tuple(layers)).describe(target)
+  assert "DC-ASGD's history of past weights restarts" in line, line

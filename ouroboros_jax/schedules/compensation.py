@@ -413,13 +413,27 @@ def last_update(state) -> PyTree:
 # ----------------------------------------------------------------------------- the whole recipe
 
 
-def inner_path(compensation: Compensation) -> tuple:
-  """Where the state of `wrap(compensation, tx, ...)` keeps tx's own state: the keys from it down
-  to tx's (() where nothing wraps tx); every other leaf is a compensation's, zero at its init."""
+def parts(compensation: Compensation) -> tuple[str, ...]:
+  """What `wrap(compensation, tx, ...)` chains, in its order ('tx' for tx itself; 'predict' for
+  the latest update kept around the chain): two compensations with the same parts keep states of
+  one structure (a DC-ASGD history aside, whose depth is the lag's)."""
   if not compensation.active:
     return ()
-  index = int(compensation.shrink != 1.0) + int(compensation.dc_lambda > 0)  # `wrap`'s order
-  return (('inner',) if compensation.predict else ()) + (index,)
+  chained = [('shrink', compensation.shrink != 1.0), ('dc', compensation.dc_lambda > 0)]
+  chained += [('tx', True), ('pipemare', compensation.pipemare_steps > 0)]
+  names = tuple(name for name, on in chained if on)
+  return names + (('predict',) if compensation.predict else ())
+
+
+def inner_path(compensation: Compensation) -> tuple:
+  """Where the state of `wrap(compensation, tx, ...)` keeps tx's own state: the keys from it down
+  to tx's (() where nothing wraps tx); every other leaf is a compensation's, zero at its init (a
+  DC-ASGD history aside: copies of the weights)."""
+  names = parts(compensation)
+  if not names:
+    return ()
+  chain = [name for name in names if name != 'predict']
+  return (('inner',) if 'predict' in names else ()) + (chain.index('tx'),)
 
 
 def wrap(

@@ -458,7 +458,7 @@ def restore_newest(
       return state, data_state
     saved = saved_tree(manager, candidate)  # the saved shapes (a ring inside the state's)
     state, data_state, _ = restore(manager, move.abstract(abstract_state, saved), candidate)
-    return move.apply(state, abstract_state), data_state
+    return move.apply(state, abstract_state, saved), data_state
 
   (state, data_state), step, unreadable = newest_readable(manager, read, step=step, say=say)
   return state, data_state, step, unreadable

@@ -117,8 +117,9 @@ class Move:
   warmup_steps: int = 0  # the run's synchronous warm-up (no item enters before its end)
   per_layer: bool = False  # the checkpoint holds the per-layer form (else the saved layout's)
   # Where the optimizer's own state sits in the saved run's state and in the run's
-  # (`compensation.inner_path`) when their compensations differ, else None.
-  inner_paths: tuple | None = None
+  # (`compensation.inner_path`), and whether their compensations keep states of other parts.
+  inner_paths: tuple = ((), ())
+  remap: bool = False
 
   @property
   def stored_layers(self) -> tuple[int, ...]:
@@ -127,10 +128,10 @@ class Move:
   @property
   def changed(self) -> bool:
     """Whether the run's layout differs from the saved run's (else the state is as it was)."""
-    moved = self.fresh or self.add_window or self.inner_paths is not None
-    return moved or self.old_layers != self.new_layers
+    return self.fresh or self.add_window or self.remap or self.old_layers != self.new_layers
 
-  def describe(self) -> str:
+  def describe(self, target=None) -> str:
+    """What the move did, for the resume's line (`target`: the run's state, for its history)."""
     text = (
       f'the parameters and optimizer state re-staged from {len(self.old_layers)} stage(s) to '
       f'{len(self.new_layers)}'
@@ -141,11 +142,14 @@ class Move:
       text += " (the ring drained before; each stage counts its first layer's updates)"
     if self.fresh and self.to_ring:
       text += "; the ring restarts empty at this step (a model's memory too)"
-    if self.inner_paths is not None:
+    history = target is not None and self.resets_history and _has_history(target)
+    if self.remap or history:
       text += (
         "; the optimizer's own state moved, the compensations' (weight prediction's last "
         "update, DC-ASGD's mean g * g) start again from zero"
       )
+    if history:
+      text += "; DC-ASGD's history of past weights restarts as copies of the current weights"
     return text
 
   def abstract(self, target, saved):
@@ -153,20 +157,32 @@ class Move:
     from the run's, its ring as the run's (none where it restarts empty). Before it: whole on
     this process's first device, the ring as `saved` (the checkpoint's tree metadata) has it
     when the run's cannot take it."""
-    if self.fresh or self.old_layers != self.new_layers:
-      _refuse_history(target, saved)
     if not self.per_layer:
-      if self.inner_paths is not None:
+      if self.resets_history:
+        _refuse_history(target, saved)
+      if self.remap:
         raise CheckpointError(
           'the checkpoint was saved before the per-layer form, and its optimizer state has '
           "other compensations than the run's: resume with the checkpoint's --compensation."
         )
       return self._abstract_as_saved(target, saved)
     abstract = self._stored_abstract(target).replace(ring={} if self.fresh else target.ring)
-    if self.inner_paths is None:
+    if not self._remaps(target, saved):
       return abstract
     where = jax.tree.leaves(target.params['stages'])[0].sharding
     return abstract.replace(opt_state=_saved_opt_state(saved['opt_state'], where))
+
+  @property
+  def resets_history(self) -> bool:
+    """Whether DC-ASGD's history of past weights (shaped by the layout and the lag) restarts."""
+    return self.fresh or self.old_layers != self.new_layers
+
+  def _remaps(self, target, saved) -> bool:
+    """Whether the saved optimizer state is read as its own tree and rebuilt in the run's
+    (`_remapped`): the compensations keep states of other parts, or a DC-ASGD history (shaped
+    by the saved layout and lag) restarts."""
+    history = self.resets_history and (_has_history(target) or _has_history(saved or {}))
+    return self.per_layer and (self.remap or history)
 
   def _stored_abstract(self, target):
     """The run's state (its ring left out) in the stored form, placed as `_stored_sharding`."""
@@ -181,8 +197,9 @@ class Move:
 
     return jax.tree.map(leaf, kinds, run)
 
-  def apply(self, state, target):
-    """The restored state re-staged for the run, placed with the target's shardings."""
+  def apply(self, state, target, saved=None):
+    """The restored state re-staged for the run, placed with the target's shardings (`saved`:
+    the checkpoint's tree metadata, as `abstract` had it)."""
     if self.changed and self.old_layers != self.new_layers and not self.fresh:
       _check_counters(state)
     if not self.per_layer:
@@ -191,10 +208,12 @@ class Move:
     kinds = kinds_of(run, self.new_layers)
     shardings = jax.tree.map(lambda a: a.sharding, run)
     restage = _restager(run, kinds, self.stored_layers, self.new_layers, shardings)
-    if self.inner_paths is not None:
+    if self._remaps(target, saved):
       stored_opt = self._stored_abstract(target).opt_state
       state = state.replace(opt_state=_remapped(state.opt_state, stored_opt, *self.inner_paths))
     moved = restage(state.replace(ring={}))
+    if self.resets_history and _has_history(target):
+      moved = _history_restarted(moved, kinds)
     if not self.fresh:
       return moved.replace(ring=state.ring)
     ring = self._ring(None, target.ring, int(moved.step))
@@ -278,7 +297,7 @@ def _remapped(saved, stored, saved_inner: tuple, run_inner: tuple):
     keys = [_key(k) for k in path]
     group, rest = keys[0], tuple(keys[1:])
     if rest[: len(run_inner)] != tuple(run_inner):
-      return jax.jit(lambda: jax.numpy.zeros(a.shape, a.dtype), out_shardings=a.sharding)()
+      return _zeros(a)
     node = saved[group]
     for key in (*saved_inner, *rest[len(run_inner) :]):
       node = node[key]
@@ -290,6 +309,35 @@ def _remapped(saved, stored, saved_inner: tuple, run_inner: tuple):
     return node
 
   return jax.tree_util.tree_map_with_path(leaf, stored)
+
+
+def _zeros(a):
+  """Zeros of an abstract leaf's shape and dtype, placed as it says."""
+  return jax.jit(lambda: jax.numpy.zeros(a.shape, a.dtype), out_shardings=a.sharding)()
+
+
+def _history_restarted(state, kinds):
+  """The state with DC-ASGD's history as its init makes it: `depth` copies of the current
+  weights (a stage's [G', depth, N, ...] from its [G', N, ...])."""
+
+  def leaf(path, kind, h):
+    if kind != 'history':
+      return h
+    keys = [_key(k) for k in path]
+    group, rest = keys[1], keys[keys.index('history') + 1 :]
+    if group not in state.params:
+      raise CheckpointError(
+        f"DC-ASGD's history of the {group!r} group cannot restart on another layout; resume "
+        "with the checkpoint's flags."
+      )
+    p = functools.reduce(lambda node, k: node[k], rest, state.params[group])
+    axis = 1 if group == STAGED_GROUPS[0] else 0
+    copies = lambda w: jax.numpy.broadcast_to(jax.numpy.expand_dims(w, axis), h.shape).astype(
+      h.dtype
+    )
+    return jax.jit(copies, out_shardings=h.sharding)(p)
+
+  return jax.tree_util.tree_map_with_path(leaf, kinds, state)
 
 
 def _key(k):
@@ -317,10 +365,10 @@ def kinds_of(run, layers: tuple[int, ...]):
 
 def _kind(path, shape, layers: tuple[int, ...], per_layer) -> str:
   names = _names(path)
+  if 'history' in names:  # in any group's optimizer state
+    return 'history'
   if not (any(g in names for g in STAGED_GROUPS) and names[0] in ('params', 'opt_state')):
     return 'whole'
-  if 'history' in names:
-    return 'history'
   stages, width = len(layers), max(layers)
   if len(shape) >= 2 and tuple(shape[:2]) == (stages, width) and tuple(shape[2:]) in per_layer:
     return 'layer'
@@ -364,18 +412,20 @@ def _restage(kind: str, a, frm, to):
   return a[owner[np.cumsum([0, *to[:-1]])]]
 
 
+def _has_history(tree) -> bool:
+  """Whether a state (or a checkpoint's tree metadata) holds DC-ASGD's history of weights."""
+  leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda m: hasattr(m, 'shape'))
+  return any('history' in _names(path) for path, _ in leaves)
+
+
 def _refuse_history(target, saved) -> None:
-  """A CheckpointError where either side keeps DC-ASGD's history of past weights: shaped by its
-  layout and its lag, it cannot move."""
-  trees = [target, saved.get('opt_state', {}) if isinstance(saved, dict) else {}]
-  found = lambda tree: any(
-    'history' in _names(path) for path, _ in jax.tree_util.tree_leaves_with_path(tree)
-  )
-  if any(found(tree) for tree in trees):
+  """A CheckpointError where a checkpoint from before the per-layer form, or the run, keeps
+  DC-ASGD's history of past weights: that form's move cannot restart it."""
+  if _has_history(target) or _has_history(saved if isinstance(saved, dict) else {}):
     raise CheckpointError(
       "the checkpoint's DC-ASGD history of past weights (kept where gradients are more than one "
-      'update old: --flow batch, or fewer micro-batches than the lag) is shaped by its layout '
-      "and cannot move; resume with the checkpoint's flags."
+      'update old: --flow batch, or fewer micro-batches than the lag) is shaped by its layout, '
+      "and the checkpoint predates the per-layer form; resume with the checkpoint's flags."
     )
 
 

@@ -153,7 +153,7 @@ def move_for(saved: dict, cfg: TrainConfig, layers_per_stage: tuple) -> relayout
   shaping = [n for n in fields if n in have and n != 'layers_per_stage']
   ring = 'ouroboros' in (want['schedule'], have['schedule'])
   compensations = saved_cfg.resolved_compensation(), cfg.resolved_compensation()
-  remap = compensations[0] != compensations[1]  # the optimizer states' structures differ
+  remap = compensation.parts(compensations[0]) != compensation.parts(compensations[1])
   changed = old_layers != layers_per_stage or any(want[n] != have[n] for n in shaping) or remap
   fresh = ring and changed
   add_window = not fresh and saved.get('ring_layout') == RING_LAYOUT_WITHOUT_WINDOW
@@ -170,7 +170,8 @@ def move_for(saved: dict, cfg: TrainConfig, layers_per_stage: tuple) -> relayout
     microbatches=cfg.resolved().schedule.microbatches or 1,
     warmup_steps=cfg.schedule.sync_warmup_steps,
     per_layer=per_layer,
-    inner_paths=tuple(map(compensation.inner_path, compensations)) if remap else None,
+    inner_paths=tuple(map(compensation.inner_path, compensations)),
+    remap=remap,
   )
 
 
@@ -236,7 +237,7 @@ def resume_state(cfg: TrainConfig, manager, target, layers_per_stage, resume_fro
       flush=True,
     )
     manager = checkpoint.make_manager(cfg.out_dir, keep=cfg.keep_checkpoints)
-  moved = moves[0].describe() if moves and moves[0].changed else ''
+  moved = moves[0].describe(target) if moves and moves[0].changed else ''
   line = resuming_line(
     step, ckpt_dir, newest_readable=bool(unreadable), changed=changed, moved=moved
   )
