@@ -8,6 +8,7 @@ import json
 import os
 import re
 
+import forked_cli
 import numpy as np
 import pytest
 
@@ -16,7 +17,7 @@ from ouroboros_jax.accelerators import growth, pld, vcycle
 from ouroboros_jax.models.model import ConfigError
 from ouroboros_jax.training import compare, field_flags, presets
 
-from helpers import assert_one_line_error, cli_message, run_cli
+from helpers import assert_one_line_error, cli_message
 
 
 def test_pld_flag():
@@ -136,25 +137,26 @@ def test_combinations_that_are_refused():
     assert re.search(words, cli_message(error.value)), cli_message(error.value)
 
 
-@pytest.mark.parametrize(
-  'args, words',
-  [
-    (['--pld', '0.5'], ['--pld', 'THETA_BAR,GAMMA']),
-    (['--growth', 'mslt:1x10,2x10', '--steps', '30'], ['--growth', '20 steps', '--steps is 30']),
-    (
-      ['--vcycle', 'down=10,coarse=10', '--schedule', 'ouroboros', '--stages', '2'],
-      ['--stages 2 cuts the model into 2 groups', 'only 1 layer;'],
-    ),
-  ],
-)
-def test_bad_accelerator_flags_fail_in_one_line(args, words):
-  assert_one_line_error(
-    run_cli('train', '--num-layers', '2', *args, '--out', os.devnull + '/x'), 2, *words
-  )
+BAD_FLAGS = [
+  (['--pld', '0.5'], ['--pld', 'THETA_BAR,GAMMA']),
+  (['--growth', 'mslt:1x10,2x10', '--steps', '30'], ['--growth', '20 steps', '--steps is 30']),
+  (
+    ['--vcycle', 'down=10,coarse=10', '--schedule', 'ouroboros', '--stages', '2'],
+    ['--stages 2 cuts the model into 2 groups', 'only 1 layer;'],
+  ),
+]
 
 
-def test_bench_refuses_accelerator_flags():
-  assert_one_line_error(run_cli('bench', '--pld', 'default'), 2, '--pld', '`bench`')
+def test_bad_accelerator_flags_fail_in_one_line_and_bench_refuses_them():
+  """Each command line in a process of its own, forked from one that has imported the command
+  (a subprocess each before: 7 s of a 15-minute suite, most of it imports of JAX)."""
+  trains = [
+    ['train', '--num-layers', '2', *args, '--out', os.devnull + '/x'] for args, _ in BAD_FLAGS
+  ]
+  *refused, bench = forked_cli.run_each(*trains, ['bench', '--pld', 'default'])
+  for result, (_, words) in zip(refused, BAD_FLAGS, strict=True):
+    assert_one_line_error(result, 2, *words)
+  assert_one_line_error(bench, 2, '--pld', '`bench`')
 
 
 SMALL = dict(

@@ -1,6 +1,7 @@
 """The `ouroboros` command: flags, presets, one-line user errors and exit codes, sampling.
 
-Everything here runs `python -m ouroboros_jax` in a subprocess, as a user would.
+Everything here runs `python -m ouroboros_jax` in a subprocess, as a user would (the one-line
+refusals each in a process forked from one that has imported the command: forked_cli.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import forked_cli
 import pytest
 
 from ouroboros_jax import cli_messages, cli_parsers
@@ -96,50 +98,78 @@ def test_presets_are_valid_and_have_the_documented_shapes():
 # ----------------------------------------------------------------------------- user errors
 
 
-@pytest.mark.parametrize(
-  'args, words',
-  [
-    (['--preset', 'huge'], ['unknown --preset huge', 'tiny']),
-    (['--nonsense', '1'], ['unknown flag', '--nonsense']),
-    (['--d-model', '30', '--num-heads', '4'], ['--d-model 30', '--num-heads 4', 'divisible']),
-    (['--num-layers', '0'], ['--num-layers must be a positive integer, got 0']),
-    (['--batch-size', '-1'], ['--batch-size must be a positive integer']),
-    (['--d-model', 'x'], ['--d-model', "invalid int value: 'x'"]),
-    (
-      ['--schedule', 'ouroboros', '--stages', '3', '--num-layers', '2'],
-      ['--stages 3', 'only 2 layers', '--num-layers 3 or more'],
-    ),
-    (['--schedule', 'nope'], ['unknown --schedule nope', 'backprop']),
-    (
-      ['--schedule', 'gpipe', '--stages', '2', '--stash-policy', 'everything'],
-      ['unknown --stash-policy everything; choose one of auto, all'],
-    ),
-  ],
-)
-def test_bad_settings_fail_in_one_line(args, words):
-  # Settings are checked before any data is read or anything is compiled.
-  assert_one_line_error(run_cli('train', *args, '--out', os.devnull + '/x'), 2, *words)
+BAD_SETTINGS = [
+  (['--preset', 'huge'], ['unknown --preset huge', 'tiny']),
+  (['--nonsense', '1'], ['unknown flag', '--nonsense']),
+  (['--d-model', '30', '--num-heads', '4'], ['--d-model 30', '--num-heads 4', 'divisible']),
+  (['--num-layers', '0'], ['--num-layers must be a positive integer, got 0']),
+  (['--batch-size', '-1'], ['--batch-size must be a positive integer']),
+  (['--d-model', 'x'], ['--d-model', "invalid int value: 'x'"]),
+  (
+    ['--schedule', 'ouroboros', '--stages', '3', '--num-layers', '2'],
+    ['--stages 3', 'only 2 layers', '--num-layers 3 or more'],
+  ),
+  (['--schedule', 'nope'], ['unknown --schedule nope', 'backprop']),
+  (
+    ['--schedule', 'gpipe', '--stages', '2', '--stash-policy', 'everything'],
+    ['unknown --stash-policy everything; choose one of auto, all'],
+  ),
+]
 
 
-def test_missing_data_file(tmp_path):
-  result = run_cli(
-    'train', *SMALL, '--data', 'text:/nonexistent/corpus.txt', '--out', tmp_path / 'run'
+@pytest.fixture(scope='module')
+def refused(tmp_path_factory, text_corpus):
+  """The one-line refusals of the tests below, each command line run in a process of its own
+  forked from one that has imported the command (a subprocess each before: 40 s of a 15-minute
+  suite, most of it imports of JAX): (their directory, {name: result})."""
+  tmp = tmp_path_factory.mktemp('refused')
+  (tmp / 'short.txt').write_text('To be, or not to be.\n')
+  (tmp / 'a_file').write_text('not a directory')
+  (tmp / 'finished').mkdir()
+  (tmp / 'finished' / 'summary.json').write_text('{}')
+  (tmp / 'no_checkpoint').mkdir()
+  train, corpus = ['train', *SMALL], f'text:{text_corpus}'
+  lines = {
+    'missing data': [*train, '--data', 'text:/nonexistent/corpus.txt', '--out', tmp / 'missing'],
+    'short corpus': [*train, '--data', f'text:{tmp / "short.txt"}', '--out', tmp / 'short'],
+    'resume': [*train, '--data', corpus, '--resume', '--out', tmp / 'empty'],
+    'sample': ['sample', '--ckpt', tmp / 'no_checkpoint'],
+    'out is a file': [*train, '--steps', '2', '--out', tmp / 'a_file'],
+    'out under a file': [*train, '--steps', '2', '--out', tmp / 'a_file' / 'run'],
+    'vocabulary': [*train, '--data', corpus, '--vocab-size', '100', '--steps', '2']
+    + ['--out', tmp / 'vocabulary'],
+    'finished': [*train, '--steps', '2', '--out', tmp / 'finished'] + ['--growth', 'mslt:1x1,2x*'],
+    'stages do nothing': ['train', '--schedule', 'backprop', '--stages', '2'],
+    'pre-ln maybe': ['train', '--pre-ln', 'maybe'],
+    'negative rate': ['train', '--learning-rate', '-1e-3'],
+    'empty compensation': ['train', '--compensation', ''],
+    # Checked before the checkpoint is looked for: an empty OUT is enough.
+    'length': ['sample', '--ckpt', tmp / 'no_checkpoint', '--length', str(10**12)],
+    'temperature': ['sample', '--ckpt', tmp / 'no_checkpoint', '--temperature', 'nan'],
+  }
+  for i, (args, _) in enumerate(BAD_SETTINGS):  # checked before any data is read or compiled
+    lines[f'bad {i}'] = ['train', *args, '--out', os.devnull + '/x']
+  return tmp, dict(zip(lines, forked_cli.run_each(*lines.values()), strict=True))
+
+
+def test_bad_settings_fail_in_one_line(refused):
+  for i, (_, words) in enumerate(BAD_SETTINGS):
+    assert_one_line_error(refused[1][f'bad {i}'], 2, *words)
+
+
+def test_missing_data_file(refused):
+  assert_one_line_error(
+    refused[1]['missing data'], 2, 'data file not found', '/nonexistent/corpus.txt'
   )
-  assert_one_line_error(result, 2, 'data file not found', '/nonexistent/corpus.txt')
 
 
-def test_corpus_shorter_than_one_window(tmp_path):
-  path = tmp_path / 'short.txt'
-  path.write_text('To be, or not to be.\n')
-  result = run_cli('train', *SMALL, '--data', f'text:{path}', '--out', tmp_path / 'run')
-  assert_one_line_error(result, 2, 'train split', 'one window', '--seq-len')
+def test_corpus_shorter_than_one_window(refused):
+  assert_one_line_error(refused[1]['short corpus'], 2, 'train split', 'one window', '--seq-len')
 
 
-def test_resume_without_a_checkpoint(tmp_path, text_corpus):
-  result = run_cli(
-    'train', *SMALL, '--data', f'text:{text_corpus}', '--resume', '--out', tmp_path / 'empty'
-  )
-  assert_one_line_error(result, 2, '--resume', 'no checkpoint', str(tmp_path / 'empty'))
+def test_resume_without_a_checkpoint(refused):
+  tmp, results = refused
+  assert_one_line_error(results['resume'], 2, '--resume', 'no checkpoint', str(tmp / 'empty'))
 
 
 def test_cpu_devices_sets_the_device_count(tmp_path, text_corpus):
@@ -162,8 +192,8 @@ def test_cpu_devices_sets_the_device_count(tmp_path, text_corpus):
   assert_one_line_error(result, 2, 'need 2 devices', 'only 1', '--cpu-devices 2')
 
 
-def test_sample_without_a_checkpoint(tmp_path):
-  assert_one_line_error(run_cli('sample', '--ckpt', tmp_path), 2, 'no checkpoint')
+def test_sample_without_a_checkpoint(refused):
+  assert_one_line_error(refused[1]['sample'], 2, 'no checkpoint')
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, text_corpus):
@@ -309,41 +339,25 @@ def test_one_run_per_out_sigterm_and_resume(tmp_path, text_corpus):
 
 
 @pytest.mark.parametrize('where', ['file', 'under_file'])
-def test_unwritable_out_is_one_line(tmp_path, where):
-  blocker = tmp_path / 'a_file'
-  blocker.write_text('not a directory')
-  out = blocker if where == 'file' else blocker / 'run'
-  result = run_cli('train', *SMALL, '--steps', '2', '--out', out)
+def test_unwritable_out_is_one_line(refused, where):
+  tmp, results = refused
+  out = tmp / 'a_file' if where == 'file' else tmp / 'a_file' / 'run'
+  result = results['out is a file' if where == 'file' else 'out under a file']
   assert_one_line_error(result, 2, f'cannot write into --out {out}', 'writable directory')
 
 
-def test_data_beyond_the_vocabulary_is_one_line(tmp_path, text_corpus):
-  result = run_cli(
-    'train',
-    *SMALL,
-    '--data',
-    f'text:{text_corpus}',
-    '--vocab-size',
-    '100',
-    '--steps',
-    '2',
-    '--out',
-    tmp_path / 'run',
-  )
+def test_data_beyond_the_vocabulary_is_one_line(refused):
+  result = refused[1]['vocabulary']
   assert_one_line_error(result, 2, '--vocab-size 100', 'smaller than', '256')
 
 
-def test_a_finished_run_is_not_overwritten(tmp_path):
-  out = tmp_path / 'run'
-  out.mkdir()
-  (out / 'summary.json').write_text('{}')
-  result = run_cli('train', *SMALL, '--steps', '2', '--out', out, '--growth', 'mslt:1x1,2x*')
-  assert_one_line_error(result, 2, 'already holds a finished run')
+def test_a_finished_run_is_not_overwritten(refused):
+  assert_one_line_error(refused[1]['finished'], 2, 'already holds a finished run')
 
 
-def test_silent_settings_are_refused_and_booleans_take_values():
-  result = run_cli('train', '--schedule', 'backprop', '--stages', '2')
-  assert_one_line_error(result, 2, '--stages 2 does nothing')
+def test_silent_settings_are_refused_and_booleans_take_values(refused):
+  results = refused[1]
+  assert_one_line_error(results['stages do nothing'], 2, '--stages 2 does nothing')
   parser = cli_parsers.make_parser()
   for flags, value in (
     (['--pre-ln', 'false'], False),
@@ -352,15 +366,12 @@ def test_silent_settings_are_refused_and_booleans_take_values():
     (['--pre-ln', 'true'], True),
   ):
     assert cli_parsers.config_from_args(parser.parse_args(['train', *flags])).model.pre_ln is value
-  result = run_cli('train', '--pre-ln', 'maybe')
-  assert_one_line_error(result, 2, "expected true or false, got 'maybe'")
+  assert_one_line_error(results['pre-ln maybe'], 2, "expected true or false, got 'maybe'")
   # A negative number in exponent form is a value, not a flag; an empty value is refused.
   args = parser.parse_args(['train', '--learning-rate', '-1e-3'])
   assert cli_parsers.config_from_args(args).learning_rate == -1e-3
-  assert_one_line_error(
-    run_cli('train', '--learning-rate', '-1e-3'), 2, '--learning-rate must be positive'
-  )
-  assert_one_line_error(run_cli('train', '--compensation', ''), 2, '--compensation is empty')
+  assert_one_line_error(results['negative rate'], 2, '--learning-rate must be positive')
+  assert_one_line_error(results['empty compensation'], 2, '--compensation is empty')
   # An empty --out is refused, not read as 'none' (which wrote to runs/PRESET-SCHEDULE).
   args = parser.parse_args(['train', '--out', ''])
   with pytest.raises(ConfigError, match='out.? is empty'):
@@ -509,13 +520,9 @@ def test_out_of_memory_names_the_sizes_to_lower():
   assert 'more memory' in cli_messages.out_of_memory_message(args, oom)
 
 
-def test_sample_refuses_impossible_lengths_and_temperatures(tmp_path):
-  for flags, words in (
-    (['--length', str(10**12)], ('--length', str(10**12))),
-    (['--temperature', 'nan'], ('--temperature', 'nan')),
-  ):
-    # Checked before the checkpoint is looked for: an empty OUT is enough.
-    assert_one_line_error(run_cli('sample', '--ckpt', tmp_path, *flags), 2, *words)
+def test_sample_refuses_impossible_lengths_and_temperatures(refused):
+  assert_one_line_error(refused[1]['length'], 2, '--length', str(10**12))
+  assert_one_line_error(refused[1]['temperature'], 2, '--temperature', 'nan')
 
 
 def test_ctrl_c_before_the_first_checkpoint_says_so(tmp_path, text_corpus):

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 
+import forked_cli
 import pytest
 
 from ouroboros_jax.errors import ConfigError
@@ -92,20 +93,23 @@ def test_plan_marks_the_fastest_setting_that_fits():
   assert 'no setting fits' in plan.format_plan({**result, 'fastest': None})
 
 
-@pytest.mark.parametrize(
-  'flags, words',
-  [
-    (('--try-stash', 'graph/most'), ('unknown stash setting', "'graph/most'", '--try-stash')),
-    (('--try-schedules', 'pipedream'), ('unknown schedule', "'pipedream'", '--try-schedules')),
-    (('--try-microbatches', '0'), ('--try-microbatches', 'positive integers')),
-    (('--hardware', 'abacus'), ('unknown hardware', "'abacus'", '--hardware')),
-    (('--try-stages', '3'), ('--try-stages 3', 'does not divide', 'choose divisors of')),
-    (('--try-stash-memory', 'disk'), ('unknown stash memory', "'disk'", '--try-stash-memory')),
-    (('--render', 'missing.json'), ('--render missing.json', 'not a saved plan', '--json')),
-  ],
-)
-def test_plan_bad_input_is_one_line(flags, words):
-  assert_one_line_error(run_cli('plan', *SMALL, *flags), 2, *words)
+# Each line in a process of its own, forked from one that has imported the command (seven
+# subprocesses before: 10 s of a 15-minute suite, most of it seven imports of JAX).
+BAD_INPUT = [
+  (('--try-stash', 'graph/most'), ('unknown stash setting', "'graph/most'", '--try-stash')),
+  (('--try-schedules', 'pipedream'), ('unknown schedule', "'pipedream'", '--try-schedules')),
+  (('--try-microbatches', '0'), ('--try-microbatches', 'positive integers')),
+  (('--hardware', 'abacus'), ('unknown hardware', "'abacus'", '--hardware')),
+  (('--try-stages', '3'), ('--try-stages 3', 'does not divide', 'choose divisors of')),
+  (('--try-stash-memory', 'disk'), ('unknown stash memory', "'disk'", '--try-stash-memory')),
+  (('--render', 'missing.json'), ('--render missing.json', 'not a saved plan', '--json')),
+]
+
+
+def test_plan_bad_input_is_one_line():
+  runs = forked_cli.run_each(*(['plan', *SMALL, *flags] for flags, _ in BAD_INPUT))
+  for result, (_, words) in zip(runs, BAD_INPUT, strict=True):
+    assert_one_line_error(result, 2, *words)
 
 
 def test_ouroboros_cuts_the_batch_on_accelerators_only():
