@@ -89,6 +89,7 @@ _LOOP_FIELDS = (
   'checkpoint_every',
   'keep_checkpoints',
   'drain',
+  'fresh_optimizer',
 )
 _COMPILE_OMITS = {
   **dict.fromkeys(

@@ -103,6 +103,9 @@ DESCRIPTIONS = {
   'drain': "ouroboros: before the run's last checkpoint (at --steps or a stop signal) the ring "
   'applies every gradient in flight, so that --resume may change the layout (G, D, M, the '
   "schedule, the forward, the stash); --steps at a checkpoint's step drains it at once",
+  'fresh_optimizer': "with --resume: the optimizer's state starts again from its init, so that "
+  '--optimizer, --state-dtype or --compensation may change (the parameters, the step and the '
+  'data position resume as saved)',
   'seed': 'seed of the parameters, the data order and dropout',
   'out': 'output directory: metrics, TensorBoard logs, checkpoints',
   'layers_per_stage': "layers of each stage (or group), e.g. '2,4,4,4'",

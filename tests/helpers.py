@@ -259,9 +259,9 @@ def restore_run(cfg, step=None):
   manager = checkpoint.make_manager(cfg.out_dir, read_only=True)
   metas = []
 
-  def move(meta):
+  def move(meta):  # with --fresh-optimizer, the fresh state's optimizer state, as the loop's
     metas.append(meta)
-    return resume.move_for(meta, cfg, tuple(layers))
+    return resume.move_for(meta, cfg, tuple(layers), fresh.opt_state)
 
   try:
     target = checkpoint.abstract_like(fresh)

@@ -272,3 +272,30 @@ def test_a_moved_dc_asgd_history_restarts_as_copies_of_the_weights(tmp_path, pre
   target = checkpoint.abstract_like(schedule.init(params, loop.example_batch(moved)))
   line = resume.move_for(meta, moved, tuple(layers)).describe(target)
   assert "DC-ASGD's history of past weights restarts" in line, line
+
+
+def test_another_optimizer_resumes_only_when_asked_with_a_fresh_state(
+  tmp_path, prepared_data_dir, capsys
+):
+  """--optimizer may change on --resume only with --fresh-optimizer (refused in one line that
+  says so): the parameters, the step and the data position resume, the optimizer's state
+  starts from its init, and the resume line says so."""
+  run = tiny_config(
+    tmp_path / 'run', prepared_data_dir, **dict(LAYOUT, steps=3), schedule='1f1b', stages=2
+  )
+  loop.train(run, quiet=True)
+  muon = field_flags.override(run, dict(optimizer='muon', steps=4))
+  with pytest.raises(CheckpointError, match='--optimizer adamw.*--fresh-optimizer') as caught:
+    loop.train(muon, quiet=True, resume=True)
+  assert '\n' not in str(caught.value)
+  fresh = field_flags.override(muon, dict(fresh_optimizer=True))
+  state, _, _ = restore_run(fresh, step=3)
+  schedule, params, _ = loop.build(fresh)
+  init = schedule.init(params, loop.example_batch(fresh)).opt_state
+  assert_trees_equal(host_tree(state.opt_state), host_tree(init))
+  saved = layers_of(run.out_dir)[1]
+  assert_trees_equal(staging.from_staged(host_tree(state.params), (2, 2)), saved)
+  capsys.readouterr()
+  loop.train(fresh, quiet=True, resume=True)
+  said = capsys.readouterr().out
+  assert "the optimizer's state starts again from its init" in said, said

@@ -78,6 +78,10 @@ class TrainConfig:
   # Ouroboros: the ring finishes what it holds before the run's last checkpoint (at --steps or a
   # stop signal), so that the checkpoint resumes on another layout (Schedule.drain).
   drain: bool = False
+  # --resume with the optimizer's state started again from its init (the parameters, the step
+  # and the data position resumed): so that --optimizer, --state-dtype or --compensation may
+  # change.
+  fresh_optimizer: bool = False
   seed: int = 0  # parameters, data order and dropout
   out: str | None = None  # None: runs/<preset>-<schedule>
   # How the model is cut and run: `ouroboros_jax.schedules.ScheduleConfig` (its flags are

@@ -54,6 +54,7 @@ from ouroboros_jax import costs, data, placement, schedules
 from ouroboros_jax.accelerators import pld
 from ouroboros_jax.errors import (
   CheckpointWriteError,
+  ConfigError,
   DiskFullError,
   NonFiniteLossError,
   PeerLostError,
@@ -202,6 +203,8 @@ def train(
   )
   sizing.check_fits(cfg)  # a model far beyond the devices would sit in XLA for minutes
   options = _Options(resume or resume_from is not None, resume_from, quiet, on_step, t_start)
+  if cfg.fresh_optimizer and not options.resume:
+    raise ConfigError('--fresh-optimizer applies to --resume only; drop it, or add --resume.')
   rundir.quiet_disk_full()  # a full disk is one DiskFullError, not a traceback per thread
   with rundir.claim(cfg.out_dir, lock=jax.process_index() == 0):
     return _run(cfg, options)
@@ -323,9 +326,10 @@ def _train_state(cfg: TrainConfig, options: _Options, opened, schedule, state, l
     crc = 0
     if options.resume:
       target = checkpoint.abstract_like(state)
+      fresh_opt_state = state.opt_state if cfg.fresh_optimizer else None
       del state  # free the fresh state before the restored one arrives
       state, data_state, manager = resume.resume_state(
-        cfg, manager, target, layers_per_stage, options.resume_from
+        cfg, manager, target, layers_per_stage, options.resume_from, fresh_opt_state
       )
       train_it.set_state(data_state['iterator'])
       crc = data_state['crc32']

@@ -120,6 +120,9 @@ class Move:
   # (`compensation.inner_path`), and whether their compensations keep states of other parts.
   inner_paths: tuple = ((), ())
   remap: bool = False
+  # --fresh-optimizer: the run's optimizer state at its init (placed as the run's), which the
+  # resumed state takes instead of the saved one (read, then left).
+  fresh_opt_state: object = None
 
   @property
   def stored_layers(self) -> tuple[int, ...]:
@@ -128,7 +131,10 @@ class Move:
   @property
   def changed(self) -> bool:
     """Whether the run's layout differs from the saved run's (else the state is as it was)."""
-    return self.fresh or self.add_window or self.remap or self.old_layers != self.new_layers
+    fresh_opt = self.fresh_opt_state is not None
+    return (
+      self.fresh or self.add_window or self.remap or fresh_opt or self.old_layers != self.new_layers
+    )
 
   def describe(self, target=None) -> str:
     """What the move did, for the resume's line (`target`: the run's state, for its history)."""
@@ -150,6 +156,8 @@ class Move:
       )
     if history:
       text += "; DC-ASGD's history of past weights restarts as copies of the current weights"
+    if self.fresh_opt_state is not None:
+      text += "; the optimizer's state starts again from its init (--fresh-optimizer)"
     return text
 
   def abstract(self, target, saved):
@@ -160,10 +168,10 @@ class Move:
     if not self.per_layer:
       if self.resets_history:
         _refuse_history(target, saved)
-      if self.remap:
+      if self.remap or self.fresh_opt_state is not None:
         raise CheckpointError(
-          'the checkpoint was saved before the per-layer form, and its optimizer state has '
-          "other compensations than the run's: resume with the checkpoint's --compensation."
+          'the checkpoint was saved before the per-layer form: its optimizer state moves only '
+          "as it is; resume with the checkpoint's --compensation, without --fresh-optimizer."
         )
       return self._abstract_as_saved(target, saved)
     abstract = self._stored_abstract(target).replace(ring={} if self.fresh else target.ring)
@@ -182,7 +190,7 @@ class Move:
     (`_remapped`): the compensations keep states of other parts, or a DC-ASGD history (shaped
     by the saved layout and lag) restarts."""
     history = self.resets_history and (_has_history(target) or _has_history(saved or {}))
-    return self.per_layer and (self.remap or history)
+    return self.per_layer and (self.remap or history or self.fresh_opt_state is not None)
 
   def _stored_abstract(self, target):
     """The run's state (its ring left out) in the stored form, placed as `_stored_sharding`."""
@@ -210,8 +218,11 @@ class Move:
     restage = _restager(run, kinds, self.stored_layers, self.new_layers, shardings)
     if self._remaps(target, saved):
       stored_opt = self._stored_abstract(target).opt_state
-      state = state.replace(opt_state=_remapped(state.opt_state, stored_opt, *self.inner_paths))
+      paths = self.inner_paths if self.fresh_opt_state is None else ((), (None,))  # none taken
+      state = state.replace(opt_state=_remapped(state.opt_state, stored_opt, *paths))
     moved = restage(state.replace(ring={}))
+    if self.fresh_opt_state is not None:
+      moved = moved.replace(opt_state=self.fresh_opt_state)
     if self.resets_history and _has_history(target):
       moved = _history_restarted(moved, kinds)
     if not self.fresh:

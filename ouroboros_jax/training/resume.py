@@ -40,6 +40,10 @@ RESUME_FIELDS = (
 )
 
 
+# What --fresh-optimizer lets a resume change: the optimizer state restarts from its init.
+OPTIMIZER_FIELDS = ('optimizer', 'state_dtype', 'compensation')
+
+
 # The layout of Ouroboros' ring buffers, recorded with every checkpoint: the stash in micro-batch
 # slots (delays.Timing.stash_slots; issue 58). A checkpoint without it kept whole steps.
 RING_LAYOUT = 'micro-batch slots, window'
@@ -139,11 +143,14 @@ def check_resumable(saved: dict, cfg: TrainConfig, layers_per_stage, where: str)
   ]
 
 
-def move_for(saved: dict, cfg: TrainConfig, layers_per_stage: tuple) -> relayout.Move | None:
+def move_for(
+  saved: dict, cfg: TrainConfig, layers_per_stage: tuple, fresh_opt_state=None
+) -> relayout.Move | None:
   """How the saved state becomes the run's (`check_resumable` has allowed it): from the
   per-layer form, re-staged as the run lays it out; an Ouroboros' ring restarted empty where its
   shape changes (nothing is in flight: drained, or an exact schedule's), or given the window it
-  lacks (saved before the ring kept one). None: a checkpoint from before the per-layer form,
+  lacks (saved before the ring kept one); with --fresh-optimizer, the optimizer state
+  `fresh_opt_state` (the run's at its init). None: a checkpoint from before the per-layer form,
   restored as it is."""
   saved_cfg = TrainConfig.from_dict(saved['config'])
   old_layers = tuple(saved['layers_per_stage'])
@@ -158,7 +165,8 @@ def move_for(saved: dict, cfg: TrainConfig, layers_per_stage: tuple) -> relayout
   fresh = ring and changed
   add_window = not fresh and saved.get('ring_layout') == RING_LAYOUT_WITHOUT_WINDOW
   per_layer = saved.get('state_form') == relayout.PER_LAYER
-  if not (changed or add_window or per_layer):
+  fresh_opt_state = fresh_opt_state if cfg.fresh_optimizer else None
+  if not (changed or add_window or per_layer or fresh_opt_state is not None):
     return None
   return relayout.Move(
     old_layers,
@@ -172,6 +180,7 @@ def move_for(saved: dict, cfg: TrainConfig, layers_per_stage: tuple) -> relayout
     per_layer=per_layer,
     inner_paths=tuple(map(compensation.inner_path, compensations)),
     remap=remap,
+    fresh_opt_state=fresh_opt_state,
   )
 
 
@@ -180,11 +189,12 @@ def _movable(saved: dict, want: dict, have: dict) -> tuple[str, ...]:
   schedule's state, or a drained ring: `--drain`); a drained ring's own settings and its
   compensations too (the optimizer's own state moves, the compensations' start again)."""
   names = (want['schedule'], have['schedule'])
+  optimizer = OPTIMIZER_FIELDS if have.get('fresh_optimizer') else ()
   if 'ouroboros' not in names:
-    return relayout.LAYOUT_FIELDS
+    return relayout.LAYOUT_FIELDS + optimizer
   if not (saved.get('drained') or want['schedule'] != 'ouroboros'):
     return ()
-  return relayout.LAYOUT_FIELDS + relayout.RING_FIELDS + ('compensation',)
+  return relayout.LAYOUT_FIELDS + relayout.RING_FIELDS + ('compensation',) + optimizer
 
 
 def _why_not_moved(saved: dict, want: dict, wrong: list[str]) -> str:
@@ -192,6 +202,8 @@ def _why_not_moved(saved: dict, want: dict, wrong: list[str]) -> str:
   movable = relayout.LAYOUT_FIELDS + relayout.RING_FIELDS + ('compensation',)
   undrained = want['schedule'] == 'ouroboros' and not saved.get('drained')
   if not (undrained and any(n in movable for n in wrong)):
+    if any(n in OPTIMIZER_FIELDS for n in wrong):
+      return " (or pass --fresh-optimizer to start the optimizer's state again)."
     return '.'
   return (
     " (Ouroboros' ring holds work in flight, shaped by its layout: drain it first, resuming "
@@ -208,20 +220,24 @@ def _ring_predates_microbatches(saved_config: dict) -> bool:
   return name == 'ouroboros' and 'stash_memory' not in fields
 
 
-def resume_state(cfg: TrainConfig, manager, target, layers_per_stage, resume_from):
+def resume_state(
+  cfg: TrainConfig, manager, target, layers_per_stage, resume_from, fresh_opt_state=None
+):
   """(state, data state, manager) restored from the newest readable checkpoint (or resume_from).
 
   Newer checkpoints that are unreadable, or newer than resume_from, are moved aside (the run
   will write those steps again) and the manager is reopened on what is left. Says, in one line
   on stdout, the step it resumes from (and the settings that changed); the warnings about
-  unreadable checkpoints go to stderr.
+  unreadable checkpoints go to stderr. `fresh_opt_state`: the run's optimizer state at its init,
+  which --fresh-optimizer resumes with.
   """
   ckpt_dir = checkpoint.checkpoint_dir(cfg.out_dir)
   changed, moves = [], []
 
   def check(meta):
     changed[:] = check_resumable(meta, cfg, layers_per_stage, ckpt_dir)
-    moves[:] = [m for m in [move_for(meta, cfg, tuple(layers_per_stage))] if m is not None]
+    move = move_for(meta, cfg, tuple(layers_per_stage), fresh_opt_state)
+    moves[:] = [move] if move is not None else []
     return moves[0] if moves else None
 
   state, data_state, step, unreadable = checkpoint.restore_newest(
