@@ -52,13 +52,15 @@ print(json.dumps(results))
 """
 
 
-def run_each(*argvs, timeout=120) -> list[subprocess.CompletedProcess]:
+def run_each(*argvs, timeout=120, env=None) -> list[subprocess.CompletedProcess]:
   """Each command line of `argvs` (lists of arguments, as `helpers.run_cli` takes them) run in a
-  process of its own, forked from one that has imported the command; their results in order."""
+  process of its own, forked from one that has imported the command; their results in order.
+  `env`: the processes' environment, as `subprocess.run` takes it (None: this one's)."""
   lines = [[str(a) for a in argv] for argv in argvs]
   run = subprocess.run(
     [sys.executable, '-c', _FORK_EACH, json.dumps(lines)],
     cwd=REPO_ROOT,
+    env=env,
     capture_output=True,
     text=True,
     timeout=timeout,

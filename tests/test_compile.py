@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+import forked_cli
 import pytest
 
 from ouroboros_jax import cli
@@ -54,17 +55,19 @@ def _env(**changes) -> dict:
   return {k: v for k, v in env.items() if v is not None}
 
 
-def _reports(script: str) -> list[dict]:
-  """The JSON reports `script` prints, a line each, run on SMALL and TOPOLOGY in a subprocess."""
+def _reports(script: str, **env) -> list[dict]:
+  """The JSON reports `script` prints, a line each, run on SMALL and TOPOLOGY in a subprocess
+  (its environment `_env(**env)`), which writes nothing else."""
   run = subprocess.run(
     [sys.executable, '-c', script, json.dumps(SMALL), TOPOLOGY],
     cwd=REPO_ROOT,
-    env=_env(),
+    env=_env(**env),
     capture_output=True,
     text=True,
     timeout=300,
   )
   assert run.returncode == 0, run.stderr[-3000:]
+  assert not run.stderr.strip(), run.stderr[-3000:]  # libtpu's start-up warnings are quieted
   return [json.loads(line) for line in run.stdout.splitlines()]
 
 
@@ -172,20 +175,23 @@ def test_a_step_that_does_not_fit_is_one_line_and_exit_status_1():
   assert 0.9 * report['peak_bytes'] < report['temp_bytes'] < report['peak_bytes']
 
 
+BAD_INPUT = [
+  (('--topology', 'bogus'), ('unknown TPU topology', "'bogus'", 'v5e:2x2')),
+  (('--topology', 'v9:2x2'), ('unknown TPU topology', 'v9:2x2')),
+  (
+    ('--topology', TOPOLOGY, '--schedule', 'gpipe', '--stages', 8, '--num-layers', 8),
+    ('need 8 devices', 'has 4'),
+  ),
+]
+
+
 @needs_libtpu
-@pytest.mark.parametrize(
-  'flags, words',
-  [
-    (('--topology', 'bogus'), ('unknown TPU topology', "'bogus'", 'v5e:2x2')),
-    (('--topology', 'v9:2x2'), ('unknown TPU topology', 'v9:2x2')),
-    (
-      ('--topology', TOPOLOGY, '--schedule', 'gpipe', '--stages', 8, '--num-layers', 8),
-      ('need 8 devices', 'has 4'),
-    ),
-  ],
-)
-def test_bad_input_is_one_line_and_exit_status_2(flags, words):
-  assert_one_line_error(run_cli('compile', *flags, env=_env()), 2, *words)
+def test_bad_input_is_one_line_and_exit_status_2():
+  # Each command line in a process of its own, forked after one interpreter start-up.
+  lines = (['compile', *flags] for flags, _ in BAD_INPUT)
+  results = forked_cli.run_each(*lines, env=_env())
+  for (_, words), result in zip(BAD_INPUT, results, strict=True):
+    assert_one_line_error(result, 2, *words)
 
 
 def test_topology_without_libtpu_names_the_tpu_extra():
@@ -273,12 +279,25 @@ for micro in (4, 8):
 
 
 @needs_libtpu
-def test_the_microbatched_ring_and_a_host_stash_need_less_memory_on_a_tpu():
+def test_the_microbatched_ring_and_a_host_stash_need_less_memory_on_a_tpu(tmp_path):
   """Ouroboros without --microbatches on a TPU cuts the batch in 8; the compiler's peak per chip
   falls below the un-chunked step's (the stash keeps the same bytes; the step's temporaries are
   those of one micro-batch). With --stash-memory pinned_host the stash leaves the chip. (One
-  libtpu start-up and one run of the script for the three compiles.)"""
-  whole, chunked, in_host = _reports(MICROBATCHED_RING)
+  libtpu start-up and one run of the script for the three compiles.)
+
+  And topology compiles keep out of a user's compilation cache: with $JAX_COMPILATION_CACHE_DIR
+  set, a later compile of the same step would read back an executable of compile-only devices,
+  which JAX cannot load (it warns and compiles again). The script's three compiles write nothing
+  there, so nothing can be read back. (Its own test before, 13 s of a 15-minute suite: one step
+  compiled twice in a libtpu start-up of its own.)"""
+  cache = tmp_path / 'cache'
+  whole, chunked, in_host = _reports(
+    MICROBATCHED_RING,
+    JAX_COMPILATION_CACHE_DIR=str(cache),
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
+    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0',
+  )
+  assert not (cache.exists() and any(cache.iterdir()))  # nothing was written to it
   assert (whole['microbatches'], chunked['microbatches']) == (1, 8)
   assert whole['stash'] == chunked['stash'] == 'graph/nothing'  # the default stash
   assert chunked['temp_bytes'] < 0.75 * whole['temp_bytes'], (chunked, whole)
@@ -307,42 +326,6 @@ def test_more_microbatches_shrink_the_streamed_ring_on_a_tpu():
   assert streamed_in_host['host_ring_bytes'] > 0 and streamed_in_host['fits']
   assert at_2g['ring_bytes'] < 0.55 * at_g['ring_bytes'], (at_2g, at_g)
   assert at_2g['peak_bytes'] < 0.75 * at_g['peak_bytes'], (at_2g, at_g)
-
-
-TWICE = """
-import json, sys
-from ouroboros_jax.perf import compile as compile_lib
-from ouroboros_jax.training import config, field_flags, presets
-
-cfg = field_flags.override(presets.get_preset('tiny'), {**json.loads(sys.argv[1]), 'num_layers': 1})
-for _ in range(2):  # a new schedule each time: the second compile would read the first's entry
-  print(json.dumps(compile_lib.compile_step(cfg, sys.argv[2])), flush=True)
-"""
-
-
-@needs_libtpu
-def test_a_topology_compile_keeps_out_of_a_users_compilation_cache(tmp_path):
-  """With $JAX_COMPILATION_CACHE_DIR set, a second compile of the same step would read back an
-  executable of compile-only devices, which JAX cannot load (it warns and compiles again)."""
-  cache = tmp_path / 'cache'
-  env = _env(
-    JAX_COMPILATION_CACHE_DIR=str(cache),
-    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS='0',
-    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES='0',
-  )
-  run = subprocess.run(
-    [sys.executable, '-c', TWICE, json.dumps(SMALL), TOPOLOGY],
-    cwd=REPO_ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert run.returncode == 0, run.stderr[-3000:]
-  assert not run.stderr.strip(), run.stderr[-3000:]
-  first, second = map(json.loads, run.stdout.splitlines())
-  assert first['fits'] and first['peak_bytes'] == second['peak_bytes'] > 0
-  assert not (cache.exists() and any(cache.iterdir()))  # nothing was written to it
 
 
 def test_a_step_beyond_what_xla_indexes_does_not_fit_in_one_report():

@@ -26,10 +26,13 @@ from helpers import (
 TXL = dict(arch='transformer-xl', mem_len=8, pre_ln=True)
 
 
+# Each micro-batch draws its own dropout mask, so the M-stream reference is not the un-chunked
+# one; that it ends elsewhere is checked in the first case only (in every case before: 4 more
+# reference runs, ~5 s of a 15-minute suite).
 @pytest.mark.parametrize(
   'num_stages, stash, forward, micro',
   [
-    (2, 'graph', 'locked', 2),
+    (2, 'graph', 'locked', 2),  # the first: the un-chunked reference ends elsewhere
     (3, 'replay', 'locked', 4),
     (3, 'graph', 'pipelined', 4),
     (2, 'replay', 'pipelined', 2),
@@ -53,6 +56,8 @@ def test_microbatched_ring_matches_slow_reference(num_stages, stash, forward, mi
   np.testing.assert_allclose(losses[head_lag:], want_losses[head_lag:], rtol=1e-5)
   assert max_abs_diff(params, want) > 1e-2  # training really moved the weights
   assert max_abs_diff(state.params, want) < 2e-5
+  if (num_stages, stash, forward, micro) != (2, 'graph', 'locked', 2):
+    return
   # ... and the M streams are not one: the un-chunked reference ends elsewhere
   whole, _, _ = reference.run(
     model, adam(), params, batches, dataclasses.replace(config, microbatches=1)
