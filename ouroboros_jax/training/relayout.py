@@ -34,12 +34,15 @@ The exact schedules (backprop, data_parallel with or without FSDP, model_paralle
 interleaved, ZB-H1, ZB-V) all give backprop's parameters, so a state moves between any two of
 them exactly. Ouroboros' ring moves once drained (`Schedule.drain`, `--drain`): its parameters
 and optimizer state as an exact schedule's, its ring restarted empty at the saved step
-(`Move.fresh`); an undrained one is refused in one line (training/resume.py), and so is DC-ASGD's
-history. Between the ring's compensations and an exact schedule's none (or any two), the
-optimizer's own state moves from where one keeps it to where the other does
-(`compensation.inner_path`), and each compensation's state starts from its init, zero
-(`Move.inner_paths`). A checkpoint saved before the per-layer form (stage-shaped, its ring inside the state)
-is restored as saved on one device, re-staged there, and placed with `make_array_from_callback`.
+(`Move.fresh`); an undrained one is refused in one line (training/resume.py).
+
+Between the ring's compensations and an exact schedule's none (or any two), the optimizer's own
+state moves from where one keeps it to where the other does (`compensation.inner_path`), and
+each compensation's state starts from its init, zero (`Move.inner_paths`); a DC-ASGD history
+that moves restarts as copies of the weights. With --fresh-optimizer the whole optimizer state
+is the run's init (`Move.fresh_opt_state`). A checkpoint saved before the per-layer form
+(stage-shaped, its ring inside the state) is restored as saved on one device, re-staged there,
+and placed with `make_array_from_callback`.
 """
 
 from __future__ import annotations
