@@ -22,5 +22,7 @@ DEFAULT_STASH_POLICY = 'nothing'
 # The policies' names (staging.STASH_POLICIES maps each to its jax.checkpoint policy): what any
 # schedule's forward keeps for its backward, the rest recomputed (--stash-policy).
 STASH_POLICY_NAMES = ('all', 'dots', 'dots_no_batch', 'nothing')
-STASH_MEMORIES = ('device', 'pinned_host')  # Ouroboros: where the stash waits (JAX memory kinds)
+# Ouroboros: where the stash waits: the device's memory, the host's (JAX memory kinds), or the
+# devices', a deep group's older slots lent to its mirror's device (schedules/stash_layout.py)
+STASH_MEMORIES = ('device', 'pinned_host', 'balanced')
 TIED_GRAD_MODES = ('sum', 'mean')  # a tied embedding: sum or average its two gradients

@@ -78,7 +78,7 @@ def out_of_memory_message(args: argparse.Namespace, exc: BaseException) -> str:
       spread.append('--stash-policy nothing')
     if run.name == 'ouroboros':
       if run.stash_memory == 'device':
-        spread.append('--stash-memory pinned_host')
+        spread.append('--stash-memory balanced or pinned_host')
       if run.stash == 'graph':
         spread.append('--stash replay')
   spread.append('more devices')

@@ -71,7 +71,8 @@ DESCRIPTIONS = {
   'data_parallel per layer, the others per group; not the replay stash); less kept: less memory, '
   'more recompute, same gradient; auto: nothing on ouroboros, all elsewhere',
   'stash_memory': "ouroboros: where the stash and the forward's weights wait (pinned_host: less "
-  'device memory, a transfer each way per step)',
+  'device memory, a transfer each way per step; balanced: a deep group lends its older slots to '
+  'its mirror group G - 1 - s, about half the slots a device, an item each way per round)',
   'forward': "ouroboros: locked (the paper's forward) or pipelined (one hop per step)",
   'flow': "ouroboros: a step's micro-batches go round the ring as one batch (the paper's delays) "
   'or stream across updates (PipeDream-2BW style, smaller delays; docs/algorithm.md)',

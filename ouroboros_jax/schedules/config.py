@@ -59,7 +59,7 @@ class ScheduleConfig:
   stash: str = 'graph'  # ouroboros: 'graph' (DDG) or 'replay' (Features Replay)
   stash_policy: str = AUTO  # every schedule: which residuals a layer group's forward keeps for
   # its backward, the rest recomputed (staging.STASH_POLICIES); 'auto': `resolved_stash_policy`
-  stash_memory: str = 'device'  # ouroboros: where the stash waits, 'device' or 'pinned_host'
+  stash_memory: str = 'device'  # ouroboros: where the stash waits (choices.STASH_MEMORIES)
   forward: str = 'locked'  # ouroboros: 'locked' (the paper) or 'pipelined'
   flow: str = 'auto'  # ouroboros: a step's micro-batches travel the ring as one batch ('batch',
   # the paper's delays) or stream across updates ('stream': ceil(lag / M) updates; delays.py);
@@ -332,8 +332,8 @@ class ScheduleConfig:
       policy = self.resolved_stash_policy
       policy = f'/{policy}' if self.stash == 'graph' and policy != DEFAULT_STASH_POLICY else ''
       parts.append(f'{self.forward}/{self.stash}{policy}')
-      if self.stash_memory == 'pinned_host':
-        parts.append('host')
+      if self.stash_memory != 'device':
+        parts.append({'pinned_host': 'host'}.get(self.stash_memory, self.stash_memory))
     else:
       if self.name in MICROBATCHED:
         parts.append(f'M={self.num_microbatches}')

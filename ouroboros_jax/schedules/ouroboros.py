@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from ouroboros_jax import placement, staged
 from ouroboros_jax.errors import ConfigError
-from ouroboros_jax.schedules import compensation, ring_shapes
+from ouroboros_jax.schedules import compensation, ring_shapes, stash_layout
 from ouroboros_jax.schedules import ring as ring_lib
 from ouroboros_jax.schedules.delays import Timing
 from ouroboros_jax.schedules.stash import Stash, make_stash
@@ -79,6 +79,11 @@ class _Ring:
   @property
   def num_microbatches(self) -> int:
     return self.config.microbatches
+
+  @functools.cached_property
+  def slots(self) -> stash_layout.SlotLayout:
+    """The stash's micro-batch slots: what each group needs, what each device holds."""
+    return stash_layout.layout(self.timing, self.config.stash_memory)
 
   @property
   def depth(self) -> int:
@@ -219,7 +224,7 @@ def _no_batch(state: TrainState, mesh) -> dict:
 # tick-by-tick order of the algorithm. A message between neighbours waits in a FIFO of `hop`
 # ticks: M as one batch (it arrives next step), 1 streamed (next round). What a group keeps of an
 # item waits from its forward to its backward in a ring of micro-batch slots, item u in slot
-# u % Timing.stash_slots: the items in flight, not whole steps.
+# u % N: the items in flight, not whole steps (stash_layout: where each device's slots live).
 
 
 class _StepInputs(NamedTuple):
@@ -233,6 +238,7 @@ class _StepInputs(NamedTuple):
   backward_inputs_M: Any  # the inputs of the items back-propagated this step (the embedding's)
   backward_weights: Any  # graph: m -> the weights item m was forwarded with; None: replay
   items_b: jax.Array  # the items group s back-propagates this step, in order
+  mirror_items_b: jax.Array  # ... and group G - 1 - s (a balanced stash's lent slots)
   t: jax.Array
   window: jax.Array  # [first, end): the items that entered the ring (`_Ring.real`)
 
@@ -258,8 +264,8 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t):
   batches_S = ring_lib.write_slot(_local(buffers['batches']), batch, t, ring.depth)
   by_item = lambda tree: ring_lib.slots_by_microbatch(tree, num_micro)
   read = lambda tree, items: ring_lib.read_items(by_item(tree), items[0], ring.depth, ring.aligned)
-  backward_ticks = jnp.asarray([timing.backward_ticks(g) for g in range(ring.num_stages)])[s]
-  items_b, items_h = ring.items(t, backward_ticks), ring.items(t, timing.head_ticks)
+  backward_ticks = jnp.asarray([timing.backward_ticks(g) for g in range(ring.num_stages)])
+  items_b, items_h = ring.items(t, backward_ticks[s]), ring.items(t, timing.head_ticks)
   head_targets_M = read(batches_S['targets'], items_h)
   # Graph: the backward differentiates at the weights each item was forwarded with. This step's
   # forward weights are at hand; only the older versions wait in the ring (Timing.weight_slots).
@@ -274,6 +280,7 @@ def _ring_step(ring: _Ring, params, forward_params, buffers, batch, t):
     backward_inputs_M=read(batches_S['inputs'], items_b),
     backward_weights=_backward_weights(ring, weights_W, forward_s, version_now, items_b),
     items_b=items_b,
+    mirror_items_b=ring.items(t, backward_ticks[ring.num_stages - 1 - s]),
     t=t,
     window=_local(buffers['window']),
   )
@@ -329,7 +336,7 @@ def _first_carry(ring: _Ring, step: _StepInputs, buffers, stash_N) -> _Carry:
   at_weights = params_s if step.backward_weights is None else step.backward_weights(0)
   grads_like = jax.eval_shape(  # of a slot's stash and an error gradient
     lambda kept, x: ring.stash.backward(at_weights, kept, x, s, ring.item_key(step.t), 0),
-    ring_lib.read_slot(stash_N, 0, ring.timing.stash_slots),
+    ring_lib.read_slot(stash_N, 0, ring.slots.slots),
     x_like,
   )
   return _Carry(
@@ -364,10 +371,7 @@ def _forward_round(ring: _Ring, step: _StepInputs, r, carry: _Carry):
   G-1's output, sent this round (locked) or `hop` ticks ago (pipelined))."""
   model, timing, num_micro = ring.model, ring.timing, ring.num_microbatches
   s, hop = jax.lax.axis_index(STAGE), timing.hop
-  j = r - timing.forward_round(s, 0)  # this round's index among the items group s forwards
-  active = (j >= 0) & (j < num_micro)
-  j = jnp.clip(j, 0, num_micro - 1)
-  item = step.t * num_micro + j - s * timing.forward_hop
+  j, item, active = _forwarded(ring, step.t, r, s)
   entering = step.t * num_micro + j  # device 0 embeds the item entering the ring now
   x0 = ring_lib.embed(
     model, step.forward_params['embed'], ring_lib.at(step.inputs_M, j), ring.item_key(entering)
@@ -386,7 +390,8 @@ def _forward_round(ring: _Ring, step: _StepInputs, r, carry: _Carry):
   y, kept, new_memory = jax.lax.cond(
     active, run_forward, lambda x, memory: (x, no_kept, memory), x, memory
   )
-  stash_N = ring_lib.write_slot_where(carry.stash_N, kept, item, timing.stash_slots, active)
+  mirror = _forwarded(ring, step.t, r, ring.num_stages - 1 - s)[1:]
+  stash_N = stash_layout.write(ring.slots, carry.stash_N, kept, item, active, *mirror, s)
   # Only a real item renews the memory (while a pipe fills, a group forwards zeros).
   memory_M = ring_lib.set_where(
     carry.memory_M, item % num_micro, new_memory, ring.real(item, step.window)
@@ -397,6 +402,16 @@ def _forward_round(ring: _Ring, step: _StepInputs, r, carry: _Carry):
   x_head = received if ring.pipelined else sent
   carry = carry._replace(received=sent, act_fifo=act_fifo, stash_N=stash_N, memory_M=memory_M)
   return carry, x_head
+
+
+def _forwarded(ring: _Ring, t, r, s):
+  """(j, item, active): group s's forward in round r of step t: its index among the items the
+  group forwards in the step (clipped), that item, and whether the round has one."""
+  num_micro, timing = ring.num_microbatches, ring.timing
+  j = r - timing.forward_round(s, 0)
+  active = (j >= 0) & (j < num_micro)
+  j = jnp.clip(j, 0, num_micro - 1)
+  return j, t * num_micro + j - s * timing.forward_hop, active
 
 
 def _head_round(ring: _Ring, step: _StepInputs, r, x_head, carry: _Carry):
@@ -427,7 +442,7 @@ def _backward_round(ring: _Ring, step: _StepInputs, r, delta_head, carry: _Carry
   m = r - ring.timing.backward_round(0)  # in 0 .. M - 1: the fill rounds have no backward
   item = step.items_b[m]
   key = ring.item_key(item)
-  kept = ring_lib.read_slot(carry.stash_N, item, ring.timing.stash_slots)
+  kept = stash_layout.read(ring.slots, carry.stash_N, item, step.mirror_items_b[m], s)
   delta = delta_head if ring.num_stages == 1 else ring_lib.at(carry.delta_fifo, m % hop)
   at_weights = (
     ring_lib.local_stage_params(step.params)
@@ -525,7 +540,7 @@ def _init(ring: _Ring, params, example_batch, first_step: int | None = None):
   buffer = lambda a, *lead: jnp.zeros((ring.num_stages, replicas, *lead, *a.shape), a.dtype)
 
   def fresh_buffers():
-    stash = {'stash': jax.tree.map(lambda a: buffer(a, timing.stash_slots), shapes.kept)}
+    stash = {'stash': jax.tree.map(lambda a: buffer(a, ring.slots.slots), shapes.kept)}
     if shapes.weights_s is not None:
       stash['weights'] = jax.tree.map(lambda a: buffer(a, timing.weight_slots), shapes.weights_s)
     buffers = {
