@@ -70,6 +70,9 @@ class StageCosts:
   collective_bandwidth: float | None = None
   dcn_bandwidth: float = math.inf
   slice_chips: int = 0
+  # Ouroboros' balanced stash (--stash-memory balanced): the bytes of one micro-batch's stash
+  # item on a device, which a deep group sends to its mirror and gets back (0: not known, free)
+  stash_item_bytes: float = 0.0
 
   def __post_init__(self):
     object.__setattr__(self, 'forward_s', tuple(float(f) for f in self.forward_s))

@@ -217,7 +217,9 @@ def _channels(table) -> tuple[int, ...]:
   return tables.program(table).channels
 
 
-def emit_ouroboros_locked(g: Graph, t: int, state: dict, *, stash: str, microbatches: int, **_):
+def emit_ouroboros_locked(
+  g: Graph, t: int, state: dict, *, stash: str, microbatches: int, lenders=None, **_
+):
   c, G, M = g.costs, g.costs.num_stages, microbatches
   nbytes, extra = c.activation_bytes / M, (c.microbatch_overhead_s if M > 1 else 0.0)
   # 1. Forward, locked, as a wave of micro-batches: device s forwards micro-batch m once s-1
@@ -234,6 +236,7 @@ def emit_ouroboros_locked(g: Graph, t: int, state: dict, *, stash: str, microbat
     x = g.compute(0, 'embed_fwd', t, t, c.embed_forward_s / M)
     for s in range(G):
       x = g.compute(s, 'fwd', t, t, c.forward_of(s, M) + extra, [x])
+      _lend(g, t, t, {}, s, x, lenders or {})  # a balanced stash's item to the mirror
       x = g.send(x, (s + 1) % G, 'act', t, t, nbytes)
     arrivals.append(x)
     if m >= G - 1:
@@ -249,7 +252,10 @@ def emit_ouroboros_locked(g: Graph, t: int, state: dict, *, stash: str, microbat
       continue
     for m in range(M):
       delta = state.pop(('delta', t - 1, s, m))
-      y = g.compute(s, 'bwd', t, batch, _backward_s(c, s, stash, M) + extra, [forward_done, delta])
+      back = _lend(g, t, batch, state, s, None, lenders or {})  # its item back from the mirror
+      deps = [forward_done, delta, *back]
+      y = g.compute(s, 'bwd', t, batch, _backward_s(c, s, stash, M) + extra, deps)
+      state[('last', s)] = y
       if s > 0:
         state[('delta', t, s - 1, m)] = g.send(y, s - 1, 'grad', t, batch, nbytes)
       else:
@@ -258,7 +264,7 @@ def emit_ouroboros_locked(g: Graph, t: int, state: dict, *, stash: str, microbat
 
 
 def emit_ouroboros_pipelined(
-  g: Graph, t: int, state: dict, *, stash: str, microbatches: int, **_
+  g: Graph, t: int, state: dict, *, stash: str, microbatches: int, lenders=None, **_
 ) -> None:
   """Device s forwards batch t - s (its input arrived during step t-1) and back-propagates batch
   t - 2G + s (its error gradient arrived during step t-1); the head sees batch t - G. With M
@@ -268,7 +274,7 @@ def emit_ouroboros_pipelined(
   for m in range(M):
     for s in range(G):
       # Forward of batch t - s on what s-1 sent during step t-1 (device 0 embeds a fresh batch).
-      batch = forward_batch(t, s, G, 'pipelined')
+      batch, y = forward_batch(t, s, G, 'pipelined'), None
       if batch >= 0:
         x = (
           g.compute(0, 'embed_fwd', t, batch, c.embed_forward_s / M)
@@ -285,9 +291,11 @@ def emit_ouroboros_pipelined(
         state[('delta', t, G - 1, m)] = g.send(head, G - 1, 'grad', t, head_batch, nbytes)
       # Backward of batch t - 2G + s with the error gradient s+1 (or the head) sent at step t-1.
       batch = backward_batch(t, s, G, 'pipelined')
+      lent = _lend(g, t, batch, state, s, y, lenders or {})  # a balanced stash's
       if batch >= 0:
         delta = state.pop(('delta', t - 1, s, m))
-        y = g.compute(s, 'bwd', t, batch, _backward_s(c, s, stash, M) + extra, [delta])
+        y = g.compute(s, 'bwd', t, batch, _backward_s(c, s, stash, M) + extra, [delta, *lent])
+        state[('last', s)] = y
         if s > 0:
           state[('delta', t, s - 1, m)] = g.send(y, s - 1, 'grad', t, batch, nbytes)
         else:
@@ -416,12 +424,38 @@ def task_graph(
     microbatches=run.microbatches,
     replicas=run.data_parallel,
     stash=run.stash,
+    lenders=_lenders(run, G),
     table=table,
     lockstep=lockstep,
   )
   for t in range(steps):
     emit(graph, t, state, **options)
   return graph
+
+
+def _lenders(run: ResolvedSchedule, G: int) -> dict[int, int]:
+  """Ouroboros' balanced stash: each deep group s -> the mirror that holds its lent slots
+  (`stash_layout.SlotLayout.lenders`); {} for every other setting."""
+  if run.name != 'ouroboros' or run.stash_memory != 'balanced' or G == 1:
+    return {}
+  from ouroboros_jax.schedules import stash_layout
+  from ouroboros_jax.schedules.delays import Timing
+
+  timing = Timing(G, run.forward, run.microbatches, run.flow)
+  return dict(stash_layout.layout(timing, 'balanced').lenders)
+
+
+def _lend(g: Graph, t: int, batch: int, state: dict, s: int, forwarded: int, lenders) -> list:
+  """A balanced stash's transfers in a round of device s: the item it forwarded goes to its
+  mirror, and the item its backward needs comes back from the mirror, read there before the
+  round (after the mirror's last task). Returns what s's backward waits for."""
+  if s not in lenders or not g.costs.stash_item_bytes:
+    return []
+  mirror, nbytes = lenders[s], g.costs.stash_item_bytes
+  if forwarded is not None:
+    g.send(forwarded, mirror, 'lend', t, batch, nbytes)
+  last = state.get(('last', mirror))
+  return [] if last is None else [g.send(last, s, 'lend', t, batch, nbytes)]
 
 
 def _emitter(

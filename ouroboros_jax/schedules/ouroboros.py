@@ -352,10 +352,13 @@ def _first_carry(ring: _Ring, step: _StepInputs, buffers, stash_N) -> _Carry:
 
 
 def _round(ring: _Ring, step: _StepInputs, r, carry: _Carry) -> _Carry:
-  """Round r of the step: 1. forward, 2. head, 3. backward."""
+  """Round r of the step: 1. forward, 2. head, 3. backward (a balanced stash's lent item on its
+  way back from the round's start)."""
+  m, s = r - ring.timing.backward_round(0), jax.lax.axis_index(STAGE)
+  back = stash_layout.lent_back(ring.slots, carry.stash_N, step.mirror_items_b[m], s)
   carry, x_head = _forward_round(ring, step, r, carry)
   carry, delta_head = _head_round(ring, step, r, x_head, carry)
-  return _backward_round(ring, step, r, delta_head, carry)
+  return _backward_round(ring, step, r, delta_head, carry, back)
 
 
 def _fill_round(ring: _Ring, step: _StepInputs, r, carry: _Carry) -> _Carry:
@@ -431,7 +434,7 @@ def _head_round(ring: _Ring, step: _StepInputs, r, x_head, carry: _Carry):
   return carry._replace(head_sum=head_sum), delta
 
 
-def _backward_round(ring: _Ring, step: _StepInputs, r, delta_head, carry: _Carry) -> _Carry:
+def _backward_round(ring: _Ring, step: _StepInputs, r, delta_head, carry: _Carry, back) -> _Carry:
   """Step 3 in round r on device s: group s back-propagates its m-th item of the step with the
   error gradient its successor sent `hop` ticks ago (device G-1: the head's; G = 1: this round's)
   from what its forward kept in the item's slot. Module 1 ends at the embedding: device 0 turns
@@ -442,7 +445,7 @@ def _backward_round(ring: _Ring, step: _StepInputs, r, delta_head, carry: _Carry
   m = r - ring.timing.backward_round(0)  # in 0 .. M - 1: the fill rounds have no backward
   item = step.items_b[m]
   key = ring.item_key(item)
-  kept = stash_layout.read(ring.slots, carry.stash_N, item, step.mirror_items_b[m], s)
+  kept = stash_layout.read(ring.slots, carry.stash_N, item, back, s)
   delta = delta_head if ring.num_stages == 1 else ring_lib.at(carry.delta_fifo, m % hop)
   at_weights = (
     ring_lib.local_stage_params(step.params)

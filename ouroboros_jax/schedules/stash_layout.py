@@ -106,17 +106,24 @@ def write(plan: SlotLayout, stash_K, kept, item, active, mirror_item, mirror_act
   return ring_lib.write_slot_where(stash_K, guest, guest_slot, plan.slots, mirror_active & lent)
 
 
-def read(plan: SlotLayout, stash_K, item, mirror_item, stage):
-  """What device `stage` kept of `item`, its backward of the round. Balanced, an item in a lent
-  slot comes back from the mirror, which reads it for the mirror group's backward of the same
-  round (`mirror_item`)."""
+def lent_back(plan: SlotLayout, stash_K, mirror_item, stage):
+  """Balanced, on its way back to each deep group at the start of a round: the item its backward
+  reads this round if it sits in a lent slot, read by the mirror as the round starts (its
+  forward of the round never writes the slot its backward reads: `Timing.group_stash_slots`),
+  so the transfer can overlap the forward. `mirror_item`: the mirror group's backward of the
+  round. None where nothing is lent."""
+  if not plan.balanced or not plan.lenders:
+    return None
+  guest_slot, _ = _guest_slot(plan, mirror_item, stage)
+  lent = ring_lib.read_slot(stash_K, guest_slot, plan.slots)
+  return _swap(lent, tuple((m, s) for s, m in plan.lenders))
+
+
+def read(plan: SlotLayout, stash_K, item, back, stage):
+  """What device `stage` kept of `item`, its backward of the round: from its own slots, or
+  `back` (`lent_back`) for an item in a lent slot."""
   if not plan.balanced:
     return ring_lib.read_slot(stash_K, item, plan.slots)
   slot = _own_slot(plan, item, stage)
   home = ring_lib.read_slot(stash_K, jnp.minimum(slot, plan.slots - 1), plan.slots)
-  if not plan.lenders:
-    return home
-  guest_slot, _ = _guest_slot(plan, mirror_item, stage)
-  lent = ring_lib.read_slot(stash_K, guest_slot, plan.slots)
-  back = _swap(lent, tuple((m, s) for s, m in plan.lenders))
-  return ring_lib.select(slot < plan.slots, home, back)
+  return home if back is None else ring_lib.select(slot < plan.slots, home, back)
