@@ -74,3 +74,25 @@ def test_a_balanced_stash_trains_bit_for_bit_as_the_stash_on_the_device(
   slots = stash_layout.layout(timing, 'balanced').slots
   assert slots < timing.stash_slots
   assert {a.shape[2] for a in jax.tree.leaves(balanced.ring['stash'])} == {slots}  # [G, R, K..]
+
+
+def test_the_simulator_prices_a_balanced_stash_s_lent_items():
+  """Pipelined, G = 4, M = 8: an item each way a round between group 0 and its mirror. Almost
+  free when its transfer is short against the round's compute, a longer step when it is not."""
+  import dataclasses
+
+  from ouroboros_jax.perf import simulate
+  from ouroboros_jax.perf.cost_model import StageCosts
+
+  costs = StageCosts(forward_s=[1.0] * 4, backward_s=[2.0] * 4, activation_bytes=8.0, bandwidth=8.0)
+
+  def step(memory, item_bytes):
+    run = ScheduleConfig(
+      name='ouroboros', num_stages=4, forward='pipelined', microbatches=8, stash_memory=memory
+    ).resolve('cpu', 32)
+    return simulate.simulate(run, dataclasses.replace(costs, stash_item_bytes=item_bytes)).step_time
+
+  on_device = step('device', 8.0)
+  assert step('balanced', 0.0) == on_device  # nothing known: nothing charged
+  assert on_device <= step('balanced', 0.5) < 1.05 * on_device  # 1/16 s: mostly hidden
+  assert step('balanced', 8.0) > 2 * on_device  # a 1 s transfer each way a round

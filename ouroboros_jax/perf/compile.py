@@ -9,6 +9,7 @@ device of the mesh holds (every device runs the same SPMD program):
 
   params_bytes, opt_state_bytes, ring_bytes   its shard of the state (ring: Ouroboros' stashes
                                               and error gradients; 0 for the exact schedules)
+  stash_item_bytes  Ouroboros: one micro-batch's slot of its stash (None elsewhere)
   batch_bytes                                 its shard of the batch
   argument_bytes, output_bytes, alias_bytes, temp_bytes, code_bytes   XLA's `memory_analysis()`
                    of the step (as laid out on the device: TPU tiles pad small dimensions)
@@ -136,6 +137,7 @@ def compile_step(cfg: TrainConfig, topology: str | None = None) -> dict:
     opt_state_bytes=shard_bytes(state.opt_state),
     ring_bytes=shard_bytes({k: v for k, v in state.ring.items() if k != placement.HOST}),
     host_ring_bytes=shard_bytes(state.ring.get(placement.HOST, {})),
+    stash_item_bytes=_stash_item_bytes(state.ring),
     batch_bytes=shard_bytes(batch),
   )
   tokens = cfg.batch_size * cfg.model.seq_len
@@ -197,6 +199,15 @@ def _abstract_step(cfg: TrainConfig, run, devices: list) -> tuple:
   state = jax.eval_shape(schedule.init, params, batch)
   state = _placed(state, schedule.layout(state))
   return schedule, state, batch
+
+
+def _stash_item_bytes(ring: dict) -> float | None:
+  """One micro-batch slot of an Ouroboros stash on one device: its buffers [G, R, slots, ...]
+  over their slots (None: no stash)."""
+  stash = ring.get(placement.HOST, ring).get('stash')
+  if not stash:
+    return None
+  return shard_bytes(stash) / jax.tree.leaves(stash)[0].shape[2]
 
 
 def _run_report(cfg: TrainConfig, run, topology: str | None, device) -> dict:

@@ -80,14 +80,21 @@ def hardware_for(topology: str | None, name: str | None = None) -> cost_model.Ha
 
 
 def predicted_step_s(
-  cfg: TrainConfig, setting: ResolvedSchedule, hardware: cost_model.Hardware, *, slices: int = 1
+  cfg: TrainConfig,
+  setting: ResolvedSchedule,
+  hardware: cost_model.Hardware,
+  *,
+  slices: int = 1,
+  stash_item_bytes: float | None = None,
 ) -> float:
   """The simulator's steady-state step time of the resolved `setting` (as cfg's run resolves it
   on the target: `TrainConfig.schedule_config`) for cfg's model and batch. On a stage x
   data mesh, one replica's step on its share of the batch, each stage's gradient then
   all-reduced over the replicas. On `slices` slices joined by the data-centre network
   (`hardware.dcn_bandwidth`), the replicas spread evenly over them: a collective's chips in one
-  slice are its replicas / slices (a stage schedule's stages stay inside a slice)."""
+  slice are its replicas / slices (a stage schedule's stages stay inside a slice).
+  `stash_item_bytes` (the compiled report's): what a balanced stash sends to a mirror and back,
+  an item each way a round."""
   model = cfg.model
   # one replica's rows (data_parallel's costs are the whole batch's: it splits them itself)
   split = 1 if setting.name == 'data_parallel' else setting.data_parallel
@@ -118,6 +125,7 @@ def predicted_step_s(
     costs,
     recompute=0.0 if setting.replays else fraction,
     slice_chips=replicas // slices if slices > 1 else 0,
+    stash_item_bytes=stash_item_bytes or 0.0,
   )
   return simulate.simulate(setting, costs).step_time
 
@@ -159,7 +167,10 @@ def plan(
     row = {'label': setting.label, **flags, **_compiled(run, topology)}
     resolved = run.schedule_config(devices[0].platform) if 'error' not in row else None
     row['recompute'] = recompute_fraction(resolved or setting, cfg.model)
-    row['step_s'] = predicted_step_s(cfg, resolved, rates) if resolved else None
+    item = row.get('stash_item_bytes')
+    row['step_s'] = (
+      predicted_step_s(cfg, resolved, rates, stash_item_bytes=item) if resolved else None
+    )
     rows.append(row)
     if log:
       log(f'{setting.label:<44} {_peak(row):>9} GiB  {_verdict(row)}')
