@@ -11,6 +11,8 @@ saved plan: `ouroboros plan --render FILE` prints it too.
     python experiments/plan_tables.py 1b             # docs/results/plan_1b_v5e_2x4_remat.json
     python experiments/plan_tables.py gpt2-small --microbatches 8
     python experiments/plan_tables.py 7b-v5p --microbatches 16 --schedules zb_v --redo  # again
+    python experiments/plan_tables.py 1b --microbatches 8,16,32 --schedules ouroboros \
+        --stashes graph/dots,graph/all --memories balanced   # the balanced stash's rows
     python experiments/plan_tables.py --render docs/results/plan_1b_v5e_2x4_remat.json  # markdown
 """
 
@@ -52,7 +54,9 @@ UNBATCHED = ('backprop', 'data_parallel', 'model_parallel')
 SCHEDULES = (*UNBATCHED, 'gpipe', '1f1b', 'interleaved', 'zb_h1', 'zb_v', 'ouroboros')
 
 
-def run(shape, microbatches, schedules, policies=POLICIES, stashes=STASHES, redo=False) -> None:
+def run(
+  shape, microbatches, schedules, policies=POLICIES, stashes=STASHES, redo=False, memories='device'
+) -> None:
   from ouroboros_jax.perf import plan
 
   flags, path = SHAPES[shape]
@@ -63,11 +67,12 @@ def run(shape, microbatches, schedules, policies=POLICIES, stashes=STASHES, redo
       unit = name if name in UNBATCHED else f'{name} M={m}'
       unit += f' ({policies})' if policies != POLICIES and name != 'ouroboros' else ''
       unit += f' ({stashes})' if stashes != STASHES and name == 'ouroboros' else ''
+      unit += f' [{memories}]' if memories != 'device' and name == 'ouroboros' else ''
       if unit in out['done'] and not redo:
         continue
       cmd = (
         f'ouroboros plan {flags} --try-policy {policies} --try-stash {stashes} '
-        f'--try-schedules {name} --try-microbatches {m} --json'
+        f'--try-stash-memory {memories} --try-schedules {name} --try-microbatches {m} --json'
       )
       start = time.time()
       done = subprocess.run(cmd.split(), capture_output=True, text=True)
@@ -133,6 +138,9 @@ def main(argv=None):
   parser.add_argument('--policies', default=POLICIES, help=f'--try-policy (default {POLICIES})')
   parser.add_argument('--stashes', default=STASHES, help=f'--try-stash (default {STASHES})')
   parser.add_argument(
+    '--memories', default='device', help='--try-stash-memory (Ouroboros; default device)'
+  )
+  parser.add_argument(
     '--redo', action='store_true', help='compile the units the file holds again (it skips them)'
   )
   parser.add_argument('--render', metavar='FILE', help='print FILE as a markdown table and stop')
@@ -141,7 +149,15 @@ def main(argv=None):
     print(render(args.render))
   elif args.shape:
     counts = [int(m) for m in args.microbatches.split(',')]
-    run(args.shape, counts, args.schedules.split(','), args.policies, args.stashes, args.redo)
+    run(
+      args.shape,
+      counts,
+      args.schedules.split(','),
+      args.policies,
+      args.stashes,
+      args.redo,
+      args.memories,
+    )
   else:
     parser.error('give a shape or --render FILE')
 
