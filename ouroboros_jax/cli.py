@@ -198,6 +198,7 @@ def _tries(args):
     policies=words(args.try_policy),
     schedules=args.try_schedules and words(args.try_schedules),
     memories=words(args.try_stash_memory),
+    forwards=words(args.try_forward),
     flows=args.try_flow and words(args.try_flow),
     stages=stages and ('all' if stages == 'all' else _int_list(stages, '--try-stages', ', or all')),
     shardings=words(args.try_sharding),

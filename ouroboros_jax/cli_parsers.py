@@ -17,7 +17,7 @@ import re
 import sys
 
 from ouroboros_jax import errors, flag_help
-from ouroboros_jax.choices import SCHEDULES, STASH_MEMORIES, STASH_POLICY_NAMES
+from ouroboros_jax.choices import FORWARD_MODES, SCHEDULES, STASH_MEMORIES, STASH_POLICY_NAMES
 from ouroboros_jax.runtime import watchdog
 from ouroboros_jax.training import config, field_flags, presets
 
@@ -518,6 +518,12 @@ def _try_flag_table() -> list[tuple]:
       joined(tries.memories),
       'M,M',
       f'where ouroboros stashes wait, of {joined(STASH_MEMORIES)} (default %(default)s)',
+    ),
+    (
+      '--try-forward',
+      joined(tries.forwards),
+      'F,F',
+      f'ouroboros forwards to try, of {joined(FORWARD_MODES)} (default %(default)s)',
     ),
     (
       '--try-flow',

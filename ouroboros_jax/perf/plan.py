@@ -6,8 +6,9 @@ libtpu, compile-only, or the local devices), it builds every setting
 
   backprop (1 device), data_parallel (all devices), model_parallel,
   gpipe and the exact pipelines at each of --try-microbatches,
-  ouroboros locked and pipelined, at each of --try-microbatches, --try-stash and
-  --try-stash-memory (device by default; pinned_host: the stash in host memory)
+  ouroboros locked and pipelined (--try-forward), at each of --try-microbatches, --try-stash
+  and --try-stash-memory (device by default; pinned_host: the stash in host memory; balanced:
+  a deep group's older slots lent to a shallow one)
 
 with G = the topology's device count, or, for a model with fewer layers than devices, the most
 stages that divide the devices and that its layers fill (`default_stages`), the other devices

@@ -46,8 +46,8 @@ class Tries:
   """The settings to try (the --try-* flags of `plan` and `bench`): each count of
   `microbatches`, each of `stashes` (STASH_SETTINGS, Ouroboros'), each of `policies`
   (staging.STASH_POLICIES, every other schedule's), the `schedules` (None: all), each of
-  `memories` (where Ouroboros' stash waits), each of Ouroboros' `flows` (None: the run's own
-  --flow), each G of `stages` (None: `default_stages`) and each of data_parallel's
+  `memories` (where Ouroboros' stash waits), each of Ouroboros' `forwards` and `flows` (None:
+  the run's own --flow), each G of `stages` (None: `default_stages`) and each of data_parallel's
   `shardings` (SHARDINGS)."""
 
   microbatches: tuple[int, ...] = DEFAULT_MICROBATCHES
@@ -55,6 +55,7 @@ class Tries:
   policies: tuple[str, ...] = DEFAULT_POLICIES  # the other schedules' --stash-policy
   schedules: tuple[str, ...] | None = None
   memories: tuple[str, ...] = ('device',)
+  forwards: tuple[str, ...] = FORWARD_MODES
   flows: tuple[str, ...] | None = None
   stages: tuple[int, ...] | str | None = None  # 'all': every factorisation (`factorisations`)
   shardings: tuple[str, ...] = SHARDINGS
@@ -112,6 +113,7 @@ def _check_tries(tries: Tries, num_devices: int, stages: Sequence[int]) -> None:
   _check_choices('--try-schedules', tries.schedules or (), SCHEDULES, 'schedule')
   _check_choices('--try-stash', tries.stashes, STASH_SETTINGS, 'stash setting')
   _check_choices('--try-policy', tries.policies, STASH_POLICY_NAMES, 'stash policy')
+  _check_choices('--try-forward', tries.forwards, FORWARD_MODES, 'forward')
   _check_choices('--try-flow', tries.flows or (), FLOW_MODES, 'flow')
   _check_choices('--try-sharding', tries.shardings, SHARDINGS, 'sharding')
 
@@ -176,7 +178,7 @@ def _ring_fields(tries: Tries, base: ScheduleConfig) -> list[dict]:
   """The Ouroboros fields of every ring `tries` asks for: forward x stash x memory x flow x M."""
   return [
     dict(forward=forward, stash_memory=memory, flow=flow, microbatches=m, **_stash_fields(stash))
-    for forward in FORWARD_MODES
+    for forward in tries.forwards
     for stash in tries.stashes
     for memory in tries.memories
     for flow in tries.flows or (base.flow,)
