@@ -110,21 +110,19 @@ def test_bf16_backprop_trains_like_float32(backprop_bf16):
   np.testing.assert_allclose(losses, want_losses, rtol=1e-3)
 
 
+# Each step builder: of the exact pipelines, which share one executor (pipeline.py), 1F1B (a chunk
+# a device, a fused backward) and ZB-V (two chunks, a split backward) take every path a table does
+# (GPipe, interleaved and ZB-H1 too before: 10 s of a 15-minute suite).
 @pytest.mark.parametrize(
   'name,num_stages,fields',
   [
     ('data_parallel', 1, {'data_parallel': 2}),
     ('model_parallel', 2, {}),
-    ('gpipe', 2, {}),
     ('1f1b', 2, {}),
-    ('interleaved', 2, {}),
-    ('zb_h1', 2, {}),
     ('zb_v', 2, {}),
   ],
 )
-def test_every_exact_schedule_in_bf16_equals_backprop_in_bf16(
-  backprop_bf16, name, num_stages, fields
-):
+def test_each_step_builder_in_bf16_equals_backprop_in_bf16(backprop_bf16, name, num_stages, fields):
   want, want_losses = backprop_bf16
   params, losses = train(name, num_stages, 'bfloat16', **fields)
   assert max_abs_diff(params, want) < BF16_ATOL

@@ -16,8 +16,6 @@ import pytest
 from ouroboros_jax.models.model import ConfigError
 from ouroboros_jax.runtime import distributed, launch
 
-from helpers import assert_trees_equal
-
 # The same 5 Ouroboros steps with each stash of argv[1] (comma-separated; 'fsdp': FSDP over the
 # two devices instead), run either as 2 processes (1 CPU device each) or as 1 process with 2
 # simulated devices; the script writes the final parameters of process 0 to argv[2] with the
@@ -338,7 +336,7 @@ def test_sigterm_to_the_launcher_stops_every_process_at_one_checkpointed_step(
   tmp_path, text_corpus
 ):
   """JAX's preemption notifier takes SIGTERM in a multi-process run: the processes agree on a
-  step, save it and stop together; the run resumes from it to the uninterrupted run's bits."""
+  step, save it and stop together, and the checkpoint of that step restores."""
   corpus = _small_corpus(tmp_path, text_corpus)
   run = [sys.executable, '-m', 'ouroboros_jax', 'launch', '--processes', '2', '--', 'train']
   # Data parallelism: the cheapest step to compile (the ring's state resuming exactly is tested
@@ -362,24 +360,10 @@ def test_sigterm_to_the_launcher_stops_every_process_at_one_checkpointed_step(
   step = steps[0]
   assert _final_state(tmp_path / 'a')[0] == step  # a complete checkpoint of it
   assert not any('Traceback' in line for line in lines)
-
-  end = step + 2
-  # The resumed run and an uninterrupted one, side by side.
-  resumed, straight = (
-    subprocess.Popen(
-      [*run, *common, '--steps', str(end), '--out', str(tmp_path / out), *extra],
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
-    for out, extra in (('a', ['--resume']), ('b', []))
-  )
-  for p in (resumed, straight):
-    output, _ = p.communicate(timeout=180)
-    assert p.returncode == 0, output[-3000:]
-  (step_a, state_a), (step_b, state_b) = _final_state(tmp_path / 'a'), _final_state(tmp_path / 'b')
-  assert step_a == step_b == end
-  assert_trees_equal(state_a, state_b)
+  # (Resuming it, and an uninterrupted run beside it, went for the suite's 15 minutes: 2 more
+  # launches of 2 processes, ~25 s. A resume in 2 processes is tested by test_relayout.py's
+  # test_a_run_moves_between_process_counts; a stopped run resuming bit for bit, in one process,
+  # by tests/test_cli.py and tests/test_train.py.)
 
 
 def test_sigterm_to_every_process_of_a_cluster_run_stops_them_at_one_step(tmp_path, text_corpus):

@@ -366,8 +366,11 @@ def test_a_stage_count_for_a_schedule_without_stages_says_what_to_pass():
 
 # ----------------------------------------------------------------------------- the pipelines
 
-# The schedules that pass activations from stage to stage: (name, fields, stage groups).
-PIPELINED = EXACT_ON_TWO_DEVICES[1:]
+# The schedules that pass activations from stage to stage: (name, fields, stage groups). Of the
+# exact pipelines, which share one executor (pipeline.py), 1F1B (a chunk a device, a fused
+# backward) and ZB-V (two chunks, a split backward) take every path a table does (all six before,
+# 28 s of a 15-minute suite).
+PIPELINED = [p for p in EXACT_ON_TWO_DEVICES[1:] if p[0] in ('model_parallel', '1f1b', 'zb_v')]
 
 
 def four_layers(groups):
@@ -378,9 +381,9 @@ def four_layers(groups):
 
 
 @pytest.mark.parametrize('name, fields, groups', PIPELINED, ids=[p[0] for p in PIPELINED])
-def test_every_exact_pipeline_carries_the_context_between_stages(name, fields, groups):
-  """The mask (bool), the positions (int) and the dict of inputs travel in every exact
-  pipeline, which trains as backprop does."""
+def test_the_exact_pipelines_carry_the_context_between_stages(name, fields, groups):
+  """The mask (bool), the positions (int) and the dict of inputs travel in the exact pipelines,
+  which train as backprop does."""
   staging, data = four_layers(groups)
   tx = optax.sgd(0.5)
   want, _ = run_schedule(ScheduleConfig(name='backprop'), staging.model, tx, staging.params, data)
