@@ -354,7 +354,7 @@ def test_checkpoints_carry_the_compensation_state_and_resume_bitwise(tmp_path, p
     eval_every=6,
   )
   straight = tiny_config(tmp_path / 'a', prepared_data_dir, **recipe)
-  cut, a, b = straight_and_resumed(straight, tmp_path / 'b', stop_at=8)
+  cut, a, b = straight_and_resumed(straight, tmp_path / 'b', resume_at=6)
   assert_trees_equal(a, b)
   # The compensation state is really in the checkpoint (a plain run has no last_update).
   assert 'last_update' in str(jax.tree_util.tree_structure(a['opt_state']))
