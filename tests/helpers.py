@@ -68,9 +68,10 @@ def adam(learning_rate=1e-2, **kw):
   return staged.adamw(learning_rate, eps=1e-6, **kw)
 
 
-def run_schedule(config, model, tx, params, batches):
-  """(final state, losses) of `build_schedule(config, ...)` over the batches."""
-  schedule = build_schedule(config, model, tx)
+def run_schedule(config, model, tx, params, batches, schedule=None):
+  """(final state, losses) of `build_schedule(config, ...)` over the batches; of `schedule`, when
+  the test has built it already (its step is then traced once, not once a build)."""
+  schedule = schedule or build_schedule(config, model, tx)
   state = schedule.init(params, batches[0])
   losses = []
   for batch in batches:

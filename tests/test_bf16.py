@@ -137,7 +137,8 @@ def test_ouroboros_in_bf16_equals_its_reference_and_sends_bf16(stash, forward):
   config = ScheduleConfig(
     name='ouroboros', compensation=Compensation(), num_stages=3, stash=stash, forward=forward
   )
-  state, losses = run_schedule(config, model, SGD, params, batches)
+  schedule = build_schedule(config, model, SGD)
+  state, losses = run_schedule(config, model, SGD, params, batches, schedule)
   want, want_losses, _ = reference.run(
     model, SGD, params, batches, stash=stash, forward=forward, compensation=Compensation()
   )
@@ -153,7 +154,6 @@ def test_ouroboros_in_bf16_equals_its_reference_and_sends_bf16(stash, forward):
     assert state.ring[name].dtype == jnp.bfloat16, name
   if stash == 'replay':
     assert {x.dtype for x in jax.tree.leaves(state.ring['stash'])} == {jnp.dtype('bfloat16')}
-  schedule = build_schedule(config, model, SGD)
   hlo = schedule.step.lower(schedule.init(params, batches[0]), batches[0]).as_text()
   sent = [
     re.findall(r'tensor<([^>]*)>', line)[-1]

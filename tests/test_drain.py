@@ -54,7 +54,7 @@ def test_a_drain_applies_what_is_in_flight_as_the_reference_does(
     seed=3,
   )
   schedule = build_schedule(config, model, adam())
-  state, losses = run_schedule(config, model, adam(), params, batches[:STEPS])
+  state, losses = run_schedule(config, model, adam(), params, batches[:STEPS], schedule)
   undrained = jax.device_get(state.params)  # (the drain's steps donate the state, as a step's do)
   drained = schedule.drain(state)
   want, _, updated = reference.run(model, adam(), params, batches[:STEPS], config, drain=True)
@@ -100,7 +100,7 @@ def test_a_ring_saved_before_its_window_resumes_with_the_window_added(tmp_path):
   batches = random_batches(4, seed=1)
   config = ScheduleConfig(name='ouroboros', num_stages=2, microbatches=2, flow='stream')
   schedule = build_schedule(config, model, adam())
-  state, _ = run_schedule(config, model, adam(), params, batches[:3])
+  state, _ = run_schedule(config, model, adam(), params, batches[:3], schedule)
   saved = jax.device_get(state)  # (a step donates the state it is given)
   manager = checkpoint.make_manager(str(tmp_path))
   old = state.replace(ring={k: v for k, v in state.ring.items() if k != 'window'})

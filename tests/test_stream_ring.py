@@ -141,7 +141,8 @@ def test_one_microbatch_streams_as_one_batch_and_the_stash_shrinks(tmp_path):
   )
   run = lambda flow, micro: run_schedule(config(flow, micro), model, adam(), params, batches)
   assert_trees_equal(run('stream', 1)[0].params, run('batch', 1)[0].params)
-  streamed = run('stream', 4)[0]
+  schedule = build_schedule(config('stream', 4), model, adam())  # its step traced once
+  streamed = run_schedule(config('stream', 4), model, adam(), params, batches, schedule)[0]
   # the ring's buffers have their shapes from the start
   batched = build_schedule(config('batch', 4), model, adam()).init(params, batches[0])
   slots = lambda state: jax.tree.leaves(state.ring['stash'])[0].shape[2]
@@ -151,7 +152,6 @@ def test_one_microbatch_streams_as_one_batch_and_the_stash_shrinks(tmp_path):
     == (jax.tree.leaves(batched.ring['delta'])[0].shape[2])
   )  # one micro-batch in flight per hop, not a whole batch
 
-  schedule = build_schedule(config('stream', 4), model, adam())
   state = schedule.init(params, batches[0])
   for batch in batches[:4]:
     state, _ = schedule.step(state, batch)

@@ -137,8 +137,8 @@ def test_resume_is_bitwise_with_the_memory_in_the_state(tmp_path):
   model, params = _txl(2)
   batches = random_batches(6)
   config = ScheduleConfig(name='ouroboros', compensation=Compensation(), num_stages=2)
-  straight, _ = run_schedule(config, model, adam(), params, batches)
   schedule = build_schedule(config, model, adam())
+  straight, _ = run_schedule(config, model, adam(), params, batches, schedule)
   state = schedule.init(params, batches[0])
   for batch in batches[:3]:
     state, _ = schedule.step(state, batch)
