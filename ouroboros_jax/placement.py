@@ -5,6 +5,7 @@ the way every schedule's are."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from collections.abc import Mapping
@@ -16,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from ouroboros_jax import layer_shards
 from ouroboros_jax.errors import ConfigError, field_ref
 from ouroboros_jax.staged import DATA, STAGE, PyTree, Schedule, StagedModel, TrainState, batch_rows
 from ouroboros_jax.update import GroupedOptimizer
@@ -303,41 +305,62 @@ def state_shardings(state: TrainState, mesh: Mesh) -> TrainState:
   return shardings.replace(ring=ring)
 
 
-def split_axis(shape: tuple[int, ...], replicas: int, taken=()) -> int | None:
-  """The axis FSDP splits a leaf of `shape` on over `replicas` data replicas: its largest
-  axis not in `taken` that `replicas` divides (the first where sizes tie); None: none does, or
-  one replica (the leaf stays whole on each)."""
-  axes = [
-    a
-    for a, size in enumerate(shape)
-    if a not in taken and size >= replicas and size % replicas == 0
-  ]
-  if replicas == 1 or not axes:
-    return None
-  return max(axes, key=lambda a: (shape[a], -a))
-
-
 def fsdp_stage_shardings(state: TrainState, mesh: Mesh) -> TrainState:
   """`state_shardings` with FSDP over the mesh's data replicas (a stage schedule's --fsdp):
-  every parameter and optimizer state leaf also split over `data` on its largest free axis
-  (`split_axis`), the stage axis kept; the ring as before. The step's shard_map takes each
-  stage's parameters whole, so XLA gathers them as it enters and the optimizer updates each
-  device's share."""
+  every parameter and optimizer state leaf also split over `data`. A stage leaf [G, N, ...] on
+  an axis of one layer's shape (`layer_shards.layer_axes`), which the step's layer loops gather
+  layer by layer; an embedding or head leaf on its largest free axis (`layer_shards.split_axis`), gathered
+  whole as the step's shard_map takes it. The ring as before."""
   base = state_shardings(state, mesh)
   replicas = mesh.shape[DATA]
 
-  def split(a, sharding):
-    spec = (*sharding.spec, *(None,) * (len(a.shape) - len(sharding.spec)))
-    axis = split_axis(a.shape, replicas, taken=[i for i, s in enumerate(spec) if s is not None])
-    if axis is None:
-      return sharding
-    spec = P(*(DATA if i == axis else s for i, s in enumerate(spec)))
-    return NamedSharding(mesh, spec, memory_kind=sharding.memory_kind)
+  def split(layered: bool):
+    def leaf(a, sharding):
+      spec = (*sharding.spec, *(None,) * (len(a.shape) - len(sharding.spec)))
+      taken = [i for i, s in enumerate(spec) if s is not None or (layered and i < 2)]
+      axis = layer_shards.split_axis(a.shape, replicas, taken=taken)
+      if axis is None:
+        return sharding
+      spec = P(*(DATA if i == axis else s for i, s in enumerate(spec)))
+      return NamedSharding(mesh, spec, memory_kind=sharding.memory_kind)
 
+    return leaf
+
+  by_group = lambda tree, specs: {
+    group: jax.tree.map(split(group == 'stages'), tree[group], specs[group]) for group in tree
+  }
   return base.replace(
-    params=jax.tree.map(split, state.params, base.params),
-    opt_state=jax.tree.map(split, state.opt_state, base.opt_state),
+    params=by_group(state.params, base.params), opt_state=by_group(state.opt_state, base.opt_state)
   )
+
+
+def fsdp_param_specs(params: PyTree, replicas: int) -> PyTree:
+  """`param_specs` of a stage schedule with --fsdp: each stage leaf's shard as it lies
+  (`fsdp_stage_shardings`), the layer loops gathering it; embed and head whole."""
+
+  def spec(a, axis):
+    at = layer_shards.stage_axis(axis)
+    return P(*(STAGE if i == 0 else DATA if i == at else None for i in range(a.ndim)))
+
+  axes = layer_shards.layer_axes(params['stages'], replicas)
+  return {**param_specs(params), 'stages': jax.tree.map(spec, params['stages'], axes)}
+
+
+def step_param_specs(params: PyTree, config) -> PyTree:
+  """The parameters' in_specs of a stage schedule's shard_map (`config` a ResolvedSchedule):
+  each device's stage, or with --fsdp its shard of it (`fsdp_param_specs`)."""
+  if config.fsdp:
+    return fsdp_param_specs(params, config.data_parallel)
+  return param_specs(params)
+
+
+def step_gathering(params: PyTree, config):
+  """The context a stage schedule traces its shard_map in: with --fsdp, the layer loops gather
+  each layer's shards (`layer_shards.gathered_layers`); else nothing."""
+  if not config.fsdp:
+    return contextlib.nullcontext()
+  axes = layer_shards.layer_axes(params['stages'], config.data_parallel)
+  return layer_shards.gathered_layers(axes, config.data_parallel)
 
 
 def layout_for(config) -> Callable | None:

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ouroboros_jax import layer_shards
 from ouroboros_jax.choices import STASH_POLICY_NAMES
 from ouroboros_jax.errors import ConfigError, field_ref
 from ouroboros_jax.staged import StagedModel
@@ -176,11 +177,16 @@ def scan_layers(
   with each layer's slice of params_N, its own key (None without rng) and its slice of
   per_layer_N (None: nothing). A layer with `active_N[n]` False is skipped by `lax.cond`: x
   passes through, its out is `skipped(per_layer)` (default zeros), and it costs no FLOPs and gets
-  no gradient (the padding slots of an uneven split; dropped layers). Returns (x, the outs
-  stacked [N, ...])."""
+  no gradient (the padding slots of an uneven split; dropped layers). Under FSDP in a stage
+  schedule (`layer_shards.gathered_layers`) each layer's weights are gathered from their shards
+  as it runs. Returns (x, the outs stacked [N, ...])."""
   num = jax.tree.leaves(params_N)[0].shape[0]
   rngs_N = None if rng is None else jax.random.split(rng, num)
-  policy = _LAYER_POLICY.get()
+  policy, gathering = _LAYER_POLICY.get(), layer_shards.active()
+  if gathering is not None:  # FSDP: this layer's weights gathered here, never kept
+    run_layer = layer
+    layer = lambda params, *rest: run_layer(layer_shards.gather(params, gathering), *rest)
+    policy = layer_shards.keep_policy(policy)
   if policy is not None:
     # A rolled scan keeps XLA from merging the recompute with the forward; unrolled, it can.
     rolled = unroll == 1 and not isinstance(unroll, bool)

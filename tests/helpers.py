@@ -45,16 +45,10 @@ def tiny_transformer(
   num_stages, *, pre_ln=True, num_layers=None, dropout=0.0, layers_per_stage=None, **model
 ):
   """(StagedModel, staged params) of a 16-wide Transformer with at least 3 layers (`model`:
-  other ModelConfig fields, e.g. arch='transformer-xl', mem_len=8)."""
+  other ModelConfig fields, e.g. arch='transformer-xl', mem_len=8, or other sizes)."""
+  sizes = dict(d_model=16, num_heads=2, d_ff=32, seq_len=SEQ) | model
   cfg = transformer.ModelConfig(
-    d_model=16,
-    num_heads=2,
-    num_layers=num_layers or max(num_stages, 3),
-    d_ff=32,
-    seq_len=SEQ,
-    pre_ln=pre_ln,
-    dropout=dropout,
-    **model,
+    num_layers=num_layers or max(num_stages, 3), pre_ln=pre_ln, dropout=dropout, **sizes
   )
   layers_per_stage = layers_per_stage or partition.balance_layers(cfg, num_stages)
   params = partition.to_staged(transformer.init_params(cfg, jax.random.key(0)), layers_per_stage)

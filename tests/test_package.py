@@ -28,6 +28,7 @@ LAYERS = {
   'optimizers': 1,
   'placement': 1,
   'staging': 1,
+  'layer_shards': 1,
   'costs': 1,
   'runtime': 1,
   'data': 1,  # data loading: the corpora, batches, windows and segments

@@ -27,7 +27,7 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ouroboros_jax import placement, staged, staging
+from ouroboros_jax import layer_shards, placement, staged, staging
 from ouroboros_jax.errors import ConfigError, field_ref
 from ouroboros_jax.placement import DATA
 from ouroboros_jax.schedules.config import ResolvedSchedule, require_resolved
@@ -38,7 +38,7 @@ from ouroboros_jax.staged import Schedule, StagedModel, TrainState
 def fsdp_spec(shape: tuple[int, ...], replicas: int) -> P:
   """Where FSDP keeps a leaf of `shape` on D = `replicas` devices: split over `data` on its
   largest axis that D divides (the first such axis where sizes tie), else replicated."""
-  axis = placement.split_axis(shape, replicas)
+  axis = layer_shards.split_axis(shape, replicas)
   if axis is None:
     return P()
   return P(*(DATA if a == axis else None for a in range(len(shape))))

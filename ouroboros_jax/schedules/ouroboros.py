@@ -569,7 +569,7 @@ def _init(ring: _Ring, params, example_batch, first_step: int | None = None):
 def _grads(ring: _Ring, state: TrainState, forward_params, batch, t, t_async):
   """(grads, ring buffers, loss): the delayed gradients, or during the synchronous warm-up
   model_parallel's exact ones over the same ring (the pipes stay empty)."""
-  param_specs = placement.param_specs(state.params)
+  param_specs = placement.step_param_specs(state.params, ring.config)
   buffer_specs = placement.ring_specs(state.ring)
   delayed = jax.shard_map(
     functools.partial(_ring_step, ring),
@@ -621,9 +621,10 @@ def _grads(ring: _Ring, state: TrainState, forward_params, batch, t, t_async):
     )
     return synchronous(state.params, batch, t, state.ring)
 
-  if ring.config.sync_warmup_steps:
-    return jax.lax.cond(t_async < 0, warmup_grads, ouroboros_grads)
-  return ouroboros_grads()
+  with placement.step_gathering(state.params, ring.config):
+    if ring.config.sync_warmup_steps:
+      return jax.lax.cond(t_async < 0, warmup_grads, ouroboros_grads)
+    return ouroboros_grads()
 
 
 def _check_rows(ring: _Ring, state: TrainState, batch: dict) -> None:

@@ -51,12 +51,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ouroboros_jax import placement
+from ouroboros_jax import layer_shards, placement
 from ouroboros_jax.schedules import ring, tables
 from ouroboros_jax.schedules.config import ResolvedSchedule, require_resolved
 from ouroboros_jax.schedules.stash import GraphStash, TappedStash
 from ouroboros_jax.schedules.synchronous import DeviceGrads, replica_key, synchronous_schedule
-from ouroboros_jax.staged import DATA, STAGE, PyTree, Schedule, StagedModel
+from ouroboros_jax.staged import STAGE, PyTree, Schedule, StagedModel
 
 
 class _Carry(NamedTuple):
@@ -224,7 +224,7 @@ def _device_grads(executor: _Executor, params, batch, t, buffers):
   if end.memory is not None:
     rows = lambda a: a.reshape(a.shape[0], 1, -1, *a.shape[3:])
     buffers = {**buffers, 'memory': jax.tree.map(rows, end.memory)}
-  return (*jax.lax.pmean((grads, from_owner(end.loss)), DATA), buffers)
+  return (*layer_shards.replica_mean(grads, from_owner(end.loss)), buffers)
 
 
 def _start(executor: _Executor, step: _Step, memory) -> _Carry:
@@ -415,6 +415,10 @@ def _backward(executor: _Executor, step: _Step, kept, delta, op):
 
 
 def _add_chunk_grad(sums: _Sums, op, g_chunk) -> _Sums:
+  gathering = layer_shards.active()
+  if gathering is not None:  # FSDP: a W computed whole goes onto this device's shards
+    like = jax.tree.map(lambda g: g[0], sums.grad_chunks)
+    g_chunk = layer_shards.to_shards(g_chunk, like, gathering)
   add_at = lambda g, w: g.at[op['chunk']].add(w)
   return sums._replace(grad_chunks=jax.tree.map(add_at, sums.grad_chunks, g_chunk))
 

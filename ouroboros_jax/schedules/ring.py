@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ouroboros_jax import placement, staged
+from ouroboros_jax import layer_shards, placement, staged
 from ouroboros_jax.schedules.stash import GraphStash
 from ouroboros_jax.staged import DATA, EMBED_PIECE, STAGE, StagedModel
 
@@ -249,7 +249,7 @@ def gather_grads(g_embed, g_head, g_stage, loss):
     'head': from_device0(g_head),
     'stages': jax.tree.map(lambda g: g[None], g_stage),
   }
-  return jax.lax.pmean((grads, from_device0(loss)), DATA)
+  return layer_shards.replica_mean(grads, from_device0(loss))
 
 
 def local_memory(buffers):

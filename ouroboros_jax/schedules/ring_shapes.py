@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from ouroboros_jax import placement, staged
+from ouroboros_jax import layer_shards, placement, staged
 from ouroboros_jax.schedules import stash as stash_lib
 
 
@@ -31,14 +31,23 @@ class ItemShapes(NamedTuple):
 
 
 def item_shapes(ring, params, example_batch) -> ItemShapes:
-  """What one device keeps per micro-batch in flight, traced as the step traces it."""
+  """What one device keeps per micro-batch in flight, traced as the step traces it (with
+  --fsdp, from its shards of the stage, each layer gathered as it runs)."""
+  with placement.step_gathering(params, ring.config):
+    return _item_shapes(ring, params, example_batch, layer_shards.active())
+
+
+def _item_shapes(ring, params, example_batch, gathering) -> ItemShapes:
   replicas, num_micro = ring.config.data_parallel, ring.num_microbatches
   divided = lambda tree, n: jax.tree.map(
     lambda a: jax.ShapeDtypeStruct((a.shape[0] // n, *a.shape[1:]), a.dtype), tree
   )
   local = divided(example_batch, replicas)
   micro = divided(local, num_micro)
-  params_s = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params['stages'])
+  params_s = jax.tree.map(
+    lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype),
+    layer_shards.local_shapes(params['stages'], gathering),
+  )
   x_micro = device_shapes(ring, ring.model.embed, params['embed'], micro['inputs'], None)
   memory = jax.eval_shape(
     lambda: placement.empty_memory(ring.model, params, example_batch, replicas)

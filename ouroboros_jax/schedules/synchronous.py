@@ -137,7 +137,7 @@ def synchronous_schedule(
   def step(state: TrainState, batch: dict):
     placement.check_batch(batch, replicas, microbatches)
     param_specs, buffer_specs = (
-      placement.param_specs(state.params),
+      placement.step_param_specs(state.params, config),
       placement.ring_specs(state.ring),
     )
     grads_of = jax.shard_map(
@@ -152,7 +152,8 @@ def synchronous_schedule(
       order = jnp.asarray(stage_order)
       held = {**held, 'stages': jax.tree.map(lambda a: a[order], held['stages'])}
       buffers = jax.tree.map(lambda a: a[order], buffers)
-    grads, loss, buffers = grads_of(held, batch, state.step, buffers)
+    with placement.step_gathering(state.params, config):
+      grads, loss, buffers = grads_of(held, batch, state.step, buffers)
     if reorder:
       back = jnp.asarray(np.argsort(stage_order))
       grads = {**grads, 'stages': jax.tree.map(lambda g: g[back], grads['stages'])}

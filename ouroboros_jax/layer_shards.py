@@ -1,0 +1,164 @@
+"""FSDP inside the stage schedules: each layer's weights gathered where the layer runs.
+
+Under `fsdp=True` a stage schedule (the exact pipelines, Ouroboros) keeps every stage leaf
+[G, N, ...] split over its D data replicas on one axis of a layer's own shape (`layer_axes`: the
+largest that D divides; never the stage or the layer axis). Its step's shard_map hands each
+device its shard, and the layer loop (`staging.scan_layers`) gathers one layer's weights at a
+time, just before the layer runs (`gather`). The gathered copy is never kept for the backward:
+it carries the checkpoint name GATHERED, which no stash policy saves (`keep_policy`), so the
+backward gathers it again. A stage then holds 1/D of its weights plus one layer's whole, not the
+whole stage, in every schedule and at every recomputation policy.
+
+The gather's transpose is a reduce-scatter: each device's gradient of a gathered leaf comes back
+as its shard, summed over the replicas. A weight gradient computed whole (zero-bubble's W from
+the taps) is reduce-scattered onto the shard (`to_shards`). `replica_mean` then divides the
+gathered leaves' sums by D and averages the rest over the replicas (`pmean`): backprop's mean.
+
+The step enters `gathered_layers(axes, D)` around its shard_map, so every layer loop traced in
+it (forward, recomputation, backward) gathers; outside it nothing changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Callable, NamedTuple
+
+import jax
+from jax.ad_checkpoint import checkpoint_name
+
+from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.staged import DATA
+
+PyTree = Any
+
+GATHERED = 'fsdp_gathered_layer'  # the checkpoint name of a layer's gathered weights
+
+
+class Gathering(NamedTuple):
+  """What the layer loops of a step traced under `gathered_layers` gather."""
+
+  axes: PyTree  # like params['stages']: the axis of one layer's leaf split over DATA, or None
+  replicas: int
+
+
+_GATHERING: contextvars.ContextVar = contextvars.ContextVar('layer_gathering', default=None)
+
+
+def split_axis(shape: tuple[int, ...], replicas: int, taken=()) -> int | None:
+  """The axis FSDP splits a leaf of `shape` on over `replicas` data replicas: its largest
+  axis not in `taken` that `replicas` divides (the first where sizes tie); None: none does, or
+  one replica (the leaf stays whole on each)."""
+  axes = [
+    a
+    for a, size in enumerate(shape)
+    if a not in taken and size >= replicas and size % replicas == 0
+  ]
+  if replicas == 1 or not axes:
+    return None
+  return max(axes, key=lambda a: (shape[a], -a))
+
+
+def layer_axes(stages: PyTree, replicas: int) -> PyTree:
+  """For stage leaves shaped [G, N, ...]: the axis of one layer's leaf (its shape without G and
+  N) that FSDP splits over `replicas` (`split_axis` of that shape), or None where none
+  divides (the leaf stays whole on every replica)."""
+  return jax.tree.map(lambda a: split_axis(tuple(a.shape[2:]), replicas), stages)
+
+
+def stage_axis(axis: int | None) -> int | None:
+  """The axis of a stage leaf [G, N, ...] that one layer's `axis` is."""
+  return None if axis is None else axis + 2
+
+
+@contextlib.contextmanager
+def gathered_layers(axes: PyTree, replicas: int):
+  """Within it (while a step's shard_map body is traced), `scan_layers` gathers each layer's
+  weights over DATA by `axes` (`layer_axes`), and `replica_mean` knows which leaves it did."""
+  token = _GATHERING.set(Gathering(axes, replicas))
+  try:
+    yield
+  finally:
+    _GATHERING.reset(token)
+
+
+def active() -> Gathering | None:
+  """The gathering of the step being traced (None: the weights arrive whole)."""
+  return _GATHERING.get()
+
+
+def gather(params: PyTree, gathering: Gathering) -> PyTree:
+  """One layer's weights whole from each replica's shard, named GATHERED."""
+  if jax.tree.structure(params) != jax.tree.structure(gathering.axes):
+    raise ConfigError(
+      'fsdp gathers a stage one layer at a time, so the layer loop must run over the stage '
+      "parameters as they are (params['stages'], one leading axis per layer); this model's "
+      'layer loop runs over another tree: use it without fsdp.'
+    )
+
+  def whole(a, axis):
+    if axis is None:
+      return a
+    return checkpoint_name(jax.lax.all_gather(a, DATA, axis=axis, tiled=True), GATHERED)
+
+  return jax.tree.map(whole, params, gathering.axes)
+
+
+def keep_policy(policy: Callable | None) -> Callable:
+  """The checkpoint policy a gathering layer runs under: `policy` (a stash policy, which saves
+  matmul outputs at most), or for None (keep every residual) everything but the gathered
+  weights: neither the GATHERED name nor the all_gather it names (JAX would save that value
+  under its other name)."""
+  if policy is not None:
+    return policy
+
+  def all_but_gathered(prim, *_, **params):
+    if prim.name == 'all_gather':
+      return False
+    return prim.name != 'name' or params.get('name') != GATHERED
+
+  return all_but_gathered
+
+
+def to_shards(grads_N: PyTree, like_N: PyTree, gathering: Gathering) -> PyTree:
+  """A chunk's weight gradient (leaves [N, ...]) onto this device's shards: leaves computed
+  whole (larger than `like_N`'s) are reduce-scattered over DATA; shard-shaped ones (through
+  `gather`'s transpose) are already summed over the replicas."""
+
+  def shard(g, a, axis):
+    if axis is None or g.shape == a.shape:
+      return g
+    return jax.lax.psum_scatter(g, DATA, scatter_dimension=axis + 1, tiled=True)
+
+  return jax.tree.map(shard, grads_N, like_N, gathering.axes)
+
+
+def replica_mean(grads: dict, loss):
+  """(grads, loss) averaged over the data replicas: the gathered stage leaves' replica sums
+  divided by D, the rest by `pmean` (as without FSDP)."""
+  gathering = active()
+  if gathering is None:
+    return jax.lax.pmean((grads, loss), DATA)
+  stages = jax.tree.map(
+    lambda g, axis: g / gathering.replicas if axis is not None else jax.lax.pmean(g, DATA),
+    grads['stages'],
+    gathering.axes,
+  )
+  rest = {k: v for k, v in grads.items() if k != 'stages'}
+  rest, loss = jax.lax.pmean((rest, loss), DATA)
+  return {**rest, 'stages': stages}, loss
+
+
+def local_shapes(stages: PyTree, gathering: Gathering | None) -> PyTree:
+  """ShapeDtypeStructs of one device's shards of the stage leaves `stages` ([G, N, ...]); as
+  they are without a gathering."""
+  if gathering is None:
+    return stages
+
+  def local(a, axis):
+    shape = list(a.shape)
+    if axis is not None:
+      shape[stage_axis(axis)] //= gathering.replicas
+    return jax.ShapeDtypeStruct(tuple(shape), a.dtype)
+
+  return jax.tree.map(local, stages, gathering.axes)
