@@ -854,10 +854,12 @@ def test_a_stage_schedule_on_data_replicas_all_reduces_each_stage_after_its_last
     sim.simulate(hybrid, costs([f0, f1], [b0, b1]))
 
 
-def test_fsdp_in_a_stage_schedule_gathers_each_stage_first_and_reduce_scatters_it_last():
-  """The same, with --fsdp: each device first gathers its stage over the R = 2 replicas (1/2 of
-  its bytes), its first compute waiting for it, and reduce-scatters its gradient at the end (one
-  pass, 1/2 of the bytes, where the all-reduce takes two)."""
+def test_fsdp_in_a_stage_schedule_gathers_each_operations_layers_and_reduce_scatters_them():
+  """The same, with --fsdp (layer_shards): each forward and backward first gathers its stage's
+  layers over the R = 2 replicas (1/2 of their bytes a pass), again for the backward, the
+  device's network prefetching one operation ahead; each backward's gradient is reduce-scattered
+  once it ends (on the network after the next gather); device 0's embedding is gathered once
+  and all-reduced at the end (two passes)."""
   E, f0, f1, h, b1, b0, Eb = 0.1, 1.0, 1.5, 0.5, 3.0, 2.0, 0.2
   sharded = _run(name='model_parallel', num_stages=2, data_parallel=2, fsdp=True)
   for p0, p1, embedding in ((1e9, 2e9, 0.5e9), (1e9, 9e9, 0.0)):  # the second: device 1 waits
@@ -865,8 +867,12 @@ def test_fsdp_in_a_stage_schedule_gathers_each_stage_first_and_reduce_scatters_i
       [f0, f1], [b0, b1], head_s=h, embed_forward_s=E, embed_backward_s=Eb,
       param_bytes=[p0, p1], grad_bytes=p0 + p1 + embedding, collective_bandwidth=1e9,
     )  # fmt: skip
-    half0, half1 = (p0 + embedding) / 2e9, p1 / 2e9
-    T1 = max(half1, half0 + E + f0) + f1 + h + b1
-    T0 = T1 + b0 + Eb
-    expected = max(T1 + half1, T0 + half0)
+    ge, h0, h1 = embedding / 2e9, p0 / 2e9, p1 / 2e9
+    F0 = ge + max(E, h0) + f0  # the embedding's gather, then its forward beside stage 0's gather
+    F1 = max(h1, F0) + f1
+    B1 = max(F1 + h, 2 * h1) + b1  # the head, then stage 1's second gather
+    B0 = max(B1, F0 + h0) + b0  # stage 0's second gather began as its forward ended
+    # device 0: its reduce-scatter and embedding backward, then the embedding's all-reduce
+    device0 = max(B0 + h0, B0 + Eb) + (2 * ge if embedding else 0.0)
+    expected = max(device0, B1 + h1)  # device 1's reduce-scatter
     assert sim.simulate(sharded, c).step_time == pytest.approx(expected, abs=TOL)

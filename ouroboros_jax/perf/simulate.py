@@ -413,6 +413,8 @@ def task_graph(
   graph, state = Graph(costs), {}
   if run.name not in ('backprop', 'data_parallel'):
     graph.data_replicas, graph.fsdp = run.data_parallel, run.fsdp
+  if table is not None:  # an operation runs one chunk's layers; a split one's W ends its grad
+    graph.chunks, graph.split = table.pipeline.chunks, not table.pipeline.fused
   if costs.update_s:  # one device updates every parameter, a ring device its own stage's;
     share = run.data_parallel if run.fsdp else 1  # FSDP: 1 / D of them
     graph.update_s = (

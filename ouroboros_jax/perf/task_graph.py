@@ -46,8 +46,12 @@ class Graph:
     self.step_end: dict[int, int] = {}
     self.update_s: Sequence[float] = ()  # per device: its optimizer update, ending every step
     self.data_replicas = 1  # a stage schedule's R: each device's gradient all-reduced over R
-    self.fsdp = False  # ... or (--fsdp) its stage gathered over R before its first compute of a
-    self._gathered: dict[int, int] = {}  # step, and its gradient reduce-scattered after
+    self.fsdp = False  # ... or (--fsdp) each layer gathered over R as an operation runs it
+    self.chunks = 1  # (`_layer_collectives`); v chunks a device: an operation runs 1/v of its
+    self.split = False  # layers; split (zero-bubble): B gathers, W reduce-scatters
+    self._gathered: dict[int, int] = {}  # the embedding's gather, once a step
+    self._computed: dict[int, list[int]] = {}  # per device: its compute tasks of the step
+    self._reducing: dict[int, tuple[int, int]] = {}  # per device: (step, task) to reduce after
 
   def _add(self, task: Task) -> int:
     self.tasks.append(task)
@@ -62,9 +66,14 @@ class Graph:
     duration: float,
     deps: Sequence[int | None] = (),
   ) -> int:
-    deps = tuple(d for d in (*deps, self.barrier, self._gather(device, step)) if d is not None)
+    gathered = (self._gather(device, step), self._layer_gather(device, kind, step))
+    self._flush_reduce(device)  # after this operation's gather on the device's network
+    deps = tuple(d for d in (*deps, self.barrier, *gathered) if d is not None)
     index = self._add(Task(('device', device), kind, step, batch, duration, deps, sync=True))
     self.step_tasks.append(index)
+    self._computed.setdefault(device, []).append(index)
+    if self._layering() and kind == ('wgrad' if self.split else 'bwd'):
+      self._reducing[device] = (step, index)
     return index
 
   def send(self, after: int, dst: int, kind: str, step: int, batch: int, nbytes: float) -> int:
@@ -90,20 +99,49 @@ class Graph:
     """The bytes of a device's stage (device 0's with the embedding)."""
     return self.costs.param_bytes[device] + (self.costs.embedding_bytes if device == 0 else 0.0)
 
+  def _layering(self) -> bool:
+    return self.fsdp and self.data_replicas > 1
+
   def _gather(self, device: int, step: int) -> int | None:
-    """FSDP in a stage schedule: the all-gather of the device's stage over its R replicas, once
-    a step, after the previous step's update (the schedule's shard_map takes the stage whole)."""
-    if not self.fsdp or self.data_replicas == 1:
+    """FSDP in a stage schedule: device 0's embedding and head gathered over its R replicas,
+    once a step, after the previous step's update (the schedule's shard_map takes them whole)."""
+    if not self._layering() or device != 0:
       return None
     if device not in self._gathered:
-      seconds = self.costs.collective_s(self._stage_bytes(device), self.data_replicas)
+      seconds = self.costs.collective_s(self.costs.embedding_bytes, self.data_replicas)
       deps = () if self.barrier is None else (self.barrier,)
       self._gathered[device] = self.collective(device, 'gather', step, seconds, deps)
     return self._gathered[device]
 
+  def _chunk_s(self, device: int) -> float:
+    """One collective over R of the layers one operation of `device` runs."""
+    nbytes = self.costs.param_bytes[device] / self.chunks
+    return self.costs.collective_s(nbytes, self.data_replicas)
+
+  def _layer_gather(self, device: int, kind: str, step: int) -> int | None:
+    """FSDP in a stage schedule (`layer_shards`): a forward or input-gradient operation gathers
+    its layers' weights first, again each time (never kept). The device's network prefetches
+    one operation ahead: the gather starts once the compute two back has ended."""
+    if not self._layering() or kind not in ('fwd', 'bwd'):
+      return None
+    computed = self._computed.get(device, [])
+    after = computed[-2] if len(computed) > 1 else self.barrier
+    deps = () if after is None else (after,)
+    return self.collective(device, 'gather', step, self._chunk_s(device), deps)
+
+  def _flush_reduce(self, device: int) -> None:
+    """... and the operation that ends a weight gradient (B, or a split schedule's W)
+    reduce-scatters it over R once it has ended: on the network after the next operation's
+    gather, which it does not hold up."""
+    if device in self._reducing:
+      step, after = self._reducing.pop(device)
+      self.collective(device, 'reduce_scatter', step, self._chunk_s(device), [after])
+
   def end_step(self, step: int) -> None:
     """Each device's optimizer update (after the step's global-norm clip, i.e. after every sync
     task of the step), then: nobody starts step + 1 before every sync task has ended."""
+    for device in sorted(self._reducing):
+      self._flush_reduce(device)
     if self.data_replicas > 1:
       self._allreduce_stages(step)
     clipped = tuple(self.step_tasks)
@@ -113,22 +151,26 @@ class Graph:
     self.barrier = self._add(
       Task(None, 'barrier', step, step, 0.0, tuple(self.step_tasks), sync=False)
     )
-    self.step_end[step], self.step_tasks, self._gathered = self.barrier, [], {}
+    self.step_end[step], self.step_tasks = self.barrier, []
+    self._gathered, self._computed = {}, {}
 
   def _allreduce_stages(self, step: int) -> None:
     """A stage schedule on R data replicas: each device's gradient (its stage's parameters; device
     0's with the embedding) all-reduced over the R devices of its stage once the device's last
-    compute of the step has ended, while the other devices compute on (FSDP: reduce-scattered,
-    one pass instead of two)."""
+    compute of the step has ended, while the other devices compute on. FSDP: only device 0's
+    embedding and head (its layers were reduce-scattered as each operation ended)."""
     last = {}
     for i in self.step_tasks:
       kind, *where = self.tasks[i].resource
       if kind == 'device':
         last[where[0]] = i
-    passes = 1 if self.fsdp else 2
     for d, i in sorted(last.items()):
-      seconds = passes * self.costs.collective_s(self._stage_bytes(d), self.data_replicas)
-      self.collective(d, 'reduce_scatter' if self.fsdp else 'allreduce', step, seconds, [i])
+      nbytes = self._stage_bytes(d)
+      if self._layering():
+        nbytes = self.costs.embedding_bytes if d == 0 else 0.0
+      if nbytes:
+        seconds = 2 * self.costs.collective_s(nbytes, self.data_replicas)
+        self.collective(d, 'allreduce', step, seconds, [i])
 
 
 def execute(tasks: Sequence[Task], slowdown: float = 1.0) -> list[tuple[float, float]]:
