@@ -57,8 +57,9 @@ DESCRIPTIONS = {
   'stages': 'pipeline stages G: devices the layers are cut over (model_parallel, gpipe, the exact '
   'pipelines, ouroboros)',
   'data_parallel': 'data replicas D (each of G stages): the run uses G x D devices',
-  'fsdp': 'data_parallel: shard the parameters, gradients and optimizer state over the D '
-  'replicas (FSDP), XLA gathering each layer where it runs',
+  'fsdp': 'shard the parameters, gradients and optimizer state over the D data replicas '
+  '(FSDP): data_parallel alone, XLA gathering each layer where it runs; a stage schedule with '
+  'D > 1, each stage over its replicas, gathered one layer at a time',
   'clip_norm': 'clip the global gradient norm to this before the update (0 or none: off)',
   'microbatches': 'micro-batches per data replica (gpipe, the exact pipelines, ouroboros; the '
   'others step on the whole batch)',

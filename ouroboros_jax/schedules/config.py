@@ -68,8 +68,9 @@ class ScheduleConfig:
   tied_grad: str = 'sum'  # ouroboros: 'sum' or 'mean' of the tied embedding's two grads
   compensation: Compensation | str = AUTO  # ouroboros: staleness compensation, a Compensation
   # record or 'auto', the recipe (`resolve_compensation`); Compensation(): none, the paper's method
-  fsdp: bool = False  # data_parallel: parameters, gradients and optimizer state sharded over the
-  # replicas, gathered where a layer runs (schedules/fsdp.py)
+  fsdp: bool = False  # parameters, gradients and optimizer state sharded over the data replicas,
+  # gathered where a layer runs (data_parallel: schedules/fsdp.py; a stage schedule with
+  # data_parallel > 1: layer_shards.py)
 
   def validate(self) -> None:
     """One-line ConfigError, naming the field, for a setting no schedule can run (checked once
