@@ -14,11 +14,33 @@ of 256 joined by the data-centre network at 512) and B in {N/4, N/2, N, 2N, 4N},
 and predicts each step with `plan.predicted_step_s` (the library's simulator: FSDP's gathers and
 reductions overlapped with its compute, each stage's gradient all-reduced over its replicas,
 collectives on a 2-link ring inside a slice and the data-centre network between slices,
-`plan.TPU_V5E` / `plan.TPU_V5P`). Memory is not judged here: a layout's per-chip peak is the
-compiler's, and only the N = 8 cells are compiled (docs/results/memory.md, `m-fsdp-1b`,
-`m-stash-slots`).
+`plan.TPU_V5E` / `plan.TPU_V5P`).
+
+Memory (`--memory`): each cell's lines (FSDP, Ouroboros, the exact pipelines) are judged fastest
+row first until one fits, by the per-chip peak of the TPU compiler (`plan`'s compile,
+`compile.compile_step` on libtpu's compile-only devices: its memory analysis, or its
+out-of-memory verdict) against the memory the compiler lets a program use (v5e: 15.75 GiB of
+16; v5p: its own figure, `compile.device_capacity`). Nothing is compiled for 64 or 512 chips; a
+chip's memory depends on the shapes it holds:
+
+  pipelines   compiled at the per-chip shape: G stages x 1 replica (G chips: v5e:1x2, 2x2,
+              2x4, 4x4; v5p:1x2x1, 2x2x1, 2x2x2, 2x2x4) of the replica's B / R sequences in the
+              same M micro-batches; the R data replicas do not change what a chip holds
+  FSDP        compiled at D = 8 (v5e:2x4, v5p:2x2x2) with the same B / N sequences a chip, so
+              exact at N = 8 and extrapolated from D = 8 above it: a chip's shard of the
+              parameters and optimizer state shrinks from 1 / 8 of the model's to 1 / N,
+              peak(N) = peak(8) - (params_bytes + opt_state_bytes at D = 8) * (1 - 8 / N),
+              its activations, gathered layers and gradient buffers kept as at D = 8
+
+The compiles are cached by shape in docs/results/layouts/layouts_memory.csv (`MEMORY_COLUMNS`,
+bytes a chip), which the map's verdict columns (peak_gib, fits, memory: how the peak was had)
+are read from; the map names the fastest layout and the fastest that fits. Judged so far: the
+1B rows (~50 min of compiles on 2 busy cores; a few slower fallbacks not compiled, "?" in the
+map); the 7B rows are not compiled (time alone).
 
     python experiments/layouts.py                       # docs/results/layouts/layouts.csv (~10 min)
+    python experiments/layouts.py --memory --models 1b  # judge the saved map's memory, compiling
+                                                        # the shapes the cache lacks
     python experiments/layouts.py --render docs/results/layouts/layouts.csv
 """
 
@@ -30,6 +52,7 @@ import dataclasses
 import sys
 
 from ouroboros_jax.errors import ConfigError
+from ouroboros_jax.perf import compile as compile_lib
 from ouroboros_jax.perf import plan
 from ouroboros_jax.perf import settings as settings_lib
 from ouroboros_jax.schedules import ScheduleConfig, delays
@@ -53,7 +76,18 @@ BATCH_PER_CHIP = (0.25, 0.5, 1, 2, 4)
 MAX_STAGES = 16
 PIPELINES = ('1f1b', 'interleaved', 'zb_h1', 'zb_v')
 COLUMNS = ['model', 'hardware', 'chips', 'slices', 'batch', 'line', 'setting', 'G', 'R', 'M']
-COLUMNS += ['policy', 'step_s', 'note']
+COLUMNS += ['policy', 'step_s', 'note', 'peak_gib', 'fits', 'memory']
+MEMORY_CSV = 'docs/results/layouts/layouts_memory.csv'
+MEMORY_KEY = ['model', 'line', 'G', 'batch', 'M', 'policy']  # a chip's shape: what it holds
+MEMORY_COLUMNS = MEMORY_KEY + ['topology', 'peak_bytes', 'params_bytes', 'opt_state_bytes']
+MEMORY_COLUMNS += ['ring_bytes', 'temp_bytes', 'hbm_bytes', 'fits', 'compile_s', 'error']
+FSDP_COMPILED = 8  # FSDP is compiled at D = 8 with the same sequences a chip, then extrapolated
+# The compile-only topology of G chips: a pipeline's G stages of one replica.
+TOPOLOGIES = {
+  plan.TPU_V5E.name: {2: 'v5e:1x2', 4: 'v5e:2x2', 8: 'v5e:2x4', 16: 'v5e:4x4'},
+  plan.TPU_V5P.name: {2: 'v5p:1x2x1', 4: 'v5p:2x2x1', 8: 'v5p:2x2x2', 16: 'v5p:2x2x4'},
+}
+LINES = (('fsdp',), ('ouroboros pipelined', 'ouroboros locked'), PIPELINES)
 
 
 def line_of(setting: ScheduleConfig) -> str:
@@ -116,8 +150,115 @@ def best(rows: list[dict], lines) -> dict | None:
   return min(timed, key=lambda r: float(r['step_s'])) if timed else None
 
 
+def per_chip(row: dict) -> dict:
+  """The shape one chip of `row`'s layout holds, as compiled (`MEMORY_KEY`): a pipeline's G
+  stages of one replica with its B / R sequences in the same M micro-batches (the replicas do
+  not change what a chip holds); FSDP at D = 8 with the same B / N sequences a chip."""
+  chips, batch = int(row['chips']), int(row['batch'])
+  key = dict(model=row['model'], line=row['line'], policy=row['policy'])
+  if row['line'] == 'fsdp':
+    return dict(key, G=FSDP_COMPILED, batch=FSDP_COMPILED * batch // chips, M=1)
+  return dict(key, G=int(row['G']), batch=batch // int(row['R']), M=int(row['M']))
+
+
+def memory_key(shape: dict) -> tuple:
+  return tuple(str(shape[k]) for k in MEMORY_KEY)
+
+
+def compile_memory(shape: dict) -> dict:
+  """`plan`'s compile of one per-chip shape (`per_chip`) for its G chips' compile-only topology:
+  the per-chip peak, state and verdict of `compile.compile_step` (the row a cache keeps)."""
+  flags, hardware, _ = MODELS[shape['model']]
+  line, G = shape['line'], int(shape['G'])
+  on = dict(num_stages=G, data_parallel=1, microbatches=int(shape['M']))
+  if line == 'fsdp':
+    setting = ScheduleConfig(name='data_parallel', data_parallel=G, fsdp=True)
+  elif line.startswith('ouroboros'):
+    setting = ScheduleConfig(name='ouroboros', forward=line.split()[1], **on)
+  else:
+    setting = ScheduleConfig(name=line, **on)
+  setting = dataclasses.replace(setting, stash_policy=shape['policy'])
+  on = {**flags, 'batch_size': int(shape['batch']), **field_flags.train_flags(setting)}
+  cfg = field_flags.override(presets.get_preset('gpt2-small'), on)
+  topology = TOPOLOGIES[hardware.name][G]
+  reason = plan.applies(cfg)
+  report = plan._compiled(cfg, topology) if reason is None else {'error': reason, 'fits': False}
+  if report.get('compiler_oom'):
+    report['error'] = report['compiler_oom']
+  return {**shape, **report, 'topology': topology}
+
+
+def extrapolated_peak(peak: float, state: float, chips: int, compiled: int = FSDP_COMPILED):
+  """FSDP's per-chip peak on `chips` chips from its compile on `compiled` with the same
+  sequences a chip: a chip's shard of the parameters and optimizer state (`state`, the
+  compiled chip's params_bytes + opt_state_bytes, 1 / compiled of the model's) shrinks to
+  1 / chips of the model's, its activations stay."""
+  return peak - state * (1 - compiled / chips)
+
+
+def verdict(row: dict, memory: dict) -> dict | None:
+  """{'peak_gib', 'fits', 'memory'} of `row` from the compiled shapes (None: not compiled)."""
+  got = memory.get(memory_key(per_chip(row)))
+  if got is None:
+    return None
+  hbm = float(got['hbm_bytes']) if got.get('hbm_bytes') not in (None, '') else None
+  if got.get('peak_bytes') in (None, '') or hbm is None:
+    return dict(peak_gib=None, fits=False, memory=f'error: {str(got.get("error"))[:80]}')
+  peak, chips = float(got['peak_bytes']), int(row['chips'])
+  how = 'compiled' if int(per_chip(row)['G']) == chips else 'compiled at the per-chip shape'
+  if row['line'] == 'fsdp' and chips != FSDP_COMPILED:
+    state = float(got['params_bytes']) + float(got['opt_state_bytes'])
+    peak, how = extrapolated_peak(peak, state, chips), f'extrapolated from D = {FSDP_COMPILED}'
+  oom = bool(got.get('error')) and how != f'extrapolated from D = {FSDP_COMPILED}'
+  return dict(peak_gib=round(peak / compile_lib.GIB, 3), fits=peak <= hbm and not oom, memory=how)
+
+
+def judge(rows: list[dict], memory: dict, compile_fn=None, tries: int = 8) -> None:
+  """Marks each cell's rows with their `verdict`: each line's rows fastest first until one fits
+  (at most `tries`), compiling with `compile_fn` the shapes `memory` lacks (None: none). Breadth
+  first: every line's fastest row, then the next of those that do not fit, ... (a stopped run
+  has judged the winners first)."""
+  queues = {}  # (cell, line group): its timed rows, fastest first
+  for r in rows:
+    r.update(peak_gib=None, fits=None, memory='')
+  for r in rows:
+    for lines in LINES:
+      if r['line'] in lines and r['step_s'] not in (None, ''):
+        cell = (r['model'], int(r['chips']), int(r['batch']), lines)
+        queues.setdefault(cell, []).append(r)
+  queues = {k: sorted(q, key=lambda r: float(r['step_s']))[:tries] for k, q in queues.items()}
+  for depth in range(tries):
+    for queue in queues.values():
+      if depth >= len(queue) or any(fits_of(r) is not False for r in queue[:depth]):
+        continue  # a faster row fits, or was not judged
+      r = queue[depth]
+      key = memory_key(per_chip(r))
+      if key not in memory and compile_fn is not None:
+        memory[key] = compile_fn(per_chip(r))
+      got = verdict(r, memory)
+      if got is not None:
+        r.update(got)
+
+
+def read_memory(path: str) -> dict:
+  try:
+    with open(path) as f:
+      return {memory_key(r): r for r in csv.DictReader(f)}
+  except FileNotFoundError:
+    return {}
+
+
+def write_memory(path: str, memory: dict) -> None:
+  with open(path, 'w', newline='') as f:
+    writer = csv.DictWriter(f, MEMORY_COLUMNS, extrasaction='ignore')
+    writer.writeheader()
+    for r in memory.values():
+      writer.writerow({k: ('' if r.get(k) is None else r[k]) for k in MEMORY_COLUMNS})
+
+
 def render(rows: list[dict]) -> str:
-  """Per model: a row per (N, B), the fastest FSDP, Ouroboros and exact pipeline, and who wins."""
+  """Per model: a row per (N, B), the fastest FSDP, Ouroboros and exact pipeline that fit, and
+  who wins, before and after memory is judged."""
   out = []
   cells = {}
   for r in rows:
@@ -125,12 +266,14 @@ def render(rows: list[dict]) -> str:
   for model in dict.fromkeys(r['model'] for r in rows):
     first = next(r for r in rows if r['model'] == model)
     out += [
-      f'\n**{model}** ({first["hardware"]}, keeping `{first["policy"]}`; step ms, the fastest '
-      'setting of each line, Ouroboros\' with its oldest gradient\'s age in updates; "-": the '
-      'line cannot take the batch):\n',
-      '| chips | slices | batch | FSDP | Ouroboros | best exact pipeline | fastest | Ouroboros '
-      'vs the best other |',
-      '|---|---|---|---|---|---|---|---|',
+      f'\n**{model}** ({first["hardware"]}, keeping `{first["policy"]}`; step ms and per-chip '
+      "peak GiB of the fastest setting of each line that fits, Ouroboros' with its oldest "
+      "gradient's age in updates; a faster setting of the line that does not fit after it; "
+      '"~": extrapolated from FSDP at D = 8, the other peaks compiled at the per-chip shape; '
+      'no GiB: not compiled; "-": the line cannot take the batch):\n',
+      '| chips | slices | batch | FSDP | Ouroboros | best exact pipeline | fastest | fastest '
+      'that fits | Ouroboros vs the best other that fits |',
+      '|---|---|---|---|---|---|---|---|---|',
     ]
     for (m, chips, batch), cell in sorted(cells.items()):
       if m == model:
@@ -138,21 +281,65 @@ def render(rows: list[dict]) -> str:
   return '\n'.join(out).strip()
 
 
+def fits_of(row: dict) -> bool | None:
+  """The row's memory verdict, from a judged row or a saved CSV (None: not judged)."""
+  return {True: True, False: False, 'True': True, 'False': False}.get(row.get('fits'))
+
+
+def fastest_that_fits(cell: list[dict], lines) -> tuple[dict | None, dict | None]:
+  """(the fastest row of `lines` known to fit, None if none is; the fastest row of `lines` not
+  judged before it, None if every faster row was judged)."""
+  timed = [r for r in cell if r['line'] in lines and r['step_s'] not in (None, '')]
+  for r in sorted(timed, key=lambda r: float(r['step_s'])):
+    if fits_of(r) is None:
+      return None, r
+    if fits_of(r):
+      return r, None
+  return None, None
+
+
 def _cell_line(chips: int, batch: int, cell: list[dict]) -> str:
-  fsdp = best(cell, ('fsdp',))
-  ring = best(cell, ('ouroboros pipelined', 'ouroboros locked'))
-  exact = best(cell, PIPELINES)
-  show = lambda r: '-' if r is None else f'{float(r["step_s"]) * 1e3:.1f} ({_short(r)})'
-  every = [r for r in (fsdp, ring, exact) if r is not None]
-  winner = min(every, key=lambda r: float(r['step_s'])) if every else None
-  others = [r for r in (fsdp, exact) if r is not None]
+  fastest = [best(cell, lines) for lines in LINES]  # fsdp, ouroboros, exact
+  fitting = [fastest_that_fits(cell, lines) for lines in LINES]
+  shown = [_show(f, fit) for f, (fit, _) in zip(fastest, fitting)]
+  step = lambda r: float(r['step_s'])
+  every = [r for r in fastest if r is not None]
+  winner = min(every, key=step) if every else None
+  known = [fit for fit, _ in fitting if fit is not None]
+  fit_winner = min(known, key=step) if known else None
+  # Certain when no row left unjudged could be faster than the fastest known to fit.
+  sure = all(u is None or (fit_winner and step(u) > step(fit_winner)) for _, u in fitting)
+  judged = any(fits_of(r) is not None for r in cell)  # else: time alone, the fastest rows
+  pick = [fit for fit, _ in fitting] if judged else fastest
+  ring, others = pick[1], [r for r in (pick[0], pick[2]) if r is not None]
   ratio = '-'
-  if ring is not None and others:
-    other = min(float(r['step_s']) for r in others)
-    ratio = f'{other / float(ring["step_s"]):.2f}x'
-  name = '-' if winner is None else winner['line'].split()[0]
-  slices = cell[0]['slices']
-  return f'| {chips} | {slices} | {batch} | {show(fsdp)} | {show(ring)} | {show(exact)} | {name} | {ratio} |'
+  if judged and any(u is not None for _, u in fitting):
+    ratio = '?'  # a line's fastest that fits is not known yet
+  elif ring is not None and others:
+    ratio = f'{min(step(r) for r in others) / step(ring):.2f}x'
+    ratio += '' if judged else ' (time alone)'
+  name = lambda r: '-' if r is None else r['line'].split()[0]
+  fit_name = name(fit_winner) if sure else '?'
+  head = f'| {chips} | {cell[0]["slices"]} | {batch} | '
+  return head + ' | '.join([*shown, name(winner), fit_name, ratio]) + ' |'
+
+
+def _show(fastest: dict | None, fit: dict | None) -> str:
+  """A line's cell: its fastest setting that fits, and after it a faster one that does not."""
+  if fastest is None:
+    return '-'
+  one = lambda r: f'{float(r["step_s"]) * 1e3:.1f} ({_short(r)}{_gib(r)})'
+  if fit is fastest or fits_of(fastest) is None:
+    return one(fastest)
+  too_big = f'{one(fastest)} does not fit'
+  return too_big if fit is None else f'{one(fit)}; {too_big}'
+
+
+def _gib(row: dict) -> str:
+  if row.get('peak_gib') in (None, ''):
+    return ''
+  mark = '~' if str(row.get('memory', '')).startswith('extrapolated') else ''
+  return f'; {mark}{float(row["peak_gib"]):.1f} GiB'
 
 
 def _short(row: dict) -> str:
@@ -180,15 +367,47 @@ def main(argv=None) -> int:
   p.add_argument('--policy', default='dots', help='what every layout keeps (default dots)')
   p.add_argument('--models', default=','.join(MODELS))
   p.add_argument('--render', metavar='CSV', help='print the markdown tables of a saved CSV')
+  p.add_argument(
+    '--memory',
+    action='store_true',
+    help=f'judge the memory of the saved --out map, compiling the shapes {MEMORY_CSV} lacks',
+  )
+  p.add_argument('--memory-csv', default=MEMORY_CSV, help='the cache of compiled shapes')
   args = p.parse_args(argv)
   if args.render:
     with open(args.render) as f:
       print(render(list(csv.DictReader(f))))
     return 0
-  rows = main_rows(args.policy, tuple(args.models.split(',')))
+  memory = read_memory(args.memory_csv)
+  models = tuple(args.models.split(','))
+  if args.memory:
+    with open(args.out) as f:
+      rows = list(csv.DictReader(f))
+    judge([r for r in rows if r['model'] in models], memory, _compiler(args.memory_csv, memory))
+    judge(rows, memory)  # every model's, from the cache
+  else:
+    rows = main_rows(args.policy, models)
+    judge(rows, memory)
   write_csv(args.out, rows)
   print(render(rows))
   return 0
+
+
+def _compiler(path: str, memory: dict):
+  """compile_memory, the cache saved after each compile (a stopped run keeps what it did)."""
+
+  def compile_fn(shape: dict) -> dict:
+    got = compile_memory(shape)
+    memory[memory_key(shape)] = got
+    write_memory(path, memory)
+    peak = '-' if got.get('peak_bytes') is None else f'{got["peak_bytes"] / compile_lib.GIB:.2f}'
+    seconds = f'{got.get("compile_s") or 0:.0f}'
+    print(
+      f'compiled {memory_key(shape)}: {peak} GiB fits={got.get("fits")} {seconds} s', flush=True
+    )
+    return got
+
+  return compile_fn
 
 
 if __name__ == '__main__':

@@ -43,5 +43,81 @@ def test_a_cell_is_the_plans_prediction_and_the_map_names_its_fastest():
   assert fsdp == pytest.approx(0.8735, abs=5e-4) and ring == pytest.approx(0.8733, abs=5e-4)
   line = layouts._cell_line(8, 32, rows)
   fastest = 'ouroboros' if ring < fsdp else 'fsdp'
-  assert f'| {fastest} | {min(fsdp, exact) / ring:.2f}x |' in line
+  # Not judged here (no compile): the fastest that fits is unknown, '?'.
+  assert f'| {fastest} | ? | {min(fsdp, exact) / ring:.2f}x (time alone) |' in line
   assert rows[0]['hardware'] == plan.TPU_V5E.name and rows[0]['slices'] == 1
+
+
+GIB = 2**30
+HBM = 15.75 * GIB  # a v5e's usable memory, as the compiler reports it
+
+
+def _row(line, chips, batch, G, R, M, step_s):
+  row = dict(model='1b', hardware='tpu-v5e', chips=chips, slices=1, batch=batch, line=line)
+  return row | dict(setting=f'{line} G={G}', G=G, R=R, M=M, policy='dots', step_s=step_s)
+
+
+def _compiled(line, G, batch, M, peak, state=0.0, oom=False):
+  """A cache row as `compile_memory` saves it (the bytes per chip of the compiled shape)."""
+  shape = dict(model='1b', line=line, G=G, batch=batch, M=M, policy='dots')
+  got = dict(shape, peak_bytes=peak * GIB, params_bytes=state * GIB * 2 / 3)
+  got.update(opt_state_bytes=state * GIB / 3, hbm_bytes=HBM, error='out of memory' if oom else '')
+  return tuple(str(v) for v in shape.values()), got
+
+
+def test_fsdp_is_extrapolated_from_d8_and_pipelines_compiled_at_their_per_chip_shape():
+  """FSDP on 64 chips with B = 128 is compiled at D = 8 with 16 sequences (2 a chip, the same),
+  its state shard then shrinking from 1 / 8 to 1 / 64 of the model's: a 16.5 GiB peak at D = 8
+  (out of memory there) with 1.5 GiB of state a chip (12 GiB in all) is 16.5 - 1.5 + 12 / 64 =
+  15.1875 GiB at N = 64, which fits 15.75. A pipeline G = 8 x R = 8 holds one stage of a replica
+  of 16 sequences: compiled as 8 stages x 1 replica of 16, in the same M."""
+  layouts = experiment('layouts')
+  fsdp = _row('fsdp', 64, 128, 1, 64, 1, 0.4)
+  ring = _row('ouroboros pipelined', 64, 128, 8, 8, 16, 0.45)
+  assert layouts.per_chip(fsdp) | {'model': '1b'} == dict(
+    model='1b', line='fsdp', policy='dots', G=8, batch=16, M=1
+  )
+  assert (layouts.per_chip(ring)['G'], layouts.per_chip(ring)['batch']) == (8, 16)
+  memory = dict([_compiled('fsdp', 8, 16, 1, 16.5, state=1.5, oom=True)])
+  memory.update([_compiled('ouroboros pipelined', 8, 16, 16, 16.0)])
+  got = layouts.verdict(fsdp, memory)
+  assert got['peak_gib'] == pytest.approx(16.5 - 1.5 + 12 / 64, abs=1e-3)
+  assert got['fits'] and got['memory'] == 'extrapolated from D = 8'
+  assert layouts.extrapolated_peak(10.0, 1.5, 8) == 10.0  # at D = 8 itself: the compile's
+  ring_verdict = layouts.verdict(ring, memory)
+  assert ring_verdict == dict(peak_gib=16.0, fits=False, memory='compiled at the per-chip shape')
+  # The same FSDP compile at N = 8 (B = 16) is the compile itself: out of memory, no fit.
+  assert layouts.verdict(_row('fsdp', 8, 16, 1, 8, 1, 0.4), memory)['fits'] is False
+
+
+def test_the_map_names_the_fastest_layout_that_fits():
+  """A cell whose fastest row (FSDP, 400 ms) does not fit: `judge` compiles each line's rows
+  fastest first until one fits, a too-big G = 8 ring then the G = 4 one; the map names
+  FSDP fastest, Ouroboros the fastest that fits, and its ratio to the best other that fits
+  (1F1B's 600 ms, FSDP not fitting: 600 / 500 = 1.20x)."""
+  layouts = experiment('layouts')
+  cell = [
+    _row('fsdp', 8, 16, 1, 8, 1, 0.4),
+    _row('ouroboros pipelined', 8, 16, 8, 1, 16, 0.45),
+    _row('ouroboros pipelined', 8, 16, 4, 2, 8, 0.5),
+    _row('1f1b', 8, 16, 2, 4, 4, 0.6),
+  ]
+  peaks = {('fsdp', 8): 17.0, ('ouroboros pipelined', 8): 16.0}
+  compiled = []
+
+  def compile_fn(shape):
+    compiled.append((shape['line'], shape['G']))
+    peak = peaks.get((shape['line'], shape['G']), 9.0)
+    return _compiled(shape['line'], shape['G'], shape['batch'], shape['M'], peak, state=1.0)[1]
+
+  layouts.judge(cell, {}, compile_fn)
+  # Breadth first: every line's fastest row, then the next of the line whose fastest overflows.
+  first = [('fsdp', 8), ('ouroboros pipelined', 8), ('1f1b', 2)]
+  assert compiled == first + [('ouroboros pipelined', 4)]
+  assert [layouts.fits_of(r) for r in cell] == [False, False, True, True]
+  line = layouts._cell_line(8, 16, cell)
+  assert line.endswith('| fsdp | ouroboros | 1.20x |')
+  assert '500.0 (pipelined G=4 M=8, ' in line and 'does not fit' in line
+  # Not judged: the map does not know which fits, and compares the fastest rows (400 / 450).
+  bare = [dict(r, fits=None, peak_gib=None) for r in cell]
+  assert layouts._cell_line(8, 16, bare).endswith('| fsdp | ? | 0.89x (time alone) |')
