@@ -61,7 +61,11 @@ def settings() -> dict[str, dict]:
 
 # Levers (issue 62, item 2) on a setting more than 2% behind: the setting's overrides, changed.
 # PipeMare scales each group's update down by its delay early in training (compensation.py).
-LEVERS = {'pipelined-g8-m4+pipemare': ('pipelined-g8-m4', dict(compensation='predict,dc,pipemare'))}
+# More momentum absorbs more staleness (Zmushko et al. 2026): Muon's beta 0.98 for its 0.95.
+LEVERS = {
+  'pipelined-g8-m4+pipemare': ('pipelined-g8-m4', dict(compensation='predict,dc,pipemare')),
+  'pipelined-g8-m4+momentum98': ('pipelined-g8-m4', dict(momentum=0.98)),
+}
 
 
 def with_levers(table: dict) -> dict:
