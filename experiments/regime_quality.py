@@ -175,10 +175,11 @@ def rates(rows, name: str, corpus: str, seed: int) -> str:
   return ', '.join(f'{t:g}*' if t == best and len(tried) > 1 else f'{t:g}' for t in tried)
 
 
-def fastest_steps(regime_csv: str) -> dict[tuple, float]:
-  """(hardware, G, M, line) -> the fastest predicted step (s) that fits, from regime.csv; line is
-  'ouroboros locked', 'ouroboros pipelined', 'exact' (the best exact pipeline) or 'data_parallel'."""
-  best: dict[tuple, float] = {}
+def fastest_steps(regime_csv: str) -> dict[tuple, tuple[float, str]]:
+  """(hardware, G, M, line) -> (the fastest predicted step (s) that fits, from regime.csv, and
+  what it keeps for the backward: `kept`); line is 'ouroboros locked', 'ouroboros pipelined',
+  'exact' (the best exact pipeline) or 'data_parallel'."""
+  best: dict[tuple, tuple[float, str]] = {}
   with open(regime_csv) as f:
     for r in csv.DictReader(f):
       if r['fits'] != 'True' or not r['step_s'] or r['G'] == '1':
@@ -187,8 +188,14 @@ def fastest_steps(regime_csv: str) -> dict[tuple, float]:
       if line == 'exact' and r['line'] == 'model_parallel':
         continue
       key = (r['hardware'], int(r['G']), int(r['M']), line)
-      best[key] = min(best.get(key, math.inf), float(r['step_s']))
+      best[key] = min(best.get(key, (math.inf, '')), (float(r['step_s']), kept(r['policy'])))
   return best
+
+
+def kept(policy: str) -> str:
+  """A regime.csv policy ('graph/dots', 'replay', 'dots', ...) as the recomputation policy it
+  keeps for the backward: 'all', 'dots' or 'nothing' (the replay stash recomputes everything)."""
+  return 'nothing' if policy == 'replay' else policy.split('/')[-1]
 
 
 def final_gap(curve, reference) -> float:
@@ -246,15 +253,16 @@ def to_common_quality(rows, name: str, corpus: str) -> tuple[float, float, float
   return worst
 
 
-def fsdp_step_s(hardware: str, G: int) -> float:
-  """The predicted step of FSDP over the same G chips at the regime's shape, keeping nothing
-  (its state is 1/G a chip; the compiler has not judged its memory at this shape)."""
+def fsdp_step_s(hardware: str, G: int, policy: str) -> float:
+  """The predicted step of FSDP over the same G chips at the regime's shape, keeping what the
+  ring keeps (`policy`, like with like: the compiler has not judged FSDP's memory at this
+  shape; its state is 1/G a chip)."""
   import regime
 
   from ouroboros_jax.perf import plan
   from ouroboros_jax.schedules import ScheduleConfig
 
-  setting = ScheduleConfig(name='data_parallel', data_parallel=G, fsdp=True, stash_policy='nothing')
+  setting = ScheduleConfig(name='data_parallel', data_parallel=G, fsdp=True, stash_policy=policy)
   return regime._predicted(regime.base_config(), setting, plan.hardware_for(None, hardware))  # pylint: disable=protected-access
 
 
@@ -275,9 +283,10 @@ def time_table(rows, corpus: str, steps_s, hardware: str) -> list[str]:
     exact = steps_s.get((hardware, o.get('stages'), o.get('microbatches'), 'exact'))
     if common is None or ring is None or exact is None:
       continue  # not run, or nothing fits at this G and M (docs/results/regime.md)
+    (ring, policy), (exact, _) = ring, exact
     target, ring_steps, steps = common
     ring_time, exact_time = ring_steps * ring, steps * exact
-    fsdp_time = steps * fsdp_step_s(hardware, o['stages'])
+    fsdp_time = steps * fsdp_step_s(hardware, o['stages'], policy)
     lines.append(
       f'| {name} | {target:.4f} | {ring_steps:.0f} | {steps:.0f} | {ring_time:.1f} '
       f'| {exact_time:.1f} | {exact_time / ring_time:.2f}x | {fsdp_time:.1f} '

@@ -40,3 +40,29 @@ def test_time_to_quality_is_to_the_worse_of_the_two_and_takes_the_seed_worst_for
   rows = _rows({**backprop, ('locked-g16-m16', 0): ahead, ('locked-g16-m16', 1): behind})
   assert rq.to_common_quality(rows, 'locked-g16-m16', 'default') == (2.5, 1000, 750)
   assert rq.to_common_quality(rows, 'pipelined-g16-m8', 'default') is None
+
+
+def test_fsdp_keeps_what_the_fastest_ring_keeps(tmp_path):
+  """Like with like: each line's fastest fitting step comes with what it keeps, and the FSDP
+  column is predicted keeping that (a replay stash recomputes everything: 'nothing')."""
+  rq = experiment('regime_quality')
+  assert [rq.kept(p) for p in ('graph/dots', 'graph/all', 'replay', 'nothing')] == [
+    'dots',
+    'all',
+    'nothing',
+    'nothing',
+  ]
+  head = 'hardware,G,M,line,policy,step_s,fits\n'
+  rows = ['h,16,32,ouroboros pipelined,graph/nothing,0.9,True']
+  rows += ['h,16,32,ouroboros pipelined,graph/dots,0.7,True', 'h,16,32,zb_h1,dots,0.6,False']
+  rows += ['h,16,32,zb_h1,all,0.8,True', 'h,16,32,ouroboros pipelined,graph/all,0.5,False']
+  path = tmp_path / 'regime.csv'
+  path.write_text(head + '\n'.join(rows) + '\n')
+  best = rq.fastest_steps(str(path))
+  assert best == {
+    ('h', 16, 32, 'ouroboros pipelined'): (0.7, 'dots'),
+    ('h', 16, 32, 'exact'): (0.8, 'all'),
+  }
+  assert rq.fsdp_step_s('nvlink-300GBps', 16, 'dots') < rq.fsdp_step_s(
+    'nvlink-300GBps', 16, 'nothing'
+  )
