@@ -36,7 +36,7 @@ The compiles are cached by shape in docs/results/layouts/layouts_memory.csv (`ME
 bytes a chip), which the map's verdict columns (peak_gib, fits, memory: how the peak was had)
 are read from; the map names the fastest layout and the fastest that fits. Judged so far: the
 1B rows (~50 min of compiles on 2 busy cores; a few slower fallbacks not compiled, "?" in the
-map); the 7B rows are not compiled (time alone).
+map) and the 7B rows (89 min).
 
     python experiments/layouts.py                       # docs/results/layouts/layouts.csv (~10 min)
     python experiments/layouts.py --memory --models 1b  # judge the saved map's memory, compiling
