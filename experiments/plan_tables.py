@@ -14,6 +14,7 @@ saved plan: `ouroboros plan --render FILE` prints it too.
     python experiments/plan_tables.py 1b --microbatches 8,16,32 --schedules ouroboros \
         --stashes graph/dots,graph/all --memories balanced   # the balanced stash's rows
     python experiments/plan_tables.py --render docs/results/plan_1b_v5e_2x4_remat.json  # markdown
+    python experiments/plan_tables.py 1b --repredict  # step times again by today's simulator
 """
 
 from __future__ import annotations
@@ -98,6 +99,24 @@ def run(
       print(done.stderr.strip(), flush=True)
 
 
+def repredict(shape: str) -> None:
+  """SHAPE's saved plan with its step times predicted again by today's simulator (`plan.repredict`:
+  no compile), and the commit they were predicted at."""
+  from ouroboros_jax import cli_parsers
+  from ouroboros_jax.perf import plan
+
+  flags, path = SHAPES[shape]
+  args = cli_parsers.make_parser().parse_args(['plan', *flags.split()])
+  result = plan.repredict(plan.load(path), cli_parsers.config_from_args(args))
+  result['predicted_at'] = subprocess.check_output(
+    ['git', 'rev-parse', '--short', 'HEAD'], text=True
+  ).strip()
+  with open(path + '.tmp', 'w') as f:
+    json.dump(result, f, indent=1)
+  os.replace(path + '.tmp', path)
+  print(f'{path}: {len(result["rows"])} rows predicted again; fastest {result["fastest"]}')
+
+
 def render(path: str) -> str:
   """The saved plan as a markdown table, plan.format_plan's columns and marks, the rows in
   SCHEDULES' order and by M."""
@@ -144,9 +163,16 @@ def main(argv=None):
     '--redo', action='store_true', help='compile the units the file holds again (it skips them)'
   )
   parser.add_argument('--render', metavar='FILE', help='print FILE as a markdown table and stop')
+  parser.add_argument(
+    '--repredict',
+    action='store_true',
+    help="predict the shape's saved step times again, no compile",
+  )
   args = parser.parse_args(argv)
   if args.render:
     print(render(args.render))
+  elif args.repredict and args.shape:
+    repredict(args.shape)
   elif args.shape:
     counts = [int(m) for m in args.microbatches.split(',')]
     run(

@@ -158,6 +158,12 @@ def test_data_parallel_all_reduce(replicas):
   all_reduce = 2 * (D - 1) / D * grad_bytes / bandwidth + 2 * (D - 1) * latency
   assert result.step_time == pytest.approx(c.total_compute_s() / D + all_reduce, abs=TOL)
   assert result.num_devices == D
+  # float32 gradients of parameters counted at bfloat16's width: twice the bytes to reduce
+  wide = sim.simulate(
+    _run(name='data_parallel', data_parallel=D), dataclasses.replace(c, reduce_scale=2)
+  )
+  wide_reduce = all_reduce + 2 * (D - 1) / D * grad_bytes / bandwidth
+  assert wide.step_time == pytest.approx(c.total_compute_s() / D + wide_reduce, abs=TOL)
   measured = dataclasses.replace(c, allreduce_s=0.5)
   expected = c.total_compute_s() / D + (0.5 if D > 1 else 0.0)
   assert sim.simulate(
@@ -346,6 +352,11 @@ def test_transformer_costs_from_flops():
   assert c.head_s == pytest.approx(3 * (2 * d * V + 5 * V + 2 * d) * tokens / 1e9)
   assert c.activation_bytes == tokens * d * 4
   assert c.grad_bytes == (L * (4 * d * d + 2 * d * f) + V * d) * 4
+  assert c.reduce_scale == 1.0  # float32 weights computed in float32
+  bf16 = sim_costs.transformer_costs(
+    sim_costs.ModelShape('test', L, d, f, seq, V, batch), sim_costs.NVLINK, G, bytes_per_value=2
+  )  # float32 weights gathered in bfloat16, their gradients reduced in float32
+  assert bf16.reduce_scale == 2.0 and bf16.grad_bytes == c.grad_bytes / 2
 
 
 def test_balanced_split_gives_device_0_fewer_layers_and_stops_at_the_layer_count():
@@ -780,18 +791,20 @@ def _fsdp_costs(G, D, f, h, a, **extra):
 
 @pytest.mark.parametrize('G,D', [(4, 2), (6, 4)])
 def test_fsdp_hides_its_gathers_behind_compute_and_is_bound_by_them_when_slower(G, D):
-  """FSDP's closed forms, one group's gather prefetched. Compute-bound (a <= f, a <= h): only the
-  first gather and the last reduction show, 3Gf + h + 2a. Network-bound (a >= 2f, h <= a): the
-  network is never idle but while the last group's forward runs, 3Ga + f (G gathers forward, G
-  gathers and G reductions backward)."""
+  """FSDP's closed forms, one group's gather prefetched, a reduction taking s times a gather
+  (`reduce_scale`: float32 gradients of weights gathered in bfloat16, s = 2). Compute-bound
+  (s a <= f, a <= h): only the first gather and the last reduction show, 3Gf + h + a + s a.
+  Network-bound (a >= 2f, h <= a): the network is never idle but while the last group's forward
+  runs, (2 + s) G a + f (G gathers forward, G gathers and G reductions backward)."""
   fsdp = _run(name='data_parallel', data_parallel=D, fsdp=True)
   f, h = 1.0, 1.5
-  for a in (0.3, 1.0):  # compute-bound
-    step = sim.simulate(fsdp, _fsdp_costs(G, D, f, h, a)).step_time
-    assert step == pytest.approx(3 * G * f + h + 2 * a, abs=TOL)
-  for a in (2.0, 3.5):  # network-bound
-    step = sim.simulate(fsdp, _fsdp_costs(G, D, f, h, a)).step_time
-    assert step == pytest.approx(3 * G * a + f, abs=TOL)
+  for s in (1.0, 2.0):
+    for a in (0.3, 0.5):  # compute-bound
+      step = sim.simulate(fsdp, _fsdp_costs(G, D, f, h, a, reduce_scale=s)).step_time
+      assert step == pytest.approx(3 * G * f + h + a + s * a, abs=TOL)
+    for a in (2.0, 3.5):  # network-bound
+      step = sim.simulate(fsdp, _fsdp_costs(G, D, f, h, a, reduce_scale=s)).step_time
+      assert step == pytest.approx((2 + s) * G * a + f, abs=TOL)
   # Beside plain data parallelism on the same costs: its all-reduce (2 (D-1)/D of every byte)
   # after the backward, none of it hidden.
   c = _fsdp_costs(G, D, f, h, 0.3)
@@ -848,6 +861,9 @@ def test_a_stage_schedule_on_data_replicas_all_reduces_each_stage_after_its_last
     )
     expected = max(T1 + (p1 / 1e9), T0 + (p0 + embedding) / 1e9)  # 2 x 1/2 of the bytes
     assert sim.simulate(hybrid, c).step_time == pytest.approx(expected, abs=TOL)
+    wide = dataclasses.replace(c, reduce_scale=2.0)  # float32 gradients, bfloat16 counts
+    expected = max(T1 + 2 * p1 / 1e9, T0 + 2 * (p0 + embedding) / 1e9)
+    assert sim.simulate(hybrid, wide).step_time == pytest.approx(expected, abs=TOL)
     one = sim.simulate(_run(name='model_parallel', num_stages=2), c).step_time
     assert one == pytest.approx(T0, abs=TOL)
   with pytest.raises(ValueError, match='param_bytes'):
@@ -876,3 +892,8 @@ def test_fsdp_in_a_stage_schedule_gathers_each_operations_layers_and_reduce_scat
     device0 = max(B0 + h0, B0 + Eb) + (2 * ge if embedding else 0.0)
     expected = max(device0, B1 + h1)  # device 1's reduce-scatter
     assert sim.simulate(sharded, c).step_time == pytest.approx(expected, abs=TOL)
+    # float32 gradients of weights gathered in bfloat16: every reduction twice as long
+    device0 = max(B0 + 2 * h0, B0 + Eb) + (4 * ge if embedding else 0.0)
+    wide = dataclasses.replace(c, reduce_scale=2.0)
+    expected = max(device0, B1 + 2 * h1)
+    assert sim.simulate(sharded, wide).step_time == pytest.approx(expected, abs=TOL)

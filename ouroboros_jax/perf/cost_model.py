@@ -73,6 +73,11 @@ class StageCosts:
   # Ouroboros' balanced stash (--stash-memory balanced): the bytes of one micro-batch's stash
   # item on a device, which a deep group sends to its mirror and gets back (0: not known, free)
   stash_item_bytes: float = 0.0
+  # What a gradient reduction moves per byte that `grad_bytes` and `param_bytes` count (those
+  # count the parameters at the width they are gathered and computed in): the stored parameters'
+  # width over that. Float32 parameters computed in bfloat16: 2, since the TPU compiler gathers
+  # them in bfloat16 but reduces their float32 gradients (docs/results/memory.md); 1: the same.
+  reduce_scale: float = 1.0
 
   def __post_init__(self):
     object.__setattr__(self, 'forward_s', tuple(float(f) for f in self.forward_s))
@@ -110,6 +115,8 @@ class StageCosts:
     rates = (self.bandwidth, self.collective_bandwidth or 1.0, self.dcn_bandwidth)
     if min(*self.forward_s, *self.backward_s, *self.update_s, *scalars) < 0 or min(rates) <= 0:
       raise ValueError('costs must be >= 0 and the bandwidths > 0.')
+    if not self.reduce_scale > 0:
+      raise ValueError(f'reduce_scale must be > 0, got {self.reduce_scale}.')
     if not self.concurrent_slowdown > 0:
       raise ValueError(f'concurrent_slowdown must be > 0, got {self.concurrent_slowdown}.')
     if not 0 < self.input_grad_share < 1:
@@ -144,7 +151,12 @@ class StageCosts:
       return 0.0
     if self.allreduce_s is not None:
       return self.allreduce_s
-    return 2 * self.collective_s(self.grad_bytes, replicas)
+    return 2 * self.reduce_s(self.grad_bytes, replicas)
+
+  def reduce_s(self, nbytes: float, replicas: int) -> float:
+    """One ring reduce-scatter over `replicas` chips of the gradients of parameters that
+    gather as `nbytes` (`reduce_scale` times the bytes; `collective_s`)."""
+    return self.collective_s(nbytes * self.reduce_scale, replicas)
 
   def collective_s(self, nbytes: float, replicas: int) -> float:
     """One ring all-gather of `nbytes`, each of `replicas` chips holding 1 / D of it (a
@@ -248,9 +260,11 @@ def transformer_costs(
   num_stages: int,
   layers_per_stage: Sequence[int] | None = None,
   bytes_per_value: int = 2,
+  param_bytes_per_value: int = 4,
 ) -> StageCosts:
   """StageCosts of `model`, a decoder-only Transformer with tied embeddings, cut into
-  `num_stages` groups, on `hardware`.
+  `num_stages` groups, on `hardware`: activations and gathered weights `bytes_per_value` wide
+  (the compute dtype's), gradients reduced `param_bytes_per_value` wide (the stored parameters').
 
   `hardware.flops_per_s` is the *effective* rate (peak x utilisation). Backward = 2 x forward.
   The embedding's lookup and scatter-add gradient are memory-bound and tiny; they are counted as
@@ -285,6 +299,7 @@ def transformer_costs(
     param_bytes=[n * layer_bytes for n in layers_per_stage],
     collective_bandwidth=hardware.collective_bandwidth,
     dcn_bandwidth=hardware.dcn_bandwidth,
+    reduce_scale=param_bytes_per_value / bytes_per_value,
   )
 
 

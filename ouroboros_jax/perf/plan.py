@@ -111,7 +111,11 @@ def predicted_step_s(
     batch=cfg.batch_size // split,
   )
   costs = cost_model.transformer_costs(
-    shape, hardware, stages, bytes_per_value=2 if model.dtype == 'bfloat16' else 4
+    shape,
+    hardware,
+    stages,
+    bytes_per_value=model.compute_dtype.itemsize,
+    param_bytes_per_value=model.weight_dtype.itemsize,
   )
   # What the backward re-runs of the forward: the policy's share (the replay stash: all of it,
   # which the simulator adds itself).
@@ -158,9 +162,7 @@ def plan(
   tried = settings(len(devices), tries, cfg.schedule, cfg.model.num_layers)
   for setting in tried:
     flags = field_flags.train_flags(setting)
-    run = field_flags.override(cfg, flags)
-    if setting.name != 'ouroboros' and run.compensation not in (AUTO, 'none'):
-      run = field_flags.override(run, {'compensation': AUTO})  # none there, the same optimizer
+    run = _run_on(cfg, flags)
     reason = applies(run)
     if reason is not None:
       skipped.append({'label': setting.label, 'reason': reason})
@@ -186,6 +188,34 @@ def plan(
     'fastest': fastest,
     'fastest_by_schedule': by_schedule,
   }
+
+
+def _run_on(cfg: TrainConfig, flags: dict) -> TrainConfig:
+  """`cfg` on the setting `flags` give (`field_flags.train_flags`'s); an exact schedule with no
+  compensation (none there, the same optimizer)."""
+  run = field_flags.override(cfg, flags)
+  if run.schedule.name != 'ouroboros' and run.compensation not in (AUTO, 'none'):
+    run = field_flags.override(run, {'compensation': AUTO})
+  return run
+
+
+def repredict(result: dict, cfg: TrainConfig) -> dict:
+  """A saved plan of `cfg` with every row's step time predicted again by this simulator, at the
+  rates it was made with, its compiled memory as it was, and its fastest marks derived again: a
+  change to the simulator moves a saved plan without a compile."""
+  rates = cost_model.Hardware(**result['hardware'])
+  keys = field_flags.train_flags(ScheduleConfig())
+  for row in result['rows']:
+    if row.get('step_s') is None:  # not predicted: an error, a setting it could not resolve
+      continue
+    flags = {k: row[k] for k in keys if row.get(k) is not None}  # None: the report's, unset
+    flags['stash'] = 'replay' if row['stash'] == 'replay' else 'graph'  # the row's is the label
+    run = _run_on(cfg, flags)
+    resolved = run.schedule_config(row['platform'])
+    item = row.get('stash_item_bytes')
+    row['step_s'] = predicted_step_s(cfg, resolved, rates, stash_item_bytes=item)
+  result['fastest'], result['fastest_by_schedule'] = mark_fastest(result['rows'])
+  return result
 
 
 def _compiled(run: TrainConfig, topology: str | None) -> dict:

@@ -86,8 +86,9 @@ def _fsdp_replica(g: Graph, t: int, d: int, replicas: int) -> None:
   compute: a group's gather may start once the compute two before it has ended (one group
   prefetched, as XLA's scheduler overlaps it), its reduction as soon as its backward ends."""
   c, G, parts = g.costs, g.costs.num_stages, replicas
+  seconds = {'gather': c.collective_s, 'reduce_scatter': c.reduce_s}
   net = lambda kind, nbytes, after: g.collective(
-    d, kind, t, c.collective_s(nbytes, replicas), [a for a in after if a is not None]
+    d, kind, t, seconds[kind](nbytes, replicas), [a for a in after if a is not None]
   )
   gathered = net('gather', c.embedding_bytes, [g.barrier])  # the tied embedding and the head
   done = [g.compute(d, 'embed_fwd', t, t, c.embed_forward_s / parts, [gathered])]

@@ -113,10 +113,12 @@ class Graph:
       self._gathered[device] = self.collective(device, 'gather', step, seconds, deps)
     return self._gathered[device]
 
-  def _chunk_s(self, device: int) -> float:
-    """One collective over R of the layers one operation of `device` runs."""
+  def _chunk_s(self, device: int, reduce: bool = False) -> float:
+    """One collective over R of the layers one operation of `device` runs: their gather, or
+    (`reduce`) their gradients' reduce-scatter."""
     nbytes = self.costs.param_bytes[device] / self.chunks
-    return self.costs.collective_s(nbytes, self.data_replicas)
+    collective = self.costs.reduce_s if reduce else self.costs.collective_s
+    return collective(nbytes, self.data_replicas)
 
   def _layer_gather(self, device: int, kind: str, step: int) -> int | None:
     """FSDP in a stage schedule (`layer_shards`): a forward or input-gradient operation gathers
@@ -135,7 +137,8 @@ class Graph:
     gather, which it does not hold up."""
     if device in self._reducing:
       step, after = self._reducing.pop(device)
-      self.collective(device, 'reduce_scatter', step, self._chunk_s(device), [after])
+      seconds = self._chunk_s(device, reduce=True)
+      self.collective(device, 'reduce_scatter', step, seconds, [after])
 
   def end_step(self, step: int) -> None:
     """Each device's optimizer update (after the step's global-norm clip, i.e. after every sync
@@ -169,7 +172,7 @@ class Graph:
       if self._layering():
         nbytes = self.costs.embedding_bytes if d == 0 else 0.0
       if nbytes:
-        seconds = 2 * self.costs.collective_s(nbytes, self.data_replicas)
+        seconds = 2 * self.costs.reduce_s(nbytes, self.data_replicas)
         self.collective(d, 'allreduce', step, seconds, [i])
 
 
