@@ -34,9 +34,9 @@ chip's memory depends on the shapes it holds:
 
 The compiles are cached by shape in docs/results/layouts/layouts_memory.csv (`MEMORY_COLUMNS`,
 bytes a chip), which the map's verdict columns (peak_gib, fits, memory: how the peak was had)
-are read from; the map names the fastest layout and the fastest that fits. Judged so far: the
-1B rows (~50 min of compiles on 2 busy cores; a few slower fallbacks not compiled, "?" in the
-map) and the 7B rows (89 min).
+are read from; the map names the fastest layout and the fastest that fits. Every cell of the
+1B and 7B rows is judged (2026-12-04: 1B ~65 min and 7B ~105 min of compiles on 2 busy cores,
+all told).
 
     python experiments/layouts.py                       # docs/results/layouts/layouts.csv (~10 min)
     python experiments/layouts.py --memory --models 1b  # judge the saved map's memory, compiling

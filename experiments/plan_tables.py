@@ -14,7 +14,8 @@ saved plan: `ouroboros plan --render FILE` prints it too.
     python experiments/plan_tables.py 1b --microbatches 8,16,32 --schedules ouroboros \
         --stashes graph/dots,graph/all --memories balanced   # the balanced stash's rows
     python experiments/plan_tables.py --render docs/results/plan_1b_v5e_2x4_remat.json  # markdown
-    python experiments/plan_tables.py 1b --repredict  # step times again by today's simulator
+    python experiments/plan_tables.py --repredict  # every saved plan's step times by today's
+                                                   # simulator (no compile)
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ SHAPES = {  # name: (the run's flags, the JSON)
     '--preset gpt2-small --batch-size 32 --dtype bfloat16 --topology v5e:2x2',
     'docs/results/plan_gpt2_small_v5e_2x2_remat.json',
   ),
+}
+# Plans of a shape saved elsewhere (`ouroboros plan <its flags> ... --json`): path -> its shape
+SAVED_ELSEWHERE = {
+  'docs/results/layouts/fsdp_1b_v5e_2x4.json': '1b',
+  'docs/results/layouts/hybrid_1b_v5e_2x4.json': '1b',
 }
 POLICIES = 'all,nothing'
 STASHES = 'graph/nothing,replay'
@@ -99,13 +105,21 @@ def run(
       print(done.stderr.strip(), flush=True)
 
 
-def repredict(shape: str) -> None:
-  """SHAPE's saved plan with its step times predicted again by today's simulator (`plan.repredict`:
+def saved_plans() -> dict[str, str]:
+  """Every saved plan this script knows: path -> the flags of its shape's run."""
+  return {
+    **{path: flags for flags, path in SHAPES.values()},
+    **{path: SHAPES[shape][0] for path, shape in SAVED_ELSEWHERE.items()},
+  }
+
+
+def repredict(path: str) -> None:
+  """A saved plan with its step times predicted again by today's simulator (`plan.repredict`:
   no compile), and the commit they were predicted at."""
   from ouroboros_jax import cli_parsers
   from ouroboros_jax.perf import plan
 
-  flags, path = SHAPES[shape]
+  flags = saved_plans()[path]
   args = cli_parsers.make_parser().parse_args(['plan', *flags.split()])
   result = plan.repredict(plan.load(path), cli_parsers.config_from_args(args))
   result['predicted_at'] = subprocess.check_output(
@@ -166,13 +180,14 @@ def main(argv=None):
   parser.add_argument(
     '--repredict',
     action='store_true',
-    help="predict the shape's saved step times again, no compile",
+    help='predict the step times of every saved plan again by the simulator, no compile',
   )
   args = parser.parse_args(argv)
   if args.render:
     print(render(args.render))
-  elif args.repredict and args.shape:
-    repredict(args.shape)
+  elif args.repredict:
+    for path in saved_plans():
+      repredict(path)
   elif args.shape:
     counts = [int(m) for m in args.microbatches.split(',')]
     run(

@@ -31,7 +31,7 @@ def test_the_layouts_of_a_cell_split_every_chip_and_no_sequence():
 
 
 def test_a_cell_is_the_plans_prediction_and_the_map_names_its_fastest():
-  """The 1B cell at N = 8, B = 32 is `plan`'s prediction for each layout (FSDP 873.5 ms, the
+  """The 1B cell at N = 8, B = 32 is `plan`'s prediction for each layout (FSDP 874.4 ms, the
   ring at G = 8 873.3 ms, m-fsdp-1b); the rendered map names the fastest line and Ouroboros'
   ratio to the best other line."""
   layouts = experiment('layouts')
@@ -40,7 +40,7 @@ def test_a_cell_is_the_plans_prediction_and_the_map_names_its_fastest():
   fsdp = by_label['data_parallel fsdp keep=dots']['step_s']
   ring = by_label['ouroboros M=32 stream pipelined/graph/dots']['step_s']
   exact = min(r['step_s'] for r in rows if r['line'] in layouts.PIPELINES)
-  assert fsdp == pytest.approx(0.8735, abs=5e-4) and ring == pytest.approx(0.8733, abs=5e-4)
+  assert fsdp == pytest.approx(0.8744, abs=5e-4) and ring == pytest.approx(0.8733, abs=5e-4)
   line = layouts._cell_line(8, 32, rows)
   fastest = 'ouroboros' if ring < fsdp else 'fsdp'
   # Not judged here (no compile): the fastest that fits is unknown, '?'.
