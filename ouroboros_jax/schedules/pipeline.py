@@ -401,11 +401,31 @@ def _weight_grad(executor: _Executor, step: _Step, sums: _Sums, read: _Slots, in
   """W of a split schedule: from the taps' gradients (matrix products only), else as the weight
   half of the VJP (which recomputes the input-gradient chain). Sends nothing."""
   del inbox
+  if executor.tapped and layer_shards.active() is not None:
+    g_shards = _sharded_weight_grad(executor, step, read, op)
+    return _add_chunk_grad(sums, op, g_shards, whole=False), read, step.nothing
   if executor.tapped:
     g_chunk = executor.stash.weight_grad(step.chunk(op['chunk']), read.kept, read.for_w)
   else:
     g_chunk, _ = _backward(executor, step, read.kept, delta, op)
   return _add_chunk_grad(sums, op, g_chunk), read, step.nothing
+
+
+def _sharded_weight_grad(executor: _Executor, step: _Step, read: _Slots, op):
+  """W under FSDP, one layer at a time: each layer's weight gradient from its taps, then
+  reduce-scattered onto this device's shards before the next layer's is made, so the chunk's
+  whole float32 gradient never exists at once (made whole and scattered together, it grew
+  ZB-H1's peak with FSDP where 1F1B's fell). The taps, the recorded inputs and the weights all
+  have the chunk's layers on their leading axis."""
+  params_N, gathering = step.chunk(op['chunk']), layer_shards.active()
+  split = executor.stash.split
+
+  def one_layer(layer):
+    params_1, inputs_1, tap_grads_1 = jax.tree.map(lambda a: a[None], layer)
+    g_1 = split.weight_grad(params_1, inputs_1, tap_grads_1)
+    return jax.tree.map(lambda g: g[0], layer_shards.to_shards(g_1, params_1, gathering))
+
+  return jax.lax.map(one_layer, (params_N, *executor.stash.recorded(read.kept, read.for_w)))
 
 
 def _backward(executor: _Executor, step: _Step, kept, delta, op):
@@ -414,9 +434,9 @@ def _backward(executor: _Executor, step: _Step, kept, delta, op):
   return executor.stash.backward(params_c, kept, delta, op['stage'], key, step.index)
 
 
-def _add_chunk_grad(sums: _Sums, op, g_chunk) -> _Sums:
+def _add_chunk_grad(sums: _Sums, op, g_chunk, whole: bool = True) -> _Sums:
   gathering = layer_shards.active()
-  if gathering is not None:  # FSDP: a W computed whole goes onto this device's shards
+  if gathering is not None and whole:  # FSDP: a W computed whole goes onto this device's shards
     like = jax.tree.map(lambda g: g[0], sums.grad_chunks)
     g_chunk = layer_shards.to_shards(g_chunk, like, gathering)
   add_at = lambda g, w: g.at[op['chunk']].add(w)

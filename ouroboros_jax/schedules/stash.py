@@ -173,8 +173,11 @@ class TappedStash:
 
   def weight_grad(self, params_s, kept, for_w):
     """W: the weight gradient from the taps' gradients and the recorded inputs."""
-    inputs = for_w['inputs'] if self.recompute else kept['inputs']
-    return self.split.weight_grad(params_s, inputs, for_w['tap_grads'])
+    return self.split.weight_grad(params_s, *self.recorded(kept, for_w))
+
+  def recorded(self, kept, for_w):
+    """What W reads besides the weights: (the recorded sub-layer inputs, the taps' gradients)."""
+    return (for_w['inputs'] if self.recompute else kept['inputs']), for_w['tap_grads']
 
   def backward(self, params_s, kept, delta, stage_index, key, batch_index=None):
     del batch_index
