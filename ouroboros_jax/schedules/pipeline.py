@@ -403,7 +403,7 @@ def _weight_grad(executor: _Executor, step: _Step, sums: _Sums, read: _Slots, in
   del inbox
   if executor.tapped and layer_shards.active() is not None:
     g_shards = _sharded_weight_grad(executor, step, read, op)
-    return _add_chunk_grad(sums, op, g_shards, whole=False), read, step.nothing
+    return _add_chunk_grad(sums, op, g_shards), read, step.nothing
   if executor.tapped:
     g_chunk = executor.stash.weight_grad(step.chunk(op['chunk']), read.kept, read.for_w)
   else:
@@ -434,9 +434,10 @@ def _backward(executor: _Executor, step: _Step, kept, delta, op):
   return executor.stash.backward(params_c, kept, delta, op['stage'], key, step.index)
 
 
-def _add_chunk_grad(sums: _Sums, op, g_chunk, whole: bool = True) -> _Sums:
+def _add_chunk_grad(sums: _Sums, op, g_chunk) -> _Sums:
   gathering = layer_shards.active()
-  if gathering is not None and whole:  # FSDP: a W computed whole goes onto this device's shards
+  if gathering is not None:  # FSDP: a W computed whole goes onto this device's shards (a
+    # gradient already shard-shaped, `_sharded_weight_grad`'s, passes `to_shards` as it is)
     like = jax.tree.map(lambda g: g[0], sums.grad_chunks)
     g_chunk = layer_shards.to_shards(g_chunk, like, gathering)
   add_at = lambda g, w: g.at[op['chunk']].add(w)
