@@ -16,6 +16,12 @@ gathered leaves' sums by D and averages the rest over the replicas (`pmean`): ba
 
 The step enters `gathered_layers(axes, D)` around its shard_map, so every layer loop traced in
 it (forward, recomputation, backward) gathers; outside it nothing changes.
+
+The optimizer update runs on whole layers (`by_whole_layers`): Muon orthogonalises each layer's
+whole matrix, and on a leaf split across a layer's own axis the compiler gathers every layer's
+matrix whole onto every replica and runs Newton-Schulz on all of them, D times over. Moved to
+the layer axis for the update, each replica holds N/D whole layers and orthogonalises only
+those; an all-to-all each way replaces the gathers.
 """
 
 from __future__ import annotations
@@ -26,9 +32,11 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from ouroboros_jax.errors import ConfigError
-from ouroboros_jax.staged import DATA
+from ouroboros_jax.staged import DATA, STAGE
 
 PyTree = Any
 
@@ -162,3 +170,20 @@ def local_shapes(stages: PyTree, gathering: Gathering | None) -> PyTree:
     return jax.ShapeDtypeStruct(tuple(shape), a.dtype)
 
   return jax.tree.map(local, stages, gathering.axes)
+
+
+def by_whole_layers(mesh: Mesh) -> Callable[[PyTree], PyTree]:
+  """The layout a stage group's Muon update runs in under FSDP on `mesh`: every matrix leaf
+  [G, N, ...] (2 or more axes a layer) of the trees it is given split over `stage` on G and over
+  `data` on the layer axis N, so each replica orthogonalises N/D whole layers (see the module
+  docstring). Other leaves, and a matrix whose N the D replicas do not divide, keep their
+  layout."""
+  replicas = mesh.shape[DATA]
+
+  def whole_layers(a):
+    if a.ndim < 4 or a.shape[1] % replicas:
+      return a
+    spec = P(STAGE, DATA, *(None,) * (a.ndim - 2))
+    return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))
+
+  return lambda tree: jax.tree.map(whole_layers, tree)

@@ -369,6 +369,13 @@ def layout_for(config) -> Callable | None:
   return fsdp_stage_shardings if config.fsdp else None
 
 
+def update_layout(config, mesh: Mesh) -> Callable | None:
+  """The layout the optimizer update of `config` (ResolvedSchedule) runs its stage group in:
+  whole layers over the data replicas with FSDP (`layer_shards.by_whole_layers`), else the
+  state's own (None)."""
+  return layer_shards.by_whole_layers(mesh) if config.fsdp else None
+
+
 def check_pinned_host(mesh: Mesh) -> None:
   """One-line ConfigError when the mesh's devices have no pinned host memory."""
   device = mesh.devices.flat[0]

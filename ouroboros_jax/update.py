@@ -16,7 +16,7 @@ slot. The generic update only sees groups.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -29,11 +29,15 @@ GROUPS = ('embed', 'stages', 'head')
 @dataclasses.dataclass(frozen=True)
 class GroupedOptimizer:
   """`tx` applied per module group after one global-norm clip at `clip_norm` (None: no clip);
-  `shared` names the stage leaves that are one parameter of every layer."""
+  `shared` names the stage leaves that are one parameter of every layer; `stage_layout`, if
+  given, lays out the stage group's parameters, state and gradients for the update of an
+  optimizer that orthogonalises whole matrices, and its results (FSDP's
+  `layer_shards.by_whole_layers`)."""
 
   tx: optax.GradientTransformation
   clip_norm: float | None = None
   shared: tuple[str, ...] = ()
+  stage_layout: Callable[[PyTree], PyTree] | None = None
 
   def init(self, params: PyTree) -> PyTree:
     """One Optax state per module group, and one for the shared stage leaves if there are any."""
@@ -67,16 +71,28 @@ class GroupedOptimizer:
     new_params, new_opt_state = {}, {}
     for group in grads:
       run = jax.vmap(update) if group == 'stages' else update
-      new_params[group], new_opt_state[group] = run(
-        groups['params'][group],
-        opt_state[group],
-        grads[group],
-        groups['ready'][group],
-        groups['delay'][group],
+      layout = self._update_layout(group, opt_state[group])
+      params_state_grads = layout((groups['params'][group], opt_state[group], grads[group]))
+      new_params[group], new_opt_state[group] = layout(
+        run(*params_state_grads, groups['ready'][group], groups['delay'][group])
       )
     if self.shared:
       new_params = _write_shared(new_params, self.shared)
     return new_params, new_opt_state, grad_norm
+
+  def _update_layout(self, group: str, opt_state) -> Callable[[PyTree], PyTree]:
+    """How `group`'s update lays out its trees: `stage_layout` for the stage group of an
+    optimizer that orthogonalises whole matrices (Muon), else as they are."""
+    if group == 'stages' and self.stage_layout and orthogonalises(opt_state):
+      return self.stage_layout
+    return lambda tree: tree
+
+
+def orthogonalises(opt_state) -> bool:
+  """Whether an Optax state holds Muon's (`optax.contrib.MuonState`, at any depth): its update
+  orthogonalises whole matrices."""
+  is_muon = lambda node: isinstance(node, optax.contrib.MuonState)
+  return any(is_muon(node) for node in jax.tree.leaves(opt_state, is_leaf=is_muon))
 
 
 def shared_params(params: PyTree, shared: tuple[str, ...]) -> dict:

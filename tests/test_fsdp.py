@@ -9,11 +9,21 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import NamedSharding
 
-from ouroboros_jax import ConfigError, ScheduleConfig, build_schedule, optimizers
+from ouroboros_jax import (
+  ConfigError,
+  ScheduleConfig,
+  build_schedule,
+  layer_shards,
+  optimizers,
+  placement,
+)
 from ouroboros_jax.placement import DATA, STAGE
 from ouroboros_jax.schedules.fsdp import fsdp_spec
+from ouroboros_jax.update import GroupedOptimizer
 
 from helpers import adam, max_abs_diff, random_batches, run_schedule, tiny_transformer
 
@@ -196,3 +206,32 @@ def test_fsdp_in_a_stage_gathers_one_layer_at_a_time(config):
   whole, sharded = compiled(False), compiled(True)
   assert sharded.temp_size_in_bytes < whole.temp_size_in_bytes, (sharded, whole)
   assert sharded.argument_size_in_bytes < 0.6 * whole.argument_size_in_bytes
+
+
+def test_muon_under_fsdp_orthogonalises_a_share_of_the_layers_on_each_replica():
+  """Under FSDP the stage group's Muon update runs on whole layers (`by_whole_layers`): each of
+  D = 4 replicas orthogonalises N/D = 1 layer's matrices, where left on the shards the compiler
+  splits each Newton-Schulz product and repeats the rest on every replica. The update is the
+  same, for fewer operations a device (XLA's cost analysis of the compiled update: 0.76x here;
+  0.63x for the whole FSDP step of the 1B shape on v5e:2x4, docs/results/memory.md)."""
+  model, params = tiny_transformer(1, num_layers=4, d_model=64, d_ff=256)
+  mesh = placement.make_mesh(1, 4)
+  place = lambda tree: jax.tree.map(
+    lambda a: jax.device_put(a, NamedSharding(mesh, fsdp_spec(a.shape, 4))), tree
+  )
+  grads = jax.tree.map(lambda a: 1e-2 * jnp.cos(jnp.arange(a.size).reshape(a.shape)), params)
+
+  def update(layout):
+    optimizer = GroupedOptimizer(_muon(), stage_layout=layout)
+    args = place((params, optimizer.init(params), grads))
+    compiled = jax.jit(optimizer.apply).lower(*args).compile()
+    cost = compiled.cost_analysis()
+    return compiled(*args)[0], (cost[0] if isinstance(cost, list) else cost)['flops']
+
+  (on_shards, flops_on_shards), (on_layers, flops_on_layers) = (
+    update(None),
+    update(layer_shards.by_whole_layers(mesh)),
+  )
+  assert max_abs_diff(on_layers, on_shards) < 1e-6
+  assert max_abs_diff(on_layers, params) > 1e-3
+  assert flops_on_layers < 0.85 * flops_on_shards, (flops_on_layers, flops_on_shards)

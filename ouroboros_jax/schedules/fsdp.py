@@ -68,7 +68,7 @@ def build_fsdp(config: ResolvedSchedule, model: StagedModel, tx, *, devices=None
       'Transformer-XL keeps one per replica: use it without fsdp.'
     )
   mesh = placement.make_mesh(1, config.data_parallel, devices)
-  optimizer = grouped(config, model, tx)
+  optimizer = grouped(config, model, tx, mesh)
 
   def init(params, example_batch=None):
     placement.check_stage_params(params, config)

@@ -156,6 +156,7 @@ def build(
         compensation.wrap(comp, tx, max([timing.embed_gap, *timing.stage_gaps])),
         run.clip_norm,
         model.shared,
+        placement.update_layout(run, mesh),
       ),
       stash=stash,
       mesh=mesh,

@@ -27,10 +27,10 @@ from ouroboros_jax.staged import DATA, STAGE, Schedule, StagedModel, TrainState
 from ouroboros_jax.update import GroupedOptimizer
 
 
-def grouped(config: ResolvedSchedule, model: StagedModel, tx) -> GroupedOptimizer:
-  """The per-group optimizer step of a schedule: tx, the config's clip, the model's shared
-  leaves."""
-  return GroupedOptimizer(tx, config.clip_norm, model.shared)
+def grouped(config: ResolvedSchedule, model: StagedModel, tx, mesh: Mesh) -> GroupedOptimizer:
+  """The per-group optimizer step of a schedule on `mesh`: tx, the config's clip, the model's
+  shared leaves, and with FSDP the update on whole layers (`placement.update_layout`)."""
+  return GroupedOptimizer(tx, config.clip_norm, model.shared, placement.update_layout(config, mesh))
 
 
 def synchronous_update(optimizer: GroupedOptimizer, state: TrainState, grads, loss):
@@ -56,7 +56,7 @@ def build_backprop(config: ResolvedSchedule, model: StagedModel, tx, *, devices=
   """
   config = require_resolved(config, 'build_backprop')
   mesh = placement.make_mesh(1, 1, devices)
-  optimizer = grouped(config, model, tx)
+  optimizer = grouped(config, model, tx, mesh)
 
   def init(params, example_batch=None):
     placement.check_stage_params(params, config)
@@ -125,7 +125,7 @@ def synchronous_schedule(
   microbatches = config.microbatches
   groups = len(stage_order) if stage_order else num_stages
   reorder = stage_order is not None and list(stage_order) != list(range(groups))
-  optimizer = grouped(config, model, tx)
+  optimizer = grouped(config, model, tx, mesh)
 
   def init(params, example_batch=None):
     if example_batch is not None:
