@@ -173,15 +173,16 @@ def local_shapes(stages: PyTree, gathering: Gathering | None) -> PyTree:
 
 
 def by_whole_layers(mesh: Mesh) -> Callable[[PyTree], PyTree]:
-  """The layout a stage group's Muon update runs in under FSDP on `mesh`: every matrix leaf
-  [G, N, ...] (2 or more axes a layer) of the trees it is given split over `stage` on G and over
-  `data` on the layer axis N, so each replica orthogonalises N/D whole layers (see the module
-  docstring). Other leaves, and a matrix whose N the D replicas do not divide, keep their
-  layout."""
+  """The layout a stage group's Muon update runs in under FSDP on `mesh`: every leaf [G, N, ...]
+  of the trees it is given split over `stage` on G and over `data` on the layer axis N, so each
+  replica orthogonalises N/D whole layers (see the module docstring); the per-layer vectors
+  (biases, norms) move with them, which the TPU compiler gives fewer temporaries than a step
+  of mixed layouts (1B FSDP on v5e:2x4: 4.76 GiB against 5.63 moving the matrices alone). A
+  leaf whose N the D replicas do not divide, or with no layer axis, keeps its layout."""
   replicas = mesh.shape[DATA]
 
   def whole_layers(a):
-    if a.ndim < 4 or a.shape[1] % replicas:
+    if a.ndim < 2 or a.shape[1] % replicas:
       return a
     spec = P(STAGE, DATA, *(None,) * (a.ndim - 2))
     return jax.lax.with_sharding_constraint(a, NamedSharding(mesh, spec))

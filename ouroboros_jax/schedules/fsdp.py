@@ -16,9 +16,9 @@ grouped update), and jitted on a (1, D) mesh where JAX's sharding does the rest:
 So each device holds 1/D of the parameters, gradients and optimizer state (MaxText's FSDP; the
 compiler, not a hand-written engine, schedules the gathers). The gradient is backprop's: the
 loss is the batch's mean, and every dropout key is backprop's (`staged.batch_key`), not a
-replica's. Muon orthogonalises each whole matrix: its Newton-Schulz products run on the sharded
-matrix, and XLA partitions them (gathering where it must), so the update equals backprop's
-Muon update (tested).
+replica's. Muon orthogonalises each whole matrix on one replica: the update moves the stage
+group to the layer axis first (`layer_shards.by_whole_layers`, through `grouped`), and equals
+backprop's Muon update (tested).
 """
 
 from __future__ import annotations
