@@ -18,10 +18,10 @@ The step enters `gathered_layers(axes, D)` around its shard_map, so every layer 
 it (forward, recomputation, backward) gathers; outside it nothing changes.
 
 The optimizer update runs on whole layers (`by_whole_layers`): Muon orthogonalises each layer's
-whole matrix, and on a leaf split across a layer's own axis the compiler gathers every layer's
-matrix whole onto every replica and runs Newton-Schulz on all of them, D times over. Moved to
-the layer axis for the update, each replica holds N/D whole layers and orthogonalises only
-those; an all-to-all each way replaces the gathers.
+whole matrix, and on a leaf split across a layer's own axis the compiler splits each
+Newton-Schulz product over the replicas and repeats the rest on every one of them. Moved to the
+layer axis for the update, each replica holds N/D whole layers and orthogonalises only those,
+with an all-to-all each way.
 """
 
 from __future__ import annotations
