@@ -75,9 +75,11 @@ fi
 # least 8 rows that the pipelined stream's 2P micro-batches divide.
 cpu_bench() {
   local p=$1 name=$2
-  # Ouroboros and ZB-V first: a bench cut short keeps the rows it measured first.
-  local only="ouroboros M=$p stream locked,ouroboros M=$((2 * p)) stream pipelined,zb_v M=8"
-  only+=",zb_h1 M=8,1f1b M=8,interleaved M=8,gpipe M=8,model_parallel,backprop"
+  # Ouroboros, FSDP over the P processes (issue 61) and ZB-V first: a bench cut short keeps the
+  # rows it measured first ("data_parallel" names the replicated one and FSDP, already named).
+  local only="ouroboros M=$p stream locked,ouroboros M=$((2 * p)) stream pipelined"
+  only+=",data_parallel fsdp,zb_v M=8,zb_h1 M=8,1f1b M=8,data_parallel,interleaved M=8,gpipe M=8"
+  only+=",model_parallel,backprop"
   [ "$QUICK" = 1 ] && only="backprop,zb_v M=8,ouroboros M=$((2 * p)) stream pipelined"
   only=${ONLY:-$only}
   local limit=$((DEADLINE - SECONDS < BENCH_LIMIT ? DEADLINE - SECONDS : BENCH_LIMIT))
