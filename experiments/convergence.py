@@ -97,6 +97,73 @@ def render(path, runs=None, versus=None, at=()):
   return lr_sweep.render(path, runs, versus, at)
 
 
+def validation_rows(name: str, out: str) -> list[dict]:
+  """convergence.csv's rows of run `name`: every validation and test evaluation in its
+  metrics.jsonl under `out`."""
+  rows = []
+  with open(os.path.join(out, 'metrics.jsonl')) as f:
+    for line in f:
+      row = json.loads(line)
+      if row['split'] in ('validation', 'test'):
+        rows.append(
+          {
+            'run': name,
+            'step': row['step'],
+            'split': row['split'],
+            'loss': row['loss'],
+            'bpb': row['bpb'],
+            'wall_s': row['wall_s'],
+          }
+        )
+  return rows
+
+
+def write_csv(out: str, rows: list[dict]) -> None:
+  """Writes convergence.csv under `out` (creating the directory)."""
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, 'convergence.csv'), 'w', newline='') as f:
+    writer = csv.DictWriter(f, fieldnames=['run', 'step', 'split', 'loss', 'bpb', 'wall_s'])
+    writer.writeheader()
+    writer.writerows(rows)
+
+
+def write_summary(out: str, finals: list[tuple]) -> str:
+  """The markdown table of each run's final summary, also written to summary.md under `out`."""
+  table = [
+    '| run | final val bpb | test bpb | steps | tokens/s (simulated devices) |',
+    '|---|---|---|---|---|',
+  ]
+  for name, s in finals:
+    table.append(
+      f'| {name} | {s["val_bpb"]:.4f} | {s["test_bpb"]:.4f} | {s["step"]} | '
+      f'{s["tokens_per_s"]:.0f} |'
+    )
+  text = '\n'.join(table)
+  with open(os.path.join(out, 'summary.md'), 'w') as f:
+    f.write(text + '\n')
+  return text
+
+
+def plot(out: str, names: list[str], rows: list[dict], preset: str) -> None:
+  """Writes convergence.png under `out`: each run's validation bpb against step."""
+  import matplotlib
+
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for name in names:
+    pts = [(r['step'], r['bpb']) for r in rows if r['run'] == name and r['split'] == 'validation']
+    ax.plot(*zip(*sorted(pts)), marker='o', markersize=3, label=name)
+  ax.set_xlabel('step (same batches for every run)')
+  ax.set_ylabel('validation bits per byte')
+  ax.set_title(f'Ouroboros vs backprop, preset {preset}')
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, 'convergence.png'), dpi=120)
+
+
 def main(argv=None):
   args = parse_args(argv)
   if args.render:
@@ -137,58 +204,12 @@ def main(argv=None):
       cfg = field_flags.override(base, values)
       print(f'== {name}', flush=True)
       summary = loop.train(cfg, quiet=True)
-    with open(os.path.join(out, 'metrics.jsonl')) as f:
-      for line in f:
-        row = json.loads(line)
-        if row['split'] in ('validation', 'test'):
-          rows.append(
-            {
-              'run': name,
-              'step': row['step'],
-              'split': row['split'],
-              'loss': row['loss'],
-              'bpb': row['bpb'],
-              'wall_s': row['wall_s'],
-            }
-          )
+    rows.extend(validation_rows(name, out))
     finals.append((name, summary))
 
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, 'convergence.csv'), 'w', newline='') as f:
-    writer = csv.DictWriter(f, fieldnames=['run', 'step', 'split', 'loss', 'bpb', 'wall_s'])
-    writer.writeheader()
-    writer.writerows(rows)
-
-  table = [
-    '| run | final val bpb | test bpb | steps | tokens/s (simulated devices) |',
-    '|---|---|---|---|---|',
-  ]
-  for name, s in finals:
-    table.append(
-      f'| {name} | {s["val_bpb"]:.4f} | {s["test_bpb"]:.4f} | {s["step"]} | '
-      f'{s["tokens_per_s"]:.0f} |'
-    )
-  text = '\n'.join(table)
-  with open(os.path.join(args.out, 'summary.md'), 'w') as f:
-    f.write(text + '\n')
-  print(text)
-
-  import matplotlib
-
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
-
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  for name in names:
-    pts = [(r['step'], r['bpb']) for r in rows if r['run'] == name and r['split'] == 'validation']
-    ax.plot(*zip(*sorted(pts)), marker='o', markersize=3, label=name)
-  ax.set_xlabel('step (same batches for every run)')
-  ax.set_ylabel('validation bits per byte')
-  ax.set_title(f'Ouroboros vs backprop, preset {args.preset}')
-  ax.grid(alpha=0.3)
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(os.path.join(args.out, 'convergence.png'), dpi=120)
+  write_csv(args.out, rows)
+  print(write_summary(args.out, finals))
+  plot(args.out, names, rows, args.preset)
   print(f'wrote {args.out}/convergence.csv, convergence.png, summary.md')
 
 

@@ -426,34 +426,51 @@ def report(args, names, grid_rows, final_rows, best):
   # The schedule's step time from the bench (timed with AdamW, whose update is ~3% of a step
   # there). Muon's orthogonalisation is not in it: see docs/results/quality.md for its cost.
   times = step_times(args.bench)
+  lines = final_lines(args, names, curves, finals, best, best_sync, times)
+  lines += grid_lines(args, names, grid_rows, best)
+  text = '\n'.join(lines)
+  with open(os.path.join(args.out, 'summary.md'), 'w') as f:
+    f.write(text + '\n')
+  print(text)
+  plot(args, names, grid_rows, curves)
+  print(f'wrote {args.out}/grid.csv, final.csv, summary.md, lr_sweep.png')
 
-  def seconds(name):
-    overrides = RECIPES[name][0]
-    key = (
-      'backprop'
-      if overrides['schedule'] == 'backprop'
-      else (
-        overrides['stages'],
-        overrides.get('forward', 'locked'),
-        overrides.get('microbatches', 1),
-        overrides.get('flow', 'batch'),
-      )
+
+def seconds(name, times):
+  """The measured step time of recipe `name`'s schedule in `times` (step_times'), nan where
+  unknown."""
+  overrides = RECIPES[name][0]
+  key = (
+    'backprop'
+    if overrides['schedule'] == 'backprop'
+    else (
+      overrides['stages'],
+      overrides.get('forward', 'locked'),
+      overrides.get('microbatches', 1),
+      overrides.get('flow', 'batch'),
     )
-    return times.get(key, math.nan)
+  )
+  return times.get(key, math.nan)
 
-  def time_to(name, reference):
-    """(steps for `name` to reach `reference`'s final bpb, its wall-clock relative to
-    `reference`'s own steps to it; '-' where unknown)."""
-    steps = steps_to_reach(curves[name], finals[reference])
-    own = steps_to_reach(curves[reference], finals[reference])
-    ratio = seconds(name) / seconds(reference)
-    if steps is None:
-      return 'not reached', '-', '-'
-    # The best exact pipeline trains as backprop does (tested), at its own step time.
-    exact = seconds(name) / times.get('zb_h1', math.nan)
-    show = lambda r: '-' if math.isnan(r) else f'{steps * r / own:.2f}x'
-    return f'{steps:.0f}', show(ratio), show(exact)
 
+def time_to(name, reference, curves, finals, times):
+  """(steps for `name` to reach `reference`'s final bpb, its wall-clock relative to
+  `reference`'s own steps to it, and relative to those steps on the best exact pipeline; '-'
+  where unknown)."""
+  steps = steps_to_reach(curves[name], finals[reference])
+  own = steps_to_reach(curves[reference], finals[reference])
+  ratio = seconds(name, times) / seconds(reference, times)
+  if steps is None:
+    return 'not reached', '-', '-'
+  # The best exact pipeline trains as backprop does (tested), at its own step time.
+  exact = seconds(name, times) / times.get('zb_h1', math.nan)
+  show = lambda r: '-' if math.isnan(r) else f'{steps * r / own:.2f}x'
+  return f'{steps:.0f}', show(ratio), show(exact)
+
+
+def final_lines(args, names, curves, finals, best, best_sync, times) -> list[str]:
+  """summary.md's first part: what it measures, and the table of the final runs (best rate,
+  final bpb, gap to the best synchronous run, time to quality)."""
   lines = [
     f"Final validation bpb after {args.final_steps} steps at each recipe's best rate "
     f'(grid: {args.grid_steps}-step runs). Best synchronous run: {best_sync} '
@@ -471,21 +488,34 @@ def report(args, names, grid_rows, final_rows, best):
     if name not in finals:
       continue
     gap = finals[name] / finals[best_sync] - 1 if best_sync else math.nan
-    ratio = seconds(name) / seconds('backprop-adamw') if 'backprop-adamw' in finals else math.nan
-    to_adamw = time_to(name, 'backprop-adamw') if 'backprop-adamw' in finals else ('-',) * 3
-    to_best = time_to(name, best_sync) if best_sync else ('-',) * 3
+    ratio = (
+      seconds(name, times) / seconds('backprop-adamw', times)
+      if 'backprop-adamw' in finals
+      else math.nan
+    )
+    to_adamw = (
+      time_to(name, 'backprop-adamw', curves, finals, times)
+      if 'backprop-adamw' in finals
+      else ('-',) * 3
+    )
+    to_best = time_to(name, best_sync, curves, finals, times) if best_sync else ('-',) * 3
     lines.append(
       f'| {name} | {best[name]:g} | {finals[name]:.4f} | {gap:+.1%} | '
       f'{"-" if math.isnan(ratio) else f"{ratio:.2f}x"} | {to_adamw[0]} | '
       f'{to_adamw[1]} | {to_best[0]} | {to_best[1]} | {to_best[2]} |'
     )
-  # Every recipe at grid length, at its best rate: the ablation of each compensation.
+  return lines
+
+
+def grid_lines(args, names, grid_rows, best) -> list[str]:
+  """summary.md's second part: every recipe at grid length, at its best rate (the ablation of
+  each compensation)."""
   at_grid = {}
   for r in grid_rows:
     if r['rate'] == best.get(r['recipe']):
       at_grid[r['recipe']] = r['bpb']
   grid_sync = min((at_grid[n] for n in SYNCHRONOUS if n in at_grid), default=math.nan)
-  lines += [
+  lines = [
     '',
     f'Grid ({args.grid_steps} steps, each recipe at its best rate of the grid; '
     'one rate where the grid lists one):',
@@ -500,11 +530,11 @@ def report(args, names, grid_rows, final_rows, best):
         f'| {name} | {rates} | {best[name]:g} | {at_grid[name]:.4f} | '
         f'{at_grid[name] / grid_sync - 1:+.1%} |'
       )
-  text = '\n'.join(lines)
-  with open(os.path.join(args.out, 'summary.md'), 'w') as f:
-    f.write(text + '\n')
-  print(text)
+  return lines
 
+
+def plot(args, names, grid_rows, curves) -> None:
+  """Writes lr_sweep.png under --out: final bpb against rate (grid), bpb against step (final)."""
   import matplotlib
 
   matplotlib.use('Agg')
@@ -530,7 +560,6 @@ def report(args, names, grid_rows, final_rows, best):
   right.set_title('each recipe at its best rate')
   fig.tight_layout()
   fig.savefig(os.path.join(args.out, 'lr_sweep.png'), dpi=120)
-  print(f'wrote {args.out}/grid.csv, final.csv, summary.md, lr_sweep.png')
 
 
 # A results CSV's columns that are measurements; every other column names the run.
@@ -573,36 +602,15 @@ def render(path: str, names=None, versus=None, at=()) -> str:
   keys = [k for k in rows[0] if k not in MEASURED and k != 'seed']
   # the run's name first (recipe; convergence.py's run), then the other columns that tell runs apart
   keys.sort(key=lambda k: k not in ('recipe', 'run'))
-  runs = {}  # run key -> seed -> split -> [(step, bpb)]
-  for r in rows:
-    run = tuple(r[k] for k in keys)
-    split = r.get('split') or 'validation'
-    curve = runs.setdefault(run, {}).setdefault(r.get('seed', ''), {}).setdefault(split, [])
-    curve.append((int(r['step']), float(r['bpb'])))
+  runs = _runs_of(rows, keys)  # run key -> seed -> split -> [(step, bpb)]
   seeds = sorted({seed for by_seed in runs.values() for seed in by_seed}, key=_number)
   described = [dict(zip(keys, run)) for run in runs]
-  if names:
-    order = []
-    for name in names:
-      hits = [run for run in described if _select(name, run)]
-      if not hits:
-        raise SystemExit(f'{path}: no run {name}')
-      order += [run for run in hits if run not in order]
-  else:
-    order = sorted(described, key=lambda run: [run[keys[0]]] + [_number(run[k]) for k in keys[1:]])
+  order = _ordered(path, names, described, keys)
 
   def curve(run, seed, split='validation'):
     return sorted(runs[tuple(run[k] for k in keys)].get(seed, {}).get(split, []))
 
-  reference = {}
-  if versus:
-    hits = [run for run in described if _select(versus, run)]
-    if len(hits) != 1:
-      raise SystemExit(
-        f'{path}: {len(hits)} runs match {versus}: name one (recipe@rate/column=value)'
-      )
-    (ref,) = hits
-    reference = {seed: curve(ref, seed)[-1][1] for seed in seeds if curve(ref, seed)}
+  reference = _reference_bpbs(path, versus, described, seeds, curve)
   last_steps = {curve(run, seed)[-1][0] for run in order for seed in seeds if curve(run, seed)}
   # one last step for every run, or each run's own `steps` column: no column of last steps
   same_end = len(last_steps) == 1
@@ -613,37 +621,88 @@ def render(path: str, names=None, versus=None, at=()) -> str:
     if curve(run, seed)
   )
   tested = any(curve(run, seed, 'test') for run in order for seed in seeds)
-  head, cells = list(keys), []
+  head = list(keys)
   for seed in seeds:
     tag = f'seed {seed}: ' if len(seeds) > 1 else ''
-    head += [f'{tag}val bpb, step {step}' for step in at]
-    head += [
-      f'{tag}val bpb, step {min(last_steps)}'
-      if same_end
-      else f'{tag}val bpb, last step' + (' (steps)' if own_end else '')
-    ]
-    head += [] if same_end or own_end else [f'{tag}last step']
-    head += [f'{tag}test bpb'] if tested else []
-    head += [f'{tag}vs {versus}'] if versus else []
-  for run in order:
-    row = [run[k] if k != 'rate' else f'{float(run[k]):g}' for k in keys]
-    for seed in seeds:
-      val = curve(run, seed)
-      width = len(at) + (1 if same_end or own_end else 2) + tested + bool(versus)
-      if not val:
-        row += [''] * width
-        continue
-      at_step = dict(val)
-      row += [f'{at_step[step]:.4f}' if step in at_step else '' for step in at]
-      row += [f'{val[-1][1]:.4f}'] + ([] if same_end or own_end else [str(val[-1][0])])
-      if tested:
-        test = curve(run, seed, 'test')
-        row += [f'{test[-1][1]:.4f}' if test else '']
-      if versus:
-        row += [f'{val[-1][1] / reference[seed] - 1:+.2%}' if seed in reference else '']
-    cells.append(row)
+    head += _seed_head(tag, at, last_steps, same_end, own_end, tested, versus)
+  one_end = same_end or own_end
+  cells = [
+    _row_cells(run, keys, seeds, at, curve, one_end, tested, versus, reference) for run in order
+  ]
   lines = ['| ' + ' | '.join(head) + ' |', '|' + '---|' * len(head)]
   return '\n'.join(lines + ['| ' + ' | '.join(row) + ' |' for row in cells])
+
+
+def _runs_of(rows: list[dict], keys: list[str]) -> dict:
+  """The CSV's curves: run key (its `keys` columns) -> seed -> split -> [(step, bpb)]."""
+  runs = {}
+  for r in rows:
+    run = tuple(r[k] for k in keys)
+    split = r.get('split') or 'validation'
+    curve = runs.setdefault(run, {}).setdefault(r.get('seed', ''), {}).setdefault(split, [])
+    curve.append((int(r['step']), float(r['bpb'])))
+  return runs
+
+
+def _ordered(path: str, names, described: list[dict], keys: list[str]) -> list[dict]:
+  """The runs of the table in order: those `names` picks, in its order, or every run sorted."""
+  if not names:
+    return sorted(described, key=lambda run: [run[keys[0]]] + [_number(run[k]) for k in keys[1:]])
+  order = []
+  for name in names:
+    hits = [run for run in described if _select(name, run)]
+    if not hits:
+      raise SystemExit(f'{path}: no run {name}')
+    order += [run for run in hits if run not in order]
+  return order
+
+
+def _reference_bpbs(path: str, versus, described: list[dict], seeds: list, curve) -> dict:
+  """seed -> the last validation bpb of the one run `versus` names ({} without `versus`)."""
+  if not versus:
+    return {}
+  hits = [run for run in described if _select(versus, run)]
+  if len(hits) != 1:
+    raise SystemExit(
+      f'{path}: {len(hits)} runs match {versus}: name one (recipe@rate/column=value)'
+    )
+  (ref,) = hits
+  return {seed: curve(ref, seed)[-1][1] for seed in seeds if curve(ref, seed)}
+
+
+def _seed_head(tag: str, at, last_steps, same_end, own_end, tested, versus) -> list[str]:
+  """The header cells of one seed's columns (`tag` names the seed where there are several)."""
+  head = [f'{tag}val bpb, step {step}' for step in at]
+  head += [
+    f'{tag}val bpb, step {min(last_steps)}'
+    if same_end
+    else f'{tag}val bpb, last step' + (' (steps)' if own_end else '')
+  ]
+  head += [] if same_end or own_end else [f'{tag}last step']
+  head += [f'{tag}test bpb'] if tested else []
+  head += [f'{tag}vs {versus}'] if versus else []
+  return head
+
+
+def _row_cells(run, keys, seeds, at, curve, one_end, tested, versus, reference) -> list[str]:
+  """The cells of one run's row: its key columns, then per seed its bpbs (blank where it has no
+  curve of that seed)."""
+  row = [run[k] if k != 'rate' else f'{float(run[k]):g}' for k in keys]
+  for seed in seeds:
+    val = curve(run, seed)
+    width = len(at) + (1 if one_end else 2) + tested + bool(versus)
+    if not val:
+      row += [''] * width
+      continue
+    at_step = dict(val)
+    row += [f'{at_step[step]:.4f}' if step in at_step else '' for step in at]
+    row += [f'{val[-1][1]:.4f}'] + ([] if one_end else [str(val[-1][0])])
+    if tested:
+      test = curve(run, seed, 'test')
+      row += [f'{test[-1][1]:.4f}' if test else '']
+    if versus:
+      row += [f'{val[-1][1] / reference[seed] - 1:+.2%}' if seed in reference else '']
+  return row
 
 
 def main(argv=None):

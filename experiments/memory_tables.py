@@ -124,7 +124,8 @@ def ring_table(topology: str, log=print) -> list[dict]:
   return rows
 
 
-def markdown(rows: list[dict]) -> str:
+def _schedules_lines(rows: list[dict]) -> list[str]:
+  """The lines of the schedules tables (one per batch size, largest first)."""
   lines = []
   schedules = [r for r in rows if r['table'] == 'schedules']
   for batch_size in sorted({r['batch_size'] for r in schedules}, reverse=True):
@@ -146,53 +147,82 @@ def markdown(rows: list[dict]) -> str:
         f'{gib(f32["params_bytes"] + f32["opt_state_bytes"])} | {gib(b16["ring_bytes"])} | '
         f'{"yes" if b16["fits"] else "no"} |'
       )
+  return lines
+
+
+def _precision_lines(rows: list[dict]) -> list[str]:
+  """The lines of the precision table (none without its rows)."""
   precision = [r for r in rows if r['table'] == 'precision']
-  if precision:
-    lines += [
-      '\nd_model 512, 8 layers, seq 512, batch 8: bf16 against fp32',
-      '',
-      '| schedule | fp32 peak GiB | bf16 peak GiB | bf16 / fp32 |',
-      '|---|---|---|---|',
-    ]
-    by = {(r['label'], r['dtype']): r for r in precision}
-    for label, _ in SCHEDULES:
-      if (label, 'bfloat16') not in by or (label, 'float32') not in by:
-        continue
-      f32, b16 = by[label, 'float32'], by[label, 'bfloat16']
-      lines.append(
-        f'| {label} | {gib(f32["peak_bytes"])} | {gib(b16["peak_bytes"])} | '
-        f'{b16["peak_bytes"] / f32["peak_bytes"]:.2f} |'
-      )
+  if not precision:
+    return []
+  lines = [
+    '\nd_model 512, 8 layers, seq 512, batch 8: bf16 against fp32',
+    '',
+    '| schedule | fp32 peak GiB | bf16 peak GiB | bf16 / fp32 |',
+    '|---|---|---|---|',
+  ]
+  by = {(r['label'], r['dtype']): r for r in precision}
+  for label, _ in SCHEDULES:
+    if (label, 'bfloat16') not in by or (label, 'float32') not in by:
+      continue
+    f32, b16 = by[label, 'float32'], by[label, 'bfloat16']
+    lines.append(
+      f'| {label} | {gib(f32["peak_bytes"])} | {gib(b16["peak_bytes"])} | '
+      f'{b16["peak_bytes"] / f32["peak_bytes"]:.2f} |'
+    )
+  return lines
+
+
+def _attention_lines(rows: list[dict]) -> list[str]:
+  """The lines of the attention table (none without its rows)."""
   attention = [r for r in rows if r['table'] == 'attention']
-  if attention:
-    lines += [
-      '\nbf16, d_model 512, 8 layers, batch 8: temporaries GiB at seq 1024 and 2048',
-      '',
-      '| schedule | attention | L=1024 | L=2048 | ratio |',
-      '|---|---|---|---|---|',
-    ]
-    by = {(r['label'], r['attention'], r['seq_len']): r for r in attention}
-    for label, kind in dict.fromkeys((r['label'], r['attention']) for r in attention):
-      if (label, kind, 2048) not in by:
-        continue
-      a, b = by[label, kind, 1024], by[label, kind, 2048]
-      lines.append(
-        f'| {label} | {kind} | {gib(a["temp_bytes"])} | {gib(b["temp_bytes"])} | '
-        f'{b["temp_bytes"] / a["temp_bytes"]:.2f} |'
-      )
+  if not attention:
+    return []
+  lines = [
+    '\nbf16, d_model 512, 8 layers, batch 8: temporaries GiB at seq 1024 and 2048',
+    '',
+    '| schedule | attention | L=1024 | L=2048 | ratio |',
+    '|---|---|---|---|---|',
+  ]
+  by = {(r['label'], r['attention'], r['seq_len']): r for r in attention}
+  for label, kind in dict.fromkeys((r['label'], r['attention']) for r in attention):
+    if (label, kind, 2048) not in by:
+      continue
+    a, b = by[label, kind, 1024], by[label, kind, 2048]
+    lines.append(
+      f'| {label} | {kind} | {gib(a["temp_bytes"])} | {gib(b["temp_bytes"])} | '
+      f'{b["temp_bytes"] / a["temp_bytes"]:.2f} |'
+    )
+  return lines
+
+
+def _ring_lines(rows: list[dict]) -> list[str]:
+  """The lines of the ring table (none without its rows)."""
   ring = [r for r in rows if r['table'] == 'ring']
-  if ring:
-    lines += [
-      '\nOuroboros, GPT-2-small shape, batch 32, G = 4, bf16, AdamW: GiB per chip',
-      '',
-      '| Ouroboros setting | peak | fits | ring on the chip | ring in host memory | temporaries |',
-      '|---|---|---|---|---|---|',
-    ]
-    for r in ring:
-      lines.append(
-        f'| {r["label"]} | {gib(r["peak_bytes"])} | {"yes" if r["fits"] else "no"} | '
-        f'{gib(r["ring_bytes"])} | {gib(r.get("host_ring_bytes"))} | {gib(r["temp_bytes"])} |'
-      )
+  if not ring:
+    return []
+  lines = [
+    '\nOuroboros, GPT-2-small shape, batch 32, G = 4, bf16, AdamW: GiB per chip',
+    '',
+    '| Ouroboros setting | peak | fits | ring on the chip | ring in host memory | temporaries |',
+    '|---|---|---|---|---|---|',
+  ]
+  for r in ring:
+    lines.append(
+      f'| {r["label"]} | {gib(r["peak_bytes"])} | {"yes" if r["fits"] else "no"} | '
+      f'{gib(r["ring_bytes"])} | {gib(r.get("host_ring_bytes"))} | {gib(r["temp_bytes"])} |'
+    )
+  return lines
+
+
+def markdown(rows: list[dict]) -> str:
+  """The markdown of every table that `rows` has: schedules, precision, attention, ring."""
+  lines = [
+    *_schedules_lines(rows),
+    *_precision_lines(rows),
+    *_attention_lines(rows),
+    *_ring_lines(rows),
+  ]
   return '\n'.join(lines)
 
 

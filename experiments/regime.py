@@ -352,36 +352,47 @@ def memory_rows(
         if G not in devices_of:
           devices_of[G] = compile_lib.topology_devices(TOPOLOGY[G])[:G]
         states[sized] = abstract_state(setting, cfg, devices_of[G])
-      state = states[sized]
-      fixed = sum(state.values())
-      memo = {
-        'state_gib': (state['params_bytes'] + state['opt_state_bytes']) / GIB,
-        'ring_gib': state['ring_bytes'] / GIB,
-        'memory': 'extrapolated',
-      }
-      ref = reference_for(setting, references)
-      if ref:
-        temps = extrapolated_temps(setting, state, ref, cfg, *ref_meta)
-        memo.update(
-          temp_gib=temps / GIB,
-          peak_extrapolated_gib=(fixed + temps) / GIB,
-          peak_gib=(fixed + temps) / GIB,
-          memory_from=f'{"; ".join(r["label"] for r in ref)} ({ref[0]["source"]})',
-        )
-      else:  # no reference row: the state alone, a floor (too large: does not fit)
-        memo.update(peak_gib=None, memory='state only', memory_from='', floor=fixed)
-      measured = compiled.get(sized)
-      if measured is not None:
-        memo.update(
-          peak_gib=measured['peak_bytes'] / GIB,
-          temp_gib=(measured.get('temp_bytes') or 0) / GIB,
-          memory='compiled',
-        )
-      done[key] = memo
+      done[key] = _memory_of(setting, states[sized], references, compiled.get(sized), cfg, ref_meta)
     row.update(done[key])
   if cache:
     with open(cache, 'w') as f:
       json.dump(states, f)
+  _mark_fits(rows)
+
+
+def _memory_of(setting, state: dict, references: dict, measured, cfg, ref_meta) -> dict:
+  """The memory columns of `setting`: its state's, its temporaries extrapolated from the
+  reference rows (or the state alone, a floor, without one), and the compiler's peak where
+  `measured` (its compiled report) is given."""
+  fixed = sum(state.values())
+  memo = {
+    'state_gib': (state['params_bytes'] + state['opt_state_bytes']) / GIB,
+    'ring_gib': state['ring_bytes'] / GIB,
+    'memory': 'extrapolated',
+  }
+  ref = reference_for(setting, references)
+  if ref:
+    temps = extrapolated_temps(setting, state, ref, cfg, *ref_meta)
+    memo.update(
+      temp_gib=temps / GIB,
+      peak_extrapolated_gib=(fixed + temps) / GIB,
+      peak_gib=(fixed + temps) / GIB,
+      memory_from=f'{"; ".join(r["label"] for r in ref)} ({ref[0]["source"]})',
+    )
+  else:  # no reference row: the state alone, a floor (too large: does not fit)
+    memo.update(peak_gib=None, memory='state only', memory_from='', floor=fixed)
+  if measured is not None:
+    memo.update(
+      peak_gib=measured['peak_bytes'] / GIB,
+      temp_gib=(measured.get('temp_bytes') or 0) / GIB,
+      memory='compiled',
+    )
+  return memo
+
+
+def _mark_fits(rows: list[dict]) -> None:
+  """Sets each row's 'fits' against HBM_BYTES in place (unknown: None, but False where the
+  state's floor alone exceeds it); the backprop base rows' memory is not estimated."""
   for row in rows:
     peak = row.get('peak_gib')
     row['fits'] = None if peak is None else peak * GIB <= HBM_BYTES
@@ -496,91 +507,112 @@ def _gib(row) -> str:
 
 
 def render(rows: list[dict]) -> str:
+  """The markdown of the regime tables: per hardware the headline (Ouroboros against the best
+  exact pipeline), then every line at every (G, M), then the extrapolation's error where
+  compiled."""
   out = []
   hardware = [h for h in HARDWARE if any(r['hardware'] == h for r in rows)]
   stages = sorted({r['G'] for r in rows if r['G'] > 1})
   ratios = {G: sorted({r['M'] for r in rows if r['G'] == G}) for G in stages}
   # 1. The headline: Ouroboros' fastest fitting against the exact pipelines'.
   for hw in hardware:
-    out += [
-      f'### Ouroboros against the best exact pipeline, {hw} (each at its fastest setting that '
-      'fits 15.75 GiB)',
-      '',
-      '| G | M | M/G | best exact pipeline | eff | best Ouroboros | eff | exact / Ouroboros step '
-      '| memory ignored: both recompute | neither recomputes |',
-      '|---|---|---|---|---|---|---|---|---|---|',
-    ]
-    for G in stages:
-      for M in ratios[G]:
-        exact = fastest(rows, hw, G, M, EXACT)
-        ring = fastest(rows, hw, G, M, LINES[-3:-1])
-        ratio = f'**{exact["step_s"] / ring["step_s"]:.2f}x**' if exact and ring else '-'
-        like = []
-        for policies in (('nothing', 'graph/nothing', 'replay'), ('all', 'graph/all')):
-          a = fastest(rows, hw, G, M, EXACT, False, policies)
-          b = fastest(rows, hw, G, M, LINES[-3:-1], False, policies)
-          like.append(f'{a["step_s"] / b["step_s"]:.2f}x' if a and b else '-')
-        out.append(
-          f'| {G} | {M} | {M / G:g} | {_cell(exact, True)} | {_eff(exact)} | '
-          f'{_cell(ring, True)} | {_eff(ring)} | {ratio} | {like[0]} | {like[1]} |'
-        )
-    out += ['', *crossover_lines(rows, hw, stages, ratios), '']
+    out += _headline_lines(rows, hw, stages, ratios)
   # 2. Every line at every (G, M).
   for hw in hardware:
-    backprop = next(
-      r for r in rows if r['hardware'] == hw and r['line'] == 'backprop' and r['policy'] == 'all'
-    )
-    for G in stages:
-      out += [
-        f'### {hw}, G = {G} (backprop on one device: {backprop["step_s"] * 1e3:.0f} ms a step)',
-        '',
-        '| schedule | ' + ' | '.join(f'M = {M}' for M in ratios[G]) + ' |',
-        '|---|' + '---|' * len(ratios[G]),
-      ]
-      for line in LINES:
-        cells = []
-        for M in ratios[G]:
-          best = fastest(rows, hw, G, M, (line,))
-          if best is None:
-            tried = [
-              r
-              for r in rows
-              if r['hardware'] == hw and r['G'] == G and r['M'] == M and r['line'] == line
-            ]
-            if tried and all(r['step_s'] is None for r in tried):
-              cells.append('- (cannot run)')
-            else:
-              least = min(
-                (r for r in tried if r['peak_gib'] is not None), key=lambda r: r['peak_gib']
-              )
-              cells.append(f'no fit (least {_gib(least)}, {_short(least)})')
-            continue
-          cells.append(f'{best["efficiency"]:.2f} ({_cell(best)})')
-        name = f'{line} (reference)' if line == 'data_parallel' else line
-        out.append(f'| {name} | ' + ' | '.join(cells) + ' |')
-      out.append('')
+    out += _line_tables(rows, hw, stages, ratios)
   # 3. The extrapolation against the compiler, where compiled.
-  checked = [r for r in rows if r['memory'] == 'compiled' and r['peak_extrapolated_gib']]
-  if checked:
-    seen, lines = set(), []
-    for r in checked:
-      if (r['G'], r['M'], r['setting']) in seen:
-        continue
-      seen.add((r['G'], r['M'], r['setting']))
-      error = (r['peak_extrapolated_gib'] - r['peak_gib']) / r['peak_gib']
-      lines.append(
-        f'| G={r["G"]} {r["setting"]} | {r["peak_gib"]:.2f} | {r["peak_extrapolated_gib"]:.2f} '
-        f'| {error:+.1%} | {r["memory_from"]} |'
-      )
-    out += [
-      '### The extrapolation against the compiler (32-layer shape)',
-      '',
-      '| setting | compiled peak GiB | extrapolated GiB | error | extrapolated from (1B row) |',
-      '|---|---|---|---|---|',
-      *lines,
-      '',
-    ]
+  out += _extrapolation_lines(rows)
   return '\n'.join(out).rstrip() + '\n'
+
+
+def _headline_lines(rows, hw, stages, ratios) -> list[str]:
+  """The headline table of `hw` and its crossover lines: per (G, M), Ouroboros' fastest fitting
+  setting against the best exact pipeline's, and like with like with memory ignored."""
+  out = [
+    f'### Ouroboros against the best exact pipeline, {hw} (each at its fastest setting that '
+    'fits 15.75 GiB)',
+    '',
+    '| G | M | M/G | best exact pipeline | eff | best Ouroboros | eff | exact / Ouroboros step '
+    '| memory ignored: both recompute | neither recomputes |',
+    '|---|---|---|---|---|---|---|---|---|---|',
+  ]
+  for G in stages:
+    for M in ratios[G]:
+      exact = fastest(rows, hw, G, M, EXACT)
+      ring = fastest(rows, hw, G, M, LINES[-3:-1])
+      ratio = f'**{exact["step_s"] / ring["step_s"]:.2f}x**' if exact and ring else '-'
+      like = []
+      for policies in (('nothing', 'graph/nothing', 'replay'), ('all', 'graph/all')):
+        a = fastest(rows, hw, G, M, EXACT, False, policies)
+        b = fastest(rows, hw, G, M, LINES[-3:-1], False, policies)
+        like.append(f'{a["step_s"] / b["step_s"]:.2f}x' if a and b else '-')
+      out.append(
+        f'| {G} | {M} | {M / G:g} | {_cell(exact, True)} | {_eff(exact)} | '
+        f'{_cell(ring, True)} | {_eff(ring)} | {ratio} | {like[0]} | {like[1]} |'
+      )
+  return out + ['', *crossover_lines(rows, hw, stages, ratios), '']
+
+
+def _line_tables(rows, hw, stages, ratios) -> list[str]:
+  """The tables of `hw`, one per G: every line's fastest fitting setting at each M."""
+  out = []
+  backprop = next(
+    r for r in rows if r['hardware'] == hw and r['line'] == 'backprop' and r['policy'] == 'all'
+  )
+  for G in stages:
+    out += [
+      f'### {hw}, G = {G} (backprop on one device: {backprop["step_s"] * 1e3:.0f} ms a step)',
+      '',
+      '| schedule | ' + ' | '.join(f'M = {M}' for M in ratios[G]) + ' |',
+      '|---|' + '---|' * len(ratios[G]),
+    ]
+    for line in LINES:
+      cells = [_line_cell(rows, hw, G, M, line) for M in ratios[G]]
+      name = f'{line} (reference)' if line == 'data_parallel' else line
+      out.append(f'| {name} | ' + ' | '.join(cells) + ' |')
+    out.append('')
+  return out
+
+
+def _line_cell(rows, hw, G, M, line) -> str:
+  """The cell of `line` at (hw, G, M): its fastest fitting setting's efficiency, else why none
+  (it cannot run, or the least memory it needs)."""
+  best = fastest(rows, hw, G, M, (line,))
+  if best is not None:
+    return f'{best["efficiency"]:.2f} ({_cell(best)})'
+  tried = [
+    r for r in rows if r['hardware'] == hw and r['G'] == G and r['M'] == M and r['line'] == line
+  ]
+  if tried and all(r['step_s'] is None for r in tried):
+    return '- (cannot run)'
+  least = min((r for r in tried if r['peak_gib'] is not None), key=lambda r: r['peak_gib'])
+  return f'no fit (least {_gib(least)}, {_short(least)})'
+
+
+def _extrapolation_lines(rows) -> list[str]:
+  """The table of the extrapolated peaks against the compiler's (none where nothing is
+  compiled)."""
+  checked = [r for r in rows if r['memory'] == 'compiled' and r['peak_extrapolated_gib']]
+  if not checked:
+    return []
+  seen, lines = set(), []
+  for r in checked:
+    if (r['G'], r['M'], r['setting']) in seen:
+      continue
+    seen.add((r['G'], r['M'], r['setting']))
+    error = (r['peak_extrapolated_gib'] - r['peak_gib']) / r['peak_gib']
+    lines.append(
+      f'| G={r["G"]} {r["setting"]} | {r["peak_gib"]:.2f} | {r["peak_extrapolated_gib"]:.2f} '
+      f'| {error:+.1%} | {r["memory_from"]} |'
+    )
+  return [
+    '### The extrapolation against the compiler (32-layer shape)',
+    '',
+    '| setting | compiled peak GiB | extrapolated GiB | error | extrapolated from (1B row) |',
+    '|---|---|---|---|---|',
+    *lines,
+    '',
+  ]
 
 
 def _cell(row, name=False) -> str:

@@ -85,6 +85,80 @@ def render(rows: list[dict]) -> str:
   return '\n'.join(lines)
 
 
+def validation_rows(name: str, out: str) -> list[dict]:
+  """txl_tiny.csv's rows of run `name`: every validation evaluation in its metrics.jsonl under
+  `out`."""
+  rows = []
+  with open(os.path.join(out, 'metrics.jsonl')) as f:
+    for line in f:
+      row = json.loads(line)
+      if row['split'] == 'validation':
+        rows.append({'run': name, 'step': row['step'], 'train_s': row['train_s'],
+                     'val_bpb': row['bpb']})  # fmt: skip
+  return rows
+
+
+def write_csv(out: str, rows: list[dict]) -> None:
+  """Writes txl_tiny.csv under `out` (creating the directory)."""
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, 'txl_tiny.csv'), 'w', newline='') as f:
+    writer = csv.DictWriter(f, fieldnames=['run', 'step', 'train_s', 'val_bpb'])
+    writer.writeheader()
+    writer.writerows(rows)
+
+
+def time_curve(rows: list[dict], name: str) -> list[tuple]:
+  """Run `name`'s (train_s, val_bpb) points, in time order."""
+  return sorted((r['train_s'], r['val_bpb']) for r in rows if r['run'] == name)
+
+
+def summary(rows: list[dict], runs: list[tuple], finals: dict) -> str:
+  """summary.md's text: each run's final bpb and time, and every other run's validation bpb at
+  the first run's final time."""
+  first = runs[0][0]
+  budget = time_curve(rows, first)[-1][0]
+
+  def at_budget(name):
+    times, bpbs = zip(*time_curve(rows, name))
+    return float(np.interp(budget, times, bpbs)) if times[0] <= budget else float('nan')
+
+  table = [
+    '| run | steps | final val bpb | test bpb | train s | tokens/s |',
+    '|---|---|---|---|---|---|',
+    *(
+      f'| {n} | {s["step"]} | {s["val_bpb"]:.4f} | {s["test_bpb"]:.4f} | '
+      f'{s["train_s"] + s["compile_s"]:.0f} | {s["tokens_per_s"]:,.0f} |'
+      for n, s in finals.items()
+    ),
+    '',
+    *(
+      f"{name} at {first}'s {budget:.0f} s: val bpb {at_budget(name):.4f} against "
+      f'{finals[first]["val_bpb"]:.4f} ({at_budget(name) - finals[first]["val_bpb"]:+.4f}).'
+      for name, _, _ in runs[1:]
+    ),
+  ]
+  return '\n'.join(table)
+
+
+def plot(out: str, rows: list[dict], runs: list[tuple]) -> None:
+  """Writes txl_tiny.png under `out`: each run's validation bpb against training time."""
+  import matplotlib
+
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for name, _, _ in runs:
+    ax.plot(*zip(*time_curve(rows, name)), marker='o', markersize=3, label=name)
+  ax.set_xlabel('training time, s (compilation included)')
+  ax.set_ylabel('validation bits per byte')
+  ax.set_title('Transformer-XL against GPT, same corpus and machine')
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, 'txl_tiny.png'), dpi=120)
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   parser.add_argument(
@@ -115,62 +189,14 @@ def main(argv=None):
     cfg = field_flags.override(presets.get_preset(preset), values)
     print(f'== {name}', flush=True)
     finals[name] = loop.train(cfg, quiet=True)
-    with open(os.path.join(out, 'metrics.jsonl')) as f:
-      for line in f:
-        row = json.loads(line)
-        if row['split'] == 'validation':
-          rows.append({'run': name, 'step': row['step'], 'train_s': row['train_s'],
-                       'val_bpb': row['bpb']})  # fmt: skip
+    rows.extend(validation_rows(name, out))
 
-  os.makedirs(args.out, exist_ok=True)
-  with open(os.path.join(args.out, 'txl_tiny.csv'), 'w', newline='') as f:
-    writer = csv.DictWriter(f, fieldnames=['run', 'step', 'train_s', 'val_bpb'])
-    writer.writeheader()
-    writer.writerows(rows)
-
-  curve = lambda name: sorted((r['train_s'], r['val_bpb']) for r in rows if r['run'] == name)
-  first = runs[0][0]
-  budget = curve(first)[-1][0]
-
-  def at_budget(name):
-    times, bpbs = zip(*curve(name))
-    return float(np.interp(budget, times, bpbs)) if times[0] <= budget else float('nan')
-
-  table = [
-    '| run | steps | final val bpb | test bpb | train s | tokens/s |',
-    '|---|---|---|---|---|---|',
-    *(
-      f'| {n} | {s["step"]} | {s["val_bpb"]:.4f} | {s["test_bpb"]:.4f} | '
-      f'{s["train_s"] + s["compile_s"]:.0f} | {s["tokens_per_s"]:,.0f} |'
-      for n, s in finals.items()
-    ),
-    '',
-    *(
-      f"{name} at {first}'s {budget:.0f} s: val bpb {at_budget(name):.4f} against "
-      f'{finals[first]["val_bpb"]:.4f} ({at_budget(name) - finals[first]["val_bpb"]:+.4f}).'
-      for name, _, _ in runs[1:]
-    ),
-  ]
-  text = '\n'.join(table)
+  write_csv(args.out, rows)
+  text = summary(rows, runs, finals)
   with open(os.path.join(args.out, 'summary.md'), 'w') as f:
     f.write(text + '\n')
   print(text)
-
-  import matplotlib
-
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt
-
-  fig, ax = plt.subplots(figsize=(7, 4.5))
-  for name, _, _ in runs:
-    ax.plot(*zip(*curve(name)), marker='o', markersize=3, label=name)
-  ax.set_xlabel('training time, s (compilation included)')
-  ax.set_ylabel('validation bits per byte')
-  ax.set_title('Transformer-XL against GPT, same corpus and machine')
-  ax.grid(alpha=0.3)
-  ax.legend()
-  fig.tight_layout()
-  fig.savefig(os.path.join(args.out, 'txl_tiny.png'), dpi=120)
+  plot(args.out, rows, runs)
   print(f'wrote {args.out}/txl_tiny.csv, txl_tiny.png, summary.md')
 
 
