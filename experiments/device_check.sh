@@ -75,10 +75,11 @@ fi
 # least 8 rows that the pipelined stream's 2P micro-batches divide.
 cpu_bench() {
   local p=$1 name=$2
-  # Ouroboros, FSDP over the P processes (issue 61) and ZB-V first: a bench cut short keeps the
-  # rows it measured first ("data_parallel" names the replicated one and FSDP, already named).
+  # Ouroboros, then FSDP over the P processes beside 1F1B and replicated data parallelism (issue
+  # 61; run 9's 8-process bench stopped before 1F1B), then ZB-V: a bench cut short keeps the rows
+  # it measured first ("data_parallel" names the replicated one and FSDP, already named).
   local only="ouroboros M=$p stream locked,ouroboros M=$((2 * p)) stream pipelined"
-  only+=",data_parallel fsdp,zb_v M=8,zb_h1 M=8,1f1b M=8,data_parallel,interleaved M=8,gpipe M=8"
+  only+=",data_parallel fsdp,1f1b M=8,data_parallel,zb_v M=8,zb_h1 M=8,interleaved M=8,gpipe M=8"
   only+=",model_parallel,backprop"
   [ "$QUICK" = 1 ] && only="backprop,zb_v M=8,ouroboros M=$((2 * p)) stream pipelined"
   only=${ONLY:-$only}
