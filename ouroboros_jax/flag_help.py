@@ -121,6 +121,8 @@ DESCRIPTIONS = {
   'dc_lambda': 'dc: the strength lambda_0 of DC-ASGD-a',
   'shrink': 'shrink: factor on delayed gradients, in (0, 1]',
   'pipemare_steps': 'pipemare: steps to reach the full rate (0: a quarter of --steps)',
+  'predict_horizon': 'predict: the forward runs at w + HORIZON * gap * (latest update); 1: the '
+  'gap itself',
   'pld': 'progressive layer dropping, THETA_BAR,GAMMA (or default): layer l kept with probability '
   '1-(l/L)(1-theta(t)), theta(t) = (1-theta_bar)exp(-gamma t)+theta_bar; pre-LN GPT only '
   '(docs/guides/accelerators.md)',

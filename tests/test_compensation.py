@@ -28,7 +28,7 @@ from helpers import (
 
 EVERY = Compensation(predict=True, pipemare_steps=4, dc_lambda=0.5, shrink=0.7)
 CASES = {
-  'predict': Compensation(predict=True),
+  'predict': Compensation(predict=True, predict_horizon=2.0),  # beyond the gap (issue 62)
   'pipemare': Compensation(pipemare_steps=4),
   'dc': Compensation(dc_lambda=0.5),
   'shrink': Compensation(shrink=0.7),
@@ -218,6 +218,11 @@ def test_prediction_moves_each_group_by_its_gap():
   np.testing.assert_allclose(kernel[0], params['stages']['qkv']['kernel'][0] + 2)
   np.testing.assert_allclose(kernel[1], params['stages']['qkv']['kernel'][1] + 1)
   assert max_abs_diff(out['head'], params['head']) == 0.0
+  # A horizon of 1.5 extrapolates over 1.5 gaps: 3, 1.5 updates (exact in float32).
+  far = compensation.predict_weights(params, opt_state, gaps, horizon=1.5)
+  kernel = far['stages']['qkv']['kernel']
+  np.testing.assert_allclose(kernel[0], params['stages']['qkv']['kernel'][0] + 3)
+  np.testing.assert_allclose(kernel[1], params['stages']['qkv']['kernel'][1] + 1.5)
 
 
 def test_prediction_moves_a_shared_parameter_by_each_stages_gap():
@@ -292,6 +297,8 @@ def test_bad_settings_are_one_line_errors():
     compensation.parse('shrink', steps=100, shrink=1.5)
   with raises_for_cli('--dc-lambda'):
     compensation.parse('dc', steps=100, dc_lambda=-1)
+  with raises_for_cli('--predict-horizon must be > 0'):
+    compensation.parse('predict', steps=100, predict_horizon=0)
   with pytest.raises(ConfigError, match='unknown optimizer'):
     optimizers.make_optimizer('sgd', 1e-3)
   model, _ = tiny_transformer(2)
@@ -307,6 +314,9 @@ def test_bad_settings_are_one_line_errors():
   assert compensation.parse('predict,pipemare', steps=100) == Compensation(
     predict=True, pipemare_steps=25
   )
+  # A horizon without prediction is no compensation: 'none' stays the paper's method.
+  assert compensation.parse('none', steps=100, predict_horizon=2.0) == Compensation()
+  assert compensation.parse('dc', steps=100, predict_horizon=2.0).predict_horizon == 1.0
 
 
 def test_compensation_spec_refuses_repeats_and_none_or_auto_with_others():

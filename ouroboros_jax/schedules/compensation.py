@@ -48,6 +48,8 @@ class Compensation:
 
   predict          forward at w + tau * (latest update) (SpecTrain, Chen et al. 2018; PipeOptim,
                    arXiv 2312.00839)
+  predict_horizon  with predict: the forward runs at w + predict_horizon * tau * u, the latest
+                   update extrapolated over that multiple of the gap (1: the gap itself)
   pipemare_steps   > 0: PipeMare's rate rescheduling, lr / tau^(1 - min(t / T, 1)) with
                    T = pipemare_steps (Yang et al., MLSys 2021)
   dc_lambda        > 0: DC-ASGD-a's delay compensation of the gradient with strength lambda_0
@@ -60,6 +62,7 @@ class Compensation:
   """
 
   predict: bool = False
+  predict_horizon: float = 1.0
   pipemare_steps: int = 0
   dc_lambda: float = 0.0
   shrink: float = 1.0
@@ -113,7 +116,13 @@ def spec_names(spec: str) -> tuple[str, ...]:
 
 
 def parse(
-  spec: str, *, steps: int, dc_lambda: float = 1.0, shrink: float = 0.5, pipemare_steps: int = 0
+  spec: str,
+  *,
+  steps: int,
+  dc_lambda: float = 1.0,
+  shrink: float = 0.5,
+  pipemare_steps: int = 0,
+  predict_horizon: float = 1.0,
 ) -> Compensation:
   """'none' or a comma list of COMPENSATIONS ('predict,dc') -> Compensation.
 
@@ -130,6 +139,11 @@ def parse(
     raise ConfigError(f'{field_ref("dc_lambda")} must be > 0, got {dc_lambda}.')
   if not 0 < shrink <= 1:
     raise ConfigError(f'{field_ref("shrink")} must be in (0, 1], got {shrink}.')
+  if not predict_horizon > 0:
+    raise ConfigError(
+      f'{field_ref("predict_horizon")} must be > 0 (1: predict over the gap itself), got '
+      f'{predict_horizon}.'
+    )
   if pipemare_steps < 0:
     raise ConfigError(
       f'{field_ref("pipemare_steps")} must be >= 0 (0: a quarter of {field_ref("steps")}), '
@@ -137,6 +151,7 @@ def parse(
     )
   return Compensation(
     predict='predict' in names,
+    predict_horizon=predict_horizon if 'predict' in names else 1.0,
     pipemare_steps=(pipemare_steps or max(steps // 4, 1)) if 'pipemare' in names else 0,
     dc_lambda=dc_lambda if 'dc' in names else 0.0,
     shrink=shrink if 'shrink' in names else 1.0,
@@ -363,9 +378,12 @@ def remember_update(
   return optax.GradientTransformationExtraArgs(init, update)
 
 
-def predict_weights(params: PyTree, opt_state: PyTree, gaps: PyTree) -> PyTree:
+def predict_weights(
+  params: PyTree, opt_state: PyTree, gaps: PyTree, horizon: float = 1.0
+) -> PyTree:
   """w + tau * u per group: the weights each group is predicted to have when the gradient of the
-  forward it is about to run gets applied (SpecTrain; PipeOptim with the update as direction).
+  forward it is about to run gets applied (SpecTrain; PipeOptim with the update as direction);
+  with `horizon` h (`Compensation.predict_horizon`), w + h * tau * u.
 
   params and opt_state are a schedule's {'embed', 'stages', 'head'} trees (opt_state made with a
   `remember_update` optimizer); gaps has one version gap per group: a scalar for 'embed' and
@@ -377,7 +395,7 @@ def predict_weights(params: PyTree, opt_state: PyTree, gaps: PyTree) -> PyTree:
   """
 
   def group(p, state, gap):
-    gap = jnp.asarray(gap, jnp.float32)
+    gap = horizon * jnp.asarray(gap, jnp.float32)
 
     def shift(w, u):
       g = gap.reshape(gap.shape + (1,) * (w.ndim - gap.ndim)).astype(w.dtype)
@@ -387,7 +405,7 @@ def predict_weights(params: PyTree, opt_state: PyTree, gaps: PyTree) -> PyTree:
 
   predicted = {name: group(params[name], opt_state[name], gaps[name]) for name in params}
   if 'shared' in opt_state:
-    gap_G = jnp.asarray(gaps['stages'], jnp.float32)
+    gap_G = horizon * jnp.asarray(gaps['stages'], jnp.float32)
 
     def shift_slots(w_GxN, u):
       g = gap_G.reshape(gap_G.shape + (1,) * (w_GxN.ndim - gap_G.ndim)).astype(w_GxN.dtype)

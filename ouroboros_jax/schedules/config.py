@@ -180,6 +180,7 @@ class ScheduleConfig:
     dc_lambda: float = 1.0,
     shrink: float = 0.5,
     pipemare_steps: int = 0,
+    predict_horizon: float = 1.0,
   ) -> Compensation:
     """The one resolution of a staleness compensation, for the Python API
     (`resolved_compensation`: this config's own) and the CLI (`TrainConfig.resolved_compensation`:
@@ -200,7 +201,12 @@ class ScheduleConfig:
         else RECIPE_COMPENSATION_REPLAY
       )
     return parse(
-      spec, steps=steps, dc_lambda=dc_lambda, shrink=shrink, pipemare_steps=pipemare_steps
+      spec,
+      steps=steps,
+      dc_lambda=dc_lambda,
+      shrink=shrink,
+      pipemare_steps=pipemare_steps,
+      predict_horizon=predict_horizon,
     )
 
   @property

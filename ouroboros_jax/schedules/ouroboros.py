@@ -663,6 +663,7 @@ def _step(ring: _Ring, state: TrainState, batch: dict):
       state.params,
       state.opt_state,
       {'embed': no_gap(timing.embed_gap), 'stages': no_gap(gap_G), 'head': 0},
+      ring.compensation.predict_horizon,
     )
   grads, buffers, loss = _grads(ring, state, forward_params, batch, t, t_async)
 

@@ -32,7 +32,8 @@ class SlowCompensation:
                 MS(g) <- 0.95 MS(g) + 0.05 g * g,  w_then = the weights `delay` updates ago
     base        u <- tx(g)
     PipeMare    u <- u / max(delay, 1)^(1 - min(n / T, 1)),  n = the group's updates so far
-    prediction  the forward runs at w + gap * (w(t) - w(t-1)), the group's latest step
+    prediction  the forward runs at w + h * gap * (w(t) - w(t-1)), the group's latest step,
+                h = predict_horizon (1: the gap itself)
 
   A group that is not ready keeps its weights and everything it remembers.
   """
@@ -66,7 +67,8 @@ class SlowCompensation:
     groups = self.split(params)
     for k, gap in gaps.items():
       if self.comp.predict and gap:
-        groups[k] = jax.tree.map(lambda w, u, gap=gap: w + gap * u, groups[k], self.latest[k])
+        h = self.comp.predict_horizon
+        groups[k] = jax.tree.map(lambda w, u, g=h * gap: w + g * u, groups[k], self.latest[k])
     return self.join(groups, staged.stage_count(params))
 
   def apply(self, params, grads, ready, delays):

@@ -108,6 +108,7 @@ class TrainConfig:
   dc_lambda: float = 1.0  # dc: DC-ASGD-a's strength lambda_0
   shrink: float = 0.5  # shrink: factor on delayed gradients
   pipemare_steps: int = 0  # pipemare: steps T to the full rate (0: a quarter of --steps)
+  predict_horizon: float = 1.0  # predict: the forward at w + horizon * gap * (latest update)
   # Other training accelerators (docs/guides/accelerators.md; None / 0 = off).
   pld: str | None = None  # progressive layer dropping: 'THETA_BAR,GAMMA' or 'default'
   growth: str | None = None  # MSLT / progressive stacking plan, see growth.parse_plan
@@ -442,6 +443,7 @@ class TrainConfig:
       dc_lambda=self.dc_lambda,
       shrink=self.shrink,
       pipemare_steps=self.pipemare_steps,
+      predict_horizon=self.predict_horizon,
     )
     if not comp.active:  # none stays Compensation(): the paper's method, nothing kept
       return comp

@@ -37,6 +37,7 @@ RECIPE_FLAGS = (
   'dc_lambda',
   'shrink',
   'pipemare_steps',
+  'predict_horizon',
   'warmup_steps',
   'min_lr_ratio',
   'weight_decay',
