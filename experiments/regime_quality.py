@@ -71,7 +71,6 @@ LEVERS = {
   'pipelined-g8-m4+momentum98': ('pipelined-g8-m4', dict(momentum=0.98)),
   'pipelined-g8-m4+dc4': ('pipelined-g8-m4', dict(dc_lambda=4.0)),
   'pipelined-g8-m4+horizon2': ('pipelined-g8-m4', dict(predict_horizon=2.0)),
-  'pipelined-g8-m16+dc4': ('pipelined-g8-m16', dict(dc_lambda=4.0)),
 }
 
 
