@@ -65,12 +65,13 @@ def settings() -> dict[str, dict]:
 # DC-ASGD-a at a stronger lambda_0 (Zheng et al. 2017 use up to 4): a larger correction of the
 # gradient by its Taylor term for an older gradient. The ring's weight prediction at a longer
 # horizon (`--predict-horizon 2`): the forward at w + 2 * gap * u, the latest update
-# extrapolated over twice the gap.
+# extrapolated over twice the gap, and over half of it.
 LEVERS = {
   'pipelined-g8-m4+pipemare': ('pipelined-g8-m4', dict(compensation='predict,dc,pipemare')),
   'pipelined-g8-m4+momentum98': ('pipelined-g8-m4', dict(momentum=0.98)),
   'pipelined-g8-m4+dc4': ('pipelined-g8-m4', dict(dc_lambda=4.0)),
   'pipelined-g8-m4+horizon2': ('pipelined-g8-m4', dict(predict_horizon=2.0)),
+  'pipelined-g8-m4+horizon0.5': ('pipelined-g8-m4', dict(predict_horizon=0.5)),
 }
 
 
