@@ -36,6 +36,33 @@ def head_flops(d_model: int, vocab: int) -> float:
   return 2 * d_model * vocab + 5 * vocab + 2 * d_model
 
 
+# optax.contrib.muon's Newton-Schulz steps (`ns_steps`), which the library leaves at its default.
+NEWTON_SCHULZ_STEPS = 5
+# The values an optimizer's elementwise pass moves per parameter: Adam reads the parameter, its
+# gradient and two moments and writes three back; Muon's momentum pass moves 5 (the same order).
+UPDATE_VALUES_PER_PARAM = 7
+
+
+def newton_schulz_flops(rows: int, cols: int, steps: int = NEWTON_SCHULZ_STEPS) -> float:
+  """Matmul FLOPs of Muon's orthogonalisation of one rows x cols matrix (optax.contrib.muon's
+  `orthogonalize_via_newton_schulz`): each step X <- a X + (b A + c A A) X with A = X X^T on the
+  short side m (n the long one), 2 m^2 n + 2 m^3 + 2 m^2 n."""
+  m, n = sorted((rows, cols))
+  return steps * (4 * m * m * n + 2 * m**3)
+
+
+def layer_update_flops(optimizer: str, d_model: int, d_ff: int) -> float:
+  """Matmul FLOPs of one layer's optimizer update: Muon orthogonalises its four kernels whole
+  (QKV d x 3d, the attention's output d x d, the MLP's d x f and f x d: `optimizers.muon_dimensions`);
+  AdamW's and NAdamW's updates are elementwise (none)."""
+  if optimizer != 'muon':
+    return 0.0
+  d = d_model
+  return (
+    newton_schulz_flops(d, 3 * d) + newton_schulz_flops(d, d) + 2 * newton_schulz_flops(d, d_ff)
+  )
+
+
 def model_flops(cfg) -> tuple[float, float]:
   """(F, H) of a `ModelConfig`."""
   return (layer_flops(cfg.d_model, cfg.d_ff, cfg.seq_len), head_flops(cfg.d_model, cfg.vocab_size))

@@ -359,6 +359,40 @@ def test_transformer_costs_from_flops():
   assert bf16.reduce_scale == 2.0 and bf16.grad_bytes == c.grad_bytes / 2
 
 
+@pytest.mark.parametrize('rows, cols', [(16, 48), (32, 32), (64, 16)])
+def test_newton_schulz_flops_are_optax_muons(rows, cols):
+  """The simulator's price of Muon's orthogonalisation counts the matrix products of
+  optax.contrib.muon's own Newton-Schulz iteration, read off its jaxpr, for wide, square and
+  tall matrices."""
+  import jax.numpy as jnp
+  from optax.contrib import _muon
+
+  coeffs = jnp.array((3.4445, -4.7750, 2.0315))  # optax.contrib.muon's ns_coeffs
+  traced = cost_model.matmul_flops(
+    lambda x: _muon.orthogonalize_via_newton_schulz(x, coeffs), jnp.ones((rows, cols))
+  )
+  assert cost_model.newton_schulz_flops(rows, cols) == traced
+
+
+def test_transformer_costs_price_each_stages_optimizer_update():
+  """Each stage's update: its layers' orthogonalisation (Muon's four kernels a layer) at the
+  matmul rate plus the elementwise pass over its parameters at the memory rate; stage 0 also
+  updates the embedding (elementwise). AdamW pays only the pass; no optimizer, nothing."""
+  L, d, f, V = 4, 64, 256, 100
+  shape = sim_costs.ModelShape('test', L, d, f, 32, V, 2)
+  rates = sim_costs.Hardware('test', flops_per_s=1e9, bandwidth=1e9, latency=0.0)
+  rates = dataclasses.replace(rates, memory_bandwidth=1e8)
+  costs_of = lambda opt: sim_costs.transformer_costs(shape, rates, 2, (1, 3), optimizer=opt)
+  moved = 7 * 4 / 1e8  # seconds a float32 parameter: Adam's 7 values read and written
+  layer_params, embed = 4 * d * d + 2 * d * f, V * d
+  ns = sum(cost_model.newton_schulz_flops(*m) for m in ((d, 3 * d), (d, d), (d, f), (f, d)))
+  layer = ns / 1e9 + layer_params * moved
+  assert costs_of('muon').update_s == pytest.approx((layer + embed * moved, 3 * layer))
+  adam = (layer_params * moved + embed * moved, 3 * layer_params * moved)
+  assert costs_of('adamw').update_s == pytest.approx(adam)
+  assert costs_of(None).update_s == ()
+
+
 def test_balanced_split_gives_device_0_fewer_layers_and_stops_at_the_layer_count():
   c = sim_costs.transformer_costs(sim_costs.GPT2_SMALL, sim_costs.NVLINK, 4)
   per_layer = cost_model.layer_flops(768, 3072, 1024) * 32 * 1024 / sim_costs.NVLINK.flops_per_s

@@ -261,10 +261,14 @@ def transformer_costs(
   layers_per_stage: Sequence[int] | None = None,
   bytes_per_value: int = 2,
   param_bytes_per_value: int = 4,
+  optimizer: str | None = None,
 ) -> StageCosts:
   """StageCosts of `model`, a decoder-only Transformer with tied embeddings, cut into
   `num_stages` groups, on `hardware`: activations and gathered weights `bytes_per_value` wide
   (the compute dtype's), gradients reduced `param_bytes_per_value` wide (the stored parameters').
+  With an `optimizer` ('muon', 'adamw', 'nadamw') each stage's update is priced (`update_s`):
+  Muon's orthogonalisation at the matmul rate, every optimizer's elementwise pass at
+  `hardware.memory_bandwidth` (`_update_s`); None leaves the update free.
 
   `hardware.flops_per_s` is the *effective* rate (peak x utilisation). Backward = 2 x forward.
   The embedding's lookup and scatter-add gradient are memory-bound and tiny; they are counted as
@@ -285,6 +289,10 @@ def transformer_costs(
     )
   embed = 2 * d_model * tokens / flops_per_s
   layer_bytes = (model.params - model.vocab * d_model) / num_layers * bytes_per_value
+  layer_update, embed_update = _update_s(model, hardware, optimizer, param_bytes_per_value)
+  update = [n * layer_update for n in layers_per_stage] if optimizer else []
+  if update:
+    update[0] += embed_update  # the tied embedding and head, on stage 0 as its gradient
   return StageCosts(
     forward_s=[n * per_layer for n in layers_per_stage],
     backward_s=[2 * n * per_layer for n in layers_per_stage],
@@ -300,7 +308,22 @@ def transformer_costs(
     collective_bandwidth=hardware.collective_bandwidth,
     dcn_bandwidth=hardware.dcn_bandwidth,
     reduce_scale=param_bytes_per_value / bytes_per_value,
+    update_s=update,
   )
+
+
+def _update_s(model, hardware, optimizer: str | None, param_bytes: int) -> tuple[float, float]:
+  """(one layer's optimizer update, the embedding's) in seconds on `hardware`: the matmuls of
+  `costs.layer_update_flops` (Muon's orthogonalisation) at `flops_per_s`, and the elementwise
+  pass over every parameter (`costs.UPDATE_VALUES_PER_PARAM` values `param_bytes` wide) at
+  `memory_bandwidth`. The embedding is Adam's (elementwise) under every optimizer."""
+  if not optimizer:
+    return 0.0, 0.0
+  moved = costs.UPDATE_VALUES_PER_PARAM * param_bytes / hardware.memory_bandwidth
+  embed_params = model.vocab * model.d_model
+  layer_params = (model.params - embed_params) / model.num_layers
+  matmuls = costs.layer_update_flops(optimizer, model.d_model, model.d_ff) / hardware.flops_per_s
+  return matmuls + layer_params * moved, embed_params * moved
 
 
 @dataclasses.dataclass(frozen=True)
@@ -329,6 +352,8 @@ class Hardware:
   collective_bandwidth: float | None = None  # bytes / s a chip sends in a collective, every
   # link it has (None: one link's `bandwidth`)
   dcn_bandwidth: float = math.inf  # bytes / s a chip, between slices (the data-centre network)
+  memory_bandwidth: float = math.inf  # bytes / s a chip's own memory (HBM): the optimizer's
+  # elementwise pass (inf: free)
 
 
 GPT2_SMALL = ModelShape(
@@ -337,8 +362,13 @@ GPT2_SMALL = ModelShape(
 ONE_B = ModelShape(
   '1b', num_layers=24, d_model=2048, d_ff=8192, seq_len=2048, vocab=50257, batch=32
 )
-# A 300 TFLOP/s (bf16) accelerator at 40% utilisation, NVLink-class links or a 25 GB/s network.
-NVLINK = Hardware('nvlink-300GBps', flops_per_s=0.4 * 300e12, bandwidth=300e9, latency=5e-6)
-NETWORK = Hardware('network-25GBps', flops_per_s=0.4 * 300e12, bandwidth=25e9, latency=5e-6)
+# A 300 TFLOP/s (bf16) accelerator at 40% utilisation with an A100-80GB's 2.0 TB/s of HBM
+# (NVIDIA's A100 datasheet), NVLink-class links or a 25 GB/s network.
+NVLINK = Hardware(
+  'nvlink-300GBps', flops_per_s=0.4 * 300e12, bandwidth=300e9, latency=5e-6, memory_bandwidth=2e12
+)
+NETWORK = Hardware(
+  'network-25GBps', flops_per_s=0.4 * 300e12, bandwidth=25e9, latency=5e-6, memory_bandwidth=2e12
+)
 MODELS = {m.name: m for m in (GPT2_SMALL, ONE_B)}
 HARDWARE = {h.name: h for h in (NVLINK, NETWORK)}

@@ -48,6 +48,8 @@ from ouroboros_jax.training.config import TrainConfig
 # for its 8 chips, 3.125 GB/s a chip; v5p's is 50 Gbps a chip, 6.25 GB/s. Sources: Cloud TPU's
 # v5e and v5p system architecture pages (cloud.google.com/tpu/docs/v5e, /v5p): ICI 400 and
 # 1200 GB/s a chip both ways over 4 and 6 ports, i.e. 50 and 100 GB/s a link per direction.
+# A chip's HBM (the optimizer's elementwise pass), from the same pages and v4's and v6e's: 819,
+# 1200, 2765 and 1640 GB/s on v5e, v4, v5p and v6e.
 TPU_V5E = cost_model.Hardware(
   'tpu-v5e',
   flops_per_s=0.4 * 197e12,
@@ -55,8 +57,11 @@ TPU_V5E = cost_model.Hardware(
   latency=5e-6,
   collective_bandwidth=2 * 50e9,
   dcn_bandwidth=2 * 100e9 / 8 / 8,
+  memory_bandwidth=819e9,
 )
-TPU_V4 = cost_model.Hardware('tpu-v4', flops_per_s=0.4 * 275e12, bandwidth=50e9, latency=5e-6)
+TPU_V4 = cost_model.Hardware(
+  'tpu-v4', flops_per_s=0.4 * 275e12, bandwidth=50e9, latency=5e-6, memory_bandwidth=1200e9
+)
 TPU_V5P = cost_model.Hardware(
   'tpu-v5p',
   flops_per_s=0.4 * 459e12,
@@ -64,8 +69,11 @@ TPU_V5P = cost_model.Hardware(
   latency=5e-6,
   collective_bandwidth=2 * 100e9,
   dcn_bandwidth=50e9 / 8,
+  memory_bandwidth=2765e9,
 )
-TPU_V6E = cost_model.Hardware('tpu-v6e', flops_per_s=0.4 * 918e12, bandwidth=100e9, latency=5e-6)
+TPU_V6E = cost_model.Hardware(
+  'tpu-v6e', flops_per_s=0.4 * 918e12, bandwidth=100e9, latency=5e-6, memory_bandwidth=1640e9
+)
 HARDWARE = {h.name: h for h in (TPU_V5E, TPU_V4, TPU_V5P, TPU_V6E, *cost_model.HARDWARE.values())}
 
 
@@ -116,6 +124,7 @@ def predicted_step_s(
     stages,
     bytes_per_value=model.compute_dtype.itemsize,
     param_bytes_per_value=model.weight_dtype.itemsize,
+    optimizer=cfg.resolved_optimizer(),
   )
   # What the backward re-runs of the forward: the policy's share (the replay stash: all of it,
   # which the simulator adds itself).
@@ -203,7 +212,7 @@ def repredict(result: dict, cfg: TrainConfig) -> dict:
   """A saved plan of `cfg` with every row's step time predicted again by this simulator, at the
   rates it was made with, its compiled memory as it was, and its fastest marks derived again: a
   change to the simulator moves a saved plan without a compile."""
-  rates = cost_model.Hardware(**result['hardware'])
+  rates = saved_rates(result['hardware'])
   keys = field_flags.train_flags(ScheduleConfig())
   for row in result['rows']:
     if row.get('step_s') is None:  # not predicted: an error, a setting it could not resolve
@@ -216,6 +225,13 @@ def repredict(result: dict, cfg: TrainConfig) -> dict:
     row['step_s'] = predicted_step_s(cfg, resolved, rates, stash_item_bytes=item)
   result['fastest'], result['fastest_by_schedule'] = mark_fastest(result['rows'])
   return result
+
+
+def saved_rates(saved: dict) -> cost_model.Hardware:
+  """The rates a plan was saved with; a rate added since (a field it lacks) from today's preset
+  of the same name (`HARDWARE`), else the field's default."""
+  preset = HARDWARE.get(saved.get('name'))
+  return dataclasses.replace(preset, **saved) if preset else cost_model.Hardware(**saved)
 
 
 def _compiled(run: TrainConfig, topology: str | None) -> dict:
