@@ -9,7 +9,9 @@ of 256 joined by the data-centre network at 512) and B in {N/4, N/2, N, 2N, 4N},
   data_parallel         D = N replicated, as a reference line
   every G x R = N       G in `settings.factorisations` (G <= 16), R = N / G data replicas of
                         B / R sequences each, cut into M = B / R micro-batches of one sequence:
-                        ouroboros pipelined and locked, zb_h1, zb_v, 1f1b, interleaved
+                        ouroboros pipelined and locked, zb_h1, zb_v, 1f1b, interleaved; each
+                        also with --fsdp where R > 1 (its stages' parameters, gradients and
+                        optimizer state sharded over the R replicas, and so its update)
 
 and predicts each step with `plan.predicted_step_s` (the library's simulator: FSDP's gathers and
 reductions overlapped with its compute, each stage's gradient all-reduced over its replicas,
@@ -25,7 +27,9 @@ chip's memory depends on the shapes it holds:
 
   pipelines   compiled at the per-chip shape: G stages x 1 replica (G chips: v5e:1x2, 2x2,
               2x4, 4x4; v5p:1x2x1, 2x2x1, 2x2x2, 2x2x4) of the replica's B / R sequences in the
-              same M micro-batches; the R data replicas do not change what a chip holds
+              same M micro-batches; the R data replicas do not change what a chip holds;
+              with --fsdp the same compile, its state shard extrapolated from 1 to 1 / R of
+              a stage's, peak(R) = peak(1) - (params_bytes + opt_state_bytes) * (1 - 1 / R)
   FSDP        compiled at D = 8 (v5e:2x4, v5p:2x2x2) with the same B / N sequences a chip, so
               exact at N = 8 and extrapolated from D = 8 above it: a chip's shard of the
               parameters and optimizer state shrinks from 1 / 8 of the model's to 1 / N,
@@ -76,7 +80,7 @@ BATCH_PER_CHIP = (0.25, 0.5, 1, 2, 4)
 MAX_STAGES = 16
 PIPELINES = ('1f1b', 'interleaved', 'zb_h1', 'zb_v')
 COLUMNS = ['model', 'hardware', 'chips', 'slices', 'batch', 'line', 'setting', 'G', 'R', 'M']
-COLUMNS += ['policy', 'step_s', 'note', 'peak_gib', 'fits', 'memory']
+COLUMNS += ['fsdp', 'policy', 'step_s', 'note', 'peak_gib', 'fits', 'memory']
 MEMORY_CSV = 'docs/results/layouts/layouts_memory.csv'
 MEMORY_KEY = ['model', 'line', 'G', 'batch', 'M', 'policy']  # a chip's shape: what it holds
 MEMORY_COLUMNS = MEMORY_KEY + ['topology', 'peak_bytes', 'params_bytes', 'opt_state_bytes']
@@ -109,8 +113,10 @@ def layouts(chips: int, batch: int, num_layers: int, policy: str) -> list[Schedu
     if G > MAX_STAGES or batch % R:
       continue
     on = dict(num_stages=G, data_parallel=R, microbatches=batch // R)
-    out += [ScheduleConfig(name='ouroboros', forward=f, **on) for f in ('pipelined', 'locked')]
-    out += [ScheduleConfig(name=name, **on) for name in PIPELINES]
+    pipes = [ScheduleConfig(name='ouroboros', forward=f, **on) for f in ('pipelined', 'locked')]
+    pipes += [ScheduleConfig(name=name, **on) for name in PIPELINES]
+    out += pipes  # and each with its stages' state sharded over the R replicas (--fsdp)
+    out += [dataclasses.replace(s, fsdp=True) for s in pipes] if R > 1 else []
   return [dataclasses.replace(s, stash_policy=policy) for s in out]  # Ouroboros': its graph's
 
 
@@ -123,7 +129,7 @@ def cell_rows(model: str, chips: int, batch: int, policy: str) -> list[dict]:
   for setting in layouts(chips, batch, cfg.model.num_layers, policy):
     row = dict(model=model, hardware=hardware.name, chips=chips, slices=slices, batch=batch)
     row.update(line=line_of(setting), G=setting.num_stages, R=setting.data_parallel)
-    row.update(M=setting.num_microbatches, policy=policy, step_s=None, note='')
+    row.update(M=setting.num_microbatches, fsdp=setting.fsdp, policy=policy, step_s=None, note='')
     try:
       resolved = setting.resolve('tpu', batch)
       row['setting'] = resolved.label
@@ -150,10 +156,17 @@ def best(rows: list[dict], lines) -> dict | None:
   return min(timed, key=lambda r: float(r['step_s'])) if timed else None
 
 
+def sharded_over_replicas(row: dict) -> bool:
+  """A pipeline whose stages' state is sharded over its R data replicas (--fsdp; FSDP alone is
+  the line 'fsdp')."""
+  return row['line'] != 'fsdp' and str(row.get('fsdp')) == 'True' and int(row['R']) > 1
+
+
 def per_chip(row: dict) -> dict:
   """The shape one chip of `row`'s layout holds, as compiled (`MEMORY_KEY`): a pipeline's G
   stages of one replica with its B / R sequences in the same M micro-batches (the replicas do
-  not change what a chip holds); FSDP at D = 8 with the same B / N sequences a chip."""
+  not change what a chip holds; with --fsdp the same compile, its state then extrapolated);
+  FSDP at D = 8 with the same B / N sequences a chip."""
   chips, batch = int(row['chips']), int(row['batch'])
   key = dict(model=row['model'], line=row['line'], policy=row['policy'])
   if row['line'] == 'fsdp':
@@ -192,7 +205,8 @@ def extrapolated_peak(peak: float, state: float, chips: int, compiled: int = FSD
   """FSDP's per-chip peak on `chips` chips from its compile on `compiled` with the same
   sequences a chip: a chip's shard of the parameters and optimizer state (`state`, the
   compiled chip's params_bytes + opt_state_bytes, 1 / compiled of the model's) shrinks to
-  1 / chips of the model's, its activations stay."""
+  1 / chips of the model's, its activations stay. A pipeline's stage sharded over its R replicas:
+  compiled = 1, chips = R."""
   return peak - state * (1 - compiled / chips)
 
 
@@ -206,10 +220,12 @@ def verdict(row: dict, memory: dict) -> dict | None:
     return dict(peak_gib=None, fits=False, memory=f'error: {str(got.get("error"))[:80]}')
   peak, chips = float(got['peak_bytes']), int(row['chips'])
   how = 'compiled' if int(per_chip(row)['G']) == chips else 'compiled at the per-chip shape'
+  state = float(got['params_bytes'] or 0) + float(got['opt_state_bytes'] or 0)
   if row['line'] == 'fsdp' and chips != FSDP_COMPILED:
-    state = float(got['params_bytes']) + float(got['opt_state_bytes'])
     peak, how = extrapolated_peak(peak, state, chips), f'extrapolated from D = {FSDP_COMPILED}'
-  oom = bool(got.get('error')) and how != f'extrapolated from D = {FSDP_COMPILED}'
+  elif sharded_over_replicas(row):
+    peak, how = extrapolated_peak(peak, state, int(row['R']), 1), 'extrapolated from R = 1'
+  oom = bool(got.get('error')) and not how.startswith('extrapolated')
   return dict(peak_gib=round(peak / compile_lib.GIB, 3), fits=peak <= hbm and not oom, memory=how)
 
 
@@ -268,9 +284,10 @@ def render(rows: list[dict]) -> str:
     out += [
       f'\n**{model}** ({first["hardware"]}, keeping `{first["policy"]}`; step ms and per-chip '
       "peak GiB of the fastest setting of each line that fits, Ouroboros' with its oldest "
-      "gradient's age in updates; a faster setting of the line that does not fit after it; "
-      '"~": extrapolated from FSDP at D = 8, the other peaks compiled at the per-chip shape; '
-      'no GiB: not compiled; "-": the line cannot take the batch):\n',
+      "gradient's age in updates; fsdp: its stages' state sharded over its R replicas; a faster "
+      'setting of the line that does not fit after it; "~": extrapolated, FSDP from D = 8 and '
+      'a pipeline with fsdp from its compile without, the other peaks compiled at the per-chip '
+      'shape; no GiB: not compiled; "-": the line cannot take the batch):\n',
       '| chips | slices | batch | FSDP | Ouroboros | best exact pipeline | fastest | fastest '
       'that fits | Ouroboros vs the best other that fits |',
       '|---|---|---|---|---|---|---|---|---|',
@@ -347,10 +364,11 @@ def _short(row: dict) -> str:
   if row['line'] == 'fsdp':
     return f'D={row["chips"]}'
   head = row['line'].replace('ouroboros ', '')
+  words = f'{head} G={row["G"]} M={row["M"]}' + (' fsdp' if sharded_over_replicas(row) else '')
   if not row['line'].startswith('ouroboros'):
-    return f'{head} G={row["G"]} M={row["M"]}'
+    return words
   age, _ = delays.version_gaps(int(row['G']), head, int(row['M']), 'stream')
-  return f'{head} G={row["G"]} M={row["M"]}, {age} old'
+  return f'{words}, {age} old'
 
 
 def write_csv(path: str, rows: list[dict]) -> None:
