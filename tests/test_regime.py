@@ -31,12 +31,14 @@ def _step(rows, line, M, policy):
 
 def test_backprop_is_the_base_and_recomputing_costs_a_forward(rows):
   """Efficiency = backprop's step / (G x step): 1 for backprop keeping everything; keeping
-  nothing re-runs the forward, 1/3 of its compute, so 3/4 (the head and embedding aside)."""
+  nothing re-runs the forward, 1/3 of its compute, so 3/4, a little above it since the head,
+  the embedding and the optimizer's update (Muon's orthogonalisation, about 1 s of 18.5) are not
+  re-run."""
   keep = _step(rows, 'backprop', '', 'all')
   assert keep['efficiency'] == 1.0 and keep['recompute'] == 0.0
   recompute = _step(rows, 'backprop', '', 'nothing')
   assert recompute['recompute'] == 1.0
-  assert recompute['efficiency'] == pytest.approx(0.75, abs=0.01)
+  assert 0.75 < recompute['efficiency'] < 0.775
 
 
 def test_exact_pipelines_fill_with_m_and_ouroboros_pipelined_does_not_need_to(rows):
