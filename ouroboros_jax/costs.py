@@ -53,8 +53,8 @@ def newton_schulz_flops(rows: int, cols: int, steps: int = NEWTON_SCHULZ_STEPS) 
 
 def layer_update_flops(optimizer: str, d_model: int, d_ff: int) -> float:
   """Matmul FLOPs of one layer's optimizer update: Muon orthogonalises its four kernels whole
-  (QKV d x 3d, the attention's output d x d, the MLP's d x f and f x d: `optimizers.muon_dimensions`);
-  AdamW's and NAdamW's updates are elementwise (none)."""
+  (QKV d x 3d, the attention's output d x d, the MLP's d x f and f x d:
+  `optimizers.muon_dimensions`); AdamW's and NAdamW's updates are elementwise (none)."""
   if optimizer != 'muon':
     return 0.0
   d = d_model
