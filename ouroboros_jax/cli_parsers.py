@@ -110,8 +110,8 @@ _TRIED = {
   'stash_policy': 'it tries each of --try-policy, and of --try-stash (graph/POLICY) on ouroboros',
   'stash_memory': 'it tries each of --try-stash-memory',
   'forward': 'it tries both Ouroboros forwards, locked and pipelined',
-  'fsdp': 'it tries data_parallel with its state on every replica and split over them '
-  '(--try-sharding)',
+  'fsdp': 'it tries each layout of the state over the data replicas (--try-sharding)',
+  'shard_update': 'it tries each layout of the state over the data replicas (--try-sharding)',
 }
 _PLAN_OMITS = {
   **_COMPILE_OMITS,
@@ -535,8 +535,9 @@ def _try_flag_table() -> list[tuple]:
       '--try-sharding',
       joined(tries.shardings),
       'S,S',
-      'how data_parallel keeps its parameters and optimizer state, of '
-      f'{joined(settings_lib.SHARDINGS)} (fsdp: split over the replicas; default %(default)s)',
+      'how data_parallel and the stage schedules on several replicas keep their state, of '
+      f'{joined(settings_lib.SHARDINGS)} (update: the optimizer state split over the replicas, '
+      'fsdp: all of it; default %(default)s)',
     ),
     (
       '--try-schedules',

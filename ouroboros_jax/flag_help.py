@@ -60,6 +60,10 @@ DESCRIPTIONS = {
   'fsdp': 'shard the parameters, gradients and optimizer state over the D data replicas '
   '(FSDP): data_parallel alone, XLA gathering each layer where it runs; a stage schedule with '
   'D > 1, each stage over its replicas, gathered one layer at a time',
+  'shard_update': 'split the optimizer state and its update over the D > 1 data replicas '
+  '(ZeRO-1), the weights whole on each replica, gathered once a step after the update: 1/D of '
+  "the state and of Muon's orthogonalisation a device, for one gather a step (--fsdp also splits "
+  'the weights, gathering each layer where it runs)',
   'clip_norm': 'clip the global gradient norm to this before the update (0 or none: off)',
   'microbatches': 'micro-batches per data replica (gpipe, the exact pipelines, ouroboros; the '
   'others step on the whole batch)',

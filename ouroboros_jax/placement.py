@@ -363,17 +363,43 @@ def step_gathering(params: PyTree, config):
   return layer_shards.gathered_layers(axes, config.data_parallel)
 
 
+def sharded_update_shardings(state: TrainState, mesh: Mesh) -> TrainState:
+  """`state_shardings` with the optimizer state split over the data replicas and the parameters
+  whole on every replica (--shard-update, ZeRO-1): a stage leaf [G, N, ...] over `data` on its
+  layer axis N where R divides it (whole layers, as Muon's update runs), else as FSDP splits
+  it (`fsdp_stage_shardings`, as are the embedding's and the head's).
+
+  The step runs as without it: each replica holds its stage's weights whole and all-reduces the
+  gradients. The update then runs on 1/R of the stage's layers a replica (`update_layout`), and
+  the new weights, laid out whole by this layout, are gathered once a step: no gather per layer
+  or micro-batch as under --fsdp, for 1/R of the optimizer state and of the update's work."""
+  base, sharded = state_shardings(state, mesh), fsdp_stage_shardings(state, mesh)
+  replicas = mesh.shape[DATA]
+
+  def whole_layers(a, fsdp_sharding):  # the layout Muon's update runs in: no move each way
+    if len(a.shape) < 2 or a.shape[1] % replicas:
+      return fsdp_sharding
+    return NamedSharding(mesh, P(STAGE, DATA), memory_kind=fsdp_sharding.memory_kind)
+
+  stages = jax.tree.map(whole_layers, state.opt_state['stages'], sharded.opt_state['stages'])
+  return base.replace(opt_state={**sharded.opt_state, 'stages': stages})
+
+
 def layout_for(config) -> Callable | None:
   """The state layout of a stage schedule's `config` (ResolvedSchedule): FSDP's over its data
-  replicas where it asks for it, else None (`state_shardings`)."""
-  return fsdp_stage_shardings if config.fsdp else None
+  replicas where it asks for it, its optimizer state's alone with --shard-update, else None
+  (`state_shardings`)."""
+  if config.fsdp:
+    return fsdp_stage_shardings
+  return sharded_update_shardings if config.shard_update else None
 
 
 def update_layout(config, mesh: Mesh) -> Callable | None:
   """The layout the optimizer update of `config` (ResolvedSchedule) runs its stage group in:
-  whole layers over the data replicas with FSDP (`layer_shards.by_whole_layers`), else the
-  state's own (None)."""
-  return layer_shards.by_whole_layers(mesh) if config.fsdp else None
+  whole layers over the data replicas with --fsdp or --shard-update
+  (`layer_shards.by_whole_layers`), else the state's own (None)."""
+  sharded = config.fsdp or config.shard_update
+  return layer_shards.by_whole_layers(mesh) if sharded else None
 
 
 def check_pinned_host(mesh: Mesh) -> None:

@@ -237,8 +237,10 @@ def test_a_config_written_before_the_schedule_was_nested_still_reads():
     {
       'schedule': schedule['name'],
       'stages': schedule['num_stages'],
-      # fsdp came after the nesting: no flat config holds it
-      **{k: v for k, v in schedule.items() if k not in ('name', 'num_stages', 'fsdp')},
+      # fsdp and shard_update came after the nesting: no flat config holds them
+      **{
+        k: v for k, v in schedule.items() if k not in ('name', 'num_stages', 'fsdp', 'shard_update')
+      },
     }
   )
   assert config.TrainConfig.from_dict(flat) == cfg

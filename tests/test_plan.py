@@ -168,7 +168,13 @@ def test_stages_that_leave_devices_over_run_data_replicas():
 
   tries = settings_lib.Tries((8,), ('graph/nothing',), ('all',), stages=(2, 4))
   labels = [s.label for s in settings_lib.settings(4, tries)]
-  assert labels[:4] == ['backprop', 'data_parallel', 'data_parallel fsdp', 'model_parallel G=2xR=2']
+  assert labels[:4] == [
+    'backprop',
+    'data_parallel',
+    'data_parallel shard_update',
+    'data_parallel fsdp',
+  ]
+  assert 'model_parallel G=2xR=2 shard_update' in labels
   assert 'ouroboros G=2xR=2 M=8 locked/graph' in labels
   assert 'ouroboros M=8 locked/graph' in labels  # G = 4: one ring of every device
   hybrid = ScheduleConfig(name='1f1b', num_stages=2, data_parallel=2, microbatches=4)
@@ -188,8 +194,8 @@ def test_stages_that_leave_devices_over_run_data_replicas():
 
 def test_the_prediction_prices_muons_update_on_the_layers_a_chip_updates():
   """Muon's orthogonalisation (the step with Muon less the step with AdamW, whose update is
-  elementwise) costs a replicated data-parallel chip every layer's, an FSDP chip 1/D of them,
-  and a pipeline stage its own layers'."""
+  elementwise) costs a replicated data-parallel chip every layer's, an FSDP or --shard-update
+  chip 1/D of them, and a pipeline stage its own layers'."""
   from ouroboros_jax import costs
   from ouroboros_jax.training import field_flags, presets
 
@@ -203,9 +209,10 @@ def test_the_prediction_prices_muons_update_on_the_layers_a_chip_updates():
   )
   replicated = ScheduleConfig(name='data_parallel', data_parallel=4).resolve('tpu')
   assert extra(replicated) == pytest.approx(m.num_layers * layer_s, rel=1e-6)
-  assert extra(dataclasses.replace(replicated, fsdp=True)) == pytest.approx(
-    m.num_layers / 4 * layer_s, rel=1e-6
-  )
+  for sharded in ({'fsdp': True}, {'shard_update': True}):
+    assert extra(dataclasses.replace(replicated, **sharded)) == pytest.approx(
+      m.num_layers / 4 * layer_s, rel=1e-6
+    )
   ring = ScheduleConfig(name='ouroboros', num_stages=4, flow='stream').resolve('tpu', 32)
   assert m.num_layers / 4 * layer_s <= extra(ring) <= m.num_layers / 2 * layer_s
 
@@ -268,11 +275,12 @@ def test_a_model_with_fewer_layers_than_devices_plans_fewer_stages_with_data_rep
   cfg = presets.get_preset('tiny')  # 2 layers
   assert cfg.model.num_layers == 2
   tried = settings_lib.settings(4, settings_lib.Tries(), cfg.schedule, cfg.model.num_layers)
-  # every schedule at each policy (data_parallel with and without fsdp), Ouroboros at each
-  # stash: 9 x 2 + 2 x 3, now at G = 2; and again with each stage split over its 2 replicas
-  # (--fsdp): 6 x 2 + 2 x 3
-  assert len(tried) == 24 + 18
-  assert sum(s.fsdp for s in tried if s.name not in ('backprop', 'data_parallel')) == 18
+  # every schedule at each policy (data_parallel at each sharding), Ouroboros at each stash:
+  # 10 x 2 + 2 x 3, now at G = 2; and twice again with each stage's optimizer state, then all
+  # its state, split over its 2 replicas (--shard-update, --fsdp): 2 x (6 x 2 + 2 x 3)
+  assert len(tried) == 26 + 2 * 18
+  staged = [s for s in tried if s.name not in ('backprop', 'data_parallel')]
+  assert sum(s.fsdp for s in staged) == sum(s.shard_update for s in staged) == 18
   staged = [s for s in tried if s.name not in ('backprop', 'data_parallel')]
   assert {(s.num_stages, s.data_parallel) for s in staged} == {(2, 2)}
   reasons = {}
@@ -284,7 +292,7 @@ def test_a_model_with_fewer_layers_than_devices_plans_fewer_stages_with_data_rep
     "2 stages x 2 chunks = 4 groups, more than the model's 2 layers": (
       ['interleaved'] * 2 + ['zb_v'] * 2
     )
-    * 2
+    * 3
   }
   # --try-stages 4 asks for the ring of every device: each stage setting is skipped, saying why.
   four = settings_lib.settings(

@@ -668,6 +668,7 @@ def stage_costs(
     fwd, bwd, update = [sum(fwd)], [sum(bwd)], [sum(update)]
     micro = micro and ([sum(micro[0])], [sum(micro[1])])
   m = micro_size(setting)
+  gathers = setting.fsdp or setting.shard_update  # the weights, each layer or once a step
   return cost_model.StageCosts(
     forward_s=fwd,
     backward_s=bwd,
@@ -684,7 +685,7 @@ def stage_costs(
     input_grad_share=pieces.get('input_grad_share', {}).get(
       str(m), cost_model.StageCosts.input_grad_share
     ),
-    param_bytes=_gathered(update, link_s, allreduce_s) if setting.fsdp else (),
+    param_bytes=_gathered(update, link_s, allreduce_s) if gathers else (),
   )
 
 

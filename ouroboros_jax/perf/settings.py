@@ -37,8 +37,14 @@ DEFAULT_MICROBATCHES = (8,)
 # schedule gets the recomputation Ouroboros' default stash has.
 DEFAULT_POLICIES = ('all', 'nothing')
 # How data_parallel, and a stage schedule on several replicas, keep their state: whole on every
-# replica, or split over them (--fsdp).
-SHARDINGS = ('replicated', 'fsdp')
+# replica, its optimizer state and update split over them (--shard-update, ZeRO-1), or all of it
+# split over them (--fsdp). `sharding_fields` turns one into the ScheduleConfig's fields.
+SHARDINGS = ('replicated', 'update', 'fsdp')
+
+
+def sharding_fields(sharding: str) -> dict:
+  """The ScheduleConfig fields of one of SHARDINGS."""
+  return {'fsdp': sharding == 'fsdp', 'shard_update': sharding == 'update'}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,21 +154,22 @@ def settings(
     own = {} if name == 'ouroboros' else {f: getattr(defaults, f) for f in _OUROBOROS_ONLY}
     if name != 'interleaved':
       own['chunks'] = defaults.chunks
-    fields = {'num_stages': 1, 'data_parallel': 1, 'microbatches': None, 'fsdp': False, **fields}
+    fields = {'num_stages': 1, 'data_parallel': 1, 'microbatches': None, **fields}
+    fields = {**sharding_fields('replicated'), **fields}
     return dataclasses.replace(base, **own, name=name, **fields)
 
   policies = tries.policies
   out = [setting('backprop', stash_policy=p) for p in policies]
   if num_devices > 1:
     out += [
-      setting('data_parallel', data_parallel=num_devices, stash_policy=p, fsdp=sharded == 'fsdp')
-      for sharded in tries.shardings
+      setting('data_parallel', data_parallel=num_devices, stash_policy=p, **sharding_fields(s))
+      for s in tries.shardings
       for p in policies
     ]
   for g in (g for g in stages if g > 1):
-    replicas = num_devices // g  # FSDP splits a stage over its replicas: only where there are
+    replicas = num_devices // g  # the state splits over a stage's replicas: only where there are
     for sharded in [s for s in tries.shardings if s == 'replicated' or replicas > 1]:
-      on = dict(num_stages=g, data_parallel=replicas, fsdp=sharded == 'fsdp')
+      on = dict(num_stages=g, data_parallel=replicas, **sharding_fields(sharded))
       out += [setting('model_parallel', **on, stash_policy=p) for p in policies]
       for name in ('gpipe', *EXACT_PIPELINES):
         out += [

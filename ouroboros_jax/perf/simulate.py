@@ -416,13 +416,8 @@ def task_graph(
     graph.data_replicas, graph.fsdp = run.data_parallel, run.fsdp
   if table is not None:  # an operation runs one chunk's layers; a split one's W ends its grad
     graph.chunks, graph.split = table.pipeline.chunks, not table.pipeline.fused
-  if costs.update_s:  # one device updates every parameter, a ring device its own stage's;
-    share = run.data_parallel if run.fsdp else 1  # FSDP: 1 / D of them
-    graph.update_s = (
-      [sum(costs.update_s) / share] * devices
-      if run.name in ('backprop', 'data_parallel') or G == 1
-      else [seconds / share for seconds in costs.update_s]
-    )
+  if costs.update_s:
+    _updates(graph, run, costs, devices)
   options = dict(
     microbatches=run.microbatches,
     replicas=run.data_parallel,
@@ -434,6 +429,25 @@ def task_graph(
   for t in range(steps):
     emit(graph, t, state, **options)
   return graph
+
+
+def _updates(graph: Graph, run: ResolvedSchedule, costs: StageCosts, devices: int) -> None:
+  """Each device's optimizer update: one device updates every parameter, a stage device its
+  own stage's; --fsdp and --shard-update split it over the D replicas, and --shard-update then
+  gathers the updated weights over them (`Graph.updated_bytes`)."""
+  whole = run.name in ('backprop', 'data_parallel') or costs.num_stages == 1
+  share = run.data_parallel if run.fsdp or run.shard_update else 1
+  if whole:
+    graph.update_s = [sum(costs.update_s) / share] * devices
+  else:
+    graph.update_s = [seconds / share for seconds in costs.update_s]
+  if not run.shard_update:
+    return
+  if not whole and not costs.param_bytes:
+    raise ValueError("--shard-update gathers each stage's weights: give the costs' param_bytes.")
+  graph.update_replicas = run.data_parallel
+  stage = lambda d: costs.param_bytes[d] + (costs.embedding_bytes if d == 0 else 0.0)
+  graph.updated_bytes = [costs.grad_bytes if whole else stage(d) for d in range(devices)]
 
 
 def _lenders(run: ResolvedSchedule, G: int) -> dict[int, int]:

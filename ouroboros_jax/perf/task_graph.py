@@ -45,6 +45,9 @@ class Graph:
     self.step_tasks: list[int] = []  # sync tasks of the step being emitted
     self.step_end: dict[int, int] = {}
     self.update_s: Sequence[float] = ()  # per device: its optimizer update, ending every step
+    self.updated_bytes: Sequence[float] = ()  # --shard-update: per device, the weights (at the
+    # width `param_bytes` counts) gathered over its R replicas after its update; () without
+    self.update_replicas = 1  # ... the R they are gathered over (data_parallel's D too)
     self.data_replicas = 1  # a stage schedule's R: each device's gradient all-reduced over R
     self.fsdp = False  # ... or (--fsdp) each layer gathered over R as an operation runs it
     self.chunks = 1  # (`_layer_collectives`); v chunks a device: an operation runs 1/v of its
@@ -150,12 +153,21 @@ class Graph:
     clipped = tuple(self.step_tasks)
     for device, seconds in enumerate(self.update_s):
       if seconds:
-        self.compute(device, 'update', step, step, seconds, clipped)
+        updated = self.compute(device, 'update', step, step, seconds, clipped)
+        self._gather_updated(device, step, updated)
     self.barrier = self._add(
       Task(None, 'barrier', step, step, 0.0, tuple(self.step_tasks), sync=False)
     )
     self.step_end[step], self.step_tasks = self.barrier, []
     self._gathered, self._computed = {}, {}
+
+  def _gather_updated(self, device: int, step: int, updated: int) -> None:
+    """--shard-update: each replica updated 1 / R of the device's weights; their new values,
+    stored (`reduce_s`: at the stored width), are gathered over the R replicas once a step,
+    before the next step starts."""
+    if self.updated_bytes and self.update_replicas > 1:
+      seconds = self.costs.reduce_s(self.updated_bytes[device], self.update_replicas)
+      self.collective(device, 'gather', step, seconds, [updated])
 
   def _allreduce_stages(self, step: int) -> None:
     """A stage schedule on R data replicas: each device's gradient (its stage's parameters; device

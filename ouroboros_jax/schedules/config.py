@@ -71,6 +71,9 @@ class ScheduleConfig:
   fsdp: bool = False  # parameters, gradients and optimizer state sharded over the data replicas,
   # gathered where a layer runs (data_parallel: schedules/fsdp.py; a stage schedule with
   # data_parallel > 1: layer_shards.py)
+  shard_update: bool = False  # ZeRO-1: the optimizer state and its update split over the data
+  # replicas, the weights whole on each (gathered once a step, after the update); fsdp does this
+  # and also splits the weights (placement.sharded_update_shardings)
 
   def validate(self) -> None:
     """One-line ConfigError, naming the field, for a setting no schedule can run (checked once
@@ -95,11 +98,7 @@ class ScheduleConfig:
         f'{field_ref("stash", "graph")} keeps, and {field_ref("stash", "replay")} keeps only '
         f'the input; drop it or use {field_ref("stash", "graph")}.'
       )
-    if self.fsdp and self.name != 'data_parallel' and self.data_parallel == 1:
-      raise ConfigError(
-        f'{field_ref("fsdp", True)} splits the state over data replicas, and {self.name} has '
-        f'one; give it {field_ref("data_parallel", 2)} or more, or drop it.'
-      )
+    self._check_sharding()
     if self.name not in MICROBATCHED and self.microbatches not in (None, 1):
       raise ConfigError(
         f'{field_ref("microbatches", self.microbatches)} applies to '
@@ -117,6 +116,22 @@ class ScheduleConfig:
       )
     check_fits(self.resolved_compensation, self.stash)
     return True
+
+  def _check_sharding(self) -> None:
+    """fsdp and shard_update split state over the data replicas: they need some, and fsdp
+    already splits the update."""
+    if self.fsdp and self.shard_update:
+      raise ConfigError(
+        f'{field_ref("fsdp", True)} already splits the optimizer state and update over the '
+        f'replicas (and the weights too); drop {field_ref("shard_update", True)}.'
+      )
+    for field in ('fsdp', 'shard_update'):
+      single = self.data_parallel == 1 and (field == 'shard_update' or self.name != 'data_parallel')
+      if getattr(self, field) and single:
+        raise ConfigError(
+          f'{field_ref(field, True)} splits the state over data replicas, and {self.name} has '
+          f'one; give it {field_ref("data_parallel", 2)} or more, or drop it.'
+        )
 
   def _check_values(self) -> None:
     """Each field alone: the counts in range, the named choices known."""
@@ -331,6 +346,8 @@ class ScheduleConfig:
       parts.append(f'G={self.num_stages}xR={self.data_parallel}')
     if self.fsdp:
       parts.append('fsdp')
+    if self.shard_update:
+      parts.append('shard_update')
     if self.name == 'ouroboros':
       if self.microbatches not in (None, 1):
         parts.append(f'M={self.microbatches}')
