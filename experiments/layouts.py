@@ -80,7 +80,7 @@ BATCH_PER_CHIP = (0.25, 0.5, 1, 2, 4)
 MAX_STAGES = 16
 PIPELINES = ('1f1b', 'interleaved', 'zb_h1', 'zb_v')
 COLUMNS = ['model', 'hardware', 'chips', 'slices', 'batch', 'line', 'setting', 'G', 'R', 'M']
-COLUMNS += ['fsdp', 'policy', 'step_s', 'note', 'peak_gib', 'fits', 'memory']
+COLUMNS += ['fsdp', 'shard_update', 'policy', 'step_s', 'note', 'peak_gib', 'fits', 'memory']
 MEMORY_CSV = 'docs/results/layouts/layouts_memory.csv'
 MEMORY_KEY = ['model', 'line', 'G', 'batch', 'M', 'policy']  # a chip's shape: what it holds
 MEMORY_COLUMNS = MEMORY_KEY + ['topology', 'peak_bytes', 'params_bytes', 'opt_state_bytes']
@@ -102,8 +102,18 @@ def line_of(setting: ScheduleConfig) -> str:
   return setting.name
 
 
-def layouts(chips: int, batch: int, num_layers: int, policy: str) -> list[ScheduleConfig]:
-  """Every layout of `chips` chips for a batch of `batch` sequences (see the module's doc)."""
+def sharding_of(row: dict) -> str:
+  """How a row's layout keeps its state over its replicas, one of `settings.SHARDINGS`."""
+  if str(row.get('fsdp')) == 'True':
+    return 'fsdp'
+  return 'update' if str(row.get('shard_update')) == 'True' else 'replicated'
+
+
+def layouts(
+  chips: int, batch: int, num_layers: int, policy: str, shardings=settings_lib.SHARDINGS
+) -> list[ScheduleConfig]:
+  """Every layout of `chips` chips for a batch of `batch` sequences (see the module's doc), of
+  the `shardings` asked for."""
   out = []
   if batch % chips == 0:
     for fsdp in (True, False):
@@ -115,21 +125,26 @@ def layouts(chips: int, batch: int, num_layers: int, policy: str) -> list[Schedu
     on = dict(num_stages=G, data_parallel=R, microbatches=batch // R)
     pipes = [ScheduleConfig(name='ouroboros', forward=f, **on) for f in ('pipelined', 'locked')]
     pipes += [ScheduleConfig(name=name, **on) for name in PIPELINES]
-    out += pipes  # and each with its stages' state sharded over the R replicas (--fsdp)
-    out += [dataclasses.replace(s, fsdp=True) for s in pipes] if R > 1 else []
-  return [dataclasses.replace(s, stash_policy=policy) for s in out]  # Ouroboros': its graph's
+    out += pipes  # and each with its optimizer state, or all its state, split over the R
+    for sharded in ('update', 'fsdp') if R > 1 else ():  # replicas (--shard-update, --fsdp)
+      out += [dataclasses.replace(s, **settings_lib.sharding_fields(sharded)) for s in pipes]
+  out = [dataclasses.replace(s, stash_policy=policy) for s in out]  # Ouroboros': its graph's
+  return [s for s in out if sharding_of(dataclasses.asdict(s)) in shardings]
 
 
-def cell_rows(model: str, chips: int, batch: int, policy: str) -> list[dict]:
+def cell_rows(
+  model: str, chips: int, batch: int, policy: str, shardings=settings_lib.SHARDINGS
+) -> list[dict]:
   """One row per layout of one (model, N, B) cell: its predicted step, or why none."""
   flags, hardware, slice_chips = MODELS[model]
   cfg = field_flags.override(presets.get_preset('gpt2-small'), {**flags, 'batch_size': batch})
   slices = max(1, chips // slice_chips)
   rows = []
-  for setting in layouts(chips, batch, cfg.model.num_layers, policy):
+  for setting in layouts(chips, batch, cfg.model.num_layers, policy, shardings):
     row = dict(model=model, hardware=hardware.name, chips=chips, slices=slices, batch=batch)
     row.update(line=line_of(setting), G=setting.num_stages, R=setting.data_parallel)
-    row.update(M=setting.num_microbatches, fsdp=setting.fsdp, policy=policy, step_s=None, note='')
+    row.update(M=setting.num_microbatches, fsdp=setting.fsdp, shard_update=setting.shard_update)
+    row.update(policy=policy, step_s=None, note='')
     try:
       resolved = setting.resolve('tpu', batch)
       row['setting'] = resolved.label
@@ -140,12 +155,12 @@ def cell_rows(model: str, chips: int, batch: int, policy: str) -> list[dict]:
   return rows
 
 
-def main_rows(policy: str, models=tuple(MODELS)) -> list[dict]:
+def main_rows(policy: str, models=tuple(MODELS), shardings=settings_lib.SHARDINGS) -> list[dict]:
   rows = []
   for model in models:
     for chips in CHIPS:
       for per_chip in BATCH_PER_CHIP:
-        rows += cell_rows(model, chips, int(chips * per_chip), policy)
+        rows += cell_rows(model, chips, int(chips * per_chip), policy, shardings)
         print(f'{model} N={chips} B={int(chips * per_chip)}: {len(rows)} rows', flush=True)
   return rows
 
@@ -156,10 +171,13 @@ def best(rows: list[dict], lines) -> dict | None:
   return min(timed, key=lambda r: float(r['step_s'])) if timed else None
 
 
-def sharded_over_replicas(row: dict) -> bool:
-  """A pipeline whose stages' state is sharded over its R data replicas (--fsdp; FSDP alone is
-  the line 'fsdp')."""
-  return row['line'] != 'fsdp' and str(row.get('fsdp')) == 'True' and int(row['R']) > 1
+def sharded_over_replicas(row: dict) -> str | None:
+  """How a pipeline splits its stages' state over its R > 1 data replicas: 'fsdp' (all of it),
+  'update' (its optimizer state, --shard-update) or None (FSDP alone is the line 'fsdp')."""
+  sharding = sharding_of(row)
+  if row['line'] == 'fsdp' or int(row['R']) == 1 or sharding == 'replicated':
+    return None
+  return sharding
 
 
 def per_chip(row: dict) -> dict:
@@ -223,7 +241,8 @@ def verdict(row: dict, memory: dict) -> dict | None:
   state = float(got['params_bytes'] or 0) + float(got['opt_state_bytes'] or 0)
   if row['line'] == 'fsdp' and chips != FSDP_COMPILED:
     peak, how = extrapolated_peak(peak, state, chips), f'extrapolated from D = {FSDP_COMPILED}'
-  elif sharded_over_replicas(row):
+  elif sharded_over_replicas(row):  # --shard-update: the optimizer state alone
+    state -= float(got['params_bytes'] or 0) if sharded_over_replicas(row) == 'update' else 0.0
     peak, how = extrapolated_peak(peak, state, int(row['R']), 1), 'extrapolated from R = 1'
   oom = bool(got.get('error')) and not how.startswith('extrapolated')
   return dict(peak_gib=round(peak / compile_lib.GIB, 3), fits=peak <= hbm and not oom, memory=how)
@@ -284,9 +303,10 @@ def render(rows: list[dict]) -> str:
     out += [
       f'\n**{model}** ({first["hardware"]}, keeping `{first["policy"]}`; step ms and per-chip '
       "peak GiB of the fastest setting of each line that fits, Ouroboros' with its oldest "
-      "gradient's age in updates; fsdp: its stages' state sharded over its R replicas; a faster "
-      'setting of the line that does not fit after it; "~": extrapolated, FSDP from D = 8 and '
-      'a pipeline with fsdp from its compile without, the other peaks compiled at the per-chip '
+      "gradient's age in updates; fsdp: its stages' state sharded over its R replicas; zero1: "
+      'its optimizer state and update alone (--shard-update); a faster setting of the line that '
+      'does not fit after it; "~": extrapolated, FSDP from D = 8 and a pipeline with fsdp or '
+      'zero1 from its compile without, the other peaks compiled at the per-chip '
       'shape; no GiB: not compiled; "-": the line cannot take the batch):\n',
       '| chips | slices | batch | FSDP | Ouroboros | best exact pipeline | fastest | fastest '
       'that fits | Ouroboros vs the best other that fits |',
@@ -364,7 +384,8 @@ def _short(row: dict) -> str:
   if row['line'] == 'fsdp':
     return f'D={row["chips"]}'
   head = row['line'].replace('ouroboros ', '')
-  words = f'{head} G={row["G"]} M={row["M"]}' + (' fsdp' if sharded_over_replicas(row) else '')
+  sharded = {'fsdp': ' fsdp', 'update': ' zero1', None: ''}[sharded_over_replicas(row)]
+  words = f'{head} G={row["G"]} M={row["M"]}{sharded}'
   if not row['line'].startswith('ouroboros'):
     return words
   age, _ = delays.version_gaps(int(row['G']), head, int(row['M']), 'stream')
@@ -391,6 +412,12 @@ def main(argv=None) -> int:
     help=f'judge the memory of the saved --out map, compiling the shapes {MEMORY_CSV} lacks',
   )
   p.add_argument('--memory-csv', default=MEMORY_CSV, help='the cache of compiled shapes')
+  p.add_argument(
+    '--shardings',
+    default=','.join(settings_lib.SHARDINGS),
+    help='predict only the layouts keeping their state so (of replicated, update, fsdp), and '
+    "keep the saved --out map's other rows (the simulator unchanged for them)",
+  )
   args = p.parse_args(argv)
   if args.render:
     with open(args.render) as f:
@@ -404,11 +431,25 @@ def main(argv=None) -> int:
     judge([r for r in rows if r['model'] in models], memory, _compiler(args.memory_csv, memory))
     judge(rows, memory)  # every model's, from the cache
   else:
-    rows = main_rows(args.policy, models)
+    shardings = tuple(args.shardings.split(','))
+    rows = main_rows(args.policy, models, shardings)
+    if set(shardings) != set(settings_lib.SHARDINGS):
+      rows = _merged(args.out, rows, models, shardings)
     judge(rows, memory)
   write_csv(args.out, rows)
   print(render(rows))
   return 0
+
+
+def _merged(path: str, rows: list[dict], models, shardings) -> list[dict]:
+  """`rows` (the layouts of `shardings` on `models`) with the saved map's other rows, in the
+  map's order: cell by cell."""
+  with open(path) as f:
+    kept = [
+      r for r in csv.DictReader(f) if r['model'] not in models or sharding_of(r) not in shardings
+    ]
+  order = lambda r: (list(MODELS).index(r['model']), int(r['chips']), int(r['batch']))
+  return sorted(kept + rows, key=order)
 
 
 def _compiler(path: str, memory: dict):

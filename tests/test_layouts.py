@@ -26,13 +26,16 @@ def test_the_layouts_of_a_cell_split_every_chip_and_no_sequence():
     (16, 4, 4),
   }
   assert {s.stash_policy for s in few} == {'dots'}
-  # every pipeline also with its stages sharded over its replicas (each G here has R > 1)
-  assert sum(s.fsdp for s in few) == len(few) // 2 == 3 * 6
+  # every pipeline also with its optimizer state, and all its state, sharded over its replicas
+  # (each G here has R > 1)
+  assert sum(s.fsdp for s in few) == sum(s.shard_update for s in few) == len(few) // 3 == 3 * 6
   assert not [
     s
     for s in layouts.layouts(8, 32, num_layers=24, policy='dots')
-    if s.fsdp and s.name != 'data_parallel' and s.data_parallel == 1
+    if (s.fsdp or s.shard_update) and s.name != 'data_parallel' and s.data_parallel == 1
   ]
+  update = layouts.layouts(64, 16, num_layers=24, policy='dots', shardings=('update',))
+  assert update and all(s.shard_update for s in update)
   many = layouts.layouts(8, 32, num_layers=24, policy='dots')
   assert [s.label for s in many[:2]] == ['data_parallel fsdp keep=dots', 'data_parallel keep=dots']
 
@@ -118,6 +121,14 @@ def test_a_pipeline_sharded_over_its_replicas_is_extrapolated_from_its_compile_w
     peak_gib=pytest.approx(14.25, abs=1e-3), fits=True, memory='extrapolated from R = 1'
   )
   assert layouts.verdict(ring | dict(fsdp='False'), memory)['fits'] is False
+  # --shard-update splits the optimizer state alone (2.0 / 3 GiB of the 2.0 here): 16.0 - 2/3 *
+  # 7 / 8 = 15.42 GiB, which fits too; and the cell names it zero1
+  zero1 = ring | dict(fsdp='False', shard_update='True')
+  got = layouts.verdict(zero1, memory)
+  assert got == dict(
+    peak_gib=pytest.approx(16.0 - 2 / 3 * 7 / 8, abs=1e-3), fits=True, memory=got['memory']
+  )
+  assert got['memory'] == 'extrapolated from R = 1' and ' zero1' in layouts._short(zero1)
   assert 'pipelined G=8 M=16 fsdp, 1 old' in layouts._short(ring)
 
 
