@@ -434,7 +434,7 @@ def task_graph(
 def _updates(graph: Graph, run: ResolvedSchedule, costs: StageCosts, devices: int) -> None:
   """Each device's optimizer update: one device updates every parameter, a stage device its
   own stage's; --fsdp and --shard-update split it over the D replicas, and --shard-update then
-  gathers the updated weights over them (`Graph.updated_bytes`)."""
+  gathers the updated weights over them (the graph's updated_bytes)."""
   whole = run.name in ('backprop', 'data_parallel') or costs.num_stages == 1
   share = run.data_parallel if run.fsdp or run.shard_update else 1
   if whole:
