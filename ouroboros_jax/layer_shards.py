@@ -22,6 +22,13 @@ whole matrix, and on a leaf split across a layer's own axis the compiler splits 
 Newton-Schulz product over the replicas and repeats the rest on every one of them. Moved to the
 layer axis for the update, each replica holds N/D whole layers and orthogonalises only those,
 with an all-to-all each way.
+
+Under --shard-update (ZeRO-1) the weights stay whole and only the update is split: a stage leaf's
+optimizer state over the replicas on the axis `update_axis` gives (whole layers where R divides
+N). The step's shard_map then leaves those leaves' gradients unreduced where `replica_mean` runs
+(a micro-batch loop sums them locally) and reduce-scatters each onto that axis once, at the end
+of its body (`scatter_mean`): half an all-reduce's bytes, each replica receiving the mean of
+exactly the share it updates.
 """
 
 from __future__ import annotations
@@ -53,6 +60,16 @@ class Gathering(NamedTuple):
 _GATHERING: contextvars.ContextVar = contextvars.ContextVar('layer_gathering', default=None)
 
 
+class Scattering(NamedTuple):
+  """What the shard_map body of a step traced under `scattered_grads` reduce-scatters."""
+
+  axes: PyTree  # like params['stages']: the axis of a stage leaf its update splits, or None
+  replicas: int
+
+
+_SCATTERING: contextvars.ContextVar = contextvars.ContextVar('grad_scattering', default=None)
+
+
 def split_axis(shape: tuple[int, ...], replicas: int, taken=()) -> int | None:
   """The axis FSDP splits a leaf of `shape` on over `replicas` data replicas: its largest
   axis not in `taken` that `replicas` divides (the first where sizes tie); None: none does, or
@@ -74,6 +91,15 @@ def layer_axes(stages: PyTree, replicas: int) -> PyTree:
   return jax.tree.map(lambda a: split_axis(tuple(a.shape[2:]), replicas), stages)
 
 
+def update_axis(shape: tuple[int, ...], replicas: int) -> int | None:
+  """The axis --shard-update splits a stage leaf [G, N, ...]'s optimizer state (and gradient) on
+  over `replicas`: the layer axis N where they divide it (whole layers, as Muon updates them),
+  else FSDP's axis of one layer's shape (`split_axis`), else None (whole on each replica)."""
+  if replicas > 1 and len(shape) >= 2 and shape[1] % replicas == 0:
+    return 1
+  return split_axis(shape, replicas, taken=(0, 1))
+
+
 def stage_axis(axis: int | None) -> int | None:
   """The axis of a stage leaf [G, N, ...] that one layer's `axis` is."""
   return None if axis is None else axis + 2
@@ -88,6 +114,18 @@ def gathered_layers(axes: PyTree, replicas: int):
     yield
   finally:
     _GATHERING.reset(token)
+
+
+@contextlib.contextmanager
+def scattered_grads(stages: PyTree, replicas: int):
+  """Within it, `replica_mean` leaves the stage leaves (`stages`: [G, N, ...]) that
+  --shard-update splits unreduced, and `scatter_mean` reduce-scatters them (`update_axis`)."""
+  axes = jax.tree.map(lambda a: update_axis(tuple(a.shape), replicas), stages)
+  token = _SCATTERING.set(Scattering(axes, replicas))
+  try:
+    yield
+  finally:
+    _SCATTERING.reset(token)
 
 
 def active() -> Gathering | None:
@@ -143,18 +181,47 @@ def to_shards(grads_N: PyTree, like_N: PyTree, gathering: Gathering) -> PyTree:
 
 def replica_mean(grads: dict, loss):
   """(grads, loss) averaged over the data replicas: the gathered stage leaves' replica sums
-  divided by D, the rest by `pmean` (as without FSDP)."""
-  gathering = active()
-  if gathering is None:
+  divided by D, the rest by `pmean` (as without FSDP). Under `scattered_grads` the leaves it
+  scatters stay as they are, this replica's own, for `scatter_mean` to reduce once."""
+  gathering, scattering = active(), _SCATTERING.get()
+  if gathering is None and scattering is None:
     return jax.lax.pmean((grads, loss), DATA)
-  stages = jax.tree.map(
-    lambda g, axis: g / gathering.replicas if axis is not None else jax.lax.pmean(g, DATA),
-    grads['stages'],
-    gathering.axes,
-  )
+  if gathering is not None:
+    mean = lambda g, axis: g / gathering.replicas if axis is not None else jax.lax.pmean(g, DATA)
+    axes = gathering.axes
+  else:
+    mean = lambda g, axis: g if axis is not None else jax.lax.pmean(g, DATA)
+    axes = scattering.axes
+  stages = jax.tree.map(mean, grads['stages'], axes)
   rest = {k: v for k, v in grads.items() if k != 'stages'}
   rest, loss = jax.lax.pmean((rest, loss), DATA)
   return {**rest, 'stages': stages}, loss
+
+
+def scatter_mean(grads: dict) -> dict:
+  """Under `scattered_grads`, at the end of a step's shard_map body: each stage leaf
+  `replica_mean` left unreduced reduce-scattered over DATA onto its `update_axis` and divided by
+  R, this replica's share of the mean (the body's out_specs split it so); else grads."""
+  scattering = _SCATTERING.get()
+  if scattering is None:
+    return grads
+
+  def scatter(g, axis):
+    if axis is None:
+      return g
+    return jax.lax.psum_scatter(g, DATA, scatter_dimension=axis, tiled=True) / scattering.replicas
+
+  return {**grads, 'stages': jax.tree.map(scatter, grads['stages'], scattering.axes)}
+
+
+def with_scatter_mean(body: Callable) -> Callable:
+  """A step's shard_map body (its gradients first among its outputs) ending in `scatter_mean`."""
+
+  def scattering(*args):
+    grads, *rest = body(*args)
+    return (scatter_mean(grads), *rest)
+
+  return scattering
 
 
 def local_shapes(stages: PyTree, gathering: Gathering | None) -> PyTree:

@@ -354,9 +354,30 @@ def step_param_specs(params: PyTree, config) -> PyTree:
   return param_specs(params)
 
 
+def step_grad_specs(params: PyTree, config) -> PyTree:
+  """The gradients' out_specs of a stage schedule's shard_map: as its parameters', but with
+  --shard-update each stage leaf on its replica's share (`layer_shards.update_axis`), which
+  the body reduce-scatters (`layer_shards.scatter_mean`) and the update splits."""
+  if not config.shard_update:
+    return step_param_specs(params, config)
+
+  spec = lambda a: _update_spec(a.shape, config.data_parallel)
+  return {**param_specs(params), 'stages': jax.tree.map(spec, params['stages'])}
+
+
+def _update_spec(shape: tuple[int, ...], replicas: int) -> P:
+  """A stage leaf's spec under --shard-update: over `stage` on G, over `data` on the axis its
+  update splits (`layer_shards.update_axis`)."""
+  axis = layer_shards.update_axis(tuple(shape), replicas)
+  return P(*(STAGE if i == 0 else DATA if i == axis else None for i in range(len(shape))))
+
+
 def step_gathering(params: PyTree, config):
   """The context a stage schedule traces its shard_map in: with --fsdp, the layer loops gather
-  each layer's shards (`layer_shards.gathered_layers`); else nothing."""
+  each layer's shards (`layer_shards.gathered_layers`); with --shard-update the gradients are
+  reduce-scattered (`layer_shards.scattered_grads`); else nothing."""
+  if config.shard_update:
+    return layer_shards.scattered_grads(params['stages'], config.data_parallel)
   if not config.fsdp:
     return contextlib.nullcontext()
   axes = layer_shards.layer_axes(params['stages'], config.data_parallel)
@@ -369,19 +390,18 @@ def sharded_update_shardings(state: TrainState, mesh: Mesh) -> TrainState:
   layer axis N where R divides it (whole layers, as Muon's update runs), else as FSDP splits
   it (`fsdp_stage_shardings`, as are the embedding's and the head's).
 
-  The step runs as without it: each replica holds its stage's weights whole and all-reduces the
-  gradients. The update then runs on 1/R of the stage's layers a replica (`update_layout`), and
-  the new weights, laid out whole by this layout, are gathered once a step: no gather per layer
-  or micro-batch as under --fsdp, for 1/R of the optimizer state and of the update's work."""
+  The step runs as without it, each replica holding its stage's weights whole, but reduce-scatters
+  the gradients onto the share each replica updates (`step_grad_specs`). The update then runs on
+  1/R of the stage's layers a replica (`update_layout`), and the new weights, laid out whole by
+  this layout, are gathered once a step: no gather per layer or micro-batch as under --fsdp, for
+  1/R of the optimizer state and of the update's work, and the all-reduce's bytes in all."""
   base, sharded = state_shardings(state, mesh), fsdp_stage_shardings(state, mesh)
   replicas = mesh.shape[DATA]
 
-  def whole_layers(a, fsdp_sharding):  # the layout Muon's update runs in: no move each way
-    if len(a.shape) < 2 or a.shape[1] % replicas:
-      return fsdp_sharding
-    return NamedSharding(mesh, P(STAGE, DATA), memory_kind=fsdp_sharding.memory_kind)
+  def share(a, sharding):  # whole layers: the layout Muon's update runs in, no move each way
+    return NamedSharding(mesh, _update_spec(a.shape, replicas), memory_kind=sharding.memory_kind)
 
-  stages = jax.tree.map(whole_layers, state.opt_state['stages'], sharded.opt_state['stages'])
+  stages = jax.tree.map(share, state.opt_state['stages'], base.opt_state['stages'])
   return base.replace(opt_state={**sharded.opt_state, 'stages': stages})
 
 

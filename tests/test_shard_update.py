@@ -8,6 +8,8 @@ ATOL as tests/test_fsdp.py: float32 after 3 steps, the sums split in another ord
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 
 import jax
 import pytest
@@ -70,13 +72,18 @@ def test_shard_update_gives_backprops_parameters_on_a_share_of_the_state(config,
 
 
 def test_shard_update_leaves_a_delayed_ring_where_it_was():
-  """Ouroboros at G = 2 on 2 replicas, pipelined and streamed, with Muon: the same parameters and
-  losses with --shard-update as without (only the update's layout changes, in the steps a stage
-  is ready); its optimizer state a device is about half."""
+  """Ouroboros at G = 2 on 2 replicas, pipelined and streamed after a synchronous first step, with
+  Muon: the same parameters and losses with --shard-update as without (only the gradients' sync
+  and the update's layout change); its optimizer state a device is about half."""
   model, params = tiny_transformer(2, num_layers=4, layers_per_stage=(2, 2))
   batches = random_batches(4, seed=9)
   ring = ScheduleConfig(
-    name='ouroboros', num_stages=2, data_parallel=2, forward='pipelined', microbatches=2
+    name='ouroboros',
+    num_stages=2,
+    data_parallel=2,
+    forward='pipelined',
+    microbatches=2,
+    sync_warmup_steps=1,  # a first step locked: micro-batch gradients summed, then scattered
   )
   sharded = dataclasses.replace(ring, shard_update=True)
   got, got_losses = run_schedule(sharded, model, _muon(), params, batches)
@@ -89,10 +96,24 @@ def test_shard_update_leaves_a_delayed_ring_where_it_was():
   assert 0.45 < halved < 0.6, halved
 
 
+def _collective_bytes(hlo: str, op: str) -> int:
+  """The bytes the `op` collectives of compiled HLO text produce (their result shapes)."""
+  total = 0
+  for line in hlo.splitlines():
+    found = re.search(r'= (.*?) ' + op + r'(-start)?\(', line)
+    if found:
+      for dtype, dims in re.findall(r'([a-z]+\d+)\[([\d,]*)\]', found.group(1)):
+        size = math.prod(int(d) for d in dims.split(',') if d)
+        total += size * int(re.sub(r'\D', '', dtype)) // 8
+  return total
+
+
 def test_shard_update_splits_the_updates_work_over_the_replicas():
-  """The compiled 1F1B step on G = 1 x R = 4 with Muon: XLA's operation count falls with
+  """The compiled data_parallel step on R = 4 with Muon: XLA's operation count falls with
   --shard-update (each replica orthogonalises N / R = 1 of the stage's 4 layers, where each
-  repeats all 4 without it), and the compiled arguments (the state) shrink."""
+  repeats all 4 without it), and the compiled arguments (the state) shrink. The gradients are
+  reduce-scattered, not all-reduced: what is left of the all-reduce is the embedding's and the
+  head's gradients (not split by layer) and a few scalars."""
   model, params = tiny_transformer(1, num_layers=4, d_model=64, d_ff=256)
   batch = random_batches(1, batch=8)[0]
   config = ScheduleConfig(name='data_parallel', data_parallel=4)
@@ -102,10 +123,19 @@ def test_shard_update_splits_the_updates_work_over_the_replicas():
     schedule = build_schedule(run, model, _muon())
     step = schedule.step.lower(schedule.init(params, batch), batch).compile()
     cost = step.cost_analysis()
-    return (cost[0] if isinstance(cost, list) else cost)['flops'], step.memory_analysis()
+    flops = (cost[0] if isinstance(cost, list) else cost)['flops']
+    return flops, step.memory_analysis(), step.as_text()
 
-  (flops_whole, memory_whole), (flops_shared, memory_shared) = compiled(False), compiled(True)
+  (flops_whole, memory_whole, hlo_whole) = compiled(False)
+  (flops_shared, memory_shared, hlo_shared) = compiled(True)
   assert flops_shared < 0.9 * flops_whole, (flops_shared, flops_whole)
+  stage_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params['stages']))
+  assert _collective_bytes(hlo_whole, 'all-reduce') >= stage_bytes
+  assert _collective_bytes(hlo_whole, 'reduce-scatter') == 0
+  rest_bytes = sum(leaf.nbytes for k in ('embed', 'head') for leaf in jax.tree.leaves(params[k]))
+  assert _collective_bytes(hlo_shared, 'all-reduce') < rest_bytes + 4096  # and a few scalars
+  scattered = _collective_bytes(hlo_shared, 'reduce-scatter')  # each replica's 1/R
+  assert scattered == pytest.approx(stage_bytes / 4, rel=0.05), (scattered, stage_bytes)
   if memory_whole is not None:
     assert memory_shared.argument_size_in_bytes < memory_whole.argument_size_in_bytes
 

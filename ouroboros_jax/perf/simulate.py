@@ -67,7 +67,7 @@ def emit_data_parallel(g: Graph, t: int, state: dict, *, replicas: int, **_) -> 
   last = [_whole_model(g, t, device=d, parts=replicas) for d in range(replicas)]
   if replicas > 1:  # every replica needs every replica's gradient before its update
     for d in range(replicas):
-      g.collective(d, 'allreduce', t, g.costs.allreduce_time(replicas), last)
+      g.collective(d, g.sync_kind(), t, g.whole_sync_s(replicas), last)
   g.end_step(t)
 
 
@@ -433,8 +433,9 @@ def task_graph(
 
 def _updates(graph: Graph, run: ResolvedSchedule, costs: StageCosts, devices: int) -> None:
   """Each device's optimizer update: one device updates every parameter, a stage device its
-  own stage's; --fsdp and --shard-update split it over the D replicas, and --shard-update then
-  gathers the updated weights over them (the graph's updated_bytes)."""
+  own stage's; --fsdp and --shard-update split it over the D replicas, and --shard-update
+  reduce-scatters the gradients onto those shares (`Graph.grad_sync_s`), then gathers the
+  updated weights over them (the graph's updated_bytes)."""
   whole = run.name in ('backprop', 'data_parallel') or costs.num_stages == 1
   share = run.data_parallel if run.fsdp or run.shard_update else 1
   if whole:
@@ -445,7 +446,7 @@ def _updates(graph: Graph, run: ResolvedSchedule, costs: StageCosts, devices: in
     return
   if not whole and not costs.param_bytes:
     raise ValueError("--shard-update gathers each stage's weights: give the costs' param_bytes.")
-  graph.update_replicas = run.data_parallel
+  graph.update_replicas, graph.scatter_grads = run.data_parallel, True
   stage = lambda d: costs.param_bytes[d] + (costs.embedding_bytes if d == 0 else 0.0)
   graph.updated_bytes = [costs.grad_bytes if whole else stage(d) for d in range(devices)]
 

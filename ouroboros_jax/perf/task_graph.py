@@ -48,6 +48,8 @@ class Graph:
     self.updated_bytes: Sequence[float] = ()  # --shard-update: per device, the weights (at the
     # width `param_bytes` counts) gathered over its R replicas after its update; () without
     self.update_replicas = 1  # ... the R they are gathered over (data_parallel's D too)
+    self.scatter_grads = False  # --shard-update: the stage gradients reduce-scattered, not
+    # all-reduced (`grad_sync_s`)
     self.data_replicas = 1  # a stage schedule's R: each device's gradient all-reduced over R
     self.fsdp = False  # ... or (--fsdp) each layer gathered over R as an operation runs it
     self.chunks = 1  # (`_layer_collectives`); v chunks a device: an operation runs 1/v of its
@@ -97,10 +99,6 @@ class Graph:
     index = self._add(Task(('net', device), kind, step, step, duration, tuple(deps), sync=True))
     self.step_tasks.append(index)
     return index
-
-  def _stage_bytes(self, device: int) -> float:
-    """The bytes of a device's stage (device 0's with the embedding)."""
-    return self.costs.param_bytes[device] + (self.costs.embedding_bytes if device == 0 else 0.0)
 
   def _layering(self) -> bool:
     return self.fsdp and self.data_replicas > 1
@@ -172,20 +170,43 @@ class Graph:
   def _allreduce_stages(self, step: int) -> None:
     """A stage schedule on R data replicas: each device's gradient (its stage's parameters; device
     0's with the embedding) all-reduced over the R devices of its stage once the device's last
-    compute of the step has ended, while the other devices compute on. FSDP: only device 0's
-    embedding and head (its layers were reduce-scattered as each operation ended)."""
+    compute of the step has ended, while the other devices compute on (`grad_sync_s`: the
+    stage's reduce-scattered under --shard-update). FSDP: only device 0's embedding and head
+    (its layers were reduce-scattered as each operation ended)."""
     last = {}
     for i in self.step_tasks:
       kind, *where = self.tasks[i].resource
       if kind == 'device':
         last[where[0]] = i
     for d, i in sorted(last.items()):
-      nbytes = self._stage_bytes(d)
-      if self._layering():
-        nbytes = self.costs.embedding_bytes if d == 0 else 0.0
-      if nbytes:
-        seconds = 2 * self.costs.reduce_s(nbytes, self.data_replicas)
-        self.collective(d, 'allreduce', step, seconds, [i])
+      stage = 0.0 if self._layering() else self.costs.param_bytes[d]
+      embedding = self.costs.embedding_bytes if d == 0 else 0.0
+      if stage or embedding:
+        seconds = self.grad_sync_s(stage, embedding, self.data_replicas)
+        self.collective(d, self.sync_kind(), step, seconds, [i])
+
+  def sync_kind(self) -> str:
+    """The kind of a gradient sync task (`grad_sync_s`)."""
+    return 'reduce_scatter' if self.scatter_grads else 'allreduce'
+
+  def grad_sync_s(self, stage_bytes: float, other_bytes: float, replicas: int) -> float:
+    """One device's gradient sync over `replicas`: an all-reduce (two reduce-scatter passes), or
+    under --shard-update its layer groups' `stage_bytes` reduce-scattered onto the share each
+    replica updates (one pass) and the rest (`other_bytes`: embedding, head) all-reduced."""
+    scattered = stage_bytes if self.scatter_grads else 0.0
+    passes = [(scattered, 1), (stage_bytes + other_bytes - scattered, 2)]
+    return sum(n * self.costs.reduce_s(nbytes, replicas) for nbytes, n in passes if nbytes)
+
+  def whole_sync_s(self, replicas: int) -> float:
+    """data_parallel's gradient sync over its `replicas`: `allreduce_time`, or under
+    --shard-update the layer groups' gradients reduce-scattered (half of a measured all-reduce,
+    whose split into layers and the rest is not known)."""
+    if not self.scatter_grads:
+      return self.costs.allreduce_time(replicas)
+    if self.costs.allreduce_s is not None:
+      return self.costs.allreduce_s / 2
+    stages = sum(self.costs.param_bytes) or self.costs.grad_bytes
+    return self.grad_sync_s(stages, self.costs.grad_bytes - stages, replicas)
 
 
 def execute(tasks: Sequence[Task], slowdown: float = 1.0) -> list[tuple[float, float]]:

@@ -31,7 +31,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from ouroboros_jax import placement, staged
+from ouroboros_jax import layer_shards, placement, staged
 from ouroboros_jax.errors import ConfigError
 from ouroboros_jax.schedules import compensation, ring_shapes, stash_layout
 from ouroboros_jax.schedules import ring as ring_lib
@@ -572,11 +572,12 @@ def _grads(ring: _Ring, state: TrainState, forward_params, batch, t, t_async):
   model_parallel's exact ones over the same ring (the pipes stay empty)."""
   param_specs = placement.step_param_specs(state.params, ring.config)
   buffer_specs = placement.ring_specs(state.ring)
+  grad_specs = placement.step_grad_specs(state.params, ring.config)
   delayed = jax.shard_map(
-    functools.partial(_ring_step, ring),
+    layer_shards.with_scatter_mean(functools.partial(_ring_step, ring)),
     mesh=ring.mesh,
     in_specs=(param_specs, param_specs, buffer_specs, placement.batch_spec(batch), P()),
-    out_specs=(param_specs, buffer_specs, P()),
+    out_specs=(grad_specs, buffer_specs, P()),
     check_vma=False,
   )
 
@@ -614,10 +615,10 @@ def _grads(ring: _Ring, state: TrainState, forward_params, batch, t, t_async):
 
   def warmup_grads():  # the pipes stay empty; a memory follows the batches
     synchronous = jax.shard_map(
-      locked,
+      layer_shards.with_scatter_mean(locked),
       mesh=ring.mesh,
       in_specs=(param_specs, placement.batch_spec(batch), P(), buffer_specs),
-      out_specs=(param_specs, buffer_specs, P()),
+      out_specs=(grad_specs, buffer_specs, P()),
       check_vma=False,
     )
     return synchronous(state.params, batch, t, state.ring)

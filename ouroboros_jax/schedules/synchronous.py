@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ouroboros_jax import placement, staged, staging
+from ouroboros_jax import layer_shards, placement, staged, staging
 from ouroboros_jax.schedules import ring
 from ouroboros_jax.schedules.config import ResolvedSchedule, require_resolved
 from ouroboros_jax.staged import DATA, STAGE, Schedule, StagedModel, TrainState
@@ -141,10 +141,10 @@ def synchronous_schedule(
       placement.ring_specs(state.ring),
     )
     grads_of = jax.shard_map(
-      device_grads,
+      layer_shards.with_scatter_mean(device_grads),
       mesh=mesh,
       in_specs=(param_specs, placement.batch_spec(batch), P(), buffer_specs),
-      out_specs=(param_specs, P(), buffer_specs),
+      out_specs=(placement.step_grad_specs(state.params, config), P(), buffer_specs),
       check_vma=False,
     )
     held, buffers = state.params, state.ring
@@ -190,7 +190,7 @@ def build_data_parallel(
     if model.loss_weight is not None:  # R w_r / w: this replica's share of the batch's loss
       share = ring.loss_shares(model, jax.tree.map(lambda a: a[None], batch['targets']))[0]
       grads, loss = jax.tree.map(lambda a: a * share, (grads, loss))
-    return (*jax.lax.pmean((grads, loss), DATA), buffers)
+    return (*layer_shards.replica_mean(grads, loss), buffers)
 
   return synchronous_schedule(config, model, tx, mesh, DeviceGrads(device_grads, 0.0))
 
