@@ -75,8 +75,17 @@ LEVERS = {
 }
 
 
+# Beyond the region: the layout map's batch-limited cells (B < N, r-layouts) run the pipelined
+# ring at M = G / 4, one sequence a micro-batch, where its gradients are 8 updates old.
+BEYOND = {'pipelined-g8-m2': ('pipelined-g8-m4', dict(microbatches=2))}
+
+
 def with_levers(table: dict) -> dict:
-  return {**table, **{name: dict(table[base], **change) for name, (base, change) in LEVERS.items()}}
+  changed = {**LEVERS, **BEYOND}
+  return {
+    **table,
+    **{name: dict(table[base], **change) for name, (base, change) in changed.items()},
+  }
 
 
 SETTINGS = with_levers(settings())
