@@ -25,10 +25,10 @@ with an all-to-all each way.
 
 Under --shard-update (ZeRO-1) the weights stay whole and only the update is split: a stage leaf's
 optimizer state over the replicas on the axis `update_axis` gives (whole layers where R divides
-N). The step's shard_map then leaves those leaves' gradients unreduced where `replica_mean` runs
-(a micro-batch loop sums them locally) and reduce-scatters each onto that axis once, at the end
-of its body (`scatter_mean`): half an all-reduce's bytes, each replica receiving the mean of
-exactly the share it updates.
+N), an embedding or head leaf's as FSDP splits it (`grad_axes`). The step's shard_map then
+leaves those leaves' gradients unreduced where `replica_mean` runs (a micro-batch loop sums them
+locally) and reduce-scatters each onto its axis once, at the end of its body (`scatter_mean`):
+half an all-reduce's bytes, each replica receiving the mean of exactly the share it updates.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ _GATHERING: contextvars.ContextVar = contextvars.ContextVar('layer_gathering', d
 class Scattering(NamedTuple):
   """What the shard_map body of a step traced under `scattered_grads` reduce-scatters."""
 
-  axes: PyTree  # like params['stages']: the axis of a stage leaf its update splits, or None
+  axes: PyTree  # like params: the axis of a leaf its update splits (`grad_axes`), or None
   replicas: int
 
 
@@ -100,6 +100,19 @@ def update_axis(shape: tuple[int, ...], replicas: int) -> int | None:
   return split_axis(shape, replicas, taken=(0, 1))
 
 
+def grad_axes(params: PyTree, replicas: int) -> PyTree:
+  """Like params ({'embed', 'stages', 'head'}): the axis --shard-update splits each leaf's
+  optimizer state and gradient on over `replicas`, a stage leaf's `update_axis`, an embedding or
+  head leaf's FSDP axis (`split_axis`), or None (whole on every replica)."""
+  axes = {
+    group: jax.tree.map(lambda a: split_axis(tuple(a.shape), replicas), tree)
+    for group, tree in params.items()
+    if group != 'stages'
+  }
+  stage = lambda a: update_axis(tuple(a.shape), replicas)
+  return {**axes, 'stages': jax.tree.map(stage, params['stages'])}
+
+
 def stage_axis(axis: int | None) -> int | None:
   """The axis of a stage leaf [G, N, ...] that one layer's `axis` is."""
   return None if axis is None else axis + 2
@@ -117,11 +130,10 @@ def gathered_layers(axes: PyTree, replicas: int):
 
 
 @contextlib.contextmanager
-def scattered_grads(stages: PyTree, replicas: int):
-  """Within it, `replica_mean` leaves the stage leaves (`stages`: [G, N, ...]) that
-  --shard-update splits unreduced, and `scatter_mean` reduce-scatters them (`update_axis`)."""
-  axes = jax.tree.map(lambda a: update_axis(tuple(a.shape), replicas), stages)
-  token = _SCATTERING.set(Scattering(axes, replicas))
+def scattered_grads(params: PyTree, replicas: int):
+  """Within it, `replica_mean` leaves the gradients of the leaves of `params` that
+  --shard-update splits unreduced, and `scatter_mean` reduce-scatters them (`grad_axes`)."""
+  token = _SCATTERING.set(Scattering(grad_axes(params, replicas), replicas))
   try:
     yield
   finally:
@@ -186,22 +198,20 @@ def replica_mean(grads: dict, loss):
   gathering, scattering = active(), _SCATTERING.get()
   if gathering is None and scattering is None:
     return jax.lax.pmean((grads, loss), DATA)
-  if gathering is not None:
-    mean = lambda g, axis: g / gathering.replicas if axis is not None else jax.lax.pmean(g, DATA)
-    axes = gathering.axes
-  else:
-    mean = lambda g, axis: g if axis is not None else jax.lax.pmean(g, DATA)
-    axes = scattering.axes
-  stages = jax.tree.map(mean, grads['stages'], axes)
+  if scattering is not None:
+    own = lambda g, axis: g if axis is not None else jax.lax.pmean(g, DATA)
+    return jax.tree.map(own, grads, scattering.axes), jax.lax.pmean(loss, DATA)
+  mean = lambda g, axis: g / gathering.replicas if axis is not None else jax.lax.pmean(g, DATA)
+  stages = jax.tree.map(mean, grads['stages'], gathering.axes)
   rest = {k: v for k, v in grads.items() if k != 'stages'}
   rest, loss = jax.lax.pmean((rest, loss), DATA)
   return {**rest, 'stages': stages}, loss
 
 
 def scatter_mean(grads: dict) -> dict:
-  """Under `scattered_grads`, at the end of a step's shard_map body: each stage leaf
-  `replica_mean` left unreduced reduce-scattered over DATA onto its `update_axis` and divided by
-  R, this replica's share of the mean (the body's out_specs split it so); else grads."""
+  """Under `scattered_grads`, at the end of a step's shard_map body: each leaf `replica_mean`
+  left unreduced reduce-scattered over DATA onto its axis (`grad_axes`) and divided by R, this
+  replica's share of the mean (the body's out_specs split it so); else grads."""
   scattering = _SCATTERING.get()
   if scattering is None:
     return grads
@@ -211,7 +221,7 @@ def scatter_mean(grads: dict) -> dict:
       return g
     return jax.lax.psum_scatter(g, DATA, scatter_dimension=axis, tiled=True) / scattering.replicas
 
-  return {**grads, 'stages': jax.tree.map(scatter, grads['stages'], scattering.axes)}
+  return jax.tree.map(scatter, grads, scattering.axes)
 
 
 def with_scatter_mean(body: Callable) -> Callable:

@@ -356,13 +356,21 @@ def step_param_specs(params: PyTree, config) -> PyTree:
 
 def step_grad_specs(params: PyTree, config) -> PyTree:
   """The gradients' out_specs of a stage schedule's shard_map: as its parameters', but with
-  --shard-update each stage leaf on its replica's share (`layer_shards.update_axis`), which
-  the body reduce-scatters (`layer_shards.scatter_mean`) and the update splits."""
+  --shard-update each leaf on its replica's share (`layer_shards.grad_axes`), which the body
+  reduce-scatters (`layer_shards.scatter_mean`) and the update splits."""
   if not config.shard_update:
     return step_param_specs(params, config)
+  return update_specs(params, config.data_parallel)
 
-  spec = lambda a: _update_spec(a.shape, config.data_parallel)
-  return {**param_specs(params), 'stages': jax.tree.map(spec, params['stages'])}
+
+def update_specs(params: PyTree, replicas: int) -> PyTree:
+  """Specs like params under --shard-update: a stage leaf over `stage` on G, every leaf over
+  `data` on the axis its update splits (`layer_shards.grad_axes`)."""
+  axes = layer_shards.grad_axes(params, replicas)
+  spec = lambda a, axis: P(*(DATA if i == axis else None for i in range(a.ndim)))
+  rest = {g: jax.tree.map(spec, params[g], axes[g]) for g in params if g != 'stages'}
+  stage = lambda a: _update_spec(a.shape, replicas)
+  return {**rest, 'stages': jax.tree.map(stage, params['stages'])}
 
 
 def _update_spec(shape: tuple[int, ...], replicas: int) -> P:
@@ -377,7 +385,7 @@ def step_gathering(params: PyTree, config):
   each layer's shards (`layer_shards.gathered_layers`); with --shard-update the gradients are
   reduce-scattered (`layer_shards.scattered_grads`); else nothing."""
   if config.shard_update:
-    return layer_shards.scattered_grads(params['stages'], config.data_parallel)
+    return layer_shards.scattered_grads(params, config.data_parallel)
   if not config.fsdp:
     return contextlib.nullcontext()
   axes = layer_shards.layer_axes(params['stages'], config.data_parallel)

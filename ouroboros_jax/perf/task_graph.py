@@ -190,23 +190,21 @@ class Graph:
     return 'reduce_scatter' if self.scatter_grads else 'allreduce'
 
   def grad_sync_s(self, stage_bytes: float, other_bytes: float, replicas: int) -> float:
-    """One device's gradient sync over `replicas`: an all-reduce (two reduce-scatter passes), or
-    under --shard-update its layer groups' `stage_bytes` reduce-scattered onto the share each
-    replica updates (one pass) and the rest (`other_bytes`: embedding, head) all-reduced."""
-    scattered = stage_bytes if self.scatter_grads else 0.0
-    passes = [(scattered, 1), (stage_bytes + other_bytes - scattered, 2)]
-    return sum(n * self.costs.reduce_s(nbytes, replicas) for nbytes, n in passes if nbytes)
+    """One device's gradient sync over `replicas` of its layer groups' `stage_bytes` and the
+    rest (`other_bytes`: embedding, head): an all-reduce (two reduce-scatter passes), or under
+    --shard-update one pass, each leaf reduce-scattered onto the share its replica updates."""
+    passes = 1 if self.scatter_grads else 2
+    nbytes = stage_bytes + other_bytes
+    return passes * self.costs.reduce_s(nbytes, replicas) if nbytes else 0.0
 
   def whole_sync_s(self, replicas: int) -> float:
     """data_parallel's gradient sync over its `replicas`: `allreduce_time`, or under
-    --shard-update the layer groups' gradients reduce-scattered (half of a measured all-reduce,
-    whose split into layers and the rest is not known)."""
+    --shard-update every gradient reduce-scattered: half of it."""
     if not self.scatter_grads:
       return self.costs.allreduce_time(replicas)
     if self.costs.allreduce_s is not None:
       return self.costs.allreduce_s / 2
-    stages = sum(self.costs.param_bytes) or self.costs.grad_bytes
-    return self.grad_sync_s(stages, self.costs.grad_bytes - stages, replicas)
+    return self.grad_sync_s(self.costs.grad_bytes, 0.0, replicas)
 
 
 def execute(tasks: Sequence[Task], slowdown: float = 1.0) -> list[tuple[float, float]]:
