@@ -327,7 +327,7 @@ def _remapped(saved, stored, saved_inner: tuple, run_inner: tuple):
 
 def _zeros(a):
   """Zeros of an abstract leaf's shape and dtype, placed as it says."""
-  return jax.jit(lambda: jax.numpy.zeros(a.shape, a.dtype), out_shardings=a.sharding)()
+  return jax.numpy.zeros(a.shape, a.dtype, device=a.sharding)  # one compile a shape, not a leaf
 
 
 def _history_restarted(state, kinds):
