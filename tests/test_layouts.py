@@ -3,6 +3,7 @@ verdict per cell, on cells of 8 and 64 chips (a few seconds)."""
 
 from __future__ import annotations
 
+import csv
 import pathlib
 
 import pytest
@@ -163,3 +164,21 @@ def test_the_map_names_the_fastest_layout_that_fits():
   # Not judged: the map does not know which fits, and compares the fastest rows (400 / 450).
   bare = [dict(r, fits=None, peak_gib=None) for r in cell]
   assert layouts._cell_line(8, 16, bare).endswith('| fsdp | ? | 0.89x (time alone) |')
+
+
+def test_the_gap_to_fsdp_is_priced_term_by_term_and_the_simulator_restored():
+  """experiments/layout_gap.py on the map's 1B, 64-chip, 64-sequence cell: its fastest
+  Ouroboros simulated again as the map has it, then with the post-update gather free, then the
+  update too; each what-if only lowers the step, and the simulator is itself again after."""
+  gap = experiment('layout_gap')
+  with open(ROOT / 'docs/results/layouts/layouts.csv') as f:
+    cell = [
+      r for r in csv.DictReader(f) if (r['model'], r['chips'], r['batch']) == ('1b', '64', '64')
+    ]
+  before = gap.simulate._updates
+  row = gap.gap_row(cell)
+  assert gap.simulate._updates is before
+  assert 'shard_update' in row['setting'] and row['fsdp_s'] > 0
+  assert row['update_free_s'] < row['gather_free_s'] < row['ouroboros_s']
+  ring = gap.fastest(cell, 'ouroboros')  # the map's row, simulated again as it is
+  assert gap.step_s('1b', 64, 64, gap.setting_of(ring)) == pytest.approx(row['ouroboros_s'])

@@ -1,0 +1,140 @@
+"""What separates Ouroboros from FSDP where both run (issue 61): the layout map's cells with a
+sequence a chip or more (B >= N) on 64 and 512 chips, the fastest Ouroboros of the saved map
+(docs/results/layouts/layouts.csv) simulated again three ways:
+
+  as is            its predicted step (the map's)
+  gather free      the same, but the gather of the updated weights over the replicas after a
+                   --shard-update step costs nothing (as if overlapped with the next step)
+  update free      the update costs nothing too (its 1/R of the optimizer's work)
+
+beside FSDP's step from the map. A what-if of the simulator (`simulate._updates` zeroed for the
+run), not a layout the library runs: it says which term a lever would have to remove.
+
+    python experiments/layout_gap.py                  # docs/results/layouts/layout_gap.csv (~5 min)
+    python experiments/layout_gap.py --render docs/results/layouts/layout_gap.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import layouts  # noqa: E402  (experiments/ is not a package)
+
+from ouroboros_jax.perf import plan, simulate  # noqa: E402
+from ouroboros_jax.schedules import ScheduleConfig  # noqa: E402
+from ouroboros_jax.training import field_flags, presets  # noqa: E402
+
+COLUMNS = ['model', 'chips', 'batch', 'setting', 'fsdp_s', 'ouroboros_s', 'gather_free_s']
+COLUMNS += ['update_free_s']
+
+
+@contextlib.contextmanager
+def free(gather: bool, update: bool):
+  """The simulator with the post-update gather (and the update) of every step costing nothing."""
+  updates = simulate._updates
+
+  def zeroed(graph, run, costs, devices):
+    updates(graph, run, costs, devices)
+    if gather and graph.updated_bytes:
+      graph.updated_bytes = [0.0] * len(graph.updated_bytes)
+    if update:
+      graph.update_s = [0.0] * len(graph.update_s)
+
+  simulate._updates = zeroed
+  try:
+    yield
+  finally:
+    simulate._updates = updates
+
+
+def step_s(model: str, chips: int, batch: int, setting: ScheduleConfig) -> float:
+  """`layouts.cell_rows`' prediction of one layout."""
+  flags, hardware, slice_chips = layouts.MODELS[model]
+  cfg = field_flags.override(presets.get_preset('gpt2-small'), {**flags, 'batch_size': batch})
+  resolved = setting.resolve('tpu', batch)
+  return plan.predicted_step_s(cfg, resolved, hardware, slices=max(1, chips // slice_chips))
+
+
+def fastest(rows: list[dict], line_prefix: str) -> dict:
+  timed = [r for r in rows if r['line'].startswith(line_prefix) and r['step_s']]
+  return min(timed, key=lambda r: float(r['step_s']))
+
+
+def setting_of(ring: dict) -> ScheduleConfig:
+  """The ScheduleConfig of a map's Ouroboros row."""
+  return ScheduleConfig(
+    name='ouroboros', forward=ring['line'].split()[1], num_stages=int(ring['G']),
+    data_parallel=int(ring['R']), microbatches=int(ring['M']), stash_policy=ring['policy'],
+    shard_update=ring['shard_update'] == 'True', fsdp=ring['fsdp'] == 'True',
+  )  # fmt: skip
+
+
+def gap_row(cell: list[dict]) -> dict:
+  """One cell's row: FSDP's step and its fastest Ouroboros' three ways."""
+  ring = fastest(cell, 'ouroboros')
+  model, chips, batch = ring['model'], int(ring['chips']), int(ring['batch'])
+  setting = setting_of(ring)
+  times = {}
+  for name, gather, update in (('gather_free_s', True, False), ('update_free_s', True, True)):
+    with free(gather, update):
+      times[name] = step_s(model, chips, batch, setting)
+  return dict(
+    model=model, chips=chips, batch=batch, setting=ring['setting'],
+    fsdp_s=float(fastest(cell, 'fsdp')['step_s']), ouroboros_s=float(ring['step_s']), **times,
+  )  # fmt: skip
+
+
+def main_rows(map_csv: str) -> list[dict]:
+  with open(map_csv) as f:
+    rows = list(csv.DictReader(f))
+  cells: dict[tuple, list[dict]] = {}
+  for r in rows:
+    if int(r['chips']) > 8 and int(r['batch']) >= int(r['chips']):
+      cells.setdefault((r['model'], int(r['chips']), int(r['batch'])), []).append(r)
+  return [gap_row(cells[key]) for key in sorted(cells)]
+
+
+def render(rows: list[dict]) -> str:
+  ms = lambda r, k: float(r[k]) * 1e3
+  lines = [
+    '| model | N | B | fastest Ouroboros | FSDP (ms) | Ouroboros (ms) | gather free | '
+    'update free too | FSDP / Ouroboros: as is | gather free |',
+    '|---|---|---|---|---|---|---|---|---|---|',
+  ]
+  for r in rows:
+    fsdp, ring, no_gather = ms(r, 'fsdp_s'), ms(r, 'ouroboros_s'), ms(r, 'gather_free_s')
+    lines.append(
+      f'| {r["model"]} | {r["chips"]} | {r["batch"]} | {r["setting"]} | {fsdp:.1f} | '
+      f'{ring:.1f} | {no_gather:.1f} | {ms(r, "update_free_s"):.1f} | {fsdp / ring:.3f}x | '
+      f'{fsdp / no_gather:.3f}x |'
+    )
+  return '\n'.join(lines)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  p.add_argument('--map', default='docs/results/layouts/layouts.csv')
+  p.add_argument('--out', default='docs/results/layouts/layout_gap.csv')
+  p.add_argument('--render', metavar='CSV', help='print the markdown table of a saved CSV')
+  args = p.parse_args(argv)
+  if args.render:
+    with open(args.render) as f:
+      print(render(list(csv.DictReader(f))))
+    return 0
+  rows = main_rows(args.map)
+  with open(args.out, 'w', newline='') as f:
+    writer = csv.DictWriter(f, fieldnames=COLUMNS)
+    writer.writeheader()
+    writer.writerows(rows)
+  print(render(rows))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
