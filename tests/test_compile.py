@@ -346,3 +346,14 @@ def test_a_step_beyond_what_xla_indexes_does_not_fit_in_one_report():
   assert report['fits'] is False
   assert report['peak_bytes'] >= 10**9 * cfg.model.seq_len * 4 * 2  # inputs and targets
   assert 'more than one XLA program indexes' in compile_lib.format_report(report)
+
+
+def test_collective_bytes_sums_the_result_shapes_of_one_kind():
+  hlo = '\n'.join([
+    '  %ag = f32[4,256]{1,0} all-gather(f32[1,256]{1,0} %p), dimensions={0}',
+    '  %ags = (bf16[8]{0}, bf16[64]{0}) all-gather-start(bf16[8]{0} %q), dimensions={0}',
+    '  %ar = f32[10]{0} all-reduce(f32[10]{0} %r), to_apply=%add',
+  ])  # fmt: skip
+  assert compile_lib.collective_bytes(hlo, 'all-gather') == 4 * 256 * 4 + (8 + 64) * 2
+  assert compile_lib.collective_bytes(hlo, 'all-reduce') == 40
+  assert compile_lib.collective_bytes(hlo, 'reduce-scatter') == 0

@@ -182,3 +182,17 @@ def test_the_gap_to_fsdp_is_priced_term_by_term_and_the_simulator_restored():
   assert row['update_free_s'] < row['gather_free_s'] < row['ouroboros_s']
   ring = gap.fastest(cell, 'ouroboros')  # the map's row, simulated again as it is
   assert gap.step_s('1b', 64, 64, gap.setting_of(ring)) == pytest.approx(row['ouroboros_s'])
+
+
+def test_the_update_compiles_are_priced_as_the_simulator_charges_a_chip():
+  """experiments/update_compiles.py: the layers whose update the simulator charges a chip, L/D
+  under FSDP, L/(G R) under zero1, L/G on a replicated stage; and the rendered ratio."""
+  compiles = experiment('update_compiles')
+  assert compiles.priced_layers(24, 1, 64, 'fsdp') == 24 / 64
+  assert compiles.priced_layers(24, 8, 8, 'update') == 3 / 8
+  assert compiles.priced_layers(24, 8, 8, 'replicated') == 3
+  row = dict(
+    model='1b', topology='v5e:8x8', setting='s', layers_a_chip=0.375, priced_gflops=902,
+    compiled_gflops=6999, all_gather_mb=1, all_reduce_mb=2, all_to_all_mb=0,
+  )  # fmt: skip
+  assert '| 7.76x |' in compiles.render([row])

@@ -8,13 +8,12 @@ ATOL as tests/test_fsdp.py: float32 after 3 steps, the sums split in another ord
 from __future__ import annotations
 
 import dataclasses
-import math
-import re
 
 import jax
 import pytest
 
 from ouroboros_jax import ConfigError, ScheduleConfig, build_schedule, optimizers
+from ouroboros_jax.perf import compile as compile_lib
 from ouroboros_jax.placement import DATA
 
 from helpers import adam, max_abs_diff, random_batches, run_schedule, tiny_transformer
@@ -96,18 +95,6 @@ def test_shard_update_leaves_a_delayed_ring_where_it_was():
   assert 0.45 < halved < 0.6, halved
 
 
-def _collective_bytes(hlo: str, op: str) -> int:
-  """The bytes the `op` collectives of compiled HLO text produce (their result shapes)."""
-  total = 0
-  for line in hlo.splitlines():
-    found = re.search(r'= (.*?) ' + op + r'(-start)?\(', line)
-    if found:
-      for dtype, dims in re.findall(r'([a-z]+\d+)\[([\d,]*)\]', found.group(1)):
-        size = math.prod(int(d) for d in dims.split(',') if d)
-        total += size * int(re.sub(r'\D', '', dtype)) // 8
-  return total
-
-
 def test_shard_update_splits_the_updates_work_over_the_replicas():
   """The compiled data_parallel step on R = 4 with Muon: XLA's operation count falls with
   --shard-update (each replica orthogonalises N / R = 1 of the stage's 4 layers, where each
@@ -130,11 +117,11 @@ def test_shard_update_splits_the_updates_work_over_the_replicas():
   (flops_shared, memory_shared, hlo_shared) = compiled(True)
   assert flops_shared < 0.9 * flops_whole, (flops_shared, flops_whole)
   stage_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params['stages']))
-  assert _collective_bytes(hlo_whole, 'all-reduce') >= stage_bytes
-  assert _collective_bytes(hlo_whole, 'reduce-scatter') == 0
+  assert compile_lib.collective_bytes(hlo_whole, 'all-reduce') >= stage_bytes
+  assert compile_lib.collective_bytes(hlo_whole, 'reduce-scatter') == 0
   all_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(params))
-  assert _collective_bytes(hlo_shared, 'all-reduce') < 4096  # the loss and a few scalars
-  scattered = _collective_bytes(hlo_shared, 'reduce-scatter')  # each replica's 1/R
+  assert compile_lib.collective_bytes(hlo_shared, 'all-reduce') < 4096  # the loss and a few scalars
+  scattered = compile_lib.collective_bytes(hlo_shared, 'reduce-scatter')  # each replica's 1/R
   assert scattered == pytest.approx(all_bytes / 4, rel=0.05), (scattered, all_bytes)
   if memory_whole is not None:
     assert memory_shared.argument_size_in_bytes < memory_whole.argument_size_in_bytes

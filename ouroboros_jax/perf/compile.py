@@ -378,6 +378,20 @@ def _placed(tree, shardings):
   )
 
 
+def collective_bytes(hlo: str, op: str) -> int:
+  """The bytes the `op` collectives ('all-gather', 'reduce-scatter', 'all-reduce', ...) of
+  compiled HLO text (`Compiled.as_text()`) produce: their result shapes, once each as written
+  (a collective inside a loop's body counts once)."""
+  total = 0
+  for line in hlo.splitlines():
+    found = re.search(r'= (.*?) ' + op + r'(-start)?\(', line)
+    if found:
+      for dtype, dims in re.findall(r'([a-z]+\d+)\[([\d,]*)\]', found.group(1)):
+        size = math.prod(int(d) for d in dims.split(',') if d)
+        total += size * int(re.sub(r'\D', '', dtype)) // 8
+  return total
+
+
 def shard_bytes(tree) -> int:
   """Bytes one device holds of an abstract, sharded tree: each leaf's shard shape x item size."""
   return sum(

@@ -1,0 +1,149 @@
+"""The optimizer update as the TPU compiler builds it (issue 61): Muon's work a chip, compiled,
+against what the simulator prices, for the layouts of the layout map where the replicas do not
+divide the layers they update.
+
+The simulator (`cost_model._update_s`, `simulate._updates`) charges a chip the Newton-Schulz
+matmuls of the layers it updates: L/D layers under FSDP, L/(G R) for a stage split over its R
+replicas (--shard-update), as if each replica orthogonalised whole matrices of its own. That is
+what the library does where the replicas divide the layers (`layer_shards.by_whole_layers`,
+`layer_shards.update_axis`). Where they do not, each matrix stays split on one of its own axes
+and XLA's SPMD partitioner splits the products that contract over it, but repeats on every chip
+the products of the small Gram matrix (m x m for an m x n matrix, m <= n), and gathers and
+all-reduces what they need.
+
+This compiles the update alone (`GroupedOptimizer.apply` on the step's layouts of the parameters,
+optimizer state and gradients) for compile-only TPU chips and records the compiler's operations
+a chip (`cost_analysis`; no loop in it) and the bytes its collectives produce, beside the
+simulator's price in the same operations. libtpu, 2 CPU cores: ~6 min.
+
+    python experiments/update_compiles.py     # docs/results/layouts/update_compiles.csv
+    python experiments/update_compiles.py --render docs/results/layouts/update_compiles.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+import time
+
+# model, topology, schedule, G, R, sharding ('fsdp', 'update' or 'replicated')
+CASES = (
+  ('1b', 'v5e:2x4', 'data_parallel', 1, 8, 'fsdp'),  # D = 8 divides L = 24: whole layers
+  ('1b', 'v5e:8x8', 'data_parallel', 1, 64, 'fsdp'),  # D = 64 does not
+  ('1b', 'v5e:2x4', '1f1b', 8, 1, 'replicated'),  # a stage of 3 layers, whole on its chip
+  ('1b', 'v5e:8x8', '1f1b', 8, 8, 'update'),  # its update over R = 8, which 3 does not divide
+  ('1b', 'v5e:8x8', '1f1b', 2, 32, 'update'),  # 12 layers over R = 32
+)
+MODELS = {
+  '1b': dict(d_model=2048, num_layers=24, num_heads=16, d_ff=8192, seq_len=2048, dtype='bfloat16')
+}
+COLUMNS = ['model', 'topology', 'setting', 'layers_a_chip', 'priced_gflops', 'compiled_gflops']
+COLUMNS += ['all_gather_mb', 'all_reduce_mb', 'all_to_all_mb', 'compile_s']
+
+
+def priced_layers(num_layers: int, G: int, R: int, sharding: str) -> float:
+  """The layers whose update the simulator charges a chip: its stage's, split over the
+  replicas where the state is (FSDP: the whole model's over D = R)."""
+  return num_layers / G / (R if sharding in ('fsdp', 'update') else 1)
+
+
+def compiled_update(model: str, topology: str, schedule: str, G: int, R: int, sharding: str):
+  """(the run's label, the compiled update of its step's layouts)."""
+  import jax
+  from jax.sharding import NamedSharding
+
+  from ouroboros_jax import placement
+  from ouroboros_jax.perf import compile as compile_lib
+  from ouroboros_jax.schedules import synchronous
+  from ouroboros_jax.training import assemble, field_flags, presets
+  from ouroboros_jax.training.optimizer_setup import make_optimizer
+
+  flags = dict(
+    MODELS[model], schedule=schedule, data_parallel=R, stash_policy='dots', optimizer='muon',
+    fsdp=sharding == 'fsdp', shard_update=sharding == 'update', batch_size=8 * R,
+  )  # fmt: skip
+  if schedule != 'data_parallel':
+    flags.update(stages=G, microbatches=8)
+  cfg = field_flags.override(presets.get_preset('gpt2-small'), flags)
+  devices = compile_lib._target_devices(cfg, topology)
+  run = cfg.schedule_config(devices[0].platform)
+  schedule_, state, _ = compile_lib._abstract_step(cfg, run, devices)
+  model_ = assemble.staged_model(cfg, cfg.plans.layers_per_stage)
+  optimizer = synchronous.grouped(run, model_, make_optimizer(cfg), schedule_.mesh)
+  on_mesh = lambda spec: NamedSharding(schedule_.mesh, spec)
+  grads = jax.tree.map(
+    lambda a, spec: jax.ShapeDtypeStruct(a.shape, jax.numpy.float32, sharding=on_mesh(spec)),
+    state.params,
+    placement.step_grad_specs(state.params, run),
+  )
+  kept = jax.tree.map(lambda a: a.sharding, (state.params, state.opt_state))
+  update = jax.jit(lambda p, s, g: optimizer.apply(p, s, g)[:2], out_shardings=kept)
+  return run.label, update.lower(state.params, state.opt_state, grads).compile()
+
+
+def case_row(case) -> dict:
+  from ouroboros_jax import costs
+  from ouroboros_jax.perf import compile as compile_lib
+
+  model, topology, schedule, G, R, sharding = case
+  start = time.perf_counter()
+  label, compiled = compiled_update(*case)
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  hlo = compiled.as_text()
+  shape = MODELS[model]
+  layers = priced_layers(shape['num_layers'], G, R, sharding)
+  per_layer = costs.layer_update_flops('muon', shape['d_model'], shape['d_ff'])
+  mb = lambda op: compile_lib.collective_bytes(hlo, op) / 2**20
+  return dict(
+    model=model, topology=topology, setting=label, layers_a_chip=layers,
+    priced_gflops=layers * per_layer / 1e9, compiled_gflops=cost['flops'] / 1e9,
+    all_gather_mb=mb('all-gather'), all_reduce_mb=mb('all-reduce'),
+    all_to_all_mb=mb('all-to-all'), compile_s=time.perf_counter() - start,
+  )  # fmt: skip
+
+
+def render(rows: list[dict]) -> str:
+  f = lambda r, k: float(r[k])
+  lines = [
+    '| model | chips | layout | layers a chip (priced) | priced GFLOP | compiled GFLOP | '
+    'compiled / priced | all-gather MB | all-reduce MB | all-to-all MB |',
+    '|---|---|---|---|---|---|---|---|---|---|',
+  ]
+  for r in rows:
+    ratio = f(r, 'compiled_gflops') / f(r, 'priced_gflops')
+    lines.append(
+      f'| {r["model"]} | {r["topology"]} | {r["setting"]} | {f(r, "layers_a_chip"):.3f} | '
+      f'{f(r, "priced_gflops"):.0f} | {f(r, "compiled_gflops"):.0f} | {ratio:.2f}x | '
+      f'{f(r, "all_gather_mb"):.0f} | {f(r, "all_reduce_mb"):.0f} | {f(r, "all_to_all_mb"):.0f} |'
+    )
+  return '\n'.join(lines)
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  p.add_argument('--out', default='docs/results/layouts/update_compiles.csv')
+  p.add_argument('--render', metavar='CSV', help='print the markdown table of a saved CSV')
+  args = p.parse_args(argv)
+  if args.render:
+    with open(args.render) as f:
+      print(render(list(csv.DictReader(f))))
+    return 0
+  from ouroboros_jax.perf import compile as compile_lib
+
+  compile_lib.quiet_libtpu()
+  rows = []
+  for case in CASES:
+    rows.append(case_row(case))
+    print(render(rows[-1:]).splitlines()[-1], flush=True)
+  with open(args.out, 'w', newline='') as f:
+    writer = csv.DictWriter(f, fieldnames=COLUMNS)
+    writer.writeheader()
+    writer.writerows(rows)
+  print(render(rows))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
