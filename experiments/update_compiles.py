@@ -14,7 +14,7 @@ all-reduces what they need.
 This compiles the update alone (`GroupedOptimizer.apply` on the step's layouts of the parameters,
 optimizer state and gradients) for compile-only TPU chips and records the compiler's operations
 a chip (`cost_analysis`; no loop in it) and the bytes its collectives produce, beside the
-simulator's price in the same operations. libtpu, 2 CPU cores: ~6 min.
+simulator's price in the same operations. libtpu, 2 CPU cores: ~6 min for 1B.
 
     python experiments/update_compiles.py     # docs/results/layouts/update_compiles.csv
     python experiments/update_compiles.py --render docs/results/layouts/update_compiles.csv
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import sys
 import time
 
@@ -34,9 +35,13 @@ CASES = (
   ('1b', 'v5e:2x4', '1f1b', 8, 1, 'replicated'),  # a stage of 3 layers, whole on its chip
   ('1b', 'v5e:8x8', '1f1b', 8, 8, 'update'),  # its update over R = 8, which 3 does not divide
   ('1b', 'v5e:8x8', '1f1b', 2, 32, 'update'),  # 12 layers over R = 32
+  ('7b', 'v5p:2x2x2', 'data_parallel', 1, 8, 'fsdp'),  # D = 8 divides L = 32
+  ('7b', 'v5p:4x4x4', 'data_parallel', 1, 64, 'fsdp'),  # D = 64 does not
+  ('7b', 'v5p:4x4x4', '1f1b', 16, 4, 'update'),  # the map's Ouroboros: 2 layers over R = 4
 )
 MODELS = {
-  '1b': dict(d_model=2048, num_layers=24, num_heads=16, d_ff=8192, seq_len=2048, dtype='bfloat16')
+  '1b': dict(d_model=2048, num_layers=24, num_heads=16, d_ff=8192, seq_len=2048, dtype='bfloat16'),
+  '7b': dict(d_model=4096, num_layers=32, num_heads=32, d_ff=16384, seq_len=2048, dtype='bfloat16'),
 }
 COLUMNS = ['model', 'topology', 'setting', 'layers_a_chip', 'priced_gflops', 'compiled_gflops']
 COLUMNS += ['all_gather_mb', 'all_reduce_mb', 'all_to_all_mb', 'compile_s']
@@ -125,6 +130,9 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
   p.add_argument('--out', default='docs/results/layouts/update_compiles.csv')
   p.add_argument('--render', metavar='CSV', help='print the markdown table of a saved CSV')
+  p.add_argument(
+    '--models', default=','.join(MODELS), help="compile these models' cases, keep the rest of --out"
+  )
   args = p.parse_args(argv)
   if args.render:
     with open(args.render) as f:
@@ -133,8 +141,12 @@ def main(argv=None) -> int:
   from ouroboros_jax.perf import compile as compile_lib
 
   compile_lib.quiet_libtpu()
+  models = args.models.split(',')
   rows = []
-  for case in CASES:
+  if set(models) != set(MODELS) and os.path.exists(args.out):
+    with open(args.out) as f:
+      rows = [r for r in csv.DictReader(f) if r['model'] not in models]
+  for case in (c for c in CASES if c[0] in models):
     rows.append(case_row(case))
     print(render(rows[-1:]).splitlines()[-1], flush=True)
   with open(args.out, 'w', newline='') as f:
