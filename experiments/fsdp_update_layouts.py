@@ -20,10 +20,13 @@ library's update compiled (experiments/update_compiles.py) does the same operati
 
 from __future__ import annotations
 
-import argparse
-import csv
 import math
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import csv_table  # noqa: E402  (experiments/ is not a package)
 
 LAYERS, D_MODEL, D_FF, CHIPS, TOPOLOGY = 24, 2048, 8192, 64, 'v5e:8x8'
 GROUPS = math.gcd(CHIPS, LAYERS)  # 8
@@ -83,28 +86,15 @@ def compiled_row(layout: str, mesh) -> dict:
 
 
 def render(rows: list[dict]) -> str:
-  f = lambda r, k: float(r[k])
-  lines = [
-    f'| FSDP update, 1B on {CHIPS} chips ({TOPOLOGY}) | GFLOP a chip | all-gather MB | '
-    'all-reduce MB | all-to-all MB |',
-    '|---|---|---|---|---|',
-  ]
-  for r in rows:
-    lines.append(
-      f'| {r["layout"]} | {f(r, "gflops"):.0f} | {f(r, "all_gather_mb"):.0f} | '
-      f'{f(r, "all_reduce_mb"):.0f} | {f(r, "all_to_all_mb"):.0f} |'
-    )
-  return '\n'.join(lines)
+  header = [f'FSDP update, 1B on {CHIPS} chips ({TOPOLOGY})', 'GFLOP a chip', 'all-gather MB']
+  cells = lambda r: [r['layout'], *(f'{float(r[k]):.0f}' for k in COLUMNS[1:])]
+  return csv_table.table(header + ['all-reduce MB', 'all-to-all MB'], [cells(r) for r in rows])
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  p.add_argument('--out', default='docs/results/layouts/fsdp_update_layouts.csv')
-  p.add_argument('--render', metavar='CSV', help='print the markdown table of a saved CSV')
-  args = p.parse_args(argv)
+  args = csv_table.parser(__doc__, 'docs/results/layouts/fsdp_update_layouts.csv').parse_args(argv)
   if args.render:
-    with open(args.render) as f:
-      print(render(list(csv.DictReader(f))))
+    print(render(csv_table.read(args.render)))
     return 0
   import numpy as np
   from jax.sharding import Mesh
@@ -115,10 +105,7 @@ def main(argv=None) -> int:
   devices = np.array(compile_lib.topology_devices(TOPOLOGY)).reshape(GROUPS, CHIPS // GROUPS)
   mesh = Mesh(devices, ('group', 'chip'))
   rows = [compiled_row(layout, mesh) for layout in ('as built', 'gcd', 'whole layers')]
-  with open(args.out, 'w', newline='') as f:
-    writer = csv.DictWriter(f, fieldnames=COLUMNS)
-    writer.writeheader()
-    writer.writerows(rows)
+  csv_table.write(args.out, COLUMNS, rows)
   print(render(rows))
   return 0
 

@@ -16,15 +16,14 @@ run), not a layout the library runs: it says which term a lever would have to re
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import csv
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import layouts  # noqa: E402  (experiments/ is not a package)
+import csv_table  # noqa: E402  (experiments/ is not a package)
+import layouts  # noqa: E402
 
 from ouroboros_jax.perf import plan, simulate  # noqa: E402
 from ouroboros_jax.schedules import ScheduleConfig  # noqa: E402
@@ -91,8 +90,7 @@ def gap_row(cell: list[dict]) -> dict:
 
 
 def main_rows(map_csv: str) -> list[dict]:
-  with open(map_csv) as f:
-    rows = list(csv.DictReader(f))
+  rows = csv_table.read(map_csv)
   cells: dict[tuple, list[dict]] = {}
   for r in rows:
     if int(r['chips']) > 8 and int(r['batch']) >= int(r['chips']):
@@ -101,37 +99,29 @@ def main_rows(map_csv: str) -> list[dict]:
 
 
 def render(rows: list[dict]) -> str:
-  ms = lambda r, k: float(r[k]) * 1e3
-  lines = [
-    '| model | N | B | fastest Ouroboros | FSDP (ms) | Ouroboros (ms) | gather free | '
-    'update free too | FSDP / Ouroboros: as is | gather free |',
-    '|---|---|---|---|---|---|---|---|---|---|',
-  ]
-  for r in rows:
-    fsdp, ring, no_gather = ms(r, 'fsdp_s'), ms(r, 'ouroboros_s'), ms(r, 'gather_free_s')
-    lines.append(
-      f'| {r["model"]} | {r["chips"]} | {r["batch"]} | {r["setting"]} | {fsdp:.1f} | '
-      f'{ring:.1f} | {no_gather:.1f} | {ms(r, "update_free_s"):.1f} | {fsdp / ring:.3f}x | '
-      f'{fsdp / no_gather:.3f}x |'
+  header = ['model', 'N', 'B', 'fastest Ouroboros', 'FSDP (ms)', 'Ouroboros (ms)', 'gather free']
+  header += ['update free too', 'FSDP / Ouroboros: as is', 'gather free']
+
+  def cells(r):
+    fsdp, ring, no_gather, no_update = (
+      float(r[k]) * 1e3 for k in ('fsdp_s', 'ouroboros_s', 'gather_free_s', 'update_free_s')
     )
-  return '\n'.join(lines)
+    times = [f'{t:.1f}' for t in (fsdp, ring, no_gather, no_update)]
+    return [r['model'], str(r['chips']), str(r['batch']), r['setting'], *times,
+            f'{fsdp / ring:.3f}x', f'{fsdp / no_gather:.3f}x']  # fmt: skip
+
+  return csv_table.table(header, [cells(r) for r in rows])
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
+  p = csv_table.parser(__doc__, 'docs/results/layouts/layout_gap.csv')
   p.add_argument('--map', default='docs/results/layouts/layouts.csv')
-  p.add_argument('--out', default='docs/results/layouts/layout_gap.csv')
-  p.add_argument('--render', metavar='CSV', help='print the markdown table of a saved CSV')
   args = p.parse_args(argv)
   if args.render:
-    with open(args.render) as f:
-      print(render(list(csv.DictReader(f))))
+    print(render(csv_table.read(args.render)))
     return 0
   rows = main_rows(args.map)
-  with open(args.out, 'w', newline='') as f:
-    writer = csv.DictWriter(f, fieldnames=COLUMNS)
-    writer.writeheader()
-    writer.writerows(rows)
+  csv_table.write(args.out, COLUMNS, rows)
   print(render(rows))
   return 0
 

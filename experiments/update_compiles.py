@@ -22,11 +22,13 @@ simulator's price in the same operations. libtpu, 2 CPU cores: ~6 min for 1B.
 
 from __future__ import annotations
 
-import argparse
-import csv
 import os
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import csv_table  # noqa: E402  (experiments/ is not a package)
 
 # model, topology, schedule, G, R, sharding ('fsdp', 'update' or 'replicated')
 CASES = (
@@ -110,49 +112,39 @@ def case_row(case) -> dict:
 
 
 def render(rows: list[dict]) -> str:
-  f = lambda r, k: float(r[k])
-  lines = [
-    '| model | chips | layout | layers a chip (priced) | priced GFLOP | compiled GFLOP | '
-    'compiled / priced | all-gather MB | all-reduce MB | all-to-all MB |',
-    '|---|---|---|---|---|---|---|---|---|---|',
-  ]
-  for r in rows:
-    ratio = f(r, 'compiled_gflops') / f(r, 'priced_gflops')
-    lines.append(
-      f'| {r["model"]} | {r["topology"]} | {r["setting"]} | {f(r, "layers_a_chip"):.3f} | '
-      f'{f(r, "priced_gflops"):.0f} | {f(r, "compiled_gflops"):.0f} | {ratio:.2f}x | '
-      f'{f(r, "all_gather_mb"):.0f} | {f(r, "all_reduce_mb"):.0f} | {f(r, "all_to_all_mb"):.0f} |'
-    )
-  return '\n'.join(lines)
+  header = ['model', 'chips', 'layout', 'layers a chip (priced)', 'priced GFLOP', 'compiled GFLOP']
+  header += ['compiled / priced', 'all-gather MB', 'all-reduce MB', 'all-to-all MB']
+
+  def cells(r):
+    f = lambda k: float(r[k])
+    ratio = f('compiled_gflops') / f('priced_gflops')
+    numbers = [f'{f(k):.0f}' for k in ('priced_gflops', 'compiled_gflops')]
+    moved = [f'{f(k):.0f}' for k in ('all_gather_mb', 'all_reduce_mb', 'all_to_all_mb')]
+    return [r['model'], r['topology'], r['setting'], f'{f("layers_a_chip"):.3f}', *numbers,
+            f'{ratio:.2f}x', *moved]  # fmt: skip
+
+  return csv_table.table(header, [cells(r) for r in rows])
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-  p.add_argument('--out', default='docs/results/layouts/update_compiles.csv')
-  p.add_argument('--render', metavar='CSV', help='print the markdown table of a saved CSV')
+  p = csv_table.parser(__doc__, 'docs/results/layouts/update_compiles.csv')
   p.add_argument(
     '--models', default=','.join(MODELS), help="compile these models' cases, keep the rest of --out"
   )
   args = p.parse_args(argv)
   if args.render:
-    with open(args.render) as f:
-      print(render(list(csv.DictReader(f))))
+    print(render(csv_table.read(args.render)))
     return 0
   from ouroboros_jax.perf import compile as compile_lib
 
   compile_lib.quiet_libtpu()
   models = args.models.split(',')
-  rows = []
-  if set(models) != set(MODELS) and os.path.exists(args.out):
-    with open(args.out) as f:
-      rows = [r for r in csv.DictReader(f) if r['model'] not in models]
+  keep = set(models) != set(MODELS) and os.path.exists(args.out)
+  rows = [r for r in csv_table.read(args.out) if r['model'] not in models] if keep else []
   for case in (c for c in CASES if c[0] in models):
     rows.append(case_row(case))
     print(render(rows[-1:]).splitlines()[-1], flush=True)
-  with open(args.out, 'w', newline='') as f:
-    writer = csv.DictWriter(f, fieldnames=COLUMNS)
-    writer.writeheader()
-    writer.writerows(rows)
+  csv_table.write(args.out, COLUMNS, rows)
   print(render(rows))
   return 0
 
