@@ -209,13 +209,16 @@ def test_fsdp_in_a_stage_gathers_one_layer_at_a_time(config):
   assert sharded.argument_size_in_bytes < 0.6 * whole.argument_size_in_bytes
 
 
-def test_muon_under_fsdp_orthogonalises_a_share_of_the_layers_on_each_replica():
-  """Under FSDP the stage group's Muon update runs on whole layers (`by_whole_layers`): each of
-  D = 4 replicas orthogonalises N/D = 1 layer's matrices, where left on the shards the compiler
-  splits each Newton-Schulz product and repeats the rest on every replica. The update is the
-  same, for fewer operations a device (XLA's cost analysis of the compiled update: 0.76x here;
-  0.63x for the whole FSDP step of the 1B shape on v5e:2x4, docs/results/memory.md)."""
-  model, params = tiny_transformer(1, num_layers=4, d_model=64, d_ff=256)
+@pytest.mark.parametrize('num_layers, at_most', [(4, 0.85), (2, 0.9)])
+def test_muon_under_fsdp_orthogonalises_a_share_of_the_layers_on_each_replica(num_layers, at_most):
+  """Under FSDP the stage group's Muon update runs on whole layers (`by_whole_layers`): with 4
+  layers each of D = 4 replicas orthogonalises N/D = 1 layer's matrices; with 2 the layers go
+  over gcd(4, 2) = 2 groups of 2 replicas, each layer's matrices split over its group. Left on
+  the shards the compiler splits each Newton-Schulz product over all 4 and repeats the rest on
+  every replica. The update is the same, for fewer operations a device (XLA's cost analysis of
+  the compiled update: 0.76x for 4 layers, 0.84x for 2; 0.63x for the whole FSDP step of the 1B shape on
+  v5e:2x4, docs/results/memory.md)."""
+  model, params = tiny_transformer(1, num_layers=num_layers, d_model=64, d_ff=256)
   mesh = placement.make_mesh(1, 4)
   place = lambda tree: jax.tree.map(
     lambda a: jax.device_put(a, NamedSharding(mesh, fsdp_spec(a.shape, 4))), tree
@@ -235,4 +238,4 @@ def test_muon_under_fsdp_orthogonalises_a_share_of_the_layers_on_each_replica():
   )
   assert max_abs_diff(on_layers, on_shards) < 1e-6
   assert max_abs_diff(on_layers, params) > 1e-3
-  assert flops_on_layers < 0.85 * flops_on_shards, (flops_on_layers, flops_on_shards)
+  assert flops_on_layers < at_most * flops_on_shards, (flops_on_layers, flops_on_shards)
