@@ -6,10 +6,12 @@ The simulator (`cost_model._update_s`, `simulate._updates`) charges a chip the N
 matmuls of the layers it updates: L/D layers under FSDP, L/(G R) for a stage split over its R
 replicas (--shard-update), as if each replica orthogonalised whole matrices of its own. That is
 what the library does where the replicas divide the layers (`layer_shards.by_whole_layers`,
-`layer_shards.update_axis`). Where they do not, each matrix stays split on one of its own axes
-and XLA's SPMD partitioner splits the products that contract over it, but repeats on every chip
-the products of the small Gram matrix (m x m for an m x n matrix, m <= n), and gathers and
-all-reduces what they need.
+`layer_shards.update_axis`). Where they do not, the layers go over gcd(replicas, layers) groups
+of replicas and each matrix is split over the replicas of its group on one of its own axes: XLA's
+SPMD partitioner splits the products that contract over it, but repeats on each replica of the
+group the products of the small Gram matrix (m x m for an m x n matrix, m <= n), and gathers and
+all-reduces what they need. (Before the gcd groups, each matrix was split over all the replicas:
+7.76x the price for FSDP on 64 chips, docs/results/regime.md.)
 
 This compiles the update alone (`GroupedOptimizer.apply` on the step's layouts of the parameters,
 optimizer state and gradients) for compile-only TPU chips and records the compiler's operations

@@ -35,14 +35,15 @@ def _muon():
 
 
 @pytest.mark.parametrize(
-  'replicas, tx, dropout',
-  [(2, adam, 0.0), (4, adam, 0.1), (2, _muon, 0.0)],
-  ids=['D=2 adamw', 'D=4 adamw dropout', 'D=2 muon'],
+  'replicas, tx, dropout, groups, layers',
+  [(2, adam, 0.0, 2, 4), (4, adam, 0.1, 2, 4), (2, _muon, 0.0, 2, 4), (4, _muon, 0.0, 1, 6)],
+  ids=['D=2 adamw', 'D=4 adamw dropout', 'D=2 muon', 'D=4 muon 6 layers'],
 )
-def test_fsdp_gives_backprops_parameters(replicas, tx, dropout):
+def test_fsdp_gives_backprops_parameters(replicas, tx, dropout, groups, layers):
   """Three steps of FSDP on D devices equal backprop's on the same batches, parameters and
-  optimizer state, dropout included (the same keys), and Muon's whole-matrix update too."""
-  model, params = tiny_transformer(2, num_layers=4, dropout=dropout)
+  optimizer state, dropout included (the same keys), and Muon's whole-matrix update too, also
+  where D does not divide the layers (6 layers over gcd(4, 6) = 2 groups of 2 replicas)."""
+  model, params = tiny_transformer(groups, num_layers=layers, dropout=dropout)
   batches = random_batches(3, seed=5)
   fsdp = ScheduleConfig(name='data_parallel', data_parallel=replicas, fsdp=True)
   got, got_losses = run_schedule(fsdp, model, tx(), params, batches)

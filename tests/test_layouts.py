@@ -199,7 +199,7 @@ def test_the_update_compiles_are_priced_as_the_simulator_charges_a_chip():
 
 
 def test_fsdps_update_layouts_split_as_named():
-  """experiments/fsdp_update_layouts.py: as built, a kernel over all 64 chips on its largest
+  """experiments/fsdp_update_layouts.py: on shards, a kernel over all 64 chips on its largest
   axis 64 divides; gcd, the layers over 8 groups and the kernel's larger axis over the 8 chips
   of each; whole layers, over the groups alone."""
   from jax.sharding import PartitionSpec as P
@@ -207,8 +207,8 @@ def test_fsdps_update_layouts_split_as_named():
   layouts_ = experiment('fsdp_update_layouts')
   qkv, down = layouts_.MATRICES['qkv'], layouts_.MATRICES['down']
   assert layouts_.GROUPS == 8
-  assert layouts_.spec('as built', qkv) == P(None, None, ('group', 'chip'))
-  assert layouts_.spec('as built', down) == P(None, ('group', 'chip'), None)
+  assert layouts_.spec('on shards', qkv) == P(None, None, ('group', 'chip'))
+  assert layouts_.spec('on shards', down) == P(None, ('group', 'chip'), None)
   assert layouts_.spec('gcd', qkv) == P('group', None, 'chip')
   assert layouts_.spec('gcd', down) == P('group', 'chip', None)
   assert layouts_.spec('whole layers', qkv) == P('group', None, None)
