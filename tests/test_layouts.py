@@ -169,8 +169,10 @@ def test_the_map_names_the_fastest_layout_that_fits():
 def test_the_gap_to_fsdp_is_priced_term_by_term_and_the_simulator_restored():
   """experiments/layout_gap.py on the map's 1B, 64-chip, 64-sequence cell: its fastest
   Ouroboros simulated again as the map has it, then with the post-update gather free, then the
-  update too; each what-if only lowers the step, and the simulator is itself again after."""
+  update too, and it and FSDP with a collective's latency over a torus's hops; each what-if only
+  lowers the step, and the simulator is itself again after."""
   gap = experiment('layout_gap')
+  ring_latency = gap.cost_model.StageCosts.collective_s
   with open(ROOT / 'docs/results/layouts/layouts.csv') as f:
     cell = [
       r for r in csv.DictReader(f) if (r['model'], r['chips'], r['batch']) == ('1b', '64', '64')
@@ -180,6 +182,8 @@ def test_the_gap_to_fsdp_is_priced_term_by_term_and_the_simulator_restored():
   assert gap.simulate._updates is before
   assert 'shard_update' in row['setting'] and row['fsdp_s'] > 0
   assert row['update_free_s'] < row['gather_free_s'] < row['ouroboros_s']
+  assert gap.cost_model.StageCosts.collective_s is ring_latency
+  assert row['fsdp_torus_s'] < row['fsdp_s'] and row['ouroboros_torus_s'] < row['ouroboros_s']
   ring = gap.fastest(cell, 'ouroboros')  # the map's row, simulated again as it is
   assert gap.step_s('1b', 64, 64, gap.setting_of(ring)) == pytest.approx(row['ouroboros_s'])
 
