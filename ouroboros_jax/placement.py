@@ -424,8 +424,9 @@ def layout_for(config) -> Callable | None:
 
 def update_layout(config, mesh: Mesh) -> Callable | None:
   """The layout the optimizer update of `config` (ResolvedSchedule) runs its stage group in:
-  whole layers over the data replicas with --fsdp or --shard-update
-  (`layer_shards.by_whole_layers`), else the state's own (None)."""
+  whole layers over the data replicas with --fsdp or --shard-update (over gcd(replicas, layers)
+  groups of them where the replicas do not divide the layers; `layer_shards.by_whole_layers`),
+  else the state's own (None)."""
   sharded = config.fsdp or config.shard_update
   return layer_shards.by_whole_layers(mesh) if sharded else None
 
