@@ -282,37 +282,94 @@ def fsdp_step_s(hardware: str, G: int, policy: str) -> float:
   return regime._predicted(regime.base_config(), setting, plan.hardware_for(None, hardware))  # pylint: disable=protected-access
 
 
-def time_table(rows, corpus: str, steps_s, hardware: str) -> list[str]:
+def time_row(rows, name: str, corpus: str, steps_s, hardware: str) -> dict | None:
   """Time to the same quality at the regime's 1.61B shape: the steps the ring and backprop need
   to reach the worse of their two last bpb (`to_common_quality`), each times its predicted step;
-  the best exact pipeline and FSDP on the same G chips train as backprop does."""
+  the best exact pipeline and FSDP on the same G chips train as backprop does. None where the
+  setting has not run or nothing fits at its G and M (docs/results/regime.md)."""
+  o = SETTINGS[name]
+  common = to_common_quality(rows, name, corpus) if o['schedule'] != 'backprop' else None
+  ring = steps_s.get(
+    (hardware, o.get('stages'), o.get('microbatches'), f'ouroboros {o.get("forward")}')
+  )
+  exact = steps_s.get((hardware, o.get('stages'), o.get('microbatches'), 'exact'))
+  if common is None or ring is None or exact is None:
+    return None
+  (ring, policy), (exact, _) = ring, exact
+  target, ring_steps, steps = common
+  return dict(
+    target=target, ring_steps=ring_steps, steps=steps, ring_s=ring_steps * ring,
+    exact_s=steps * exact, fsdp_s=steps * fsdp_step_s(hardware, o['stages'], policy),
+  )  # fmt: skip
+
+
+def time_table(rows, corpus: str, steps_s, hardware: str) -> list[str]:
+  """`time_row` of every setting that has one."""
   lines = [
     '| setting | target bpb | ring steps | backprop steps | ring time (s) | best exact (s) '
     '| exact / ring | FSDP (s) | FSDP / ring |',
     '|---|---|---|---|---|---|---|---|---|',
   ]
-  for name, o in SETTINGS.items():
-    common = to_common_quality(rows, name, corpus) if o['schedule'] != 'backprop' else None
-    ring = steps_s.get(
-      (hardware, o.get('stages'), o.get('microbatches'), f'ouroboros {o.get("forward")}')
-    )
-    exact = steps_s.get((hardware, o.get('stages'), o.get('microbatches'), 'exact'))
-    if common is None or ring is None or exact is None:
-      continue  # not run, or nothing fits at this G and M (docs/results/regime.md)
-    (ring, policy), (exact, _) = ring, exact
-    target, ring_steps, steps = common
-    ring_time, exact_time = ring_steps * ring, steps * exact
-    fsdp_time = steps * fsdp_step_s(hardware, o['stages'], policy)
+  for name in SETTINGS:
+    t = time_row(rows, name, corpus, steps_s, hardware)
+    if t is not None:
+      lines.append(
+        f'| {name} | {t["target"]:.4f} | {t["ring_steps"]:.0f} | {t["steps"]:.0f} '
+        f'| {t["ring_s"]:.1f} | {t["exact_s"]:.1f} | {t["exact_s"] / t["ring_s"]:.2f}x '
+        f'| {t["fsdp_s"]:.1f} | {t["fsdp_s"] / t["ring_s"]:.2f}x |'
+      )
+  return lines
+
+
+def _span(values, form: str, unit: str = '') -> str:
+  """'lo to hi' of `values` in `form`, each followed by `unit` (one value once; '' for none)."""
+  lo, hi = min(values, default=None), max(values, default=None)
+  if lo is None:
+    return ''
+  return f'{lo:{form}}{unit}' if lo == hi else f'{lo:{form}}{unit} to {hi:{form}}{unit}'
+
+
+def age_table(rows, steps_s, hardware: str) -> list[str]:
+  """The finding by gradient age, over every corpus and seed run: the region's settings (and
+  the layout map's age-8 one) at the recipe, levers left out. Each run's gap to backprop at its
+  depth (best, worst, mean, how many within the 2% target) and, per setting and corpus with a
+  time, the best exact pipeline's and FSDP's time to its quality over the ring's."""
+  runs, gaps, ratios = curves(rows), {}, {}
+  for (name, corpus, seed), curve in runs.items():
+    ref = runs.get((reference_of(name), corpus, seed))
+    if name in LEVERS or SETTINGS[name]['schedule'] == 'backprop' or not ref:
+      continue
+    gaps.setdefault(age(SETTINGS[name]), []).append(final_gap(curve, ref))
+    t = time_row(rows, name, corpus, steps_s, hardware)
+    if t is not None and (name, corpus) not in ratios:
+      ratios[name, corpus] = (
+        age(SETTINGS[name]),
+        t['exact_s'] / t['ring_s'],
+        t['fsdp_s'] / t['ring_s'],
+      )
+  lines = [
+    '| age (updates) | runs | vs backprop | mean | within 2% | exact / ring | FSDP / ring |',
+    '|---|---|---|---|---|---|---|',
+  ]
+  for a in sorted(gaps):
+    exact, fsdp = ([r[i] for r in ratios.values() if r[0] == a] for i in (1, 2))
     lines.append(
-      f'| {name} | {target:.4f} | {ring_steps:.0f} | {steps:.0f} | {ring_time:.1f} '
-      f'| {exact_time:.1f} | {exact_time / ring_time:.2f}x | {fsdp_time:.1f} '
-      f'| {fsdp_time / ring_time:.2f}x |'
+      f'| {a} | {len(gaps[a])} | {_span(gaps[a], "+.2%")} | {sum(gaps[a]) / len(gaps[a]):+.2%} '
+      f'| {sum(g <= 0.02 for g in gaps[a])} of {len(gaps[a])} '
+      f'| {_span(exact, ".2f", "x")} | {_span(fsdp, ".2f", "x")} |'
     )
   return lines
 
 
 def render(rows, steps_s) -> str:
-  out = []
+  hardware = min({k[0] for k in steps_s}, default='')
+  out = [
+    'By gradient age, every corpus and seed (the time ratios: per setting and corpus with a time,'
+    f' `{hardware}`):',
+    '',
+    *age_table(rows, steps_s, hardware),
+    '',
+  ]
   for corpus in sorted({r['corpus'] for r in rows}):
     out += [f'Validation bpb at the last step, corpus {corpus}:', '', *quality_table(rows, corpus)]
     for hardware in sorted({k[0] for k in steps_s}):

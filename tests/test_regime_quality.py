@@ -68,3 +68,39 @@ def test_fsdp_keeps_what_the_fastest_ring_keeps(tmp_path):
   assert rq.fsdp_step_s('nvlink-300GBps', 16, 'dots') < rq.fsdp_step_s(
     'nvlink-300GBps', 16, 'nothing'
   )
+
+
+def test_the_age_table_gathers_every_run_of_an_age_and_leaves_the_levers_out():
+  """Each age's row spans its runs' gaps to backprop at their depth (every seed), their mean and
+  how many are within the 2% target; a lever's run is not a setting's."""
+  rq = experiment('regime_quality')
+  refs = {(f'backprop-{d}l', s): [(1000, 2.0)] for d in (8, 16) for s in (0, 1)}
+  runs = {
+    ('locked-g16-m16', 0): [(1000, 1.99)],  # age 1: -0.5%
+    ('locked-g16-m16', 1): [(1000, 2.01)],  # +0.5%
+    ('locked-g8-m8', 0): [(1000, 2.03)],  # age 1: +1.5%
+    ('locked-g16-m8', 0): [(1000, 2.05)],  # age 2: +2.5%
+    ('pipelined-g8-m4+dc4', 0): [(1000, 1.5)],  # a lever: left out
+  }
+  table = rq.age_table(_rows({**refs, **runs}), {}, 'nvlink-300GBps')
+  assert table[2:] == [
+    '| 1 | 3 | -0.50% to +1.50% | +0.50% | 3 of 3 |  |  |',
+    '| 2 | 1 | +2.50% | +2.50% | 0 of 1 |  |  |',
+  ]
+
+
+def test_the_age_table_times_each_setting_to_its_quality_against_the_exact_pipeline_and_fsdp():
+  """A ring that reaches backprop's last bpb at step 954.5 (interpolated) with a 1.0 s step,
+  against the exact pipeline's 1.5 s and FSDP's predicted step for backprop's 1000 steps."""
+  rq = experiment('regime_quality')
+  rows = _rows({
+    ('backprop-16l', 0): [(500, 2.2), (1000, 2.0)],
+    ('locked-g16-m16', 0): [(500, 2.1), (1000, 1.99)],
+  })  # fmt: skip
+  hw = 'nvlink-300GBps'
+  steps_s = {(hw, 16, 16, 'ouroboros locked'): (1.0, 'dots'), (hw, 16, 16, 'exact'): (1.5, 'all')}
+  ring_steps = 500 + 500 * 0.1 / 0.11
+  fsdp = 1000 * rq.fsdp_step_s(hw, 16, 'dots') / ring_steps
+  assert rq.age_table(rows, steps_s, hw)[2:] == [
+    f'| 1 | 1 | -0.50% | -0.50% | 1 of 1 | {1500 / ring_steps:.2f}x | {fsdp:.2f}x |'
+  ]
