@@ -30,9 +30,9 @@ DEFAULT_MICROBATCHES = 4  # gpipe and the exact pipelines without --microbatches
 # docs/results/README.md#m-like-with-like-gpt2). Streamed (the recipe's flow), at least enough
 # micro-batches that every gradient is one update old (G locked, 2G pipelined:
 # `delays.unit_gap_microbatches`; where the 8 above are fewer, the fewest such that divide the
-# replica's batch, else one sequence a micro-batch): the best time to quality measured, since the gap to backprop follows
-# the gradient's age (age 1 within 2% in every run, age 4 3.9-5.7% behind) while the ring's
-# predicted step does not grow with M (docs/results/README.md#q-regime).
+# replica's batch, else one sequence a micro-batch): the best time to quality measured, since the
+# gap to backprop follows the gradient's age (age 1 within 2% in every run, age 4 3.9-5.7%
+# behind) while the ring's predicted step does not grow with M (docs/results/README.md#q-regime).
 OUROBOROS_MICROBATCHES = 1
 OUROBOROS_ACCELERATOR_MICROBATCHES = 8
 
