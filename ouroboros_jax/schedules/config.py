@@ -1,4 +1,4 @@
-"""`ScheduleConfig`: how a schedule places and runs the model (every schedule reads the same one)."""
+"""`ScheduleConfig`: how a schedule places and runs the model (every schedule reads this one)."""
 
 from __future__ import annotations
 
@@ -38,9 +38,9 @@ OUROBOROS_ACCELERATOR_MICROBATCHES = 8
 
 # The compensation 'auto' (ScheduleConfig's default, and --compensation's) gives a delayed ring,
 # Ouroboros with G > 1 (`ScheduleConfig.resolve_compensation`): weight prediction for the forward
-# and DC-ASGD's delay compensation, the best recipe measured (docs/results/README.md#q-stream). DC needs
-# the graph stash; with replay the recipe is Muon + prediction. Without delay 'auto' is none. The
-# paper's method is `Compensation()`.
+# and DC-ASGD's delay compensation, the best recipe measured (docs/results/README.md#q-stream).
+# DC needs the graph stash; with replay the recipe is Muon + prediction. Without delay 'auto' is
+# none. The paper's method is `Compensation()`.
 AUTO = 'auto'
 RECIPE_COMPENSATION = 'predict,dc'
 RECIPE_COMPENSATION_REPLAY = 'predict'
@@ -262,8 +262,8 @@ class ScheduleConfig:
   @property
   def resolved_flow(self) -> str:
     """--flow auto: 'stream' under a staleness compensation (the recipe: every gradient one update
-    old once M reaches the lag, docs/results/README.md#q-stream), 'batch' without one (the paper's method,
-    bit for bit)."""
+    old once M reaches the lag, docs/results/README.md#q-stream), 'batch' without one (the paper's
+    method, bit for bit)."""
     if self.flow != 'auto':
       return self.flow
     return 'stream' if self.resolved_compensation.active else 'batch'
