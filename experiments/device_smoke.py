@@ -140,8 +140,10 @@ def main(argv=None) -> int:
   for device in (gpus or cpu)[:1]:  # the one-device paths on the GPU (the CPU without one)
     kind = device.platform
     paths += [
-      ('backprop bf16', kind, lambda d=device: train_steps(ScheduleConfig('backprop'), [d], 'bfloat16')),
-      ('ouroboros G=1', kind, lambda d=device: train_steps(ScheduleConfig('ouroboros', num_stages=1), [d])),
+      ('backprop bf16', kind,
+        lambda d=device: train_steps(ScheduleConfig('backprop'), [d], 'bfloat16')),
+      ('ouroboros G=1', kind,
+        lambda d=device: train_steps(ScheduleConfig('ouroboros', num_stages=1), [d])),
       ('layer pieces', kind, lambda d=device: layer_pieces(d)),
     ]  # fmt: skip
   stream = ScheduleConfig(
@@ -150,7 +152,8 @@ def main(argv=None) -> int:
   )  # fmt: skip
   paths += [
     ('ring G=2 stream', 'cpu', lambda: train_steps(stream, cpu[:2], steps=1)),
-    ('zb_v G=2', 'cpu', lambda: train_steps(ScheduleConfig('zb_v', num_stages=2, microbatches=2), cpu[:2])),
+    ('zb_v G=2', 'cpu',
+      lambda: train_steps(ScheduleConfig('zb_v', num_stages=2, microbatches=2), cpu[:2])),
   ]  # fmt: skip
 
   rows, failed = [], 0

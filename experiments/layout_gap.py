@@ -16,7 +16,7 @@ all D, D - 1 hops of `Hardware.latency` each (511 for FSDP on 512 chips, 31 for 
 replicas); an all-gather done dimension by dimension on a d-dimensional torus (v5e 2, v5p 3)
 takes about d (D^(1/d) - 1) (21 on v5p's 8 x 8 x 8). Its bytes and bandwidth stay as they are.
 
-    python experiments/layout_gap.py                  # docs/results/layouts/layout_gap.csv (~15 min)
+    python experiments/layout_gap.py                 # docs/results/layouts/layout_gap.csv (~15 min)
     python experiments/layout_gap.py --render docs/results/layouts/layout_gap.csv
 """
 

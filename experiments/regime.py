@@ -14,9 +14,9 @@ G = 16, M = 64). Per (hardware, G, M) it tries, each at M (as `ouroboros plan` b
 
 Time: the library's simulator through `plan.predicted_step_s` (the step `ouroboros plan`
 predicts; the recomputed forward charged by `plan.recompute_fraction`: 1 for keep=nothing and
-replay, its share for dots, 0 for all), at two rates: 'nvlink-300GBps' (120 TFLOP/s effective, 300 GB/s links, the
-issue's) and 'tpu-v5e' (78.8 TFLOP/s effective, 50 GB/s ICI). Parallel efficiency = backprop's
-step on one device (keeping everything) / (G x step).
+replay, its share for dots, 0 for all), at two rates: 'nvlink-300GBps' (120 TFLOP/s effective,
+300 GB/s links, the issue's) and 'tpu-v5e' (78.8 TFLOP/s effective, 50 GB/s ICI). Parallel
+efficiency = backprop's step on one device (keeping everything) / (G x step).
 
 Memory, per chip, against a v5e chip's 15.75 GiB at both rates (`HBM_BYTES`):
   state    parameters, optimizer state, Ouroboros' ring and the batch shard: exact, the sizes of

@@ -258,11 +258,11 @@ def measured_transformer_costs(
   optimizer: str = 'adamw',
   bytes_per_value: int = 2,
 ) -> sim_costs.StageCosts:
-  """The simulator's StageCosts of `model` cut into `num_stages` groups, from one layer's measured costs
-  instead of a FLOP rate: `layer_rows` maps rows (the batch, or one micro-batch of it) to a row of
-  experiments/layer_costs.py (fwd_s_per_layer, bwd_s_per_layer, head_s: embedding + head, f + b;
-  update_s_per_layer_<optimizer>, update_s_embed_head_<optimizer>). A micro-batch size that was
-  measured is charged as measured; the links are `hardware`'s."""
+  """The simulator's StageCosts of `model` cut into `num_stages` groups, from one layer's measured
+  costs instead of a FLOP rate: `layer_rows` maps rows (the batch, or one micro-batch of it) to a
+  row of experiments/layer_costs.py (fwd_s_per_layer, bwd_s_per_layer, head_s: embedding + head,
+  f + b; update_s_per_layer_<optimizer>, update_s_embed_head_<optimizer>). A micro-batch size that
+  was measured is charged as measured; the links are `hardware`'s."""
   whole = layer_rows[model.batch]
   per_layer = whole['fwd_s_per_layer'] + whole['bwd_s_per_layer']
   layers_per_stage = cost_model.balance_layers(

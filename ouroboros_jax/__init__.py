@@ -26,7 +26,9 @@ from __future__ import annotations
 
 from ouroboros_jax import moved
 from ouroboros_jax.errors import ConfigError, UserError
-from ouroboros_jax.models import txl  # noqa: F401  (registers Transformer-XL with model.init_params)
+
+# txl registers Transformer-XL with model.init_params
+from ouroboros_jax.models import txl  # noqa: F401
 from ouroboros_jax.optimizers import kernel_dims, make_optimizer
 from ouroboros_jax.schedules import SCHEDULES, ResolvedSchedule, ScheduleConfig, build_schedule
 from ouroboros_jax.schedules.compensation import Compensation

@@ -89,8 +89,8 @@ DESCRIPTIONS = {
   'data': "corpus: 'default' (embedded Shakespeare), 'text:PATH[,PATH]', 'tfds:NAME[:FEATURE]', "
   "'enwik8:PATH', 'text8:PATH' or 'wikitext103:DIR' (docs/guides/data.md)",
   'data_dir': 'TFDS data directory',
-  'download': 'tfds: let TFDS download and prepare a dataset that is not prepared yet (false: never '
-  'touch the network, fail in seconds)',
+  'download': 'tfds: let TFDS download and prepare a dataset that is not prepared yet (false: '
+  'never touch the network, fail in seconds)',
   'batch_size': 'sequences per step (all data replicas together)',
   'steps': 'optimizer steps to train',
   'learning_rate': 'peak learning rate (linear warmup, then cosine decay)',

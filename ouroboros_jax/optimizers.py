@@ -73,7 +73,8 @@ def state_jnp_dtype(state_dtype: str):
   it)."""
   if state_dtype == 'auto':
     raise ValueError(
-      "state_jnp_dtype takes a resolved state_dtype; TrainConfig.resolved_state_dtype resolves 'auto'."
+      'state_jnp_dtype takes a resolved state_dtype; TrainConfig.resolved_state_dtype resolves '
+      "'auto'."
     )
   if state_dtype not in STATE_DTYPES:
     raise ConfigError(
@@ -113,8 +114,8 @@ def kernel_dims(in_axes: int = 1, out_axes: int = 1) -> optax.contrib.MuonDimens
 
 # The library's own models (model.py, txl.py): the modules whose `kernel` is a [..., in, out]
 # matrix (any leading axes are stacked layers and stages), as the `MuonDims` the CLI passes for
-# them (`training.optimizer_setup.make_optimizer`); a user's model gets no such exemption by name. And the
-# leaves that are no matrix.
+# them (`training.optimizer_setup.make_optimizer`); a user's model gets no such exemption by
+# name. And the leaves that are no matrix.
 LIBRARY_KERNELS = frozenset({'qkv', 'attn_out', 'mlp_in', 'mlp_out', 'r_net', 'unembed'})
 LIBRARY_DIMS = {
   pattern: kernel_dims()
@@ -157,9 +158,10 @@ def _library_dims(path: str, leaf, warned: set[str] | None, bias_shape=None):
         warned,
         path,
         f'Muon reads the kernel {path!r} {tuple(leaf.shape)} as [..., in, out]: its leading '
-        f'{leaf.ndim - 2} axes are batch axes (stacked layers or stages). If it is a DenseGeneral or '
-        f'Einsum kernel with several input or output axes, pass muon_dims={{{path!r}: '
-        'optimizers.kernel_dims(in_axes=..., out_axes=...)}; kernel_dims() confirms [..., in, out].',
+        f'{leaf.ndim - 2} axes are batch axes (stacked layers or stages). If it is a DenseGeneral '
+        f'or Einsum kernel with several input or output axes, pass muon_dims={{{path!r}: '
+        'optimizers.kernel_dims(in_axes=..., out_axes=...)}; kernel_dims() confirms '
+        '[..., in, out].',
       )
     return optax.contrib.MuonDimensionNumbers(
       reduction_axis=leaf.ndim - 2, output_axis=leaf.ndim - 1
@@ -169,7 +171,8 @@ def _library_dims(path: str, leaf, warned: set[str] | None, bias_shape=None):
     path,
     f"{path!r} {tuple(leaf.shape)} is matrix-shaped but not named 'kernel': Muon leaves it to "
     f'Adam, without weight decay. Pass muon_dims={{{path!r}: optimizers.kernel_dims(in_axes=..., '
-    'out_axes=...)} to orthogonalise it (kernel_dims() for [..., in, out]), or None to confirm Adam.',
+    'out_axes=...)} to orthogonalise it (kernel_dims() for [..., in, out]), or None to confirm '
+    'Adam.',
   )
   return None
 

@@ -156,7 +156,8 @@ def make_mesh(num_stages: int, data_parallel: int = 1, devices=None) -> Mesh:
   needed = num_stages * data_parallel
   if num_stages < 1 or data_parallel < 1:
     raise ConfigError(
-      f'{field_ref("num_stages")} ({num_stages}) and {field_ref("data_parallel")} ({data_parallel}) must be >= 1.'
+      f'{field_ref("num_stages")} ({num_stages}) and {field_ref("data_parallel")} '
+      f'({data_parallel}) must be >= 1.'
     )
   processes = jax.process_count()
   if needed > len(devices):
@@ -168,7 +169,8 @@ def make_mesh(num_stages: int, data_parallel: int = 1, devices=None) -> Mesh:
     )
     raise ConfigError(
       f'{num_stages} stages x {data_parallel} data replicas need {needed} devices but only '
-      f'{len(devices)} are visible; use fewer {field_ref("num_stages")} / {field_ref("data_parallel")}, or {more}.'
+      f'{len(devices)} are visible; use fewer {field_ref("num_stages")} / '
+      f'{field_ref("data_parallel")}, or {more}.'
     )
   used = devices[:needed]
   idle = sorted({d.process_index for d in devices} - {d.process_index for d in used})
@@ -177,7 +179,8 @@ def make_mesh(num_stages: int, data_parallel: int = 1, devices=None) -> Mesh:
     raise ConfigError(
       f'{num_stages} stages x {data_parallel} data replicas use {needed} of the {len(devices)} '
       f'devices of {processes} processes, leaving process(es) {", ".join(map(str, idle))} '
-      f'without one; use {field_ref("num_stages")} x {field_ref("data_parallel")} = {len(devices)}, or fewer processes.'
+      f'without one; use {field_ref("num_stages")} x {field_ref("data_parallel")} = '
+      f'{len(devices)}, or fewer processes.'
     )
   grid = np.asarray(used).reshape(num_stages, data_parallel)
   return Mesh(grid, (STAGE, DATA))
@@ -309,8 +312,8 @@ def fsdp_stage_shardings(state: TrainState, mesh: Mesh) -> TrainState:
   """`state_shardings` with FSDP over the mesh's data replicas (a stage schedule's --fsdp):
   every parameter and optimizer state leaf also split over `data`. A stage leaf [G, N, ...] on
   an axis of one layer's shape (`layer_shards.layer_axes`), which the step's layer loops gather
-  layer by layer; an embedding or head leaf on its largest free axis (`layer_shards.split_axis`), gathered
-  whole as the step's shard_map takes it. The ring as before."""
+  layer by layer; an embedding or head leaf on its largest free axis (`layer_shards.split_axis`),
+  gathered whole as the step's shard_map takes it. The ring as before."""
   base = state_shardings(state, mesh)
   replicas = mesh.shape[DATA]
 
@@ -527,11 +530,13 @@ def check_batch(batch: dict, replicas: int, microbatches: int = 1) -> None:
     return
   if microbatches > 1:
     raise ConfigError(
-      f'batch size {size} is not divisible by {field_ref("data_parallel")} x {field_ref("microbatches")} = '
-      f'{replicas} x {microbatches} = {divisor}; choose {field_ref("batch_size")} as a multiple of {divisor} '
-      f'or change {field_ref("data_parallel")} / {field_ref("microbatches")}.'
+      f'batch size {size} is not divisible by {field_ref("data_parallel")} x '
+      f'{field_ref("microbatches")} = {replicas} x {microbatches} = {divisor}; choose '
+      f'{field_ref("batch_size")} as a multiple of {divisor} or change '
+      f'{field_ref("data_parallel")} / {field_ref("microbatches")}.'
     )
   raise ConfigError(
     f'batch size {size} is not divisible by {field_ref("data_parallel")} = {replicas}; '
-    f'choose {field_ref("batch_size")} as a multiple of {replicas} or change {field_ref("data_parallel")}.'
+    f'choose {field_ref("batch_size")} as a multiple of {replicas} or change '
+    f'{field_ref("data_parallel")}.'
   )

@@ -16,10 +16,10 @@ The loss of a batch is a mean. A model whose loss averages over a weight that va
 to batch (the valid tokens of a padded batch) states it with `loss_weight(targets) -> scalar`:
 every schedule then forms the gradient of the whole batch's weighted mean, whichever micro-batch
 or replica a token falls in (schedules.ring.loss_shares); Ouroboros weighs each item by its own
-batch's weight. Without one, every micro-batch and replica weighs the same. A model whose stages need the index of
-the batch they run on (PLD's theta(t)) sets `takes_batch_index`: every schedule then calls
-`stage(..., batch_index=t)`, with t the batch's index (the step that consumes it), the same t
-its dropout key `batch_key(seed, t)` comes from.
+batch's weight. Without one, every micro-batch and replica weighs the same. A model whose stages
+need the index of the batch they run on (PLD's theta(t)) sets `takes_batch_index`: every schedule
+then calls `stage(..., batch_index=t)`, with t the batch's index (the step that consumes it), the
+same t its dropout key `batch_key(seed, t)` comes from.
 
 with parameters laid out as
 

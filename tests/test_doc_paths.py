@@ -8,9 +8,9 @@ Only spans that start with a name of this package are checked: one of its module
 defines (`StagedModel`). A module name resolves against the package and each of its sub-packages,
 so `config.X` passes if either `training.config` or `schedules.config` has an `X`. The old
 module paths (`moved.MOVED`: `presets`, `train`, `ouroboros_jax.ring`, `training.windows`) still
-import, with a DeprecationWarning, but do not pass: the docs name where the module went. Other libraries' names
-(`jax.checkpoint`, `optax.contrib.muon`), a variable's attribute (`cfg.schedule`) and file names
-(`config.json`) are left alone.
+import, with a DeprecationWarning, but do not pass: the docs name where the module went. Other
+libraries' names (`jax.checkpoint`, `optax.contrib.muon`), a variable's attribute (`cfg.schedule`)
+and file names (`config.json`) are left alone.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Every relative link in the README, the changelog and docs/ points at a file or folder that exists."""
+"""Every relative link in the README, the changelog and docs/ points at a file or folder that
+exists."""
 
 from __future__ import annotations
 

@@ -217,8 +217,8 @@ def test_muon_under_fsdp_orthogonalises_a_share_of_the_layers_on_each_replica(nu
   over gcd(4, 2) = 2 groups of 2 replicas, each layer's matrices split over its group. Left on
   the shards the compiler splits each Newton-Schulz product over all 4 and repeats the rest on
   every replica. The update is the same, for fewer operations a device (XLA's cost analysis of
-  the compiled update: 0.76x for 4 layers, 0.84x for 2; 0.63x for the whole FSDP step of the 1B shape on
-  v5e:2x4, docs/results/memory.md)."""
+  the compiled update: 0.76x for 4 layers, 0.84x for 2; 0.63x for the whole FSDP step of the 1B
+  shape on v5e:2x4, docs/results/memory.md)."""
   model, params = tiny_transformer(1, num_layers=num_layers, d_model=64, d_ff=256)
   mesh = placement.make_mesh(1, 4)
   place = lambda tree: jax.tree.map(

@@ -1,5 +1,5 @@
-"""The exact pipelines run from their tables (schedules/pipeline.py): backprop's parameters for every
-schedule, G and M; the same dropout masks as gpipe; the data axis; the memory XLA reports; bad
+"""The exact pipelines run from their tables (schedules/pipeline.py): backprop's parameters for
+every schedule, G and M; the same dropout masks as gpipe; the data axis; the memory XLA reports; bad
 settings."""
 
 from __future__ import annotations

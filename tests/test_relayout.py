@@ -67,10 +67,13 @@ def moved_and_unmoved(tmp_path, prepared_data_dir, first: dict, then: dict, caps
   'first, then',
   [
     (dict(schedule='1f1b', stages=2, microbatches=4), dict(schedule='1f1b', stages=4)),
-    (dict(schedule='interleaved', stages=2, microbatches=4), dict(schedule='data_parallel', stages=1, microbatches=None, data_parallel=2, fsdp=True)),
-    (dict(schedule='1f1b', stages=4, microbatches=4), dict(schedule='zb_h1', stages=2, data_parallel=2, shard_update=True)),
+    (dict(schedule='interleaved', stages=2, microbatches=4),
+      dict(schedule='data_parallel', stages=1, microbatches=None, data_parallel=2, fsdp=True)),
+    (dict(schedule='1f1b', stages=4, microbatches=4),
+      dict(schedule='zb_h1', stages=2, data_parallel=2, shard_update=True)),
   ],
-  ids=['1f1b-2to4', 'interleaved-to-fsdp', '1f1b-to-zero1'],  # backprop <-> 1F1B: the process test's
+  # backprop <-> 1F1B: the process test's
+  ids=['1f1b-2to4', 'interleaved-to-fsdp', '1f1b-to-zero1'],
 )  # fmt: skip
 def test_an_exact_schedule_moves_exactly(tmp_path, prepared_data_dir, capsys, first, then):
   (steps_a, unmoved), (steps_b, moved), said = moved_and_unmoved(

@@ -289,7 +289,7 @@ def test_sample_on_damaged_checkpoints_says_what_train_resume_says(finished_run,
   assert result.stderr.strip() == f'error: {cli_message(info.value)}'
 
 
-# ----------------------------------------------------------------------------- a checkpoint that cannot be written
+# -------------------------------------------------------------- a checkpoint that cannot be written
 
 
 def _train_argv(text_corpus, out, steps='4') -> list[str]:
@@ -310,7 +310,7 @@ def _train_argv(text_corpus, out, steps='4') -> list[str]:
   ]
 
 
-# ----------------------------------------------------------------------------- signals during a save
+# ---------------------------------------------------------------------------- signals during a save
 
 UNDER_FIRE = """
 import os, signal, sys

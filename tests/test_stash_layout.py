@@ -1,6 +1,7 @@
 """The balanced stash (`--stash-memory balanced`, schedules/stash_layout.py): every device holds
 K = max ceil((N_s + N_{G-1-s}) / 2) micro-batch slots instead of the deepest group's N_0, a deep
-group's older slots lent to its mirror, and the training is bit for bit the stash on the device's."""
+group's older slots lent to its mirror, and the training is bit for bit the stash on the
+device's."""
 
 from __future__ import annotations
 

@@ -120,8 +120,8 @@ def test_added_to_the_transformer_loss(params):
 
 def test_inside_pipeline_stages(params):
   """stdloss_stages (uneven 3 + 1 split): the training loss and its gradient, which reaches
-  the regularised layer through the activations' 'aux' leaf, equal the single-device ones; evaluation is
-  the plain task loss."""
+  the regularised layer through the activations' 'aux' leaf, equal the single-device ones;
+  evaluation is the plain task loss."""
   layers_per_stage, weight = (3, 1), 0.3  # layer 1 lives in stage 0, with layers 0 and 2
   model = stdloss.stdloss_stages(CFG, layers_per_stage, weight, WHICH)
   staged_params = partition.to_staged(params, layers_per_stage)

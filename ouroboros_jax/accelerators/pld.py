@@ -24,8 +24,8 @@ backward re-runs the stage with the *batch's* t and its key, so it draws the gat
 forward (the gradient is of the network that ran). `tests/test_pld.py` checks the sharded
 Ouroboros step with PLD against the slow reference, in both stash modes.
 
-`training/loop.py` wires it up (`--pld THETA_BAR,GAMMA`); `kept_layers` re-draws the gates on the host,
-so the FLOPs a run reports are those of the layers it really ran.
+`training/loop.py` wires it up (`--pld THETA_BAR,GAMMA`); `kept_layers` re-draws the gates on the
+host, so the FLOPs a run reports are those of the layers it really ran.
 """
 
 from __future__ import annotations

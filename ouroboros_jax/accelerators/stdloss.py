@@ -14,8 +14,8 @@ Where it is measured in the Transformer (`site`):
                           of the layer's nonlinearity, as in the paper.
   'mlp_input'             the input of the MLP, LN(h) (pre-LN) or h (post-LN) [B, L, D].
 
-Single device: `loss_with_stdloss(cfg, params, batch, StdLoss(weight, layer))`. Inside pipeline stages
-(any schedule): `stdloss_stages(...)` returns a `StagedModel` whose activations are
+Single device: `loss_with_stdloss(cfg, params, batch, StdLoss(weight, layer))`. Inside pipeline
+stages (any schedule): `stdloss_stages(...)` returns a `StagedModel` whose activations are
 {'h': the hidden states [B, L, D], 'aux': the weighted auxiliary loss so far [B] (float32, the
 same value in every row)}; each stage adds the terms of the regularised layers it holds, the head
 adds mean(aux) to the task loss. Its gradient travels back through 'aux' like any activation

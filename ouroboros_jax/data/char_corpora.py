@@ -56,7 +56,8 @@ def corpus_path(spec_name: str, rest: str, what: str) -> pathlib.Path:
   rest = rest.strip()
   if not rest:
     raise DataError(
-      f"empty path in '{spec_name}:' spec; use '{spec_name}:{what}' (from {CORPUS_URLS[spec_name]})."
+      f"empty path in '{spec_name}:' spec; use '{spec_name}:{what}' "
+      f'(from {CORPUS_URLS[spec_name]}).'
     )
   return pathlib.Path(rest).expanduser()
 

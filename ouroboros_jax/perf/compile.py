@@ -434,7 +434,8 @@ def format_report(report: dict) -> str:
     )
   if report['compiler_oom']:
     lines.append(
-      '  (the compiler ran out of memory: the peak is its figure, the temporaries it less the state)'
+      '  (the compiler ran out of memory: the peak is its figure, '
+      'the temporaries it less the state)'
     )
   if report.get('beyond_index'):
     lines.append(f'  ({report["beyond_index"]})')

@@ -14,11 +14,11 @@ with G = the topology's device count, or, for a model with fewer layers than dev
 stages that divide the devices and that its layers fill (`default_stages`), the other devices
 then data replicas (or each G of --try-stages). Settings the run cannot take (more stage groups
 than layers, micro-batches that do not divide the batch, ...) are skipped before compiling and
-listed with their reason, one line per reason (`applies`). It compiles each setting's training step for the topology's devices
-(`compile.compile_step`: the per-device peak from the compiler's memory analysis, or from its
-out-of-memory verdict) and predicts its step time with the discrete-event simulator
-(`simulate.py`, the model's FLOPs at `hardware`'s effective rate and link bandwidth; a graph
-stash that keeps nothing ('graph/nothing') re-runs the forward in its backward, so it is timed
+listed with their reason, one line per reason (`applies`). It compiles each setting's training step
+for the topology's devices (`compile.compile_step`: the per-device peak from the compiler's memory
+analysis, or from its out-of-memory verdict) and predicts its step time with the discrete-event
+simulator (`simulate.py`, the model's FLOPs at `hardware`'s effective rate and link bandwidth; a
+graph stash that keeps nothing ('graph/nothing') re-runs the forward in its backward, so it is timed
 as replay). The fastest setting that fits is marked.
 
     ouroboros plan --preset gpt2-small --batch-size 32 --dtype bfloat16 --topology v5e:2x2

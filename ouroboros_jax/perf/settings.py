@@ -3,8 +3,8 @@ both, its defaults stated here once), one list of the settings it gives (`settin
 to pick some by label (`select`, --only).
 
     tries = Tries(microbatches=(4, 8), stashes=('graph/nothing',), flows=('batch', 'stream'))
-    for setting in settings(8, tries, num_layers=24):   # ScheduleConfigs, as flags spell them
-      print(setting.label)                              # 'ouroboros G=4xR=2 M=8 stream locked/graph'
+    for setting in settings(8, tries, num_layers=24):  # ScheduleConfigs, as flags spell them
+      print(setting.label)                             # 'ouroboros G=4xR=2 M=8 stream locked/graph'
 
 A setting is a ScheduleConfig (its `auto`s unresolved): `plan` resolves each as the run it
 compiles does (`TrainConfig.schedule_config`), `bench` on its own devices

@@ -358,8 +358,9 @@ def simulate(
   gives the name, M (its micro-batches), the replica count R (data_parallel's devices; a stage
   schedule's data replicas: `costs` are then one replica's, on its B / R rows, and each device's
   gradient is all-reduced over the R replicas after its last compute of the step), Ouroboros'
-  `stash` and `forward` (the other schedules keep no stash and ignore them) and the interleaved pipeline's `chunks`; what else it
-  says (the flow, the compensation) does not change the step's tasks.
+  `stash` and `forward` (the other schedules keep no stash and ignore them) and the interleaved
+  pipeline's `chunks`; what else it says (the flow, the compensation) does not change the step's
+  tasks.
   The exact pipelines of `schedules.tables` ('1f1b', 'interleaved', 'zb_h1', 'zb_v') run from the
   same tables the executor runs, with M micro-batches. `lockstep` runs them tick by tick as the
   library's executor does (every tick ends with a `ppermute`; see `emit_table`); False: each
@@ -385,8 +386,8 @@ def program_scale(run: ResolvedSchedule, costs: StageCosts, one_device_step_s: f
   """How many times longer a setting's compute takes inside its own step program than its
   pieces timed alone: its step measured on one device (`run` with one stage, over stage 0's
   layer group; `calibration.one_device_probe`) over this simulator's step of the same from stage 0's
-  pieces (`first_stage`). On a CPU GPipe and 1F1B at M = 4 cost 1.07-1.26x their pieces
-  inside their programs (docs/results/simulator_calibration.md); `cost_model.scaled` charges that."""
+  pieces (`first_stage`). On a CPU GPipe and 1F1B at M = 4 cost 1.07-1.26x their pieces inside their
+  programs (docs/results/simulator_calibration.md); `cost_model.scaled` charges that."""
   one = dataclasses.replace(_config(run), num_stages=1)
   return one_device_step_s / simulate(one, first_stage(costs), lockstep=True).step_time
 

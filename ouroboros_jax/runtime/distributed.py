@@ -16,8 +16,8 @@ On CPU the collectives go through gloo. A process that dies makes the others fai
 A process that fails ends the whole run within seconds (`fail_every_process`): it prints
 its error, posts it in the coordination service's key-value store and exits at once, without the
 shutdown barrier its peers would never reach; every process watches that key (`watch_peers`) and
-exits with its exit status and one line naming the failed process. Without this, a peer waits in a collective until the
-heartbeat time-out and then aborts with a C++ stack.
+exits with its exit status and one line naming the failed process. Without this, a peer waits in a
+collective until the heartbeat time-out and then aborts with a C++ stack.
 
 Under `ouroboros launch` the launcher hosts the coordination service (`host_service`), not
 process 0: a killed process 0 then takes no service with it, and its peers end with their own

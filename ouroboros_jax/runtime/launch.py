@@ -5,12 +5,12 @@
 starts `python -m ouroboros_jax <args>` N times with OUROBOROS_COORDINATOR /
 OUROBOROS_NUM_PROCESSES / OUROBOROS_PROCESS_ID set (see `distributed.py`), each process on the CPU
 backend with one device, single-threaded (so one process is one core's worth of work) and, with
---pin-cpus, pinned to its own core with `taskset` (the i-th of the launcher's own cores). Their output is forwarded line by line with a
-`[pI]` prefix (up to a child's `error:` line, its last word; see `_forward`). The launcher returns
-the exit code of the first process to fail, in time, and names it; when one process fails, the
-others end by themselves (a failing `train` posts its error for its peers, see
-`distributed.fail_every_process`) or are killed `failure_grace_s` seconds later (a process killed
-by a signal tells no one), so a launch never hangs.
+--pin-cpus, pinned to its own core with `taskset` (the i-th of the launcher's own cores). Their
+output is forwarded line by line with a `[pI]` prefix (up to a child's `error:` line, its last word;
+see `_forward`). The launcher returns the exit code of the first process to fail, in time, and names
+it; when one process fails, the others end by themselves (a failing `train` posts its error for its
+peers, see `distributed.fail_every_process`) or are killed `failure_grace_s` seconds later (a
+process killed by a signal tells no one), so a launch never hangs.
 
 The children never outlive the launcher: a SIGTERM, SIGHUP or Ctrl-C to it is passed on to every
 child (a `train` then finishes its in-flight checkpoint and stops), the children are killed if

@@ -5,9 +5,9 @@ applies it tau_k steps later, to w_k(t + tau_k) (tau_k is the *version gap*, `ve
 ouroboros.py: G - s for group s with the locked forward, 2(G - s) with the pipelined one; 0 for the
 head). The pieces here attack that gap from three sides, each where the fix lives:
 
-  the optimizer      `optimizers.make_optimizer(name, ...)`: AdamW (the paper's), NAdamW with a high beta1
-                     (Ajanthan et al., ICML 2025), or Muon (Jordan et al. 2024; Zmushko et al. 2026
-                     find it far less sensitive to delay than AdamW);
+  the optimizer      `optimizers.make_optimizer(name, ...)`: AdamW (the paper's), NAdamW with a
+                     high beta1 (Ajanthan et al., ICML 2025), or Muon (Jordan et al. 2024;
+                     Zmushko et al. 2026 find it far less sensitive to delay than AdamW);
   the gradient       Optax transformations that read the extra argument `delay` (the module's
                      version gap, passed by `update.GroupedOptimizer`): `shrink_delayed` (FDG),
                      `delay_compensation` (DC-ASGD-a);

@@ -29,8 +29,8 @@ memory a schedule holds is the table's (1F1B keeps p micro-batches where GPipe k
 memory analysis orders them so, tests/test_pipeline.py). The gradient is exact: every (micro-batch,
 stage) runs F, B and W once, and the loss is the micro-batch losses weighted by their shares
 of the batch's (`ring.loss_shares`: 1/m each, or by a `loss_weight` such as valid tokens), so
-the step gives backprop's parameters (tested for G in {2, 4}, M in {G, 2G}). A fused schedule (GPipe,
-1F1B, interleaved) and a split one (ZB-H1, ZB-V) differ only in their tables.
+the step gives backprop's parameters (tested for G in {2, 4}, M in {G, 2G}). A fused schedule
+(GPipe, 1F1B, interleaved) and a split one (ZB-H1, ZB-V) differ only in their tables.
 
 Placement. Device d holds the chunks `pipeline.stage_of(d, c)`: stage d for one chunk per device,
 stages d, p + d, ... interleaved, stages d and 2p - 1 - d in ZB-V's V. The parameters keep the

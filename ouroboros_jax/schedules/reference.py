@@ -139,8 +139,8 @@ def run(
   microbatches=M: rows m*B/M .. (m+1)*B/M - 1 of a batch are its micro-batch m (dropout key
   fold_in(key of the batch, m)), and the head's loss is weighted by the item's share of its own
   batch's loss: 1/M, or w_m / (the batch's weight) for a model with a `loss_weight` (each
-  item's gradient is that of its batch's weighted mean, whichever step applies it). A stream is a queue of
-  micro-batches going round the ring one tick at a time, with its own stashes and inboxes.
+  item's gradient is that of its batch's weighted mean, whichever step applies it). A stream is a
+  queue of micro-batches going round the ring one tick at a time, with its own stashes and inboxes.
   flow='batch': micro-batch m of every batch forms stream m, which ticks once per step, exactly
   as a whole batch would. flow='stream': one stream takes micro-batch m of batch t at tick
   tM + m and ticks M times per step. Either way every step sums the gradients of its ticks and
@@ -154,9 +154,9 @@ def run(
   config.validate()
   if (config.name, config.num_stages, config.data_parallel) != ('ouroboros', num_stages, 1):
     raise ConfigError(
-      f'the slow reference runs {field_ref("name", "ouroboros")} on one replica of the '
-      f"params' {num_stages} groups, not {config.name} with {field_ref('num_stages', config.num_stages)}"
-      f' x {field_ref("data_parallel", config.data_parallel)}.'
+      f"the slow reference runs {field_ref('name', 'ouroboros')} on one replica of the params' "
+      f'{num_stages} groups, not {config.name} with {field_ref("num_stages", config.num_stages)} x '
+      f'{field_ref("data_parallel", config.data_parallel)}.'
     )
   rows = staged.batch_rows(batches[0]['inputs'])
   ring = SlowRing(model, tx, params, config.resolve(jax.default_backend(), rows))

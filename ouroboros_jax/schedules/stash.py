@@ -218,7 +218,7 @@ def vjp_layout(vjp_of, params_s, *like):
   return layout[0]
 
 
-# -- the forward's weights, kept narrow where the forward only reads them narrow --------------------
+# -- the forward's weights, kept narrow where the forward only reads them narrow -------------------
 
 # Value-preserving ops a weight may pass through on its way to its cast (a cast commutes with them):
 # the layer loop's slices of stacked weights and a module's reshapes.

@@ -6,7 +6,8 @@ presets     the named presets (`get_preset`)
 field_flags the fields as flags: `override` by flat name (the CLI's flags), `train_flags`
 migrations  older runs' saved configs read in today's layout (`TrainConfig.from_dict`)
 optimizer_setup  a run's learning-rate schedule and Optax optimizer from its config
-recipe      `recipe(...)`: the resolved schedule settings and optimizer of `ouroboros train`, in Python
+recipe      `recipe(...)`: the resolved schedule settings and optimizer of `ouroboros train`,
+            in Python
 assemble    a run's model and schedule from its config, without its data (compile, plan, bench)
 loop        `train(cfg)`: one run end to end, into its output directory
 sizing      whether a run's state can fit the devices, decided before anything is built

@@ -36,8 +36,8 @@ A save that finds the disk full leaves `<step>.orbax-checkpoint-tmp`, never a ch
 `remove_unfinished` removes it (training/loop.py, which reports the full disk in one line).
 
 Restoring needs the abstract TrainState (shapes, dtypes and shardings) of the run being resumed;
-`training/loop.py` gets it from the schedule's own `init`, so sharded multi-device states come back onto
-the same devices with the same layout.
+`training/loop.py` gets it from the schedule's own `init`, so sharded multi-device states come back
+onto the same devices with the same layout.
 """
 
 from __future__ import annotations

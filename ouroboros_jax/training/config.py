@@ -321,8 +321,8 @@ class TrainConfig:
 
   def attention_kind(self, platform: str) -> str:
     """The model's attention on `platform` (`ModelConfig.attention_kind`), but that FSDP's step
-    (data_parallel's) is partitioned by XLA, which cannot split the Pallas kernel: 'auto' there runs XLA's
-    blockwise attention, and an explicit --attention pallas is refused in one line."""
+    (data_parallel's) is partitioned by XLA, which cannot split the Pallas kernel: 'auto' there runs
+    XLA's blockwise attention, and an explicit --attention pallas is refused in one line."""
     kind = self.model.attention_kind(platform)
     if kind != 'pallas' or not self.schedule.fsdp or self.schedule.name != 'data_parallel':
       return kind  # a stage schedule's shard_map runs the kernel on each device's share

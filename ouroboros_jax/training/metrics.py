@@ -1,5 +1,5 @@
-"""What a run reports: metrics.jsonl and TensorBoard (`MetricsLog`, `EventFile`), the clock, the FLOP and data
-counters, the progress bar and the summary (`Report`), shared by every kind of run.
+"""What a run reports: metrics.jsonl and TensorBoard (`MetricsLog`, `EventFile`), the clock, the
+FLOP and data counters, the progress bar and the summary (`Report`), shared by every kind of run.
 
 Timing: a run's wall-clock is cut into laps (`Report.lap`). A lap that compiles (the first step,
 or the first step of a growth / V-cycle phase) counts as compile_s; the others as train_s, and

@@ -114,7 +114,8 @@ def train_phased(
 
 
 def _mu_dtype(cfg: TrainConfig):
-  """AdamW's first moment in the run's --state-dtype, as `optimizer_setup.make_optimizer` stores it."""
+  """AdamW's first moment in the run's --state-dtype, as `optimizer_setup.make_optimizer` stores
+  it."""
   return optimizers.state_jnp_dtype(cfg.resolved_state_dtype())
 
 

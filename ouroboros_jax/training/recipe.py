@@ -9,8 +9,8 @@ schedule (`ScheduleConfig.resolve`); the paper's method is `compensation=Compens
 `recipe` gives the resolved settings and the optimizer, what `ouroboros train` gives for the same
 flags: it builds the `TrainConfig` the CLI builds (the preset, the flags applied by
 `field_flags.override`) and asks it the same questions, `TrainConfig.schedule_config` (the
-compensation, the flow and the micro-batches for the platform) and `optimizer_setup.make_optimizer` (the
-optimizer, its rates and their warmup and cosine decay). No default is restated here.
+compensation, the flow and the micro-batches for the platform) and `optimizer_setup.make_optimizer`
+(the optimizer, its rates and their warmup and cosine decay). No default is restated here.
 """
 
 from __future__ import annotations

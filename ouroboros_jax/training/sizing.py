@@ -14,11 +14,11 @@ nothing. `check_fits(cfg)` refuses such a run first, in one line, from sizes alo
                    (1 + G x; more with the pipelined forward, whose gaps reach 2G).
 
 Their sum is a lower bound of what the run holds: activations, Ouroboros' ring of stashes and
-XLA's temporaries come on top. It is compared with the memory of the devices the run uses, against `memory_stats()`'
-bytes_limit on a GPU or TPU, and the host's RAM on the CPU (the physical memory, or a smaller
-cgroup limit), where every local device shares it. Each device holds at least 1 / G of the state
-(cut over G stages, copied to every data replica). A run the bound refuses can never fit; a run
-it lets through may still run out of memory later, which the command reports in one line too.
+XLA's temporaries come on top. It is compared with the memory of the devices the run uses, against
+`memory_stats()`' bytes_limit on a GPU or TPU, and the host's RAM on the CPU (the physical memory,
+or a smaller cgroup limit), where every local device shares it. Each device holds at least 1 / G of
+the state (cut over G stages, copied to every data replica). A run the bound refuses can never fit;
+a run it lets through may still run out of memory later, which the command reports in one line too.
 """
 
 from __future__ import annotations
