@@ -364,8 +364,7 @@ def age_table(rows, steps_s, hardware: str) -> list[str]:
 def render(rows, steps_s) -> str:
   hardware = min({k[0] for k in steps_s}, default='')
   out = [
-    'By gradient age, every corpus and seed (the time ratios: per setting and corpus with a time,'
-    f' `{hardware}`):',
+    f'By gradient age, every corpus and seed (time to quality per setting and corpus, `{hardware}`):',
     '',
     *age_table(rows, steps_s, hardware),
     '',
