@@ -362,11 +362,11 @@ def age_table(rows, steps_s, hardware: str) -> list[str]:
 
 
 def render(rows, steps_s) -> str:
-  hardware = min({k[0] for k in steps_s}, default='')
+  first = min({k[0] for k in steps_s}, default='')
   out = [
-    f'By gradient age, every corpus and seed (time to quality per setting and corpus, `{hardware}`):',
+    f'By gradient age, every corpus and seed (time to quality per setting and corpus, `{first}`):',
     '',
-    *age_table(rows, steps_s, hardware),
+    *age_table(rows, steps_s, first),
     '',
   ]
   for corpus in sorted({r['corpus'] for r in rows}):
