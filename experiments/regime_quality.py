@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import math
 import os
 import sys
@@ -269,10 +270,11 @@ def to_common_quality(rows, name: str, corpus: str) -> tuple[float, float, float
   return worst
 
 
+@functools.cache
 def fsdp_step_s(hardware: str, G: int, policy: str) -> float:
   """The predicted step of FSDP over the same G chips at the regime's shape, keeping what the
   ring keeps (`policy`, like with like: the compiler has not judged FSDP's memory at this
-  shape; its state is 1/G a chip)."""
+  shape; its state is 1/G a chip). Cached: every setting at one G shares it."""
   import regime
 
   from ouroboros_jax.perf import plan
